@@ -1,0 +1,209 @@
+"""The DFlash drafter: Qwen3-style layers whose keys/values are prefixed by the projected target context.
+
+Read top to bottom: norm, rotary, MLP, attention, layer, model. Parameter names follow the reference
+`DFlashDraftModel` (notes section 1) so a checkpoint loads into either without renaming. The module has no
+embedding and no lm_head: the caller embeds the block with the target's frozen embedding and applies the target's
+frozen head to the output. Nothing here knows about distribution or about how masks are built for training.
+
+Attention masks: `attention_mask` maps a layer type ("full_attention" / "sliding_attention") to a boolean tensor
+broadcastable to [batch, heads, queries, keys], True where the key is visible. When it is None (inference on one
+block) full layers see everything and sliding layers are causal with a window, by position id.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.models.drafter_config import DrafterConfig
+
+
+class DFlashRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DFlashRotaryEmbedding(nn.Module):
+    """Plain 1-D RoPE with the drafter's own theta, whatever RoPE the target uses (notes section 1)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float().to(position_ids.device)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, length, head_dim]; cos/sin: [batch, length, head_dim]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def sliding_mask_from_positions(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int
+) -> torch.Tensor:
+    """Causal + window visibility by position id: key visible iff key <= query and query - key < window."""
+    distance = query_positions[:, :, None] - key_positions[:, None, :]
+    return ((distance >= 0) & (distance < window))[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from block tokens only; keys/values = [context feature ++ block], each through this layer's k/v."""
+
+    def __init__(self, config: DrafterConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=False)
+        self.o_proj = nn.Linear(q_out, hidden, bias=False)
+        self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, num_queries, _ = hidden_states.shape
+        num_context = context.shape[1]
+        q = self.q_norm(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim))
+        kv_input = torch.cat([context, hidden_states], dim=1)
+        k = self.k_norm(self.k_proj(kv_input).view(batch, num_context + num_queries, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(kv_input).view(batch, num_context + num_queries, self.num_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = rotary
+        q = apply_rotary(q, cos[:, num_context:], sin[:, num_context:])
+        k = apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, num_queries, self.num_heads * self.head_dim))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # The context feature is not normed here: it enters keys/values only (notes section 1).
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, rotary, mask)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(nn.Module):
+    """Trainable tensors: layers.*, fc, hidden_norm, norm -- exactly those of a z-lab checkpoint."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = DFlashRotaryEmbedding(config.head_dim, config.rope_theta)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Normal(0, std) linears and unit norms, from a private generator so init never depends on global RNG."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in sorted(self.named_parameters()):
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def forward(
+        self,
+        position_ids: torch.Tensor,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        attention_mask: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Block hidden states after the final norm.
+
+        position_ids: [batch, context + queries] (context positions, then block positions);
+        noise_embedding: [batch, queries, hidden] = target embedding of [anchor, MASK, ...] per block;
+        target_hidden: [batch, context, taps * hidden] = concatenated target features.
+        """
+        expected = self.config.num_taps * self.config.hidden_size
+        if target_hidden.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden has feature size {target_hidden.shape[-1]}, expected {expected} "
+                f"({self.config.num_taps} taps x hidden {self.config.hidden_size})"
+            )
+        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        hidden_states = noise_embedding.to(self.fc.weight.dtype)
+        rotary = self.rotary_emb(position_ids, hidden_states.dtype)
+        masks = attention_mask if attention_mask is not None else self._inference_masks(position_ids, hidden_states)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, rotary, masks.get(layer.self_attn.layer_type))
+        return self.norm(hidden_states)
+
+    def _inference_masks(self, position_ids: torch.Tensor, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        masks: dict[str, torch.Tensor] = {}
+        if self.config.sliding_window is not None:
+            query_positions = position_ids[:, -hidden_states.shape[1]:]
+            masks["sliding_attention"] = sliding_mask_from_positions(
+                query_positions, position_ids, self.config.sliding_window
+            )
+        return masks

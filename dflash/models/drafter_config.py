@@ -1,0 +1,150 @@
+"""Configuration of a DFlash drafter, and its z-lab `config.json` form.
+
+The z-lab checkpoints are Qwen3 configs with a few extra keys (notes section 3); `block_size` sits at the top
+level in old checkpoints and inside `dflash_config` in new ones, so both are written and both are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Spread `num_taps` taps from layer 1 to layer N-3 (notes section 2), e.g. 64 layers -> [1,16,31,46,61]."""
+    if num_taps < 1:
+        raise ValueError(f"num_taps must be >= 1, got {num_taps}")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.layer_types = list(self.layer_types) or ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unknown layer_types {unknown}; known: {list(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            # A sliding query must at least see its own anchor, which is up to block_size-1 positions back.
+            raise ValueError(f"sliding_window {self.sliding_window} is smaller than block_size {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+        for layer_id in self.target_layer_ids:
+            if not 0 <= layer_id < self.num_target_layers:
+                raise ValueError(
+                    f"target layer id {layer_id} is out of range for a target with {self.num_target_layers} "
+                    f"layers (valid: 0..{self.num_target_layers - 1})"
+                )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the target vocabulary (size {self.vocab_size})"
+            )
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def to_zlab(self) -> dict[str, Any]:
+        """The `config.json` that vLLM (`method: dflash`), SGLang (`DFLASH`) and the reference code read."""
+        uses_sliding = "sliding_attention" in self.layer_types
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": uses_sliding,
+            "sliding_window": self.sliding_window if uses_sliding else None,
+            "max_window_layers": self.num_hidden_layers,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+            "dtype": "bfloat16",
+        }
+
+    @classmethod
+    def from_zlab(cls, config: dict[str, Any]) -> "DrafterConfig":
+        dflash = config.get("dflash_config") or {}
+        rope = config.get("rope_parameters") or {}
+        num_layers = config["num_hidden_layers"]
+        layer_types = config.get("layer_types") or ["full_attention"] * num_layers
+        target_layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(config["num_target_layers"], num_layers)
+        mask_token_id = dflash.get("mask_token_id", config.get("mask_token_id"))
+        if mask_token_id is None:
+            raise ValueError("drafter config has no mask_token_id (expected in dflash_config)")
+        return cls(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            vocab_size=config["vocab_size"],
+            num_target_layers=config["num_target_layers"],
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            block_size=int(dflash.get("block_size", config.get("block_size", 16))),
+            layer_types=layer_types,
+            sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
+            max_position_embeddings=config.get("max_position_embeddings", 40960),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

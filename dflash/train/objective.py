@@ -1,0 +1,174 @@
+"""The DFlash training objective (notes section 4): anchors, block inputs, the block-sparse mask, labels, loss.
+
+One training forward runs every block of a sequence at once. Block j is [x_a, MASK, ..., MASK] at positions
+a_j .. a_j+B-1 and must see exactly what it would see at inference: the target features of positions strictly
+before a_j (the anchor's own feature is not known yet when it is drafted), its own block (bidirectional in full
+layers, causal with a window in sliding layers), and never another block. Position k of the block predicts the
+token at a_j+k (same-position labels), weighted exp(-(k-1)/gamma); position 0 is the given anchor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] bool: a is a usable anchor iff a and a+1 are both response tokens (there is something to predict)."""
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    valid[:-1] = loss_mask[:-1].bool() & loss_mask[1:].bool()
+    return valid
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distinct anchors per sequence, sorted, padded to `num_anchors`.
+
+    loss_mask: [batch, T] (0 on padding). One generator per sequence so a sample's anchors depend only on its own
+    seed, never on which rank or micro-batch it landed in. Returns (anchors [batch, N] long, valid [batch, N] bool).
+    """
+    batch = loss_mask.shape[0]
+    anchors = torch.zeros(batch, num_anchors, dtype=torch.long)
+    valid = torch.zeros(batch, num_anchors, dtype=torch.bool)
+    for row in range(batch):
+        candidates = valid_anchor_positions(loss_mask[row].cpu()).nonzero().flatten()
+        order = torch.randperm(candidates.numel(), generator=generators[row])[:num_anchors]
+        chosen = candidates[order].sort().values
+        anchors[row, : chosen.numel()] = chosen
+        valid[row, : chosen.numel()] = True
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def block_offsets(block_size: int, device: torch.device | None = None) -> torch.Tensor:
+    return torch.arange(block_size, device=device)
+
+
+def block_inputs(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block token ids [batch, N*B] (anchor token then MASKs) and their positions [batch, N*B]."""
+    batch, num_anchors = anchors.shape
+    ids = torch.full((batch, num_anchors, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    positions = anchors[:, :, None] + block_offsets(block_size, anchors.device)
+    return ids.flatten(1), positions.flatten(1)
+
+
+def block_targets(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    block_size: int,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels [batch, N, B] (token at a+k) and loss weights [batch, N, B].
+
+    weight = exp(-(k-1)/gamma) * loss_mask[a+k] for k >= 1, zero at k = 0, past the sequence end and for padding
+    anchors.
+    """
+    seq_len = input_ids.shape[1]
+    positions = anchors[:, :, None] + block_offsets(block_size, anchors.device)
+    inside = positions < seq_len
+    clamped = positions.clamp(max=seq_len - 1)
+    labels = input_ids.gather(1, clamped.flatten(1)).view_as(positions)
+    on_response = loss_mask.gather(1, clamped.flatten(1)).view_as(positions).bool()
+    k = block_offsets(block_size, anchors.device).to(torch.float32)
+    decay = torch.exp(-(k - 1) / gamma)
+    decay[0] = 0.0
+    weights = decay * (inside & on_response & anchor_valid[:, :, None]).float()
+    return labels, weights
+
+
+def block_attention_masks(
+    anchors: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    layer_types: list[str],
+    sliding_window: int | None,
+) -> dict[str, torch.Tensor]:
+    """Boolean masks [batch, 1, N*B, context_len + N*B] per layer type, True where a key is visible.
+
+    Keys are [context features of positions 0..context_len-1 ++ all block tokens]. A dense mask is fine at the
+    sizes this path serves (CPU, tests, small targets); large runs use a block-sparse kernel built from the same rule.
+    """
+    batch, num_anchors = anchors.shape
+    device = anchors.device
+    k = block_offsets(block_size, device)
+    query_anchor = anchors[:, :, None].expand(batch, num_anchors, block_size).flatten(1)  # [b, Q]
+    query_pos = (anchors[:, :, None] + k).flatten(1)
+    query_block = torch.arange(num_anchors, device=device).repeat_interleave(block_size)  # [Q]
+    query_offset = k.repeat(num_anchors)
+
+    context_pos = torch.arange(context_len, device=device)
+    sees_context = context_pos[None, None, :] < query_anchor[:, :, None]  # strictly before the anchor
+    same_block = query_block[:, None] == query_block[None, :]  # [Q, Q]
+
+    masks = {}
+    for layer_type in sorted(set(layer_types)):
+        if layer_type == "full_attention":
+            context_part = sees_context
+            block_part = same_block[None].expand(batch, -1, -1)
+        elif layer_type == "sliding_attention":
+            assert sliding_window is not None
+            context_part = sees_context & (query_pos[:, :, None] - context_pos[None, None, :] < sliding_window)
+            distance = query_offset[:, None] - query_offset[None, :]
+            block_part = (same_block & (distance >= 0) & (distance < sliding_window))[None].expand(batch, -1, -1)
+        else:
+            raise ValueError(f"unknown layer type {layer_type!r}")
+        masks[layer_type] = torch.cat([context_part, block_part], dim=2)[:, None]
+    return masks
+
+
+def _chunk_cross_entropy(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (hidden @ lm_head_weight.to(hidden.dtype).t()).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    correct = (logits.argmax(-1) == labels).float()
+    return (ce * weights).sum(), correct
+
+
+def weighted_block_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
+
+    hidden: [batch, N*B, H]; labels/weights: [batch, N, B]. Each chunk is recomputed in backward (activation
+    checkpointing), so peak memory is one chunk of logits. Returns (loss_sum, weight_sum, per-position correct
+    counts [B], per-position counts [B]) where the counts cover positions with non-zero weight.
+    """
+    block_size = labels.shape[-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels, flat_weights = labels.reshape(-1), weights.reshape(-1)
+    rows = flat_weights.nonzero().flatten()
+    offsets = rows % block_size
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    correct_sum = torch.zeros(block_size, device=hidden.device)
+    for start in range(0, rows.numel(), chunk_size):
+        chunk = rows[start : start + chunk_size]
+        chunk_loss, correct = checkpoint(
+            _chunk_cross_entropy,
+            flat_hidden[chunk],
+            lm_head_weight,
+            flat_labels[chunk],
+            flat_weights[chunk],
+            use_reentrant=False,
+        )
+        loss_sum = loss_sum + chunk_loss
+        correct_sum.index_add_(0, offsets[start : start + chunk_size], correct.detach())
+    counts = torch.bincount(offsets, minlength=block_size).float()
+    return loss_sum, flat_weights.sum(), correct_sum, counts
+
+
+def decay_weights(block_size: int, gamma: float) -> list[float]:
+    """The per-position weights, for docs and logs: [0, 1, exp(-1/gamma), ...]."""
+    return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
