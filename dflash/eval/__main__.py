@@ -1,0 +1,21 @@
+"""Evaluate the exported drafter of a run against its target: tau, acceptance rate, per position, per prompt set.
+
+    python -m dflash.eval +experiment=tiny
+    python -m dflash.eval name=my_run eval.max_new_tokens=256 eval.prompt_sets.gsm8k.limit=100
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from dflash.config import CONFIG_DIR
+from dflash.pipeline import Pipeline
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    cfg.stages = ["eval"]
+    Pipeline(cfg).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""The whole run: data -> capture -> train -> eval, each stage a folder under run_dir with a fingerprint.
+
+A stage is skipped when its folder holds a `done.json` whose fingerprint equals the current one (the settings that
+decide its output plus the fingerprint of its input stage), so rerunning a run resumes it and changing a setting
+redoes exactly the stages it affects. Under a multi-process launcher only the train stage runs on every rank;
+rank 0 does the others while the rest wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+STAGES = ("data", "capture", "train", "eval")
+
+
+# Small helpers --------------------------------------------------------------------------------------------------
+
+def fingerprint(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def stage_done(folder: str, key: str) -> bool:
+    path = os.path.join(folder, "done.json")
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("fingerprint") == key
+
+
+def mark_done(folder: str, key: str, **info: Any) -> None:
+    tmp = os.path.join(folder, "done.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"fingerprint": key, **info}, f, indent=2)
+    os.replace(tmp, os.path.join(folder, "done.json"))
+
+
+def write_json(path: str, value: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(name)
+
+
+def container(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+# Validation that must happen before any work ----------------------------------------------------------------------
+
+def validate(cfg: DictConfig) -> None:
+    unknown = [s for s in cfg.stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; known stages: {list(STAGES)}")
+    if cfg.target.kind == "hf":
+        path = os.path.expanduser(str(cfg.target.path))
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"target weights not found at {path}: download the checkpoint there or set target.path "
+                f"(or the QWEN36_PATH environment variable for +experiment=qwen36)"
+            )
+    if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
+        raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
+
+
+# Target shape and drafter config ---------------------------------------------------------------------------------
+
+def target_shape(adapter) -> dict[str, Any]:
+    config = adapter.config
+    heads = int(config.num_attention_heads)
+    return {
+        "model_type": adapter.model_type,
+        "num_layers": adapter.num_layers,
+        "hidden_size": adapter.hidden_size,
+        "vocab_size": adapter.vocab_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(config, "head_dim", None) or adapter.hidden_size // heads),
+        "intermediate_size": int(config.intermediate_size),
+    }
+
+
+def drafter_config(cfg: DictConfig, shape: dict[str, Any]):
+    """The DrafterConfig of this run: the drafter group, with null fields taken from the target."""
+    from dflash.models.drafter_config import DrafterConfig, default_target_layer_ids
+
+    d = cfg.drafter
+    if d.hidden_size is not None and int(d.hidden_size) != shape["hidden_size"]:
+        raise ValueError(
+            f"drafter.hidden_size {d.hidden_size} differs from the target's hidden size {shape['hidden_size']}: "
+            f"the drafter shares the target's embedding and lm_head, so they must be equal"
+        )
+    layer_ids = list(d.target_layer_ids) if d.target_layer_ids is not None else \
+        default_target_layer_ids(shape["num_layers"], int(d.num_taps))
+    mask = cfg.target.mask_token_id
+    pick = lambda key: int(d[key]) if d[key] is not None else shape[key]  # noqa: E731
+    return DrafterConfig(
+        hidden_size=shape["hidden_size"],
+        intermediate_size=pick("intermediate_size"),
+        num_hidden_layers=int(d.num_hidden_layers),
+        num_attention_heads=pick("num_attention_heads"),
+        num_key_value_heads=pick("num_key_value_heads"),
+        head_dim=pick("head_dim"),
+        vocab_size=shape["vocab_size"],
+        num_target_layers=shape["num_layers"],
+        target_layer_ids=layer_ids,
+        mask_token_id=int(mask) if mask is not None else shape["vocab_size"] - 1,
+        block_size=int(d.block_size),
+        layer_types=list(d.layer_types) if d.layer_types is not None else [],
+        sliding_window=d.sliding_window,
+        rope_theta=float(d.rope_theta),
+    )
+
+
+# The pipeline ------------------------------------------------------------------------------------------------------
+
+class Pipeline:
+    def __init__(self, cfg: DictConfig) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(str(cfg.run_dir))
+        self.dirs = {stage: os.path.join(self.run_dir, stage) for stage in ("data", "features", "checkpoints",
+                                                                            "export", "eval")}
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = resolve_device(str(cfg.device), self.local_rank)
+        self.show_progress = bool(cfg.show_progress)
+        self._adapter = None
+
+    # Shared pieces
+
+    @property
+    def adapter(self):
+        if self._adapter is None:
+            from dflash.models.targets import load_target
+
+            t = self.cfg.target
+            self._adapter = load_target(str(t.kind), path=t.path, dtype=str(t.dtype), device=str(self.device),
+                                        tiny=container(t.tiny), cache_dir=t.cache_dir)
+        return self._adapter
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def run(self) -> dict[str, Any] | None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        if self.world_size > 1:
+            from dflash.train.engine import init_distributed
+
+            init_distributed()
+        if self.rank == 0:
+            with open(os.path.join(self.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+                f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
+        stages = list(self.cfg.stages)
+        if self.rank == 0:
+            if "data" in stages:
+                self.data()
+            if "capture" in stages:
+                self.capture()
+        self.barrier()
+        if "train" in stages:
+            self.train()
+        self.barrier()
+        summary = None
+        if self.rank == 0 and "eval" in stages:
+            summary = self.evaluate()
+        self.barrier()
+        return summary
+
+    # Stages
+
+    def data_fingerprint(self) -> str:
+        return fingerprint(container(self.cfg.data), container(self.cfg.target))
+
+    def data(self) -> None:
+        from dflash.data.dataset import build_dataset
+        from dflash.data.prompts import load_prompts
+
+        d, out = self.cfg.data, self.dirs["data"]
+        key = self.data_fingerprint()
+        if stage_done(out, key):
+            print(f"[data] up to date: {out}")
+            return
+        os.makedirs(out, exist_ok=True)
+        prompts = load_prompts(str(d.source), path=d.path, limit=d.limit, seed=int(d.seed))
+        stats = build_dataset(prompts, self.adapter, out, max_length=int(d.max_length),
+                              max_new_tokens=int(d.max_new_tokens), batch_size=int(d.batch_size),
+                              temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
+                              show_progress=self.show_progress)
+        print(f"[data] {stats}")
+        mark_done(out, key, stats=stats)
+
+    def capture_fingerprint(self) -> str:
+        taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}
+        capture = {k: v for k, v in container(self.cfg.capture).items() if k != "devices"}
+        return fingerprint(self.data_fingerprint(), taps, capture)
+
+    def capture(self) -> None:
+        from dflash.data.dataset import load_dataset_dir
+        from dflash.extract.capture import capture_dataset
+        from dflash.train.frozen_head import save_frozen_head
+
+        out, key = self.dirs["features"], self.capture_fingerprint()
+        if stage_done(out, key):
+            print(f"[capture] up to date: {out}")
+            return
+        os.makedirs(out, exist_ok=True)
+        shape = target_shape(self.adapter)
+        config = drafter_config(self.cfg, shape)  # validates taps, mask id and sizes before any work
+        dataset = load_dataset_dir(self.dirs["data"])
+        c = self.cfg.capture
+        manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
+                                   batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
+                                   dtype=str(c.dtype), fingerprint={"key": key}, show_progress=self.show_progress)
+        save_frozen_head(self.adapter.embed_tokens().weight, self.adapter.lm_head_weight(),
+                         os.path.join(out, "frozen_head.safetensors"))
+        write_json(os.path.join(out, "target.json"), shape)
+        print(f"[capture] {manifest['num_samples']} samples, {manifest['num_tokens']} tokens -> {out}")
+        mark_done(out, key)
+
+    def train_settings(self):
+        from dflash.train.loop import TrainSettings
+
+        t, ds = self.cfg.train, self.cfg.deepspeed
+        bf16 = torch.cuda.is_available() if ds.bf16 == "auto" else bool(ds.bf16)
+        return TrainSettings(
+            epochs=int(t.epochs), micro_batch_size=int(t.micro_batch_size), grad_accum=int(t.grad_accum),
+            lr=float(t.lr), weight_decay=float(t.weight_decay), betas=tuple(t.betas),
+            warmup_ratio=float(t.warmup_ratio), min_lr_ratio=float(t.min_lr_ratio), grad_clip=float(t.grad_clip),
+            num_anchors=int(t.num_anchors), gamma=float(t.gamma), seed=int(t.seed),
+            loss_chunk_size=int(t.loss_chunk_size), log_every=int(t.log_every), save_every=int(t.save_every),
+            zero_stage=int(ds.zero_stage), bf16=bf16,
+        )
+
+    def train_fingerprint(self) -> str:
+        train = {k: v for k, v in container(self.cfg.train).items() if k not in ("log_every", "save_every", "devices")}
+        return fingerprint(self.capture_fingerprint(), train, container(self.cfg.deepspeed), self.world_size)
+
+    def train(self) -> None:
+        from dflash.eval.export import export_zlab
+        from dflash.extract.store import FeatureStore
+        from dflash.models.drafter import DFlashDraftModel
+        from dflash.train.engine import init_distributed
+        from dflash.train.frozen_head import load_frozen_head
+        from dflash.train.loop import train
+        from dflash.train.metrics_log import MetricsLog
+
+        out, key = self.dirs["export"], self.train_fingerprint()
+        if stage_done(out, key):
+            if self.rank == 0:
+                print(f"[train] up to date: {out}")
+            return
+        rank, world_size, _ = init_distributed()
+        shape = read_json(os.path.join(self.dirs["features"], "target.json"))
+        config = drafter_config(self.cfg, shape)
+        logging = self.cfg.logging
+        log = MetricsLog(self.run_dir, enabled=rank == 0, tensorboard=bool(logging.tensorboard),
+                         wandb_mode=str(logging.wandb.mode), wandb_project=str(logging.wandb.project),
+                         config=container(self.cfg))
+        try:
+            store = FeatureStore(self.dirs["features"])
+            head = load_frozen_head(os.path.join(self.dirs["features"], "frozen_head.safetensors"))
+            state = train(self.train_settings(), config, store, head, self.dirs["checkpoints"], log, rank=rank,
+                          world_size=world_size, device=self.device, show_progress=self.show_progress)
+        finally:
+            log.close()
+        if rank == 0:
+            drafter = DFlashDraftModel(config)
+            drafter.load_state_dict({k: v.float() for k, v in state.items()})
+            export_zlab(drafter, out)
+            mark_done(out, key)
+            print(f"[train] exported drafter -> {out}")
+
+    def evaluate(self) -> dict[str, Any]:
+        from dflash.data.prompts import load_prompts
+        from dflash.eval.evaluate import evaluate, format_table, write_summary
+        from dflash.eval.export import load_drafter
+
+        out = self.dirs["eval"]
+        key = fingerprint(read_json(os.path.join(self.dirs["export"], "done.json"))["fingerprint"],
+                          container(self.cfg.eval), container(self.cfg.target))
+        summary_path = os.path.join(out, "summary.json")
+        if stage_done(out, key) and os.path.exists(summary_path):
+            summary = read_json(summary_path)
+        else:
+            os.makedirs(out, exist_ok=True)
+            drafter = load_drafter(self.dirs["export"], dtype=self.adapter.dtype, device=str(self.device))
+            prompt_sets = {
+                name: [self.adapter.chat_ids(p.messages) for p in
+                       load_prompts(str(spec.source), path=spec.get("path"), limit=spec.get("limit"))]
+                for name, spec in self.cfg.eval.prompt_sets.items()
+            }
+            summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=int(self.cfg.eval.max_new_tokens),
+                               show_progress=self.show_progress)
+            write_summary(summary, out)
+            mark_done(out, key)
+        print(format_table(summary))
+        return summary

@@ -1,0 +1,88 @@
+"""Which samples each rank trains on at each step, and how a micro-batch is padded and prepared.
+
+A global batch is micro_batch_size x world_size x grad_accum samples of one seeded epoch permutation. Its samples
+are dealt to (micro-step, rank) slots by a fixed rule, so a run with 1 process x 2 accumulation steps and a run with
+2 processes x 1 step see exactly the same global batches. The last global batch of an epoch is filled with
+placeholder copies whose loss weight is zero, so every rank runs the same number of steps and nothing is counted
+twice. Anchors are drawn from a generator seeded by (seed, epoch, sample), independent of placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.train.objective import block_targets, sample_anchors
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    num_samples: int
+    micro_batch_size: int
+    world_size: int
+    grad_accum: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError("the training set is empty: no sample to train on")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.world_size * self.grad_accum
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.num_samples // self.global_batch_size)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def micro_batches(self, epoch: int, step: int, rank: int) -> list[list[tuple[int, bool]]]:
+        """For this rank and optimizer step: grad_accum lists of (sample index, is_real) pairs."""
+        order = self.epoch_order(epoch)
+        start = step * self.global_batch_size
+        chunk = order[start : start + self.global_batch_size]
+        slots = [(index, True) for index in chunk]
+        slots += [(order[i % self.num_samples], False) for i in range(self.global_batch_size - len(chunk))]
+        per_micro = self.micro_batch_size * self.world_size
+        result = []
+        for micro in range(self.grad_accum):
+            group = slots[micro * per_micro : (micro + 1) * per_micro]
+            result.append(group[rank * self.micro_batch_size : (rank + 1) * self.micro_batch_size])
+        return result
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad input_ids / loss_mask / hidden to the longest sample (padding has loss_mask 0)."""
+    longest = max(s["input_ids"].shape[0] for s in samples)
+    feature_size = samples[0]["hidden"].shape[-1]
+    batch = len(samples)
+    input_ids = torch.zeros(batch, longest, dtype=torch.long)
+    loss_mask = torch.zeros(batch, longest, dtype=torch.long)
+    hidden = torch.zeros(batch, longest, feature_size, dtype=samples[0]["hidden"].dtype)
+    for row, sample in enumerate(samples):
+        length = sample["input_ids"].shape[0]
+        input_ids[row, :length] = sample["input_ids"]
+        loss_mask[row, :length] = sample["loss_mask"]
+        hidden[row, :length] = sample["hidden"]
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden": hidden}
+
+
+def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + sample_index)
+
+
+def prepare_micro_batch(
+    store, slots: list[tuple[int, bool]], *, epoch: int, seed: int, num_anchors: int, block_size: int, gamma: float
+) -> dict[str, torch.Tensor]:
+    """Collated tensors plus anchors, labels and loss weights (zeroed for placeholder samples)."""
+    batch = collate([store[index] for index, _ in slots])
+    generators = [anchor_generator(seed, epoch, index) for index, _ in slots]
+    anchors, valid = sample_anchors(batch["loss_mask"], num_anchors, generators)
+    valid &= torch.tensor([is_real for _, is_real in slots])[:, None]
+    labels, weights = block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid, block_size, gamma)
+    batch.update(anchors=anchors, labels=labels, weights=weights)
+    return batch

@@ -1,0 +1,151 @@
+"""The only file that imports DeepSpeed: ZeRO data parallelism applied to a plain drafter from outside.
+
+The loop talks to `TrainEngine` (backward / step / save / load / consolidated_state_dict) and never to DeepSpeed.
+On a machine without CUDA, DeepSpeed runs on its CPU accelerator with gloo (set before the import, as DeepSpeed
+picks its accelerator when first imported).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402  (must follow the accelerator choice above)
+
+
+@dataclass
+class OptimConfig:
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_ratio: float
+    min_lr_ratio: float
+    grad_clip: float
+    zero_stage: int
+    bf16: bool
+    micro_batch_size: int
+    grad_accum: int
+    total_steps: int
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.total_steps < 1:
+            raise ValueError(f"training would run {self.total_steps} optimizer steps; check epochs and data size")
+
+
+def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
+    """Join (or create, for a plain single process) the process group. Returns (rank, world_size, local_rank)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup, then cosine decay to `min_ratio` (notes section 4: warmup 4%, cosine)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def deepspeed_config(config: OptimConfig, world_size: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": config.grad_accum,
+        "train_batch_size": config.micro_batch_size * config.grad_accum * world_size,
+        "gradient_clipping": config.grad_clip,
+        "bf16": {"enabled": config.bf16},
+        "zero_optimization": {"stage": config.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class TrainEngine:
+    def __init__(self, model: nn.Module, config: OptimConfig, world_size: int) -> None:
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+        )
+        warmup = max(1, round(config.warmup_ratio * config.total_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, warmup, config.total_steps, config.min_lr_ratio)
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(config, world_size), dist_init_required=False,
+        )
+        self.zero_stage = config.zero_stage
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def config(self):
+        """The drafter's config, so the engine can stand in for the drafter in `training_forward`."""
+        return self.engine.module.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.engine.module.parameters()).dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
+
+    def load_latest(self, directory: str) -> dict[str, Any] | None:
+        """Client state of the latest complete checkpoint in `directory`, or None when there is none."""
+        if not os.path.exists(os.path.join(directory, "latest")):
+            return None
+        path, client_state = self.engine.load_checkpoint(directory)
+        if path is None:
+            raise RuntimeError(f"checkpoint folder {directory} names a latest checkpoint that could not be loaded")
+        return client_state
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of every parameter (gathered across ranks under ZeRO-3)."""
+        module = self.engine.module
+        if self.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}

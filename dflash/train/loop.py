@@ -1,0 +1,138 @@
+"""The drafter training loop: read it top to bottom.
+
+Each optimizer step: take this rank's micro-batches of the global batch, count the loss weight of the WHOLE global
+batch (all micro-batches, all ranks), then run forward/backward per micro-batch with the loss divided by that
+global count. The gradient is then that of one big batch, whatever the split into ranks and accumulation steps
+(the engine averages over ranks and accumulation steps, so the loss is scaled back up by both).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DrafterConfig
+from dflash.train.batches import BatchPlan, prepare_micro_batch
+from dflash.train.engine import OptimConfig, TrainEngine
+from dflash.train.forward import training_forward
+from dflash.train.metrics_log import MetricsLog
+from dflash.train.objective import weighted_block_loss
+
+
+@dataclass
+class TrainSettings:
+    epochs: int
+    micro_batch_size: int
+    grad_accum: int
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_ratio: float
+    min_lr_ratio: float
+    grad_clip: float
+    num_anchors: int
+    gamma: float
+    seed: int
+    loss_chunk_size: int
+    log_every: int
+    save_every: int
+    zero_stage: int
+    bf16: bool
+
+
+def global_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
+def build_engine(settings: TrainSettings, drafter_config: DrafterConfig, total_steps: int, world_size: int,
+                 device: torch.device) -> TrainEngine:
+    drafter = DFlashDraftModel(drafter_config)
+    drafter.init_weights(settings.seed)
+    optim = OptimConfig(
+        lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
+        warmup_ratio=settings.warmup_ratio, min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip,
+        zero_stage=settings.zero_stage, bf16=settings.bf16, micro_batch_size=settings.micro_batch_size,
+        grad_accum=settings.grad_accum, total_steps=total_steps,
+    )
+    return TrainEngine(drafter.to(device), optim, world_size)
+
+
+def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.Tensor, micro_batches: list[dict],
+               settings: TrainSettings, world_size: int) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches; returns the step's global loss and accuracies."""
+    device = engine.device
+    local_weight = sum(batch["weights"].sum() for batch in micro_batches).to(device, torch.float32)
+    total_weight = global_sum(local_weight).clamp_min(1e-12)
+    block_size = micro_batches[0]["labels"].shape[-1]
+    totals = torch.zeros(2 + 2 * block_size, device=device)  # loss, tokens, correct[B], counted[B]
+    for batch in micro_batches:
+        hidden = training_forward(
+            engine, embed_weight, batch["input_ids"].to(device), batch["hidden"].to(device, engine.dtype),
+            batch["anchors"].to(device),
+        )
+        loss_sum, _, correct, counted = weighted_block_loss(
+            hidden, lm_head, batch["labels"].to(device), batch["weights"].to(device), settings.loss_chunk_size
+        )
+        # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
+        scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
+        engine.backward(scaled)
+        engine.step()
+        tokens = (batch["input_ids"].shape[0] * batch["input_ids"].shape[1])
+        totals += torch.cat([loss_sum.detach().reshape(1), torch.tensor([tokens], device=device), correct, counted])
+    totals = global_sum(totals)
+    correct, counted = totals[2 : 2 + block_size], totals[2 + block_size :]
+    metrics = {"loss": (totals[0] / total_weight).item(), "tokens": totals[1].item()}
+    metrics["acc"] = (correct[1:].sum() / counted[1:].sum().clamp_min(1)).item()
+    for k in range(1, block_size):
+        metrics[f"acc_pos{k}"] = (correct[k] / counted[k].clamp_min(1)).item()
+    return metrics
+
+
+def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
+          frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *, rank: int,
+          world_size: int, device: torch.device, show_progress: bool = True) -> dict[str, torch.Tensor]:
+    """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
+
+    store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
+    frozen_head: the target's (embedding weight, lm_head weight).
+    """
+    embed_weight, lm_head = (w.to(device) for w in frozen_head)
+    plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed)
+    total_steps = plan.steps_per_epoch * settings.epochs
+    engine = build_engine(settings, drafter_config, total_steps, world_size, device)
+    state = engine.load_latest(checkpoint_dir) or {"global_step": 0}
+    step = state["global_step"]
+    progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
+    started, tokens_seen = time.perf_counter(), 0.0
+    while step < total_steps:
+        epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
+        micro_batches = [
+            prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed, num_anchors=settings.num_anchors,
+                                block_size=drafter_config.block_size, gamma=settings.gamma)
+            for slots in plan.micro_batches(epoch, step_in_epoch, rank)
+        ]
+        metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size)
+        step += 1
+        tokens_seen += metrics.pop("tokens")
+        metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch,
+                       tokens_per_s=tokens_seen / (time.perf_counter() - started))
+        grad_norm = engine.grad_norm()
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        if step % settings.log_every == 0 or step == total_steps:
+            log.log(step, metrics)
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}")
+        progress.update(1)
+        if step == total_steps or (settings.save_every and step % settings.save_every == 0):
+            engine.save(checkpoint_dir, tag=f"step{step}", client_state={"global_step": step})
+    progress.close()
+    return engine.consolidated_state_dict()
