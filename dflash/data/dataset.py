@@ -1,0 +1,166 @@
+"""The training dataset on disk: prompts + the target's regenerated responses, tokenised with a loss mask.
+
+out_dir/journal.jsonl   the regeneration journal (resumable, see regenerate.py)
+out_dir/dataset/        a HF `datasets` dataset (save_to_disk): id, input_ids, loss_mask, prompt_set
+out_dir/stats.json      counts + the fingerprint of the inputs; written last, so it marks a finished build
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from dflash.data.chat import encode_conversation
+from dflash.data.prompts import Prompt
+from dflash.data.regenerate import read_record, regenerate, scan_journal
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+COLUMNS = ("id", "input_ids", "loss_mask", "prompt_set")
+FEATURES = datasets.Features({
+    "id": datasets.Value("string"),
+    "input_ids": datasets.Sequence(datasets.Value("int32")),
+    # 0/1 flags: int8 keeps the mask a quarter of the ids' size on disk.
+    "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    "prompt_set": datasets.Value("string"),
+})
+ENCODE_CHUNK = 10_000  # samples per in-memory Arrow chunk (bounds the Python-list memory while encoding)
+
+
+def fingerprint(prompts: list[Prompt], tokenizer: Any, settings: dict) -> str:
+    """Hash of what determines the dataset: prompts, generation settings, tokenizer and its chat template."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"schema_version": SCHEMA_VERSION, "settings": settings,
+                         "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
+                         "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True).encode())
+    for p in prompts:
+        h.update(json.dumps([p.id, p.prompt_set, p.messages], sort_keys=True).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> None:
+    """save_to_disk into a temp folder, then swap it in: `target` is never half-written."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    bars_were_on = not datasets.utils.are_progress_bars_disabled()
+    if not show_progress:
+        datasets.utils.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(tmp))
+    finally:
+        if bars_were_on:
+            datasets.utils.enable_progress_bars()
+    # os.replace cannot overwrite a non-empty folder: move the old one aside first.
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _encode_record(tokenizer: Any, prompt: Prompt, record: dict, max_length: int,
+                   journal_path: Path) -> tuple[list[int], list[int]]:
+    """encode_conversation of a journal record, checked against what the generation saw."""
+    input_ids, loss_mask = encode_conversation(tokenizer, prompt.messages, record["response_ids"])
+    prompt_len = len(input_ids) - len(record["response_ids"])
+    if prompt_len != record["prompt_len"]:
+        raise ValueError(f"prompt {prompt.id!r} encodes to {prompt_len} tokens but was generated from "
+                         f"{record['prompt_len']}: the chat template changed; delete {journal_path}")
+    if len(input_ids) > max_length:
+        raise ValueError(f"prompt {prompt.id!r}: {len(input_ids)} tokens > max_length {max_length} "
+                         f"in {journal_path}")
+    return input_ids, loss_mask
+
+
+def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
+                  max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
+                  seed: int = 0, show_progress: bool = True) -> dict:
+    """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
+
+    Returns the stats: the regeneration counts (total = done + skipped + failed), samples written, samples
+    dropped for having no loss token, and token counts. A finished build with the same fingerprint is reused.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "top_p": top_p, "seed": seed}
+    tokenizer = adapter.tokenizer
+    fp = fingerprint(prompts, tokenizer, settings)
+    stats_path, dataset_path = out_dir / "stats.json", out_dir / "dataset"
+    if stats_path.exists() and dataset_path.exists():
+        previous = json.loads(stats_path.read_text(encoding="utf-8"))
+        if previous.get("fingerprint") == fp:
+            logger.info("%s is up to date (fingerprint %s); not rebuilding", dataset_path, fp[:12])
+            return previous
+    # A stale stats.json next to a replaced dataset would claim the wrong fingerprint.
+    stats_path.unlink(missing_ok=True)
+
+    journal_path = out_dir / "journal.jsonl"
+    gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
+                     temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress)
+    _, index = scan_journal(journal_path)
+
+    chunks, rows = [], {c: [] for c in COLUMNS}
+    samples = dropped = num_tokens = num_response_tokens = 0
+    with open(journal_path, "rb") as journal:
+        for p in prompts:
+            status, offset = index.get(p.id, (None, 0))
+            if status != "done":
+                continue
+            input_ids, loss_mask = _encode_record(tokenizer, p, read_record(journal, offset), max_length,
+                                                  journal_path)
+            if not any(loss_mask):
+                dropped += 1
+                continue
+            for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
+                rows[column].append(value)
+            samples += 1
+            num_tokens += len(input_ids)
+            num_response_tokens += sum(loss_mask)
+            if len(rows["id"]) >= ENCODE_CHUNK:
+                chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
+                rows = {c: [] for c in COLUMNS}
+    if samples == 0:
+        # datasets cannot load back an empty saved dataset; an empty training set is an error anyway.
+        raise ValueError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long, "
+                         f"{gen['failed']} failed and {dropped} had no response token (journal: {journal_path})")
+    if rows["id"]:
+        chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
+    ds = datasets.concatenate_datasets(chunks) if len(chunks) > 1 else chunks[0]
+    _save_dataset(ds, dataset_path, show_progress)
+
+    stats = {"schema_version": SCHEMA_VERSION, "fingerprint": fp, "settings": settings,
+             "total": gen["total"], "done": gen["done"], "skipped": gen["skipped"], "failed": gen["failed"],
+             "errors": gen["errors"], "samples": samples, "dropped_no_loss": dropped, "num_tokens": num_tokens,
+             "num_response_tokens": num_response_tokens}
+    assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
+    assert stats["samples"] + stats["dropped_no_loss"] == stats["done"], stats
+    _write_json(stats_path, stats)
+    return stats
+
+
+def load_dataset_dir(out_dir: str | Path) -> datasets.Dataset:
+    """The dataset that build_dataset wrote into out_dir (out_dir/dataset)."""
+    path = Path(out_dir) / "dataset"
+    if not (path / "dataset_info.json").exists():
+        raise FileNotFoundError(f"no dataset at {path}: run build_dataset with out_dir={out_dir} first")
+    ds = datasets.load_from_disk(str(path))
+    missing = [c for c in COLUMNS if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{path} lacks columns {missing} (has {ds.column_names})")
+    return ds

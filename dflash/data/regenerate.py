@@ -1,0 +1,245 @@
+"""Regenerate the responses with the target itself, resumably.
+
+The drafter must imitate the target's own distribution (dflash-notes.md section 4), so every prompt is answered
+by the target. Finished prompts go to an append-only JSON-lines journal, fsynced per batch: an interrupted run
+restarts where it stopped and never generates a prompt twice.
+
+Journal lines: a header {"header": {...settings}} first, then one record per finished prompt:
+{"id", "prompt_set", "status": "done", "prompt_len", "response_ids", "finish": "stop" | "length"} or
+{"id", "prompt_set", "status": "failed", "error"} (failed prompts are retried on the next run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from dflash.data.chat import prompt_ids
+from dflash.data.prompts import Prompt
+
+logger = logging.getLogger(__name__)
+
+
+def _scan(path: Path) -> tuple[dict | None, dict[str, tuple[str, int]], int]:
+    """scan_journal, plus the byte length of the complete lines (where a partial last line starts)."""
+    header, index, offset = None, {}, 0
+    if not path.exists():
+        return header, index, offset
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # the partial line of an interrupted write
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: malformed journal line ({e.msg})") from None
+                if "header" in record:
+                    header = record["header"]
+                else:
+                    index[record["id"]] = (record["status"], offset)
+            offset += len(line)
+    return header, index, offset
+
+
+def scan_journal(path: str | Path) -> tuple[dict | None, dict[str, tuple[str, int]]]:
+    """(header settings or None, {id: (status, byte offset of its latest line)}); a partial last line is ignored.
+
+    Streams the file and keeps no responses, so a journal of millions of long responses fits in memory.
+    """
+    header, index, _ = _scan(Path(path))
+    return header, index
+
+
+def read_record(f: Any, offset: int) -> dict:
+    """The journal record at `offset` of the journal opened in binary mode as `f`."""
+    f.seek(offset)
+    return json.loads(f.readline())
+
+
+def read_journal(path: str | Path) -> tuple[dict | None, dict[str, dict]]:
+    """(header settings or None, {id: latest record}): the whole journal in memory, for inspection."""
+    header, index = scan_journal(path)
+    if not index:
+        return header, {}
+    with open(path, "rb") as f:
+        return header, {pid: read_record(f, offset) for pid, (_, offset) in index.items()}
+
+
+def _open_journal(path: Path, settings: dict) -> tuple[Any, set[str]]:
+    """Open the journal for appending after dropping a partial tail; check it was made with `settings`.
+
+    Returns the open file and the ids already done.
+    """
+    header, index, complete = _scan(path)
+    if header is not None and header != settings:
+        raise ValueError(f"{path} was written with other settings {header}; now {settings}. "
+                         f"Delete it or use another output folder.")
+    if path.exists() and path.stat().st_size > complete:
+        # Appending after a partial line would glue the next record onto it: cut it off first.
+        logger.warning("%s: dropping a partial last line (%d bytes) from an interrupted run", path,
+                       path.stat().st_size - complete)
+        with open(path, "r+b") as f:
+            f.truncate(complete)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a", encoding="utf-8")
+    if header is None:
+        f.write(json.dumps({"header": settings}) + "\n")
+    return f, {pid for pid, (status, _) in index.items() if status == "done"}
+
+
+def _batch_seed(seed: int, ids: list[str]) -> int:
+    """A sampling seed that depends only on the run seed and the prompts in the batch."""
+    digest = hashlib.sha256(json.dumps([seed, ids]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _generation_config(max_new_tokens: int, stop_ids: list[int], pad_id: int, temperature: float,
+                       top_p: float) -> GenerationConfig:
+    """Plain greedy (temperature 0) or temperature + top-p sampling.
+
+    Every knob a checkpoint's generation_config.json could set (and generate() would inherit, since it only
+    fills unset values) is pinned to neutral: the responses must be the target's own distribution.
+    """
+    neutral = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0}
+    if temperature > 0:
+        neutral.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, min_p=0.0, typical_p=1.0,
+                       epsilon_cutoff=0.0, eta_cutoff=0.0)
+    else:
+        neutral.update(do_sample=False)
+    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                            use_cache=True, **neutral)
+
+
+def _cut_response(tokens: list[int], stop_ids: set[int], budget: int) -> tuple[list[int], str]:
+    """Response up to and including the first stop token, at most `budget` tokens."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            tokens = tokens[: i + 1]
+            break
+    if len(tokens) > budget:
+        tokens = tokens[:budget]
+    return tokens, ("stop" if tokens and tokens[-1] in stop_ids else "length")
+
+
+def _generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pad_id: int,
+              seed: int) -> list[list[int]]:
+    """New tokens for each left-padded prompt of the batch (one call of model.generate)."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    device = torch.device(adapter.device)
+    # Sampling draws from the global RNG inside generate: seed it per batch and restore it afterwards.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+        torch.manual_seed(seed)
+        out = adapter.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                     generation_config=config)
+    return out[:, width:].tolist()
+
+
+def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
+               max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, show_progress: bool = True) -> dict:
+    """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", ...}.
+
+    Prompts already done in the journal are skipped. A prompt whose templated length + 1 exceeds max_length is
+    skipped (no room for a response); a batch whose generation raises is retried prompt by prompt and the
+    prompts that still raise are counted as failed with their error. Responses are cut so that
+    prompt + response <= max_length. Greedy when temperature == 0.
+    """
+    if max_length < 2 or max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"need max_length >= 2, max_new_tokens >= 1, batch_size >= 1; got {max_length}, "
+                         f"{max_new_tokens}, {batch_size}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
+    counts = Counter(p.id for p in prompts)
+    if len(counts) != len(prompts):
+        raise ValueError(f"prompt ids must be unique; duplicates: {[i for i, n in counts.items() if n > 1][:5]}")
+    tokenizer = adapter.tokenizer
+    stop_ids = [int(t) for t in adapter.stop_token_ids()]
+    if not stop_ids:
+        raise ValueError("adapter.stop_token_ids() is empty: generation would never stop")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
+    journal_path = Path(journal_path)
+    journal, done_ids = _open_journal(journal_path, settings)
+
+    done = sum(1 for p in prompts if p.id in done_ids)
+    skipped, failures, generated = [], [], 0
+    pending = []
+    for p in prompts:
+        if p.id in done_ids:
+            continue
+        ids_p = prompt_ids(tokenizer, p.messages)
+        if len(ids_p) + 1 > max_length:
+            skipped.append((p.id, len(ids_p)))
+        else:
+            pending.append((p, ids_p))
+    if skipped:
+        logger.warning("skipped %d prompt(s) longer than max_length - 1 = %d tokens, e.g. %s", len(skipped),
+                       max_length - 1, ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:5]))
+    # Longest first: similar lengths share a batch (less padding) and memory trouble shows up at once.
+    pending.sort(key=lambda item: -len(item[1]))
+
+    progress = None
+    if show_progress:
+        from tqdm.auto import tqdm
+        progress = tqdm(total=len(pending), desc="regenerate", unit="prompt")
+    try:
+        for start in range(0, len(pending), batch_size):
+            chunk = pending[start: start + batch_size]
+            budget = min(max_new_tokens, max_length - min(len(ids_p) for _, ids_p in chunk))
+            config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
+            batch_seed = _batch_seed(seed, [p.id for p, _ in chunk])
+            outputs: list[list[int] | Exception]
+            try:
+                outputs = _generate(adapter, [ids_p for _, ids_p in chunk], config, pad_id, batch_seed)
+            except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
+                logger.warning("batch generation failed (%s: %s); retrying its %d prompts one by one",
+                               type(e).__name__, e, len(chunk))
+                outputs = []
+                for p, ids_p in chunk:
+                    try:
+                        outputs.append(_generate(adapter, [ids_p], config, pad_id, batch_seed)[0])
+                    except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
+                        outputs.append(e1)
+            lines = []
+            for (p, ids_p), out in zip(chunk, outputs):
+                if isinstance(out, Exception):
+                    error = f"{type(out).__name__}: {out}"
+                    failures.append({"id": p.id, "error": error})
+                    lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "failed", "error": error})
+                    continue
+                response, finish = _cut_response(out, set(stop_ids), max_length - len(ids_p))
+                lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "done", "prompt_len": len(ids_p),
+                              "response_ids": response, "finish": finish})
+                done += 1
+                generated += 1
+            journal.write("".join(json.dumps(r) + "\n" for r in lines))
+            journal.flush()
+            os.fsync(journal.fileno())
+            if progress is not None:
+                progress.update(len(chunk))
+    finally:
+        journal.close()
+        if progress is not None:
+            progress.close()
+
+    stats = {"total": len(prompts), "done": done, "skipped": len(skipped), "failed": len(failures),
+             "generated": generated, "errors": failures}
+    assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
+    if failures:
+        logger.warning("%d prompt(s) failed, e.g. %s: %s", len(failures), failures[0]["id"], failures[0]["error"])
+    return stats

@@ -1,0 +1,158 @@
+"""The whole pipeline on the tiny target, the experiment files, and the errors users see for bad input."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+
+from dflash.config import CONFIG_DIR, compose
+from dflash.pipeline import Pipeline, drafter_config
+
+TINY = ["+experiment=tiny", "show_progress=false"]
+STORED_CURVE = os.path.join(os.path.dirname(__file__), "data", "tiny_loss_curve.json")
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("tiny"))
+    summary = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    return run_dir, summary
+
+
+def test_tiny_run_writes_one_folder_with_every_stage(tiny_run):
+    run_dir, summary = tiny_run
+    for path in ["config.yaml", "data/dataset", "data/stats.json", "features/manifest.json", "checkpoints/latest",
+                 "export/config.json", "export/model.safetensors", "eval/summary.json", "metrics.jsonl"]:
+        assert os.path.exists(os.path.join(run_dir, path)), path
+    with open(os.path.join(run_dir, "eval", "summary.json"), encoding="utf-8") as f:
+        on_disk = json.load(f)
+    for name in ["humaneval", "gsm8k", "overall"]:
+        entry = on_disk["prompt_sets"][name] if name != "overall" else on_disk["overall"]
+        assert 1.0 <= entry["tau"] <= 4.0
+        assert 0.0 <= entry["acceptance_rate"] <= 1.0 and len(entry["per_position"]) == 3
+    with open(os.path.join(run_dir, "data", "stats.json"), encoding="utf-8") as f:
+        stats = json.load(f)
+    assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"] == 16
+    assert stats["skipped"] > 0  # some ShareGPT prompts exceed the tiny max_length: skipped and counted
+
+
+def test_tiny_loss_curve_matches_the_stored_curve(tiny_run):
+    """A refactor that changes the math (mask, labels, weights, normalisation, init, data order) fails here.
+
+    Regenerate deliberately with: python -m dflash.train +experiment=tiny run_dir=/tmp/t && copy its losses.
+    """
+    run_dir, _ = tiny_run
+    with open(STORED_CURVE, encoding="utf-8") as f:
+        stored = json.load(f)["loss"]
+    torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(stored), rtol=2e-4, atol=2e-4)
+
+
+def test_rerun_skips_finished_stages(tiny_run, monkeypatch):
+    run_dir, summary = tiny_run
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    monkeypatch.setattr("dflash.data.dataset.build_dataset", must_not_run)
+    monkeypatch.setattr("dflash.extract.capture.capture_dataset", must_not_run)
+    monkeypatch.setattr("dflash.train.loop.train", must_not_run)
+    again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert again["overall"]["tau"] == summary["overall"]["tau"]
+
+
+@pytest.mark.multiproc
+def test_two_rank_pipeline_trains_from_the_same_features(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    two = tmp_path / "two"
+    two.mkdir()
+    for stage in ("data", "features"):
+        subprocess.run(["cp", "-r", os.path.join(run_dir, stage), str(two / stage)], check=True)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29641",
+                    "-m", "dflash.train", *TINY, f"run_dir={two}", "stages=[data,capture,train]",
+                    "train.micro_batch_size=2"], check=True, env=env, timeout=600)
+    # 2 ranks x 2 samples = the tiny run's 4-sample global batch: the same loss curve.
+    torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(run_dir)), rtol=1e-4, atol=1e-4)
+    assert os.path.exists(two / "export" / "model.safetensors")
+
+
+def test_every_experiment_file_composes():
+    names = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "experiment", "*.yaml")))
+    assert {"tiny", "qwen36"} <= set(names)
+    for name in names:
+        cfg = compose([f"+experiment={name}"])
+        assert cfg.name == name
+
+
+def test_qwen36_recipe_is_the_published_one():
+    cfg = compose(["+experiment=qwen36"])
+    assert list(cfg.drafter.target_layer_ids) == [1, 16, 31, 46, 61]
+    assert list(cfg.drafter.layer_types) == ["sliding_attention"] * 4 + ["full_attention"]
+    assert cfg.drafter.sliding_window == 2048 and cfg.drafter.block_size == 16
+    assert cfg.target.mask_token_id == 248070 and cfg.data.max_length == 4096
+    assert cfg.train.lr == 6e-4 and cfg.train.epochs == 6 and cfg.train.num_anchors == 512 and cfg.train.gamma == 7
+    assert list(cfg.capture.devices) == [0, 1] and list(cfg.train.devices) == [2, 3, 4, 5, 6, 7]
+
+
+def test_qwen36_without_weights_stops_at_once_naming_the_path(tmp_path):
+    missing = str(tmp_path / "no-such-checkpoint")
+    run_dir = tmp_path / "run"
+    with pytest.raises(FileNotFoundError, match="no-such-checkpoint"):
+        Pipeline(compose(["+experiment=qwen36", f"target.path={missing}", f"run_dir={run_dir}"])).run()
+    assert not run_dir.exists()  # nothing half-written
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ConfigCompositionException, match="train.lerning_rate"):
+        compose(TINY + ["train.lerning_rate=1e-3"])
+
+
+SHAPE = {"model_type": "llama", "num_layers": 6, "hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("drafter.target_layer_ids=[1,9]", "target layer id 9 is out of range"),
+    ("target.mask_token_id=100000", "mask_token_id 100000 is outside the target vocabulary"),
+    ("drafter.hidden_size=32", "drafter.hidden_size 32 differs from the target's hidden size 64"),
+    ("drafter.num_attention_heads=3", "not a multiple"),
+])
+def test_bad_drafter_settings_are_named(override, message):
+    with pytest.raises(ValueError, match=message):
+        drafter_config(compose(TINY + [override]), SHAPE)
+
+
+def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    subprocess.run(["cp", "-r", os.path.join(run_dir, "data"), str(tmp_path / "data")], check=True)
+    cfg = compose(TINY + [f"run_dir={tmp_path}", "drafter.target_layer_ids=[0,40]", "stages=[data,capture]"])
+    with pytest.raises(ValueError, match="target layer id 40"):
+        Pipeline(cfg).run()
+    assert not os.path.exists(tmp_path / "features" / "manifest.json")
+
+
+@pytest.mark.parametrize("content,message", [("", "empty"), ('{"messages": [\n', "line 1")])
+def test_malformed_or_empty_prompt_file_is_named(tmp_path, content, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    cfg = compose(TINY + [f"run_dir={tmp_path / 'run'}", "data.source=file", f"data.path={prompts}",
+                          "stages=[data]"])
+    with pytest.raises(ValueError, match=message) as error:
+        Pipeline(cfg).run()
+    assert "prompts.jsonl" in str(error.value)
+    assert not os.path.exists(tmp_path / "run" / "data" / "dataset")
+
+
+def test_float16_capture_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="float16"):
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture.dtype=float16"]))

@@ -1,0 +1,176 @@
+"""Prompt loading: the real packaged prompt sets, the file formats, subsets and the named errors."""
+
+import json
+
+import pytest
+
+from dflash.data.prompts import Prompt, load_prompts
+
+
+def _check_prompts(prompts, prompt_set):
+    assert len({p.id for p in prompts}) == len(prompts)
+    for p in prompts:
+        assert p.prompt_set == prompt_set
+        assert p.messages[-1]["role"] == "user"
+        assert p.messages[-1]["content"].strip()
+
+
+@pytest.fixture(scope="module")
+def sharegpt():
+    return load_prompts("sharegpt")
+
+
+def test_sharegpt_keeps_complete_conversations_that_open_with_a_human_turn(sharegpt):
+    # assets.md: 17,671 complete records in the truncated file, 11,137 start with a non-empty human turn.
+    assert len(sharegpt) == 11137
+    _check_prompts(sharegpt, "sharegpt")
+    assert all(len(p.messages) == 1 for p in sharegpt)
+    assert sharegpt[0].id == "QWJhYvA_0"
+    assert sharegpt[0].messages[0]["content"].startswith("Summarize the main ideas of Jeff Walker's")
+
+
+@pytest.mark.parametrize("source, count, first_id, needle", [
+    ("humaneval", 164, "HumanEval/0", "def has_close_elements("),
+    ("mtbench", 80, "mtbench-81", "travel blog post about a recent trip to Hawaii"),
+    ("gsm8k", 100, "gsm8k-test-0013", "Melanie is a door-to-door saleswoman"),
+])
+def test_packaged_sets_load(source, count, first_id, needle):
+    prompts = load_prompts(source)
+    assert len(prompts) == count
+    _check_prompts(prompts, source)
+    assert prompts[0].id == first_id
+    assert needle in prompts[0].messages[0]["content"]
+
+
+def test_humaneval_prompt_asks_to_complete_the_function():
+    content = load_prompts("humaneval", limit=1)[0].messages[0]["content"]
+    assert content.startswith("Complete the following Python function")
+    assert "```python\n" in content and content.endswith("```")
+
+
+def test_mtbench_takes_only_the_first_turn():
+    prompt = [p for p in load_prompts("mtbench") if p.id == "mtbench-81"][0]
+    assert prompt.messages == [{"role": "user", "content": "Compose an engaging travel blog post about a recent trip "
+                                "to Hawaii, highlighting cultural experiences and must-see attractions."}]
+
+
+def test_limit_is_a_seeded_subset_in_file_order(sharegpt):
+    a = load_prompts("sharegpt", limit=50, seed=3)
+    assert a == load_prompts("sharegpt", limit=50, seed=3)
+    assert [p.id for p in a] != [p.id for p in load_prompts("sharegpt", limit=50, seed=4)]
+    order = {p.id: i for i, p in enumerate(sharegpt)}
+    positions = [order[p.id] for p in a]
+    assert positions == sorted(positions) and len(set(positions)) == 50
+    assert len(load_prompts("gsm8k", limit=1000)) == 100
+    with pytest.raises(ValueError, match="limit"):
+        load_prompts("gsm8k", limit=0)
+
+
+def test_name_overrides_prompt_set():
+    assert {p.prompt_set for p in load_prompts("gsm8k", limit=3, name="math")} == {"math"}
+
+
+def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "x"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "a continuation"}, {"from": "human", "value": "y"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "  "}]},
+        {"id": "d", "conversations": []},
+        {"id": "e", "conversations": [{"from": "human", "value": "second"}]},
+        {"id": "f", "conversations": [{"from": "human", "value": "cut off here"}]},
+    ]
+    text = json.dumps(records, indent=2)
+    path = tmp_path / "share.json"
+    path.write_text(text[: text.index("cut off") + 3])
+    prompts = load_prompts("sharegpt", path=str(path))
+    assert [(p.id, p.messages[0]["content"]) for p in prompts] == [("a", "first"), ("e", "second")]
+    # Damage in the middle of the file is an error, not a silent cut.
+    broken = text.replace('"id": "b",', '"id": "b" "oops",')
+    path.write_text(broken)
+    with pytest.raises(ValueError, match=r"share\.json:\d+: malformed JSON"):
+        load_prompts("sharegpt", path=str(path))
+
+
+def test_file_source_reads_every_record_style(tmp_path):
+    lines = [
+        {"id": "m1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                  {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye?"},
+                                  {"role": "assistant", "content": "dropped: regenerated later"}]},
+        {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q1"},
+                           {"from": "gpt", "value": "A1"}]},
+        {"id": 7, "prompt": "Plain prompt"},
+    ]
+    path = tmp_path / "my_set.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
+    prompts = load_prompts("file", path=str(path))
+    assert [p.id for p in prompts] == ["m1", "my_set-1", "7"]
+    assert {p.prompt_set for p in prompts} == {"my_set"}
+    assert prompts[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye?"}]
+    assert prompts[1].messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]
+    assert prompts[2].messages == [{"role": "user", "content": "Plain prompt"}]
+
+    as_json = tmp_path / "other.json"
+    as_json.write_text(json.dumps(lines))
+    assert [p.messages for p in load_prompts("file", path=str(as_json))] == [p.messages for p in prompts]
+    assert {p.prompt_set for p in load_prompts("file", path=str(as_json))} == {"other"}
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_prompts("file", path=str(missing))
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_prompts("mtbench", path=str(missing))
+    with pytest.raises(ValueError, match="needs path"):
+        load_prompts("file")
+
+
+@pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("empty.json", "[]"),
+                                           ("void.json", " ")])
+def test_empty_file_is_a_named_error(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{name}.*empty"):
+        load_prompts("file", path=str(path))
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": "broken\n{"prompt": "ok"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: malformed"):
+        load_prompts("file", path=str(path))
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"text": "no known key"}, "none of 'messages', 'conversations', 'prompt'"),
+    ({"messages": [{"role": "assistant", "content": "only an answer"}]}, "no user turn"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "bad message"),
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "bad turn"),
+    ({"prompt": "   "}, "last user turn is empty"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_bad_record_names_file_and_line(tmp_path, record, message):
+    path = tmp_path / "recs.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=rf"recs\.jsonl:2: .*{message}"):
+        load_prompts("file", path=str(path))
+
+
+def test_duplicate_ids_are_refused(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_text('{"id": "x", "prompt": "a"}\n{"id": "x", "prompt": "b"}\n')
+    with pytest.raises(ValueError, match=r"dup\.jsonl:2: duplicate id 'x'"):
+        load_prompts("file", path=str(path))
+
+
+def test_unknown_source_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown prompt source 'alpaca'.*'gsm8k'.*'humaneval'.*'sharegpt'"):
+        load_prompts("alpaca")
+
+
+def test_prompt_must_end_with_a_user_turn():
+    with pytest.raises(ValueError, match="must end with a user turn"):
+        Prompt("p", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "s")
+    with pytest.raises(ValueError, match="no messages"):
+        Prompt("p", [], "s")

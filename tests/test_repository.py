@@ -1,0 +1,40 @@
+"""Repository rules that keep the project honest: README commands, CI, the DeepSpeed seam."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def readme_commands():
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_readme_starts_with_exactly_two_commands_run_main_job_and_tests():
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert commands[0].endswith("python -m dflash.train")
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert readme_commands()[1] in ci
+
+
+def test_deepspeed_is_imported_in_one_file_only():
+    importers = sorted(
+        str(path.relative_to(ROOT)) for path in (ROOT / "dflash").rglob("*.py")
+        if re.search(r"^\s*(import deepspeed|from deepspeed)", path.read_text(), re.M)
+    )
+    assert importers == ["dflash/train/engine.py"]
+
+
+def test_no_trust_remote_code_and_no_unsafe_torch_load():
+    for path in (ROOT / "dflash").rglob("*.py"):
+        text = path.read_text()
+        assert "trust_remote_code=True" not in text, path
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, (path, call)
