@@ -149,3 +149,13 @@ def test_chunked_loss_equals_dense_cross_entropy_and_gradient():
     (grad_dense,) = torch.autograd.grad(dense, hidden)
     torch.testing.assert_close(grad_chunked, grad_dense, rtol=1e-4, atol=1e-6)
     assert counts.sum() == (weights > 0).sum() and weight_sum == pytest.approx(weights.float().sum().item())
+
+
+def test_rope_angles_survive_a_bf16_cast():
+    """Module.to(bfloat16) must not round the RoPE frequencies (angles would be off by radians at long positions)."""
+    drafter = make_drafter(["full_attention"])
+    positions = torch.tensor([[8000]])
+    cos32, _ = drafter.rotary_emb(positions, torch.float32)
+    drafter.to(torch.bfloat16)
+    cos16, _ = drafter.rotary_emb(positions, torch.float32)
+    torch.testing.assert_close(cos16, cos32)

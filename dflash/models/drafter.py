@@ -33,16 +33,22 @@ class DFlashRMSNorm(nn.Module):
 
 
 class DFlashRotaryEmbedding(nn.Module):
-    """Plain 1-D RoPE with the drafter's own theta, whatever RoPE the target uses (notes section 1)."""
+    """Plain 1-D RoPE with the drafter's own theta, whatever RoPE the target uses (notes section 1).
+
+    The frequencies are recomputed in fp32 on every call rather than kept as a buffer: `module.to(bfloat16)`
+    would round a buffer and shift the angles by radians at positions in the thousands.
+    """
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim = head_dim
+        self.theta = theta
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float().to(position_ids.device)
+        exponents = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=torch.float32) / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        freqs = position_ids[..., None].float() * inv_freq
         angles = torch.cat([freqs, freqs], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 

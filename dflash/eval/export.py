@@ -1,0 +1,114 @@
+"""Export a drafter in the z-lab checkpoint format, and load one back (ours or a published z-lab drafter).
+
+A z-lab drafter folder holds `config.json` (DrafterConfig.to_zlab(): a Qwen3 config plus dflash_config) and
+`model.safetensors` with only the drafter's own tensors: layers.*, fc, hidden_norm, norm (notes section 1). That is
+what vLLM (`method: dflash`), SGLang (`--speculative-algorithm DFLASH`) and the reference `dflash` package load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DrafterConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+TENSOR_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.")
+
+
+def drafter_tensors(drafter: DFlashDraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of `drafter` in `dtype`; raises if the module holds anything else persistent."""
+    state = drafter.state_dict()
+    extra = sorted(name for name in state if not name.startswith(TENSOR_PREFIXES))
+    if extra:
+        raise ValueError(f"drafter has tensors outside {TENSOR_PREFIXES} that a z-lab checkpoint cannot hold: {extra}")
+    return {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous() for name, tensor in state.items()}
+
+
+def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write out_dir/config.json and out_dir/model.safetensors; an existing out_dir is replaced as a whole.
+
+    Written into a temporary sibling folder first, then moved into place, so out_dir is never half-written.
+    Returns out_dir.
+    """
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    config = drafter.config.to_zlab()
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    tensors = drafter_tensors(drafter, dtype)
+    temp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    try:
+        with open(os.path.join(temp, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        save_file(tensors, os.path.join(temp, WEIGHTS_NAME), metadata={"format": "pt"})
+        old = None
+        if os.path.exists(out_dir):
+            old = temp + ".old"
+            os.replace(out_dir, old)
+        os.replace(temp, out_dir)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _weight_files(path: str) -> list[str]:
+    single = os.path.join(path, WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(path, WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME}) in drafter folder {path}")
+
+
+def _head(names: list[str], count: int = 10) -> str:
+    return f"{names[:count]}{' ...' if len(names) > count else ''}"
+
+
+def load_drafter(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDraftModel:
+    """Build a DFlashDraftModel from a z-lab drafter folder (config.json + safetensors)."""
+    path = os.path.expanduser(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"drafter folder not found: {path}")
+    config_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no {CONFIG_NAME} in drafter folder {path}")
+    with open(config_path) as f:
+        config = DrafterConfig.from_zlab(json.load(f))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    drafter = DFlashDraftModel(config)
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"drafter weights in {path} do not match its config.json: missing {_head(missing)}, "
+            f"unexpected {_head(unexpected)}"
+        )
+    wrong = [f"{n}: {tuple(tensors[n].shape)} != {tuple(t.shape)}" for n, t in expected.items()
+             if tensors[n].shape != t.shape]
+    if wrong:
+        raise ValueError(f"drafter weights in {path} have wrong shapes for its config.json: {wrong[:10]}")
+    drafter.load_state_dict(tensors)
+    drafter.to(device=device, dtype=dtype)
+    return drafter.eval()

@@ -1,0 +1,80 @@
+"""Acceptance metrics of speculative decoding, from per-step records of a decode (replayed or live).
+
+Definitions (docs/eval.md):
+- committed[s]: tokens committed by verify step s, bonus included (1..B); the prefill token is not a step.
+- accepted[s]: draft tokens of step s that were committed (0..B-1).
+- drafted[s]: draft positions of step s that could have been committed (0..B-1); fewer than B-1 only on the last
+  step of a sequence, where the stop token or max_new_tokens ends the continuation.
+- tau = sum(committed) / number of steps = mean tokens per target verify forward (notes section 5).
+- tau_prompt_mean = mean over prompts of each prompt's own tau (what the reference benchmark prints).
+- acceptance_rate = sum(accepted) / sum(drafted), the "draft acceptance rate" of serving logs.
+- per_position[k-1] = fraction of the steps that drafted position k in which draft k was accepted (a survival curve:
+  accepting draft k requires accepting drafts 1..k-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepTrace:
+    """Per-step records of one prompt's decode; all three lists have one entry per verify step."""
+
+    committed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+
+    def add(self, committed: int, accepted: int, drafted: int) -> None:
+        self.committed.append(int(committed))
+        self.accepted.append(int(accepted))
+        self.drafted.append(int(drafted))
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.committed)
+
+    def validate(self, block_size: int) -> None:
+        if not len(self.committed) == len(self.accepted) == len(self.drafted):
+            raise ValueError(
+                f"trace lists differ in length: committed {len(self.committed)}, accepted {len(self.accepted)}, "
+                f"drafted {len(self.drafted)}"
+            )
+        for step, (c, a, d) in enumerate(zip(self.committed, self.accepted, self.drafted)):
+            if not (1 <= c <= block_size and 0 <= a <= d <= block_size - 1 and a <= c):
+                raise ValueError(
+                    f"step {step}: committed={c}, accepted={a}, drafted={d} is impossible for block_size "
+                    f"{block_size} (need 1<=committed<=B, 0<=accepted<=drafted<=B-1, accepted<=committed)"
+                )
+
+
+def acceptance_metrics(traces: list[StepTrace], block_size: int) -> dict[str, Any]:
+    """Pool the steps of `traces` (one per prompt) into the metrics defined in the module docstring."""
+    for trace in traces:
+        trace.validate(block_size)
+    committed = [c for t in traces for c in t.committed]
+    accepted = [a for t in traces for a in t.accepted]
+    drafted = [d for t in traces for d in t.drafted]
+    num_steps = len(committed)
+    per_prompt_tau = [sum(t.committed) / t.num_steps for t in traces if t.num_steps]
+    per_position = []
+    for k in range(1, block_size):
+        eligible = sum(1 for d in drafted if d >= k)
+        hits = sum(1 for a in accepted if a >= k)
+        per_position.append(hits / eligible if eligible else None)
+    histogram = [0] * (block_size + 1)
+    for c in committed:
+        histogram[c] += 1
+    return {
+        "tau": sum(committed) / num_steps if num_steps else None,
+        "tau_prompt_mean": sum(per_prompt_tau) / len(per_prompt_tau) if per_prompt_tau else None,
+        "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
+        "per_position": per_position,
+        "committed_histogram": histogram,
+        "num_prompts": len(traces),
+        "num_steps": num_steps,
+        "num_tokens": sum(committed),
+        "num_accepted": sum(accepted),
+        "num_drafted": sum(drafted),
+    }

@@ -1,0 +1,43 @@
+"""Plot of per-position acceptance (survival curve of draft positions), one line per prompt set."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def plot_per_position(summary: dict[str, Any], path: str) -> str:
+    """Write a PNG of per-position acceptance for every prompt set and "overall"; returns `path`.
+
+    Uses the Agg canvas directly (no pyplot) so it never touches a display or the global backend.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5), dpi=120)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    series = {**summary["prompt_sets"], "overall": summary["overall"]}
+    for name, metrics in series.items():
+        points = [(k, v) for k, v in enumerate(metrics["per_position"], start=1) if v is not None]
+        if not points:
+            continue
+        tau = metrics["tau"]
+        label = f"{name} (tau {tau:.2f})" if tau is not None else name
+        style = {"color": "black", "linewidth": 2.5} if name == "overall" else {"marker": "o", "markersize": 3}
+        axes.plot([k for k, _ in points], [v for _, v in points], label=label, **style)
+    block_size = summary["block_size"]
+    axes.set_xlim(0.5, block_size - 0.5)
+    axes.set_ylim(-0.02, 1.02)
+    axes.set_xticks(range(1, block_size))
+    axes.set_xlabel("draft position k in the block")
+    axes.set_ylabel("fraction of steps with draft k accepted")
+    axes.set_title(f"Greedy acceptance per position (block size {block_size})")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    temp = os.path.join(directory, f".{os.path.basename(path)}.tmp.png")
+    figure.savefig(temp, format="png")
+    os.replace(temp, path)
+    return path

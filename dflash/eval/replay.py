@@ -1,0 +1,250 @@
+"""Exact greedy (T=0) acceptance of a drafter by replaying speculative decoding over the target's own output.
+
+Why a replay equals real speculative decoding at T=0: speculative decoding with greedy verification is lossless, so
+the committed text is the target's greedy continuation whatever the drafter proposes. The replay therefore
+(a) generates that continuation once with plain greedy decoding, (b) runs ONE target forward over prompt +
+continuation, which gives every position's target features and the target's greedy next token, and (c) walks the
+decoding loop of the reference `dflash_generate`: at anchor position `start` the drafter sees the features of
+positions < start (exactly what a real decoder has verified by then), drafts the block, the accepted length is the
+longest prefix of drafts equal to the target's greedy tokens, and accepted + 1 tokens are committed. A causal target
+computes the same features and logits for a prefix whether it sees it in one forward or in verify blocks, so each
+step sees the same inputs as in real decoding and makes the same decisions.
+
+Where they can differ: only through floating-point noise. Batched/padded generation, one long forward and blockwise
+KV-cached verification round differently (much more so in bf16), so a near-tie in the target's logits can flip and
+the real decoder would continue with another token; `greedy_mismatches` counts the positions where the full forward's
+argmax disagrees with the generated continuation (0 means self-consistent). The drafter is batched across prompts
+with padded context, which is also only float noise. GDN hybrid targets need no state rollback here: nothing is
+decoded incrementally after generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dflash.eval.metrics import StepTrace
+from dflash.models.drafter import DFlashDraftModel, sliding_mask_from_positions
+
+# propose(rows, starts, size) -> draft ids [len(rows), size - 1] for blocks anchored at sequence positions `starts`.
+Proposer = Callable[[list[int], list[int], int], torch.Tensor]
+
+
+@dataclass
+class ReplayResult:
+    """One prompt's replay: its continuation and per-step records."""
+
+    prompt_len: int
+    continuation: list[int]
+    trace: StepTrace
+    greedy_mismatches: int
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _pad_id(adapter, stop_ids: list[int]) -> int:
+    pad = getattr(adapter.tokenizer, "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    return stop_ids[0] if stop_ids else 0
+
+
+@torch.inference_mode()
+def greedy_continuations(
+    adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int = 8
+) -> list[list[int]]:
+    """The target's greedy continuation of each prompt, ending with the first stop token or at max_new_tokens."""
+    from transformers import GenerationConfig
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    pad = _pad_id(adapter, stop_token_ids)
+    # An empty eos list means "no stop token"; None would fall back to the model's own eos.
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=list(stop_token_ids),
+        pad_token_id=pad,
+    )
+    stops = set(stop_token_ids)
+    results: list[list[int]] = []
+    model = adapter.model
+    # generate() fills fields left at their global default from model.generation_config, which may carry a
+    # repetition penalty or other logits processors; greedy means plain argmax, so hide the model's defaults.
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        for chunk in _chunks(prompts, batch_size):
+            width = max(len(p) for p in chunk)
+            # Left padding keeps every prompt's last token in the last column, where generation continues.
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk], device=adapter.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=adapter.device)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            results += [_cut(row, max_new_tokens, stops) for row in out[:, width:].tolist()]
+    finally:
+        model.generation_config = saved
+    return results
+
+
+def _cut(row: list[int], max_new_tokens: int, stops: set[int]) -> list[int]:
+    """The generated row up to and including the first stop token (the rest is padding), at most max_new_tokens."""
+    continuation = []
+    for token in row[:max_new_tokens]:
+        continuation.append(token)
+        if token in stops:
+            break
+    return continuation
+
+
+@torch.inference_mode()
+def target_pass(
+    adapter, sequences: list[list[int]], layer_ids: list[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One batched target forward (right padding): per sequence, features [T, K*H] and greedy next tokens [T]."""
+    width = max(len(s) for s in sequences)
+    pad = _pad_id(adapter, adapter.stop_token_ids())
+    ids = torch.tensor([list(s) + [pad] * (width - len(s)) for s in sequences], device=adapter.device)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=adapter.device)
+    logits, features = adapter.forward_with_features(ids, mask, layer_ids)
+    greedy = logits.argmax(dim=-1)
+    del logits
+    lengths = [len(s) for s in sequences]
+    return [features[i, :n] for i, n in enumerate(lengths)], [greedy[i, :n] for i, n in enumerate(lengths)]
+
+
+class DrafterProposer:
+    """Drafts blocks for many prompts at once from stored target features, as the reference decoder would."""
+
+    def __init__(
+        self, drafter: DFlashDraftModel, adapter, sequences: list[list[int]], features: list[torch.Tensor]
+    ) -> None:
+        self.drafter = drafter
+        self.adapter = adapter
+        self.sequences = sequences
+        self.features = features
+        self.device = next(drafter.parameters()).device
+
+    @torch.inference_mode()
+    def hidden(self, rows: list[int], starts: list[int], size: int) -> torch.Tensor:
+        """Drafter output [len(rows), size, H] for blocks [anchor, MASK x (size-1)] anchored at `starts`.
+
+        Row r sees the features of positions < starts[r] of sequence rows[r]. Contexts of different lengths are
+        left-padded; padded keys are masked out in every layer.
+        """
+        config = self.drafter.config
+        num_context = max(starts)
+        block = torch.full((len(rows), size), config.mask_token_id, dtype=torch.long)
+        block[:, 0] = torch.tensor([self.sequences[r][s] for r, s in zip(rows, starts)])
+        noise = self.adapter.embed_tokens()(block.to(self.adapter.device)).to(self.device)
+        context = self.features[rows[0]].new_zeros(len(rows), num_context, self.features[rows[0]].shape[-1])
+        positions = torch.zeros(len(rows), num_context + size, dtype=torch.long)
+        valid = torch.zeros(len(rows), num_context + size, dtype=torch.bool)
+        for i, (r, s) in enumerate(zip(rows, starts)):
+            context[i, num_context - s :] = self.features[r][:s]
+            positions[i, num_context - s :] = torch.arange(s + size)
+            valid[i, num_context - s :] = True
+        positions, valid = positions.to(self.device), valid.to(self.device)
+        masks = None
+        if not bool(valid.all()):
+            keys = valid[:, None, None, :]
+            masks = {"full_attention": keys}
+            if config.sliding_window is not None:
+                masks["sliding_attention"] = keys & sliding_mask_from_positions(
+                    positions[:, num_context:], positions, config.sliding_window
+                )
+        return self.drafter(positions, noise, context.to(self.device), attention_mask=masks)
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[int], starts: list[int], size: int) -> torch.Tensor:
+        hidden = self.hidden(rows, starts, size)[:, 1:]
+        head = self.adapter.lm_head_weight()
+        logits = hidden.to(device=head.device, dtype=head.dtype) @ head.T
+        return logits.argmax(dim=-1).cpu()
+
+
+def replay_steps(
+    sequences: list[list[int]],
+    greedy: list[torch.Tensor],
+    prompt_lens: list[int],
+    propose: Proposer,
+    *,
+    block_size: int,
+    max_new_tokens: int,
+) -> list[StepTrace]:
+    """Walk the reference decoding loop over known continuations; one StepTrace per sequence.
+
+    sequences[i] = prompt + greedy continuation (its first token came from the prefill, not from a step);
+    greedy[i][t] = the target's greedy token after position t. Blocks shrink near prompt_len + max_new_tokens exactly
+    as in the reference loop, which matters because full-attention drafts depend on the block length.
+    """
+    traces = [StepTrace() for _ in sequences]
+    starts = list(prompt_lens)
+    ends = [len(s) - 1 for s in sequences]
+    greedy = [g.cpu() for g in greedy]
+    while True:
+        active = [i for i in range(len(sequences)) if starts[i] < ends[i]]
+        if not active:
+            return traces
+        by_size: dict[int, list[int]] = {}
+        for i in active:
+            size = min(block_size, prompt_lens[i] + max_new_tokens - starts[i])
+            by_size.setdefault(size, []).append(i)
+        for size, rows in by_size.items():
+            drafts = propose(rows, [starts[i] for i in rows], size)
+            for row, i in enumerate(rows):
+                start, remaining = starts[i], ends[i] - starts[i]
+                # Only drafts inside the continuation can be committed; later ones are cut off by the stop token
+                # or max_new_tokens in real decoding too, so they never change what is committed.
+                checkable = min(size - 1, remaining)
+                target = greedy[i][start : start + checkable]
+                matches = (drafts[row, :checkable] == target).int()
+                accepted = int(matches.cumprod(0).sum())
+                committed = min(accepted + 1, remaining)
+                traces[i].add(committed, accepted, checkable)
+                starts[i] = start + committed
+
+
+def replay(
+    drafter: DFlashDraftModel,
+    adapter,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: list[int] | None = None,
+    batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
+) -> list[ReplayResult]:
+    """Replay greedy speculative decoding of `drafter` on `prompts` (token ids); one result per prompt.
+
+    Prompts go through in chunks of `batch_size` so only one chunk's features are held at a time. `progress` is
+    called with the number of prompts finished after each chunk.
+    """
+    if not prompts:
+        return []
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} are empty token lists")
+    stop_ids = adapter.stop_token_ids() if stop_token_ids is None else list(stop_token_ids)
+    config = drafter.config
+    results: list[ReplayResult] = []
+    for chunk in _chunks(prompts, batch_size):
+        continuations = greedy_continuations(
+            adapter, chunk, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, batch_size=batch_size
+        )
+        sequences = [list(p) + c for p, c in zip(chunk, continuations)]
+        features, greedy = target_pass(adapter, sequences, config.target_layer_ids)
+        propose = DrafterProposer(drafter, adapter, sequences, features)
+        traces = replay_steps(
+            sequences, greedy, [len(p) for p in chunk], propose,
+            block_size=config.block_size, max_new_tokens=max_new_tokens,
+        )
+        for prompt, continuation, sequence_greedy, trace in zip(chunk, continuations, greedy, traces):
+            # greedy[t] predicts token t+1: compare the predictions for the continuation with what was generated.
+            predicted = sequence_greedy[len(prompt) - 1 : -1].cpu()
+            mismatches = int((predicted != torch.tensor(continuation)).sum())
+            results.append(ReplayResult(len(prompt), continuation, trace, mismatches))
+        if progress is not None:
+            progress(len(chunk))
+    return results

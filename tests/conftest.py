@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random targets (built once per session) and a drafter factory sized for them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DrafterConfig
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Callable:
+    """tiny_target(family) -> TargetAdapter with the built-in tokenizer (deterministic, offline); cached."""
+    from dflash.models.targets import load_target
+
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = load_target("tiny", tiny={"family": family, "seed": 0, "tokenizer": "builtin"})
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture
+def make_drafter() -> Callable:
+    """make_drafter(adapter, layer_types=..., window=..., block_size=..., seed=..., std=...) -> DFlashDraftModel."""
+
+    def build(adapter, layer_types=("sliding_attention", "full_attention"), window=8, block_size=4, seed=0,
+              std=0.02, mask_token_id=3) -> DFlashDraftModel:
+        config = DrafterConfig(
+            hidden_size=adapter.hidden_size, intermediate_size=96, num_hidden_layers=len(layer_types),
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=adapter.vocab_size,
+            num_target_layers=adapter.num_layers, target_layer_ids=[1, 3, 5], mask_token_id=mask_token_id,
+            block_size=block_size, layer_types=list(layer_types),
+            sliding_window=window if "sliding_attention" in layer_types else None,
+        )
+        drafter = DFlashDraftModel(config)
+        drafter.init_weights(seed, std=std)
+        return drafter.eval()
+
+    return build

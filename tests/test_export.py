@@ -1,0 +1,110 @@
+"""z-lab export: round trip, config.json contents, only drafter tensors, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dflash.eval.export import export_zlab, load_drafter
+from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DrafterConfig
+
+
+def small_drafter(layer_types=("sliding_attention", "full_attention")) -> DFlashDraftModel:
+    config = DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=100, num_target_layers=8, target_layer_ids=[1, 3, 5],
+        mask_token_id=99, block_size=4, layer_types=list(layer_types), sliding_window=6, rope_theta=10000.0,
+    )
+    drafter = DFlashDraftModel(config)
+    drafter.init_weights(seed=1, std=0.1)
+    return drafter.eval()
+
+
+def run(drafter, context=10, queries=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = drafter.config.hidden_size
+    target_hidden = torch.randn(2, context, 3 * hidden, generator=generator)
+    noise = torch.randn(2, queries, hidden, generator=generator)
+    positions = torch.arange(context + queries).expand(2, -1)
+    with torch.no_grad():
+        return drafter(positions, noise, target_hidden)
+
+
+def test_round_trip_float32_is_identical(tmp_path):
+    drafter = small_drafter()
+    out = export_zlab(drafter, str(tmp_path / "export"), dtype=torch.float32)
+    loaded = load_drafter(out)
+    assert loaded.config == drafter.config
+    assert torch.equal(run(loaded), run(drafter))
+    # Exporting again over an existing folder replaces it and leaves no temporary folders behind.
+    export_zlab(drafter, out, dtype=torch.float32)
+    assert sorted(os.listdir(tmp_path)) == ["export"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_bfloat16_export_rounds_weights_only(tmp_path):
+    drafter = small_drafter()
+    out = export_zlab(drafter, str(tmp_path / "export"))
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    loaded = load_drafter(out, dtype=torch.bfloat16)
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16)), name
+    # RoPE angles stay exact even when the weights are bf16 (serving engines compute them in fp32).
+    positions = torch.tensor([[4000]])
+    torch.testing.assert_close(loaded.rotary_emb(positions, torch.float32)[0],
+                               drafter.rotary_emb(positions, torch.float32)[0])
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+
+
+def test_config_json_is_zlab(tmp_path):
+    drafter = small_drafter()
+    out = export_zlab(drafter, str(tmp_path / "export"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 99, "target_layer_ids": [1, 3, 5], "block_size": 4}
+    assert config["block_size"] == 4 and config["num_target_layers"] == 8
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["sliding_window"] == 6 and config["use_sliding_window"] is True
+    assert config["vocab_size"] == 100 and config["tie_word_embeddings"] is False
+    assert DrafterConfig.from_zlab(config) == drafter.config
+
+
+def test_safetensors_holds_only_drafter_tensors(tmp_path):
+    drafter = small_drafter()
+    out = export_zlab(drafter, str(tmp_path / "export"))
+    names = set(load_file(os.path.join(out, "model.safetensors")))
+    assert names == {name for name, _ in drafter.named_parameters()}
+    assert all(n.startswith(("layers.", "fc.", "hidden_norm.", "norm.")) for n in names)
+    assert not any("rotary" in n or "embed" in n or "lm_head" in n for n in names)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="drafter folder not found"):
+        load_drafter(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_drafter(str(tmp_path / "empty"))
+    out = export_zlab(small_drafter(), str(tmp_path / "export"))
+    weights = os.path.join(out, "model.safetensors")
+    tensors = load_file(weights)
+    fc = tensors.pop("fc.weight")
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=r"missing \['fc.weight'\]"):
+        load_drafter(out)
+    save_file({**tensors, "fc.weight": fc, "embed_tokens.weight": torch.zeros(100, 32)}, weights)
+    with pytest.raises(ValueError, match=r"unexpected \['embed_tokens.weight'\]"):
+        load_drafter(out)
+    save_file({**tensors, "fc.weight": fc[:, :10].contiguous()}, weights)
+    with pytest.raises(ValueError, match="fc.weight"):
+        load_drafter(out)
+    os.remove(weights)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_drafter(out)
