@@ -1,0 +1,16 @@
+"""Frozen target models behind one adapter: `load_target(...)` -> TargetAdapter (see docs/targets.md)."""
+
+from dflash.models.targets.base import TargetAdapter, resolve_dtype
+from dflash.models.targets.load import load_target
+from dflash.models.targets.registry import TARGET_ADAPTERS, adapter_class, wrap_model
+from dflash.models.targets.tiny import build_tiny_target
+
+__all__ = [
+    "TARGET_ADAPTERS",
+    "TargetAdapter",
+    "adapter_class",
+    "build_tiny_target",
+    "load_target",
+    "resolve_dtype",
+    "wrap_model",
+]

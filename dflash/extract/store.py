@@ -1,0 +1,212 @@
+"""The offline feature store: a few large safetensors shards plus manifest.json.
+
+Layout of a store folder:
+    manifest.json            schema_version, target_layer_ids, hidden_size, dtype, num_samples, num_tokens,
+                             complete, fingerprint, shards: [{file, sha256, first_sample, num_samples, num_tokens}]
+    shard-00000.safetensors  "hidden" [tokens, K*H] (bf16 or fp32), "input_ids" [tokens] int32,
+                             "loss_mask" [tokens] uint8, "offsets" [n+1] int64 (sample j = rows offsets[j]:offsets[j+1])
+Sample i of the store is row i of the dataset it was captured from. Shards and the manifest are written to a
+temporary name and moved into place with os.replace, so a file that exists is complete; a shard's sha256 is
+checked the first time a reader opens it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def store_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a stored-feature dtype name; float16 is refused (it overflows in the fusion)."""
+    if name in ("float16", "fp16", "half"):
+        raise ValueError("float16 features are not supported (overflow in the drafter's fusion); use bfloat16")
+    if name not in STORE_DTYPES:
+        raise ValueError(f"unknown feature dtype {name!r}; use one of {sorted(STORE_DTYPES)}")
+    return STORE_DTYPES[name]
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def read_manifest(path: str | Path) -> dict[str, Any] | None:
+    """The manifest of a store folder, or None when the folder has none yet."""
+    file = Path(path) / MANIFEST_NAME
+    if not file.is_file():
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+class ShardWriter:
+    """Writes shards and the manifest of one store folder atomically (temp file + os.replace)."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def _tmp(self, name: str) -> Path:
+        return self.out_dir / f".{name}.tmp-{os.getpid()}"
+
+    def write_shard(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        offsets: torch.Tensor,
+        first_sample: int,
+    ) -> dict[str, Any]:
+        """Write shard `index` and return its manifest entry (file, sha256, first_sample, num_samples, num_tokens)."""
+        num_tokens = int(offsets[-1])
+        if hidden.shape[0] != num_tokens or input_ids.shape[0] != num_tokens or loss_mask.shape[0] != num_tokens:
+            raise ValueError(
+                f"shard {index}: hidden has {hidden.shape[0]} rows, input_ids {input_ids.shape[0]}, loss_mask "
+                f"{loss_mask.shape[0]}, but the offsets cover {num_tokens} tokens (one row per token expected)"
+            )
+        name = shard_name(index)
+        tmp = self._tmp(name)
+        tensors = {
+            "hidden": hidden.contiguous(),
+            "input_ids": input_ids.to(torch.int32).contiguous(),
+            "loss_mask": loss_mask.to(torch.uint8).contiguous(),
+            "offsets": offsets.to(torch.int64).contiguous(),
+        }
+        # One metadata key only: safetensors orders several keys arbitrarily, and shards should be byte-reproducible.
+        save_file(tensors, str(tmp), metadata={"schema_version": str(SCHEMA_VERSION)})
+        sha = file_sha256(tmp)
+        os.replace(tmp, self.out_dir / name)
+        return {
+            "file": name,
+            "sha256": sha,
+            "first_sample": int(first_sample),
+            "num_samples": int(offsets.shape[0] - 1),
+            "num_tokens": num_tokens,
+        }
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        tmp = self._tmp(MANIFEST_NAME)
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out_dir / MANIFEST_NAME)
+
+
+class _OpenShard:
+    """One opened shard: small tensors in memory, `hidden` read row ranges at a time through safetensors mmap."""
+
+    def __init__(self, path: Path) -> None:
+        self.handle = safe_open(str(path), framework="pt")
+        self.offsets = self.handle.get_tensor("offsets")
+        self.input_ids = self.handle.get_tensor("input_ids")
+        self.loss_mask = self.handle.get_tensor("loss_mask")
+        self.hidden = self.handle.get_slice("hidden")
+
+
+class FeatureStore:
+    """Reader: `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "hidden": Tensor[T, K*H]}."""
+
+    def __init__(self, path: str | Path, *, verify: bool = True, allow_partial: bool = False) -> None:
+        self.path = Path(path)
+        manifest = read_manifest(self.path)
+        if manifest is None:
+            raise FileNotFoundError(f"no feature store at {self.path} ({MANIFEST_NAME} not found)")
+        if manifest.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"feature store {self.path} has schema_version {manifest.get('schema_version')}, "
+                f"this code reads {SCHEMA_VERSION}"
+            )
+        if not manifest.get("complete", False) and not allow_partial:
+            raise ValueError(
+                f"feature store {self.path} is incomplete ({manifest['num_samples']} of "
+                f"{manifest.get('expected_num_samples', '?')} samples): rerun the capture to finish it"
+            )
+        self.manifest = manifest
+        self.verify = verify
+        self._first = [s["first_sample"] for s in manifest["shards"]]
+        self._open: dict[int, _OpenShard] = {}
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.manifest["target_layer_ids"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["hidden_size"])
+
+    def _shard(self, index: int) -> _OpenShard:
+        if index not in self._open:
+            entry = self.manifest["shards"][index]
+            path = self.path / entry["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"feature shard missing: {path}")
+            if self.verify:
+                actual = file_sha256(path)
+                if actual != entry["sha256"]:
+                    raise ValueError(
+                        f"feature shard {path} is corrupt: sha256 {actual} does not match the manifest's "
+                        f"{entry['sha256']}; recapture it (delete the shard and its manifest entry, or the store)"
+                    )
+            self._open[index] = _OpenShard(path)
+        return self._open[index]
+
+    def locate(self, i: int) -> tuple[int, int, int]:
+        """(shard index, first row, end row) of sample i."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
+        shard_index = bisect.bisect_right(self._first, i) - 1
+        shard = self._shard(shard_index)
+        j = i - self._first[shard_index]
+        return shard_index, int(shard.offsets[j]), int(shard.offsets[j + 1])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        shard_index, start, end = self.locate(int(i))
+        shard = self._open[shard_index]
+        return {
+            "input_ids": shard.input_ids[start:end].long(),
+            "loss_mask": shard.loss_mask[start:end].long(),
+            "hidden": shard.hidden[start:end],
+        }
+
+    def lengths(self) -> list[int]:
+        """Token count of every sample, in order (opens every shard)."""
+        out: list[int] = []
+        for index in range(len(self.manifest["shards"])):
+            out.extend(torch.diff(self._shard(index).offsets).tolist())
+        return out
+
+    def verify_all(self) -> None:
+        """Check every shard's sha256 now (raises naming the first corrupt file)."""
+        for index in range(len(self.manifest["shards"])):
+            self._shard(index)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open safetensors handles do not pickle (DataLoader workers): each process reopens what it needs.
+        state = dict(self.__dict__)
+        state["_open"] = {}
+        return state

@@ -1,0 +1,220 @@
+"""TargetAdapter: one frozen Hugging Face target model behind a small, version-stable surface.
+
+The drafter needs four things from its target: the frozen input embedding, the frozen output head, the hidden
+states of a few decoder layers (the "taps") and, for live decoding, logits. Everything that depends on how a
+transformers release lays out a family (where the decoder layers live, what a layer returns) stays in the
+family's adapter subclass; the rest of the project only sees this class.
+
+Layer-id convention (notes section 2): tap id L is the OUTPUT of decoder layer L (0-based), which equals
+`output_hidden_states[L + 1]` of the HF model for L < N-1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Names of end-of-turn tokens used by common chat templates; the ones present in a tokenizer stop generation.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+class _StopForward(Exception):
+    """Raised from the deepest tap's hook so the forward stops once every requested feature is captured."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """Map "auto" / "bfloat16" / "float32" (or a torch dtype) to a torch dtype; float16 is refused.
+
+    "auto" is bfloat16 on CUDA and float32 elsewhere. float16 overflows in the feature fusion (notes section 4),
+    so it is never accepted.
+    """
+    names = {
+        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+        "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+        "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    }
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'bfloat16' or 'float32'")
+        resolved = names[dtype]
+    else:
+        resolved = dtype
+    if resolved == torch.float16:
+        raise ValueError("float16 is not supported for targets (hidden states overflow); use bfloat16 or float32")
+    if resolved not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported target dtype {resolved}; use bfloat16 or float32")
+    return resolved
+
+
+class TargetAdapter:
+    """A frozen HF *ForCausalLM plus its tokenizer, with hook-based capture of decoder-layer outputs."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any) -> None:
+        model.eval()
+        model.requires_grad_(False)
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            # Some tokenizer releases (SmolLM2 under transformers 5.17) have no pad token; batches need one.
+            tokenizer.pad_token = tokenizer.eos_token
+        self.model = model
+        self.tokenizer = tokenizer
+        text_config = model.config.get_text_config()
+        self.model_type: str = model.config.model_type
+        self.num_layers: int = int(text_config.num_hidden_layers)
+        self.hidden_size: int = int(text_config.hidden_size)
+        self.vocab_size: int = int(self.embed_tokens().weight.shape[0])
+        self.config = text_config
+        layers = self.decoder_layers()
+        if len(layers) < self.num_layers:
+            raise ValueError(
+                f"{type(self).__name__} found {len(layers)} decoder layers in {type(model).__name__}, "
+                f"expected {self.num_layers}"
+            )
+
+    # Family-specific layout -------------------------------------------------------------------------------
+
+    def text_model(self) -> nn.Module:
+        """The decoder stack (embed_tokens, layers, norm) whose forward returns hidden states, not logits."""
+        raise NotImplementedError(f"{type(self).__name__} must define text_model()")
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers, in order; tap id L hooks `decoder_layers()[L]`."""
+        return self.text_model().layers
+
+    # Properties -------------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens().weight.dtype
+
+    def embed_tokens(self) -> nn.Embedding:
+        """The frozen input embedding module."""
+        return self.model.get_input_embeddings()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The frozen output head weight [V, H] (the embedding weight for tied models)."""
+        return self.model.get_output_embeddings().weight
+
+    # Features ---------------------------------------------------------------------------------------------
+
+    def check_layer_ids(self, layer_ids: list[int]) -> list[int]:
+        """Validate tap ids: non-empty, unique integers in [0, num_layers - 1]."""
+        ids = [int(i) for i in layer_ids]
+        if not ids:
+            raise ValueError("layer_ids is empty: give at least one target layer id")
+        for i in ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(
+                    f"target layer id {i} is out of range for {self.model_type} with {self.num_layers} layers "
+                    f"(valid: 0..{self.num_layers - 1})"
+                )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"layer_ids has duplicates: {ids}")
+        return ids
+
+    @staticmethod
+    def check_right_padding(attention_mask: torch.Tensor | None) -> None:
+        """Raise ValueError unless every row of the mask is ones then zeros (positions are taken as 0..T-1)."""
+        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError("attention_mask is not right-padded: capture assumes real tokens first, padding last")
+
+    def _install_hooks(self, layer_ids: list[int], store: dict[int, torch.Tensor], stop_at: int | None) -> list:
+        layers = self.decoder_layers()
+        handles = []
+        for layer_id in set(layer_ids):
+            def hook(module: nn.Module, args: Any, output: Any, layer_id: int = layer_id) -> None:
+                # Decoder layers return a tensor in recent releases and a tuple in older ones.
+                store[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+                if layer_id == stop_at:
+                    raise _StopForward
+            handles.append(layers[layer_id].register_forward_hook(hook))
+        return handles
+
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
+    ) -> torch.Tensor:
+        """Features [b, T, K*H] of the taps in `layer_ids` order (right padding), without computing logits.
+
+        Runs the decoder stack only (never the LM head) and stops right after the deepest tap.
+        """
+        ids = self.check_layer_ids(layer_ids)
+        self.check_right_padding(attention_mask)
+        store: dict[int, torch.Tensor] = {}
+        handles = self._install_hooks(ids, store, stop_at=max(ids))
+        try:
+            with torch.no_grad():
+                self.text_model()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self._concat(ids, store)
+
+    def forward_with_features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One full forward: logits [b, T, V] and the same features as `capture()`."""
+        ids = self.check_layer_ids(layer_ids)
+        self.check_right_padding(attention_mask)
+        store: dict[int, torch.Tensor] = {}
+        handles = self._install_hooks(ids, store, stop_at=None)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return out.logits, self._concat(ids, store)
+
+    def _concat(self, ids: list[int], store: dict[int, torch.Tensor]) -> torch.Tensor:
+        missing = [i for i in ids if i not in store]
+        if missing:
+            raise RuntimeError(f"decoder layers {missing} of {self.model_type} did not run; no features captured")
+        return torch.cat([store[i] for i in ids], dim=-1)
+
+    # Chat -------------------------------------------------------------------------------------------------
+
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end a generation: the configured eos ids plus any known end-of-turn token in the vocab."""
+        found: list[int] = []
+
+        def add(value: Any) -> None:
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if v is not None and int(v) not in found:
+                    found.append(int(v))
+
+        generation_config = getattr(self.model, "generation_config", None)
+        add(getattr(generation_config, "eos_token_id", None))
+        add(getattr(self.config, "eos_token_id", None))
+        add(self.tokenizer.eos_token_id)
+        vocab = self.tokenizer.get_vocab()
+        for token in END_OF_TURN_TOKENS:
+            if token in vocab:
+                add(vocab[token])
+        return found
+
+    def chat_ids(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """Token ids of `messages` through the chat template, with the generation prompt added."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of this {self.model_type} target has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, **template_kwargs
+        )
+        # transformers 5.x may return a BatchEncoding instead of a plain list.
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model_type={self.model_type!r}, num_layers={self.num_layers}, "
+            f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, dtype={self.dtype}, device={self.device})"
+        )

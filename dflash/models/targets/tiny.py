@@ -1,0 +1,135 @@
+"""Random-weight tiny targets for tests and CPU runs, with a tokenizer that needs no download.
+
+Families: "llama" (dense, SmolLM-like, tied embeddings), "qwen3" (dense), "qwen3_5" (Qwen3.5/3.6 text: GDN hybrid
+with full attention every 4th layer, notes section 7), "qwen3_5_moe" and "qwen3_next" (GDN hybrids with MoE).
+The tokenizer is the cached SmolLM2 tokenizer when present ("auto"), or a built-in byte-level ChatML tokenizer
+("builtin", always available and deterministic: tests use it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dflash.models.targets.base import TargetAdapter, resolve_dtype
+
+BUILTIN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+# Never produced by the built-in tokenizer from text: a valid DFlash mask_token_id for tiny runs.
+BUILTIN_MASK_TOKEN = "<|mask|>"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_DENSE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=4096,
+)
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+# family -> (transformers config class name, default config kwargs)
+TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {**_DENSE, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", dict(_DENSE)),
+    "qwen3_5": ("Qwen3_5TextConfig", {**_DENSE, **_GDN}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {**_DENSE, **_GDN, **_MOE}),
+    "qwen3_next": ("Qwen3NextConfig", {**_DENSE, **_GDN, **_MOE}),
+}
+
+
+def _byte_symbols() -> list[str]:
+    """The printable symbol the byte-level pre-tokenizer uses for each byte 0..255, in byte order.
+
+    Printable Latin-1 bytes stand for themselves; the others are shifted to code points from 256 up.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    symbols, shift = [], 0
+    for byte in range(256):
+        if byte in printable:
+            symbols.append(chr(byte))
+        else:
+            symbols.append(chr(256 + shift))
+            shift += 1
+    return symbols
+
+
+def build_builtin_tokenizer() -> Any:
+    """A byte-level ChatML tokenizer (4 special tokens + 256 bytes) built in memory, no files needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(BUILTIN_SPECIAL_TOKENS)}
+    for symbol in _byte_symbols():
+        vocab[symbol] = len(vocab)
+    # No merges: every byte is one token, so any text round-trips.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[BUILTIN_MASK_TOKEN],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_tokenizer(kind: str = "auto", cache_dir: str | None = None) -> Any:
+    """The tokenizer of a tiny target: "builtin", "smollm2" (the cached one, else FileNotFoundError) or "auto"."""
+    from dflash.models.targets import smollm2
+
+    if kind not in ("auto", "builtin", "smollm2"):
+        raise ValueError(f"unknown tiny tokenizer {kind!r}; use 'auto', 'builtin' or 'smollm2'")
+    if kind == "builtin" or (kind == "auto" and not smollm2.is_cached(cache_dir)):
+        return build_builtin_tokenizer()
+    folder = smollm2.cache_path(cache_dir)
+    if not smollm2.is_cached(cache_dir):
+        raise FileNotFoundError(f"no cached SmolLM2 tokenizer at {folder}; load_target('smollm2') creates it")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def build_tiny_target(
+    family: str,
+    seed: int = 0,
+    *,
+    tokenizer: str = "auto",
+    cache_dir: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    **overrides: Any,
+) -> TargetAdapter:
+    """A random-weight tiny target of `family`; `overrides` replace config fields (e.g. num_hidden_layers=12)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models.targets.registry import wrap_model
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny target family {family!r}; known: {sorted(TINY_FAMILIES)}")
+    torch_dtype = resolve_dtype(dtype, device)
+    tok = tiny_tokenizer(tokenizer, cache_dir)
+    config_name, defaults = TINY_FAMILIES[family]
+    # Round the vocabulary up to a multiple of 64 so matmuls stay aligned.
+    needed = len(tok)
+    kwargs = {**defaults, "vocab_size": (needed + 63) // 64 * 64, **overrides}
+    if kwargs["vocab_size"] < needed:
+        raise ValueError(f"vocab_size {kwargs['vocab_size']} is smaller than the tokenizer's {needed} tokens")
+    kwargs.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = getattr(transformers, config_name)(**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.to(device=device, dtype=torch_dtype)
+    return wrap_model(model, tok)
