@@ -42,7 +42,7 @@ def test_tiny_run_writes_one_folder_with_every_stage(tiny_run):
         assert 0.0 <= entry["acceptance_rate"] <= 1.0 and len(entry["per_position"]) == 3
     with open(os.path.join(run_dir, "data", "stats.json"), encoding="utf-8") as f:
         stats = json.load(f)
-    assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"] == 16
+    assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"] == 32
     assert stats["skipped"] > 0  # some ShareGPT prompts exceed the tiny max_length: skipped and counted
 
 
@@ -141,7 +141,7 @@ def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):
     assert not os.path.exists(tmp_path / "features" / "manifest.json")
 
 
-@pytest.mark.parametrize("content,message", [("", "empty"), ('{"messages": [\n', "line 1")])
+@pytest.mark.parametrize("content,message", [("", "empty"), ('{"messages": [\n', "prompts.jsonl:1: malformed")])
 def test_malformed_or_empty_prompt_file_is_named(tmp_path, content, message):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(content)
