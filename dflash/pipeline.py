@@ -184,8 +184,6 @@ class Pipeline:
         if self.rank == 0 and "eval" in stages:
             summary = self.evaluate()
         self.barrier()
-        if self.world_size > 1 or dist.is_initialized():
-            dist.destroy_process_group()
         return summary
 
     # Stages

@@ -7,6 +7,7 @@ picks its accelerator when first imported).
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        # Released at exit rather than after the run: DeepSpeed caches groups, so a process that trains twice
+        # (tests, notebooks) must keep this one.
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
 
 
