@@ -211,7 +211,9 @@ class Pipeline:
 
     def capture_fingerprint(self) -> str:
         taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}
-        capture = {k: v for k, v in container(self.cfg.capture).items() if k != "devices"}
+        # Where capture runs and how it checks itself do not change the features.
+        skip = ("devices", "check_every", "verify_existing")
+        capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         return fingerprint(self.data_fingerprint(), taps, capture)
 
     def capture(self) -> None:
@@ -219,6 +221,11 @@ class Pipeline:
         from dflash.extract.capture import capture_dataset
         from dflash.train.frozen_head import save_frozen_head
 
+        if self.cfg.capture.mode != "offline":
+            raise ValueError(
+                f"capture.mode={self.cfg.capture.mode!r}: the pipeline runs only 'offline' capture so far; online "
+                "capture is the library in dflash/extract/online.py (see docs/capture.md)"
+            )
         out, key = self.dirs["features"], self.capture_fingerprint()
         if stage_done(out, key):
             print(f"[capture] up to date: {out}")
@@ -230,7 +237,9 @@ class Pipeline:
         c = self.cfg.capture
         manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
                                    batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
-                                   dtype=str(c.dtype), fingerprint={"key": key}, show_progress=self.show_progress)
+                                   dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
+                                   verify_existing=bool(c.get("verify_existing", False)),
+                                   fingerprint={"key": key}, show_progress=self.show_progress)
         save_frozen_head(self.adapter.embed_tokens().weight, self.adapter.lm_head_weight(),
                          os.path.join(out, "frozen_head.safetensors"))
         write_json(os.path.join(out, "target.json"), shape)
@@ -248,11 +257,14 @@ class Pipeline:
             warmup_ratio=float(t.warmup_ratio), min_lr_ratio=float(t.min_lr_ratio), grad_clip=float(t.grad_clip),
             num_anchors=int(t.num_anchors), gamma=float(t.gamma), seed=int(t.seed),
             loss_chunk_size=int(t.loss_chunk_size), log_every=int(t.log_every), save_every=int(t.save_every),
-            zero_stage=int(ds.zero_stage), bf16=bf16,
+            zero_stage=int(ds.zero_stage), bf16=bf16, attention=str(t.get("attention", "auto")),
+            keep_last=int(t.get("keep_last", 0)), peak_tflops=t.get("peak_tflops", "auto"),
         )
 
     def train_fingerprint(self) -> str:
-        train = {k: v for k, v in container(self.cfg.train).items() if k not in ("log_every", "save_every", "devices")}
+        # Settings that change neither the math nor the data are left out, so changing them never retrains.
+        skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops")
+        train = {k: v for k, v in container(self.cfg.train).items() if k not in skip}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.deepspeed), self.world_size)
 
     def train(self) -> None:
@@ -292,6 +304,7 @@ class Pipeline:
 
     def evaluate(self) -> dict[str, Any]:
         from dflash.data.prompts import load_prompts
+        from dflash.eval.categories import prompt_categories
         from dflash.eval.evaluate import evaluate, format_table, write_summary
         from dflash.eval.export import load_drafter
 
@@ -304,13 +317,20 @@ class Pipeline:
         else:
             os.makedirs(out, exist_ok=True)
             drafter = load_drafter(self.dirs["export"], dtype=self.adapter.dtype, device=str(self.device))
-            prompt_sets = {
-                name: [self.adapter.chat_ids(p.messages) for p in
-                       load_prompts(str(spec.source), path=spec.get("path"), limit=spec.get("limit"))]
-                for name, spec in self.cfg.eval.prompt_sets.items()
-            }
-            summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=int(self.cfg.eval.max_new_tokens),
-                               show_progress=self.show_progress)
+            e = self.cfg.eval
+            template_kwargs = container(e.get("chat_template_kwargs")) or {}
+            prompt_sets, categories = {}, {}
+            for name, spec in e.prompt_sets.items():
+                prompts = load_prompts(str(spec.source), path=spec.get("path"), limit=spec.get("limit"))
+                prompt_sets[name] = [self.adapter.chat_ids(p.messages, **template_kwargs) for p in prompts]
+                labels = prompt_categories(str(spec.source), prompts, path=spec.get("path"))
+                if labels is not None:
+                    categories[name] = labels
+            summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=int(e.max_new_tokens),
+                               show_progress=self.show_progress, mode=str(e.get("mode", "replay")),
+                               temperature=float(e.get("temperature", 0.0)), seed=int(e.get("seed", 0)),
+                               measure_target=bool(e.get("measure_target", True)), categories=categories)
+            summary["chat_template_kwargs"] = template_kwargs
             write_summary(summary, out)
             mark_done(out, key)
         print(format_table(summary))

@@ -5,9 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and spinning threads slow down ~10x when another process
+    shares the 2 CPU cores of a CI machine. Subprocess tests set OMP_NUM_THREADS=1 for the same reason."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 
@@ -56,7 +57,14 @@ def test_format_table_and_write_summary(tmp_path):
     with open(path) as f:
         assert json.load(f) == summary
     assert os.path.getsize(tmp_path / "eval" / "per_position.png") > 1000
-    assert sorted(os.listdir(tmp_path / "eval")) == ["per_position.png", "summary.json"]
+    assert os.path.getsize(tmp_path / "eval" / "committed_histogram.png") > 1000
+    assert sorted(os.listdir(tmp_path / "eval")) == ["committed_histogram.png", "per_position.png", "summary.csv",
+                                                     "summary.json"]
+    with open(tmp_path / "eval" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["prompt_set"] for r in rows] == ["gsm8k", "overall"]
+    assert float(rows[1]["tau"]) == pytest.approx(7 / 3) and rows[1]["num_drafted"] == "9"
+    assert rows[1]["greedy_mismatches"] == "0" and rows[1]["speedup"] == ""
 
 
 # A plain speculative decoding loop, written independently of the replay -------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dflash.eval.export import export_zlab, load_drafter
+from dflash.eval.live import live_decode
 from dflash.eval.replay import replay
 
 REFERENCE_VERSION = "0.1.0"
@@ -102,7 +103,7 @@ def drafter_with_constant_guess(make_drafter, adapter, token, attention_scale):
 
 
 @pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # raised inside the reference loop
-def test_reference_generate_matches_replay(reference, tiny_target, make_drafter, tmp_path, monkeypatch):
+def test_reference_generate_matches_replay_and_live(reference, tiny_target, make_drafter, tmp_path, monkeypatch):
     from transformers import DynamicCache
 
     if not hasattr(DynamicCache, "activate_past_recording"):
@@ -123,6 +124,9 @@ def test_reference_generate_matches_replay(reference, tiny_target, make_drafter,
                                               stop_token_ids=stop_ids, return_stats=True)
             assert stats.output_ids[0, len(prompt):].tolist() == ours.continuation
             assert stats.acceptance_lengths == ours.trace.committed
+            # Our live decoder (KV caches, cached drafter context) takes the same steps as the reference loop.
+            live = live_decode(drafter, adapter, prompt, max_new_tokens=18, stop_token_ids=stop_ids)
+            assert live.continuation == ours.continuation and live.trace.committed == stats.acceptance_lengths
             lengths += stats.acceptance_lengths
     assert len(set(lengths)) >= 3, f"acceptance lengths did not vary: {lengths}"
     # A prefill token that is a stop token: no verify step in either.

@@ -159,3 +159,85 @@ def test_rope_angles_survive_a_bf16_cast():
     drafter.to(torch.bfloat16)
     cos16, _ = drafter.rotary_emb(positions, torch.float32)
     torch.testing.assert_close(cos16, cos32)
+
+
+# FlexAttention path: the same equivalences through BlockMasks (eager flex on CPU: it applies the mask_mod to every
+# element; the tile lists that the CUDA kernels skip by are checked against the dense mask separately).
+
+FLEX_CASES = [
+    (["full_attention", "full_attention"], None),
+    (["sliding_attention", "sliding_attention"], 6),
+    (["sliding_attention", "full_attention"], 5),
+]
+
+
+@pytest.mark.parametrize("layer_types,window", FLEX_CASES)
+def test_flex_training_forward_equals_inference_forward_for_every_anchor(layer_types, window):
+    torch.manual_seed(0)
+    seq_len = 14
+    drafter = make_drafter(layer_types, window)
+    embed_weight = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
+    input_ids = torch.randint(0, VOCAB - 1, (1, seq_len))
+    target_hidden = torch.randn(1, seq_len, TAPS * HIDDEN, dtype=torch.float64)
+    anchors = torch.arange(seq_len)[None]
+    with torch.no_grad():
+        trained = training_forward(drafter, embed_weight, input_ids, target_hidden, anchors, attention="flex")
+        trained = trained.view(seq_len, BLOCK, -1)
+        for anchor in range(seq_len):
+            expected = inference_forward(drafter, embed_weight, input_ids, target_hidden, anchor)[0]
+            torch.testing.assert_close(trained[anchor], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_flex_and_sdpa_agree_on_a_padded_batch():
+    # Forward only: torch has no FlexAttention backward on CPU (the CUDA path trains through it).
+    torch.manual_seed(1)
+    drafter = make_drafter(["sliding_attention", "full_attention"], 5)
+    embed_weight = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
+    input_ids = torch.randint(0, VOCAB - 1, (2, 12))
+    target_hidden = torch.randn(2, 12, TAPS * HIDDEN, dtype=torch.float64)
+    anchors = torch.tensor([[2, 5, 9], [1, 3, 0]])  # row 1 ends with a padding anchor, as sample_anchors pads
+    with torch.no_grad():
+        sdpa = training_forward(drafter, embed_weight, input_ids, target_hidden, anchors, attention="sdpa")
+        flex = training_forward(drafter, embed_weight, input_ids, target_hidden, anchors, attention="flex")
+    torch.testing.assert_close(flex, sdpa, rtol=1e-10, atol=1e-10)
+
+
+def _tiles(num_blocks, indices, kv_tiles):
+    """Dense [batch, q_tiles, kv_tiles] bool from a BlockMask's (num_blocks, indices) pair (head 0)."""
+    batch, _, q_tiles = num_blocks.shape
+    dense = torch.zeros(batch, q_tiles, kv_tiles, dtype=torch.bool)
+    for b in range(batch):
+        for qt in range(q_tiles):
+            dense[b, qt, indices[b, 0, qt, : num_blocks[b, 0, qt]].long()] = True
+    return dense
+
+
+@pytest.mark.parametrize("tile", [4, 5, 8])
+@pytest.mark.parametrize("layer_type,window", [("full_attention", None), ("sliding_attention", 6),
+                                               ("sliding_attention", 3)])
+def test_flex_block_mask_tiles_and_mask_mod_match_the_dense_mask(tile, layer_type, window):
+    from torch.nn.attention.flex_attention import create_mask
+
+    from dflash.train.flex_mask import flex_block_masks
+
+    context_len = 21
+    anchors = torch.tensor([[0, 3, 4, 9, 15, 19], [2, 6, 7, 0, 0, 0]])  # sorted, then padding zeros
+    dense = block_attention_masks(anchors, context_len, BLOCK, [layer_type], window)[layer_type][:, 0]
+    block_mask = flex_block_masks(anchors, context_len, BLOCK, [layer_type], window, tile=tile)[layer_type]
+    num_q, num_kv = dense.shape[1:]
+    elementwise = create_mask(block_mask.mask_mod, 2, 1, num_q, num_kv, device="cpu")[:, 0]
+    assert torch.equal(elementwise, dense)
+    q_tiles, kv_tiles = -(-num_q // tile), -(-num_kv // tile)
+    # Rows and columns past the ends pad the last tiles; kernels ignore them, so they count as neither.
+    padded_any = torch.zeros(2, q_tiles * tile, kv_tiles * tile, dtype=torch.bool)
+    padded_all = torch.ones(2, q_tiles * tile, kv_tiles * tile, dtype=torch.bool)
+    padded_any[:, :num_q, :num_kv] = padded_all[:, :num_q, :num_kv] = dense
+    any_visible = padded_any.view(2, q_tiles, tile, kv_tiles, tile).any(4).any(2)
+    all_visible = padded_all.view(2, q_tiles, tile, kv_tiles, tile).all(4).all(2)
+    partial = _tiles(block_mask.kv_num_blocks, block_mask.kv_indices, kv_tiles)
+    full = _tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, kv_tiles)
+    assert not (partial & full).any()
+    assert torch.equal(any_visible & ~(partial | full), torch.zeros_like(any_visible))  # no visible key skipped
+    assert torch.equal(full & ~all_visible, torch.zeros_like(full))  # "full" tiles really are full
+    assert (~(partial | full)).any()  # the case exercises skipping
+    assert full.any() or layer_type == "sliding_attention"  # no tile is fully inside a window this short

@@ -17,15 +17,6 @@ from dflash.models.targets import smollm2
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Spinning intra-op threads slow down 10x when another test run shares the 2 CPU cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     try:

@@ -26,15 +26,6 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and spinning threads slow down 10x on a shared 2-core box."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def llama():
     return build_tiny_target("llama", seed=0, tokenizer="builtin")

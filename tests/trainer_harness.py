@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+import time
 
 import torch
 
@@ -43,23 +44,36 @@ def drafter_config() -> DrafterConfig:
                          layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 
 
-def settings(micro_batch_size: int, grad_accum: int, zero_stage: int = 2, epochs: int = 2, save_every: int = 0
-             ) -> TrainSettings:
+def settings(micro_batch_size: int, grad_accum: int, zero_stage: int = 2, epochs: int = 2, save_every: int = 0,
+             keep_last: int = 0) -> TrainSettings:
     return TrainSettings(epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=3e-3,
                          weight_decay=0.0, betas=(0.9, 0.95), warmup_ratio=0.0, min_lr_ratio=0.1, grad_clip=1.0,
                          num_anchors=4, gamma=4.0, seed=0, loss_chunk_size=7, log_every=1, save_every=save_every,
-                         zero_stage=zero_stage, bf16=False)
+                         zero_stage=zero_stage, bf16=False, attention="sdpa", keep_last=keep_last)
+
+
+class SlowStore(list):
+    """A store that takes `delay` seconds per sample, so a test can kill a run between two checkpoints."""
+
+    def __init__(self, samples: list, delay: float) -> None:
+        super().__init__(samples)
+        self.delay = delay
+
+    def __getitem__(self, index):
+        time.sleep(self.delay)
+        return super().__getitem__(index)
 
 
 def run(out_dir: str, micro_batch_size: int, grad_accum: int, zero_stage: int = 2, epochs: int = 2,
-        save_every: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+        save_every: int = 0, keep_last: int = 0, delay: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
     from dflash.train.engine import init_distributed
 
     rank, world_size, _ = init_distributed()
     log = MetricsLog(out_dir, enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t",
                      config={})
-    state = train(settings(micro_batch_size, grad_accum, zero_stage, epochs, save_every), drafter_config(), synthetic_store(),
-                  frozen_head(), os.path.join(out_dir, "checkpoints"), log, rank=rank, world_size=world_size,
+    store = SlowStore(synthetic_store(), delay) if delay else synthetic_store()
+    state = train(settings(micro_batch_size, grad_accum, zero_stage, epochs, save_every, keep_last), drafter_config(),
+                  store, frozen_head(), os.path.join(out_dir, "checkpoints"), log, rank=rank, world_size=world_size,
                   device=torch.device("cpu"), show_progress=False)
     log.close()
     losses = []
@@ -70,8 +84,19 @@ def run(out_dir: str, micro_batch_size: int, grad_accum: int, zero_stage: int = 
 
 
 if __name__ == "__main__":
-    # torchrun --nproc_per_node 2 tests/trainer_harness.py OUT_DIR MICRO GRAD_ACCUM ZERO_STAGE
-    out, micro, accum, stage = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    losses, state = run(out, micro, accum, stage)
+    # [torchrun ...] tests/trainer_harness.py OUT_DIR MICRO GRAD_ACCUM ZERO_STAGE [--epochs E --save-every N ...]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("micro", type=int)
+    parser.add_argument("accum", type=int)
+    parser.add_argument("stage", type=int)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--keep-last", type=int, default=0)
+    parser.add_argument("--delay", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    losses, state = run(args.out, args.micro, args.accum, args.stage, args.epochs, args.save_every, args.keep_last,
+                        args.delay)
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"losses": losses, "state": state}, os.path.join(out, "result.pt"))
+        torch.save({"losses": losses, "state": state}, os.path.join(args.out, "result.pt"))

@@ -1,14 +1,21 @@
-"""Evaluate a drafter against its target: greedy acceptance per prompt set, by exact replay (replay.py).
+"""Evaluate a drafter against its target per prompt set: by exact replay (replay.py) or live decoding (live.py).
 
-Summary schema (summary.json, schema_version 1):
-    {"schema_version": 1, "block_size": B, "max_new_tokens": N,
+Summary schema (summary.json, schema_version 2; docs/eval.md):
+    {"schema_version": 2, "mode": "replay"|"live", "temperature": T, "block_size": B, "max_new_tokens": N,
      "prompt_sets": {name: metrics}, "overall": metrics}
+    (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, and "chat_template_kwargs"
+    when the pipeline writes it)
 where metrics = acceptance_metrics(...) (tau, tau_prompt_mean, acceptance_rate, per_position,
-committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_drafted) plus greedy_mismatches.
+committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_drafted) plus, in replay mode,
+greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
+speculative_tokens_per_s and, when the target-only baseline ran, target_seconds, target_new_tokens,
+target_tokens_per_s, speedup and (T=0) lossless_mismatches. summary.csv has one row per prompt set + overall.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 from typing import Any
@@ -16,11 +23,12 @@ from typing import Any
 import torch
 
 from dflash.eval.metrics import acceptance_metrics
-from dflash.eval.plots import plot_per_position
+from dflash.eval.plots import plot_committed_histogram, plot_per_position
+from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.replay import replay
 from dflash.models.drafter import DFlashDraftModel
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def check_compatible(drafter: DFlashDraftModel, adapter) -> None:
@@ -39,6 +47,9 @@ def check_compatible(drafter: DFlashDraftModel, adapter) -> None:
         )
 
 
+MODES = ("replay", "live")
+
+
 def evaluate(
     drafter: DFlashDraftModel,
     adapter,
@@ -47,10 +58,28 @@ def evaluate(
     max_new_tokens: int,
     batch_size: int = 8,
     show_progress: bool = True,
+    mode: str = "replay",
+    temperature: float = 0.0,
+    seed: int = 0,
+    measure_target: bool = True,
+    categories: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """Greedy (T=0) acceptance of `drafter` on each prompt set (token ids of chat-templated prompts)."""
+    """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
+
+    mode "replay": greedy (T=0) by exact replay over the target's continuation (replay.py), batched.
+    mode "live": real speculative decoding with KV caches, one prompt at a time (live.py), at `temperature`
+    (rejection sampling when > 0); with `measure_target` every prompt is also decoded target-only in the same
+    process, which gives tokens/s of both and the speedup, and at T=0 `lossless_mismatches` (prompts whose
+    speculative output differs from the target-only output; 0 expected).
+    `categories[name]` (optional) labels each prompt of set `name`; the summary then has
+    "categories": {name: {label: acceptance metrics}} (MT-Bench categories, categories.py).
+    """
     if not prompt_sets:
         raise ValueError("prompt_sets is empty")
+    if mode not in MODES:
+        raise ValueError(f"unknown eval mode {mode!r}; use one of {list(MODES)}")
+    if mode == "replay" and temperature != 0:
+        raise ValueError(f"replay mode is exact only at temperature 0, got {temperature}; use mode 'live'")
     check_compatible(drafter, adapter)
     drafter.eval()
     block_size = drafter.config.block_size
@@ -58,46 +87,136 @@ def evaluate(
     if show_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), desc="eval", unit="prompt")
+        bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), desc=f"eval ({mode})", unit="prompt")
+    progress = bar.update if bar is not None else None
+    generator = torch.Generator(device=adapter.device).manual_seed(seed) if mode == "live" else None
+    categories = categories or {}
+    for name, labels in categories.items():
+        if name not in prompt_sets or len(labels) != len(prompt_sets[name]):
+            raise ValueError(f"categories[{name!r}] must label each of the prompts of prompt set {name!r}")
     per_set: dict[str, Any] = {}
-    all_traces, all_mismatches = [], 0
+    per_category: dict[str, Any] = {}
+    all_traces, extras = [], []
     try:
         for name, prompts in prompt_sets.items():
             if bar is not None:
                 bar.set_postfix_str(name)
-            with torch.inference_mode():
-                results = replay(
-                    drafter, adapter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                    progress=bar.update if bar is not None else None,
-                )
-            traces = [r.trace for r in results]
-            mismatches = sum(r.greedy_mismatches for r in results)
-            per_set[name] = {**acceptance_metrics(traces, block_size), "greedy_mismatches": mismatches}
+            if mode == "replay":
+                with torch.inference_mode():
+                    results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
+                                     batch_size=batch_size, progress=progress)
+                traces = [r.trace for r in results]
+                extra = {"greedy_mismatches": sum(r.greedy_mismatches for r in results)}
+            else:
+                traces, extra = _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, generator=generator,
+                                          measure_target=measure_target, progress=progress)
+            per_set[name] = {**acceptance_metrics(traces, block_size), **_finish(extra)}
+            if name in categories:
+                groups: dict[str, list] = {}
+                for label, trace in zip(categories[name], traces):
+                    groups.setdefault(label, []).append(trace)
+                per_category[name] = {label: acceptance_metrics(group, block_size)
+                                      for label, group in sorted(groups.items())}
             all_traces += traces
-            all_mismatches += mismatches
+            extras.append(extra)
     finally:
         if bar is not None:
             bar.close()
-    overall = {**acceptance_metrics(all_traces, block_size), "greedy_mismatches": all_mismatches}
-    return {
+    pooled = {key: sum(e[key] for e in extras) for key in extras[0]}
+    summary = {
         "schema_version": SCHEMA_VERSION,
+        "mode": mode,
+        "temperature": temperature,
         "block_size": block_size,
         "max_new_tokens": max_new_tokens,
         "prompt_sets": per_set,
-        "overall": overall,
+        "overall": {**acceptance_metrics(all_traces, block_size), **_finish(pooled)},
     }
+    if per_category:
+        summary["categories"] = per_category
+    return summary
+
+
+def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress):
+    """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
+    stop_ids = adapter.stop_token_ids()
+    traces = []
+    extra = {"speculative_seconds": 0.0, "speculative_new_tokens": 0}
+    if measure_target:
+        extra.update(target_seconds=0.0, target_new_tokens=0)
+        if temperature == 0:
+            extra["lossless_mismatches"] = 0
+    for prompt in prompts:
+        result = live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                             temperature=temperature, generator=generator)
+        traces.append(result.trace)
+        extra["speculative_seconds"] += result.seconds
+        extra["speculative_new_tokens"] += len(result.continuation)
+        if measure_target:
+            plain = target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                                       temperature=temperature, generator=generator)
+            extra["target_seconds"] += plain.seconds
+            extra["target_new_tokens"] += len(plain.continuation)
+            if temperature == 0:
+                extra["lossless_mismatches"] += int(plain.continuation != result.continuation)
+        if progress is not None:
+            progress(1)
+    return traces, extra
+
+
+def _finish(extra: dict[str, Any]) -> dict[str, Any]:
+    """Add tokens/s and the speedup (target-only time per token / speculative time per token) to timings."""
+    out = dict(extra)
+    if "speculative_seconds" in out:
+        out["speculative_tokens_per_s"] = _rate(out["speculative_new_tokens"], out["speculative_seconds"])
+    if "target_seconds" in out:
+        out["target_tokens_per_s"] = _rate(out["target_new_tokens"], out["target_seconds"])
+        spec, target = out["speculative_tokens_per_s"], out["target_tokens_per_s"]
+        out["speedup"] = spec / target if spec and target else None
+    return out
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+CSV_COLUMNS = ("prompt_set", "tau", "tau_prompt_mean", "acceptance_rate", "num_prompts", "num_steps", "num_tokens",
+               "num_accepted", "num_drafted", "greedy_mismatches", "speculative_tokens_per_s", "target_tokens_per_s",
+               "speedup", "lossless_mismatches")
+
+
+def summary_csv(summary: dict[str, Any]) -> str:
+    """The scalar metrics as CSV text: one row per prompt set, "overall", then one per "set/category"; empty cells
+    where not measured."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    rows = [*summary["prompt_sets"].items(), ("overall", summary["overall"])]
+    for set_name, labelled in summary.get("categories", {}).items():
+        rows += [(f"{set_name}/{label}", metrics) for label, metrics in labelled.items()]
+    for name, metrics in rows:
+        values = [metrics.get(column) for column in CSV_COLUMNS[1:]]
+        writer.writerow([name, *("" if v is None else v for v in values)])
+    return buffer.getvalue()
+
+
+def _write_text(path: str, text: str) -> None:
+    temp = path + ".tmp"
+    with open(temp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(temp, path)
 
 
 def write_summary(summary: dict[str, Any], out_dir: str) -> str:
-    """Write out_dir/summary.json (atomically) and out_dir/per_position.png; returns the JSON path."""
+    """Write summary.json, summary.csv, per_position.png and committed_histogram.png into out_dir (each file
+    atomically); returns the JSON path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "summary.json")
-    temp = path + ".tmp"
-    with open(temp, "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-    os.replace(temp, path)
+    _write_text(path, json.dumps(summary, indent=2) + "\n")
+    _write_text(os.path.join(out_dir, "summary.csv"), summary_csv(summary))
     plot_per_position(summary, os.path.join(out_dir, "per_position.png"))
+    plot_committed_histogram(summary, os.path.join(out_dir, "committed_histogram.png"))
     return path
 
 
@@ -110,11 +229,15 @@ def format_table(summary: dict[str, Any]) -> str:
     rows = [(name, m) for name, m in summary["prompt_sets"].items()] + [("overall", summary["overall"])]
     width = max(12, *(len(name) for name, _ in rows))
     header = f"{'prompt set':<{width}}  {'tau':>6}  {'acc.rate':>8}  {'prompts':>7}  {'steps':>7}  {'tokens':>7}"
-    lines = [f"greedy acceptance, block size {summary['block_size']} (tau = tokens per target forward)", header,
-             "-" * len(header)]
+    if "speedup" in summary["overall"]:
+        header += f"  {'speedup':>7}"
+    mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
+    lines = [f"{mode} acceptance at T={temperature}, block size {summary['block_size']} "
+             f"(tau = tokens per target forward)", header, "-" * len(header)]
     for name, m in rows:
         lines.append(
             f"{name:<{width}}  {number(m['tau'], 2):>6}  {number(m['acceptance_rate'], 3):>8}  "
             f"{m['num_prompts']:>7}  {m['num_steps']:>7}  {m['num_tokens']:>7}"
+            + (f"  {number(m['speedup'], 2):>7}" if "speedup" in m else "")
         )
     return "\n".join(lines)

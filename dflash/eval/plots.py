@@ -1,4 +1,4 @@
-"""Plot of per-position acceptance (survival curve of draft positions), one line per prompt set."""
+"""Plots of an eval summary: per-position acceptance (survival curve of draft positions) and committed lengths."""
 
 from __future__ import annotations
 
@@ -35,6 +35,39 @@ def plot_per_position(summary: dict[str, Any], path: str) -> str:
     axes.set_title(f"Greedy acceptance per position (block size {block_size})")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
+    return save_figure(figure, path)
+
+
+def plot_committed_histogram(summary: dict[str, Any], path: str) -> str:
+    """Write a PNG of the committed-length histogram (fraction of steps per length 1..B), one bar group per prompt
+    set and "overall"; returns `path`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5), dpi=120)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    series = {**summary["prompt_sets"], "overall": summary["overall"]}
+    block_size = summary["block_size"]
+    width = 0.8 / len(series)
+    for i, (name, metrics) in enumerate(series.items()):
+        counts = metrics["committed_histogram"][1:]
+        total = sum(counts)
+        if not total:
+            continue
+        offsets = [n + (i - (len(series) - 1) / 2) * width for n in range(1, block_size + 1)]
+        axes.bar(offsets, [c / total for c in counts], width=width, label=name)
+    axes.set_xticks(range(1, block_size + 1))
+    axes.set_xlabel("tokens committed by a verify step (bonus included)")
+    axes.set_ylabel("fraction of steps")
+    axes.set_title(f"Committed lengths (block size {block_size})")
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend(fontsize=8)
+    return save_figure(figure, path)
+
+
+def save_figure(figure, path: str) -> str:
+    """Write `figure` as a PNG through a temporary file, so a reader never sees half an image; returns `path`."""
     figure.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     temp = os.path.join(directory, f".{os.path.basename(path)}.tmp.png")

@@ -4,15 +4,17 @@ Samples are planned into shards in dataset order (a sample never straddles two s
 are sorted by length and grouped into right-padded batches of at most `batch_tokens` padded tokens; each batch
 goes through `TargetAdapter.capture` (hooks on the decoder layers, no LM head, stops after the deepest tap) and
 its rows are copied back to their place in the shard. Every batch is checked (one row per token, finite values,
-non-zero variance per tap and sample), and once per run one sample is compared with a plain
+non-zero variance per tap and sample), and one sample in `check_every` is compared with a plain single-sequence
 `output_hidden_states` forward, because capture paths have silently produced wrong or all-zero states before
-(notes section 8). The manifest is rewritten after every shard, so an interrupted run resumes at the first
-missing shard.
+(notes section 8). Before any work the disk the run will take is printed, and the run refuses to start when the
+folder's file system has less free space. The manifest is rewritten after every shard, so an interrupted run
+(even by SIGKILL) resumes at the first missing shard.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,16 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
-from dflash.extract.store import SCHEMA_VERSION, ShardWriter, read_manifest, store_dtype
+from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
+from dflash.extract.store import SCHEMA_VERSION, ShardWriter, file_sha256, read_manifest, store_dtype
 from dflash.models.targets.base import TargetAdapter
 
 # Relative L2 error allowed between captured features and a plain forward of the same sample: batching and
 # padding change the kernels' summation order (large in bfloat16), a wrong tap or zero states give ~1.
 CROSSCHECK_RTOL = 0.05
 _LENGTH_CHUNK = 65536
+# safetensors header and alignment of one shard, counted generously.
+_SHARD_OVERHEAD_BYTES = 1 << 16
 
 
 def _normalised(value: Any) -> Any:
@@ -36,7 +41,7 @@ def _normalised(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def _sample_lengths(dataset: Any) -> np.ndarray:
+def sample_lengths(dataset: Any) -> np.ndarray:
     """Token counts of every row, read from Arrow list lengths without materialising the token lists."""
     table = dataset.with_format("arrow")
     lengths = []
@@ -57,6 +62,26 @@ def plan_shards(lengths: np.ndarray, start: int, shard_tokens: int) -> list[tupl
     if first < len(lengths):
         plan.append((first, len(lengths)))
     return plan
+
+
+def bytes_per_token(width: int, num_taps: int, dtype: torch.dtype) -> int:
+    """Stored bytes of one token: features (plus fp8 scales), an int32 id and a uint8 loss-mask entry."""
+    features = width * torch.empty(0, dtype=dtype).element_size()
+    scales = 4 * num_taps if dtype == FP8_DTYPE else 0
+    return features + scales + 4 + 1
+
+
+def check_disk(out_dir: Path, needed: int) -> None:
+    """Print the bytes a capture will write into `out_dir`; raise OSError when its file system has less free."""
+    free = shutil.disk_usage(out_dir).free
+    print(f"[capture] the feature store will take {needed / 2**30:.2f} GiB more in {out_dir} "
+          f"({free / 2**30:.2f} GiB free)")
+    if needed > free:
+        raise OSError(
+            f"not enough disk for the feature store in {out_dir}: it needs {needed} bytes "
+            f"({needed / 2**30:.2f} GiB), only {free} bytes ({free / 2**30:.2f} GiB) are free; free space, "
+            "point the run at a larger disk, use capture.dtype=fp8, or use online capture"
+        )
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -135,16 +160,19 @@ def _check_resumable(manifest: dict[str, Any], expected: dict[str, Any], out_dir
             )
 
 
-def _capture_shard(
+def capture_rows(
     adapter: TargetAdapter,
     rows: Any,
+    first_sample: int,
     layer_ids: list[int],
     batch_tokens: int,
     dtype: torch.dtype,
-    crosscheck: bool,
+    check_every: int,
     progress: tqdm,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Capture one shard's rows (an Arrow table slice): (hidden, input_ids, loss_mask, offsets)."""
+) -> dict[str, torch.Tensor]:
+    """Capture one shard's rows (an Arrow table slice) -> ShardWriter.write_shard's tensors (hidden, input_ids,
+    loss_mask, offsets, and scales for fp8). Sample `first_sample + j` is crosschecked when divisible by
+    `check_every` (0: never)."""
     sample_ids = [str(i) for i in rows["id"].to_pylist()]
     lengths = pc.list_value_length(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
     mask_lengths = pc.list_value_length(rows["loss_mask"]).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -161,6 +189,7 @@ def _capture_shard(
     offsets[1:] = torch.from_numpy(np.cumsum(lengths))
     num_tokens = int(offsets[-1])
     hidden = torch.empty(num_tokens, len(layer_ids) * adapter.hidden_size, dtype=dtype)
+    scales = torch.empty(num_tokens, len(layer_ids), dtype=torch.float32) if dtype == FP8_DTYPE else None
     pad_id = adapter.tokenizer.pad_token_id
 
     for batch in length_batches(lengths.tolist(), batch_tokens):
@@ -173,18 +202,48 @@ def _capture_shard(
             attention_mask[row, :lengths[j]] = 1
         features = adapter.capture(input_ids.to(adapter.device), attention_mask.to(adapter.device), layer_ids)
         check_features(features, batch_lengths, [sample_ids[j] for j in batch], layer_ids)
-        features = features.to(dtype).cpu()
-        if crosscheck:
-            j = batch[-1]  # the shortest sample of the batch keeps the extra forward cheap
-            crosscheck_sample(
-                adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features[len(batch) - 1, :lengths[j]],
-                layer_ids, sample_ids[j],
-            )
-            crosscheck = False
+        for row, j in enumerate(batch):
+            # Compared before the cast to the stored dtype: the check is about the capture path, not rounding.
+            if check_every and (first_sample + j) % check_every == 0:
+                crosscheck_sample(
+                    adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features[row, :lengths[j]],
+                    layer_ids, sample_ids[j],
+                )
+        if scales is not None:
+            q, batch_scales = quantize_fp8(features.flatten(0, 1), len(layer_ids))
+            features = q.view(features.shape).cpu()
+            batch_scales = batch_scales.view(*features.shape[:2], -1).cpu()
+            for row, j in enumerate(batch):
+                scales[offsets[j]:offsets[j + 1]] = batch_scales[row, :lengths[j]]
+        else:
+            features = features.to(dtype).cpu()
         for row, j in enumerate(batch):
             hidden[offsets[j]:offsets[j + 1]] = features[row, :lengths[j]]
         progress.update(sum(batch_lengths))
-    return hidden, flat_ids, flat_mask, offsets
+    arrays = {"hidden": hidden, "input_ids": flat_ids, "loss_mask": flat_mask, "offsets": offsets}
+    if scales is not None:
+        arrays["scales"] = scales
+    return arrays
+
+
+def _repair_shards(
+    adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any], layer_ids: list[int],
+    batch_tokens: int, dtype: torch.dtype, check_every: int,
+) -> None:
+    """Hash every shard listed in the manifest; recapture (same samples, same name) each missing or corrupt one."""
+    writer, table = ShardWriter(out_dir), dataset.with_format("arrow")
+    for index, entry in enumerate(manifest["shards"]):
+        path = out_dir / entry["file"]
+        actual = file_sha256(path) if path.is_file() else None
+        if actual == entry["sha256"]:
+            continue
+        first, end = entry["first_sample"], entry["first_sample"] + entry["num_samples"]
+        problem = "missing" if actual is None else f"corrupt (sha256 {actual}, manifest {entry['sha256']})"
+        print(f"[capture] feature shard {path} is {problem}: recapturing samples {first}..{end - 1}")
+        arrays = capture_rows(adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every,
+                                tqdm(disable=True))
+        manifest["shards"][index] = writer.write_shard(index, first_sample=first, **arrays)
+        writer.write_manifest(manifest)
 
 
 def capture_dataset(
@@ -196,6 +255,8 @@ def capture_dataset(
     batch_tokens: int = 8192,
     shard_tokens: int = 1 << 20,
     dtype: str = "bfloat16",
+    check_every: int = 1000,
+    verify_existing: bool = False,
     fingerprint: dict,
     show_progress: bool = True,
 ) -> dict[str, Any]:
@@ -204,10 +265,16 @@ def capture_dataset(
 
     Resumable at shard granularity: shards already listed in a partial manifest are kept. A complete store with
     the same fingerprint returns at once; a different fingerprint (or taps, dtype, hidden size) raises ValueError.
+    Samples whose index is a multiple of `check_every` (0: none) are compared with a plain forward. Raises
+    OSError before any work when the remaining shards will not fit on the folder's disk. With `verify_existing`,
+    the shards already listed (complete store included) are hashed first and any missing or corrupt one is
+    reported by name and recaptured.
     """
     out_dir = Path(out_dir)
     layer_ids = adapter.check_layer_ids(layer_ids)
     torch_dtype = store_dtype(dtype)
+    if check_every < 0:
+        raise ValueError(f"check_every must be >= 0 (0 disables the re-forward check), got {check_every}")
     if batch_tokens < 1 or shard_tokens < 1:
         raise ValueError(f"batch_tokens ({batch_tokens}) and shard_tokens ({shard_tokens}) must be positive")
     if len(dataset) == 0:
@@ -231,12 +298,15 @@ def capture_dataset(
                 f"feature store {out_dir} was captured from a dataset of {manifest.get('expected_num_samples')} "
                 f"samples, this one has {len(dataset)}: use a new output folder or delete {out_dir}"
             )
+        if verify_existing:
+            _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, torch_dtype, check_every)
         if manifest["complete"]:
             return manifest
         for entry in manifest["shards"]:
             if not (out_dir / entry["file"]).is_file():
                 raise FileNotFoundError(
-                    f"feature shard {out_dir / entry['file']} listed in the manifest is missing: delete {out_dir}"
+                    f"feature shard {out_dir / entry['file']} listed in the manifest is missing: rerun with "
+                    f"verify_existing=True (capture.verify_existing=true) to recapture it, or delete {out_dir}"
                 )
     else:
         manifest = {
@@ -251,9 +321,15 @@ def capture_dataset(
         }
 
     writer = ShardWriter(out_dir)
-    lengths = _sample_lengths(dataset)
+    for path in writer.remove_stale_temps():
+        print(f"[capture] removed {path.name}, left by an interrupted writer")
+    lengths = sample_lengths(dataset)
     done = int(manifest["num_samples"])
     plan = plan_shards(lengths, done, shard_tokens)
+    width = len(layer_ids) * adapter.hidden_size
+    needed = int(lengths[done:].sum()) * bytes_per_token(width, len(layer_ids), torch_dtype)
+    needed += (len(dataset) - done + len(plan)) * 8 + len(plan) * _SHARD_OVERHEAD_BYTES
+    check_disk(out_dir, needed)
     table = dataset.with_format("arrow")
     progress = tqdm(
         total=int(lengths.sum()), initial=int(lengths[:done].sum()), unit="tok", desc="capture",
@@ -275,14 +351,13 @@ def capture_dataset(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
         try:
             for index, (first, end) in enumerate(plan, start=start):
-                # The comparison with a plain forward runs once per run, on its first batch.
-                arrays = _capture_shard(
-                    adapter, table[first:end], layer_ids, batch_tokens, torch_dtype, index == start, progress
+                arrays = capture_rows(
+                    adapter, table[first:end], first, layer_ids, batch_tokens, torch_dtype, check_every, progress
                 )
                 if pending is not None:
                     write, pending = pending, None
                     record(write)
-                pending = pool.submit(writer.write_shard, index, *arrays, first)
+                pending = pool.submit(writer.write_shard, index, first_sample=first, **arrays)
             if pending is not None:
                 write, pending = pending, None
                 record(write)

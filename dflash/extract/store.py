@@ -3,8 +3,9 @@
 Layout of a store folder:
     manifest.json            schema_version, target_layer_ids, hidden_size, dtype, num_samples, num_tokens,
                              complete, fingerprint, shards: [{file, sha256, first_sample, num_samples, num_tokens}]
-    shard-00000.safetensors  "hidden" [tokens, K*H] (bf16 or fp32), "input_ids" [tokens] int32,
-                             "loss_mask" [tokens] uint8, "offsets" [n+1] int64 (sample j = rows offsets[j]:offsets[j+1])
+    shard-00000.safetensors  "hidden" [tokens, K*H] (bf16, fp32 or fp8 e4m3), "input_ids" [tokens] int32,
+                             "loss_mask" [tokens] uint8, "offsets" [n+1] int64 (sample j: offsets[j]:offsets[j+1]),
+                             fp8 stores only: "scales" [tokens, K] float32 (one per token and tap, see fp8.py)
 Sample i of the store is row i of the dataset it was captured from. Shards and the manifest are written to a
 temporary name and moved into place with os.replace, so a file that exists is complete; a shard's sha256 is
 checked the first time a reader opens it.
@@ -23,9 +24,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.extract.fp8 import FP8_DTYPE, dequantize_fp8
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": FP8_DTYPE}
 
 
 def store_dtype(name: str) -> torch.dtype:
@@ -68,6 +71,16 @@ class ShardWriter:
     def _tmp(self, name: str) -> Path:
         return self.out_dir / f".{name}.tmp-{os.getpid()}"
 
+    def remove_stale_temps(self) -> list[Path]:
+        """Delete temporary files left by a writer that was killed mid-write; returns them.
+
+        Only one capture writes a store folder at a time, so every temp file found at start-up is stale.
+        """
+        stale = sorted(self.out_dir.glob(".*.tmp-*"))
+        for path in stale:
+            path.unlink()
+        return stale
+
     def write_shard(
         self,
         index: int,
@@ -76,8 +89,12 @@ class ShardWriter:
         loss_mask: torch.Tensor,
         offsets: torch.Tensor,
         first_sample: int,
+        scales: torch.Tensor | None = None,
     ) -> dict[str, Any]:
-        """Write shard `index` and return its manifest entry (file, sha256, first_sample, num_samples, num_tokens)."""
+        """Write shard `index` and return its manifest entry (file, sha256, first_sample, num_samples, num_tokens).
+
+        `scales` [tokens, K] goes with fp8 `hidden` only.
+        """
         num_tokens = int(offsets[-1])
         if hidden.shape[0] != num_tokens or input_ids.shape[0] != num_tokens or loss_mask.shape[0] != num_tokens:
             raise ValueError(
@@ -92,6 +109,12 @@ class ShardWriter:
             "loss_mask": loss_mask.to(torch.uint8).contiguous(),
             "offsets": offsets.to(torch.int64).contiguous(),
         }
+        if (scales is not None) != (hidden.dtype == FP8_DTYPE):
+            raise ValueError(f"shard {index}: fp8 features need per-token scales, other dtypes none")
+        if scales is not None:
+            if scales.shape[0] != num_tokens:
+                raise ValueError(f"shard {index}: {scales.shape[0]} scale rows for {num_tokens} tokens")
+            tensors["scales"] = scales.to(torch.float32).contiguous()
         # One metadata key only: safetensors orders several keys arbitrarily, and shards should be byte-reproducible.
         save_file(tensors, str(tmp), metadata={"schema_version": str(SCHEMA_VERSION)})
         sha = file_sha256(tmp)
@@ -123,10 +146,14 @@ class _OpenShard:
         self.input_ids = self.handle.get_tensor("input_ids")
         self.loss_mask = self.handle.get_tensor("loss_mask")
         self.hidden = self.handle.get_slice("hidden")
+        self.scales = self.handle.get_tensor("scales") if "scales" in self.handle.keys() else None
 
 
 class FeatureStore:
-    """Reader: `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "hidden": Tensor[T, K*H]}."""
+    """Reader: `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "hidden": Tensor[T, K*H]}.
+
+    `hidden` comes in the stored dtype; fp8 stores are dequantised to bfloat16 on read.
+    """
 
     def __init__(self, path: str | Path, *, verify: bool = True, allow_partial: bool = False) -> None:
         self.path = Path(path)
@@ -187,10 +214,13 @@ class FeatureStore:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         shard_index, start, end = self.locate(int(i))
         shard = self._open[shard_index]
+        hidden = shard.hidden[start:end]
+        if shard.scales is not None:
+            hidden = dequantize_fp8(hidden, shard.scales[start:end])
         return {
             "input_ids": shard.input_ids[start:end].long(),
             "loss_mask": shard.loss_mask[start:end].long(),
-            "hidden": shard.hidden[start:end],
+            "hidden": hidden,
         }
 
     def lengths(self) -> list[int]:

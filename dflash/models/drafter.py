@@ -6,8 +6,9 @@ embedding and no lm_head: the caller embeds the block with the target's frozen e
 frozen head to the output. Nothing here knows about distribution or about how masks are built for training.
 
 Attention masks: `attention_mask` maps a layer type ("full_attention" / "sliding_attention") to a boolean tensor
-broadcastable to [batch, heads, queries, keys], True where the key is visible. When it is None (inference on one
-block) full layers see everything and sliding layers are causal with a window, by position id.
+broadcastable to [batch, heads, queries, keys], True where the key is visible, or to a FlexAttention BlockMask.
+When it is None (inference on one block) full layers see everything and sliding layers are causal with a window,
+by position id.
 """
 
 from __future__ import annotations
@@ -83,6 +84,27 @@ def sliding_mask_from_positions(
     return ((distance >= 0) & (distance < window))[:, None]
 
 
+_compiled_flex = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, enable_gqa: bool) -> torch.Tensor:
+    """Scaled dot-product attention: SDPA for a boolean mask (or None), FlexAttention for a BlockMask.
+
+    The training forward passes BlockMasks on CUDA (the block-sparse mask without a dense grid); flex runs
+    compiled there, eager elsewhere (unfused, only for tests). Both give the softmax(q k^T / sqrt(d)) v of SDPA.
+    """
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+
+
 class DFlashAttention(nn.Module):
     """Queries from block tokens only; keys/values = [context feature ++ block], each through this layer's k/v."""
 
@@ -118,9 +140,7 @@ class DFlashAttention(nn.Module):
         cos, sin = rotary
         q = apply_rotary(q, cos[:, num_context:], sin[:, num_context:])
         k = apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        out = attend(q, k, v, mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_queries, self.num_heads * self.head_dim))
 
 

@@ -37,6 +37,7 @@ class OptimConfig:
     micro_batch_size: int
     grad_accum: int
     total_steps: int
+    load_universal: bool = False  # resuming from a universal checkpoint (saved by another number of ranks)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -82,6 +83,7 @@ def deepspeed_config(config: OptimConfig, world_size: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": config.load_universal},
     }
 
 
@@ -135,15 +137,14 @@ class TrainEngine:
         return None if norm is None else float(norm)
 
     def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
+        """Write tag `tag` on every rank; `latest` is left to dflash.train.checkpoints (written atomically)."""
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
 
-    def load_latest(self, directory: str) -> dict[str, Any] | None:
-        """Client state of the latest complete checkpoint in `directory`, or None when there is none."""
-        if not os.path.exists(os.path.join(directory, "latest")):
-            return None
-        path, client_state = self.engine.load_checkpoint(directory)
+    def load(self, directory: str, tag: str) -> dict[str, Any]:
+        """Load weights, optimizer and scheduler of tag `tag`; returns its client state."""
+        path, client_state = self.engine.load_checkpoint(directory, tag=tag)
         if path is None:
-            raise RuntimeError(f"checkpoint folder {directory} names a latest checkpoint that could not be loaded")
+            raise RuntimeError(f"checkpoint {os.path.join(directory, tag)} could not be loaded")
         return client_state
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:

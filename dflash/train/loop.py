@@ -19,10 +19,12 @@ from tqdm import tqdm
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
 from dflash.train.batches import BatchPlan, prepare_micro_batch
+from dflash.train.checkpoints import load_checkpoint, resume_tag, save_checkpoint
 from dflash.train.engine import OptimConfig, TrainEngine
-from dflash.train.forward import training_forward
+from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.objective import weighted_block_loss
+from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
 
 
 @dataclass
@@ -44,6 +46,9 @@ class TrainSettings:
     save_every: int
     zero_stage: int
     bf16: bool
+    attention: str = "auto"            # auto | sdpa | flex (auto: flex on CUDA, sdpa elsewhere)
+    keep_last: int = 0                 # complete checkpoints kept (0 = all)
+    peak_tflops: float | str | None = "auto"  # per-rank peak for MFU; auto = measure a bf16 matmul on CUDA
 
 
 def global_sum(value: torch.Tensor) -> torch.Tensor:
@@ -54,30 +59,30 @@ def global_sum(value: torch.Tensor) -> torch.Tensor:
 
 
 def build_engine(settings: TrainSettings, drafter_config: DrafterConfig, total_steps: int, world_size: int,
-                 device: torch.device) -> TrainEngine:
+                 device: torch.device, load_universal: bool = False) -> TrainEngine:
     drafter = DFlashDraftModel(drafter_config)
     drafter.init_weights(settings.seed)
     optim = OptimConfig(
         lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
         warmup_ratio=settings.warmup_ratio, min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip,
         zero_stage=settings.zero_stage, bf16=settings.bf16, micro_batch_size=settings.micro_batch_size,
-        grad_accum=settings.grad_accum, total_steps=total_steps,
+        grad_accum=settings.grad_accum, total_steps=total_steps, load_universal=load_universal,
     )
     return TrainEngine(drafter.to(device), optim, world_size)
 
 
 def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.Tensor, micro_batches: list[dict],
-               settings: TrainSettings, world_size: int) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches; returns the step's global loss and accuracies."""
+               settings: TrainSettings, world_size: int, attention: str = "sdpa") -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches; returns the step's global loss, accuracies, FLOPs."""
     device = engine.device
     local_weight = sum(batch["weights"].sum() for batch in micro_batches).to(device, torch.float32)
     total_weight = global_sum(local_weight).clamp_min(1e-12)
     block_size = micro_batches[0]["labels"].shape[-1]
-    totals = torch.zeros(2 + 2 * block_size, device=device)  # loss, tokens, correct[B], counted[B]
+    totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted
     for batch in micro_batches:
         hidden = training_forward(
             engine, embed_weight, batch["input_ids"].to(device), batch["hidden"].to(device, engine.dtype),
-            batch["anchors"].to(device),
+            batch["anchors"].to(device), attention=attention,
         )
         loss_sum, _, correct, counted = weighted_block_loss(
             hidden, lm_head, batch["labels"].to(device), batch["weights"].to(device), settings.loss_chunk_size
@@ -86,15 +91,28 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
         scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
         engine.backward(scaled)
         engine.step()
-        tokens = (batch["input_ids"].shape[0] * batch["input_ids"].shape[1])
-        totals += torch.cat([loss_sum.detach().reshape(1), torch.tensor([tokens], device=device), correct, counted])
+        tokens = batch["input_ids"].shape[0] * batch["input_ids"].shape[1]
+        sizes = torch.tensor([tokens, batch["labels"].numel(), tokens], device=device, dtype=torch.float32)
+        totals += torch.cat([loss_sum.detach().reshape(1), sizes, correct, counted])
     totals = global_sum(totals)
-    correct, counted = totals[2 : 2 + block_size], totals[2 + block_size :]
+    correct, counted = totals[4 : 4 + block_size], totals[4 + block_size :]
     metrics = {"loss": (totals[0] / total_weight).item(), "tokens": totals[1].item()}
     metrics["acc"] = (correct[1:].sum() / counted[1:].sum().clamp_min(1)).item()
-    for k in range(1, block_size):
-        metrics[f"acc_pos{k}"] = (correct[k] / counted[k].clamp_min(1)).item()
+    accuracies = [(correct[k] / counted[k].clamp_min(1)).item() for k in range(1, block_size)]
+    for k, accuracy in enumerate(accuracies, start=1):
+        metrics[f"acc_pos{k}"] = accuracy
+    metrics["accept_len_est"] = expected_acceptance_length(accuracies)
+    metrics["flops"] = step_flops(engine.config, int(totals[2].item()), int(totals[3].item()))
     return metrics
+
+
+def resolve_peak_tflops(value: float | str | None, device: torch.device) -> float | None:
+    """Per-rank peak TFLOP/s for MFU: a number as given; 'auto' measures a bf16 matmul on CUDA (None on CPU)."""
+    if value is None or (value == "auto" and device.type != "cuda"):
+        return None
+    if value == "auto":
+        return measure_matmul_tflops(device)
+    return float(value)
 
 
 def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
@@ -108,31 +126,50 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
     plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed)
     total_steps = plan.steps_per_epoch * settings.epochs
-    engine = build_engine(settings, drafter_config, total_steps, world_size, device)
-    state = engine.load_latest(checkpoint_dir) or {"global_step": 0}
+    tag, universal = resume_tag(checkpoint_dir, world_size, rank)
+    engine = build_engine(settings, drafter_config, total_steps, world_size, device, load_universal=universal)
+    attention = resolve_attention(settings.attention, device)
+    peak_tflops = resolve_peak_tflops(settings.peak_tflops, device)
+    # Data position, anchors and LR all follow from the global step, restored with the optimizer and RNG state.
+    state = {"global_step": 0} if tag is None else load_checkpoint(engine, checkpoint_dir, tag, rank=rank)
     step = state["global_step"]
+    saved_batch = state.get("global_batch_size", plan.global_batch_size)
+    if saved_batch != plan.global_batch_size:
+        raise ValueError(
+            f"checkpoint {tag} was trained with a global batch of {saved_batch} samples, this run has "
+            f"{plan.global_batch_size} (micro_batch_size x ranks x grad_accum): the data position would not match; "
+            f"set train.grad_accum so the global batch is {saved_batch}"
+        )
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
     started, tokens_seen = time.perf_counter(), 0.0
     while step < total_steps:
+        step_started = time.perf_counter()
         epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
         micro_batches = [
             prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed, num_anchors=settings.num_anchors,
                                 block_size=drafter_config.block_size, gamma=settings.gamma)
             for slots in plan.micro_batches(epoch, step_in_epoch, rank)
         ]
-        metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size)
+        metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
         step += 1
+        now = time.perf_counter()
         tokens_seen += metrics.pop("tokens")
+        tflops = metrics.pop("flops") / (now - step_started) / 1e12
         metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch,
-                       tokens_per_s=tokens_seen / (time.perf_counter() - started))
+                       tokens_per_s=tokens_seen / (now - started), tflops=tflops)
+        if peak_tflops is not None:
+            metrics["mfu"] = tflops / (peak_tflops * world_size)
         grad_norm = engine.grad_norm()
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         if step % settings.log_every == 0 or step == total_steps:
             log.log(step, metrics)
-        progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}")
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
+                             tau=f"{metrics['accept_len_est']:.2f}")
         progress.update(1)
         if step == total_steps or (settings.save_every and step % settings.save_every == 0):
-            engine.save(checkpoint_dir, tag=f"step{step}", client_state={"global_step": step})
+            save_checkpoint(engine, checkpoint_dir, step,
+                            {"global_step": step, "global_batch_size": plan.global_batch_size}, rank=rank,
+                            keep_last=settings.keep_last)
     progress.close()
     return engine.consolidated_state_dict()

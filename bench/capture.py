@@ -1,0 +1,217 @@
+"""Capture throughput on the Qwen3.6-27B shape with random weights (notes section 7): tokens/s and TFLOP/s.
+
+    python bench/capture.py                      # one CUDA GPU, bf16, the full 27B shape (~60 GB of weights)
+    python bench/capture.py --tiny               # CPU smoke check of the same code on a tiny qwen3_5 model
+
+Measured in one run, on the same batches of real-length-distributed sequences (log-normal, median ~1.1k tokens,
+clipped to [64, 4096], grouped by length into right-padded batches of at most --batch-tokens tokens):
+  * matmul:  a large bf16 matmul, the ceiling the layer stack's GEMMs can reach;
+  * hf:      the base model with output_hidden_states=True (all 64 layers, every hidden state kept, no logits);
+  * capture: TargetAdapter.capture (hooks on the 5 taps, stops after the deepest tap, no logits).
+Tokens/s counts real tokens (padding excluded). Model FLOPs per token = 2 x (linear-layer parameters of the layers
+that run) + causal attention scores and values of the full-attention layers; the GDN recurrence is left out
+(small next to the projections), so TFLOP/s slightly understates the work done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dflash.extract.capture import check_features, length_batches  # noqa: E402
+from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
+from dflash.models.targets.tiny import build_builtin_tokenizer  # noqa: E402
+
+QWEN36_27B = dict(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+    num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, rope_theta=1e7, linear_num_key_heads=16,
+    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    full_attention_interval=4, max_position_embeddings=32768,
+)
+TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, max_position_embeddings=4096,
+)
+
+
+def build_model(shape: dict, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A random-weight Qwen3.5 text model, built on the meta device and materialised on `device`."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**shape)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config)
+    model.to(dtype)  # on meta: free, and the 27B weights are then allocated once, in bf16
+    model.to_empty(device=device)
+    # to_empty leaves buffers uninitialised too: rebuild the modules that own some (RoPE inv_freq) and copy them.
+    for name, module in model.named_modules():
+        buffers = dict(module.named_buffers(recurse=False))
+        if buffers:
+            if not hasattr(module, "config"):
+                raise RuntimeError(f"cannot rebuild the buffers {sorted(buffers)} of {name}")
+            fresh = type(module)(module.config)
+            for key, buffer in buffers.items():
+                buffer.copy_(getattr(fresh, key))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty_like(param, dtype=torch.float32).uniform_(1, 16).log())
+            elif name.endswith("dt_bias"):
+                param.fill_(1.0)
+            elif "norm" in name:
+                # Qwen3.5 RMSNorms scale by (1 + weight) except the GDN output norm, which scales by weight.
+                param.fill_(1.0 if "linear_attn.norm" in name else 0.0)
+            elif param.dim() >= 2:
+                param.normal_(0.0, 0.02)
+            else:
+                param.zero_()
+    return model.eval().requires_grad_(False)
+
+
+def draw_lengths(num_tokens: int, seed: int, low: int, high: int) -> list[int]:
+    """Log-normal sequence lengths (median ~1.1k, like regenerated chat data) until num_tokens are drawn."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < num_tokens:
+        x = math.exp(7.0 + 0.8 * float(torch.randn((), generator=generator)))
+        lengths.append(int(min(max(x, low), high)))
+    return lengths
+
+
+def make_batches(lengths: list[int], batch_tokens: int, vocab: int, device: torch.device, seed: int) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for group in length_batches(lengths, batch_tokens):
+        width = max(lengths[j] for j in group)
+        ids = torch.randint(4, vocab, (len(group), width), generator=generator)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, j in enumerate(group):
+            mask[row, :lengths[j]] = 1
+        batches.append((ids.to(device), mask.to(device), sum(lengths[j] for j in group)))
+    return batches
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def flops_per_token(model: torch.nn.Module, layers_run: int, mean_context: float) -> float:
+    """2 x linear parameters of the first `layers_run` decoder layers + causal attention of their full layers."""
+    config = model.config
+    layers = model.model.layers[:layers_run]
+    linear = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    full = sum(1 for i in range(layers_run) if config.layer_types[i] == "full_attention")
+    q_dim = config.num_attention_heads * config.head_dim
+    # Scores and weighted values: 2 matmuls x 2 FLOPs x (average causal context) x q_dim per token.
+    return 2.0 * linear + full * 4.0 * mean_context * q_dim
+
+
+def timed(run, batches: list, device: torch.device, warmup: bool) -> tuple[float, int]:
+    """Seconds and real tokens of one pass over `batches`, after an untimed pass when `warmup`: every new batch
+    shape costs seconds of Triton autotuning the first time, which a throughput figure must not include."""
+    for ids, mask, _ in batches if warmup else []:
+        run(ids, mask)
+    sync(device)
+    start, tokens = time.perf_counter(), 0
+    for ids, mask, real in batches:
+        run(ids, mask)
+        tokens += real
+    sync(device)
+    return time.perf_counter() - start, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny qwen3_5 on CPU, float32 (a smoke check)")
+    parser.add_argument("--taps", type=int, nargs="+", default=None, help="tap ids (default 1 16 31 46 61)")
+    parser.add_argument("--batch-tokens", type=int, nargs="+", default=[32768],
+                        help="padded tokens per batch (several values: one measurement each)")
+    parser.add_argument("--tokens", type=int, default=200_000, help="real tokens per measured pass")
+    parser.add_argument("--max-length", type=int, default=4096)
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed pass over the batches")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    if args.tiny:
+        device, dtype, shape = torch.device("cpu"), torch.float32, TINY
+        taps = args.taps or [1, 3, 6]
+        args.tokens, args.max_length = min(args.tokens, 4000), 512
+        args.batch_tokens = [min(b, 2048) for b in args.batch_tokens]
+        matmul_n, repeats = 512, 5
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run with --tiny for the CPU check")
+        device, dtype, shape = torch.device("cuda"), torch.bfloat16, QWEN36_27B
+        taps = args.taps or [1, 16, 31, 46, 61]
+        matmul_n, repeats = 8192, 50
+    torch.manual_seed(args.seed)
+    model = build_model(shape, device, dtype)
+    adapter = HybridTargetAdapter(model, build_builtin_tokenizer())
+    lengths = draw_lengths(args.tokens, args.seed, 64 if not args.tiny else 8, args.max_length)
+    mean_context = sum(n * (n + 1) / 2 for n in lengths) / sum(lengths)
+    try:
+        import fla  # noqa: F401
+        kernels = "flash-linear-attention"
+    except ImportError:
+        kernels = "torch GDN fallback"
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, dtype {dtype}, "
+          f"GDN kernels: {kernels}, torch {torch.__version__}")
+    print(f"{len(lengths)} sequences, {sum(lengths)} tokens, mean length {sum(lengths) / len(lengths):.0f}, "
+          f"taps {taps}")
+
+    peak = matmul_tflops(device, dtype, matmul_n, repeats)
+    flops_hf = flops_per_token(model, adapter.num_layers, mean_context)
+    flops_capture = flops_per_token(model, max(taps) + 1, mean_context)
+    print(f"matmul ceiling: {peak:.3g} TFLOP/s = {peak * 1e12 / flops_hf:,.0f} tok/s for a full forward")
+
+    def hf(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        with torch.no_grad():
+            model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+
+    def capture(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        adapter.capture(ids, mask, taps)
+
+    for batch_tokens in args.batch_tokens:
+        batches = make_batches(lengths, batch_tokens, shape["vocab_size"], device, args.seed)
+        padded = sum(ids.numel() for ids, _, _ in batches)
+        print(f"batch_tokens {batch_tokens}: {len(batches)} batches, {100 * (1 - sum(lengths) / padded):.1f}% padding")
+        # Random weights through 64 layers must still give finite, varying states, or the timing means nothing.
+        ids, mask, _ = batches[0]
+        check_features(adapter.capture(ids, mask, taps), mask.sum(dim=1).tolist(),
+                       [str(i) for i in range(len(ids))], taps)
+        for name, run, flops in (("hf output_hidden_states", hf, flops_hf), ("capture", capture, flops_capture)):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            seconds, tokens = timed(run, batches, device, not args.no_warmup)
+            rate = tokens / seconds
+            memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+                      if device.type == "cuda" else "")
+            print(f"{name:>24}: {rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOP/s "
+                  f"({100 * rate * flops / 1e12 / peak:.0f}% of the matmul){memory}")
+
+
+if __name__ == "__main__":
+    main()

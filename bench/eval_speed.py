@@ -1,0 +1,145 @@
+"""Evaluator speed on one GPU with the SmolLM2 target: live speculative vs target-only decoding, and replay timing.
+
+    python bench/eval_speed.py                                   # random drafter + oracle drafts, defaults below
+    python bench/eval_speed.py --drafter runs/smollm2/export     # a trained drafter (z-lab folder) as well
+    python bench/eval_speed.py --device cpu --replay-prompts 4 --live-prompts 2 --max-new-tokens 32   # smoke test
+
+Prints one JSON object (and writes it to --out when given). Live rows decode --live-prompts prompts one at a time,
+each target-only and speculative in the same process, after a warm-up; "speedup" = target-only time per token /
+speculative time per token. Drafters measured:
+- "random": an untrained drafter (tau ~ 1): the loop's overhead when nothing is accepted;
+- "oracle": the untrained drafter's forward still runs (same cost), but its logits are replaced by the target's
+  own greedy tokens, so every draft is accepted (tau ~ block size): the most this loop can gain on this hardware;
+- "trained": the drafter of --drafter, when given.
+Replay: the exact greedy replay over --replay-prompts prompts x --max-new-tokens tokens (issue target: 100 x 256 in
+under a minute on one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dflash.config import compose  # noqa: E402
+from dflash.data.prompts import load_prompts  # noqa: E402
+from dflash.eval import live  # noqa: E402
+from dflash.eval.evaluate import evaluate  # noqa: E402
+from dflash.eval.export import load_drafter  # noqa: E402
+from dflash.models.drafter import DFlashDraftModel  # noqa: E402
+from dflash.models.targets import load_target  # noqa: E402
+from dflash.pipeline import drafter_config, target_shape  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--drafter", default=None, help="z-lab drafter folder (e.g. runs/NAME/export)")
+    parser.add_argument("--block-size", type=int, default=16, help="block size of the untrained drafter")
+    parser.add_argument("--prompt-source", default="humaneval", help="humaneval | mtbench | gsm8k | sharegpt")
+    parser.add_argument("--replay-prompts", type=int, default=100)
+    parser.add_argument("--live-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--replay-batch-size", type=int, default=32)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    return parser.parse_args()
+
+
+def untrained_drafter(adapter, block_size: int) -> DFlashDraftModel:
+    cfg = compose(["target=smollm2", f"drafter.block_size={block_size}"])
+    drafter = DFlashDraftModel(drafter_config(cfg, target_shape(adapter)))
+    drafter.init_weights(0)
+    return drafter.to(device=adapter.device, dtype=adapter.dtype).eval()
+
+
+def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, oracle: bool) -> dict:
+    stop_ids = adapter.stop_token_ids()
+    real_draft = live.draft_block_logits
+    totals = {"target_seconds": 0.0, "target_tokens": 0, "speculative_seconds": 0.0, "speculative_tokens": 0,
+              "steps": 0, "committed": 0, "lossless_mismatches": 0}
+    try:
+        for prompt in prompts:
+            plain = live.target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+            if oracle:
+                truth = list(prompt) + plain.continuation
+
+                def draft(context, adapter_, anchor, size, truth=truth):
+                    logits = real_draft(context, adapter_, anchor, size)  # keep the drafter's cost
+                    ids = [truth[min(context.length + k, len(truth) - 1)] for k in range(1, size)]
+                    perfect = torch.full_like(logits, -1e4)
+                    perfect[torch.arange(size - 1), torch.tensor(ids)] = 0.0
+                    return perfect
+
+                live.draft_block_logits = draft
+            result = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+            live.draft_block_logits = real_draft
+            totals["target_seconds"] += plain.seconds
+            totals["target_tokens"] += len(plain.continuation)
+            totals["speculative_seconds"] += result.seconds
+            totals["speculative_tokens"] += len(result.continuation)
+            totals["steps"] += result.trace.num_steps
+            totals["committed"] += sum(result.trace.committed)
+            totals["lossless_mismatches"] += int(result.continuation != plain.continuation)
+    finally:
+        live.draft_block_logits = real_draft
+    target_rate = totals["target_tokens"] / totals["target_seconds"]
+    speculative_rate = totals["speculative_tokens"] / totals["speculative_seconds"]
+    return {**totals, "tau": totals["committed"] / max(totals["steps"], 1), "target_tokens_per_s": target_rate,
+            "speculative_tokens_per_s": speculative_rate, "speedup": speculative_rate / target_rate}
+
+
+def main() -> None:
+    args = parse_args()
+    adapter = load_target("smollm2", device=args.device)
+    prompts = [adapter.chat_ids(p.messages) for p in load_prompts(args.prompt_source)]
+    if len(prompts) < max(args.replay_prompts, args.live_prompts):
+        raise ValueError(f"{args.prompt_source} has {len(prompts)} prompts, fewer than requested")
+    drafters = {"random": untrained_drafter(adapter, args.block_size)}
+    if args.drafter:
+        drafters["trained"] = load_drafter(args.drafter, dtype=adapter.dtype, device=str(adapter.device))
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(adapter.device) if adapter.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "target": "SmolLM2-135M-Instruct", "dtype": str(adapter.dtype), "prompt_source": args.prompt_source,
+        "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv),
+    }
+    # Warm-up: kernels and allocator for every shape the loops use.
+    live_row(drafters["random"], adapter, prompts[:1], min(args.max_new_tokens, 32), oracle=True)
+    live_prompts = prompts[: args.live_prompts]
+    report["live"] = {"random": live_row(drafters["random"], adapter, live_prompts, args.max_new_tokens, False),
+                      "oracle": live_row(drafters["random"], adapter, live_prompts, args.max_new_tokens, True)}
+    if "trained" in drafters:
+        report["live"]["trained"] = live_row(drafters["trained"], adapter, live_prompts, args.max_new_tokens, False)
+    replay_drafter = drafters.get("trained", drafters["random"])
+    evaluate(replay_drafter, adapter, {"warmup": prompts[:2]}, max_new_tokens=16, show_progress=False,
+             batch_size=args.replay_batch_size)
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+    began = time.perf_counter()
+    summary = evaluate(replay_drafter, adapter, {args.prompt_source: prompts[: args.replay_prompts]},
+                       max_new_tokens=args.max_new_tokens, show_progress=False, batch_size=args.replay_batch_size)
+    if adapter.device.type == "cuda":
+        torch.cuda.synchronize(adapter.device)
+    report["replay"] = {"drafter": "trained" if "trained" in drafters else "random",
+                        "prompts": args.replay_prompts, "seconds": time.perf_counter() - began,
+                        "tau": summary["overall"]["tau"], "num_tokens": summary["overall"]["num_tokens"],
+                        "greedy_mismatches": summary["overall"]["greedy_mismatches"]}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        temp = args.out + ".tmp"
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        os.replace(temp, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Time full drafter training steps (forward, backward, optimizer) at the Qwen3.6-27B drafter shape; print JSON.
+
+    python bench/train_step.py                  # one GPU: flex path and the SDPA reference, ~5 minutes
+    python bench/train_step.py --tiny           # scaled-down shape on CPU, checks the script works
+
+Each path runs in its own subprocess (so peak memory is its own) through the real trainer: the DeepSpeed engine
+(ZeRO-2, bf16, one rank), `train_step` of dflash.train.loop, random weights and random target features.
+  flex:      FlexAttention with the block-sparse BlockMask, chunked lm_head + CE (the trainer's CUDA default)
+  sdpa_full: the straightforward reference: dense boolean mask through SDPA, the whole [positions, vocab] logits
+             in one chunk (reported as not fitting if it runs out of memory)
+TFLOP/s use the formula of dflash/train/step_metrics.py (6 x layer params x query positions + 4 x vocab x hidden x
+query positions + 6 x (fc + context k/v params) x context positions); MFU divides by a bf16 8192^3 matmul measured
+at the start of the same run. On CPU FlexAttention has no backward in torch, so --tiny runs the SDPA paths only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dflash.models.drafter_config import DrafterConfig  # noqa: E402
+
+FULL = dict(hidden=5120, inter=17408, layers=5, heads=32, kv_heads=8, head_dim=128, window=2048, vocab=248320,
+            seq=4096, anchors=512, block=16, taps=5)
+TINY = dict(hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, window=32, vocab=512, seq=256,
+            anchors=16, block=4, taps=2)
+
+
+def drafter_config(shape: dict) -> DrafterConfig:
+    """The last layer is full attention, the others sliding (the Qwen3.6-27B drafter: 4 sliding + 1 full)."""
+    layer_types = ["sliding_attention"] * (shape["layers"] - 1) + ["full_attention"]
+    return DrafterConfig(
+        hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
+        vocab_size=shape["vocab"], num_target_layers=64, target_layer_ids=list(range(1, 1 + shape["taps"])),
+        mask_token_id=shape["vocab"] - 1, block_size=shape["block"], layer_types=layer_types,
+        sliding_window=shape["window"], rope_theta=1e7,
+    )
+
+
+def matmul_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from dflash.train.step_metrics import measure_matmul_tflops
+
+    return measure_matmul_tflops(device)
+
+
+def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: int, loss_chunk: int) -> dict:
+    """Build the engine and time `steps` training steps after `warmup` ones (this process only)."""
+    from dflash.train.batches import prepare_micro_batch
+    from dflash.train.engine import OptimConfig, TrainEngine, init_distributed
+    from dflash.train.loop import TrainSettings, train_step
+    from dflash.train.step_metrics import step_flops
+
+    init_distributed()
+    config = drafter_config(shape)
+    bf16 = device.type == "cuda"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    from dflash.models.drafter import DFlashDraftModel
+
+    torch.manual_seed(0)  # the same random drafter in every path, so their first losses must agree
+    with torch.device(device):
+        drafter = DFlashDraftModel(config)
+    total = warmup + steps
+    optim = OptimConfig(lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0,
+                        grad_clip=1.0, zero_stage=2, bf16=bf16, micro_batch_size=1, grad_accum=1, total_steps=total)
+    engine = TrainEngine(drafter, optim, world_size=1)
+    generator = torch.Generator().manual_seed(0)
+    embed = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
+    lm_head = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
+    sample = {
+        "input_ids": torch.randint(0, shape["vocab"] - 1, (shape["seq"],), generator=generator),
+        "loss_mask": torch.ones(shape["seq"], dtype=torch.long),
+        "hidden": torch.randn(shape["seq"], shape["taps"] * shape["hidden"], generator=generator).to(dtype),
+    }
+    batch = prepare_micro_batch([sample], [(0, True)], epoch=0, seed=0, num_anchors=shape["anchors"],
+                                block_size=shape["block"], gamma=7.0)
+    queries = shape["anchors"] * shape["block"]
+    chunk = queries if path == "sdpa_full" else loss_chunk
+    settings = TrainSettings(epochs=1, micro_batch_size=1, grad_accum=1, lr=6e-4, weight_decay=0.0,
+                             betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0, grad_clip=1.0,
+                             num_anchors=shape["anchors"], gamma=7.0, seed=0, loss_chunk_size=chunk, log_every=1,
+                             save_every=0, zero_stage=2, bf16=bf16, attention="flex" if path == "flex" else "sdpa")
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    first_loss = None
+    for _ in range(warmup):  # the first flex step compiles the kernels
+        loss = train_step(engine, embed, lm_head, [batch], settings, 1, settings.attention)["loss"]
+        first_loss = loss if first_loss is None else first_loss
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        loss = train_step(engine, embed, lm_head, [batch], settings, 1, settings.attention)["loss"]
+        sync()
+        times.append(time.perf_counter() - started)
+    step_s = sorted(times)[len(times) // 2]
+    flops = step_flops(config, queries, shape["seq"])
+    result = {"path": path, "step_ms": round(step_s * 1e3, 2), "tflops": float(f"{flops / step_s / 1e12:.4g}"),
+              "step_tflop": float(f"{flops / 1e12:.4g}"), "first_loss": round(first_loss, 5),
+              "last_loss": round(loss, 5), "steps_timed": steps}
+    if device.type == "cuda":
+        result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="scaled-down shape on CPU (checks the script)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10, tiny 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, tiny 1)")
+    parser.add_argument("--paths", default=None,
+                        help="comma list of flex, sdpa (dense mask, chunked CE), sdpa_full (default: flex,sdpa_full)")
+    parser.add_argument("--loss-chunk", type=int, default=4096, help="lm_head + CE rows per chunk (not sdpa_full)")
+    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # internal: run one path, print its JSON
+    args = parser.parse_args()
+    shape = TINY if args.tiny else FULL
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    steps = args.steps or (3 if args.tiny else 10)
+    warmup = args.warmup or (1 if args.tiny else 3)
+    if args.only:
+        print("RESULT " + json.dumps(run_path(args.only, shape, device, steps, warmup, args.loss_chunk)), flush=True)
+        return
+
+    if not args.tiny and device.type != "cuda":
+        raise SystemExit("the full shape needs a GPU; use --tiny on CPU")
+    default_paths = "flex,sdpa_full" if device.type == "cuda" else "sdpa,sdpa_full"
+    paths = (args.paths or default_paths).split(",")
+    unknown = set(paths) - {"flex", "sdpa", "sdpa_full"}
+    if unknown:
+        raise SystemExit(f"unknown --paths {sorted(unknown)}; choose from flex, sdpa, sdpa_full")
+    report = {"shape": shape, "loss_chunk": args.loss_chunk,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "matmul_bf16_tflops": None, "paths": []}
+    matmul = matmul_tflops(device)
+    if matmul is not None:
+        report["matmul_bf16_tflops"] = round(matmul, 1)
+    for path in paths:
+        if path == "flex" and device.type != "cuda":
+            report["paths"].append({"path": path, "skipped": "FlexAttention has no backward on CPU in torch"})
+            continue
+        command = [sys.executable, os.path.abspath(__file__), "--only", path, "--steps", str(steps),
+                   "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk)] + (["--tiny"] if args.tiny else [])
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode == 0 and lines:
+            result = json.loads(lines[-1][len("RESULT "):])
+            if matmul is not None:
+                result["mfu"] = round(result["tflops"] / matmul, 3)
+        else:
+            out_of_memory = "out of memory" in done.stderr.lower()
+            result = {"path": path, "failed": "did not fit in GPU memory" if out_of_memory else "error",
+                      "stderr_tail": done.stderr[-2000:]}
+        report["paths"].append(result)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Live speculative decoding with KV caches, and plain target-only decoding in the same harness (for the speedup).
+
+The loop is the reference `dflash_generate` loop (docs/eval.md), run for real, one prompt at a time:
+1. prefill the prompt through the target (KV cache + tap features); its next token is the first new token;
+2. step: the drafter drafts [anchor, MASK x (v-1)] from its cached context (features of positions < anchor);
+   the target verifies the whole block in ONE cached forward; greedy prefix matching (T=0) or rejection sampling
+   (T>0) decides how many drafts are accepted and the next token;
+3. the target cache is rolled back to anchor + accepted (GDN states restored and the accepted tokens re-run,
+   target_cache.py), the drafter context is extended with the features of the kept positions;
+4. until a stop token is committed or max_new_tokens tokens exist.
+At T=0 the committed tokens are the target's own greedy tokens (lossless) on dense and GDN hybrid targets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dflash.eval.drafter_cache import CachedDrafter
+from dflash.eval.metrics import StepTrace
+from dflash.eval.sampling import accept_greedy, accept_sampled, probabilities, sample
+from dflash.eval.target_cache import CachedTarget
+from dflash.models.drafter import DFlashDraftModel
+
+
+@dataclass
+class LiveResult:
+    """One prompt's live decode: the new tokens, per-step records and wall time (seconds, device-synchronised)."""
+
+    prompt_len: int
+    continuation: list[int]
+    trace: StepTrace
+    seconds: float
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check(prompt: list[int], max_new_tokens: int, temperature: float) -> None:
+    if not prompt:
+        raise ValueError("the prompt is an empty token list")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(sample(probabilities(logits, temperature), generator))
+
+
+def draft_block_logits(context: CachedDrafter, adapter, anchor: int, size: int) -> torch.Tensor:
+    """Drafter logits [size - 1, V] for the block [anchor, MASK x (size-1)] placed after the cached context."""
+    block = torch.full((size,), context.config.mask_token_id, dtype=torch.long, device=adapter.device)
+    block[0] = anchor
+    hidden = context.hidden(adapter.embed_tokens()(block))[1:]
+    head = adapter.lm_head_weight()
+    return hidden.to(device=head.device, dtype=head.dtype) @ head.T
+
+
+@torch.inference_mode()
+def live_decode(
+    drafter: DFlashDraftModel,
+    adapter,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    restore_linear: bool = True,
+) -> LiveResult:
+    """Speculative decoding of one prompt. `restore_linear=False` only exists to show that without the GDN state
+    rollback a hybrid target is not lossless (tests); `generator` must live on the target's device."""
+    _check(prompt, max_new_tokens, temperature)
+    config = drafter.config
+    stops = set(stop_token_ids)
+    _synchronize(adapter.device)
+    began = time.perf_counter()
+    target = CachedTarget(adapter, config.target_layer_ids, restore_linear=restore_linear)
+    context = CachedDrafter(drafter)
+    logits, features = target.forward(list(prompt), last_logits_only=True)
+    context.extend(features)
+    tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
+    start, max_length = len(prompt), len(prompt) + max_new_tokens
+    trace = StepTrace()
+    while start + 1 < max_length and tokens[-1] not in stops:
+        size = min(config.block_size, max_length - start)
+        draft_logits = draft_block_logits(context, adapter, tokens[start], size)
+        if temperature == 0:
+            drafts = draft_logits.argmax(dim=-1)
+        else:
+            draft_probs = probabilities(draft_logits, temperature)
+            drafts = sample(draft_probs, generator)
+        verify_logits, verify_features = target.verify([tokens[start]] + drafts.tolist())
+        if temperature == 0:
+            accepted, following = accept_greedy(verify_logits, drafts)
+        else:
+            accepted, following = accept_sampled(probabilities(verify_logits, temperature), draft_probs, drafts,
+                                                 generator)
+        new = (drafts[:accepted].tolist() + [following])[: max_length - start - 1]
+        stopped = next((i for i, t in enumerate(new) if t in stops), None)
+        if stopped is not None:
+            new = new[: stopped + 1]
+        committed = len(new)
+        # Same bookkeeping as the replay: drafts past the stop token could never have been committed.
+        trace.add(committed, min(accepted, committed), size - 1 if stopped is None else min(size - 1, committed))
+        tokens = tokens[: start + 1] + new
+        if stopped is not None or start + committed + 1 >= max_length:
+            break  # finished: no rollback or context update needed
+        recomputed = target.rollback(start + accepted + 1)
+        context.extend(recomputed if recomputed is not None else verify_features[: accepted + 1])
+        start += committed
+    _synchronize(adapter.device)
+    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began)
+
+
+@torch.inference_mode()
+def target_only_decode(
+    adapter,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> LiveResult:
+    """Plain autoregressive decoding with the same cached target forward (one token per forward): the baseline
+    of the speedup. Its trace has one 1-token step per forward after the prefill."""
+    _check(prompt, max_new_tokens, temperature)
+    stops = set(stop_token_ids)
+    _synchronize(adapter.device)
+    began = time.perf_counter()
+    target = CachedTarget(adapter, [0])
+    logits, _ = target.forward(list(prompt), last_logits_only=True)
+    tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
+    trace = StepTrace()
+    while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] not in stops:
+        logits, _ = target.forward(tokens[-1:])
+        tokens.append(_pick(logits[-1], temperature, generator))
+        trace.add(1, 0, 0)
+    _synchronize(adapter.device)
+    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began)

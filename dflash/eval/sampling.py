@@ -1,0 +1,59 @@
+"""Verification rules of speculative decoding: greedy prefix matching (T=0) and rejection sampling (T>0).
+
+Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): draft k was sampled from the drafter's q_k; accept it
+with probability min(1, p_k(d)/q_k(d)) where p_k is the target's distribution at that position given the accepted
+prefix; at the first rejection sample the replacement from normalise(max(0, p_k - q_k)); when every draft is
+accepted sample a bonus token from the target's next distribution. Each committed token is then distributed
+exactly as the target's own sample, so the output distribution is the target's (tests/test_eval_sampling.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature) in fp32 (plain temperature sampling: no top-k / top-p)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of probs [..., V] (a LongTensor of shape probs.shape[:-1])."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
+    """(accepted drafts, next token) for T=0: the longest prefix of drafts [n] equal to the target's argmax at
+    block positions 0..n-1 of target_logits [n+1, V]; the next token is the target's argmax after that prefix."""
+    predicted = target_logits.argmax(dim=-1)
+    accepted = int((drafts.to(predicted.device) == predicted[:-1]).int().cumprod(0).sum())
+    return accepted, int(predicted[accepted])
+
+
+def accept_sampled(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """(accepted drafts, next token) by rejection sampling; target_probs [n+1, V], draft_probs [n, V], drafts [n]."""
+    n = drafts.shape[0]
+    if target_probs.shape[0] != n + 1 or draft_probs.shape[0] != n:
+        raise ValueError(f"need target_probs [{n + 1}, V] and draft_probs [{n}, V] for {n} drafts, got "
+                         f"{tuple(target_probs.shape)} and {tuple(draft_probs.shape)}")
+    device = target_probs.device
+    drafts = drafts.to(device)
+    draft_probs = draft_probs.to(device)
+    uniforms = torch.rand(n, generator=generator, device=device)
+    index = torch.arange(n, device=device)
+    p, q = target_probs[index, drafts], draft_probs[index, drafts]
+    # u < p/q written without the division; q > 0 because d was sampled from q.
+    rejected = (uniforms * q >= p).nonzero()
+    if rejected.numel() == 0:
+        return n, int(sample(target_probs[n], generator))
+    k = int(rejected[0, 0])
+    residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
+    # A rejection implies p(d) < q(d), so the residual has positive mass; guard against rounding to zero anyway.
+    total = residual.sum()
+    replacement = residual / total if float(total) > 0 else target_probs[k]
+    return k, int(sample(replacement, generator))

@@ -1,0 +1,171 @@
+"""The target side of live speculative decoding: a KV-cached forward that also returns tap features, and rollback.
+
+Rollback after a verify that rejected some drafts (notes section 5):
+- attention layers: drop the cached keys/values of the rejected positions (a slice of the sequence axis);
+- GDN (linear-attention) layers: their conv and recurrent states already absorbed every token of the block and
+  cannot be sliced. `Cache.crop` does not undo that (transformers 5.24 raises for such layers, older releases
+  left the states as they were), so the loop would continue from a state that saw the rejected drafts. We
+  snapshot those states before each verify, restore them, drop the whole block from the attention layers and
+  re-run the target on the accepted tokens only. That costs one extra forward of (accepted + 1) tokens on steps
+  that rejected something, and only on hybrid targets; a kernel that returns per-token states would avoid it,
+  the HF torch/fla paths do not expose them.
+
+Cache layout relied upon (the same in transformers 5.17 and 5.24): `DynamicCache(config=...)` holds
+`cache.layers`; attention layers keep `keys`/`values` tensors [batch, heads, T, head_dim]; linear-attention layers
+keep dicts `conv_states` / `recurrent_states` of tensors, updated in place. Anything else raises ValueError.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+
+def new_cache(model: torch.nn.Module) -> Any:
+    """An empty HF DynamicCache laid out for `model` (attention and linear-attention layers as the config says)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def is_linear_layer(layer: Any) -> bool:
+    return hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
+
+
+def has_linear_layers(cache: Any) -> bool:
+    return any(is_linear_layer(layer) for layer in cache.layers)
+
+
+LinearSnapshot = list[tuple[dict, int, torch.Tensor]]
+
+
+def snapshot_linear_states(cache: Any) -> LinearSnapshot:
+    """Copies of every conv / recurrent state tensor of the linear-attention layers (empty for dense targets)."""
+    saved: LinearSnapshot = []
+    for layer in cache.layers:
+        if not is_linear_layer(layer):
+            continue
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            if states is None:
+                continue
+            if not isinstance(states, dict):
+                raise ValueError(f"unsupported linear-attention cache layout in {type(layer).__name__}: "
+                                 f"states are {type(states).__name__}, expected a dict of tensors")
+            for index, tensor in states.items():
+                if tensor is not None:
+                    saved.append((states, index, tensor.clone()))
+    return saved
+
+
+def restore_linear_states(snapshot: LinearSnapshot) -> None:
+    """Put back the states of `snapshot_linear_states`, in place (the cache tensors keep their addresses)."""
+    for states, index, tensor in snapshot:
+        current = states[index]
+        if current is not None and current.shape == tensor.shape:
+            current.copy_(tensor)
+        else:
+            states[index] = tensor.clone()
+
+
+def crop_attention(cache: Any, length: int) -> None:
+    """Keep the first `length` positions in every attention layer; linear-attention layers are left alone."""
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if is_linear_layer(layer) and keys is None:
+            continue
+        if hasattr(layer, "sliding_window"):
+            # A sliding layer may already have dropped old positions; slicing it by absolute length would be wrong.
+            raise ValueError(f"live decoding does not support sliding-window target cache layers "
+                             f"({type(layer).__name__})")
+        if keys is None or keys.numel() == 0:
+            continue
+        if keys.shape[-2] < length:
+            raise ValueError(f"cannot crop an attention cache of {keys.shape[-2]} positions to {length}")
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+class CachedTarget:
+    """One sequence (batch 1) decoded through the target with a KV cache; every forward returns logits + features.
+
+    `length` is the number of positions in the cache. `forward(ids)` appends ids at positions length.. and returns
+    (logits [n, V], features [n, K*H]); `verify(ids)` is forward after a snapshot; `rollback(keep)` then makes the
+    cache hold exactly the first `keep` positions.
+    """
+
+    def __init__(self, adapter: Any, layer_ids: list[int], *, restore_linear: bool = True) -> None:
+        self.adapter = adapter
+        self.layer_ids = adapter.check_layer_ids(layer_ids)
+        self.restore_linear = restore_linear
+        self.cache = new_cache(adapter.model)
+        # transformers 5.24 renamed the argument to `cache` (`past_key_values` is deprecated there, the only name
+        # in 5.17).
+        parameters = inspect.signature(adapter.model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # A prefill needs only the last position's logits: [prompt, vocab] logits are GBs for long prompts.
+        self._logits_to_keep = "logits_to_keep" in parameters
+        self.length = 0
+        self._snapshot: LinearSnapshot | None = None
+        self._snapshot_length = 0
+        self._tokens: list[int] = []
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `ids`; logits [n, V] (or [1, V] for the last position when last_logits_only) and features."""
+        if not ids:
+            raise ValueError("CachedTarget.forward needs at least one token")
+        device = self.adapter.device
+        store: dict[int, torch.Tensor] = {}
+        layers = self.adapter.decoder_layers()
+        handles = []
+        for layer_id in self.layer_ids:
+            def hook(module: Any, args: Any, output: Any, layer_id: int = layer_id) -> None:
+                # Decoder layers return a tensor in recent releases and a tuple in older ones.
+                store[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+            handles.append(layers[layer_id].register_forward_hook(hook))
+        positions = torch.arange(self.length, self.length + len(ids), device=device)[None]
+        # An explicit all-ones mask: without one, SDPA over a cache got a 4x slower path (transformers 5.24, CPU).
+        mask = torch.ones(1, self.length + len(ids), dtype=torch.long, device=device)
+        extra = {self._cache_argument: self.cache}
+        if last_logits_only and self._logits_to_keep:
+            extra["logits_to_keep"] = 1
+        try:
+            out = self.adapter.model(input_ids=torch.tensor([ids], device=device), attention_mask=mask,
+                                     position_ids=positions, use_cache=True, **extra)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.length += len(ids)
+        self._tokens += list(ids)
+        features = torch.cat([store[i] for i in self.layer_ids], dim=-1)[0]
+        return out.logits[0], features
+
+    @torch.inference_mode()
+    def verify(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(ids) after remembering the state to roll back to (GDN states are snapshotted here)."""
+        self._snapshot = snapshot_linear_states(self.cache) if self.restore_linear else []
+        self._snapshot_length = self.length
+        return self.forward(ids)
+
+    @torch.inference_mode()
+    def rollback(self, keep: int) -> torch.Tensor | None:
+        """Keep the first `keep` positions of the last verify. Returns recomputed features of the kept block
+        positions [keep - start, K*H] when the target has linear-attention layers and had to re-run, else None.
+        """
+        start = self._snapshot_length
+        if not start < keep <= self.length:
+            raise ValueError(f"rollback keeps {keep} positions; the last verify covered {start}..{self.length - 1}")
+        if keep == self.length:
+            return None
+        if self.restore_linear and self._snapshot and has_linear_layers(self.cache):
+            kept = self._tokens[start:keep]
+            restore_linear_states(self._snapshot)
+            crop_attention(self.cache, start)
+            self.length, self._tokens = start, self._tokens[:start]
+            _, features = self.forward(kept)
+            return features
+        crop_attention(self.cache, keep)
+        self.length, self._tokens = keep, self._tokens[:keep]
+        return None

@@ -1,0 +1,379 @@
+"""Online capture: capture workers stream features to trainer ranks through a bounded spool directory.
+
+The trainer reads `store[index]` in an order fixed in advance by its BatchPlan (dflash/train/batches.py): every
+slot of every global batch of every epoch, placeholders included, is one *item* g = (epoch, step, slot), and each
+item is read by exactly one rank, in increasing g on that rank. So both sides enumerate the same item stream:
+
+* capture workers claim *chunks* of consecutive items, capture them (length-bucketed batches, the offline path)
+  and write one file per item, `data/w{share}/i{g:012d}.safetensors`, with the offline shard schema (hidden,
+  input_ids, loss_mask, offsets; scales for fp8), written under a temp name and renamed into place;
+* trainer rank r (`OnlineFeatureSource`) waits for its next item's file, reads it, records the item in its cursor
+  file `ranks/r{r}` (atomically) and deletes the file.
+
+Budget: the spool's byte budget is split into one share per worker; a worker claims a new chunk only when its
+share can hold it (backpressure), so the budget is never exceeded. Liveness: every worker touches
+`workers/w{id}` every few seconds. A claim (`claims/c{chunk}.{generation}`, created by an exclusive hard link)
+whose owner's heartbeat is older than `stale_after_s` is taken over by a live worker, which creates the next
+generation and writes the chunk's missing items into the dead worker's share. An item is finished when its
+file exists or its rank's cursor has passed it (the file is checked first: a consumer writes its cursor before
+deleting), so a takeover never redoes a consumed item and never loses one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from dflash.extract.capture import bytes_per_token, capture_rows, sample_lengths
+from dflash.extract.fp8 import dequantize_fp8
+from dflash.extract.store import store_dtype
+from dflash.models.targets.base import TargetAdapter
+from dflash.train.batches import BatchPlan
+
+_POLL_S = 0.02
+_FILE_OVERHEAD_BYTES = 1 << 12  # safetensors header and alignment of one item file, counted generously
+
+
+@dataclass(frozen=True)
+class ItemStream:
+    """The trainer's reads as one numbered stream: item g -> (epoch, sample index, rank)."""
+
+    plan: BatchPlan
+    epochs: int
+
+    @property
+    def items_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch * self.plan.global_batch_size
+
+    @property
+    def num_items(self) -> int:
+        return self.epochs * self.items_per_epoch
+
+    def describe(self) -> dict[str, int]:
+        p = self.plan
+        return {"num_samples": p.num_samples, "micro_batch_size": p.micro_batch_size, "world_size": p.world_size,
+                "grad_accum": p.grad_accum, "seed": p.seed, "epochs": self.epochs}
+
+    def item(self, g: int) -> tuple[int, int, int]:
+        """(epoch, sample index, rank) of item g; the same dealing rule as BatchPlan.micro_batches."""
+        if not 0 <= g < self.num_items:
+            raise IndexError(f"item {g} out of range for a stream of {self.num_items} items")
+        epoch, rest = divmod(g, self.items_per_epoch)
+        step, slot = divmod(rest, self.plan.global_batch_size)
+        order = _epoch_order(self.plan, epoch)
+        position = step * self.plan.global_batch_size + slot
+        if position < self.plan.num_samples:
+            index = order[position]
+        else:  # placeholder slots of the last global batch repeat the epoch's first samples
+            index = order[(position - self.plan.num_samples) % self.plan.num_samples]
+        per_micro = self.plan.micro_batch_size * self.plan.world_size
+        rank = (slot % per_micro) // self.plan.micro_batch_size
+        return epoch, index, rank
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(plan: BatchPlan, epoch: int) -> list[int]:
+    return plan.epoch_order(epoch)
+
+
+class Spool:
+    """Paths and small atomic files of one spool directory."""
+
+    def __init__(self, path: str | Path, num_workers: int) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.path = Path(path)
+        self.num_workers = num_workers
+        for sub in ["claims", "workers", "ranks"] + [f"data/w{w}" for w in range(num_workers)]:
+            (self.path / sub).mkdir(parents=True, exist_ok=True)
+
+    def check_stream(self, stream: ItemStream) -> None:
+        """Record the stream's plan in `stream.json` (the first caller) or check it matches (everyone else):
+        workers and trainers that number items differently would hand samples to the wrong rank."""
+        file, wanted = self.path / "stream.json", stream.describe()
+        if not file.is_file():
+            tmp = self.path / f".stream.json.tmp-{os.getpid()}-{threading.get_ident()}"
+            tmp.write_text(json.dumps(wanted) + "\n")
+            try:
+                os.link(tmp, file)  # atomic, and fails when another process recorded its plan first
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        recorded = json.loads(file.read_text())
+        if recorded != wanted:
+            raise ValueError(
+                f"spool {self.path} serves the batch plan {recorded}, this process has {wanted}: start the capture "
+                "workers and the trainers with the same data, micro batch, world size, grad accum, seed and epochs "
+                "(or use an empty spool folder)"
+            )
+
+    def item_path(self, share: int, g: int) -> Path:
+        return self.path / "data" / f"w{share}" / f"i{g:012d}.safetensors"
+
+    def find_item(self, g: int) -> Path | None:
+        for share in range(self.num_workers):
+            path = self.item_path(share, g)
+            if path.is_file():
+                return path
+        return None
+
+    def share_bytes(self, share: int) -> int:
+        """Bytes of item files (and temp files) currently held in one worker's share."""
+        total = 0
+        for entry in os.scandir(self.path / "data" / f"w{share}"):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # consumed while we looked
+                pass
+        return total
+
+    def remove_temps(self, writer: int) -> None:
+        """Delete the half-written item files of worker `writer` (call only when it is dead or is the caller)."""
+        for path in self.path.glob(f"data/w*/.*.tmp-w{writer}"):
+            path.unlink(missing_ok=True)
+
+    def cursor(self, rank: int) -> int:
+        """The first item rank `rank` has not consumed yet (-1 when it has consumed none)."""
+        file = self.path / "ranks" / f"r{rank}"
+        return int(file.read_text()) if file.is_file() else -1
+
+    def set_cursor(self, rank: int, g: int) -> None:
+        file = self.path / "ranks" / f"r{rank}"
+        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+        tmp.write_text(str(g))
+        os.replace(tmp, file)
+
+    def finished(self, stream: ItemStream, g: int) -> bool:
+        # The file first: a consumer moves its cursor before deleting, so "no file, cursor not past" is unfinished.
+        if self.find_item(g) is not None:
+            return True
+        return self.cursor(stream.item(g)[2]) > g
+
+    def heartbeat(self, worker: int) -> None:
+        (self.path / "workers" / f"w{worker}").touch()
+
+    def alive(self, worker: int, stale_after_s: float) -> bool:
+        file = self.path / "workers" / f"w{worker}"
+        try:
+            return time.time() - file.stat().st_mtime < stale_after_s
+        except FileNotFoundError:
+            return False
+
+    def claim(self, chunk: int) -> tuple[int, int, int] | None:
+        """(generation, owner, share) of a chunk's newest claim, or None when unclaimed."""
+        found = sorted(self.path.glob(f"claims/c{chunk:09d}.*"), key=lambda p: int(p.suffix[1:]))
+        if not found:
+            return None
+        owner, share = (int(x) for x in found[-1].read_text().split())
+        return int(found[-1].suffix[1:]), owner, share
+
+    def try_claim(self, chunk: int, generation: int, owner: int, share: int) -> bool:
+        """Create claim `generation` of `chunk` atomically, content included; False when another worker made it
+        first. A hard link fails when the name exists, like O_EXCL, but never shows a reader an empty file."""
+        file = self.path / "claims" / f"c{chunk:09d}.{generation}"
+        tmp = self.path / "claims" / f".c{chunk:09d}.{generation}.tmp-w{owner}-{os.getpid()}"
+        tmp.write_text(f"{owner} {share}\n")
+        try:
+            os.link(tmp, file)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+
+
+def _write_item(spool: Spool, share: int, g: int, tensors: dict[str, torch.Tensor], writer: int) -> None:
+    path = spool.item_path(share, g)
+    # The temp name carries the writer's id so that a takeover removes only a dead writer's leftovers.
+    tmp = path.with_name(f".{path.name}.tmp-w{writer}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+class CaptureWorker:
+    """One capture process: claims chunks of the item stream and writes their items into the spool."""
+
+    def __init__(self, adapter: TargetAdapter, dataset: Any, spool: Spool, stream: ItemStream,
+                 layer_ids: list[int], *, worker: int, budget_bytes: int, chunk_items: int = 16,
+                 batch_tokens: int = 8192, dtype: str = "bfloat16", stale_after_s: float = 60.0) -> None:
+        if not 0 <= worker < spool.num_workers:
+            raise ValueError(f"worker id {worker} out of range for {spool.num_workers} workers")
+        if len(dataset) != stream.plan.num_samples:
+            raise ValueError(f"the dataset has {len(dataset)} samples, the batch plan {stream.plan.num_samples}")
+        spool.check_stream(stream)
+        self.adapter, self.spool, self.stream = adapter, spool, stream
+        self.layer_ids = adapter.check_layer_ids(layer_ids)
+        self.worker, self.chunk_items, self.batch_tokens = worker, chunk_items, batch_tokens
+        if chunk_items < 1 or batch_tokens < 1:
+            raise ValueError(f"chunk_items ({chunk_items}) and batch_tokens ({batch_tokens}) must be positive")
+        self.dtype = store_dtype(dtype)
+        self.share_budget = budget_bytes // spool.num_workers
+        self.stale_after_s = stale_after_s
+        self.table = dataset.with_format("arrow")
+        self.lengths = sample_lengths(dataset).tolist()
+        width = len(self.layer_ids) * adapter.hidden_size
+        self.token_bytes = bytes_per_token(width, len(self.layer_ids), self.dtype)
+        self.num_chunks = -(-stream.num_items // chunk_items)
+        for c in range(self.num_chunks):  # fail at once, not after a deadlock, when one chunk cannot fit
+            if self.chunk_bytes(c) > self.share_budget:
+                raise ValueError(
+                    f"chunk {c} of {chunk_items} items needs {self.chunk_bytes(c)} bytes, more than one worker's "
+                    f"share of the spool budget ({self.share_budget} = {budget_bytes} / {spool.num_workers}): "
+                    "raise the budget or lower chunk_items"
+                )
+
+    def chunk_items_of(self, chunk: int) -> range:
+        return range(chunk * self.chunk_items, min((chunk + 1) * self.chunk_items, self.stream.num_items))
+
+    def chunk_bytes(self, chunk: int) -> int:
+        return sum(self.lengths[self.stream.item(g)[1]] * self.token_bytes + _FILE_OVERHEAD_BYTES
+                   for g in self.chunk_items_of(chunk))
+
+    def _capture(self, chunk: int, share: int) -> None:
+        """Capture the chunk's unfinished items into `share` (finished ones are kept, never redone)."""
+        todo = [g for g in self.chunk_items_of(chunk) if not self.spool.finished(self.stream, g)]
+        if not todo:
+            return
+        samples = [self.stream.item(g)[1] for g in todo]
+        rows = self.table[samples]
+        progress = tqdm(disable=True)
+        arrays = capture_rows(self.adapter, rows, 0, self.layer_ids, self.batch_tokens, self.dtype, 0, progress)
+        offsets = arrays["offsets"]
+        for j, g in enumerate(todo):
+            start, end = int(offsets[j]), int(offsets[j + 1])
+            tensors = {
+                "hidden": arrays["hidden"][start:end].contiguous(),
+                "input_ids": arrays["input_ids"][start:end].to(torch.int32).contiguous(),
+                "loss_mask": arrays["loss_mask"][start:end].to(torch.uint8).contiguous(),
+                "offsets": torch.tensor([0, end - start], dtype=torch.int64),
+            }
+            if "scales" in arrays:
+                tensors["scales"] = arrays["scales"][start:end].contiguous()
+            _write_item(self.spool, share, g, tensors, self.worker)
+
+    def _room(self, share: int, chunk: int) -> bool:
+        return self.spool.share_bytes(share) + self.chunk_bytes(chunk) <= self.share_budget
+
+    def run(self) -> None:
+        """Capture until every item of the stream is written or consumed."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.stale_after_s / 4):
+                self.spool.heartbeat(self.worker)
+
+        self.spool.heartbeat(self.worker)
+        self.spool.remove_temps(self.worker)  # left by an earlier life of this worker id
+        thread = threading.Thread(target=beat, daemon=True, name="spool-heartbeat")
+        thread.start()
+        mine: set[int] = set()  # chunks claimed in this life
+        try:
+            low = frontier = 0
+            while True:
+                while low < self.num_chunks and all(
+                        self.spool.finished(self.stream, g) for g in self.chunk_items_of(low)):
+                    low += 1
+                if low >= self.num_chunks:
+                    return
+                while frontier < self.num_chunks and self.spool.claim(frontier) is not None:
+                    frontier += 1
+                # Chunks claimed in an earlier life of this worker id look alive: redo them first.
+                if self._take_over_stale(low, frontier, mine):
+                    continue
+                if frontier < self.num_chunks and self._room(self.worker, frontier):
+                    if self.spool.try_claim(frontier, 0, self.worker, self.worker):
+                        mine.add(frontier)
+                        self._capture(frontier, self.worker)
+                    continue
+                time.sleep(_POLL_S)
+        finally:
+            stop.set()
+
+    def _take_over_stale(self, low: int, high: int, mine: set[int]) -> bool:
+        """Redo one chunk in [low, high) claimed by a dead worker, or by this worker id in an earlier life, whose
+        share has room now (the lowest first); True when one was done."""
+        for c in range(low, high):
+            if c in mine:
+                continue
+            claim = self.spool.claim(c)
+            if claim is None:
+                continue
+            generation, owner, share = claim
+            if owner != self.worker and self.spool.alive(owner, self.stale_after_s):
+                continue
+            if all(self.spool.finished(self.stream, g) for g in self.chunk_items_of(c)):
+                continue
+            # The owner is dead: its half-written temp files would hold its share's budget forever.
+            if owner != self.worker:
+                self.spool.remove_temps(owner)
+            if not self._room(share, c):
+                continue
+            if self.spool.try_claim(c, generation + 1, self.worker, share):
+                mine.add(c)
+                self._capture(c, share)
+                return True
+        return False
+
+
+class OnlineFeatureSource:
+    """The trainer side: a Sequence-like store whose `[index]` returns this rank's next item from the spool.
+
+    Reads must come in the order of the BatchPlan the stream was built from (the training loop's order); a
+    different index raises ValueError. Each read blocks until the item's file exists (at most `timeout_s`).
+    """
+
+    def __init__(self, spool: Spool, stream: ItemStream, rank: int, *, timeout_s: float = 3600.0) -> None:
+        if not 0 <= rank < stream.plan.world_size:
+            raise ValueError(f"rank {rank} out of range for a world of {stream.plan.world_size}")
+        spool.check_stream(stream)
+        self.spool, self.stream, self.rank, self.timeout_s = spool, stream, rank, timeout_s
+        self._next = self._advance(max(spool.cursor(rank), 0))
+
+    def __len__(self) -> int:
+        return self.stream.plan.num_samples
+
+    def _advance(self, g: int) -> int:
+        while g < self.stream.num_items and self.stream.item(g)[2] != self.rank:
+            g += 1
+        return g
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = self._next
+        if g >= self.stream.num_items:
+            raise IndexError(f"rank {self.rank} has read all {self.stream.epochs} epochs of the online stream")
+        expected = self.stream.item(g)[1]
+        if int(index) != expected:
+            raise ValueError(
+                f"online rank {self.rank}: item {g} is sample {expected}, the trainer asked for sample {index}: "
+                "the trainer's batch plan (samples, micro batch, world size, grad accum, seed, epochs) differs "
+                "from the capture workers'"
+            )
+        deadline = time.monotonic() + self.timeout_s
+        while (path := self.spool.find_item(g)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"online rank {self.rank}: item {g} (sample {expected}) did not appear in {self.spool.path} "
+                    f"within {self.timeout_s} s: are the capture workers running?"
+                )
+            time.sleep(_POLL_S)
+        tensors = load_file(str(path))
+        self.spool.set_cursor(self.rank, g + 1)
+        path.unlink()
+        self._next = self._advance(g + 1)
+        hidden = tensors["hidden"]
+        if "scales" in tensors:
+            hidden = dequantize_fp8(hidden, tensors["scales"])
+        return {"input_ids": tensors["input_ids"].long(), "loss_mask": tensors["loss_mask"].long(),
+                "hidden": hidden}
+

@@ -1,0 +1,185 @@
+"""Training checkpoints that never lose work: atomic, keep-last-k, with per-rank RNG state.
+
+Layout of the checkpoint folder (shared by all ranks, e.g. a network filesystem on several nodes):
+    step{N}/            one DeepSpeed tag: model, optimizer and scheduler shards, client state (global step)
+    step{N}/rng_rank{r}.safetensors   the CPU (and CUDA) RNG state of rank r
+    step{N}/layout.json the world size and ZeRO stage that wrote the shards
+    step{N}/complete    written by rank 0 after EVERY rank finished writing step{N} (a barrier in between)
+    latest              the newest complete tag, replaced atomically (temp file + os.replace) after `complete`
+    step{N}_universal/  only when resuming on a different number of ranks: DeepSpeed's layout-free "universal"
+                        conversion of step{N}, loaded with `checkpoint.load_universal`; deleted at the next save
+
+DeepSpeed's own `latest` is written by rank 0 as soon as rank 0 is done, with a truncating open: a kill at the
+wrong moment leaves it empty or naming a tag that another rank had not finished. So DeepSpeed's is switched off and
+this one is written only once the tag is whole; a reader also refuses a tag without `complete`. A run killed while
+writing step{N} resumes from the previous tag; the half-written folder is deleted before it is written again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from dflash.train.engine import TrainEngine
+
+COMPLETE = "complete"
+LATEST = "latest"
+LAYOUT = "layout.json"
+UNIVERSAL = "_universal"
+_TAG = re.compile(r"^step(\d+)$")
+_UNIVERSAL_TAG = re.compile(r"^step\d+_universal(\.tmp)?$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def tag_for(step: int) -> str:
+    return f"step{step}"
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def complete_tags(directory: str) -> list[tuple[int, str]]:
+    """(step, tag) of every complete checkpoint in `directory`, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = _TAG.match(name)
+        if match and os.path.exists(os.path.join(directory, name, COMPLETE)):
+            found.append((int(match.group(1)), name))
+    return sorted(found)
+
+
+def latest_tag(directory: str) -> str | None:
+    """The tag named by `latest`, or None when there is no checkpoint; ValueError if it names an incomplete one."""
+    path = os.path.join(directory, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tag = f.read().strip()
+    if not os.path.exists(os.path.join(directory, tag, COMPLETE)):
+        raise ValueError(f"{path} names checkpoint {tag!r}, which is not complete (no {COMPLETE} marker)")
+    return tag
+
+
+def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state: dict[str, Any], *, rank: int,
+                    keep_last: int) -> None:
+    """Write step{step} on every rank, then mark it complete, point `latest` at it and prune old tags (rank 0).
+
+    keep_last: how many complete checkpoints to keep (0 keeps all).
+    """
+    tag = tag_for(step)
+    folder = os.path.join(directory, tag)
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        if os.path.isdir(folder):  # left half-written by a killed run, or a stale copy: never mix shards
+            shutil.rmtree(folder)
+    _barrier()
+    engine.save(directory, tag, client_state)
+    os.makedirs(folder, exist_ok=True)
+    rng_path = os.path.join(folder, f"rng_rank{rank}.safetensors")
+    save_file(rng_state(), f"{rng_path}.tmp")
+    os.replace(f"{rng_path}.tmp", rng_path)
+    _barrier()
+    if rank == 0:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        _write_atomic(os.path.join(folder, LAYOUT), json.dumps({"world_size": world_size,
+                                                                "zero_stage": engine.zero_stage}))
+        _write_atomic(os.path.join(folder, COMPLETE), f"{step}\n")
+        _write_atomic(os.path.join(directory, LATEST), tag)
+        if keep_last > 0:
+            for _, old in complete_tags(directory)[:-keep_last]:
+                shutil.rmtree(os.path.join(directory, old))
+        for name in os.listdir(directory):
+            if _UNIVERSAL_TAG.match(name):
+                shutil.rmtree(os.path.join(directory, name))
+            elif name == "latest_universal":  # written by ds_to_universal next to its output; never read here
+                os.remove(os.path.join(directory, name))
+    _barrier()
+
+
+def saved_world_size(directory: str, tag: str) -> int | None:
+    """The number of ranks that wrote `tag` (None for a tag without layout.json, from before it was recorded)."""
+    path = os.path.join(directory, tag, LAYOUT)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return int(json.load(f)["world_size"])
+
+
+def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, bool]:
+    """(tag to load or None, whether it is a universal checkpoint) for a run with `world_size` ranks.
+
+    Saved by the same number of ranks: the tag itself. Saved by another number: ZeRO shards cannot be loaded as
+    they are, so rank 0 converts the tag with DeepSpeed's ds_to_universal (into a temporary folder, renamed when
+    whole) and every rank loads the conversion; the engine must then be built with `load_universal`.
+    """
+    tag = latest_tag(directory)
+    if tag is None or saved_world_size(directory, tag) in (None, world_size):
+        return tag, False
+    universal = tag + UNIVERSAL
+    target = os.path.join(directory, universal)
+    if rank == 0 and not os.path.isdir(target):
+        tmp = f"{target}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        workers = str(max(1, min(4, os.cpu_count() or 1)))
+        done = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             os.path.join(directory, tag), "--output_folder", tmp, "--num_extract_workers", workers,
+             "--num_merge_workers", "1", "--inject_missing_state"],
+            capture_output=True, text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"converting checkpoint {os.path.join(directory, tag)} to a universal checkpoint "
+                               f"failed:\n{done.stderr[-3000:]}")
+        for name in os.listdir(os.path.join(directory, tag)):  # the RNG files travel with it
+            if name.startswith("rng_rank"):
+                shutil.copy(os.path.join(directory, tag, name), os.path.join(tmp, name))
+        os.replace(tmp, target)
+    _barrier()
+    return universal, True
+
+
+def load_checkpoint(engine: TrainEngine, directory: str, tag: str, *, rank: int) -> dict[str, Any]:
+    """Restore tag `tag` (weights, optimizer, scheduler, this rank's RNG) and return its client state.
+
+    A rank without its own RNG file (resuming on more ranks than were saved) keeps its current RNG state: nothing
+    in the loop draws from the global RNG, so results do not change.
+    """
+    client_state = engine.load(directory, tag)
+    rng_path = os.path.join(directory, tag, f"rng_rank{rank}.safetensors")
+    if os.path.exists(rng_path):
+        set_rng_state(load_file(rng_path))
+    return client_state

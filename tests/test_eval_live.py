@@ -1,0 +1,228 @@
+"""Live speculative decoding: lossless at T=0 on dense and GDN hybrid targets, same tau as the replay, cached
+drafter context equal to the drafter's full forward, and the naive cache crop shown NOT lossless on GDN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.eval import live
+from dflash.eval.drafter_cache import CachedDrafter
+from dflash.eval.live import live_decode, target_only_decode
+from dflash.eval.replay import replay
+
+FAMILIES = ["llama", "qwen3_5"]
+TEXTS = ["Hi", "What is two plus two?", "Write a haiku about the sea, please."]
+
+
+def prompts_for(adapter):
+    return [adapter.chat_ids([{"role": "user", "content": t}]) for t in TEXTS]
+
+
+def own_greedy(adapter, prompt, num_tokens):
+    """The target's greedy tokens after `prompt`: a full forward per token, no cache, independent of live.py."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            tokens.append(int(adapter.model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def corrupt(token, position, vocab_size):
+    """Deterministically wrong drafts at some positions, so acceptance lengths vary from step to step."""
+    return (token + 1) % vocab_size if position % 5 == 0 or position % 7 == 3 else token
+
+
+def oracle(monkeypatch, adapter, prompt, truth):
+    """Replace the drafter's logits by one-hot logits of the target's own greedy tokens, corrupted by position."""
+    sequence = list(prompt) + truth
+
+    def fake(context, adapter_, anchor, size):
+        start = context.length
+        logits = torch.zeros(size - 1, adapter.vocab_size)
+        for k in range(1, size):
+            token = sequence[start + k] if start + k < len(sequence) else 0
+            logits[k - 1, corrupt(token, start + k, adapter.vocab_size)] = 1.0
+        return logits
+
+    monkeypatch.setattr(live, "draft_block_logits", fake)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_live_output_equals_target_greedy(family, tiny_target, make_drafter, monkeypatch):
+    adapter = tiny_target(family)
+    drafter = make_drafter(adapter, block_size=5)
+    prompt = prompts_for(adapter)[1]
+    truth = own_greedy(adapter, prompt, 24)
+    # A real (random) drafter: mostly rejections, every step rolls the cache back.
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[])
+    assert result.continuation == truth
+    assert sum(result.trace.committed) == 23
+    # An oracle drafter with errors: partial and full acceptance, rollbacks of every length.
+    oracle(monkeypatch, adapter, prompt, truth)
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[])
+    assert result.continuation == truth
+    assert len(set(result.trace.committed)) >= 3, result.trace.committed
+    assert target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[]).continuation == truth
+
+
+def test_naive_crop_is_not_lossless_on_gdn(tiny_target, make_drafter, monkeypatch):
+    """Without restoring the GDN conv/recurrent states the hybrid target continues from states that saw rejected
+    drafts; this is what makes the rollback test above able to fail."""
+    adapter = tiny_target("qwen3_5")
+    drafter = make_drafter(adapter, block_size=5)
+    prompt = prompts_for(adapter)[1]
+    truth = own_greedy(adapter, prompt, 24)
+    oracle(monkeypatch, adapter, prompt, truth)
+    naive = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], restore_linear=False)
+    assert naive.continuation != truth
+    dense = tiny_target("llama")
+    dense_prompt = prompts_for(dense)[1]
+    dense_truth = own_greedy(dense, dense_prompt, 24)
+    oracle(monkeypatch, dense, dense_prompt, dense_truth)
+    # On a dense target cropping the KV cache is all there is to it.
+    plain = live_decode(make_drafter(dense, block_size=5), dense, dense_prompt, max_new_tokens=24, stop_token_ids=[],
+                        restore_linear=False)
+    assert plain.continuation == dense_truth
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_live_tau_equals_replay_tau(family, tiny_target, make_drafter, monkeypatch):
+    adapter = tiny_target(family)
+    drafter = make_drafter(adapter, block_size=4, std=0.2)
+    prompts = prompts_for(adapter)
+    stop_ids = adapter.stop_token_ids()
+    replayed = replay(drafter, adapter, prompts, max_new_tokens=16, stop_token_ids=stop_ids, batch_size=3)
+    for prompt, expected in zip(prompts, replayed):
+        result = live_decode(drafter, adapter, prompt, max_new_tokens=16, stop_token_ids=stop_ids)
+        assert result.continuation == expected.continuation
+        assert result.trace == expected.trace
+    # And with an oracle that accepts often, where blocks are cut by max_new_tokens.
+    truth = own_greedy(adapter, prompts[2], 21)
+    oracle(monkeypatch, adapter, prompts[2], truth)
+    result = live_decode(drafter, adapter, prompts[2], max_new_tokens=21, stop_token_ids=[])
+    assert result.continuation == truth and max(result.trace.committed) == 4
+    assert result.trace.committed == oracle_replay_steps(adapter, prompts[2], truth, block_size=4, max_new_tokens=21)
+
+
+def oracle_replay_steps(adapter, prompt, truth, *, block_size, max_new_tokens):
+    """The committed lengths of the reference loop for the corrupted-oracle drafts, computed on the known truth."""
+    sequence, start, end, steps = list(prompt) + truth, len(prompt), len(prompt) + len(truth) - 1, []
+    while start < end:
+        size = min(block_size, len(prompt) + max_new_tokens - start)
+        accepted = 0
+        while accepted < size - 1 and start + accepted + 1 <= end and \
+                corrupt(sequence[start + accepted + 1], start + accepted + 1, adapter.vocab_size) == \
+                sequence[start + accepted + 1]:
+            accepted += 1
+        committed = min(accepted + 1, end - start)
+        steps.append(committed)
+        start += committed
+    return steps
+
+
+@pytest.mark.parametrize("layer_types", [("sliding_attention", "full_attention"), ("full_attention",)])
+def test_cached_drafter_equals_full_forward(layer_types, tiny_target, make_drafter):
+    adapter = tiny_target("qwen3_5")
+    drafter = make_drafter(adapter, layer_types=layer_types, window=6, std=0.2)
+    prompt = prompts_for(adapter)[2]
+    features = adapter.capture(torch.tensor([prompt]), None, drafter.target_layer_ids)[0]
+    cached = CachedDrafter(drafter)
+    cached.extend(features[:20])
+    for start in (20, 23, 31):
+        if start > cached.length:
+            cached.extend(features[cached.length:start])
+        block = torch.tensor([prompt[start]] + [drafter.mask_token_id] * 3)
+        noise = adapter.embed_tokens()(block)
+        with torch.no_grad():
+            direct = drafter(torch.arange(start + 4)[None], noise[None], features[None, :start])[0]
+        torch.testing.assert_close(cached.hidden(noise), direct, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="features must be"):
+        cached.extend(features[:2, :5])
+
+
+def test_live_rejects_bad_input(tiny_target, make_drafter):
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter)
+    with pytest.raises(ValueError, match="empty"):
+        live_decode(drafter, adapter, [], max_new_tokens=4, stop_token_ids=[])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        live_decode(drafter, adapter, [5, 6], max_new_tokens=0, stop_token_ids=[])
+    with pytest.raises(ValueError, match="temperature"):
+        target_only_decode(adapter, [5, 6], max_new_tokens=4, stop_token_ids=[], temperature=-1.0)
+
+
+def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_drafter, tmp_path):
+    from dflash.eval.evaluate import evaluate, format_table, write_summary
+
+    adapter = tiny_target("qwen3_5")
+    drafter = make_drafter(adapter, block_size=4, std=0.2)
+    sets = {"a": prompts_for(adapter)[:2], "b": prompts_for(adapter)[2:]}
+    live_summary = evaluate(drafter, adapter, sets, max_new_tokens=12, show_progress=False, mode="live",
+                            categories={"a": ["math", "writing"]})
+    replay_summary = evaluate(drafter, adapter, sets, max_new_tokens=12, show_progress=False)
+    assert live_summary["mode"] == "live" and replay_summary["mode"] == "replay"
+    for name in ("a", "b"):
+        live_set, replay_set = live_summary["prompt_sets"][name], replay_summary["prompt_sets"][name]
+        for key in ("tau", "acceptance_rate", "per_position", "committed_histogram", "num_steps"):
+            assert live_set[key] == replay_set[key], key
+    overall = live_summary["overall"]
+    assert overall["lossless_mismatches"] == 0
+    assert overall["speculative_new_tokens"] == overall["target_new_tokens"] == 3 * 12
+    assert overall["speculative_tokens_per_s"] > 0 and overall["target_tokens_per_s"] > 0
+    assert overall["speedup"] == pytest.approx(overall["speculative_tokens_per_s"] / overall["target_tokens_per_s"])
+    assert overall["speculative_seconds"] == pytest.approx(
+        sum(live_summary["prompt_sets"][n]["speculative_seconds"] for n in ("a", "b")))
+    assert "speedup" in format_table(live_summary)
+    by_category = live_summary["categories"]["a"]
+    assert sorted(by_category) == ["math", "writing"] and by_category["math"]["num_prompts"] == 1
+    assert by_category["math"]["num_steps"] + by_category["writing"]["num_steps"] == live_summary["prompt_sets"]["a"][
+        "num_steps"]
+    write_summary(live_summary, str(tmp_path))
+    lines = (tmp_path / "summary.csv").read_text().splitlines()
+    assert "speedup" in lines[0] and [line.split(",")[0] for line in lines[1:]] == ["a", "b", "overall", "a/math",
+                                                                                  "a/writing"]
+    with pytest.raises(ValueError, match="must label each"):
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, categories={"a": ["math"]})
+    with pytest.raises(ValueError, match="replay mode is exact only at temperature 0"):
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, temperature=0.7)
+    with pytest.raises(ValueError, match="unknown eval mode"):
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, mode="fast")
+
+
+def test_mtbench_categories_of_the_packaged_questions():
+    from dflash.data.prompts import load_prompts
+    from dflash.eval.categories import mtbench_categories, prompt_categories
+
+    labels = mtbench_categories()
+    assert len(labels) == 80 and set(labels.values()) == {"writing", "roleplay", "reasoning", "math", "coding",
+                                                          "extraction", "stem", "humanities"}
+    prompts = load_prompts("mtbench", limit=5)
+    assert prompt_categories("mtbench", prompts) == [labels[p.id] for p in prompts]
+    assert prompt_categories("gsm8k", prompts) is None
+    with pytest.raises(FileNotFoundError, match="question file not found"):
+        mtbench_categories("/nonexistent/question.jsonl")
+
+
+def test_target_cache_rollback_bounds_and_state_restore(tiny_target):
+    from dflash.eval.target_cache import CachedTarget, snapshot_linear_states
+
+    adapter = tiny_target("qwen3_5")
+    prompt = prompts_for(adapter)[0]
+    target = CachedTarget(adapter, [1, 3])
+    target.forward(prompt)
+    before = [t.clone() for _, _, t in snapshot_linear_states(target.cache)]
+    assert before, "the hybrid target should have linear-attention states to snapshot"
+    target.verify([5, 6, 7, 8])
+    with pytest.raises(ValueError, match="rollback keeps"):
+        target.rollback(len(prompt))
+    with pytest.raises(ValueError, match="rollback keeps"):
+        target.rollback(len(prompt) + 5)
+    features = target.rollback(len(prompt) + 2)
+    assert target.length == len(prompt) + 2 and features.shape == (2, 2 * adapter.hidden_size)
+    # The states now equal those of a fresh target fed prompt + [5, 6]: the rejected 7, 8 left no trace.
+    fresh = CachedTarget(adapter, [1, 3])
+    fresh.forward(prompt + [5, 6])
+    for (_, _, got), (_, _, want) in zip(snapshot_linear_states(target.cache), snapshot_linear_states(fresh.cache)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert any(not torch.equal(a, b) for a, (_, _, b) in zip(before, snapshot_linear_states(target.cache)))

@@ -1,0 +1,122 @@
+"""Speculative rejection sampling (T>0) gives the target's output distribution: statistical tests, fixed seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.eval.live import live_decode, target_only_decode
+from dflash.eval.sampling import accept_greedy, accept_sampled, probabilities, sample
+
+VOCAB = 4
+
+
+def markov_chains():
+    """Target p(next | previous) and a rather different drafter q, with zeros on both sides: q misses tokens the
+    target likes (only the residual distribution can produce them) and proposes tokens the target never emits."""
+    p = torch.tensor([[0.10, 0.60, 0.30, 0.00],
+                      [0.50, 0.05, 0.05, 0.40],
+                      [0.25, 0.25, 0.25, 0.25],
+                      [0.00, 0.20, 0.70, 0.10]])
+    q = torch.tensor([[0.50, 0.00, 0.20, 0.30],
+                      [0.10, 0.10, 0.70, 0.10],
+                      [0.70, 0.10, 0.10, 0.10],
+                      [0.30, 0.30, 0.00, 0.40]])
+    return p, q
+
+
+def speculative_markov(p, q, first, num_tokens, block_size, generator, accept=accept_sampled):
+    """The live loop's structure on Markov chains: draft block_size-1 tokens from q, the target's distribution at
+    every block position given the drafted prefix, then the acceptance rule; returns the first num_tokens tokens."""
+    tokens = [first]
+    while len(tokens) <= num_tokens:
+        drafts, draft_probs, previous = [], [], tokens[-1]
+        for _ in range(block_size - 1):
+            draft_probs.append(q[previous])
+            previous = int(sample(q[previous], generator))
+            drafts.append(previous)
+        context = [tokens[-1]] + drafts
+        target_probs = torch.stack([p[t] for t in context])
+        accepted, following = accept(target_probs, torch.stack(draft_probs), torch.tensor(drafts), generator)
+        tokens += drafts[:accepted] + [following]
+    return tuple(tokens[1 : num_tokens + 1])
+
+
+def empirical(samples):
+    counts: dict = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    return {k: v / len(samples) for k, v in counts.items()}
+
+
+def total_variation(a: dict, b: dict) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def exact_joint(p, first, num_tokens):
+    joint = {(): 1.0}
+    for _ in range(num_tokens):
+        joint = {seq + (t,): prob * float(p[seq[-1] if seq else first, t])
+                 for seq, prob in joint.items() for t in range(VOCAB)}
+    return {k: v for k, v in joint.items() if v > 0}
+
+
+def test_rejection_sampling_gives_the_target_joint_distribution():
+    p, q = markov_chains()
+    generator = torch.Generator().manual_seed(0)
+    samples = [speculative_markov(p, q, 0, 3, 3, generator) for _ in range(6000)]
+    target = exact_joint(p, 0, 3)
+    # 64 outcomes, 6000 samples: the expected TV of a correct sampler is about 0.03.
+    assert total_variation(empirical(samples), target) < 0.05
+    assert set(empirical(samples)) <= set(target), "emitted a sequence the target gives probability 0"
+    # The test has power: accepting every draft (output = drafter's distribution) is far off.
+    def accept_all(target_probs, draft_probs, drafts, generator):
+        return len(drafts), int(sample(target_probs[-1], generator))
+    wrong = [speculative_markov(p, q, 0, 3, 3, generator, accept=accept_all) for _ in range(2000)]
+    assert total_variation(empirical(wrong), target) > 0.2
+
+
+def test_accept_greedy_and_sampled_edge_cases():
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0]])
+    assert accept_greedy(logits, torch.tensor([1, 2])) == (2, 0)
+    assert accept_greedy(logits, torch.tensor([1, 0])) == (1, 2)
+    assert accept_greedy(logits, torch.tensor([2, 2])) == (0, 1)
+    generator = torch.Generator().manual_seed(0)
+    target = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    # Drafts the target is certain of are always accepted; a draft it gives 0 is always replaced.
+    assert accept_sampled(target, target[:2], torch.tensor([1, 2]), generator) == (2, 0)
+    draft = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    assert accept_sampled(target, draft, torch.tensor([0, 2]), generator) == (0, 1)
+    with pytest.raises(ValueError, match="need target_probs"):
+        accept_sampled(target[:2], draft, torch.tensor([0, 2]), generator)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        probabilities(logits, 0.0)
+
+
+def test_live_sampling_matches_target_sampling_on_a_tiny_target(make_drafter):
+    """End to end through live_decode: the distribution of the first token that comes out of a verify step (the
+    second new token) equals the target's, computed exactly from the target's logits."""
+    from dflash.models.targets import load_target
+
+    adapter = load_target("tiny", tiny={"family": "llama", "seed": 0, "tokenizer": "builtin"})
+    drafter = make_drafter(adapter, block_size=3, std=0.3)
+    prompt = adapter.chat_ids([{"role": "user", "content": "What is two plus two?"}])
+    # The random target's logits are nearly flat; a low temperature puts its distributions on a few tokens, so a
+    # few hundred samples measure them.
+    temperature = 0.03
+    with torch.no_grad():
+        first = probabilities(adapter.model(torch.tensor([prompt])).logits[0, -1], temperature)
+        candidates = [int(t) for t in torch.nonzero(first > 1e-4).flatten()]
+        batch = torch.tensor([prompt + [t] for t in candidates])
+        second = probabilities(adapter.model(batch).logits[:, -1], temperature)
+    exact = (first[candidates, None] * second).sum(0)
+    exact = {t: float(v) for t, v in enumerate(exact) if v > 1e-6}
+    # About 0.75 / 0.22 / small rest: a correct sampler's expected TV over 400 samples is about 0.04.
+    assert max(exact.values()) < 0.9 and sorted(exact.values())[-2] > 0.1, f"target too peaked for this test: {exact}"
+    generator = torch.Generator().manual_seed(0)
+    live = [live_decode(drafter, adapter, prompt, max_new_tokens=3, stop_token_ids=[], temperature=temperature,
+                        generator=generator).continuation[1] for _ in range(400)]
+    plain = [target_only_decode(adapter, prompt, max_new_tokens=2, stop_token_ids=[], temperature=temperature,
+                                generator=generator).continuation[1] for _ in range(400)]
+    assert total_variation(empirical(live), exact) < 0.1
+    assert total_variation(empirical(plain), exact) < 0.1

@@ -1,0 +1,85 @@
+"""Checkpoints never lose work: a SIGKILLed run resumes to the same weights; incomplete tags are never picked."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash.models.drafter import DFlashDraftModel
+from dflash.train.checkpoints import COMPLETE, LATEST, complete_tags, latest_tag
+from dflash.train.step_metrics import expected_acceptance_length, layer_parameters, step_flops
+from tests import trainer_harness
+
+# 6 samples, global batch 2: 3 steps per epoch, 4 epochs = 12 steps, a checkpoint after every step, 2 kept.
+RUN = dict(micro_batch_size=2, grad_accum=1, epochs=4, save_every=1, keep_last=2)
+
+
+def read_latest_step(checkpoints: str) -> int:
+    try:
+        with open(os.path.join(checkpoints, LATEST), encoding="utf-8") as f:
+            return int(f.read().strip().removeprefix("step") or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+@pytest.mark.multiproc
+def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, one_thread):
+    full_losses, full_state = trainer_harness.run(str(tmp_path / "full"), **RUN)
+    out = tmp_path / "killed"
+    checkpoints = str(out / "checkpoints")
+    command = [sys.executable, "tests/trainer_harness.py", str(out), "2", "1", "2", "--epochs", "4",
+               "--save-every", "1", "--keep-last", "2", "--delay", "0.15"]  # ~0.3 s per step
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "MASTER_PORT": str(29000 + os.getpid() % 500)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while read_latest_step(checkpoints) < 3 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    killed_at = read_latest_step(checkpoints)
+    assert 3 <= killed_at < 12, f"the run was not killed mid-run (latest checkpoint step {killed_at})"
+
+    resumed_losses, resumed_state = trainer_harness.run(str(out), **RUN)
+    # Optimizer, scheduler, data position, anchors and RNG resume: the weights equal the uninterrupted run's.
+    for name in full_state:
+        torch.testing.assert_close(resumed_state[name], full_state[name], rtol=1e-6, atol=1e-7)
+    assert resumed_losses[-1] == pytest.approx(full_losses[-1], rel=1e-6)
+    assert [step for step, _ in complete_tags(checkpoints)] == [11, 12]  # keep-last-2
+    folders = sorted(name for name in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, name)))
+    assert folders == ["step11", "step12"]  # the half-written tag of the killed run is gone too
+
+
+def test_an_incomplete_tag_is_never_picked(tmp_path):
+    (tmp_path / "step4").mkdir()
+    (tmp_path / "step4" / COMPLETE).write_text("4\n")
+    (tmp_path / "step6").mkdir()  # half-written: no marker
+    assert complete_tags(str(tmp_path)) == [(4, "step4")]
+    assert latest_tag(str(tmp_path)) is None
+    (tmp_path / LATEST).write_text("step4")
+    assert latest_tag(str(tmp_path)) == "step4"
+    (tmp_path / LATEST).write_text("step6")
+    with pytest.raises(ValueError, match="step6"):
+        latest_tag(str(tmp_path))
+
+
+def test_expected_acceptance_length_and_flop_formula():
+    assert expected_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert expected_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_acceptance_length([0.0, 1.0]) == 1.0
+    config = trainer_harness.drafter_config()
+    drafter_layers = sum(p.numel() for name, p in DFlashDraftModel(config).named_parameters()
+                         if name.startswith("layers."))
+    assert layer_parameters(config) == drafter_layers
+    queries, context = 64, 20
+    kv = 2 * config.hidden_size * config.num_key_value_heads * config.head_dim
+    expected = (6 * drafter_layers * queries + 4 * config.vocab_size * config.hidden_size * queries
+                + 6 * (config.num_taps * config.hidden_size**2 + config.num_hidden_layers * kv) * context)
+    assert step_flops(config, queries, context) == expected
