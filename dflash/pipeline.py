@@ -11,6 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
+import time
 from typing import Any
 
 import torch
@@ -211,21 +214,22 @@ class Pipeline:
 
     def capture_fingerprint(self) -> str:
         taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}
-        # Where capture runs and how it checks itself do not change the features.
-        skip = ("devices", "check_every", "verify_existing")
+        # Where capture runs, how it checks itself and how online features travel do not change the features.
+        skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
+                "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         return fingerprint(self.data_fingerprint(), taps, capture)
 
     def capture(self) -> None:
         from dflash.data.dataset import load_dataset_dir
         from dflash.extract.capture import capture_dataset
+        from dflash.extract.store import store_dtype
         from dflash.train.frozen_head import save_frozen_head
 
-        if self.cfg.capture.mode != "offline":
-            raise ValueError(
-                f"capture.mode={self.cfg.capture.mode!r}: the pipeline runs only 'offline' capture so far; online "
-                "capture is the library in dflash/extract/online.py (see docs/capture.md)"
-            )
+        mode = str(self.cfg.capture.mode)
+        if mode not in ("offline", "online"):
+            raise ValueError(f"capture.mode={mode!r}: expected 'offline' (a feature store) or 'online' (capture "
+                             "workers stream features to the trainer during the train stage)")
         out, key = self.dirs["features"], self.capture_fingerprint()
         if stage_done(out, key):
             print(f"[capture] up to date: {out}")
@@ -235,15 +239,24 @@ class Pipeline:
         config = drafter_config(self.cfg, shape)  # validates taps, mask id and sizes before any work
         dataset = load_dataset_dir(self.dirs["data"])
         c = self.cfg.capture
-        manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
-                                   batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
-                                   dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
-                                   verify_existing=bool(c.get("verify_existing", False)),
-                                   fingerprint={"key": key}, show_progress=self.show_progress)
+        if mode == "online":
+            # Only what the train stage's capture workers and trainer need: the features are made while training.
+            store_dtype(str(c.dtype))  # a bad dtype fails here, not in every worker
+            write_json(os.path.join(out, "online.json"), {
+                "data": self.dirs["data"], "num_samples": len(dataset), "target_layer_ids": config.target_layer_ids,
+                "dtype": str(c.dtype), "batch_tokens": int(c.batch_tokens)})
+            summary = f"{len(dataset)} samples to stream during training (online capture)"
+        else:
+            manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
+                                       batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
+                                       dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
+                                       verify_existing=bool(c.get("verify_existing", False)),
+                                       fingerprint={"key": key}, show_progress=self.show_progress)
+            summary = f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
         save_frozen_head(self.adapter.embed_tokens().weight, self.adapter.lm_head_weight(),
                          os.path.join(out, "frozen_head.safetensors"))
         write_json(os.path.join(out, "target.json"), shape)
-        print(f"[capture] {manifest['num_samples']} samples, {manifest['num_tokens']} tokens -> {out}")
+        print(f"[capture] {summary} -> {out}")
         mark_done(out, key)
 
     def train_settings(self):
@@ -288,12 +301,23 @@ class Pipeline:
         log = MetricsLog(self.run_dir, enabled=rank == 0, tensorboard=bool(logging.tensorboard),
                          wandb_mode=str(logging.wandb.mode), wandb_project=str(logging.wandb.project),
                          config=container(self.cfg))
+        online = str(self.cfg.capture.mode) == "online"
+        pools: list = []  # the capture workers this rank started (online, rank 0): always stopped below
         try:
-            store = FeatureStore(self.dirs["features"])
             head = load_frozen_head(os.path.join(self.dirs["features"], "frozen_head.safetensors"))
-            state = train(self.train_settings(), config, store, head, self.dirs["checkpoints"], log, rank=rank,
+            settings = self.train_settings()
+            if online:
+                store = self._online_source(settings, rank, world_size, pools)
+            else:
+                store = FeatureStore(self.dirs["features"])
+            started = time.perf_counter()
+            state = train(settings, config, store, head, self.dirs["checkpoints"], log, rank=rank,
                           world_size=world_size, device=self.device, show_progress=self.show_progress)
+            if online and pools:
+                self._finish_online(store, pools[0], time.perf_counter() - started, world_size)
         finally:
+            for pool in pools:
+                pool.kill()
             log.close()
         if rank == 0:
             drafter = DFlashDraftModel(config)
@@ -301,6 +325,103 @@ class Pipeline:
             export_zlab(drafter, out)
             mark_done(out, key)
             print(f"[train] exported drafter -> {out}")
+
+    # Online capture (capture.mode=online): workers started by the train stage stream features to the trainer
+
+    def _online_spool_dir(self) -> str:
+        return os.path.abspath(str(self.cfg.capture.spool_dir))
+
+    def _online_source(self, settings, rank: int, world_size: int, pools: list):
+        """This rank's OnlineFeatureSource; rank 0 first empties the spool and starts the capture workers (appended
+        to `pools` as soon as they run, so the caller stops them whatever happens next)."""
+        from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
+        from dflash.extract.online_workers import WorkerPool
+        from dflash.train.batches import BatchPlan
+
+        c, t = self.cfg.capture, self.cfg.target
+        info = read_json(os.path.join(self.dirs["features"], "online.json"))
+        plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
+                         settings.seed)
+        stream = ItemStream(plan, epochs=settings.epochs)
+        devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
+        num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) if devices else 1
+        spool_dir, log_dir = self._online_spool_dir(), os.path.join(self.run_dir, "capture_logs")
+        if rank == 0:
+            # Consumed items are gone, so every start streams afresh from the step training resumes at.
+            shutil.rmtree(spool_dir, ignore_errors=True)
+            shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
+            os.makedirs(log_dir, exist_ok=True)
+            spool = Spool(spool_dir, num_workers)
+            spool.check_stream(stream)
+            first = self._resume_step() * plan.global_batch_size
+            if first:
+                for r in range(world_size):  # items before `first` count as consumed: the workers skip them
+                    spool.set_cursor(r, first)
+            spec = {
+                "target": {"kind": str(t.kind), "path": t.path, "dtype": str(t.dtype), "tiny": container(t.tiny),
+                           "cache_dir": t.cache_dir},
+                "device": "cuda:0" if devices else str(self.device),
+                "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
+                "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
+                         "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed},
+                "epochs": settings.epochs, "layer_ids": info["target_layer_ids"], "dtype": str(c.dtype),
+                "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),
+                "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
+            }
+            spec_path = os.path.join(log_dir, "spec.json")
+            write_json(spec_path, spec)
+            pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices, max_restarts=int(c.max_restarts))
+            pools.append(pool)
+            pool.start()
+            print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool {spool_dir} "
+                  f"(budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
+        self.barrier()
+        return OnlineFeatureSource(Spool(spool_dir, num_workers), stream, rank, timeout_s=float(c.timeout_s),
+                                   hopeless=pools[0].failed if pools else None)
+
+    def _resume_step(self) -> int:
+        """The global step training resumes at (0 without a checkpoint)."""
+        from dflash.train.checkpoints import latest_tag
+
+        tag = latest_tag(self.dirs["checkpoints"])
+        if tag is None:
+            return 0
+        match = re.fullmatch(r"step(\d+)", tag)
+        if match is None:
+            raise ValueError(f"checkpoint tag {tag!r} in {self.dirs['checkpoints']} does not name a step")
+        return int(match.group(1))
+
+    def _finish_online(self, source, pool, train_s: float, world_size: int) -> None:
+        """Join the capture workers, remove the (now empty) spool and report both throughputs and the device
+        split that would balance them (rank 0)."""
+        c = self.cfg.capture
+        pool.join(timeout_s=float(c.stale_after_s) + 60.0)
+        spool_dir = self._online_spool_dir()
+        leftover = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(spool_dir, "data")) for f in files]
+        if leftover:
+            raise RuntimeError(f"the spool {spool_dir} still holds {len(leftover)} item files after training, "
+                               f"e.g. {leftover[0]}: features were produced that no trainer rank read")
+        shutil.rmtree(spool_dir)
+        stats = pool.stats()
+        capture_tokens = sum(s["tokens"] for s in stats)
+        capture_s = sum(s["capture_s"] for s in stats)
+        capture_rate = capture_tokens / capture_s if capture_s > 0 else float("nan")  # per capture device
+        trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
+        capture_devices = len(c.devices) if c.devices is not None and self.device.type == "cuda" \
+            else pool.num_workers
+        total = capture_devices + world_size
+        share = trainer_rate / (trainer_rate + capture_rate)  # capture devices x capture rate = trainers x rate
+        balanced = min(max(round(total * share), 1), total - 1) if total > 1 else 1
+        report = {"capture_tokens_per_s_per_device": capture_rate, "trainer_tokens_per_s_per_rank": trainer_rate,
+                  "capture_tokens": capture_tokens, "trainer_wait_s": source.wait_s, "train_s": train_s,
+                  "capture_devices": capture_devices, "trainer_ranks": world_size,
+                  "balanced_capture_fraction": share, "balanced_split": [balanced, total - balanced]}
+        write_json(os.path.join(self.run_dir, "capture_logs", "throughput.json"), report)
+        print(f"[online] capture {capture_rate:,.0f} tok/s per capture device ({capture_devices}), trainer "
+              f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of {train_s:.1f} s "
+              f"for features)")
+        print(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
+              f"{balanced}:{total - balanced} of these {total} devices")
 
     def evaluate(self) -> dict[str, Any]:
         from dflash.data.prompts import load_prompts

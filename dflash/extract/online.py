@@ -25,13 +25,14 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from dflash.extract.capture import bytes_per_token, capture_rows, sample_lengths
@@ -197,7 +198,9 @@ def _write_item(spool: Spool, share: int, g: int, tensors: dict[str, torch.Tenso
     path = spool.item_path(share, g)
     # The temp name carries the writer's id so that a takeover removes only a dead writer's leftovers.
     tmp = path.with_name(f".{path.name}.tmp-w{writer}")
-    save_file(tensors, str(tmp))
+    # Serialise in memory and write our own temp file: save_file may write through a temp file of its own
+    # (`.tmpXXXXXX`), which a SIGKILL would leave in the share, unnamed by writer and never removed.
+    tmp.write_bytes(save(tensors))
     os.replace(tmp, path)
 
 
@@ -225,6 +228,8 @@ class CaptureWorker:
         width = len(self.layer_ids) * adapter.hidden_size
         self.token_bytes = bytes_per_token(width, len(self.layer_ids), self.dtype)
         self.num_chunks = -(-stream.num_items // chunk_items)
+        # Throughput counters: real tokens and items captured, seconds spent capturing (waits excluded).
+        self.tokens_captured, self.items_captured, self.capture_s = 0, 0, 0.0
         for c in range(self.num_chunks):  # fail at once, not after a deadlock, when one chunk cannot fit
             if self.chunk_bytes(c) > self.share_budget:
                 raise ValueError(
@@ -245,6 +250,7 @@ class CaptureWorker:
         todo = [g for g in self.chunk_items_of(chunk) if not self.spool.finished(self.stream, g)]
         if not todo:
             return
+        started = time.perf_counter()
         samples = [self.stream.item(g)[1] for g in todo]
         rows = self.table[samples]
         progress = tqdm(disable=True)
@@ -261,6 +267,9 @@ class CaptureWorker:
             if "scales" in arrays:
                 tensors["scales"] = arrays["scales"][start:end].contiguous()
             _write_item(self.spool, share, g, tensors, self.worker)
+        self.tokens_captured += int(offsets[-1])
+        self.items_captured += len(todo)
+        self.capture_s += time.perf_counter() - started
 
     def _room(self, share: int, chunk: int) -> bool:
         return self.spool.share_bytes(share) + self.chunk_bytes(chunk) <= self.share_budget
@@ -330,14 +339,19 @@ class OnlineFeatureSource:
     """The trainer side: a Sequence-like store whose `[index]` returns this rank's next item from the spool.
 
     Reads must come in the order of the BatchPlan the stream was built from (the training loop's order); a
-    different index raises ValueError. Each read blocks until the item's file exists (at most `timeout_s`).
+    different index raises ValueError. Each read blocks until the item's file exists (at most `timeout_s`);
+    `hopeless`, when given, is polled while waiting and returns a reason to stop waiting (RuntimeError) or None.
     """
 
-    def __init__(self, spool: Spool, stream: ItemStream, rank: int, *, timeout_s: float = 3600.0) -> None:
+    def __init__(self, spool: Spool, stream: ItemStream, rank: int, *, timeout_s: float = 3600.0,
+                 hopeless: Callable[[], str | None] | None = None) -> None:
         if not 0 <= rank < stream.plan.world_size:
             raise ValueError(f"rank {rank} out of range for a world of {stream.plan.world_size}")
         spool.check_stream(stream)
         self.spool, self.stream, self.rank, self.timeout_s = spool, stream, rank, timeout_s
+        self.hopeless = hopeless
+        # Throughput counters: real tokens read and seconds spent waiting for features.
+        self.tokens_read, self.wait_s = 0, 0.0
         self._next = self._advance(max(spool.cursor(rank), 0))
 
     def __len__(self) -> int:
@@ -359,18 +373,24 @@ class OnlineFeatureSource:
                 "the trainer's batch plan (samples, micro batch, world size, grad accum, seed, epochs) differs "
                 "from the capture workers'"
             )
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
         while (path := self.spool.find_item(g)) is None:
+            reason = self.hopeless() if self.hopeless is not None else None
+            if reason is not None:
+                raise RuntimeError(f"online rank {self.rank}: item {g} (sample {expected}) will not arrive: {reason}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"online rank {self.rank}: item {g} (sample {expected}) did not appear in {self.spool.path} "
                     f"within {self.timeout_s} s: are the capture workers running?"
                 )
             time.sleep(_POLL_S)
+        self.wait_s += time.monotonic() - started
         tensors = load_file(str(path))
         self.spool.set_cursor(self.rank, g + 1)
         path.unlink()
         self._next = self._advance(g + 1)
+        self.tokens_read += int(tensors["input_ids"].numel())
         hidden = tensors["hidden"]
         if "scales" in tensors:
             hidden = dequantize_fp8(hidden, tensors["scales"])

@@ -1,0 +1,201 @@
+"""Capture worker processes for online training: the entry point of one worker and the pool that runs them.
+
+    python -m dflash.extract.online_workers SPEC.json WORKER_ID
+
+SPEC.json (written by the pipeline's train stage) names the target, the token dataset, the spool and the batch
+plan; the worker loads the target on its device, runs `CaptureWorker.run()` until every item of the stream is
+written or consumed, and writes its throughput to `stats/w{id}-{pid}.json` next to its log. A worker exits when
+its parent (the trainer) disappears, so a killed trainer leaves no capture process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_PARENT_POLL_S = 1.0
+_STOP_GRACE_S = 10.0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit at once when the process that started us is gone (we were re-parented)."""
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(_PARENT_POLL_S)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
+    """Capture this worker's share of the stream described by `spec`; return its throughput counters."""
+    import torch
+
+    from dflash.data.dataset import load_dataset_dir
+    from dflash.extract.online import CaptureWorker, ItemStream, Spool
+    from dflash.models.targets import load_target
+    from dflash.train.batches import BatchPlan
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    t = spec["target"]
+    adapter = load_target(t["kind"], path=t["path"], dtype=t["dtype"], device=spec["device"], tiny=t["tiny"],
+                          cache_dir=t["cache_dir"])
+    p = spec["plan"]
+    plan = BatchPlan(p["num_samples"], p["micro_batch_size"], p["world_size"], p["grad_accum"], p["seed"])
+    stream = ItemStream(plan, epochs=int(spec["epochs"]))
+    spool = Spool(spec["spool"], num_workers=int(spec["num_workers"]))
+    capture = CaptureWorker(adapter, load_dataset_dir(spec["data"]), spool, stream, list(spec["layer_ids"]),
+                            worker=worker, budget_bytes=int(spec["budget_bytes"]),
+                            chunk_items=int(spec["chunk_items"]), batch_tokens=int(spec["batch_tokens"]),
+                            dtype=str(spec["dtype"]), stale_after_s=float(spec["stale_after_s"]))
+    capture.run()
+    return {"worker": worker, "tokens": capture.tokens_captured, "items": capture.items_captured,
+            "capture_s": capture.capture_s}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m dflash.extract.online_workers SPEC.json WORKER_ID")
+    _exit_with_parent(os.getppid())
+    spec_path, worker = Path(argv[0]), int(argv[1])
+    spec = json.loads(spec_path.read_text())
+    stats = run_worker(spec, worker)
+    out = Path(spec["log_dir"]) / "stats" / f"w{worker}-{os.getpid()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(stats) + "\n")
+    os.replace(tmp, out)
+
+
+class WorkerPool:
+    """The capture processes of one online run: start, watch (restart the dead), join, and kill on failure.
+
+    Worker w runs on `devices[w]`: on CUDA the process sees only that GPU (CUDA_VISIBLE_DEVICES) and uses
+    cuda:0; on CPU `devices` is None and every worker runs on `cpu`.
+    """
+
+    def __init__(self, spec_path: str, num_workers: int, log_dir: str, *, devices: list[int] | None = None,
+                 cpu_device: str = "cpu", max_restarts: int = 3) -> None:
+        if devices is not None and len(devices) != num_workers:
+            raise ValueError(f"capture.devices {devices} must list one GPU per capture worker ({num_workers})")
+        self.spec_path, self.num_workers, self.log_dir = spec_path, num_workers, Path(log_dir)
+        self.devices, self.cpu_device, self.max_restarts = devices, cpu_device, max_restarts
+        self.processes: list[subprocess.Popen | None] = [None] * num_workers
+        self.restarts = [0] * num_workers
+        self.failure: str | None = None
+        self.all_dead = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._monitor: threading.Thread | None = None
+
+    def _start(self, worker: int) -> None:
+        env = dict(os.environ)
+        repo = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.devices[worker])
+        log = open(self.log_dir / f"w{worker}.log", "ab")  # noqa: SIM115 (the child holds it open)
+        try:
+            self.processes[worker] = subprocess.Popen(
+                [sys.executable, "-m", "dflash.extract.online_workers", self.spec_path, str(worker)],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+
+    def start(self, poll_s: float = 0.5) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for worker in range(self.num_workers):
+            self._start(worker)
+        self._monitor = threading.Thread(target=self._watch, args=(poll_s,), daemon=True, name="capture-pool")
+        self._monitor.start()
+
+    def _log_tail(self, worker: int) -> str:
+        path = self.log_dir / f"w{worker}.log"
+        return path.read_bytes()[-2000:].decode(errors="replace") if path.exists() else ""
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self.poll()
+
+    def poll(self) -> None:
+        """Restart every worker that died (non-zero exit) while it has restarts left; record a failure when
+        every worker is dead for good (the trainer then stops waiting, see `failed`)."""
+        for worker, process in enumerate(self.processes):
+            if process is None or process.poll() in (None, 0):
+                continue
+            if self.restarts[worker] < self.max_restarts:
+                self.restarts[worker] += 1
+                print(f"[online] capture worker {worker} exited with code {process.returncode}: restart "
+                      f"{self.restarts[worker]}/{self.max_restarts}", flush=True)
+                self._start(worker)
+            else:
+                self.processes[worker] = None
+                if self.failure is None:
+                    self.failure = (f"capture worker {worker} died {self.max_restarts + 1} times (exit code "
+                                    f"{process.returncode}); last log lines of {self.log_dir}/w{worker}.log:\n"
+                                    f"{self._log_tail(worker)}")
+        # One dead worker's chunks are taken over by the others; only all of them gone is hopeless.
+        if self.failure is not None and all(p is None or p.poll() is not None for p in self.processes):
+            self.all_dead = True
+
+    def failed(self) -> str | None:
+        """Why waiting for features is hopeless (every worker dead with no restart left), else None."""
+        return self.failure if self.all_dead else None
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the workers to finish (they exit once every item is consumed); RuntimeError when one fails."""
+        self._stop.set()
+        with self._lock:
+            deadline = time.monotonic() + timeout_s
+            for worker, process in enumerate(self.processes):
+                if process is None:
+                    continue
+                try:
+                    code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"capture worker {worker} did not exit {timeout_s} s after training ended; "
+                                       f"log: {self.log_dir}/w{worker}.log") from None
+                if code != 0:
+                    raise RuntimeError(f"capture worker {worker} exited with code {code} after training ended:\n"
+                                       f"{self._log_tail(worker)}")
+
+    def kill(self) -> None:
+        """Stop every worker still running: SIGTERM, then SIGKILL after a grace period."""
+        self._stop.set()
+        with self._lock:
+            running = [p for p in self.processes if p is not None and p.poll() is None]
+            for process in running:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + _STOP_GRACE_S
+            for process in running:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Throughput counters written by every worker life that finished."""
+        folder = self.log_dir / "stats"
+        return [json.loads(p.read_text()) for p in sorted(folder.glob("w*.json"))] if folder.is_dir() else []
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written; skip interpreter teardown, where native library threads sometimes abort the process
+    # ("terminate called without an active exception"), which would read as a failed worker.
+    os._exit(0)
