@@ -54,7 +54,8 @@ def matmul_tflops(device: torch.device) -> float | None:
     return measure_matmul_tflops(device)
 
 
-def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: int, loss_chunk: int) -> dict:
+def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: int, loss_chunk: int,
+             activation_checkpointing: bool = False) -> dict:
     """Build the engine and time `steps` training steps after `warmup` ones (this process only)."""
     from dflash.train.batches import prepare_micro_batch
     from dflash.train.engine import OptimConfig, TrainEngine, init_distributed
@@ -70,6 +71,10 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     torch.manual_seed(0)  # the same random drafter in every path, so their first losses must agree
     with torch.device(device):
         drafter = DFlashDraftModel(config)
+    if activation_checkpointing:
+        from dflash.train.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(drafter)
     total = warmup + steps
     optim = OptimConfig(lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0,
                         grad_clip=1.0, zero_stage=2, bf16=bf16, micro_batch_size=1, grad_accum=1, total_steps=total)
@@ -112,7 +117,8 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     flops = step_flops(config, queries, shape["seq"])
     result = {"path": path, "step_ms": round(step_s * 1e3, 2), "tflops": float(f"{flops / step_s / 1e12:.4g}"),
               "step_tflop": float(f"{flops / 1e12:.4g}"), "first_loss": round(first_loss, 5),
-              "last_loss": round(loss, 5), "steps_timed": steps}
+              "last_loss": round(loss, 5), "steps_timed": steps,
+              "activation_checkpointing": activation_checkpointing}
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return result
@@ -126,6 +132,8 @@ def main() -> None:
     parser.add_argument("--paths", default=None,
                         help="comma list of flex, sdpa (dense mask, chunked CE), sdpa_full (default: flex,sdpa_full)")
     parser.add_argument("--loss-chunk", type=int, default=4096, help="lm_head + CE rows per chunk (not sdpa_full)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute the drafter layers in backward (TFLOP/s still counts the model FLOPs once)")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # internal: run one path, print its JSON
     args = parser.parse_args()
     shape = TINY if args.tiny else FULL
@@ -133,7 +141,8 @@ def main() -> None:
     steps = args.steps or (3 if args.tiny else 10)
     warmup = args.warmup or (1 if args.tiny else 3)
     if args.only:
-        print("RESULT " + json.dumps(run_path(args.only, shape, device, steps, warmup, args.loss_chunk)), flush=True)
+        result = run_path(args.only, shape, device, steps, warmup, args.loss_chunk, args.activation_checkpointing)
+        print("RESULT " + json.dumps(result), flush=True)
         return
 
     if not args.tiny and device.type != "cuda":
@@ -154,7 +163,8 @@ def main() -> None:
             report["paths"].append({"path": path, "skipped": "FlexAttention has no backward on CPU in torch"})
             continue
         command = [sys.executable, os.path.abspath(__file__), "--only", path, "--steps", str(steps),
-                   "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk)] + (["--tiny"] if args.tiny else [])
+                   "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk)] + (["--tiny"] if args.tiny else []) \
+            + (["--activation-checkpointing"] if args.activation_checkpointing else [])
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode == 0 and lines:

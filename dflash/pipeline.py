@@ -272,11 +272,12 @@ class Pipeline:
             loss_chunk_size=int(t.loss_chunk_size), log_every=int(t.log_every), save_every=int(t.save_every),
             zero_stage=int(ds.zero_stage), bf16=bf16, attention=str(t.get("attention", "auto")),
             keep_last=int(t.get("keep_last", 0)), peak_tflops=t.get("peak_tflops", "auto"),
+            activation_checkpointing=bool(t.get("activation_checkpointing", False)),
         )
 
     def train_fingerprint(self) -> str:
         # Settings that change neither the math nor the data are left out, so changing them never retrains.
-        skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops")
+        skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing")
         train = {k: v for k, v in container(self.cfg.train).items() if k not in skip}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.deepspeed), self.world_size)
 
@@ -424,9 +425,7 @@ class Pipeline:
               f"{balanced}:{total - balanced} of these {total} devices")
 
     def evaluate(self) -> dict[str, Any]:
-        from dflash.data.prompts import load_prompts
-        from dflash.eval.categories import prompt_categories
-        from dflash.eval.evaluate import evaluate, format_table, write_summary
+        from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, write_summary
         from dflash.eval.export import load_drafter
 
         out = self.dirs["eval"]
@@ -440,13 +439,9 @@ class Pipeline:
             drafter = load_drafter(self.dirs["export"], dtype=self.adapter.dtype, device=str(self.device))
             e = self.cfg.eval
             template_kwargs = container(e.get("chat_template_kwargs")) or {}
-            prompt_sets, categories = {}, {}
-            for name, spec in e.prompt_sets.items():
-                prompts = load_prompts(str(spec.source), path=spec.get("path"), limit=spec.get("limit"))
-                prompt_sets[name] = [self.adapter.chat_ids(p.messages, **template_kwargs) for p in prompts]
-                labels = prompt_categories(str(spec.source), prompts, path=spec.get("path"))
-                if labels is not None:
-                    categories[name] = labels
+            prompt_sets, categories = load_prompt_sets(
+                self.adapter, e.prompt_sets, max_new_tokens=int(e.max_new_tokens), template_kwargs=template_kwargs
+            )
             summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=int(e.max_new_tokens),
                                show_progress=self.show_progress, mode=str(e.get("mode", "replay")),
                                temperature=float(e.get("temperature", 0.0)), seed=int(e.get("seed", 0)),

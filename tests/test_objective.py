@@ -241,3 +241,37 @@ def test_flex_block_mask_tiles_and_mask_mod_match_the_dense_mask(tile, layer_typ
     assert torch.equal(full & ~all_visible, torch.zeros_like(full))  # "full" tiles really are full
     assert (~(partial | full)).any()  # the case exercises skipping
     assert full.any() or layer_type == "sliding_attention"  # no tile is fully inside a window this short
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(monkeypatch):
+    from dflash.models.drafter import DFlashMLP
+    from dflash.train.activation_checkpointing import apply_activation_checkpointing
+
+    calls = []
+    mlp_forward = DFlashMLP.forward
+    # Counted in the method itself: module hooks do not fire while checkpointing recomputes a layer.
+    monkeypatch.setattr(DFlashMLP, "forward", lambda self, x: (calls.append(1), mlp_forward(self, x))[1])
+
+    torch.manual_seed(3)
+    plain = make_drafter(["sliding_attention", "full_attention"], 6)
+    checkpointed = apply_activation_checkpointing(make_drafter(["sliding_attention", "full_attention"], 6))
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in checkpointed.named_parameters()]
+    embed_weight = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
+    head = torch.randn(VOCAB, HIDDEN, dtype=torch.float64)
+    input_ids = torch.randint(0, VOCAB - 1, (2, 12))
+    target_hidden = torch.randn(2, 12, TAPS * HIDDEN, dtype=torch.float64)
+    anchors = torch.tensor([[1, 4, 7], [0, 2, 8]])
+    labels = torch.randint(0, VOCAB, (2, 3, BLOCK))
+    weights = torch.rand(2, 3, BLOCK)
+    grads, mlp_calls = [], []
+    for drafter in (plain, checkpointed):
+        calls.clear()
+        hidden = training_forward(drafter, embed_weight, input_ids, target_hidden, anchors)
+        loss, *_ = weighted_block_loss(hidden, head, labels, weights)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in drafter.parameters()]))
+        mlp_calls.append(len(calls))
+    assert mlp_calls == [2, 4]  # two layers; checkpointed ones run again in backward
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b)

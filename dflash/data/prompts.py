@@ -29,11 +29,16 @@ GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final answer 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: chat messages ending with a user turn, a unique id and the name of its set."""
+    """One prompt: chat messages ending with a user turn, a unique id and the name of its set.
+
+    `follow_ups` holds the later user turns of a multi-turn benchmark (MT-Bench turn 2): they are asked only after
+    the target has answered `messages` itself (dflash/eval/multiturn.py), so they cannot be stored as messages.
+    """
 
     id: str
     messages: list[dict]
     prompt_set: str
+    follow_ups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.messages:
@@ -43,6 +48,8 @@ class Prompt:
                 raise ValueError(f"prompt {self.id!r} has a bad message {m!r}: want role in {ROLES} and str content")
         if self.messages[-1]["role"] != "user":
             raise ValueError(f"prompt {self.id!r} must end with a user turn, ends with {self.messages[-1]['role']!r}")
+        if not isinstance(self.follow_ups, tuple) or not all(isinstance(t, str) for t in self.follow_ups):
+            raise ValueError(f"prompt {self.id!r}: follow_ups must be a tuple of str, got {self.follow_ups!r}")
 
 
 def _package_file(package: str, relative: str) -> Path:
@@ -205,7 +212,9 @@ def _load_humaneval(path: Path, name: str) -> list[Prompt]:
 
 
 def _load_mtbench(path: Path, name: str) -> list[Prompt]:
-    return [Prompt(f"mtbench-{r['question_id']}", [{"role": "user", "content": r["turns"][0]}], name)
+    """The first turn of each question as the prompt; the second turn as a follow-up."""
+    return [Prompt(f"mtbench-{r['question_id']}", [{"role": "user", "content": r["turns"][0]}], name,
+                   follow_ups=tuple(r["turns"][1:]))
             for _, r in _read_jsonl(path)]
 
 

@@ -48,6 +48,49 @@ def check_compatible(drafter: DFlashDraftModel, adapter) -> None:
 
 
 MODES = ("replay", "live")
+TURN2_SUFFIX = "_turn2"
+
+
+def load_prompt_sets(
+    adapter, specs: dict[str, Any], *, max_new_tokens: int, template_kwargs: dict[str, Any] | None = None
+) -> tuple[dict[str, list[list[int]]], dict[str, list[str]]]:
+    """Token ids of every configured prompt set, and category labels where the source has them.
+
+    specs: {name: {source, path?, limit?, turns?, answer_max_new_tokens?}} (conf/eval/default.yaml). `turns: 2`
+    (multi-turn sources such as mtbench) adds the set "<name>_turn2": the second user turn asked on top of the
+    target's own greedy answer to the first (multiturn.py), whose answer has at most `answer_max_new_tokens`
+    tokens (default: max_new_tokens). Both sets keep the categories of the questions.
+    """
+    from dflash.data.prompts import load_prompts
+    from dflash.eval.categories import prompt_categories
+    from dflash.eval.multiturn import second_turn_conversations
+
+    kwargs = template_kwargs or {}
+    prompt_sets: dict[str, list[list[int]]] = {}
+    categories: dict[str, list[str]] = {}
+    for name, spec in specs.items():
+        turns = int(spec.get("turns", 1))
+        if turns not in (1, 2):
+            raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {turns}")
+        source, path = str(spec["source"]), spec.get("path")
+        prompts = load_prompts(source, path=path, limit=spec.get("limit"))
+        labels = prompt_categories(source, prompts, path=path)
+        names = [name]
+        prompt_sets[name] = [adapter.chat_ids(p.messages, **kwargs) for p in prompts]
+        if turns == 2:
+            second = name + TURN2_SUFFIX
+            if second in specs:
+                raise ValueError(f"eval prompt set {name!r} has turns: 2, which adds the set {second!r}, but a set "
+                                 f"of that name is configured too; rename one")
+            answer_tokens = spec.get("answer_max_new_tokens")
+            answer_tokens = max_new_tokens if answer_tokens is None else int(answer_tokens)
+            conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
+                                                      template_kwargs=kwargs)
+            prompt_sets[second] = [adapter.chat_ids(c, **kwargs) for c in conversations]
+            names.append(second)
+        if labels is not None:
+            categories.update({n: labels for n in names})
+    return prompt_sets, categories
 
 
 def evaluate(

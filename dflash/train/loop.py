@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
+from dflash.train.activation_checkpointing import apply_activation_checkpointing
 from dflash.train.batches import BatchPlan, prepare_micro_batch
 from dflash.train.checkpoints import load_checkpoint, resume_tag, save_checkpoint
 from dflash.train.engine import OptimConfig, TrainEngine
@@ -49,6 +50,7 @@ class TrainSettings:
     attention: str = "auto"            # auto | sdpa | flex (auto: flex on CUDA, sdpa elsewhere)
     keep_last: int = 0                 # complete checkpoints kept (0 = all)
     peak_tflops: float | str | None = "auto"  # per-rank peak for MFU; auto = measure a bf16 matmul on CUDA
+    activation_checkpointing: bool = False  # recompute each drafter layer in backward (less memory, more compute)
 
 
 def global_sum(value: torch.Tensor) -> torch.Tensor:
@@ -62,6 +64,8 @@ def build_engine(settings: TrainSettings, drafter_config: DrafterConfig, total_s
                  device: torch.device, load_universal: bool = False) -> TrainEngine:
     drafter = DFlashDraftModel(drafter_config)
     drafter.init_weights(settings.seed)
+    if settings.activation_checkpointing:
+        apply_activation_checkpointing(drafter)
     optim = OptimConfig(
         lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
         warmup_ratio=settings.warmup_ratio, min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip,
