@@ -136,7 +136,9 @@ def test_two_workers_one_killed_lose_no_sample(tmp_path, data_dir, monkeypatch):
         return real_train(settings, config, store, *args, **kwargs)
 
     monkeypatch.setattr(loop, "train", train_after_killing_the_worker)
-    Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "capture.chunk_items=4", "capture.num_workers=2"])).run()
+    # A small budget keeps both workers waiting on the trainer, so neither can finish before the kill.
+    Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "capture.chunk_items=4", "capture.num_workers=2",
+                              "capture.budget_bytes=1000000"])).run()
     assert killed
     stored = json.loads(STORED_CURVE.read_text())["loss"]
     torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(stored), rtol=2e-4, atol=2e-4)
