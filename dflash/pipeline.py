@@ -192,7 +192,9 @@ class Pipeline:
     # Stages
 
     def data_fingerprint(self) -> str:
-        return fingerprint(container(self.cfg.data), container(self.cfg.target))
+        # The mask token only enters the drafter, so it belongs to the train fingerprint, not here.
+        target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
+        return fingerprint(container(self.cfg.data), target)
 
     def data(self) -> None:
         from dflash.data.dataset import build_dataset
@@ -279,7 +281,8 @@ class Pipeline:
         # Settings that change neither the math nor the data are left out, so changing them never retrains.
         skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing")
         train = {k: v for k, v in container(self.cfg.train).items() if k not in skip}
-        return fingerprint(self.capture_fingerprint(), train, container(self.cfg.deepspeed), self.world_size)
+        return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),
+                           self.cfg.target.mask_token_id, container(self.cfg.deepspeed), self.world_size)
 
     def train(self) -> None:
         from dflash.eval.export import export_zlab

@@ -70,6 +70,26 @@ def test_rerun_skips_finished_stages(tiny_run, monkeypatch):
     assert again["overall"]["tau"] == summary["overall"]["tau"]
 
 
+@pytest.mark.parametrize("override", ["drafter.intermediate_size=96", "target.mask_token_id=4"])
+def test_a_drafter_setting_retrains_without_redoing_data_or_capture(tiny_run, tmp_path, monkeypatch, override):
+    run_dir, _ = tiny_run
+    for stage in ("data", "features"):
+        subprocess.run(["cp", "-r", os.path.join(run_dir, stage), str(tmp_path / stage)], check=True)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("data or capture ran again for a drafter-only change")
+
+    monkeypatch.setattr("dflash.data.dataset.build_dataset", must_not_run)
+    monkeypatch.setattr("dflash.extract.capture.capture_dataset", must_not_run)
+    Pipeline(compose(TINY + [f"run_dir={tmp_path}", override, "stages=[data,capture,train]"])).run()
+    with open(tmp_path / "export" / "config.json", encoding="utf-8") as f:
+        exported = json.load(f)
+    if override.startswith("drafter"):
+        assert exported["intermediate_size"] == 96
+    else:
+        assert exported["dflash_config"]["mask_token_id"] == 4
+
+
 @pytest.mark.multiproc
 def test_two_rank_pipeline_trains_from_the_same_features(tiny_run, tmp_path):
     run_dir, _ = tiny_run
