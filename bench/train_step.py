@@ -30,13 +30,18 @@ from dflash.models.drafter_config import DrafterConfig  # noqa: E402
 
 FULL = dict(hidden=5120, inter=17408, layers=5, heads=32, kv_heads=8, head_dim=128, window=2048, vocab=248320,
             seq=4096, anchors=512, block=16, taps=5)
+# The SmolLM2-135M recipe's drafter (conf/experiment/smollm2.yaml): 5 full-attention layers of the target's shape.
+SMOLLM2 = dict(hidden=576, inter=1536, layers=5, heads=9, kv_heads=3, head_dim=64, window=None, vocab=49152,
+               seq=1024, anchors=512, block=16, taps=5)
 TINY = dict(hidden=64, inter=128, layers=3, heads=4, kv_heads=2, head_dim=16, window=32, vocab=512, seq=256,
             anchors=16, block=4, taps=2)
 
 
 def drafter_config(shape: dict) -> DrafterConfig:
-    """The last layer is full attention, the others sliding (the Qwen3.6-27B drafter: 4 sliding + 1 full)."""
-    layer_types = ["sliding_attention"] * (shape["layers"] - 1) + ["full_attention"]
+    """The last layer is full attention, the others sliding (the Qwen3.6-27B drafter: 4 sliding + 1 full); all full
+    when the shape has no window."""
+    sliding = "sliding_attention" if shape["window"] else "full_attention"
+    layer_types = [sliding] * (shape["layers"] - 1) + ["full_attention"]
     return DrafterConfig(
         hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
@@ -127,6 +132,8 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="scaled-down shape on CPU (checks the script)")
+    parser.add_argument("--shape", choices=("qwen36", "smollm2"), default="qwen36",
+                        help="drafter shape on the GPU: the Qwen3.6-27B drafter or the SmolLM2 recipe's")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10, tiny 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, tiny 1)")
     parser.add_argument("--paths", default=None,
@@ -136,7 +143,7 @@ def main() -> None:
                         help="recompute the drafter layers in backward (TFLOP/s still counts the model FLOPs once)")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # internal: run one path, print its JSON
     args = parser.parse_args()
-    shape = TINY if args.tiny else FULL
+    shape = TINY if args.tiny else SMOLLM2 if args.shape == "smollm2" else FULL
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     steps = args.steps or (3 if args.tiny else 10)
     warmup = args.warmup or (1 if args.tiny else 3)
@@ -163,7 +170,7 @@ def main() -> None:
             report["paths"].append({"path": path, "skipped": "FlexAttention has no backward on CPU in torch"})
             continue
         command = [sys.executable, os.path.abspath(__file__), "--only", path, "--steps", str(steps),
-                   "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk)] + (["--tiny"] if args.tiny else []) \
+                   "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk), "--shape", args.shape] + (["--tiny"] if args.tiny else []) \
             + (["--activation-checkpointing"] if args.activation_checkpointing else [])
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -206,7 +206,8 @@ class Pipeline:
             print(f"[data] up to date: {out}")
             return
         os.makedirs(out, exist_ok=True)
-        prompts = load_prompts(str(d.source), path=d.path, limit=d.limit, seed=int(d.seed))
+        prompts = load_prompts(str(d.source), path=d.path, limit=d.limit, seed=int(d.seed),
+                               turns=str(d.get("turns", "first")))
         stats = build_dataset(prompts, self.adapter, out, max_length=int(d.max_length),
                               max_new_tokens=int(d.max_new_tokens), batch_size=int(d.batch_size),
                               temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
@@ -229,9 +230,10 @@ class Pipeline:
         from dflash.train.frozen_head import save_frozen_head
 
         mode = str(self.cfg.capture.mode)
-        if mode not in ("offline", "online"):
-            raise ValueError(f"capture.mode={mode!r}: expected 'offline' (a feature store) or 'online' (capture "
-                             "workers stream features to the trainer during the train stage)")
+        if mode not in ("offline", "online", "colocated"):
+            raise ValueError(f"capture.mode={mode!r}: expected 'offline' (a feature store), 'online' (capture "
+                             "workers stream features to the trainer during the train stage) or 'colocated' (each "
+                             "trainer rank runs the target itself)")
         out, key = self.dirs["features"], self.capture_fingerprint()
         if stage_done(out, key):
             print(f"[capture] up to date: {out}")
@@ -241,13 +243,14 @@ class Pipeline:
         config = drafter_config(self.cfg, shape)  # validates taps, mask id and sizes before any work
         dataset = load_dataset_dir(self.dirs["data"])
         c = self.cfg.capture
-        if mode == "online":
+        if mode in ("online", "colocated"):
             # Only what the train stage's capture workers and trainer need: the features are made while training.
-            store_dtype(str(c.dtype))  # a bad dtype fails here, not in every worker
-            write_json(os.path.join(out, "online.json"), {
+            if store_dtype(str(c.dtype)) not in (torch.bfloat16, torch.float32) and mode == "colocated":
+                raise ValueError(f"capture.dtype={c.dtype!r}: colocated features stay in memory, use bfloat16")
+            write_json(os.path.join(out, f"{mode}.json"), {
                 "data": self.dirs["data"], "num_samples": len(dataset), "target_layer_ids": config.target_layer_ids,
                 "dtype": str(c.dtype), "batch_tokens": int(c.batch_tokens)})
-            summary = f"{len(dataset)} samples to stream during training (online capture)"
+            summary = f"{len(dataset)} samples whose features are made during training ({mode} capture)"
         else:
             manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
                                        batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
@@ -312,6 +315,8 @@ class Pipeline:
             settings = self.train_settings()
             if online:
                 store = self._online_source(settings, rank, world_size, pools)
+            elif str(self.cfg.capture.mode) == "colocated":
+                store = self._colocated_source()
             else:
                 store = FeatureStore(self.dirs["features"])
             started = time.perf_counter()
@@ -329,6 +334,15 @@ class Pipeline:
             export_zlab(drafter, out)
             mark_done(out, key)
             print(f"[train] exported drafter -> {out}")
+
+    def _colocated_source(self):
+        """This rank's ColocatedFeatureSource: the target on this rank's device makes each micro-batch's features."""
+        from dflash.data.dataset import load_dataset_dir
+        from dflash.extract.colocated import ColocatedFeatureSource
+
+        info = read_json(os.path.join(self.dirs["features"], "colocated.json"))
+        return ColocatedFeatureSource(self.adapter, load_dataset_dir(info["data"]), info["target_layer_ids"],
+                                      info["dtype"])
 
     # Online capture (capture.mode=online): workers started by the train stage stream features to the trainer
 

@@ -91,6 +91,41 @@ def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):
         load_prompts("sharegpt", path=str(path))
 
 
+def test_sharegpt_all_turns_gives_every_human_turn_with_its_conversation(tmp_path, sharegpt):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                                      {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"},
+                                      {"from": "human", "value": "q3"}]},
+        # A broken alternation (two human turns) ends the conversation there.
+        {"id": "b", "conversations": [{"from": "human", "value": "p1"}, {"from": "human", "value": "p2"},
+                                      {"from": "gpt", "value": "x"}]},
+        # An empty answer ends it too: the next question would refer to an answer we do not have.
+        {"id": "c", "conversations": [{"from": "human", "value": "r1"}, {"from": "gpt", "value": " "},
+                                      {"from": "human", "value": "r2"}]},
+        {"id": "d", "conversations": [{"from": "gpt", "value": "a continuation"}, {"from": "human", "value": "y"}]},
+    ]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(records))
+    prompts = load_prompts("sharegpt", path=str(path), turns="all")
+    assert [p.id for p in prompts] == ["a", "a#1", "a#2", "b", "c"]
+    assert [m["content"] for m in prompts[2].messages] == ["q1", "a1", "q2", "a2", "q3"]
+    assert [m["role"] for m in prompts[2].messages] == ["user", "assistant", "user", "assistant", "user"]
+    first = load_prompts("sharegpt", path=str(path))
+    assert [p.id for p in first] == ["a", "b", "c"] and all(len(p.messages) == 1 for p in first)
+    # The real file: the first turns are exactly the first-turn set, and later turns add ~26k prompts.
+    everything = load_prompts("sharegpt", turns="all")
+    _check_prompts(everything, "sharegpt")
+    assert [p for p in everything if "#" not in p.id] == sharegpt
+    assert len(everything) == 37514
+
+
+def test_turns_option_is_checked():
+    with pytest.raises(ValueError, match="turns must be 'first' or 'all'"):
+        load_prompts("sharegpt", turns="last")
+    with pytest.raises(ValueError, match="only defined for source 'sharegpt'"):
+        load_prompts("gsm8k", turns="all")
+
+
 def test_file_source_reads_every_record_style(tmp_path):
     lines = [
         {"id": "m1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

