@@ -194,7 +194,9 @@ class Pipeline:
     def data_fingerprint(self) -> str:
         # The mask token only enters the drafter, so it belongs to the train fingerprint, not here.
         target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
-        return fingerprint(container(self.cfg.data), target)
+        # Both generation engines give the target's own tokens (equal in fp32): switching them redoes nothing.
+        data = {k: v for k, v in container(self.cfg.data).items() if k != "engine"}
+        return fingerprint(data, target)
 
     def data(self) -> None:
         from dflash.data.dataset import build_dataset
@@ -211,7 +213,8 @@ class Pipeline:
         stats = build_dataset(prompts, self.adapter, out, max_length=int(d.max_length),
                               max_new_tokens=int(d.max_new_tokens), batch_size=int(d.batch_size),
                               temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
-                              show_progress=self.show_progress)
+                              show_progress=self.show_progress, heldout=int(d.get("heldout", 0)),
+                              engine=str(d.get("engine", "auto")))
         print(f"[data] {stats}")
         mark_done(out, key, stats=stats)
 
@@ -258,11 +261,38 @@ class Pipeline:
                                        verify_existing=bool(c.get("verify_existing", False)),
                                        fingerprint={"key": key}, show_progress=self.show_progress)
             summary = f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
+        self._capture_heldout(out, config.target_layer_ids)
         save_frozen_head(self.adapter.embed_tokens().weight, self.adapter.lm_head_weight(),
                          os.path.join(out, "frozen_head.safetensors"))
         write_json(os.path.join(out, "target.json"), shape)
         print(f"[capture] {summary} -> {out}")
         mark_done(out, key)
+
+    def _capture_heldout(self, out: str, layer_ids: list[int]) -> None:
+        """The held-out samples' target features and greedy tokens, for the acceptance replay during training."""
+        from dflash.data.dataset import load_heldout_dir
+        from dflash.train.heldout import write_heldout_features
+
+        path = os.path.join(out, "heldout.safetensors")
+        rows = load_heldout_dir(self.dirs["data"])
+        if rows is None:
+            if os.path.exists(path):
+                os.remove(path)
+            return
+        info = write_heldout_features(self.adapter, rows, layer_ids, path,
+                                      batch_size=int(self.cfg.train.get("heldout_batch_size", 8)))
+        print(f"[capture] held-out: {info['samples']} samples, {info['tokens']} tokens -> {path}")
+
+    def _heldout_set(self):
+        """The HeldoutSet of the capture stage, or None when the data stage held nothing out."""
+        from dflash.train.heldout import HeldoutSet
+
+        path = os.path.join(self.dirs["features"], "heldout.safetensors")
+        if not os.path.exists(path):
+            return None
+        budget = self.cfg.train.get("heldout_max_new_tokens")
+        return HeldoutSet(path, batch_size=int(self.cfg.train.get("heldout_batch_size", 8)),
+                          max_new_tokens=int(budget) if budget is not None else int(self.cfg.data.max_new_tokens))
 
     def train_settings(self):
         from dflash.train.loop import TrainSettings
@@ -278,6 +308,7 @@ class Pipeline:
             zero_stage=int(ds.zero_stage), bf16=bf16, attention=str(t.get("attention", "auto")),
             keep_last=int(t.get("keep_last", 0)), peak_tflops=t.get("peak_tflops", "auto"),
             activation_checkpointing=bool(t.get("activation_checkpointing", False)),
+            eval_every=int(t.get("eval_every", 0)),
         )
 
     def train_fingerprint(self) -> str:
@@ -321,7 +352,8 @@ class Pipeline:
                 store = FeatureStore(self.dirs["features"])
             started = time.perf_counter()
             state = train(settings, config, store, head, self.dirs["checkpoints"], log, rank=rank,
-                          world_size=world_size, device=self.device, show_progress=self.show_progress)
+                          world_size=world_size, device=self.device, show_progress=self.show_progress,
+                          heldout=self._heldout_set())
             if online and pools:
                 self._finish_online(store, pools[0], time.perf_counter() - started, world_size)
         finally:
@@ -332,6 +364,8 @@ class Pipeline:
             drafter = DFlashDraftModel(config)
             drafter.load_state_dict({k: v.float() for k, v in state.items()})
             export_zlab(drafter, out)
+            self._export_best(config)
+            self._plot_training_curve()
             mark_done(out, key)
             print(f"[train] exported drafter -> {out}")
 
@@ -343,6 +377,31 @@ class Pipeline:
         info = read_json(os.path.join(self.dirs["features"], "colocated.json"))
         return ColocatedFeatureSource(self.adapter, load_dataset_dir(info["data"]), info["target_layer_ids"],
                                       info["dtype"])
+
+    def _plot_training_curve(self) -> None:
+        from dflash.train.curve_plot import plot_training_curve
+
+        metrics = os.path.join(self.run_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            path = plot_training_curve(metrics, os.path.join(self.run_dir, "training_curve.png"))
+            print(f"[train] training curve -> {path}")
+
+    def _export_best(self, config) -> None:
+        """export_best/: the checkpoint with the best held-out tau, in the z-lab format (removed when none)."""
+        from dflash.eval.export import export_zlab
+        from dflash.models.drafter import DFlashDraftModel
+        from dflash.train.best_checkpoint import best_state_dict
+
+        folder = os.path.join(self.run_dir, "export_best")
+        best = best_state_dict(self.dirs["checkpoints"])
+        if best is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        drafter = DFlashDraftModel(config)
+        drafter.load_state_dict({k: v.float() for k, v in best[0].items()})
+        export_zlab(drafter, folder)
+        write_json(os.path.join(folder, "best.json"), best[1])
+        print(f"[train] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
 
     # Online capture (capture.mode=online): workers started by the train stage stream features to the trainer
 
@@ -441,20 +500,32 @@ class Pipeline:
         print(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
               f"{balanced}:{total - balanced} of these {total} devices")
 
+    def eval_drafter_dir(self) -> str:
+        """export_best/ (the best held-out tau) when eval.checkpoint is 'best' and training kept one, else export/."""
+        choice = str(self.cfg.eval.get("checkpoint", "best"))
+        if choice not in ("best", "final"):
+            raise ValueError(f"eval.checkpoint={choice!r}: expected 'best' or 'final'")
+        best = os.path.join(self.run_dir, "export_best")
+        if choice == "best" and os.path.exists(os.path.join(best, "best.json")):
+            return best
+        return self.dirs["export"]
+
     def evaluate(self) -> dict[str, Any]:
         from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, write_summary
         from dflash.eval.export import load_drafter
 
         out = self.dirs["eval"]
         key = fingerprint(read_json(os.path.join(self.dirs["export"], "done.json"))["fingerprint"],
-                          container(self.cfg.eval), container(self.cfg.target))
+                          container(self.cfg.eval), container(self.cfg.target), self.eval_drafter_dir())
         summary_path = os.path.join(out, "summary.json")
         if stage_done(out, key) and os.path.exists(summary_path):
             summary = read_json(summary_path)
         else:
             os.makedirs(out, exist_ok=True)
-            drafter = load_drafter(self.dirs["export"], dtype=self.adapter.dtype, device=str(self.device))
             e = self.cfg.eval
+            folder = self.eval_drafter_dir()
+            print(f"[eval] drafter {folder}")
+            drafter = load_drafter(folder, dtype=self.adapter.dtype, device=str(self.device))
             template_kwargs = container(e.get("chat_template_kwargs")) or {}
             prompt_sets, categories = load_prompt_sets(
                 self.adapter, e.prompt_sets, max_new_tokens=int(e.max_new_tokens), template_kwargs=template_kwargs

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,12 @@ from tests import trainer_harness
 
 # 6 samples, global batch 2: 3 steps per epoch, 4 epochs = 12 steps, a checkpoint after every step, 2 kept.
 RUN = dict(micro_batch_size=2, grad_accum=1, epochs=4, save_every=1, keep_last=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_latest_step(checkpoints: str) -> int:
@@ -55,6 +62,39 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, one_thr
     assert [step for step, _ in complete_tags(checkpoints)] == [11, 12]  # keep-last-2
     folders = sorted(name for name in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, name)))
     assert folders == ["step11", "step12"]  # the half-written tag of the killed run is gone too
+
+
+@pytest.mark.multiproc
+def test_sigterm_saves_the_step_in_flight_and_resumes_to_the_same_weights(tmp_path, one_thread):
+    """No periodic checkpoints at all: the one written on SIGTERM alone must make the resume exact."""
+    run = dict(micro_batch_size=2, grad_accum=1, epochs=4)
+    full_losses, full_state = trainer_harness.run(str(tmp_path / "full"), **run)
+    out = tmp_path / "stopped"
+    command = [sys.executable, "tests/trainer_harness.py", str(out), "2", "1", "2", "--epochs", "4",
+               "--delay", "0.15"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "MASTER_PORT": str(free_port())}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline and (
+                not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode not in (0, -signal.SIGTERM), stderr[-2000:]
+    assert "TrainingStopped" in stderr
+    stopped_at = read_latest_step(str(out / "checkpoints"))
+    logged = len(metrics.read_text().splitlines())
+    assert 3 <= stopped_at < 12 and stopped_at == logged  # the step in flight finished and was saved
+
+    resumed_losses, resumed_state = trainer_harness.run(str(out), **run)
+    for name in full_state:
+        torch.testing.assert_close(resumed_state[name], full_state[name], rtol=1e-6, atol=1e-7)
+    assert resumed_losses == pytest.approx(full_losses, rel=1e-6)
 
 
 def test_an_incomplete_tag_is_never_picked(tmp_path):

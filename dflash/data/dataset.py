@@ -2,6 +2,8 @@
 
 out_dir/journal.jsonl   the regeneration journal (resumable, see regenerate.py)
 out_dir/dataset/        a HF `datasets` dataset (save_to_disk): id, input_ids, loss_mask, prompt_set
+out_dir/heldout/        only with heldout > 0: the same schema, prompts kept out of dataset/ for the held-out
+                        acceptance evaluation during training (dflash/train/heldout.py)
 out_dir/stats.json      counts + the fingerprint of the inputs; written last, so it marks a finished build
 """
 
@@ -73,6 +75,16 @@ def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> No
     shutil.rmtree(old, ignore_errors=True)
 
 
+def heldout_ids(ids: list[str], count: int, seed: int) -> set[str]:
+    """The `count` ids with the smallest seeded hash.
+
+    Whether an id is held out depends only on the seed and its rank among the hashes, not on prompt order, so
+    adding prompts to a dataset moves at most the boundary of the held-out set.
+    """
+    ranked = sorted(ids, key=lambda i: hashlib.sha256(f"{seed}\n{i}".encode()).digest())
+    return set(ranked[:count])
+
+
 def _encode_record(tokenizer: Any, prompt: Prompt, record: dict, max_length: int,
                    journal_path: Path) -> tuple[list[int], list[int]]:
     """encode_conversation of a journal record, checked against what the generation saw."""
@@ -89,20 +101,26 @@ def _encode_record(tokenizer: Any, prompt: Prompt, record: dict, max_length: int
 
 def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, show_progress: bool = True) -> dict:
+                  seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf") -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
 
-    Returns the stats: the regeneration counts (total = done + skipped + failed), samples written, samples
-    dropped for having no loss token, and token counts. A finished build with the same fingerprint is reused.
+    heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
+    instead of out_dir/dataset. Returns the stats: the regeneration counts (total = done + skipped + failed),
+    training samples written, held-out samples written (only with heldout > 0), samples dropped for having no
+    loss token, and token counts. A finished build with the same fingerprint is reused.
     """
+    if heldout < 0 or (heldout and heldout >= len(prompts)):
+        raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed}
+    if heldout:  # absent at 0, so a build without a held-out set keeps the fingerprint it always had
+        settings["heldout"] = heldout
     tokenizer = adapter.tokenizer
     fp = fingerprint(prompts, tokenizer, settings)
-    stats_path, dataset_path = out_dir / "stats.json", out_dir / "dataset"
-    if stats_path.exists() and dataset_path.exists():
+    stats_path, dataset_path, heldout_path = out_dir / "stats.json", out_dir / "dataset", out_dir / "heldout"
+    if stats_path.exists() and dataset_path.exists() and (heldout_path.exists() or not heldout):
         previous = json.loads(stats_path.read_text(encoding="utf-8"))
         if previous.get("fingerprint") == fp:
             logger.info("%s is up to date (fingerprint %s); not rebuilding", dataset_path, fp[:12])
@@ -112,11 +130,17 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
 
     journal_path = out_dir / "journal.jsonl"
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
-                     temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress)
+                     temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine)
     _, index = scan_journal(journal_path)
+    done_ids = [p.id for p in prompts if index.get(p.id, (None, 0))[0] == "done"]
+    if heldout and heldout >= len(done_ids):
+        raise ValueError(f"heldout={heldout} prompts, but only {len(done_ids)} were regenerated: no training "
+                         f"sample would be left (journal: {journal_path})")
+    held = heldout_ids(done_ids, heldout, seed)
 
     chunks, rows = [], {c: [] for c in COLUMNS}
-    samples = dropped = num_tokens = num_response_tokens = 0
+    held_rows = {c: [] for c in COLUMNS}
+    samples = dropped = num_tokens = num_response_tokens = held_tokens = 0
     with open(journal_path, "rb") as journal:
         for p in prompts:
             status, offset = index.get(p.id, (None, 0))
@@ -126,6 +150,11 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
                                                   journal_path)
             if not any(loss_mask):
                 dropped += 1
+                continue
+            if p.id in held:
+                for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
+                    held_rows[column].append(value)
+                held_tokens += len(input_ids)
                 continue
             for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
                 rows[column].append(value)
@@ -143,13 +172,19 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
         chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
     ds = datasets.concatenate_datasets(chunks) if len(chunks) > 1 else chunks[0]
     _save_dataset(ds, dataset_path, show_progress)
+    if held_rows["id"]:
+        _save_dataset(datasets.Dataset.from_dict(held_rows, features=FEATURES), heldout_path, show_progress)
+    else:  # a held-out set left by an earlier build with other settings is not this build's
+        shutil.rmtree(heldout_path, ignore_errors=True)
 
     stats = {"schema_version": SCHEMA_VERSION, "fingerprint": fp, "settings": settings,
              "total": gen["total"], "done": gen["done"], "skipped": gen["skipped"], "failed": gen["failed"],
              "errors": gen["errors"], "samples": samples, "dropped_no_loss": dropped, "num_tokens": num_tokens,
              "num_response_tokens": num_response_tokens}
+    if heldout:
+        stats.update(heldout=len(held_rows["id"]), heldout_num_tokens=held_tokens)
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
-    assert stats["samples"] + stats["dropped_no_loss"] == stats["done"], stats
+    assert stats["samples"] + stats.get("heldout", 0) + stats["dropped_no_loss"] == stats["done"], stats
     _write_json(stats_path, stats)
     return stats
 
@@ -160,6 +195,18 @@ def load_dataset_dir(out_dir: str | Path) -> datasets.Dataset:
     if not (path / "dataset_info.json").exists():
         raise FileNotFoundError(f"no dataset at {path}: run build_dataset with out_dir={out_dir} first")
     ds = datasets.load_from_disk(str(path))
+    return _checked_columns(ds, path)
+
+
+def load_heldout_dir(out_dir: str | Path) -> datasets.Dataset | None:
+    """The held-out prompts that build_dataset(heldout > 0) wrote into out_dir/heldout; None when it wrote none."""
+    path = Path(out_dir) / "heldout"
+    if not (path / "dataset_info.json").exists():
+        return None
+    return _checked_columns(datasets.load_from_disk(str(path)), path)
+
+
+def _checked_columns(ds: datasets.Dataset, path: Path) -> datasets.Dataset:
     missing = [c for c in COLUMNS if c not in ds.column_names]
     if missing:
         raise ValueError(f"{path} lacks columns {missing} (has {ds.column_names})")

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from transformers import GenerationConfig
 
 from dflash.data.chat import prompt_ids
 from dflash.data.prompts import Prompt
+from dflash.data.static_decode import StaticGenerator, resolve_engine
 
 logger = logging.getLogger(__name__)
 
@@ -148,21 +150,33 @@ def _generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pa
     return out[:, width:].tolist()
 
 
+def _generate_static(generator: StaticGenerator, batch: list[list[int]], budget: int, stop_ids: list[int],
+                     pad_id: int, temperature: float, top_p: float, seed: int) -> list[list[int]]:
+    """New tokens for each prompt of the batch through the static-cache engine (one batch of len(batch) rows)."""
+    return generator.generate(batch, max_new_tokens=budget, stop_token_ids=stop_ids, pad_id=pad_id,
+                              batch_size=len(batch), temperature=temperature, top_p=top_p, seed=seed)
+
+
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, show_progress: bool = True) -> dict:
+               seed: int = 0, show_progress: bool = True, engine: str = "hf") -> dict:
     """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", ...}.
 
     Prompts already done in the journal are skipped. A prompt whose templated length + 1 exceeds max_length is
     skipped (no room for a response); a batch whose generation raises is retried prompt by prompt and the
     prompts that still raise are counted as failed with their error. Responses are cut so that
     prompt + response <= max_length. Greedy when temperature == 0.
+
+    engine: "hf" (model.generate), "static" (static_decode: static KV cache + CUDA graphs) or "auto" (static on a
+    CUDA target it supports, else hf). Both give the same greedy tokens in float32, so the journal does not record
+    which one ran.
     """
     if max_length < 2 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"need max_length >= 2, max_new_tokens >= 1, batch_size >= 1; got {max_length}, "
                          f"{max_new_tokens}, {batch_size}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
+    engine = resolve_engine(engine, adapter)
     counts = Counter(p.id for p in prompts)
     if len(counts) != len(prompts):
         raise ValueError(f"prompt ids must be unique; duplicates: {[i for i, n in counts.items() if n > 1][:5]}")
@@ -175,6 +189,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
     journal_path = Path(journal_path)
     journal, done_ids = _open_journal(journal_path, settings)
+    static = StaticGenerator(adapter) if engine == "static" else None
 
     done = sum(1 for p in prompts if p.id in done_ids)
     skipped, failures, generated = [], [], 0
@@ -201,18 +216,23 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
         for start in range(0, len(pending), batch_size):
             chunk = pending[start: start + batch_size]
             budget = min(max_new_tokens, max_length - min(len(ids_p) for _, ids_p in chunk))
-            config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
             batch_seed = _batch_seed(seed, [p.id for p, _ in chunk])
+            if static is None:
+                config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
+                generate = partial(_generate, adapter, config=config, pad_id=pad_id, seed=batch_seed)
+            else:
+                generate = partial(_generate_static, static, budget=budget, stop_ids=stop_ids, pad_id=pad_id,
+                                   temperature=temperature, top_p=top_p, seed=batch_seed)
             outputs: list[list[int] | Exception]
             try:
-                outputs = _generate(adapter, [ids_p for _, ids_p in chunk], config, pad_id, batch_seed)
+                outputs = generate([ids_p for _, ids_p in chunk])
             except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
                 logger.warning("batch generation failed (%s: %s); retrying its %d prompts one by one",
                                type(e).__name__, e, len(chunk))
                 outputs = []
                 for p, ids_p in chunk:
                     try:
-                        outputs.append(_generate(adapter, [ids_p], config, pad_id, batch_seed)[0])
+                        outputs.append(generate([ids_p])[0])
                     except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
                         outputs.append(e1)
             lines = []

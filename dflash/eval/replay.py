@@ -56,14 +56,24 @@ def _pad_id(adapter, stop_ids: list[int]) -> int:
 
 @torch.inference_mode()
 def greedy_continuations(
-    adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int = 8
+    adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int = 8,
+    engine: str = "auto",
 ) -> list[list[int]]:
-    """The target's greedy continuation of each prompt, ending with the first stop token or at max_new_tokens."""
+    """The target's greedy continuation of each prompt, ending with the first stop token or at max_new_tokens.
+
+    engine: "hf" (model.generate), "static" (dflash.data.static_decode) or "auto" (static on a CUDA target it
+    supports, else hf).
+    """
     from transformers import GenerationConfig
+
+    from dflash.data.static_decode import resolve_engine, static_generate
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     pad = _pad_id(adapter, stop_token_ids)
+    if resolve_engine(engine, adapter) == "static":
+        return static_generate(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
+                               pad_id=pad, batch_size=batch_size)
     # An empty eos list means "no stop token"; None would fall back to the model's own eos.
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=list(stop_token_ids),

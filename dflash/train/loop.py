@@ -4,6 +4,11 @@ Each optimizer step: take this rank's micro-batches of the global batch, count t
 batch (all micro-batches, all ranks), then run forward/backward per micro-batch with the loss divided by that
 global count. The gradient is then that of one big batch, whatever the split into ranks and accumulation steps
 (the engine averages over ranks and accumulation steps, so the loss is scaled back up by both).
+
+With a held-out set, every `eval_every` steps and at the last step the drafter's greedy acceptance is replayed on
+it (dflash/train/heldout.py), logged as heldout/*, and the weights with the best tau so far are kept in
+checkpoints/best/ (dflash/train/best_checkpoint.py). The evaluation draws no random numbers, so it changes nothing
+in training, and it runs before the step's checkpoint, so a resumed run has seen every evaluation it restores.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,9 +26,12 @@ from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
 from dflash.train.activation_checkpointing import apply_activation_checkpointing
 from dflash.train.batches import BatchPlan, prepare_micro_batch
+from dflash.train.best_checkpoint import clear_best, read_best, write_best
 from dflash.train.checkpoints import load_checkpoint, resume_tag, save_checkpoint
 from dflash.train.engine import OptimConfig, TrainEngine
 from dflash.train.forward import resolve_attention, training_forward
+from dflash.train.heldout import HeldoutSet
+from dflash.train.stop_signal import StopSignal, TrainingStopped
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.objective import weighted_block_loss
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
@@ -51,6 +60,11 @@ class TrainSettings:
     keep_last: int = 0                 # complete checkpoints kept (0 = all)
     peak_tflops: float | str | None = "auto"  # per-rank peak for MFU; auto = measure a bf16 matmul on CUDA
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (less memory, more compute)
+    eval_every: int = 0                # held-out acceptance every N steps (0: only at the last step)
+
+    def __post_init__(self) -> None:
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0 evaluates only at the last step), got {self.eval_every}")
 
 
 def global_sum(value: torch.Tensor) -> torch.Tensor:
@@ -110,6 +124,25 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     return metrics
 
 
+def evaluate_heldout(engine: TrainEngine, heldout: HeldoutSet, frozen_head: tuple[torch.Tensor, torch.Tensor],
+                     rank: int) -> tuple[dict[str, float] | None, dict[str, torch.Tensor] | None]:
+    """Rank 0: (held-out metrics of the current weights, their consolidated state if it was gathered); elsewhere
+    (None, None). Collective under ZeRO-3, so every rank must call it."""
+    if engine.zero_stage == 3:
+        # ZeRO-3 forward hooks gather and re-shard parameters collectively, so rank 0 alone cannot run the
+        # trained module: every rank joins the consolidation and rank 0 replays a plain copy.
+        state = engine.consolidated_state_dict()
+        if rank != 0:
+            return None, None
+        with torch.device("meta"):  # no initialisation: draws nothing from the RNG that training uses
+            drafter = DFlashDraftModel(engine.config)
+        drafter.load_state_dict(state, assign=True)
+        return heldout.evaluate(drafter.to(engine.device), frozen_head), state
+    if rank != 0:
+        return None, None
+    return heldout.evaluate(engine.module, frozen_head), None
+
+
 def resolve_peak_tflops(value: float | str | None, device: torch.device) -> float | None:
     """Per-rank peak TFLOP/s for MFU: a number as given; 'auto' measures a bf16 matmul on CUDA (None on CPU)."""
     if value is None or (value == "auto" and device.type != "cuda"):
@@ -121,12 +154,18 @@ def resolve_peak_tflops(value: float | str | None, device: torch.device) -> floa
 
 def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
           frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *, rank: int,
-          world_size: int, device: torch.device, show_progress: bool = True) -> dict[str, torch.Tensor]:
+          world_size: int, device: torch.device, show_progress: bool = True,
+          heldout: HeldoutSet | None = None) -> dict[str, torch.Tensor]:
     """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
 
     store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
-    frozen_head: the target's (embedding weight, lm_head weight).
+    frozen_head: the target's (embedding weight, lm_head weight); heldout: evaluated every
+    settings.eval_every steps and at the last step, the best weights kept in checkpoint_dir/best.
     """
+    if heldout is None and settings.eval_every:
+        raise ValueError(f"eval_every={settings.eval_every} needs a held-out set (data.heldout > 0)")
+    if heldout is not None:
+        heldout.check(drafter_config)
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
     plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed)
     total_steps = plan.steps_per_epoch * settings.epochs
@@ -144,36 +183,64 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             f"{plan.global_batch_size} (micro_batch_size x ranks x grad_accum): the data position would not match; "
             f"set train.grad_accum so the global batch is {saved_batch}"
         )
+    best: dict[str, Any] | None = None
+    if rank == 0:
+        if tag is None:
+            clear_best(checkpoint_dir)  # a best left by an earlier run in this folder is not this run's
+        else:
+            best = read_best(checkpoint_dir)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
-    started, tokens_seen = time.perf_counter(), 0.0
-    while step < total_steps:
-        step_started = time.perf_counter()
-        epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-        micro_batches = [
-            prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed, num_anchors=settings.num_anchors,
-                                block_size=drafter_config.block_size, gamma=settings.gamma)
-            for slots in plan.micro_batches(epoch, step_in_epoch, rank)
-        ]
-        metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
-        step += 1
-        now = time.perf_counter()
-        tokens_seen += metrics.pop("tokens")
-        tflops = metrics.pop("flops") / (now - step_started) / 1e12
-        metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch,
-                       tokens_per_s=tokens_seen / (now - started), tflops=tflops)
-        if peak_tflops is not None:
-            metrics["mfu"] = tflops / (peak_tflops * world_size)
-        grad_norm = engine.grad_norm()
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
-        if step % settings.log_every == 0 or step == total_steps:
-            log.log(step, metrics)
-        progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
-                             tau=f"{metrics['accept_len_est']:.2f}")
-        progress.update(1)
-        if step == total_steps or (settings.save_every and step % settings.save_every == 0):
-            save_checkpoint(engine, checkpoint_dir, step,
-                            {"global_step": step, "global_batch_size": plan.global_batch_size}, rank=rank,
-                            keep_last=settings.keep_last)
+    started, tokens_seen, eval_s = time.perf_counter(), 0.0, 0.0
+    # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
+    with StopSignal() as stop:
+        while step < total_steps:
+            step_started = time.perf_counter()
+            epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
+            micro_batches = [
+                prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed,
+                                    num_anchors=settings.num_anchors, block_size=drafter_config.block_size,
+                                    gamma=settings.gamma)
+                for slots in plan.micro_batches(epoch, step_in_epoch, rank)
+            ]
+            metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
+            step += 1
+            now = time.perf_counter()
+            tokens_seen += metrics.pop("tokens")
+            tflops = metrics.pop("flops") / (now - step_started) / 1e12
+            metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch,
+                           tokens_per_s=tokens_seen / (now - started - eval_s), tflops=tflops)
+            if peak_tflops is not None:
+                metrics["mfu"] = tflops / (peak_tflops * world_size)
+            grad_norm = engine.grad_norm()
+            if grad_norm is not None:
+                metrics["grad_norm"] = grad_norm
+            evaluate_now = heldout is not None and (
+                step == total_steps or (settings.eval_every and step % settings.eval_every == 0))
+            if evaluate_now:
+                eval_started = time.perf_counter()
+                held, state = evaluate_heldout(engine, heldout, (embed_weight, lm_head), rank)
+                if held is not None:
+                    metrics.update({f"heldout/{key}": value for key, value in held.items()})
+                    if best is None or held["tau"] > best["tau"]:
+                        best = {"step": step, "tau": held["tau"], "acceptance_rate": held["acceptance_rate"]}
+                        weights = state if state is not None else engine.consolidated_state_dict()
+                        write_best(checkpoint_dir, weights, best)
+                if world_size > 1:
+                    dist.barrier()
+                metrics["heldout/seconds"] = time.perf_counter() - eval_started
+                eval_s += metrics["heldout/seconds"]  # kept out of tokens/s
+            if step % settings.log_every == 0 or step == total_steps or evaluate_now:
+                log.log(step, metrics)
+            progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
+                                 tau=f"{metrics['accept_len_est']:.2f}")
+            progress.update(1)
+            stopping = step < total_steps and stop.requested(device)
+            if stopping or step == total_steps or (settings.save_every and step % settings.save_every == 0):
+                save_checkpoint(engine, checkpoint_dir, step,
+                                {"global_step": step, "global_batch_size": plan.global_batch_size}, rank=rank,
+                                keep_last=settings.keep_last)
+            if stopping:
+                progress.close()
+                raise TrainingStopped(step, stop.received or "a signal on another rank")
     progress.close()
     return engine.consolidated_state_dict()

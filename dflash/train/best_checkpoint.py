@@ -1,0 +1,72 @@
+"""The best checkpoint by held-out acceptance (issue 4: chosen by measured acceptance length, not by loss).
+
+checkpoint_dir/best/model.safetensors   the drafter's consolidated weights at the best evaluation
+checkpoint_dir/best/best.json           {"step", "tau", "acceptance_rate"} of that evaluation
+
+best/ is replaced whole: the new one is written into best.tmp/, the old best/ is renamed to best.old/, best.tmp/
+to best/, and best.old/ is deleted. A kill between the two renames leaves only best.old/, which readers then take,
+so there is always one complete best once one was written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+BEST = "best"
+WEIGHTS = "model.safetensors"
+INFO = "best.json"
+
+
+def _folder(checkpoint_dir: str) -> str | None:
+    """The complete best folder: best/, or best.old/ when a kill hit between the two renames of a replacement."""
+    for name in (BEST, f"{BEST}.old"):
+        path = os.path.join(checkpoint_dir, name)
+        if os.path.exists(os.path.join(path, INFO)):
+            return path
+    return None
+
+
+def read_best(checkpoint_dir: str) -> dict[str, Any] | None:
+    """best.json of the best checkpoint in `checkpoint_dir`, or None when none was written."""
+    folder = _folder(checkpoint_dir)
+    return None if folder is None else _read_info(folder)
+
+
+def _read_info(folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, INFO), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_best(checkpoint_dir: str, state_dict: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    """Replace the best checkpoint with `state_dict` (weights) and `info` (best.json), atomically."""
+    best, old, tmp = (os.path.join(checkpoint_dir, name) for name in (BEST, f"{BEST}.old", f"{BEST}.tmp"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, os.path.join(tmp, WEIGHTS))
+    with open(os.path.join(tmp, INFO), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+    if os.path.isdir(best):
+        shutil.rmtree(old, ignore_errors=True)  # older than best/, left by a kill while it was being deleted
+        os.replace(best, old)
+    os.replace(tmp, best)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def clear_best(checkpoint_dir: str) -> None:
+    """Delete any best checkpoint (a run that starts from scratch must not compete with an earlier run's best)."""
+    for name in (BEST, f"{BEST}.old", f"{BEST}.tmp"):
+        shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+
+
+def best_state_dict(checkpoint_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """(drafter weights, best.json) of the best checkpoint in `checkpoint_dir`, or None when none was written."""
+    folder = _folder(checkpoint_dir)
+    if folder is None:
+        return None
+    return load_file(os.path.join(folder, WEIGHTS)), _read_info(folder)

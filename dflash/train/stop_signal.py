@@ -1,0 +1,60 @@
+"""Stop cleanly when asked: SIGTERM or SIGUSR1 lets the trainer save a checkpoint at the next step, then exit.
+
+Schedulers (SLURM before a time limit or preemption, Kubernetes, `timeout`) send SIGTERM and kill a little later.
+Without a handler that is a SIGKILL in slow motion: the work since the last periodic checkpoint is lost. With it,
+the step in flight finishes, every rank saves the same step, and rerunning the same command resumes there.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class TrainingStopped(Exception):
+    """Training stopped on a signal after saving the checkpoint of `step`; rerun the same command to resume."""
+
+    def __init__(self, step: int, signal_name: str) -> None:
+        super().__init__(f"training stopped by {signal_name} after step {step}; a checkpoint of step {step} was "
+                         "saved: rerun the same command to resume")
+        self.step = step
+        self.signal_name = signal_name
+
+
+class StopSignal:
+    """Catches SIGTERM / SIGUSR1 while active (a context manager); `requested()` agrees across ranks.
+
+    Handlers can only be installed from the main thread; elsewhere (a trainer started from a thread) the signals
+    keep their default meaning.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def requested(self, device: torch.device) -> bool:
+        """True on every rank once any rank received a signal, so that all ranks save the same step."""
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

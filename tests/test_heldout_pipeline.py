@@ -1,0 +1,65 @@
+"""The held-out split wired through the pipeline: data holds prompts out, capture stores their target passes,
+training replays them and keeps the best weights, the eval stage evaluates those (CPU, tiny)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.config import compose
+from dflash.pipeline import Pipeline
+
+HELDOUT = ["+experiment=tiny", "show_progress=false", "data.heldout=4", "train.eval_every=5"]
+
+
+@pytest.fixture(scope="module")
+def heldout_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("heldout")
+    Pipeline(compose(HELDOUT + [f"run_dir={run_dir}"])).run()
+    return run_dir
+
+
+def test_heldout_prompts_are_replayed_during_training_and_the_best_is_exported(heldout_run):
+    stats = json.loads((heldout_run / "data" / "stats.json").read_text())
+    assert stats["heldout"] == 4 and (heldout_run / "features" / "heldout.safetensors").exists()
+    records = [json.loads(line) for line in (heldout_run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "heldout/tau" in r]
+    last = records[-1]["step"]
+    assert [r["step"] for r in evaluated] == sorted({*range(5, last + 1, 5), last})
+    best = json.loads((heldout_run / "export_best" / "best.json").read_text())
+    assert best["tau"] == max(r["heldout/tau"] for r in evaluated)
+    assert best["step"] == min(r["step"] for r in evaluated if r["heldout/tau"] == best["tau"])
+    summary = json.loads((heldout_run / "eval" / "summary.json").read_text())
+    assert summary["overall"]["tau"] >= 1.0
+    assert (heldout_run / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_curve_keeps_the_last_record_of_a_step(tmp_path):
+    from dflash.train.curve_plot import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 2, "loss": 2.4}, {"step": 3, "loss": 2.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [r["loss"] for r in read_metrics(str(path))] == [3.0, 2.4, 2.0]
+    path.write_text("")
+    with pytest.raises(ValueError, match="no training records"):
+        from dflash.train.curve_plot import plot_training_curve
+        plot_training_curve(str(path), str(tmp_path / "c.png"))
+
+
+def test_eval_checkpoint_picks_best_or_final(heldout_run):
+    best = Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}"]))
+    assert best.eval_drafter_dir() == str(heldout_run / "export_best")
+    final = Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "eval.checkpoint=final"]))
+    assert final.eval_drafter_dir() == str(heldout_run / "export")
+    if json.loads((heldout_run / "export_best" / "best.json").read_text())["step"] != 12:
+        # Different weights in the two folders whenever the best is not the last step.
+        a = load_file(str(heldout_run / "export_best" / "model.safetensors"))
+        b = load_file(str(heldout_run / "export" / "model.safetensors"))
+        assert any(not torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="eval.checkpoint"):
+        Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "eval.checkpoint=newest"])).eval_drafter_dir()

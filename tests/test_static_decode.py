@@ -1,0 +1,242 @@
+"""The static-cache decoding engine: token-for-token equal to HF greedy `generate` in float32, a right sampling
+distribution, clear refusals, and the `engine` switch of regeneration and greedy continuations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.data.prompts import Prompt
+from dflash.data.regenerate import read_journal, regenerate
+from dflash.data.static_decode import (
+    StaticGenerator, resolve_engine, sample_tokens, static_generate, supports_static_decode,
+)
+from dflash.eval.replay import greedy_continuations
+from dflash.models.targets import build_tiny_target, load_target
+from dflash.models.targets import smollm2
+
+LENGTHS = (5, 17, 9, 30, 1, 12)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """tiny dense targets with weights large enough that greedy text varies (std 0.02 repeats one token)."""
+    cache: dict = {}
+
+    def get(family: str, device: str = "cpu", dtype: str = "float32"):
+        key = (family, device, dtype)
+        if key not in cache:
+            cache[key] = build_tiny_target(family, 0, tokenizer="builtin", initializer_range=0.2, device=device,
+                                           dtype=dtype)
+        return cache[key]
+
+    return get
+
+
+def make_prompts(lengths=LENGTHS, seed=1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(adapter, prompts, max_new_tokens, stops):
+    """Plain HF greedy generate, all prompts in one left-padded batch, model generation defaults neutralised."""
+    return greedy_continuations(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+                                batch_size=len(prompts), engine="hf")
+
+
+def mid_stop(continuations) -> int:
+    """A token first generated at index >= 3 of some continuation: a stop token hit mid-batch."""
+    for c in continuations:
+        for i in range(3, len(c) - 2):
+            if c[i] not in c[:i]:
+                return c[i]
+    raise AssertionError("no candidate stop token")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_matches_hf_greedy_token_for_token(target, family):
+    adapter = target(family)
+    prompts = make_prompts()
+    free = hf_greedy(adapter, prompts, 20, [])
+    assert len({tuple(c) for c in free}) == len(prompts)  # varied text, so equality means something
+    got = static_generate(adapter, prompts, max_new_tokens=20, stop_token_ids=[], pad_id=0, batch_size=4)
+    assert got == free
+
+    # A stop token that ends some rows mid-batch while others keep going.
+    stop = mid_stop(free)
+    expected = hf_greedy(adapter, prompts, 20, [stop, 2])
+    stopped = [c for c in expected if c[-1] == stop]
+    assert stopped and any(len(c) < 20 for c in stopped) and any(stop not in c for c in expected)
+    for batch_size in (1, 4, 8):
+        got = static_generate(adapter, prompts, max_new_tokens=20, stop_token_ids=[stop, 2], pad_id=0,
+                              batch_size=batch_size)
+        assert got == expected, batch_size
+
+
+def test_dummy_rows_do_not_change_the_tokens(target):
+    # Under CUDA graphs every batch is padded to batch_size with dummy rows; the eager path can do the same.
+    adapter = target("qwen3")
+    prompts = make_prompts()
+    generator = StaticGenerator(adapter)
+    generator.fixed_rows = True
+    got = generator.generate(prompts, max_new_tokens=12, stop_token_ids=[2], pad_id=0, batch_size=4)
+    assert got == hf_greedy(adapter, prompts, 12, [2])
+    assert generator._decoder.rows == 4
+
+
+def test_compiled_step_gives_the_same_tokens():
+    # torch.compile fuses the step's elementwise work; two layers keep the compile short.
+    adapter = build_tiny_target("qwen3", 0, tokenizer="builtin", initializer_range=0.2, num_hidden_layers=2)
+    prompts = make_prompts()
+    expected = hf_greedy(adapter, prompts, 12, [2])
+    got = static_generate(adapter, prompts, max_new_tokens=12, stop_token_ids=[2], pad_id=0, batch_size=3,
+                          compile_step=True)
+    assert got == expected
+
+
+def test_real_smollm2_matches_hf_greedy():
+    try:
+        smollm2.gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    adapter = load_target("smollm2")
+    questions = ["What is the capital of France?", "Write a Python function that reverses a string.",
+                 "Give me three tips for sleeping better.", "Explain photosynthesis to a ten year old, please."]
+    prompts = [adapter.chat_ids([{"role": "user", "content": q}]) for q in questions]
+    stops = adapter.stop_token_ids()
+    expected = hf_greedy(adapter, prompts, 32, stops)
+    assert any(len(c) < 32 and c[-1] in stops for c in expected)  # one answer stops early ("... Paris.")
+    got = static_generate(adapter, prompts, max_new_tokens=32, stop_token_ids=stops,
+                          pad_id=adapter.tokenizer.pad_token_id, batch_size=4)
+    assert got == expected
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p distribution, by hand: most likely tokens until their mass reaches top_p, renormalised."""
+    out = torch.zeros_like(probs)
+    mass = 0.0
+    for i in probs.argsort(descending=True).tolist():
+        if mass >= top_p:
+            break
+        out[i] = probs[i]
+        mass += float(probs[i])
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_sample_tokens_follows_the_distribution(top_p):
+    logits = torch.tensor([2.0, 0.5, 1.5, -1.0, 1.0, 0.0, -3.0])
+    expected = nucleus(torch.softmax(logits / 0.8, dim=-1), top_p)
+    n = 40000
+    uniform = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    tokens = sample_tokens(logits.expand(n, -1), 0.8, top_p, uniform)
+    freq = torch.bincount(tokens, minlength=len(logits)).double() / n
+    assert (freq[expected == 0] == 0).all()
+    assert (freq - expected.double()).abs().max() < 0.01, (freq, expected)
+
+
+def test_sampling_end_to_end(target):
+    adapter = target("llama")
+    prompt = make_prompts((7,))[0]
+    n, temperature, top_p = 3000, 0.7, 0.5
+    args = dict(max_new_tokens=1, stop_token_ids=[2], pad_id=0, batch_size=n, temperature=temperature, top_p=top_p)
+    first = [c[0] for c in static_generate(adapter, [prompt] * n, **args, seed=3)]
+    with torch.no_grad():
+        logits = adapter.model(torch.tensor([prompt])).logits[0, -1].float()
+    expected = nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
+    freq = torch.bincount(torch.tensor(first), minlength=len(expected)).double() / n
+    assert int((expected > 0).sum()) >= 3
+    assert (freq[expected == 0] == 0).all()
+    assert 0.5 * float((freq - expected.double()).abs().sum()) < 0.06
+
+    # Seeded: the same seed repeats, another seed differs; a tiny nucleus is greedy.
+    prompts = make_prompts()
+    sampled = dict(max_new_tokens=8, stop_token_ids=[], pad_id=0, batch_size=4, temperature=1.0)
+    once = static_generate(adapter, prompts, **sampled, seed=5)
+    assert once == static_generate(adapter, prompts, **sampled, seed=5)
+    assert once != static_generate(adapter, prompts, **sampled, seed=6)
+    greedy = static_generate(adapter, prompts, max_new_tokens=8, stop_token_ids=[], pad_id=0, batch_size=4)
+    assert static_generate(adapter, prompts, **{**sampled, "top_p": 1e-6}, seed=5) == greedy
+
+
+def test_gdn_hybrids_are_refused(tiny_target, target):
+    hybrid = tiny_target("qwen3_5")
+    assert not supports_static_decode(hybrid)
+    assert supports_static_decode(target("llama")) and supports_static_decode(target("qwen3"))
+    with pytest.raises(ValueError, match="does not support this target.*qwen3_5"):
+        static_generate(hybrid, [[5, 6]], max_new_tokens=2, stop_token_ids=[], pad_id=0, batch_size=1)
+    with pytest.raises(ValueError, match="engine 'static' cannot decode"):
+        resolve_engine("static", hybrid)
+    assert resolve_engine("auto", hybrid) == "hf"
+    assert resolve_engine("auto", target("llama")) == "hf"  # CPU: auto keeps plain generate
+    with pytest.raises(ValueError, match="engine must be one of"):
+        resolve_engine("fast", target("llama"))
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(batch_size=0), "batch_size"),
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(pad_id=-1), "pad_id"), (dict(pad_id=10**6), "pad_id"), (dict(stop_token_ids=[2, 10**6]), "stop_token_ids"),
+    (dict(prompts=[[5], []]), r"prompts\[1\]"), (dict(cuda_graphs=True), "cuda_graphs"),
+])
+def test_bad_arguments_name_the_argument(target, change, name):
+    args = dict(prompts=[[5, 6], [7]], max_new_tokens=2, stop_token_ids=[2], pad_id=0, batch_size=2)
+    args.update(change)
+    with pytest.raises(ValueError, match=name):
+        static_generate(target("llama"), **args)
+
+
+def test_regenerate_engines_write_the_same_journal(target, tmp_path, monkeypatch):
+    adapter = target("llama")
+    texts = ["hi", "what is two plus two?", "tell me a story about a cat", "x" * 40, "ok then"]
+    prompts = [Prompt(f"p{i}", [{"role": "user", "content": t}], "test") for i, t in enumerate(texts)]
+    # max_length cuts the longest prompt's response (finish "length") while others run to max_new_tokens.
+    settings = dict(max_length=65, max_new_tokens=12, batch_size=2, show_progress=False)
+    hf = regenerate(prompts, adapter, tmp_path / "hf.jsonl", **settings, engine="hf")
+    static = regenerate(prompts, adapter, tmp_path / "static.jsonl", **settings, engine="static")
+    assert hf == static and hf["done"] == len(prompts)
+    assert read_journal(tmp_path / "hf.jsonl") == read_journal(tmp_path / "static.jsonl")
+    records = read_journal(tmp_path / "static.jsonl")[1]
+    longest = records["p3"]
+    assert longest["finish"] == "length" and longest["prompt_len"] + len(longest["response_ids"]) == 65
+
+    # The batch-then-one-by-one failure handling is shared: one prompt that always fails is recorded as failed.
+    bad = prompts[2]
+    real = StaticGenerator.generate
+
+    def flaky(self, batch, **kwargs):
+        if any(len(ids) == records[bad.id]["prompt_len"] for ids in batch):
+            raise RuntimeError("boom")
+        return real(self, batch, **kwargs)
+
+    monkeypatch.setattr(StaticGenerator, "generate", flaky)
+    stats = regenerate(prompts, adapter, tmp_path / "flaky.jsonl", **settings, engine="static")
+    assert (stats["done"], stats["failed"]) == (4, 1) and stats["errors"][0]["id"] == bad.id
+    assert "boom" in stats["errors"][0]["error"]
+
+
+def test_greedy_continuations_engines_agree(target):
+    adapter = target("qwen3")
+    prompts = make_prompts((4, 11, 6))
+    kwargs = dict(max_new_tokens=10, stop_token_ids=[2], batch_size=2)
+    assert greedy_continuations(adapter, prompts, **kwargs, engine="static") == greedy_continuations(
+        adapter, prompts, **kwargs, engine="hf")
+    assert greedy_continuations(adapter, [], **kwargs, engine="static") == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_replay_the_eager_step(target, dtype):
+    adapter = target("qwen3", device="cuda", dtype=dtype)
+    prompts = make_prompts()
+    # Full batches only: eager runs do not pad a last short batch, and GEMM rounding may depend on the row count.
+    args = dict(max_new_tokens=20, stop_token_ids=[2], pad_id=0, batch_size=3)
+    graphed = static_generate(adapter, prompts, **args, cuda_graphs=True)
+    assert graphed == static_generate(adapter, prompts, **args, cuda_graphs=False)
+    if dtype == "float32":
+        assert graphed == hf_greedy(adapter, prompts, 20, [2])
+        assert static_generate(adapter, prompts, **args, compile_step=True) == graphed
+    sampled = dict(args, temperature=0.9, top_p=0.8, seed=1)
+    assert static_generate(adapter, prompts, **sampled, cuda_graphs=True) == static_generate(
+        adapter, prompts, **sampled, cuda_graphs=False)
