@@ -115,13 +115,17 @@ def test_interrupted_run_resumes_without_generating_twice(tiny, tmp_path, monkey
     calls = record_generate(tiny, monkeypatch)
     journal = tmp_path / "journal.jsonl"
 
+    counts = ("total", "done", "skipped", "failed", "generated", "errors")
     first = regenerate(prompts[:4], tiny, journal, **GEN)
-    assert first == {"total": 4, "done": 4, "skipped": 0, "failed": 0, "generated": 4, "errors": []}
+    assert {k: first[k] for k in counts} == {"total": 4, "done": 4, "skipped": 0, "failed": 0, "generated": 4,
+                                             "errors": []}
+    assert first["engine"] == "hf" and first["generated_tokens"] > 0 and first["generate_tokens_per_s"] > 0
     # Simulate a crash in the middle of writing a line.
     with open(journal, "a") as f:
         f.write('{"id": "q5", "status": "do')
     second = regenerate(prompts, tiny, journal, **GEN)
-    assert second == {"total": 7, "done": 7, "skipped": 0, "failed": 0, "generated": 3, "errors": []}
+    assert {k: second[k] for k in counts} == {"total": 7, "done": 7, "skipped": 0, "failed": 0, "generated": 3,
+                                              "errors": []}
     third = regenerate(prompts, tiny, journal, **GEN)
     assert third["generated"] == 0 and third["done"] == 7
 

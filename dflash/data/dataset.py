@@ -179,8 +179,9 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
 
     stats = {"schema_version": SCHEMA_VERSION, "fingerprint": fp, "settings": settings,
              "total": gen["total"], "done": gen["done"], "skipped": gen["skipped"], "failed": gen["failed"],
-             "errors": gen["errors"], "samples": samples, "dropped_no_loss": dropped, "num_tokens": num_tokens,
-             "num_response_tokens": num_response_tokens}
+             "errors": gen["errors"], "engine": gen["engine"], "generated_tokens": gen["generated_tokens"],
+             "generate_tokens_per_s": gen["generate_tokens_per_s"], "samples": samples, "dropped_no_loss": dropped,
+             "num_tokens": num_tokens, "num_response_tokens": num_response_tokens}
     if heldout:
         stats.update(heldout=len(held_rows["id"]), heldout_num_tokens=held_tokens)
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats

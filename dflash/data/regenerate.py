@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -192,7 +193,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     static = StaticGenerator(adapter) if engine == "static" else None
 
     done = sum(1 for p in prompts if p.id in done_ids)
-    skipped, failures, generated = [], [], 0
+    skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
     pending = []
     for p in prompts:
         if p.id in done_ids:
@@ -224,6 +225,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 generate = partial(_generate_static, static, budget=budget, stop_ids=stop_ids, pad_id=pad_id,
                                    temperature=temperature, top_p=top_p, seed=batch_seed)
             outputs: list[list[int] | Exception]
+            started = time.perf_counter()
             try:
                 outputs = generate([ids_p for _, ids_p in chunk])
             except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
@@ -235,6 +237,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                         outputs.append(generate([ids_p])[0])
                     except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
                         outputs.append(e1)
+            generate_s += time.perf_counter() - started
             lines = []
             for (p, ids_p), out in zip(chunk, outputs):
                 if isinstance(out, Exception):
@@ -247,6 +250,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                               "response_ids": response, "finish": finish})
                 done += 1
                 generated += 1
+                new_tokens += len(response)
             journal.write("".join(json.dumps(r) + "\n" for r in lines))
             journal.flush()
             os.fsync(journal.fileno())
@@ -258,7 +262,10 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
             progress.close()
 
     stats = {"total": len(prompts), "done": done, "skipped": len(skipped), "failed": len(failures),
-             "generated": generated, "errors": failures}
+             "generated": generated, "errors": failures, "engine": engine, "generated_tokens": new_tokens,
+             "generate_seconds": round(generate_s, 3),
+             # Kept response tokens per second of generation (what the data stage needs; work past a stop excluded).
+             "generate_tokens_per_s": round(new_tokens / generate_s, 1) if generate_s > 0 else None}
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
     if failures:
         logger.warning("%d prompt(s) failed, e.g. %s: %s", len(failures), failures[0]["id"], failures[0]["error"])
