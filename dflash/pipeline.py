@@ -528,12 +528,14 @@ class Pipeline:
             drafter = load_drafter(folder, dtype=self.adapter.dtype, device=str(self.device))
             template_kwargs = container(e.get("chat_template_kwargs")) or {}
             prompt_sets, categories = load_prompt_sets(
-                self.adapter, e.prompt_sets, max_new_tokens=int(e.max_new_tokens), template_kwargs=template_kwargs
+                self.adapter, e.prompt_sets, max_new_tokens=int(e.max_new_tokens), template_kwargs=template_kwargs,
+                batch_size=int(e.get("batch_size", 8)),
             )
             summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=int(e.max_new_tokens),
                                show_progress=self.show_progress, mode=str(e.get("mode", "replay")),
                                temperature=float(e.get("temperature", 0.0)), seed=int(e.get("seed", 0)),
-                               measure_target=bool(e.get("measure_target", True)), categories=categories)
+                               measure_target=bool(e.get("measure_target", True)), categories=categories,
+                               batch_size=int(e.get("batch_size", 8)))
             summary["chat_template_kwargs"] = template_kwargs
             write_summary(summary, out)
             mark_done(out, key)

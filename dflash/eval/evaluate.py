@@ -52,14 +52,16 @@ TURN2_SUFFIX = "_turn2"
 
 
 def load_prompt_sets(
-    adapter, specs: dict[str, Any], *, max_new_tokens: int, template_kwargs: dict[str, Any] | None = None
+    adapter, specs: dict[str, Any], *, max_new_tokens: int, template_kwargs: dict[str, Any] | None = None,
+    batch_size: int = 8,
 ) -> tuple[dict[str, list[list[int]]], dict[str, list[str]]]:
     """Token ids of every configured prompt set, and category labels where the source has them.
 
     specs: {name: {source, path?, limit?, turns?, answer_max_new_tokens?}} (conf/eval/default.yaml). `turns: 2`
     (multi-turn sources such as mtbench) adds the set "<name>_turn2": the second user turn asked on top of the
     target's own greedy answer to the first (multiturn.py), whose answer has at most `answer_max_new_tokens`
-    tokens (default: max_new_tokens). Both sets keep the categories of the questions.
+    tokens (default: max_new_tokens), generated `batch_size` prompts at a time. Both sets keep the categories of
+    the questions.
     """
     from dflash.data.prompts import load_prompts
     from dflash.eval.categories import prompt_categories
@@ -85,7 +87,7 @@ def load_prompt_sets(
             answer_tokens = spec.get("answer_max_new_tokens")
             answer_tokens = max_new_tokens if answer_tokens is None else int(answer_tokens)
             conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
-                                                      template_kwargs=kwargs)
+                                                      template_kwargs=kwargs, batch_size=batch_size)
             prompt_sets[second] = [adapter.chat_ids(c, **kwargs) for c in conversations]
             names.append(second)
         if labels is not None:

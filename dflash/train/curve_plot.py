@@ -35,6 +35,7 @@ def plot_training_curve(metrics_path: str, png_path: str) -> str:
     loss_axes.plot(steps, [r["loss"] for r in records], linewidth=0.8)
     loss_axes.set_xlabel("optimizer step")
     loss_axes.set_ylabel("weighted block cross-entropy")
+    loss_axes.set_yscale("log")  # the first steps of a fresh drafter sit an order of magnitude above the rest
     loss_axes.set_title("training loss")
     estimated = [(r["step"], r["accept_len_est"]) for r in records if "accept_len_est" in r]
     if estimated:
