@@ -309,6 +309,7 @@ class Pipeline:
             keep_last=int(t.get("keep_last", 0)), peak_tflops=t.get("peak_tflops", "auto"),
             activation_checkpointing=bool(t.get("activation_checkpointing", False)),
             eval_every=int(t.get("eval_every", 0)),
+            loss_weighting=str(t.get("loss_weighting", "exp_decay")), dpace_alpha=float(t.get("dpace_alpha", 0.5)),
         )
 
     def train_fingerprint(self) -> str:

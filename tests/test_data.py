@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 
-from dflash.data.chat import encode_conversation, prompt_ids
+from dflash.data.chat import encode_conversation, prompt_ids, prompt_ids_many
 from dflash.data.dataset import build_dataset, load_dataset_dir
-from dflash.data.prompts import Prompt
+from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.regenerate import read_journal, regenerate
 from dflash.models.targets import load_target
 
@@ -106,6 +106,22 @@ def test_real_smollm2_template_and_regeneration(tmp_path):
     n_prompt = row["loss_mask"].index(1)
     assert row["input_ids"][:n_prompt] == prompt_ids(tok, conversations[0][0])
     assert "Paris" in tok.decode(row["input_ids"][n_prompt:])
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_batched_prompt_ids_equal_the_chat_template_one_by_one(tiny, real):
+    """The data stage tokenises rendered templates in one batch; it must equal apply_chat_template(tokenize=True)."""
+    tok = load_target("smollm2").tokenizer if real else tiny.tokenizer
+    prompts = load_prompts("sharegpt", turns="all", limit=40, seed=1)
+    conversations = [p.messages for p in prompts] + [[{"role": "system", "content": "Be brief."},
+                                                       {"role": "user", "content": "Hi <|im_end|> there"}]]
+    expected = [list(tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True,
+                                             return_dict=True)["input_ids"]) for m in conversations]
+    assert any(len(m) > 1 for m in conversations)  # multi-turn contexts are covered
+    assert prompt_ids_many(tok, conversations) == expected
+    assert prompt_ids_many(tok, []) == []
+    with pytest.raises(ValueError, match="end with a user turn"):
+        prompt_ids_many(tok, [conversations[0], [{"role": "assistant", "content": "x"}]])
 
 
 # Regeneration ------------------------------------------------------------------------------------------------

@@ -12,25 +12,42 @@ from typing import Any
 
 def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     """Ids of `messages` (ending with a user turn) in the tokenizer's chat template, generation prompt added."""
-    if not messages or messages[-1].get("role") != "user":
-        raise ValueError(f"messages must end with a user turn, got roles {[m.get('role') for m in messages]}")
+    return prompt_ids_many(tokenizer, [messages])[0]
+
+
+def prompt_ids_many(tokenizer: Any, conversations: list[list[dict]]) -> list[list[int]]:
+    """prompt_ids of many conversations: each rendered by the chat template, then all tokenised in one batch call.
+
+    That is what `apply_chat_template(tokenize=True)` does one conversation at a time (render, then tokenise
+    without adding special tokens); batching lets a fast tokenizer use every core, which matters for the tens of
+    thousands of multi-turn prompts of a data stage.
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
-    # return_dict=True gives the same BatchEncoding on every transformers 5.x (the plain return type changed).
-    encoded = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
-    ids = list(encoded["input_ids"])
-    if not ids or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"chat template produced no flat list of token ids: {ids[:8]!r}")
-    return ids
+    for messages in conversations:
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError(f"messages must end with a user turn, got roles {[m.get('role') for m in messages]}")
+    if not conversations:
+        return []
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    result = []
+    for ids in encoded:
+        ids = list(ids)
+        if not ids or not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"chat template produced no flat list of token ids: {ids[:8]!r}")
+        result.append(ids)
+    return result
 
 
-def encode_conversation(tokenizer: Any, messages: list[dict],
-                        response_ids: list[int] | None) -> tuple[list[int], list[int]]:
+def encode_conversation(tokenizer: Any, messages: list[dict], response_ids: list[int] | None,
+                        prompt: list[int] | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask): templated prompt + response ids; the mask is 1 exactly on the response.
 
     The response keeps its end-of-turn/eos token when it has one, so the drafter learns to end turns.
-    With response_ids None only the prompt is returned (mask all 0).
+    With response_ids None only the prompt is returned (mask all 0). `prompt`: the prompt ids when already
+    computed (prompt_ids_many), else they are computed here.
     """
-    ids = prompt_ids(tokenizer, messages)
+    ids = list(prompt) if prompt is not None else prompt_ids(tokenizer, messages)
     response = [int(t) for t in (response_ids or [])]
     return ids + response, [0] * len(ids) + [1] * len(response)

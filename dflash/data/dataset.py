@@ -19,7 +19,7 @@ from typing import Any
 
 import datasets
 
-from dflash.data.chat import encode_conversation
+from dflash.data.chat import encode_conversation, prompt_ids_many
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import read_record, regenerate, scan_journal
 
@@ -85,10 +85,10 @@ def heldout_ids(ids: list[str], count: int, seed: int) -> set[str]:
     return set(ranked[:count])
 
 
-def _encode_record(tokenizer: Any, prompt: Prompt, record: dict, max_length: int,
+def _encode_record(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], record: dict, max_length: int,
                    journal_path: Path) -> tuple[list[int], list[int]]:
     """encode_conversation of a journal record, checked against what the generation saw."""
-    input_ids, loss_mask = encode_conversation(tokenizer, prompt.messages, record["response_ids"])
+    input_ids, loss_mask = encode_conversation(tokenizer, prompt.messages, record["response_ids"], prompt_tokens)
     prompt_len = len(input_ids) - len(record["response_ids"])
     if prompt_len != record["prompt_len"]:
         raise ValueError(f"prompt {prompt.id!r} encodes to {prompt_len} tokens but was generated from "
@@ -141,26 +141,26 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     chunks, rows = [], {c: [] for c in COLUMNS}
     held_rows = {c: [] for c in COLUMNS}
     samples = dropped = num_tokens = num_response_tokens = held_tokens = 0
+    finished = [p for p in prompts if index.get(p.id, (None, 0))[0] == "done"]
     with open(journal_path, "rb") as journal:
-        for p in prompts:
-            status, offset = index.get(p.id, (None, 0))
-            if status != "done":
-                continue
-            input_ids, loss_mask = _encode_record(tokenizer, p, read_record(journal, offset), max_length,
-                                                  journal_path)
-            if not any(loss_mask):
-                dropped += 1
-                continue
-            if p.id in held:
+        for first in range(0, len(finished), ENCODE_CHUNK):
+            batch = finished[first : first + ENCODE_CHUNK]
+            for p, prompt_tokens in zip(batch, prompt_ids_many(tokenizer, [p.messages for p in batch])):
+                record = read_record(journal, index[p.id][1])
+                input_ids, loss_mask = _encode_record(tokenizer, p, prompt_tokens, record, max_length, journal_path)
+                if not any(loss_mask):
+                    dropped += 1
+                    continue
+                if p.id in held:
+                    for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
+                        held_rows[column].append(value)
+                    held_tokens += len(input_ids)
+                    continue
                 for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
-                    held_rows[column].append(value)
-                held_tokens += len(input_ids)
-                continue
-            for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
-                rows[column].append(value)
-            samples += 1
-            num_tokens += len(input_ids)
-            num_response_tokens += sum(loss_mask)
+                    rows[column].append(value)
+                samples += 1
+                num_tokens += len(input_ids)
+                num_response_tokens += sum(loss_mask)
             if len(rows["id"]) >= ENCODE_CHUNK:
                 chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
                 rows = {c: [] for c in COLUMNS}

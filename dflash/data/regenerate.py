@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from dflash.data.chat import prompt_ids
+from dflash.data.chat import prompt_ids_many
 from dflash.data.prompts import Prompt
 from dflash.data.static_decode import StaticGenerator, resolve_engine
 
@@ -195,10 +195,8 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     done = sum(1 for p in prompts if p.id in done_ids)
     skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
     pending = []
-    for p in prompts:
-        if p.id in done_ids:
-            continue
-        ids_p = prompt_ids(tokenizer, p.messages)
+    todo = [p for p in prompts if p.id not in done_ids]
+    for p, ids_p in zip(todo, prompt_ids_many(tokenizer, [p.messages for p in todo])):
         if len(ids_p) + 1 > max_length:
             skipped.append((p.id, len(ids_p)))
         else:

@@ -33,7 +33,7 @@ from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
 from dflash.train.stop_signal import StopSignal, TrainingStopped
 from dflash.train.metrics_log import MetricsLog
-from dflash.train.objective import weighted_block_loss
+from dflash.train.objective import check_loss_weighting, loss_normaliser, weighted_block_loss
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
 
 
@@ -61,8 +61,11 @@ class TrainSettings:
     peak_tflops: float | str | None = "auto"  # per-rank peak for MFU; auto = measure a bf16 matmul on CUDA
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (less memory, more compute)
     eval_every: int = 0                # held-out acceptance every N steps (0: only at the last step)
+    loss_weighting: str = "exp_decay"  # exp_decay | dpace (docs/training.md, "D-PACE loss weighting")
+    dpace_alpha: float = 0.5           # D-PACE confidence smoothing, q~ = alpha + (1 - alpha) q
 
     def __post_init__(self) -> None:
+        check_loss_weighting(self.loss_weighting, self.dpace_alpha)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 evaluates only at the last step), got {self.eval_every}")
 
@@ -91,9 +94,14 @@ def build_engine(settings: TrainSettings, drafter_config: DrafterConfig, total_s
 
 def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.Tensor, micro_batches: list[dict],
                settings: TrainSettings, world_size: int, attention: str = "sdpa") -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches; returns the step's global loss, accuracies, FLOPs."""
+    """One optimizer step over this rank's micro-batches; returns the step's global loss, accuracies, FLOPs.
+
+    The denominator is counted before any forward: the exp-decay weight sum, or for D-PACE (whose weights exist
+    only after the forward) the number of valid anchors, so the split into ranks and micro-batches never matters.
+    """
     device = engine.device
-    local_weight = sum(batch["weights"].sum() for batch in micro_batches).to(device, torch.float32)
+    local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting)
+                       for batch in micro_batches).to(device, torch.float32)
     total_weight = global_sum(local_weight).clamp_min(1e-12)
     block_size = micro_batches[0]["labels"].shape[-1]
     totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted
@@ -103,7 +111,8 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
             batch["anchors"].to(device), attention=attention,
         )
         loss_sum, _, correct, counted = weighted_block_loss(
-            hidden, lm_head, batch["labels"].to(device), batch["weights"].to(device), settings.loss_chunk_size
+            hidden, lm_head, batch["labels"].to(device), batch["weights"].to(device), settings.loss_chunk_size,
+            settings.loss_weighting, settings.dpace_alpha,
         )
         # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
         scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()

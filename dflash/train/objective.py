@@ -4,7 +4,8 @@ One training forward runs every block of a sequence at once. Block j is [x_a, MA
 a_j .. a_j+B-1 and must see exactly what it would see at inference: the target features of positions strictly
 before a_j (the anchor's own feature is not known yet when it is drafted), its own block (bidirectional in full
 layers, causal with a window in sliding layers), and never another block. Position k of the block predicts the
-token at a_j+k (same-position labels), weighted exp(-(k-1)/gamma); position 0 is the given anchor.
+token at a_j+k (same-position labels), weighted exp(-(k-1)/gamma) (`exp_decay`) or by D-PACE weights computed from
+the drafter's current label probabilities (`dpace`, docs/training.md "Loss options"); position 0 is the given anchor.
 """
 
 from __future__ import annotations
@@ -124,6 +125,42 @@ def block_attention_masks(
     return masks
 
 
+LOSS_WEIGHTINGS = ("exp_decay", "dpace")
+
+
+def check_loss_weighting(weighting: str, dpace_alpha: float) -> None:
+    """ValueError unless `weighting` is one of LOSS_WEIGHTINGS and 0 <= dpace_alpha <= 1."""
+    if weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"unknown train.loss_weighting {weighting!r}; options: {', '.join(LOSS_WEIGHTINGS)}")
+    if not 0.0 <= dpace_alpha <= 1.0:
+        raise ValueError(f"train.dpace_alpha must be in [0, 1], got {dpace_alpha}")
+
+
+def dpace_weights(label_prob: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [..., B] (arXiv 2605.18810, Eqs. 7-8), from detached label probabilities.
+
+    label_prob: q_k, the drafter's probability of the label at each block position; mask: bool, the positions that
+    carry loss. q~_k = alpha + (1 - alpha) q_k; P_m = prod of q~_i over masked i <= m (unmasked positions, e.g. the
+    anchor at k = 0, are skipped: factor 1); w_k = mask_k * sum over masked m >= k of P_m, which is the derivative
+    of the smoothed accepted-length surrogate sum_m P_m with respect to log q~_k.
+    """
+    smoothed = torch.where(mask, alpha + (1.0 - alpha) * label_prob, torch.ones_like(label_prob))
+    reach = torch.cumprod(smoothed, dim=-1) * mask
+    return torch.flip(torch.cumsum(torch.flip(reach, (-1,)), dim=-1), (-1,)) * mask
+
+
+def loss_normaliser(weights: torch.Tensor, weighting: str) -> torch.Tensor:
+    """What one micro-batch adds to the global loss denominator, known before the forward pass.
+
+    exp_decay: the sum of its position weights (the loss is a weighted mean CE). dpace: its number of blocks with a
+    loss position (valid anchors), as the D-PACE author asks (SpecForge issue #828): dividing by the data-dependent
+    D-PACE weight sum would cancel the accepted-length credit the weights encode.
+    """
+    if weighting == "dpace":
+        return (weights != 0).any(dim=-1).sum().to(weights.dtype)
+    return weights.sum()
+
+
 def _chunk_cross_entropy(
     hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,40 +170,68 @@ def _chunk_cross_entropy(
     return (ce * weights).sum(), correct
 
 
+def _chunk_token_cross_entropy(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (hidden @ lm_head_weight.to(hidden.dtype).t()).float()
+    return F.cross_entropy(logits, labels, reduction="none"), (logits.argmax(-1) == labels).float()
+
+
 def weighted_block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 4096,
+    weighting: str = "exp_decay",
+    dpace_alpha: float = 0.5,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
 
     hidden: [batch, N*B, H]; labels/weights: [batch, N, B]. Each chunk is recomputed in backward (activation
-    checkpointing), so peak memory is one chunk of logits. Returns (loss_sum, weight_sum, per-position correct
-    counts [B], per-position counts [B]) where the counts cover positions with non-zero weight.
+    checkpointing), so peak memory is one chunk of logits. weighting "exp_decay" uses `weights` as the loss
+    weights; "dpace" uses only their non-zero pattern (which positions carry loss) and weights each position by
+    dpace_weights() of the drafter's label probabilities, detached, so the CE term alone carries the gradient
+    (D-PACE Eq. 9). Returns (loss_sum, weight_sum of the weights used, per-position correct counts [B],
+    per-position counts [B]) where the counts cover positions with non-zero weight.
     """
+    check_loss_weighting(weighting, dpace_alpha)
     block_size = labels.shape[-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels, flat_weights = labels.reshape(-1), weights.reshape(-1)
     rows = flat_weights.nonzero().flatten()
     offsets = rows % block_size
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    token_ce = [hidden.new_zeros(0, dtype=torch.float32)]
     correct_sum = torch.zeros(block_size, device=hidden.device)
     for start in range(0, rows.numel(), chunk_size):
         chunk = rows[start : start + chunk_size]
-        chunk_loss, correct = checkpoint(
-            _chunk_cross_entropy,
-            flat_hidden[chunk],
-            lm_head_weight,
-            flat_labels[chunk],
-            flat_weights[chunk],
-            use_reentrant=False,
-        )
-        loss_sum = loss_sum + chunk_loss
+        if weighting == "dpace":
+            ce, correct = checkpoint(
+                _chunk_token_cross_entropy, flat_hidden[chunk], lm_head_weight, flat_labels[chunk], use_reentrant=False
+            )
+            token_ce.append(ce)
+        else:
+            chunk_loss, correct = checkpoint(
+                _chunk_cross_entropy,
+                flat_hidden[chunk],
+                lm_head_weight,
+                flat_labels[chunk],
+                flat_weights[chunk],
+                use_reentrant=False,
+            )
+            loss_sum = loss_sum + chunk_loss
         correct_sum.index_add_(0, offsets[start : start + chunk_size], correct.detach())
     counts = torch.bincount(offsets, minlength=block_size).float()
-    return loss_sum, flat_weights.sum(), correct_sum, counts
+    if weighting == "exp_decay":
+        return loss_sum, flat_weights.sum(), correct_sum, counts
+    # A block's weights need the probabilities of all its positions and a chunk may end mid-block, so the chunks
+    # hand back per-position CE (a few floats each; their logits are recomputed in backward) and the weights follow.
+    ce = torch.cat(token_ce)
+    label_prob = torch.zeros_like(flat_weights, dtype=torch.float32)
+    label_prob[rows] = torch.exp(-ce.detach())
+    position_weights = dpace_weights(label_prob.view(weights.shape), weights != 0, dpace_alpha).reshape(-1)[rows]
+    return (ce * position_weights).sum(), position_weights.sum(), correct_sum, counts
 
 
 def decay_weights(block_size: int, gamma: float) -> list[float]:
