@@ -175,6 +175,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         raise ValueError(f"eval_every={settings.eval_every} needs a held-out set (data.heldout > 0)")
     if heldout is not None:
         heldout.check(drafter_config)
+    entered = time.perf_counter()
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
     plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed)
     total_steps = plan.steps_per_epoch * settings.epochs
@@ -199,7 +200,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         else:
             best = read_best(checkpoint_dir)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
-    started, tokens_seen, eval_s = time.perf_counter(), 0.0, 0.0
+    started, tokens_seen, eval_s, first_step = time.perf_counter(), 0.0, 0.0, True
     # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
     with StopSignal() as stop:
         while step < total_steps:
@@ -212,6 +213,12 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                 for slots in plan.micro_batches(epoch, step_in_epoch, rank)
             ]
             metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
+            if first_step and rank == 0:
+                # Where a (re)start spends its time: engine build + checkpoint load, then the first step's kernel
+                # compilation (flex attention), both paid again by every resumed call.
+                print(f"[train] ready after {step_started - entered:.1f} s (engine, checkpoint); first step "
+                      f"{time.perf_counter() - step_started:.1f} s", flush=True)
+            first_step = False
             step += 1
             now = time.perf_counter()
             tokens_seen += metrics.pop("tokens")
