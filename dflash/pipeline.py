@@ -2,8 +2,9 @@
 
 A stage is skipped when its folder holds a `done.json` whose fingerprint equals the current one (the settings that
 decide its output plus the fingerprint of its input stage), so rerunning a run resumes it and changing a setting
-redoes exactly the stages it affects. Under a multi-process launcher only the train stage runs on every rank;
-rank 0 does the others while the rest wait at a barrier.
+redoes exactly the stages it affects. Under a multi-process launcher the train stage runs on every rank, and so
+does offline capture (each rank captures its share of the shards); rank 0 does data and eval while the rest wait
+at a barrier.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def validate(cfg: DictConfig) -> None:
                 f"target weights not found at {path}: download the checkpoint there or set target.path "
                 f"(or the QWEN36_PATH environment variable for +experiment=qwen36)"
             )
+    if float(cfg.train.get("kl_weight", 0.0)) > 0 and str(cfg.capture.mode) != "colocated":
+        raise ValueError(f"train.kl_weight={cfg.train.kl_weight} needs the target's logits while training, which "
+                         f"only capture=colocated has (stored features hold none); this run has "
+                         f"capture.mode={cfg.capture.mode}")
     if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
         raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
 
@@ -174,10 +179,14 @@ class Pipeline:
             with open(os.path.join(self.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         stages = list(self.cfg.stages)
-        if self.rank == 0:
-            if "data" in stages:
-                self.data()
-            if "capture" in stages:
+        if self.rank == 0 and "data" in stages:
+            self.data()
+        if "capture" in stages:
+            # Offline capture is split over every rank (after the data stage); the other modes only prepare files.
+            if self.world_size > 1 and str(self.cfg.capture.mode) == "offline":
+                self.barrier()
+                self.capture()
+            elif self.rank == 0:
                 self.capture()
         self.barrier()
         if "train" in stages:
@@ -222,7 +231,8 @@ class Pipeline:
         taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}
         # Where capture runs, how it checks itself and how online features travel do not change the features.
         skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
-                "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads")
+                "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
+                "cache_budget_bytes")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         return fingerprint(self.data_fingerprint(), taps, capture)
 
@@ -259,8 +269,14 @@ class Pipeline:
                                        batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
                                        dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
                                        verify_existing=bool(c.get("verify_existing", False)),
-                                       fingerprint={"key": key}, show_progress=self.show_progress)
+                                       fingerprint={"key": key}, show_progress=self.show_progress,
+                                       rank=self.rank, world_size=self.world_size)
             summary = f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
+        if self.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
+            self._adapter = None  # frees this rank's device for training (rank 0 keeps the target for eval)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return
         self._capture_heldout(out, config.target_layer_ids)
         save_frozen_head(self.adapter.embed_tokens().weight, self.adapter.lm_head_weight(),
                          os.path.join(out, "frozen_head.safetensors"))
@@ -310,6 +326,7 @@ class Pipeline:
             activation_checkpointing=bool(t.get("activation_checkpointing", False)),
             eval_every=int(t.get("eval_every", 0)),
             loss_weighting=str(t.get("loss_weighting", "exp_decay")), dpace_alpha=float(t.get("dpace_alpha", 0.5)),
+            kl_weight=float(t.get("kl_weight", 0.0)),
         )
 
     def train_fingerprint(self) -> str:
@@ -377,7 +394,7 @@ class Pipeline:
 
         info = read_json(os.path.join(self.dirs["features"], "colocated.json"))
         return ColocatedFeatureSource(self.adapter, load_dataset_dir(info["data"]), info["target_layer_ids"],
-                                      info["dtype"])
+                                      info["dtype"], final_hidden=float(self.cfg.train.get("kl_weight", 0.0)) > 0)
 
     def _plot_training_curve(self) -> None:
         from dflash.train.curve_plot import plot_training_curve
@@ -424,14 +441,18 @@ class Pipeline:
         devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
         num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) if devices else 1
         spool_dir, log_dir = self._online_spool_dir(), os.path.join(self.run_dir, "capture_logs")
+        cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
         if rank == 0:
             # Consumed items are gone, so every start streams afresh from the step training resumes at.
             shutil.rmtree(spool_dir, ignore_errors=True)
             shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
             os.makedirs(log_dir, exist_ok=True)
+            resume_step = self._resume_step()
+            use_cache = self._decide_feature_cache(info, cache_dir, fresh=resume_step == 0)
+            write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir})
             spool = Spool(spool_dir, num_workers)
-            spool.check_stream(stream)
-            first = self._resume_step() * plan.global_batch_size
+            spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)
+            first = resume_step * plan.global_batch_size
             if first:
                 for r in range(world_size):  # items before `first` count as consumed: the workers skip them
                     spool.set_cursor(r, first)
@@ -442,7 +463,8 @@ class Pipeline:
                 "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
                 "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
                          "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed},
-                "epochs": settings.epochs, "layer_ids": info["target_layer_ids"], "dtype": str(c.dtype),
+                "epochs": 1 if use_cache else settings.epochs, "layer_ids": info["target_layer_ids"],
+                "dtype": str(c.dtype),
                 "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),
                 "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
             }
@@ -454,8 +476,38 @@ class Pipeline:
             print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool {spool_dir} "
                   f"(budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
         self.barrier()
+        cache = None
+        if read_json(os.path.join(log_dir, "cache.json"))["cache"]:
+            from dflash.extract.feature_cache import FeatureCache
+
+            cache = FeatureCache(cache_dir)
         return OnlineFeatureSource(Spool(spool_dir, num_workers), stream, rank, timeout_s=float(c.timeout_s),
-                                   hopeless=pools[0].failed if pools else None)
+                                   hopeless=pools[0].failed if pools else None, cache=cache)
+
+    def _decide_feature_cache(self, info: dict, cache_dir: str, *, fresh: bool) -> bool:
+        """capture.cache: keep the first epoch's features for the later ones when the disk holds them (rank 0).
+
+        A fresh run (no checkpoint) starts from an empty cache: what a folder holds from an earlier run is not this
+        run's. A resumed run keeps it, since the epochs it already passed will not be captured again.
+        """
+        from dflash.extract.capture import bytes_per_token
+        from dflash.extract.feature_cache import cached_epochs
+        from dflash.extract.store import store_dtype
+
+        c = self.cfg.capture
+        if fresh:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        os.makedirs(cache_dir, exist_ok=True)
+        shape = read_json(os.path.join(self.dirs["features"], "target.json"))
+        taps = len(info["target_layer_ids"])
+        tokens = int(read_json(os.path.join(self.dirs["data"], "stats.json"))["num_tokens"])
+        needed = tokens * bytes_per_token(taps * int(shape["hidden_size"]), taps, store_dtype(str(c.dtype)))
+        budget, mode = c.get("cache_budget_bytes"), c.get("cache", "false")
+        mode = ("true" if mode else "false") if isinstance(mode, bool) else str(mode)  # YAML reads true as a bool
+        use = cached_epochs(mode, needed, None if budget is None else int(budget), shutil.disk_usage(cache_dir).free)
+        print(f"[online] feature cache {'on' if use else 'off'}: one epoch is {needed / 2**30:.2f} GiB"
+              + (f" -> {cache_dir}; the workers capture the first epoch only" if use else ""))
+        return use
 
     def _resume_step(self) -> int:
         """The global step training resumes at (0 without a checkpoint)."""

@@ -2,13 +2,23 @@
 
     python -m dflash.extract +experiment=tiny
     python -m dflash.extract +experiment=qwen36 target.path=/models/Qwen3.6-27B
+
+Several capture processes (offline capture: rank r captures the shards i with i % WORLD_SIZE == r on its own
+device, cuda:LOCAL_RANK or CPU; the data stage runs on rank 0 first; every rank must see the same run_dir):
+    torchrun --nproc_per_node 2 -m dflash.extract +experiment=tiny                   # CPU (gloo) or 2 GPUs
+    deepspeed --num_gpus 8 --module dflash.extract +experiment=qwen36 target.path=...  # --local_rank=N accepted
+    torchrun --nnodes 2 --node_rank R --nproc_per_node 8 --master_addr HOST --master_port 29500 \\
+        -m dflash.extract +experiment=qwen36 run_dir=/shared/runs/qwen36                # on each of two nodes
 """
+
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from dflash.config import CONFIG_DIR
 from dflash.pipeline import Pipeline
+from dflash.train.__main__ import strip_local_rank
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
@@ -18,4 +28,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *strip_local_rank(sys.argv[1:])]
     main()

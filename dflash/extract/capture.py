@@ -9,23 +9,33 @@ non-zero variance per tap and sample), and one sample in `check_every` is compar
 (notes section 8). Before any work the disk the run will take is printed, and the run refuses to start when the
 folder's file system has less free space. The manifest is rewritten after every shard, so an interrupted run
 (even by SIGKILL) resumes at the first missing shard.
+
+Under a multi-process launcher (`rank`, `world_size` > 1) rank r captures the planned shards i with i % W == r and
+records each in a sidecar `shard-NNNNN.json` next to it; rank 0 then writes the manifest from the sidecars and
+removes them, so the finished store is the one a single process writes. A killed run resumes from the shards
+whose sidecars exist, with any number of ranks.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
-from dflash.extract.store import SCHEMA_VERSION, ShardWriter, file_sha256, read_manifest, store_dtype
+from dflash.extract.store import (
+    SCHEMA_VERSION, ShardWriter, file_sha256, read_manifest, shard_name, store_dtype,
+)
 from dflash.models.targets.base import TargetAdapter
 
 # Relative L2 error allowed between captured features and a plain forward of the same sample: batching and
@@ -246,6 +256,132 @@ def _repair_shards(
         writer.write_manifest(manifest)
 
 
+def _new_manifest(expected: dict[str, Any], adapter: TargetAdapter, num_samples: int) -> dict[str, Any]:
+    return {
+        **expected,
+        "model_type": adapter.model_type,
+        "num_target_layers": adapter.num_layers,
+        "complete": False,
+        "expected_num_samples": num_samples,
+        "num_samples": 0,
+        "num_tokens": 0,
+        "shards": [],
+    }
+
+
+def _check_listed_shards(out_dir: Path, manifest: dict[str, Any]) -> None:
+    for entry in manifest["shards"]:
+        if not (out_dir / entry["file"]).is_file():
+            raise FileNotFoundError(
+                f"feature shard {out_dir / entry['file']} listed in the manifest is missing: rerun with "
+                f"verify_existing=True (capture.verify_existing=true) to recapture it, or delete {out_dir}"
+            )
+
+
+def _needed_bytes(lengths: np.ndarray, work: list[tuple[int, int, int]], width: int, num_taps: int,
+                  dtype: torch.dtype) -> int:
+    """Disk bytes of the shards `work` [(index, first, end)]: their tokens, offsets and headers."""
+    tokens = sum(int(lengths[first:end].sum()) for _, first, end in work)
+    samples = sum(end - first for _, first, end in work)
+    return tokens * bytes_per_token(width, num_taps, dtype) + (samples + len(work)) * 8 + \
+        len(work) * _SHARD_OVERHEAD_BYTES
+
+
+# Sidecars: shard entries of a multi-process capture, until rank 0 lists them in the manifest -------------------
+
+def _sidecar(out_dir: Path, index: int) -> Path:
+    return out_dir / shard_name(index).replace(".safetensors", ".json")
+
+
+def write_sidecar(out_dir: Path, index: int, entry: dict[str, Any]) -> None:
+    """Record shard `index`'s manifest entry next to it (atomically), once the shard itself is in place."""
+    path = _sidecar(out_dir, index)
+    # ShardWriter's temp-name pattern, so a killed writer's leftover is removed at the next start.
+    tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(entry, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_sidecars(out_dir: Path) -> None:
+    for path in sorted(out_dir.glob("shard-*.json")):
+        path.unlink()
+
+
+def _shard_intact(out_dir: Path, entry: dict[str, Any], verify: bool) -> bool:
+    """Whether an entry's shard exists (with `verify`: and has the entry's sha256); says what is wrong if not."""
+    path = out_dir / entry["file"]
+    if not path.is_file():
+        print(f"[capture] feature shard {path} is missing: recapturing it")
+        return False
+    if verify:
+        actual = file_sha256(path)
+        if actual != entry["sha256"]:
+            print(f"[capture] feature shard {path} is corrupt (sha256 {actual}, recorded {entry['sha256']}): "
+                  "recapturing it")
+            return False
+    return True
+
+
+def read_sidecar(out_dir: Path, index: int, first: int, end: int, verify: bool) -> dict[str, Any] | None:
+    """Shard `index`'s entry when its sidecar exists, covers samples first..end-1 and its shard is intact."""
+    path = _sidecar(out_dir, index)
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        entry = json.load(f)
+    # A sidecar planned with another shard_tokens covers other samples: its shard is recaptured.
+    if (entry.get("file"), entry.get("first_sample"), entry.get("num_samples")) != (shard_name(index), first,
+                                                                                   end - first):
+        return None
+    return entry if _shard_intact(out_dir, entry, verify) else None
+
+
+def _append_finished(manifest: dict[str, Any], finished: dict[int, dict[str, Any]], num_samples: int) -> bool:
+    """Move the entries of `finished` (by shard index) that continue the manifest's shard list into it; True when
+    any moved."""
+    moved = False
+    while len(manifest["shards"]) in finished:
+        entry = finished.pop(len(manifest["shards"]))
+        manifest["shards"].append(entry)
+        manifest["num_samples"] += entry["num_samples"]
+        manifest["num_tokens"] += entry["num_tokens"]
+        moved = True
+    manifest["complete"] = manifest["num_samples"] == num_samples
+    return moved
+
+
+def _capture_shards(
+    adapter: TargetAdapter, table: Any, work: list[tuple[int, int, int]], writer: ShardWriter,
+    on_written: Callable[[int, dict[str, Any]], None], layer_ids: list[int], batch_tokens: int,
+    dtype: torch.dtype, check_every: int, progress: tqdm,
+) -> None:
+    """Capture and write the shards `work` [(index, first, end)] in order; `on_written(index, entry)` runs for
+    each shard once it is on disk, in the same order."""
+    # Shard k is written (and hashed) by a background thread while shard k+1 is captured; at most one write is
+    # pending, so two shards' features are in host memory at once.
+    pending: tuple[int, Future] | None = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
+        try:
+            for index, first, end in work:
+                arrays = capture_rows(
+                    adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every, progress
+                )
+                if pending is not None:
+                    (written, write), pending = pending, None
+                    on_written(written, write.result())
+                pending = (index, pool.submit(writer.write_shard, index, first_sample=first, **arrays))
+            if pending is not None:
+                (written, write), pending = pending, None
+                on_written(written, write.result())
+        finally:
+            # Interrupted while a shard was being written: keep it if the write itself succeeded.
+            if pending is not None and pending[1].exception() is None:
+                on_written(pending[0], pending[1].result())
+
+
 def capture_dataset(
     adapter: TargetAdapter,
     dataset: Any,
@@ -259,6 +395,8 @@ def capture_dataset(
     verify_existing: bool = False,
     fingerprint: dict,
     show_progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """Capture the features of `layer_ids` for every row of `dataset` (columns id, input_ids, loss_mask) into
     the store folder `out_dir`; returns the manifest.
@@ -269,6 +407,10 @@ def capture_dataset(
     OSError before any work when the remaining shards will not fit on the folder's disk. With `verify_existing`,
     the shards already listed (complete store included) are hashed first and any missing or corrupt one is
     reported by name and recaptured.
+
+    With `world_size` > 1, every rank of an initialised torch.distributed group calls this with its `rank` and
+    the same arguments; `out_dir` must be one folder that every rank sees (a shared file system across nodes).
+    Rank r captures the shards i with i % world_size == r; the store written is the one world_size=1 writes.
     """
     out_dir = Path(out_dir)
     layer_ids = adapter.check_layer_ids(layer_ids)
@@ -277,6 +419,11 @@ def capture_dataset(
         raise ValueError(f"check_every must be >= 0 (0 disables the re-forward check), got {check_every}")
     if batch_tokens < 1 or shard_tokens < 1:
         raise ValueError(f"batch_tokens ({batch_tokens}) and shard_tokens ({shard_tokens}) must be positive")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of the {world_size} ranks (0..{world_size - 1})")
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"world_size={world_size} needs an initialised torch.distributed process group (launch "
+                         "with torchrun or deepspeed and call dflash.train.engine.init_distributed first)")
     if len(dataset) == 0:
         raise ValueError("the dataset is empty: nothing to capture")
     for column in ("id", "input_ids", "loss_mask"):
@@ -298,72 +445,133 @@ def capture_dataset(
                 f"feature store {out_dir} was captured from a dataset of {manifest.get('expected_num_samples')} "
                 f"samples, this one has {len(dataset)}: use a new output folder or delete {out_dir}"
             )
+    if world_size > 1:
+        return _capture_ranks(
+            adapter, dataset, out_dir, manifest, _new_manifest(expected, adapter, len(dataset)), layer_ids,
+            batch_tokens=batch_tokens, shard_tokens=shard_tokens, dtype=torch_dtype, check_every=check_every,
+            verify_existing=verify_existing, show_progress=show_progress, rank=rank, world_size=world_size,
+        )
+    fresh = manifest is None
+    if manifest is not None:
         if verify_existing:
             _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, torch_dtype, check_every)
         if manifest["complete"]:
             return manifest
-        for entry in manifest["shards"]:
-            if not (out_dir / entry["file"]).is_file():
-                raise FileNotFoundError(
-                    f"feature shard {out_dir / entry['file']} listed in the manifest is missing: rerun with "
-                    f"verify_existing=True (capture.verify_existing=true) to recapture it, or delete {out_dir}"
-                )
+        _check_listed_shards(out_dir, manifest)
     else:
-        manifest = {
-            **expected,
-            "model_type": adapter.model_type,
-            "num_target_layers": adapter.num_layers,
-            "complete": False,
-            "expected_num_samples": len(dataset),
-            "num_samples": 0,
-            "num_tokens": 0,
-            "shards": [],
-        }
+        manifest = _new_manifest(expected, adapter, len(dataset))
 
     writer = ShardWriter(out_dir)
     for path in writer.remove_stale_temps():
         print(f"[capture] removed {path.name}, left by an interrupted writer")
+    if fresh:
+        remove_sidecars(out_dir)  # left by an older store in this folder: not this run's shards
     lengths = sample_lengths(dataset)
     done = int(manifest["num_samples"])
-    plan = plan_shards(lengths, done, shard_tokens)
-    width = len(layer_ids) * adapter.hidden_size
-    needed = int(lengths[done:].sum()) * bytes_per_token(width, len(layer_ids), torch_dtype)
-    needed += (len(dataset) - done + len(plan)) * 8 + len(plan) * _SHARD_OVERHEAD_BYTES
-    check_disk(out_dir, needed)
+    plan = list(enumerate(plan_shards(lengths, done, shard_tokens), start=len(manifest["shards"])))
+    # Shards that a multi-process run of this store finished (each with a sidecar) are kept.
+    finished = {}
+    for index, (first, end) in plan:
+        entry = read_sidecar(out_dir, index, first, end, verify_existing)
+        if entry is not None:
+            finished[index] = entry
+    work = [(index, first, end) for index, (first, end) in plan if index not in finished]
+    check_disk(out_dir, _needed_bytes(lengths, work, len(layer_ids) * adapter.hidden_size, len(layer_ids),
+                                      torch_dtype))
     table = dataset.with_format("arrow")
     progress = tqdm(
-        total=int(lengths.sum()), initial=int(lengths[:done].sum()), unit="tok", desc="capture",
-        disable=not show_progress,
+        total=int(lengths.sum()), initial=int(lengths[:done].sum()) + sum(e["num_tokens"] for e in finished.values()),
+        unit="tok", desc="capture", disable=not show_progress,
     )
 
-    def record(write: Future) -> None:
-        entry = write.result()
-        manifest["shards"].append(entry)
-        manifest["num_samples"] += entry["num_samples"]
-        manifest["num_tokens"] += entry["num_tokens"]
-        manifest["complete"] = manifest["num_samples"] == len(dataset)
+    def save() -> None:
         writer.write_manifest(manifest)
+        if manifest["complete"]:
+            remove_sidecars(out_dir)
 
-    # Shard k is written (and hashed) by a background thread while shard k+1 is captured; at most one write is
-    # pending, so two shards' features are in host memory at once.
-    pending: Future | None = None
-    start = len(manifest["shards"])
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
-        try:
-            for index, (first, end) in enumerate(plan, start=start):
-                arrays = capture_rows(
-                    adapter, table[first:end], first, layer_ids, batch_tokens, torch_dtype, check_every, progress
-                )
-                if pending is not None:
-                    write, pending = pending, None
-                    record(write)
-                pending = pool.submit(writer.write_shard, index, first_sample=first, **arrays)
-            if pending is not None:
-                write, pending = pending, None
-                record(write)
-        finally:
-            # Interrupted while a shard was being written: keep it if the write itself succeeded.
-            if pending is not None and pending.exception() is None:
-                record(pending)
-            progress.close()
+    def record(index: int, entry: dict[str, Any]) -> None:
+        finished[index] = entry
+        _append_finished(manifest, finished, len(dataset))
+        save()
+
+    if _append_finished(manifest, finished, len(dataset)):
+        save()
+    try:
+        _capture_shards(adapter, table, work, writer, record, layer_ids, batch_tokens, torch_dtype, check_every,
+                        progress)
+    finally:
+        progress.close()
     return manifest
+
+
+def _capture_ranks(
+    adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any] | None, fresh: dict[str, Any],
+    layer_ids: list[int], *, batch_tokens: int, shard_tokens: int, dtype: torch.dtype, check_every: int,
+    verify_existing: bool, show_progress: bool, rank: int, world_size: int,
+) -> dict[str, Any]:
+    """capture_dataset on one of several ranks: `manifest` is the store's (None if new), `fresh` a new one.
+
+    Every rank plans the same shards: those the manifest lists, then the rest from its last sample on. Rank r
+    keeps its shards (i % world_size == r) that are listed or have a sidecar and are intact (hashed with
+    `verify_existing`), captures the others and writes a sidecar after each. Rank 0 then writes the manifest of
+    every shard, in order, and removes the sidecars.
+    """
+    if manifest is not None and not verify_existing:
+        if manifest["complete"]:
+            return manifest
+        _check_listed_shards(out_dir, manifest)
+    dist.barrier()  # every rank has read the old manifest before rank 0 writes one
+    writer = ShardWriter(out_dir)
+    lengths = sample_lengths(dataset)
+    listed = manifest["shards"] if manifest is not None else []
+    plan = [(entry["first_sample"], entry["first_sample"] + entry["num_samples"]) for entry in listed]
+    plan += plan_shards(lengths, int(manifest["num_samples"]) if manifest is not None else 0, shard_tokens)
+    if rank == 0:
+        for path in writer.remove_stale_temps():
+            print(f"[capture] removed {path.name}, left by an interrupted writer")
+        if manifest is None:
+            remove_sidecars(out_dir)  # left by an older store in this folder: not this run's shards
+            writer.write_manifest(fresh)  # records the fingerprint, so a rerun with other settings is refused
+        unfinished = [(index, first, end) for index, (first, end) in enumerate(plan)
+                      if index >= len(listed) and not _sidecar(out_dir, index).is_file()]
+        check_disk(out_dir, _needed_bytes(lengths, unfinished, len(layer_ids) * adapter.hidden_size,
+                                          len(layer_ids), dtype))
+    dist.barrier()  # stale temps and sidecars are gone before any rank looks for its finished shards
+    work = []
+    for index, (first, end) in enumerate(plan):
+        if index % world_size != rank:
+            continue
+        entry = read_sidecar(out_dir, index, first, end, verify_existing)
+        if entry is None and index < len(listed) and _shard_intact(out_dir, listed[index], verify_existing):
+            entry = listed[index]
+        if entry is None:
+            work.append((index, first, end))
+    print(f"[capture] rank {rank} of {world_size}: {len(work)} of {len(plan)} shards to capture")
+    progress = tqdm(total=sum(int(lengths[first:end].sum()) for _, first, end in work), unit="tok",
+                    desc=f"capture (rank 0 of {world_size})", disable=not show_progress or rank != 0)
+    try:
+        _capture_shards(adapter, dataset.with_format("arrow"), work, writer,
+                        lambda index, entry: write_sidecar(out_dir, index, entry), layer_ids, batch_tokens, dtype,
+                        check_every, progress)
+    finally:
+        progress.close()
+    dist.barrier()  # every rank's shards and sidecars are on disk
+    if rank == 0:
+        header = manifest if manifest is not None else fresh
+        entries = []
+        for index, (first, end) in enumerate(plan):
+            entry = read_sidecar(out_dir, index, first, end, verify=False)
+            if entry is None and index < len(listed):
+                entry = listed[index]
+            if entry is None or not (out_dir / entry["file"]).is_file():
+                raise RuntimeError(f"feature shard {out_dir / shard_name(index)} (samples {first}..{end - 1}) was "
+                                   f"not written by rank {index % world_size}")
+            entries.append(entry)
+        header["shards"] = entries
+        header["num_samples"] = sum(entry["num_samples"] for entry in entries)
+        header["num_tokens"] = sum(entry["num_tokens"] for entry in entries)
+        header["complete"] = header["num_samples"] == len(dataset)
+        writer.write_manifest(header)
+        remove_sidecars(out_dir)
+    dist.barrier()  # the manifest is in place before any rank reads it
+    return read_manifest(out_dir)

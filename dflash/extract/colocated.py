@@ -5,6 +5,10 @@ the drafter's step) this is the cheapest way to give every epoch fresh features:
 between processes. The features are exactly what offline capture would store: the same `TargetAdapter.capture`
 over right-padded rows, the same self-check of every batch, the same cast to the feature dtype.
 Larger targets belong on their own GPUs: capture.mode=online.
+
+With `final_hidden=True` the forward also runs the rest of the decoder (never the LM head) and each sample gets
+"target_final" [T, H], the target's final normed hidden state in its own dtype: the drafter's KL loss makes the
+target's next-token distributions from it chunk by chunk (train.kl_weight), so no [T, vocab] logits are kept.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from dflash.models.targets.base import TargetAdapter
 
 
 class ColocatedFeatureSource:
-    """Samples {"input_ids", "loss_mask", "hidden"} of a token dataset, the features computed on access.
+    """Samples {"input_ids", "loss_mask", "hidden"} (+ "target_final" when final_hidden) of a token dataset, the
+    features computed on access.
 
     `get_many` captures several samples in one padded target forward; the hidden states stay on the target's
     device. Indexing one sample works too (one forward each).
     """
 
-    def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str = "bfloat16") -> None:
+    def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str = "bfloat16",
+                 final_hidden: bool = False) -> None:
         self.dtype = store_dtype(dtype)
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"colocated capture keeps features in bfloat16 or float32, not {dtype!r}: fp8 only "
@@ -33,6 +39,7 @@ class ColocatedFeatureSource:
         self.adapter = adapter
         self.layer_ids = adapter.check_layer_ids(list(layer_ids))
         self.dataset = dataset
+        self.final_hidden = final_hidden
         self.tokens_captured = 0
 
     def __len__(self) -> int:
@@ -58,12 +65,20 @@ class ColocatedFeatureSource:
             input_ids[row, : lengths[row]] = torch.tensor(row_ids, dtype=torch.long)
             attention_mask[row, : lengths[row]] = 1
         device = self.adapter.device
-        features = self.adapter.capture(input_ids.to(device), attention_mask.to(device), self.layer_ids)
+        inputs = (input_ids.to(device), attention_mask.to(device), self.layer_ids)
+        final = None
+        if self.final_hidden:
+            features, final = self.adapter.capture_with_final(*inputs)
+        else:
+            features = self.adapter.capture(*inputs)
         check_features(features, lengths, [str(i) for i in rows["id"]], self.layer_ids)
         features = features.to(self.dtype)
         self.tokens_captured += sum(lengths)
-        return [
-            {"input_ids": input_ids[row, : lengths[row]], "loss_mask": torch.tensor(masks[row], dtype=torch.long),
-             "hidden": features[row, : lengths[row]]}
-            for row in range(len(ids))
-        ]
+        samples = []
+        for row, length in enumerate(lengths):
+            sample = {"input_ids": input_ids[row, :length], "loss_mask": torch.tensor(masks[row], dtype=torch.long),
+                      "hidden": features[row, :length]}
+            if final is not None:
+                sample["target_final"] = final[row, :length]
+            samples.append(sample)
+        return samples

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from dflash.extract.capture import bytes_per_token, capture_rows, sample_lengths
+from dflash.extract.feature_cache import FeatureCache
 from dflash.extract.fp8 import dequantize_fp8
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
@@ -341,14 +342,18 @@ class OnlineFeatureSource:
     Reads must come in the order of the BatchPlan the stream was built from (the training loop's order); a
     different index raises ValueError. Each read blocks until the item's file exists (at most `timeout_s`);
     `hopeless`, when given, is polled while waiting and returns a reason to stop waiting (RuntimeError) or None.
+    With a `cache` (feature_cache.py) the workers capture the first epoch only: its items are kept in the cache as
+    they are read, and the items of later epochs are read from there.
     """
 
     def __init__(self, spool: Spool, stream: ItemStream, rank: int, *, timeout_s: float = 3600.0,
-                 hopeless: Callable[[], str | None] | None = None) -> None:
+                 hopeless: Callable[[], str | None] | None = None, cache: FeatureCache | None = None) -> None:
         if not 0 <= rank < stream.plan.world_size:
             raise ValueError(f"rank {rank} out of range for a world of {stream.plan.world_size}")
-        spool.check_stream(stream)
+        # With a cache the workers capture the first epoch only; the later ones are read back from the cache.
+        spool.check_stream(ItemStream(stream.plan, epochs=1) if cache is not None else stream)
         self.spool, self.stream, self.rank, self.timeout_s = spool, stream, rank, timeout_s
+        self.cache = cache
         self.hopeless = hopeless
         # Throughput counters: real tokens read and seconds spent waiting for features.
         self.tokens_read, self.wait_s = 0, 0.0
@@ -373,6 +378,10 @@ class OnlineFeatureSource:
                 "the trainer's batch plan (samples, micro batch, world size, grad accum, seed, epochs) differs "
                 "from the capture workers'"
             )
+        if self.cache is not None and g >= self.stream.items_per_epoch:
+            tensors = self.cache.get(expected)
+            self._next = self._advance(g + 1)
+            return self._sample(tensors)
         started = time.monotonic()
         deadline = started + self.timeout_s
         while (path := self.spool.find_item(g)) is None:
@@ -387,9 +396,14 @@ class OnlineFeatureSource:
             time.sleep(_POLL_S)
         self.wait_s += time.monotonic() - started
         tensors = load_file(str(path))
+        if self.cache is not None:
+            self.cache.put(expected, tensors)  # before the cursor moves: a consumed item is always cached
         self.spool.set_cursor(self.rank, g + 1)
         path.unlink()
         self._next = self._advance(g + 1)
+        return self._sample(tensors)
+
+    def _sample(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.tokens_read += int(tensors["input_ids"].numel())
         hidden = tensors["hidden"]
         if "scales" in tensors:

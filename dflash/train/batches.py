@@ -56,22 +56,24 @@ class BatchPlan:
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad input_ids / loss_mask / hidden to the longest sample (padding has loss_mask 0).
+    """Right-pad input_ids / loss_mask / hidden (and target_final when the samples have it) to the longest sample.
 
-    The hidden states stay on the device they come from (a colocated target's GPU, or the CPU).
+    Padding has loss_mask 0. The hidden states stay on the device they come from (a colocated target's GPU, or the
+    CPU).
     """
     longest = max(s["input_ids"].shape[0] for s in samples)
-    first = samples[0]["hidden"]
     batch = len(samples)
     input_ids = torch.zeros(batch, longest, dtype=torch.long)
     loss_mask = torch.zeros(batch, longest, dtype=torch.long)
-    hidden = torch.zeros(batch, longest, first.shape[-1], dtype=first.dtype, device=first.device)
+    padded = {"input_ids": input_ids, "loss_mask": loss_mask}
+    for key in ["hidden"] + (["target_final"] if "target_final" in samples[0] else []):
+        first = samples[0][key]
+        padded[key] = torch.zeros(batch, longest, first.shape[-1], dtype=first.dtype, device=first.device)
     for row, sample in enumerate(samples):
         length = sample["input_ids"].shape[0]
-        input_ids[row, :length] = sample["input_ids"]
-        loss_mask[row, :length] = sample["loss_mask"]
-        hidden[row, :length] = sample["hidden"]
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden": hidden}
+        for key, tensor in padded.items():
+            tensor[row, :length] = sample[key]
+    return padded
 
 
 def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generator:
@@ -82,6 +84,9 @@ def prepare_micro_batch(
     store, slots: list[tuple[int, bool]], *, epoch: int, seed: int, num_anchors: int, block_size: int, gamma: float
 ) -> dict[str, torch.Tensor]:
     """Collated tensors plus anchors, labels and loss weights (zeroed for placeholder samples).
+
+    A store whose samples hold "target_final" (colocated capture with final_hidden=True) passes it on, padded, for
+    the KL loss; train_step gathers its rows per block position.
 
     A store with `get_many` (colocated capture) fetches the micro-batch in one call: one target forward.
     """

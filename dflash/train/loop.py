@@ -33,7 +33,9 @@ from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
 from dflash.train.stop_signal import StopSignal, TrainingStopped
 from dflash.train.metrics_log import MetricsLog
-from dflash.train.objective import check_loss_weighting, loss_normaliser, weighted_block_loss
+from dflash.train.objective import (
+    block_target_hidden, check_kl_weight, check_loss_weighting, loss_normaliser, weighted_block_loss,
+)
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
 
 
@@ -63,9 +65,11 @@ class TrainSettings:
     eval_every: int = 0                # held-out acceptance every N steps (0: only at the last step)
     loss_weighting: str = "exp_decay"  # exp_decay | dpace (docs/training.md, "D-PACE loss weighting")
     dpace_alpha: float = 0.5           # D-PACE confidence smoothing, q~ = alpha + (1 - alpha) q
+    kl_weight: float = 0.0             # loss = (1 - w) CE + w KL(target || drafter); > 0 needs capture=colocated
 
     def __post_init__(self) -> None:
         check_loss_weighting(self.loss_weighting, self.dpace_alpha)
+        check_kl_weight(self.kl_weight)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 evaluates only at the last step), got {self.eval_every}")
 
@@ -98,6 +102,7 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
 
     The denominator is counted before any forward: the exp-decay weight sum, or for D-PACE (whose weights exist
     only after the forward) the number of valid anchors, so the split into ranks and micro-batches never matters.
+    With settings.kl_weight > 0 every micro-batch must hold "target_final" [b, T, H] (colocated capture).
     """
     device = engine.device
     local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting)
@@ -106,13 +111,20 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     block_size = micro_batches[0]["labels"].shape[-1]
     totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted
     for batch in micro_batches:
+        anchors = batch["anchors"].to(device)
         hidden = training_forward(
             engine, embed_weight, batch["input_ids"].to(device), batch["hidden"].to(device, engine.dtype),
-            batch["anchors"].to(device), attention=attention,
+            anchors, attention=attention,
         )
+        target_hidden = None
+        if settings.kl_weight > 0:
+            if "target_final" not in batch:
+                raise ValueError(f"train.kl_weight={settings.kl_weight} needs the target's final hidden states "
+                                 "(\"target_final\"), which only capture.mode=colocated provides")
+            target_hidden = block_target_hidden(batch["target_final"].to(device), anchors, block_size)
         loss_sum, _, correct, counted = weighted_block_loss(
             hidden, lm_head, batch["labels"].to(device), batch["weights"].to(device), settings.loss_chunk_size,
-            settings.loss_weighting, settings.dpace_alpha,
+            settings.loss_weighting, settings.dpace_alpha, settings.kl_weight, target_hidden,
         )
         # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
         scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()

@@ -6,6 +6,8 @@ before a_j (the anchor's own feature is not known yet when it is drafted), its o
 layers, causal with a window in sliding layers), and never another block. Position k of the block predicts the
 token at a_j+k (same-position labels), weighted exp(-(k-1)/gamma) (`exp_decay`) or by D-PACE weights computed from
 the drafter's current label probabilities (`dpace`, docs/training.md "Loss options"); position 0 is the given anchor.
+With `kl_weight` > 0 each position's loss mixes that CE with KL(target || drafter), the target's next-token
+distribution read from its final hidden state at a_j+k-1 (colocated capture only).
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def block_targets(
     return labels, weights
 
 
+def block_target_hidden(target_final: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The target's final normed hidden state [batch, N*B, H] at position a+k-1 for block position k of anchor a.
+
+    lm_head of that row is the target's distribution for the token at a+k, the one block position k predicts.
+    Rows for k = 0 (a-1, -1 for a = 0) and past the sequence end are clamped into range: they carry no loss.
+    """
+    seq_len = target_final.shape[1]
+    positions = (anchors[:, :, None] + block_offsets(block_size, anchors.device) - 1).clamp(0, seq_len - 1)
+    index = positions.flatten(1)[:, :, None].expand(-1, -1, target_final.shape[-1])
+    return target_final.gather(1, index.to(target_final.device))
+
+
 def block_attention_masks(
     anchors: torch.Tensor,
     context_len: int,
@@ -136,6 +150,12 @@ def check_loss_weighting(weighting: str, dpace_alpha: float) -> None:
         raise ValueError(f"train.dpace_alpha must be in [0, 1], got {dpace_alpha}")
 
 
+def check_kl_weight(kl_weight: float) -> None:
+    """ValueError unless 0 <= kl_weight <= 1 (the loss is (1 - kl_weight) CE + kl_weight KL)."""
+    if not 0.0 <= kl_weight <= 1.0:
+        raise ValueError(f"train.kl_weight must be in [0, 1] (0: CE only, 1: KL only), got {kl_weight}")
+
+
 def dpace_weights(label_prob: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """D-PACE position weights [..., B] (arXiv 2605.18810, Eqs. 7-8), from detached label probabilities.
 
@@ -177,6 +197,23 @@ def _chunk_token_cross_entropy(
     return F.cross_entropy(logits, labels, reduction="none"), (logits.argmax(-1) == labels).float()
 
 
+def _chunk_mixed_loss(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, target_hidden: torch.Tensor,
+    kl_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position: (1 - kl_weight) CE + kl_weight KL(target || drafter), the CE alone (for D-PACE), correct."""
+    log_q = (hidden @ lm_head_weight.to(hidden.dtype).t()).float().log_softmax(-1)
+    ce = -log_q.gather(1, labels[:, None]).squeeze(1)
+    with torch.no_grad():
+        log_p = (target_hidden @ lm_head_weight.to(target_hidden.dtype).t()).float().log_softmax(-1)
+        p = log_p.exp()
+        # p log p is 0 where p underflows to 0 (log p may be -inf there).
+        neg_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1)
+    kl = neg_entropy - (p * log_q).sum(-1)
+    correct = (log_q.argmax(-1) == labels).float()
+    return (1.0 - kl_weight) * ce + kl_weight * kl, ce, correct
+
+
 def weighted_block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -185,6 +222,8 @@ def weighted_block_loss(
     chunk_size: int = 4096,
     weighting: str = "exp_decay",
     dpace_alpha: float = 0.5,
+    kl_weight: float = 0.0,
+    target_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
 
@@ -192,21 +231,37 @@ def weighted_block_loss(
     checkpointing), so peak memory is one chunk of logits. weighting "exp_decay" uses `weights` as the loss
     weights; "dpace" uses only their non-zero pattern (which positions carry loss) and weights each position by
     dpace_weights() of the drafter's label probabilities, detached, so the CE term alone carries the gradient
-    (D-PACE Eq. 9). Returns (loss_sum, weight_sum of the weights used, per-position correct counts [B],
-    per-position counts [B]) where the counts cover positions with non-zero weight.
+    (D-PACE Eq. 9). kl_weight > 0 needs target_hidden [batch, N*B, H] (block_target_hidden(): the target's final
+    hidden state whose next-token distribution p is the target's for each block position); each position's loss
+    is then (1 - kl_weight) CE + kl_weight KL(p || q), weighted the same way (D-PACE weights still come from the
+    drafter's label probability), with both heads' logits made chunk by chunk. Returns (loss_sum, weight_sum of
+    the weights used, per-position correct counts [B], per-position counts [B]) where the counts cover positions
+    with non-zero weight.
     """
     check_loss_weighting(weighting, dpace_alpha)
+    check_kl_weight(kl_weight)
+    if kl_weight > 0 and target_hidden is None:
+        raise ValueError(f"kl_weight={kl_weight} needs target_hidden, the target's final hidden states per position")
     block_size = labels.shape[-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels, flat_weights = labels.reshape(-1), weights.reshape(-1)
+    flat_target = target_hidden.reshape(-1, target_hidden.shape[-1]) if kl_weight > 0 else None
     rows = flat_weights.nonzero().flatten()
     offsets = rows % block_size
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
     token_ce = [hidden.new_zeros(0, dtype=torch.float32)]
+    token_loss = [hidden.new_zeros(0, dtype=torch.float32)]
     correct_sum = torch.zeros(block_size, device=hidden.device)
     for start in range(0, rows.numel(), chunk_size):
         chunk = rows[start : start + chunk_size]
-        if weighting == "dpace":
+        if kl_weight > 0:
+            mixed, ce, correct = checkpoint(
+                _chunk_mixed_loss, flat_hidden[chunk], lm_head_weight, flat_labels[chunk], flat_target[chunk],
+                kl_weight, use_reentrant=False,
+            )
+            token_loss.append(mixed)
+            token_ce.append(ce)
+        elif weighting == "dpace":
             ce, correct = checkpoint(
                 _chunk_token_cross_entropy, flat_hidden[chunk], lm_head_weight, flat_labels[chunk], use_reentrant=False
             )
@@ -223,15 +278,19 @@ def weighted_block_loss(
             loss_sum = loss_sum + chunk_loss
         correct_sum.index_add_(0, offsets[start : start + chunk_size], correct.detach())
     counts = torch.bincount(offsets, minlength=block_size).float()
-    if weighting == "exp_decay":
+    if weighting == "exp_decay" and kl_weight == 0:
         return loss_sum, flat_weights.sum(), correct_sum, counts
-    # A block's weights need the probabilities of all its positions and a chunk may end mid-block, so the chunks
-    # hand back per-position CE (a few floats each; their logits are recomputed in backward) and the weights follow.
     ce = torch.cat(token_ce)
-    label_prob = torch.zeros_like(flat_weights, dtype=torch.float32)
-    label_prob[rows] = torch.exp(-ce.detach())
-    position_weights = dpace_weights(label_prob.view(weights.shape), weights != 0, dpace_alpha).reshape(-1)[rows]
-    return (ce * position_weights).sum(), position_weights.sum(), correct_sum, counts
+    terms = torch.cat(token_loss) if kl_weight > 0 else ce
+    if weighting == "exp_decay":
+        position_weights = flat_weights[rows]
+    else:
+        # A block's weights need the probabilities of all its positions and a chunk may end mid-block, so the
+        # chunks hand back per-position losses (a few floats each; their logits are recomputed in backward).
+        label_prob = torch.zeros_like(flat_weights, dtype=torch.float32)
+        label_prob[rows] = torch.exp(-ce.detach())
+        position_weights = dpace_weights(label_prob.view(weights.shape), weights != 0, dpace_alpha).reshape(-1)[rows]
+    return (terms * position_weights).sum(), position_weights.sum(), correct_sum, counts
 
 
 def decay_weights(block_size: int, gamma: float) -> list[float]:

@@ -158,6 +158,30 @@ class TargetAdapter:
                 handle.remove()
         return self._concat(ids, store)
 
+    def capture_with_final(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`capture()`'s features [b, T, K*H] plus the final normed hidden state [b, T, H] (the LM head's input).
+
+        Runs the whole decoder stack, still without the LM head; the final state is the output of the text
+        model's last norm, caught by a hook there, which equals HF's `output_hidden_states[-1]`.
+        """
+        ids = self.check_layer_ids(layer_ids)
+        self.check_right_padding(attention_mask)
+        store: dict[int, torch.Tensor] = {}
+        final: list[torch.Tensor] = []
+        handles = self._install_hooks(ids, store, stop_at=None)
+        handles.append(self.text_model().norm.register_forward_hook(lambda _module, _args, out: final.append(out)))
+        try:
+            with torch.no_grad():
+                self.text_model()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if len(final) != 1:
+            raise RuntimeError(f"the final norm of {self.model_type} ran {len(final)} times in one forward, not once")
+        return self._concat(ids, store), final[0]
+
     def forward_with_features(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:

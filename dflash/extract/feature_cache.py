@@ -1,0 +1,63 @@
+"""The first epoch's online features, kept on disk for the later epochs (capture.cache).
+
+Online capture runs the target for every sample of every epoch, because stored features can take terabytes. When
+the disk does hold one epoch, capturing it once is enough: each trainer rank writes the samples it reads in the
+first epoch into a shared folder, one safetensors file per sample (the spool item's tensors, unchanged), and
+every later epoch reads them back while the capture workers have already stopped. A file is written under a
+temporary name and renamed, so a reader never sees half of one; a killed run keeps what it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+
+class FeatureCache:
+    """Sample index -> the tensors of its spool item ("hidden", "input_ids", "loss_mask", optional "scales")."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def file(self, index: int) -> Path:
+        return self.path / f"s{int(index):010d}.safetensors"
+
+    def __contains__(self, index: int) -> bool:
+        return self.file(index).is_file()
+
+    def put(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep sample `index` (a no-op when it is kept already: placeholders repeat samples)."""
+        file = self.file(index)
+        if file.is_file():
+            return
+        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(save({name: t.contiguous() for name, t in tensors.items()}))
+        os.replace(tmp, file)
+
+    def get(self, index: int) -> dict[str, torch.Tensor]:
+        file = self.file(index)
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"feature cache {self.path} has no sample {index}: the first epoch did not write it (a cache from "
+                "another run?). Delete the cache folder and the run's checkpoints, then train again"
+            )
+        return load_file(str(file))
+
+
+def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, free_bytes: int) -> bool:
+    """Whether to keep the first epoch: mode "true" (must fit, else ValueError), "false", or "auto" (if it fits).
+
+    It fits when the estimate is within `budget_bytes` (None: no budget of its own) and within the free disk.
+    """
+    if mode not in ("auto", "true", "false"):
+        raise ValueError(f"capture.cache={mode!r}: expected auto, true or false")
+    room = free_bytes if budget_bytes is None else min(int(budget_bytes), free_bytes)
+    fits = estimated_bytes <= room
+    if mode == "true" and not fits:
+        raise ValueError(f"capture.cache=true: one epoch of features takes {estimated_bytes / 2**30:.2f} GiB, more "
+                         f"than the {room / 2**30:.2f} GiB the cache may use (budget and free disk)")
+    return mode == "true" or (mode == "auto" and fits)
