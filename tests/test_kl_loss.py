@@ -199,6 +199,20 @@ def test_colocated_source_hands_out_padded_final_states(kl_run):
     assert "target_final" not in plain[2] and "target_final" not in collate([plain[2]])
 
 
+def test_a_non_finite_final_state_is_named(kl_run, monkeypatch):
+    pipeline = Pipeline(compose(TINY + [f"run_dir={kl_run}", "capture=colocated", "train.kl_weight=0.5"]))
+    source = pipeline._colocated_source()
+    real = pipeline.adapter.capture_with_final
+
+    def broken(*args):
+        features, final = real(*args)
+        return features, final.index_fill(2, torch.tensor([0]), float("nan"))
+
+    monkeypatch.setattr(pipeline.adapter, "capture_with_final", broken)
+    with pytest.raises(ValueError, match="tap final norm has non-finite"):
+        source.get_many([1])
+
+
 def test_offline_capture_refuses_kl_before_any_work(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="capture.mode=offline"):

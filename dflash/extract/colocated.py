@@ -71,7 +71,10 @@ class ColocatedFeatureSource:
             features, final = self.adapter.capture_with_final(*inputs)
         else:
             features = self.adapter.capture(*inputs)
-        check_features(features, lengths, [str(i) for i in rows["id"]], self.layer_ids)
+        sample_ids = [str(i) for i in rows["id"]]
+        check_features(features, lengths, sample_ids, self.layer_ids)
+        if final is not None:  # the KL target: a non-finite state would only surface as a NaN loss
+            check_features(final, lengths, sample_ids, ["final norm"])
         features = features.to(self.dtype)
         self.tokens_captured += sum(lengths)
         samples = []
