@@ -324,6 +324,7 @@ class Pipeline:
             zero_stage=int(ds.zero_stage), bf16=bf16, attention=str(t.get("attention", "auto")),
             keep_last=int(t.get("keep_last", 0)), peak_tflops=t.get("peak_tflops", "auto"),
             activation_checkpointing=bool(t.get("activation_checkpointing", False)),
+            compile=bool(t.get("compile", False)),
             eval_every=int(t.get("eval_every", 0)),
             loss_weighting=str(t.get("loss_weighting", "exp_decay")), dpace_alpha=float(t.get("dpace_alpha", 0.5)),
             kl_weight=float(t.get("kl_weight", 0.0)),
@@ -331,7 +332,8 @@ class Pipeline:
 
     def train_fingerprint(self) -> str:
         # Settings that change neither the math nor the data are left out, so changing them never retrains.
-        skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing")
+        skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing",
+                "compile")
         train = {k: v for k, v in container(self.cfg.train).items() if k not in skip}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),
                            self.cfg.target.mask_token_id, container(self.cfg.deepspeed), self.world_size)

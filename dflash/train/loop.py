@@ -28,6 +28,7 @@ from dflash.train.activation_checkpointing import apply_activation_checkpointing
 from dflash.train.batches import BatchPlan, prepare_micro_batch
 from dflash.train.best_checkpoint import clear_best, read_best, write_best
 from dflash.train.checkpoints import load_checkpoint, resume_tag, save_checkpoint
+from dflash.train.compile_layers import compile_layers
 from dflash.train.engine import OptimConfig, TrainEngine
 from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
@@ -62,6 +63,7 @@ class TrainSettings:
     keep_last: int = 0                 # complete checkpoints kept (0 = all)
     peak_tflops: float | str | None = "auto"  # per-rank peak for MFU; auto = measure a bf16 matmul on CUDA
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (less memory, more compute)
+    compile: bool = False              # torch.compile each drafter layer (fewer, fused kernels; compiles first)
     eval_every: int = 0                # held-out acceptance every N steps (0: only at the last step)
     loss_weighting: str = "exp_decay"  # exp_decay | dpace (docs/training.md, "D-PACE loss weighting")
     dpace_alpha: float = 0.5           # D-PACE confidence smoothing, q~ = alpha + (1 - alpha) q
@@ -87,6 +89,8 @@ def build_engine(settings: TrainSettings, drafter_config: DrafterConfig, total_s
     drafter.init_weights(settings.seed)
     if settings.activation_checkpointing:
         apply_activation_checkpointing(drafter)
+    if settings.compile:
+        compile_layers(drafter)
     optim = OptimConfig(
         lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
         warmup_ratio=settings.warmup_ratio, min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip,
