@@ -250,12 +250,12 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                 step == total_steps or (settings.eval_every and step % settings.eval_every == 0))
             if evaluate_now:
                 eval_started = time.perf_counter()
-                held, state = evaluate_heldout(engine, heldout, (embed_weight, lm_head), rank)
+                held, gathered = evaluate_heldout(engine, heldout, (embed_weight, lm_head), rank)
                 if held is not None:
                     metrics.update({f"heldout/{key}": value for key, value in held.items()})
                     if best is None or held["tau"] > best["tau"]:
                         best = {"step": step, "tau": held["tau"], "acceptance_rate": held["acceptance_rate"]}
-                        weights = state if state is not None else engine.consolidated_state_dict()
+                        weights = gathered if gathered is not None else engine.consolidated_state_dict()
                         write_best(checkpoint_dir, weights, best)
                 if world_size > 1:
                     dist.barrier()

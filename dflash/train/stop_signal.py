@@ -54,7 +54,8 @@ class StopSignal:
 
     def requested(self, device: torch.device) -> bool:
         """True on every rank once any rank received a signal, so that all ranks save the same step."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received is not None  # one rank: no device round trip on every step
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
