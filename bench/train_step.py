@@ -60,8 +60,13 @@ def matmul_tflops(device: torch.device) -> float | None:
 
 
 def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: int, loss_chunk: int,
-             activation_checkpointing: bool = False) -> dict:
-    """Build the engine and time `steps` training steps after `warmup` ones (this process only)."""
+             activation_checkpointing: bool = False, batch: int = 1, compile: bool = False,
+             profile: str | None = None) -> dict:
+    """Build the engine and time `steps` training steps after `warmup` ones (this process only).
+
+    batch: sequences per step. compile: torch.compile each drafter layer (train.compile). profile: write the
+    torch.profiler table of two more steps (CUDA time per kernel) to this file.
+    """
     from dflash.train.batches import prepare_micro_batch
     from dflash.train.engine import OptimConfig, TrainEngine, init_distributed
     from dflash.train.loop import TrainSettings, train_step
@@ -80,6 +85,10 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
         from dflash.train.activation_checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(drafter)
+    if compile:
+        from dflash.train.compile_layers import compile_layers
+
+        compile_layers(drafter)
     total = warmup + steps
     optim = OptimConfig(lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0,
                         grad_clip=1.0, zero_stage=2, bf16=bf16, micro_batch_size=1, grad_accum=1, total_steps=total)
@@ -87,16 +96,16 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     generator = torch.Generator().manual_seed(0)
     embed = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
     lm_head = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
-    sample = {
+    samples = [{
         "input_ids": torch.randint(0, shape["vocab"] - 1, (shape["seq"],), generator=generator),
         "loss_mask": torch.ones(shape["seq"], dtype=torch.long),
         "hidden": torch.randn(shape["seq"], shape["taps"] * shape["hidden"], generator=generator).to(dtype),
-    }
-    batch = prepare_micro_batch([sample], [(0, True)], epoch=0, seed=0, num_anchors=shape["anchors"],
-                                block_size=shape["block"], gamma=7.0)
-    queries = shape["anchors"] * shape["block"]
+    } for _ in range(batch)]
+    micro = prepare_micro_batch(samples, [(i, True) for i in range(batch)], epoch=0, seed=0,
+                                num_anchors=shape["anchors"], block_size=shape["block"], gamma=7.0)
+    queries = batch * shape["anchors"] * shape["block"]
     chunk = queries if path == "sdpa_full" else loss_chunk
-    settings = TrainSettings(epochs=1, micro_batch_size=1, grad_accum=1, lr=6e-4, weight_decay=0.0,
+    settings = TrainSettings(epochs=1, micro_batch_size=batch, grad_accum=1, lr=6e-4, weight_decay=0.0,
                              betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0, grad_clip=1.0,
                              num_anchors=shape["anchors"], gamma=7.0, seed=0, loss_chunk_size=chunk, log_every=1,
                              save_every=0, zero_stage=2, bf16=bf16, attention="flex" if path == "flex" else "sdpa")
@@ -107,7 +116,7 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
 
     first_loss = None
     for _ in range(warmup):  # the first flex step compiles the kernels
-        loss = train_step(engine, embed, lm_head, [batch], settings, 1, settings.attention)["loss"]
+        loss = train_step(engine, embed, lm_head, [micro], settings, 1, settings.attention)["loss"]
         first_loss = loss if first_loss is None else first_loss
     sync()
     if device.type == "cuda":
@@ -115,18 +124,36 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        loss = train_step(engine, embed, lm_head, [batch], settings, 1, settings.attention)["loss"]
+        loss = train_step(engine, embed, lm_head, [micro], settings, 1, settings.attention)["loss"]
         sync()
         times.append(time.perf_counter() - started)
     step_s = sorted(times)[len(times) // 2]
-    flops = step_flops(config, queries, shape["seq"])
+    if profile:
+        write_profile(profile, lambda: train_step(engine, embed, lm_head, [micro], settings, 1, settings.attention),
+                      device)
+    flops = step_flops(config, queries, batch * shape["seq"])
     result = {"path": path, "step_ms": round(step_s * 1e3, 2), "tflops": float(f"{flops / step_s / 1e12:.4g}"),
               "step_tflop": float(f"{flops / 1e12:.4g}"), "first_loss": round(first_loss, 5),
               "last_loss": round(loss, 5), "steps_timed": steps,
-              "activation_checkpointing": activation_checkpointing}
+              "activation_checkpointing": activation_checkpointing, "batch": batch, "compile": compile}
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return result
+
+
+def write_profile(path: str, step, device: torch.device, steps: int = 2) -> None:
+    """The torch.profiler table (sorted by device time) of `steps` more steps, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
 
 
 def main() -> None:
@@ -141,14 +168,22 @@ def main() -> None:
     parser.add_argument("--loss-chunk", type=int, default=4096, help="lm_head + CE rows per chunk (not sdpa_full)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute the drafter layers in backward (TFLOP/s still counts the model FLOPs once)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (each of the shape's length)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the shape's)")
+    parser.add_argument("--anchors", type=int, default=None, help="anchors per sequence (default: the shape's)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (train.compile)")
+    parser.add_argument("--profile", default=None, help="write each path's torch.profiler table to PROFILE.PATH.txt")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # internal: run one path, print its JSON
     args = parser.parse_args()
-    shape = TINY if args.tiny else SMOLLM2 if args.shape == "smollm2" else FULL
+    shape = dict(TINY if args.tiny else SMOLLM2 if args.shape == "smollm2" else FULL)
+    shape.update({k: v for k, v in (("seq", args.seq), ("anchors", args.anchors)) if v is not None})
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     steps = args.steps or (3 if args.tiny else 10)
     warmup = args.warmup or (1 if args.tiny else 3)
     if args.only:
-        result = run_path(args.only, shape, device, steps, warmup, args.loss_chunk, args.activation_checkpointing)
+        result = run_path(args.only, shape, device, steps, warmup, args.loss_chunk, args.activation_checkpointing,
+                          batch=args.batch, compile=args.compile,
+                          profile=f"{args.profile}.{args.only}.txt" if args.profile else None)
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -159,7 +194,7 @@ def main() -> None:
     unknown = set(paths) - {"flex", "sdpa", "sdpa_full"}
     if unknown:
         raise SystemExit(f"unknown --paths {sorted(unknown)}; choose from flex, sdpa, sdpa_full")
-    report = {"shape": shape, "loss_chunk": args.loss_chunk,
+    report = {"shape": shape, "batch": args.batch, "compile": args.compile, "loss_chunk": args.loss_chunk,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "matmul_bf16_tflops": None, "paths": []}
     matmul = matmul_tflops(device)
@@ -170,8 +205,12 @@ def main() -> None:
             report["paths"].append({"path": path, "skipped": "FlexAttention has no backward on CPU in torch"})
             continue
         command = [sys.executable, os.path.abspath(__file__), "--only", path, "--steps", str(steps),
-                   "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk), "--shape", args.shape] + (["--tiny"] if args.tiny else []) \
-            + (["--activation-checkpointing"] if args.activation_checkpointing else [])
+                   "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk), "--shape", args.shape,
+                   "--batch", str(args.batch), "--seq", str(shape["seq"]), "--anchors", str(shape["anchors"])]
+        for flag, on in (("--tiny", args.tiny), ("--activation-checkpointing", args.activation_checkpointing),
+                         ("--compile", args.compile)):
+            command += [flag] if on else []
+        command += ["--profile", args.profile] if args.profile else []
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode == 0 and lines:

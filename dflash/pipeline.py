@@ -84,6 +84,10 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"train.kl_weight={cfg.train.kl_weight} needs the target's logits while training, which "
                          f"only capture=colocated has (stored features hold none); this run has "
                          f"capture.mode={cfg.capture.mode}")
+    if cfg.train.get("max_steps") is not None and str(cfg.capture.mode) == "online":
+        raise ValueError(f"train.max_steps={cfg.train.max_steps} with capture=online: the capture workers stream "
+                         f"whole epochs, so a run cut short would leave captured features unread; set train.epochs "
+                         f"instead, or use capture=offline or colocated")
     if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
         raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
 
@@ -137,6 +141,14 @@ def drafter_config(cfg: DictConfig, shape: dict[str, Any]):
     )
 
 
+def timed(stage: str, work):
+    """work() with its wall time printed: where a run's minutes go is the first question after a long run."""
+    started = time.perf_counter()
+    result = work()
+    print(f"[{stage}] stage took {time.perf_counter() - started:.1f} s", flush=True)
+    return result
+
+
 # The pipeline ------------------------------------------------------------------------------------------------------
 
 class Pipeline:
@@ -146,6 +158,8 @@ class Pipeline:
         self.run_dir = os.path.abspath(str(cfg.run_dir))
         self.dirs = {stage: os.path.join(self.run_dir, stage) for stage in ("data", "features", "checkpoints",
                                                                             "export", "eval")}
+        if cfg.eval.get("out_dir"):  # several evaluations of one run (live, T=1, other sets) side by side
+            self.dirs["eval"] = os.path.abspath(str(cfg.eval.out_dir))
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -180,21 +194,21 @@ class Pipeline:
                 f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         stages = list(self.cfg.stages)
         if self.rank == 0 and "data" in stages:
-            self.data()
+            timed("data", self.data)
         if "capture" in stages:
             # Offline capture is split over every rank (after the data stage); the other modes only prepare files.
             if self.world_size > 1 and str(self.cfg.capture.mode) == "offline":
                 self.barrier()
-                self.capture()
+                timed("capture", self.capture)
             elif self.rank == 0:
-                self.capture()
+                timed("capture", self.capture)
         self.barrier()
         if "train" in stages:
-            self.train()
+            timed("train", self.train)
         self.barrier()
         summary = None
         if self.rank == 0 and "eval" in stages:
-            summary = self.evaluate()
+            summary = timed("eval", self.evaluate)
         self.barrier()
         return summary
 
@@ -328,6 +342,7 @@ class Pipeline:
             eval_every=int(t.get("eval_every", 0)),
             loss_weighting=str(t.get("loss_weighting", "exp_decay")), dpace_alpha=float(t.get("dpace_alpha", 0.5)),
             kl_weight=float(t.get("kl_weight", 0.0)),
+            max_steps=int(t.max_steps) if t.get("max_steps") is not None else None,
         )
 
     def train_fingerprint(self) -> str:

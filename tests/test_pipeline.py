@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +69,33 @@ def test_rerun_skips_finished_stages(tiny_run, monkeypatch):
     monkeypatch.setattr("dflash.train.loop.train", must_not_run)
     again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
     assert again["overall"]["tau"] == summary["overall"]["tau"]
+
+
+def test_max_steps_ends_training_and_its_schedule_there(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    full = len(losses(run_dir))
+    Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_steps=3", "stages=[data,capture,train]"])).run()
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert full > 3 and [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["lr"] == 0.0  # the cosine reached its end at the cap, not at the epochs' end
+
+
+def test_max_steps_with_online_capture_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="max_steps=5 with capture=online"):
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_steps=5", "capture=online"]))
+    assert not os.listdir(tmp_path)
+
+
+def test_eval_out_dir_keeps_a_second_evaluation_beside_the_first(tiny_run, tmp_path):
+    run_dir, summary = tiny_run
+    first = (Path(run_dir) / "eval" / "summary.json").read_bytes()
+    other = tmp_path / "eval_final"
+    again = Pipeline(compose(TINY + [f"run_dir={run_dir}", f"eval.out_dir={other}", "eval.checkpoint=final",
+                                     "stages=[eval]"])).run()
+    assert (other / "summary.json").is_file() and (other / "summary.csv").is_file()
+    assert (Path(run_dir) / "eval" / "summary.json").read_bytes() == first  # the first evaluation is untouched
+    assert set(again["prompt_sets"]) == set(summary["prompt_sets"])
 
 
 @pytest.mark.parametrize("override", ["drafter.intermediate_size=96", "target.mask_token_id=4"])

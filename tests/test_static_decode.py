@@ -211,7 +211,7 @@ def test_regenerate_engines_write_the_same_journal(target, tmp_path, monkeypatch
     settings = dict(max_length=65, max_new_tokens=12, batch_size=2, show_progress=False)
     hf = regenerate(prompts, adapter, tmp_path / "hf.jsonl", **settings, engine="hf")
     static = regenerate(prompts, adapter, tmp_path / "static.jsonl", **settings, engine="static")
-    timing = ("engine", "generate_seconds", "generate_tokens_per_s")
+    timing = ("engine", "generate_seconds", "generate_tokens_per_s", "template_seconds")
     assert {k: v for k, v in hf.items() if k not in timing} == {k: v for k, v in static.items() if k not in timing}
     assert (hf["engine"], static["engine"], hf["done"]) == ("hf", "static", len(prompts))
     assert read_journal(tmp_path / "hf.jsonl") == read_journal(tmp_path / "static.jsonl")

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
         raise ValueError(f"heldout={heldout} prompts, but only {len(done_ids)} were regenerated: no training "
                          f"sample would be left (journal: {journal_path})")
     held = heldout_ids(done_ids, heldout, seed)
+    encode_started = time.perf_counter()
 
     chunks, rows = [], {c: [] for c in COLUMNS}
     held_rows = {c: [] for c in COLUMNS}
@@ -173,6 +175,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     if rows["id"]:
         chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
     ds = datasets.concatenate_datasets(chunks) if len(chunks) > 1 else chunks[0]
+    encode_s = time.perf_counter() - encode_started
     _save_dataset(ds, dataset_path, show_progress)
     if held_rows["id"]:
         _save_dataset(datasets.Dataset.from_dict(held_rows, features=FEATURES), heldout_path, show_progress)
@@ -182,7 +185,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     stats = {"schema_version": SCHEMA_VERSION, "fingerprint": fp, "settings": settings,
              "total": gen["total"], "done": gen["done"], "skipped": gen["skipped"], "failed": gen["failed"],
              "errors": gen["errors"], "engine": gen["engine"], "generated_tokens": gen["generated_tokens"],
-             "generate_tokens_per_s": gen["generate_tokens_per_s"], "samples": samples, "dropped_no_loss": dropped,
+             "generate_tokens_per_s": gen["generate_tokens_per_s"], "generate_seconds": gen["generate_seconds"],
+             "template_seconds": gen["template_seconds"], "encode_seconds": round(encode_s, 3), "samples": samples, "dropped_no_loss": dropped,
              "num_tokens": num_tokens, "num_response_tokens": num_response_tokens}
     if heldout:
         stats.update(heldout=len(held_rows["id"]), heldout_num_tokens=held_tokens)

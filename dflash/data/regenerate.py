@@ -196,11 +196,13 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
     pending = []
     todo = [p for p in prompts if p.id not in done_ids]
+    template_started = time.perf_counter()
     for p, ids_p in zip(todo, prompt_ids_many(tokenizer, [p.messages for p in todo])):
         if len(ids_p) + 1 > max_length:
             skipped.append((p.id, len(ids_p)))
         else:
             pending.append((p, ids_p))
+    template_s = time.perf_counter() - template_started
     if skipped:
         logger.warning("skipped %d prompt(s) longer than max_length - 1 = %d tokens, e.g. %s", len(skipped),
                        max_length - 1, ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:5]))
@@ -261,7 +263,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
 
     stats = {"total": len(prompts), "done": done, "skipped": len(skipped), "failed": len(failures),
              "generated": generated, "errors": failures, "engine": engine, "generated_tokens": new_tokens,
-             "generate_seconds": round(generate_s, 3),
+             "generate_seconds": round(generate_s, 3), "template_seconds": round(template_s, 3),
              # Kept response tokens per second of generation (what the data stage needs; work past a stop excluded).
              "generate_tokens_per_s": round(new_tokens / generate_s, 1) if generate_s > 0 else None}
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
