@@ -68,6 +68,7 @@ class TrainSettings:
     loss_weighting: str = "exp_decay"  # exp_decay | dpace (docs/training.md, "D-PACE loss weighting")
     dpace_alpha: float = 0.5           # D-PACE confidence smoothing, q~ = alpha + (1 - alpha) q
     kl_weight: float = 0.0             # loss = (1 - w) CE + w KL(target || drafter); > 0 needs capture=colocated
+    max_steps: int | None = None       # stop after this many optimizer steps (the schedule ends there), None = epochs
 
     def __post_init__(self) -> None:
         check_loss_weighting(self.loss_weighting, self.dpace_alpha)
@@ -195,6 +196,10 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
     plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed)
     total_steps = plan.steps_per_epoch * settings.epochs
+    if settings.max_steps is not None:
+        if settings.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {settings.max_steps}")
+        total_steps = min(total_steps, settings.max_steps)
     tag, universal = resume_tag(checkpoint_dir, world_size, rank)
     engine = build_engine(settings, drafter_config, total_steps, world_size, device, load_universal=universal)
     attention = resolve_attention(settings.attention, device)
