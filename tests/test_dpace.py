@@ -13,7 +13,7 @@ from dflash.config import compose
 from dflash.pipeline import Pipeline
 from dflash.train.loop import TrainSettings, train
 from dflash.train.metrics_log import MetricsLog
-from dflash.train.objective import _chunk_cross_entropy, dpace_weights, loss_normaliser, weighted_block_loss
+from dflash.train.objective import dpace_weights, loss_normaliser, weighted_block_loss
 from tests import trainer_harness
 
 BATCH, ANCHORS, BLOCK, HIDDEN, VOCAB = 2, 3, 5, 8, 11
@@ -136,20 +136,19 @@ def test_dpace_normaliser_counts_valid_anchors_and_exp_decay_sums_weights():
     assert torch.equal(loss_normaliser(weights, "exp_decay"), weights.sum())
 
 
-def test_exp_decay_is_the_default_and_computes_as_before():
+def test_exp_decay_is_the_default_and_is_the_weighted_cross_entropy():
     hidden, head, labels, weights = random_case(seed=4)
+    hidden.requires_grad_()
     got = weighted_block_loss(hidden, head, labels, weights, chunk_size=4)
-    # The pre-D-PACE computation: per-chunk weighted sums added in chunk order.
-    rows = weights.reshape(-1).nonzero().flatten()
-    flat_hidden = hidden.reshape(-1, HIDDEN)
-    expected = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, rows.numel(), 4):
-        chunk = rows[start : start + 4]
-        chunk_loss, _ = _chunk_cross_entropy(flat_hidden[chunk], head, labels.reshape(-1)[chunk],
-                                             weights.reshape(-1)[chunk])
-        expected = expected + chunk_loss
-    assert torch.equal(got[0], expected)
-    assert torch.equal(got[1], weights.sum())
+    dense = hidden.detach().double().requires_grad_()
+    logits = dense.reshape(-1, HIDDEN) @ head.double().t()
+    ce = F.cross_entropy(logits, labels.reshape(-1), reduction="none")
+    expected = (ce * weights.reshape(-1).double()).sum()
+    torch.testing.assert_close(got[0].double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], weights.sum())
+    got[0].backward()
+    expected.backward()
+    torch.testing.assert_close(hidden.grad.double(), dense.grad, rtol=1e-4, atol=1e-6)
     assert compose(["+experiment=tiny"]).train.loss_weighting == "exp_decay"
     assert trainer_harness.settings(1, 1).loss_weighting == "exp_decay"
 

@@ -9,10 +9,16 @@ has its own padded length. The first steps pay the compilation.
 
 from __future__ import annotations
 
+import torch._inductor.config as inductor_config
 from torch import nn
 
 
 def compile_layers(drafter: nn.Module) -> nn.Module:
+    # torch 2.11's inductor asserted inside its memory-coalescing tiling analysis while generating the Triton code
+    # of these dynamic-shape layers on an H200 (an AssertionError in tiling_utils.get_pw_red_splits); the analysis
+    # only chooses among tilings, so turning it off changes speed at most, never results.
+    if hasattr(inductor_config, "triton") and hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
+        inductor_config.triton.coalesce_tiling_analysis = False
     for layer in drafter.layers:
         if getattr(layer, "_dflash_compiled", False):
             continue

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from dflash.train.head_cross_entropy import head_cross_entropy
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -181,22 +182,6 @@ def loss_normaliser(weights: torch.Tensor, weighting: str) -> torch.Tensor:
     return weights.sum()
 
 
-def _chunk_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ lm_head_weight.to(hidden.dtype).t()).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    correct = (logits.argmax(-1) == labels).float()
-    return (ce * weights).sum(), correct
-
-
-def _chunk_token_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ lm_head_weight.to(hidden.dtype).t()).float()
-    return F.cross_entropy(logits, labels, reduction="none"), (logits.argmax(-1) == labels).float()
-
-
 def _chunk_mixed_loss(
     hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, target_hidden: torch.Tensor,
     kl_weight: float,
@@ -227,8 +212,9 @@ def weighted_block_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
 
-    hidden: [batch, N*B, H]; labels/weights: [batch, N, B]. Each chunk is recomputed in backward (activation
-    checkpointing), so peak memory is one chunk of logits. weighting "exp_decay" uses `weights` as the loss
+    hidden: [batch, N*B, H]; labels/weights: [batch, N, B]. The CE goes through head_cross_entropy (each chunk's
+    logits made once, the hidden-state gradient with them); the KL mix through checkpointed chunks whose logits
+    are recomputed in backward. Either way peak memory is one chunk of logits. weighting "exp_decay" uses `weights` as the loss
     weights; "dpace" uses only their non-zero pattern (which positions carry loss) and weights each position by
     dpace_weights() of the drafter's label probabilities, detached, so the CE term alone carries the gradient
     (D-PACE Eq. 9). kl_weight > 0 needs target_hidden [batch, N*B, H] (block_target_hidden(): the target's final
@@ -248,49 +234,39 @@ def weighted_block_loss(
     flat_target = target_hidden.reshape(-1, target_hidden.shape[-1]) if kl_weight > 0 else None
     rows = flat_weights.nonzero().flatten()
     offsets = rows % block_size
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    token_ce = [hidden.new_zeros(0, dtype=torch.float32)]
-    token_loss = [hidden.new_zeros(0, dtype=torch.float32)]
-    correct_sum = torch.zeros(block_size, device=hidden.device)
-    for start in range(0, rows.numel(), chunk_size):
-        chunk = rows[start : start + chunk_size]
-        if kl_weight > 0:
-            mixed, ce, correct = checkpoint(
-                _chunk_mixed_loss, flat_hidden[chunk], lm_head_weight, flat_labels[chunk], flat_target[chunk],
-                kl_weight, use_reentrant=False,
-            )
-            token_loss.append(mixed)
-            token_ce.append(ce)
-        elif weighting == "dpace":
-            ce, correct = checkpoint(
-                _chunk_token_cross_entropy, flat_hidden[chunk], lm_head_weight, flat_labels[chunk], use_reentrant=False
-            )
-            token_ce.append(ce)
-        else:
-            chunk_loss, correct = checkpoint(
-                _chunk_cross_entropy,
-                flat_hidden[chunk],
-                lm_head_weight,
-                flat_labels[chunk],
-                flat_weights[chunk],
-                use_reentrant=False,
-            )
-            loss_sum = loss_sum + chunk_loss
-        correct_sum.index_add_(0, offsets[start : start + chunk_size], correct.detach())
     counts = torch.bincount(offsets, minlength=block_size).float()
-    if weighting == "exp_decay" and kl_weight == 0:
-        return loss_sum, flat_weights.sum(), correct_sum, counts
-    ce = torch.cat(token_ce)
-    terms = torch.cat(token_loss) if kl_weight > 0 else ce
+    correct_sum = torch.zeros(block_size, device=hidden.device)
+    if kl_weight > 0:
+        terms, ce, correct = _chunked_mixed_loss(flat_hidden, lm_head_weight, flat_labels, flat_target, rows,
+                                                 kl_weight, chunk_size)
+    else:
+        ce, correct = head_cross_entropy(flat_hidden[rows], lm_head_weight, flat_labels[rows], chunk_size)
+        terms = ce
+    correct_sum.index_add_(0, offsets, correct.detach().float())
     if weighting == "exp_decay":
         position_weights = flat_weights[rows]
     else:
-        # A block's weights need the probabilities of all its positions and a chunk may end mid-block, so the
-        # chunks hand back per-position losses (a few floats each; their logits are recomputed in backward).
+        # A block's D-PACE weights need the probabilities of all its positions, hence per-position losses first.
         label_prob = torch.zeros_like(flat_weights, dtype=torch.float32)
         label_prob[rows] = torch.exp(-ce.detach())
         position_weights = dpace_weights(label_prob.view(weights.shape), weights != 0, dpace_alpha).reshape(-1)[rows]
     return (terms * position_weights).sum(), position_weights.sum(), correct_sum, counts
+
+
+def _chunked_mixed_loss(
+    flat_hidden: torch.Tensor, lm_head_weight: torch.Tensor, flat_labels: torch.Tensor, flat_target: torch.Tensor,
+    rows: torch.Tensor, kl_weight: float, chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_chunk_mixed_loss over `rows` in checkpointed chunks: (mixed loss, CE, correct) per row."""
+    mixed, ce, correct = [], [], []
+    for start in range(0, rows.numel(), chunk_size):
+        chunk = rows[start : start + chunk_size]
+        out = checkpoint(_chunk_mixed_loss, flat_hidden[chunk], lm_head_weight, flat_labels[chunk],
+                         flat_target[chunk], kl_weight, use_reentrant=False)
+        for values, part in zip((mixed, ce, correct), out):
+            values.append(part)
+    empty = flat_hidden.new_zeros(0, dtype=torch.float32)
+    return tuple(torch.cat(values) if values else empty for values in (mixed, ce, correct))
 
 
 def decay_weights(block_size: int, gamma: float) -> list[float]:
