@@ -343,6 +343,7 @@ class Pipeline:
             loss_weighting=str(t.get("loss_weighting", "exp_decay")), dpace_alpha=float(t.get("dpace_alpha", 0.5)),
             kl_weight=float(t.get("kl_weight", 0.0)),
             max_steps=int(t.max_steps) if t.get("max_steps") is not None else None,
+            group_by_length=int(t.get("group_by_length", 0)),
         )
 
     def train_fingerprint(self) -> str:
@@ -452,8 +453,13 @@ class Pipeline:
 
         c, t = self.cfg.capture, self.cfg.target
         info = read_json(os.path.join(self.dirs["features"], "online.json"))
+        lengths = None
+        if settings.group_by_length:
+            from dflash.data.dataset import load_dataset_dir, sample_lengths
+
+            lengths = tuple(sample_lengths(load_dataset_dir(info["data"])))
         plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
-                         settings.seed)
+                         settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
         stream = ItemStream(plan, epochs=settings.epochs)
         devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
         num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) if devices else 1
@@ -479,7 +485,8 @@ class Pipeline:
                 "device": "cuda:0" if devices else str(self.device),
                 "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
                 "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
-                         "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed},
+                         "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
+                         "group_by_length": plan.group_by_length},
                 "epochs": 1 if use_cache else settings.epochs, "layer_ids": info["target_layer_ids"],
                 "dtype": str(c.dtype),
                 "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),

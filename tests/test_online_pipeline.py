@@ -171,3 +171,21 @@ def test_workers_that_keep_dying_stop_the_trainer_with_their_error(tmp_path, dat
     with pytest.raises(RuntimeError, match="died 2 times(.|\n)*share of the spool budget"):
         Pipeline(compose(ONLINE + overrides)).run()
     assert worker_pids(run_dir) == []
+
+
+@pytest.mark.multiproc
+def test_length_grouped_batches_train_the_same_online_colocated_and_offline(tmp_path, data_dir):
+    base = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]", "train.group_by_length=2"]
+    modes = {"offline": ["capture=offline"], "colocated": ["capture=colocated"],
+             "online": ["capture=online", "capture.threads=1"]}
+    curves = {}
+    for mode, overrides in modes.items():
+        (tmp_path / mode).mkdir()
+        run_dir = new_run(tmp_path / mode, data_dir)
+        with contextlib.redirect_stdout(io.StringIO()):
+            Pipeline(compose(base + overrides + [f"run_dir={run_dir}"])).run()
+        curves[mode] = torch.tensor(losses(run_dir))
+    stored = torch.tensor(json.loads(STORED_CURVE.read_text())["loss"])
+    assert not torch.allclose(curves["offline"], stored)  # grouping changed which samples share a batch
+    torch.testing.assert_close(curves["online"], curves["offline"], rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(curves["colocated"], curves["offline"], rtol=2e-4, atol=2e-4)

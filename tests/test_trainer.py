@@ -24,6 +24,56 @@ def test_batch_plan_deals_the_same_global_batches_whatever_the_split():
     assert sorted(real) == list(range(7))  # every sample exactly once per epoch, placeholders not counted
 
 
+LENGTHS = (5, 90, 12, 60, 33, 7, 81, 20, 44, 71, 3, 58, 26, 95, 14, 38, 66)
+
+
+def padded_tokens(plan: BatchPlan, epoch: int) -> int:
+    """Tokens a run would pad to: per micro-batch, its size x its longest sample."""
+    total = 0
+    for step in range(plan.steps_per_epoch):
+        for rank in range(plan.world_size):
+            for micro in plan.micro_batches(epoch, step, rank):
+                total += len(micro) * max(plan.lengths[i] for i, _ in micro)
+    return total
+
+
+def test_grouped_batches_cover_every_sample_once_with_less_padding():
+    plain = BatchPlan(len(LENGTHS), 2, 1, 1, seed=5, lengths=LENGTHS)
+    grouped = BatchPlan(len(LENGTHS), 2, 1, 1, seed=5, group_by_length=4, lengths=LENGTHS)
+    for epoch in range(3):
+        order = grouped.epoch_order(epoch)
+        assert sorted(order) == list(range(len(LENGTHS)))
+        assert order[-1] == grouped.epoch_order(epoch)[-1]  # deterministic; the odd sample closes the epoch
+        assert padded_tokens(grouped, epoch) < padded_tokens(plain, epoch)
+    assert grouped.epoch_order(0) != grouped.epoch_order(1)  # still shuffled per epoch
+    # One run spanning the epoch: the full batches are neighbours in the length order, in a shuffled order.
+    whole = BatchPlan(len(LENGTHS), 2, 1, 1, seed=5, group_by_length=16, lengths=LENGTHS)
+    by_length = sorted(range(len(LENGTHS)), key=lambda i: -LENGTHS[i])
+    order = whole.epoch_order(0)
+    batches = [order[b : b + 2] for b in range(0, 16, 2)]
+    assert sorted(batches) == sorted(by_length[b : b + 2] for b in range(0, 16, 2))
+    assert order[-1] == by_length[-1] and batches != [by_length[b : b + 2] for b in range(0, 16, 2)]
+
+
+def test_grouped_plans_deal_the_same_global_batches_whatever_the_split():
+    one = BatchPlan(len(LENGTHS), 1, 1, 4, seed=2, group_by_length=2, lengths=LENGTHS)
+    two = BatchPlan(len(LENGTHS), 2, 2, 1, seed=2, group_by_length=2, lengths=LENGTHS)
+    for step in range(one.steps_per_epoch):
+        flat_one = [slot for micro in one.micro_batches(1, step, 0) for slot in micro]
+        flat_two = [slot for rank in (0, 1) for micro in two.micro_batches(1, step, rank) for slot in micro]
+        assert sorted(flat_one) == sorted(flat_two)
+
+
+def test_grouping_needs_every_length_and_plans_differ_by_their_lengths():
+    with pytest.raises(ValueError, match="needs the length of each of the 17 samples"):
+        BatchPlan(len(LENGTHS), 2, 1, 1, seed=0, group_by_length=2)
+    with pytest.raises(ValueError, match="group_by_length must be >= 0"):
+        BatchPlan(len(LENGTHS), 2, 1, 1, seed=0, group_by_length=-1, lengths=LENGTHS)
+    a = BatchPlan(len(LENGTHS), 2, 1, 1, seed=0, group_by_length=2, lengths=LENGTHS)
+    b = BatchPlan(len(LENGTHS), 2, 1, 1, seed=0, group_by_length=2, lengths=LENGTHS[::-1])
+    assert a != b and a == BatchPlan(len(LENGTHS), 2, 1, 1, seed=0, group_by_length=2, lengths=tuple(LENGTHS))
+
+
 def test_two_accumulated_micro_batches_equal_one_double_batch(tmp_path):
     losses_acc, state_acc = trainer_harness.run(str(tmp_path / "acc"), micro_batch_size=1, grad_accum=2)
     losses_big, state_big = trainer_harness.run(str(tmp_path / "big"), micro_batch_size=2, grad_accum=1)

@@ -61,10 +61,11 @@ class ItemStream:
     def num_items(self) -> int:
         return self.epochs * self.items_per_epoch
 
-    def describe(self) -> dict[str, int]:
+    def describe(self) -> dict[str, int | str]:
         p = self.plan
         return {"num_samples": p.num_samples, "micro_batch_size": p.micro_batch_size, "world_size": p.world_size,
-                "grad_accum": p.grad_accum, "seed": p.seed, "epochs": self.epochs}
+                "grad_accum": p.grad_accum, "seed": p.seed, "epochs": self.epochs,
+                "group_by_length": p.group_by_length, "lengths_digest": p.lengths_digest}
 
     def item(self, g: int) -> tuple[int, int, int]:
         """(epoch, sample index, rank) of item g; the same dealing rule as BatchPlan.micro_batches."""
@@ -361,6 +362,12 @@ class OnlineFeatureSource:
 
     def __len__(self) -> int:
         return self.stream.plan.num_samples
+
+    def lengths(self) -> list[int]:
+        """The sample lengths the stream's plan groups by (the trainer's plan must be the same)."""
+        if self.stream.plan.lengths is None:
+            raise ValueError("this stream's plan was built without sample lengths (group_by_length=0)")
+        return list(self.stream.plan.lengths)
 
     def _advance(self, g: int) -> int:
         while g < self.stream.num_items and self.stream.item(g)[2] != self.rank:

@@ -5,11 +5,16 @@ are dealt to (micro-step, rank) slots by a fixed rule, so a run with 1 process x
 2 processes x 1 step see exactly the same global batches. The last global batch of an epoch is filled with
 placeholder copies whose loss weight is zero, so every rank runs the same number of steps and nothing is counted
 twice. Anchors are drawn from a generator seeded by (seed, epoch, sample), independent of placement.
+
+With group_by_length > 0 each global batch holds samples of similar length, so little of it is padding: the
+epoch permutation is cut into runs of group_by_length global batches, each run is sorted by length, and the
+full global batches are then shuffled so that short and long batches alternate through the epoch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,10 +28,23 @@ class BatchPlan:
     world_size: int
     grad_accum: int
     seed: int
+    group_by_length: int = 0
+    # Token count per sample, needed by group_by_length. Compared and hashed through its digest (a plan is a cache
+    # key in the online stream, and hashing a long tuple on every lookup would be slow).
+    lengths: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    lengths_digest: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
             raise ValueError("the training set is empty: no sample to train on")
+        if self.group_by_length < 0:
+            raise ValueError(f"group_by_length must be >= 0, got {self.group_by_length}")
+        if self.group_by_length and (self.lengths is None or len(self.lengths) != self.num_samples):
+            raise ValueError(f"group_by_length={self.group_by_length} needs the length of each of the "
+                             f"{self.num_samples} samples, got {None if self.lengths is None else len(self.lengths)}")
+        if self.lengths is not None:
+            digest = hashlib.sha256(",".join(map(str, self.lengths)).encode()).hexdigest()
+            object.__setattr__(self, "lengths_digest", digest)
 
     @property
     def global_batch_size(self) -> int:
@@ -38,7 +56,18 @@ class BatchPlan:
 
     def epoch_order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=generator).tolist()
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        if not self.group_by_length:
+            return order
+        size, run = self.global_batch_size, self.group_by_length * self.global_batch_size
+        lengths = self.lengths
+        grouped = []
+        for start in range(0, len(order), run):
+            grouped += sorted(order[start : start + run], key=lambda i: -lengths[i])
+        full = len(grouped) // size
+        # The partial last batch stays last: micro_batches fills it with placeholders.
+        batches = [grouped[b * size : (b + 1) * size] for b in torch.randperm(full, generator=generator).tolist()]
+        return [i for batch in batches for i in batch] + grouped[full * size :]
 
     def micro_batches(self, epoch: int, step: int, rank: int) -> list[list[tuple[int, bool]]]:
         """For this rank and optimizer step: grad_accum lists of (sample index, is_real) pairs."""

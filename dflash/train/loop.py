@@ -69,6 +69,7 @@ class TrainSettings:
     dpace_alpha: float = 0.5           # D-PACE confidence smoothing, q~ = alpha + (1 - alpha) q
     kl_weight: float = 0.0             # loss = (1 - w) CE + w KL(target || drafter); > 0 needs capture=colocated
     max_steps: int | None = None       # stop after this many optimizer steps (the schedule ends there), None = epochs
+    group_by_length: int = 0           # > 0: global batches of similar-length samples (batches.py), less padding
 
     def __post_init__(self) -> None:
         check_loss_weighting(self.loss_weighting, self.dpace_alpha)
@@ -194,7 +195,14 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         heldout.check(drafter_config)
     entered = time.perf_counter()
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
-    plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed)
+    lengths = None
+    if settings.group_by_length:
+        if not hasattr(store, "lengths"):
+            raise ValueError(f"group_by_length={settings.group_by_length} needs a store with lengths(); "
+                             f"{type(store).__name__} has none")
+        lengths = tuple(store.lengths())
+    plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed,
+                     group_by_length=settings.group_by_length, lengths=lengths)
     total_steps = plan.steps_per_epoch * settings.epochs
     if settings.max_steps is not None:
         if settings.max_steps < 1:
