@@ -9,10 +9,7 @@ at a barrier.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import shutil
 import time
 from typing import Any
@@ -21,50 +18,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.run_files import container, fingerprint, mark_done, read_json, stage_done, write_json
+
 STAGES = ("data", "capture", "train", "eval")
-
-
-# Small helpers --------------------------------------------------------------------------------------------------
-
-def fingerprint(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def stage_done(folder: str, key: str) -> bool:
-    path = os.path.join(folder, "done.json")
-    if not os.path.exists(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        return json.load(f).get("fingerprint") == key
-
-
-def mark_done(folder: str, key: str, **info: Any) -> None:
-    tmp = os.path.join(folder, "done.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"fingerprint": key, **info}, f, indent=2)
-    os.replace(tmp, os.path.join(folder, "done.json"))
-
-
-def write_json(path: str, value: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-    os.replace(tmp, path)
-
-
-def read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(name)
-
-
-def container(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 # Validation that must happen before any work ----------------------------------------------------------------------
@@ -381,7 +343,10 @@ class Pipeline:
             head = load_frozen_head(os.path.join(self.dirs["features"], "frozen_head.safetensors"))
             settings = self.train_settings()
             if online:
-                store = self._online_source(settings, rank, world_size, pools)
+                from dflash.extract.online_stage import OnlineCapture
+
+                online_capture = OnlineCapture(self.cfg, self.run_dir, self.dirs, self.device, self.barrier)
+                store = online_capture.source(settings, rank, world_size, pools)
             elif str(self.cfg.capture.mode) == "colocated":
                 store = self._colocated_source()
             else:
@@ -391,7 +356,7 @@ class Pipeline:
                           world_size=world_size, device=self.device, show_progress=self.show_progress,
                           heldout=self._heldout_set())
             if online and pools:
-                self._finish_online(store, pools[0], time.perf_counter() - started, world_size)
+                online_capture.finish(store, pools[0], time.perf_counter() - started, world_size)
         finally:
             for pool in pools:
                 pool.kill()
@@ -438,144 +403,6 @@ class Pipeline:
         export_zlab(drafter, folder)
         write_json(os.path.join(folder, "best.json"), best[1])
         print(f"[train] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
-
-    # Online capture (capture.mode=online): workers started by the train stage stream features to the trainer
-
-    def _online_spool_dir(self) -> str:
-        return os.path.abspath(str(self.cfg.capture.spool_dir))
-
-    def _online_source(self, settings, rank: int, world_size: int, pools: list):
-        """This rank's OnlineFeatureSource; rank 0 first empties the spool and starts the capture workers (appended
-        to `pools` as soon as they run, so the caller stops them whatever happens next)."""
-        from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
-        from dflash.extract.online_workers import WorkerPool
-        from dflash.train.batches import BatchPlan
-
-        c, t = self.cfg.capture, self.cfg.target
-        info = read_json(os.path.join(self.dirs["features"], "online.json"))
-        lengths = None
-        if settings.group_by_length:
-            from dflash.data.dataset import load_dataset_dir, sample_lengths
-
-            lengths = tuple(sample_lengths(load_dataset_dir(info["data"])))
-        plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
-                         settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
-        stream = ItemStream(plan, epochs=settings.epochs)
-        devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
-        num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) if devices else 1
-        spool_dir, log_dir = self._online_spool_dir(), os.path.join(self.run_dir, "capture_logs")
-        cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
-        if rank == 0:
-            # Consumed items are gone, so every start streams afresh from the step training resumes at.
-            shutil.rmtree(spool_dir, ignore_errors=True)
-            shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
-            os.makedirs(log_dir, exist_ok=True)
-            resume_step = self._resume_step()
-            use_cache = self._decide_feature_cache(info, cache_dir, fresh=resume_step == 0)
-            write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir})
-            spool = Spool(spool_dir, num_workers)
-            spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)
-            first = resume_step * plan.global_batch_size
-            if first:
-                for r in range(world_size):  # items before `first` count as consumed: the workers skip them
-                    spool.set_cursor(r, first)
-            spec = {
-                "target": {"kind": str(t.kind), "path": t.path, "dtype": str(t.dtype), "tiny": container(t.tiny),
-                           "cache_dir": t.cache_dir},
-                "device": "cuda:0" if devices else str(self.device),
-                "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
-                "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
-                         "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
-                         "group_by_length": plan.group_by_length},
-                "epochs": 1 if use_cache else settings.epochs, "layer_ids": info["target_layer_ids"],
-                "dtype": str(c.dtype),
-                "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),
-                "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
-            }
-            spec_path = os.path.join(log_dir, "spec.json")
-            write_json(spec_path, spec)
-            pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices, max_restarts=int(c.max_restarts))
-            pools.append(pool)
-            pool.start()
-            print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool {spool_dir} "
-                  f"(budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
-        self.barrier()
-        cache = None
-        if read_json(os.path.join(log_dir, "cache.json"))["cache"]:
-            from dflash.extract.feature_cache import FeatureCache
-
-            cache = FeatureCache(cache_dir)
-        return OnlineFeatureSource(Spool(spool_dir, num_workers), stream, rank, timeout_s=float(c.timeout_s),
-                                   hopeless=pools[0].failed if pools else None, cache=cache)
-
-    def _decide_feature_cache(self, info: dict, cache_dir: str, *, fresh: bool) -> bool:
-        """capture.cache: keep the first epoch's features for the later ones when the disk holds them (rank 0).
-
-        A fresh run (no checkpoint) starts from an empty cache: what a folder holds from an earlier run is not this
-        run's. A resumed run keeps it, since the epochs it already passed will not be captured again.
-        """
-        from dflash.extract.capture import bytes_per_token
-        from dflash.extract.feature_cache import cached_epochs
-        from dflash.extract.store import store_dtype
-
-        c = self.cfg.capture
-        if fresh:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        os.makedirs(cache_dir, exist_ok=True)
-        shape = read_json(os.path.join(self.dirs["features"], "target.json"))
-        taps = len(info["target_layer_ids"])
-        tokens = int(read_json(os.path.join(self.dirs["data"], "stats.json"))["num_tokens"])
-        needed = tokens * bytes_per_token(taps * int(shape["hidden_size"]), taps, store_dtype(str(c.dtype)))
-        budget, mode = c.get("cache_budget_bytes"), c.get("cache", "false")
-        mode = ("true" if mode else "false") if isinstance(mode, bool) else str(mode)  # YAML reads true as a bool
-        use = cached_epochs(mode, needed, None if budget is None else int(budget), shutil.disk_usage(cache_dir).free)
-        print(f"[online] feature cache {'on' if use else 'off'}: one epoch is {needed / 2**30:.2f} GiB"
-              + (f" -> {cache_dir}; the workers capture the first epoch only" if use else ""))
-        return use
-
-    def _resume_step(self) -> int:
-        """The global step training resumes at (0 without a checkpoint)."""
-        from dflash.train.checkpoints import latest_tag
-
-        tag = latest_tag(self.dirs["checkpoints"])
-        if tag is None:
-            return 0
-        match = re.fullmatch(r"step(\d+)", tag)
-        if match is None:
-            raise ValueError(f"checkpoint tag {tag!r} in {self.dirs['checkpoints']} does not name a step")
-        return int(match.group(1))
-
-    def _finish_online(self, source, pool, train_s: float, world_size: int) -> None:
-        """Join the capture workers, remove the (now empty) spool and report both throughputs and the device
-        split that would balance them (rank 0)."""
-        c = self.cfg.capture
-        pool.join(timeout_s=float(c.stale_after_s) + 60.0)
-        spool_dir = self._online_spool_dir()
-        leftover = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(spool_dir, "data")) for f in files]
-        if leftover:
-            raise RuntimeError(f"the spool {spool_dir} still holds {len(leftover)} item files after training, "
-                               f"e.g. {leftover[0]}: features were produced that no trainer rank read")
-        shutil.rmtree(spool_dir)
-        stats = pool.stats()
-        capture_tokens = sum(s["tokens"] for s in stats)
-        capture_s = sum(s["capture_s"] for s in stats)
-        capture_rate = capture_tokens / capture_s if capture_s > 0 else float("nan")  # per capture device
-        trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
-        capture_devices = len(c.devices) if c.devices is not None and self.device.type == "cuda" \
-            else pool.num_workers
-        total = capture_devices + world_size
-        share = trainer_rate / (trainer_rate + capture_rate)  # capture devices x capture rate = trainers x rate
-        balanced = min(max(round(total * share), 1), total - 1) if total > 1 else 1
-        report = {"capture_tokens_per_s_per_device": capture_rate, "trainer_tokens_per_s_per_rank": trainer_rate,
-                  "capture_tokens": capture_tokens, "trainer_wait_s": source.wait_s, "train_s": train_s,
-                  "capture_devices": capture_devices, "trainer_ranks": world_size,
-                  "balanced_capture_fraction": share, "balanced_split": [balanced, total - balanced]}
-        write_json(os.path.join(self.run_dir, "capture_logs", "throughput.json"), report)
-        print(f"[online] capture {capture_rate:,.0f} tok/s per capture device ({capture_devices}), trainer "
-              f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of {train_s:.1f} s "
-              f"for features)")
-        print(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
-              f"{balanced}:{total - balanced} of these {total} devices")
 
     def eval_drafter_dir(self) -> str:
         """export_best/ (the best held-out tau) when eval.checkpoint is 'best' and training kept one, else export/."""
