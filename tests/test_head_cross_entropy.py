@@ -1,10 +1,10 @@
-"""head_cross_entropy: per-row CE through a frozen head, gradient made in the forward pass, equals autograd."""
+"""head_loss: per-row CE and KL mix through a frozen head, the gradient made in forward, equal to autograd."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.train.head_cross_entropy import head_cross_entropy
+from dflash.train.head_cross_entropy import head_cross_entropy, head_loss
 
 ROWS, HIDDEN, VOCAB = 37, 16, 50
 
@@ -67,3 +67,30 @@ def test_a_trainable_head_or_bad_shapes_are_refused():
         head_cross_entropy(hidden, head, labels[:-1])
     with pytest.raises(ValueError, match="chunk_size"):
         head_cross_entropy(hidden, head, labels, chunk_size=0)
+
+
+@pytest.mark.parametrize("kl_weight", [0.3, 1.0])
+def test_kl_mix_terms_and_gradient_equal_autograd(kl_weight):
+    hidden, head, labels, row_weights = case(seed=2)
+    target = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(3))
+    leaf = hidden.clone().requires_grad_()
+    terms, ce, correct = head_loss(leaf, head, labels, 7, target, kl_weight)
+    (terms * row_weights).sum().backward()
+    dense = hidden.double().requires_grad_()
+    log_q = (dense @ head.double().t()).log_softmax(-1)
+    log_p = (target.double() @ head.double().t()).log_softmax(-1)
+    want_ce = -log_q.gather(1, labels[:, None]).squeeze(1)
+    want_terms = (1 - kl_weight) * want_ce + kl_weight * (log_p.exp() * (log_p - log_q)).sum(-1)
+    (want_terms * row_weights.double()).sum().backward()
+    torch.testing.assert_close(terms.double(), want_terms.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ce.double(), want_ce.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaf.grad.double(), dense.grad, rtol=1e-4, atol=1e-6)
+    assert not ce.requires_grad and torch.equal(correct, log_q.argmax(-1) == labels)
+
+
+def test_kl_without_target_states_is_refused():
+    hidden, head, labels, _ = case()
+    with pytest.raises(ValueError, match="needs target_hidden shaped like hidden"):
+        head_loss(hidden, head, labels, kl_weight=0.5)
+    with pytest.raises(ValueError, match="kl_weight must be in"):
+        head_loss(hidden, head, labels, kl_weight=1.5, target_hidden=hidden)

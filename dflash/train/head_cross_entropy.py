@@ -1,9 +1,12 @@
-"""Cross-entropy through the frozen lm_head, chunk by chunk, with the gradient made during the forward pass.
+"""The loss through the frozen lm_head, chunk by chunk, with the gradient made during the forward pass.
 
 The drafter's lm_head is the target's and never trains, so the only gradient the loss sends back is the one for
-the drafter's hidden states: for position i, d CE_i / d h_i = (softmax(h_i W^T) - onehot(y_i)) W. That vector does
-not depend on how CE_i is weighted later, so each chunk of logits is made once, turned into the loss, the
-accuracy and that gradient, and dropped. Backward only scales the stored [positions, hidden] gradient by each
+the drafter's hidden states. For position i with drafter distribution q_i = softmax(h_i W^T):
+  CE_i = -log q_i[y_i]                          d CE_i / d h_i = (q_i - onehot(y_i)) W
+  KL_i = KL(p_i || q_i), p_i the target's       d KL_i / d h_i = (q_i - p_i) W
+so the loss term (1 - w) CE_i + w KL_i has the gradient (q_i - (1 - w) onehot(y_i) - w p_i) W. That vector does
+not depend on how the term is weighted later, so each chunk of logits is made once, turned into the loss terms,
+the accuracy and that gradient, and dropped. Backward only scales the stored [positions, hidden] gradient by each
 position's incoming weight.
 
 Against autograd over checkpointed chunks (forward, then a second forward and a backward per chunk in backward),
@@ -16,13 +19,14 @@ from __future__ import annotations
 import torch
 
 
-class _HeadCrossEntropy(torch.autograd.Function):
+class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                target_hidden: torch.Tensor | None, kl_weight: float):
         rows = hidden.shape[0]
         head = weight.to(hidden.dtype)
-        ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        terms = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        ce = torch.empty_like(terms)
         correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for start in range(0, rows, chunk_size):
@@ -30,42 +34,71 @@ class _HeadCrossEntropy(torch.autograd.Function):
             h, y = hidden[start:end], labels[start:end]
             logits = h @ head.t()
             correct[start:end] = logits.argmax(-1) == y
-            log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            log_q = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
             del logits
-            ce[start:end] = -log_probs.gather(1, y[:, None]).squeeze(1)
+            ce[start:end] = -log_q.gather(1, y[:, None]).squeeze(1)
+            p = None
+            if kl_weight > 0:
+                target = target_hidden[start:end]
+                log_p = torch.log_softmax(target @ weight.to(target.dtype).t(), dim=-1, dtype=torch.float32)
+                p = log_p.exp()
+                # p log p is 0 where p underflows to 0 (log p may be -inf there).
+                neg_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1)
+                del log_p
+                kl = neg_entropy - (p * log_q).sum(-1)
+                terms[start:end] = (1.0 - kl_weight) * ce[start:end] + kl_weight * kl
+            else:
+                terms[start:end] = ce[start:end]
             if grad is not None:
-                # softmax - onehot, in place in the float32 buffer: the subtraction must happen before the cast
-                # (1 - p for p near 1 needs float32's mantissa).
-                probs = log_probs.exp_()
-                probs.scatter_add_(1, y[:, None], torch.full_like(probs[:, :1], -1.0))
-                grad[start:end] = probs.to(hidden.dtype) @ head
+                # q - (1 - w) onehot - w p, in place in the float32 buffer: the subtractions must happen before the
+                # cast (1 - q for q near 1 needs float32's mantissa).
+                q = log_q.exp_()
+                if p is not None:
+                    q.sub_(p, alpha=kl_weight)
+                q.scatter_add_(1, y[:, None], torch.full_like(q[:, :1], -(1.0 - kl_weight)))
+                grad[start:end] = q.to(hidden.dtype) @ head
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(correct)
-        return ce, correct
+        ctx.mark_non_differentiable(ce, correct)
+        return terms, ce, correct
 
     @staticmethod
-    def backward(ctx, grad_ce: torch.Tensor, grad_correct: torch.Tensor | None):
+    def backward(ctx, grad_terms: torch.Tensor, grad_ce: torch.Tensor | None, grad_correct: torch.Tensor | None):
         (grad,) = ctx.saved_tensors
         if grad is None:
-            return None, None, None, None
-        scaled = (grad.float() * grad_ce[:, None].float()).to(grad.dtype)
-        return scaled, None, None, None
+            return None, None, None, None, None, None
+        scaled = (grad.float() * grad_terms[:, None].float()).to(grad.dtype)
+        return scaled, None, None, None, None, None
 
 
-def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row CE of `labels` under softmax(hidden @ weight^T), and whether the argmax is the label.
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
+              target_hidden: torch.Tensor | None = None,
+              kl_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss terms through the frozen head, the CE alone, and whether the drafter's argmax is the label.
 
     hidden: [rows, H] (differentiable); weight: [V, H], frozen (a weight that requires grad is refused: its
-    gradient is never made); labels: [rows] long. At most `chunk_size` rows of logits exist at a time. Returns
-    (ce [rows] float32 with a gradient to hidden, correct [rows] bool).
+    gradient is never made); labels: [rows] long. kl_weight > 0 mixes in KL(p || q) with p = softmax(target_hidden
+    @ weight^T), target_hidden [rows, H] the target's final hidden states: terms = (1 - kl_weight) CE + kl_weight
+    KL. At most `chunk_size` rows of logits exist at a time. Returns (terms [rows] float32 with a gradient to
+    hidden, ce [rows] float32 without one, correct [rows] bool).
     """
     if weight.requires_grad:
-        raise ValueError("head_cross_entropy makes no gradient for the head weight; it must be frozen "
-                         "(requires_grad=False)")
+        raise ValueError("head_loss makes no gradient for the head weight; it must be frozen (requires_grad=False)")
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"need hidden [rows, H], labels [rows], weight [V, H]; got {tuple(hidden.shape)}, "
                          f"{tuple(labels.shape)}, {tuple(weight.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _HeadCrossEntropy.apply(hidden, weight, labels, chunk_size)
+    if not 0.0 <= kl_weight <= 1.0:
+        raise ValueError(f"kl_weight must be in [0, 1], got {kl_weight}")
+    if kl_weight > 0 and (target_hidden is None or target_hidden.shape != hidden.shape):
+        raise ValueError(f"kl_weight={kl_weight} needs target_hidden shaped like hidden {tuple(hidden.shape)}, got "
+                         f"{None if target_hidden is None else tuple(target_hidden.shape)}")
+    return _HeadLoss.apply(hidden, weight, labels, chunk_size, target_hidden if kl_weight > 0 else None,
+                           float(kl_weight))
+
+
+def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """head_loss without KL: (ce [rows] float32 with a gradient to hidden, correct [rows] bool)."""
+    terms, _, correct = head_loss(hidden, weight, labels, chunk_size)
+    return terms, correct

@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from dflash.train.head_cross_entropy import head_cross_entropy
+from dflash.train.head_cross_entropy import head_loss
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -182,23 +181,6 @@ def loss_normaliser(weights: torch.Tensor, weighting: str) -> torch.Tensor:
     return weights.sum()
 
 
-def _chunk_mixed_loss(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, target_hidden: torch.Tensor,
-    kl_weight: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per position: (1 - kl_weight) CE + kl_weight KL(target || drafter), the CE alone (for D-PACE), correct."""
-    log_q = (hidden @ lm_head_weight.to(hidden.dtype).t()).float().log_softmax(-1)
-    ce = -log_q.gather(1, labels[:, None]).squeeze(1)
-    with torch.no_grad():
-        log_p = (target_hidden @ lm_head_weight.to(target_hidden.dtype).t()).float().log_softmax(-1)
-        p = log_p.exp()
-        # p log p is 0 where p underflows to 0 (log p may be -inf there).
-        neg_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1)
-    kl = neg_entropy - (p * log_q).sum(-1)
-    correct = (log_q.argmax(-1) == labels).float()
-    return (1.0 - kl_weight) * ce + kl_weight * kl, ce, correct
-
-
 def weighted_block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -212,9 +194,8 @@ def weighted_block_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
 
-    hidden: [batch, N*B, H]; labels/weights: [batch, N, B]. The CE goes through head_cross_entropy (each chunk's
-    logits made once, the hidden-state gradient with them); the KL mix through checkpointed chunks whose logits
-    are recomputed in backward. Either way peak memory is one chunk of logits. weighting "exp_decay" uses `weights` as the loss
+    hidden: [batch, N*B, H]; labels/weights: [batch, N, B]. The loss goes through head_loss (each chunk's logits
+    made once, the hidden-state gradient with them), so peak memory is one chunk of logits. weighting "exp_decay" uses `weights` as the loss
     weights; "dpace" uses only their non-zero pattern (which positions carry loss) and weights each position by
     dpace_weights() of the drafter's label probabilities, detached, so the CE term alone carries the gradient
     (D-PACE Eq. 9). kl_weight > 0 needs target_hidden [batch, N*B, H] (block_target_hidden(): the target's final
@@ -236,12 +217,8 @@ def weighted_block_loss(
     offsets = rows % block_size
     counts = torch.bincount(offsets, minlength=block_size).float()
     correct_sum = torch.zeros(block_size, device=hidden.device)
-    if kl_weight > 0:
-        terms, ce, correct = _chunked_mixed_loss(flat_hidden, lm_head_weight, flat_labels, flat_target, rows,
-                                                 kl_weight, chunk_size)
-    else:
-        ce, correct = head_cross_entropy(flat_hidden[rows], lm_head_weight, flat_labels[rows], chunk_size)
-        terms = ce
+    terms, ce, correct = head_loss(flat_hidden[rows], lm_head_weight, flat_labels[rows], chunk_size,
+                                   flat_target[rows] if kl_weight > 0 else None, kl_weight)
     correct_sum.index_add_(0, offsets, correct.detach().float())
     if weighting == "exp_decay":
         position_weights = flat_weights[rows]
@@ -251,22 +228,6 @@ def weighted_block_loss(
         label_prob[rows] = torch.exp(-ce.detach())
         position_weights = dpace_weights(label_prob.view(weights.shape), weights != 0, dpace_alpha).reshape(-1)[rows]
     return (terms * position_weights).sum(), position_weights.sum(), correct_sum, counts
-
-
-def _chunked_mixed_loss(
-    flat_hidden: torch.Tensor, lm_head_weight: torch.Tensor, flat_labels: torch.Tensor, flat_target: torch.Tensor,
-    rows: torch.Tensor, kl_weight: float, chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_chunk_mixed_loss over `rows` in checkpointed chunks: (mixed loss, CE, correct) per row."""
-    mixed, ce, correct = [], [], []
-    for start in range(0, rows.numel(), chunk_size):
-        chunk = rows[start : start + chunk_size]
-        out = checkpoint(_chunk_mixed_loss, flat_hidden[chunk], lm_head_weight, flat_labels[chunk],
-                         flat_target[chunk], kl_weight, use_reentrant=False)
-        for values, part in zip((mixed, ce, correct), out):
-            values.append(part)
-    empty = flat_hidden.new_zeros(0, dtype=torch.float32)
-    return tuple(torch.cat(values) if values else empty for values in (mixed, ce, correct))
 
 
 def decay_weights(block_size: int, gamma: float) -> list[float]:
