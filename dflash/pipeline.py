@@ -136,8 +136,17 @@ class Pipeline:
         if self._adapter is None:
             from dflash.models.targets import load_target
 
-            t = self.cfg.target
-            self._adapter = load_target(str(t.kind), path=t.path, dtype=str(t.dtype), device=str(self.device),
+            t, c = self.cfg.target, self.cfg.capture
+            device: str | list[str] = str(self.device)
+            if self.device.type == "cuda" and str(c.mode) != "colocated":
+                from dflash.models.targets.placement import rank_devices, resolve_gpus_per_worker
+
+                # A target larger than one GPU: this process takes its g consecutive GPUs (docs/capture.md).
+                g = resolve_gpus_per_worker(c.get("gpus_per_worker", 1), container(t),
+                                            len(c.devices) if c.devices is not None else 1)
+                if g > 1:
+                    device = rank_devices(self.local_rank, g)
+            self._adapter = load_target(str(t.kind), path=t.path, dtype=str(t.dtype), device=device,
                                         tiny=container(t.tiny), cache_dir=t.cache_dir)
         return self._adapter
 
@@ -208,7 +217,7 @@ class Pipeline:
         # Where capture runs, how it checks itself and how online features travel do not change the features.
         skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
                 "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
-                "cache_budget_bytes")
+                "cache_budget_bytes", "gpus_per_worker")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         return fingerprint(self.data_fingerprint(), taps, capture)
 

@@ -1,39 +1,49 @@
 #!/usr/bin/env bash
-# One node: data on the first capture GPU, capture on capture.devices (offline: one torchrun process per GPU, each
-# capturing its share of the shards), the DeepSpeed trainer on train.devices, then eval.
+# One node: data on the first capture worker's GPUs, capture on capture.devices (offline: one torchrun process per
+# capture worker, each capturing its share of the shards), the DeepSpeed trainer on train.devices, then eval.
+# A worker has capture.gpus_per_worker = g GPUs (the target placed layer-wise over them): offline capture runs
+# len(capture.devices)/g processes that all see every capture GPU, and local rank r takes GPUs r*g .. r*g+g-1.
 # Usage: launch/one_node.sh [hydra overrides...]   e.g. launch/one_node.sh +experiment=qwen36 target.path=/models/x
+# DRY_RUN=1 prints the commands without running them.
 set -euo pipefail
-setting() {  # print a key of the composed config; a list as a comma list, e.g. "2,3,4,5,6,7"
-  python - "$1" "${@:2}" <<'PY'
+# The composed config's settings as shell assignments (one config composition for all of them).
+settings=$(python - "$@" <<'PY'
+import shlex
 import sys
+
+from omegaconf import OmegaConf
+
 from dflash.config import compose
-from omegaconf import ListConfig
-cfg = compose(sys.argv[2:])
-node = cfg
-for part in sys.argv[1].split("."):
-    node = node[part]
-if node is None:
-    print("")
-elif isinstance(node, ListConfig):
-    print(",".join(str(d) for d in node))
-else:
-    print(node)
+from dflash.models.targets.placement import resolve_gpus_per_worker
+
+cfg = compose(sys.argv[1:])
+listed = lambda node: "" if node is None else ",".join(str(d) for d in node)  # noqa: E731
+capture = listed(cfg.capture.devices)
+setting = cfg.capture.get("gpus_per_worker", 1) if str(cfg.capture.mode) != "colocated" else 1
+gpus = resolve_gpus_per_worker(setting, OmegaConf.to_container(cfg.target, resolve=True),
+                               len(capture.split(",")) if capture else 1)
+values = {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
+          "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus}
+for key, value in values.items():
+    print(f"{key}={shlex.quote(str(value))}")
 PY
+)
+eval "$settings"
+run() {  # print a command, then run it unless DRY_RUN=1
+  echo "+ $*"
+  if [ "${DRY_RUN:-0}" != 1 ]; then "$@"; fi
 }
-capture_devices=$(setting capture.devices "$@")
-train_devices=$(setting train.devices "$@")
-capture_mode=$(setting capture.mode "$@")
-ncapture=$(awk -F, '{print NF}' <<<"${capture_devices:-0}")
-first_capture=${capture_devices%%,*}
-first_capture=${first_capture:-0}
-nproc=$(awk -F, '{print NF}' <<<"${train_devices:-0}")
-CUDA_VISIBLE_DEVICES=$first_capture python -m dflash.train "$@" 'stages=[data]'
+ncapture=$(awk -F, '{print NF}' <<<"$capture_devices")
+nworkers=$((ncapture / gpus_per_worker))
+first_worker=$(cut -d, -f1-"$gpus_per_worker" <<<"$capture_devices")  # the GPUs of capture worker 0
+ntrain=$(awk -F, '{print NF}' <<<"$train_devices")
+run env CUDA_VISIBLE_DEVICES="$first_worker" python -m dflash.train "$@" 'stages=[data]'
 if [ "$capture_mode" = offline ]; then
-  CUDA_VISIBLE_DEVICES=${capture_devices:-0} torchrun --standalone --nproc_per_node "${ncapture:-1}" \
+  run env CUDA_VISIBLE_DEVICES="$capture_devices" torchrun --standalone --nproc_per_node "$nworkers" \
     -m dflash.train "$@" 'stages=[capture]'
 else  # online / colocated: the capture stage only prepares what the train stage's capture needs
-  CUDA_VISIBLE_DEVICES=$first_capture python -m dflash.train "$@" 'stages=[capture]'
+  run env CUDA_VISIBLE_DEVICES="$first_worker" python -m dflash.train "$@" 'stages=[capture]'
 fi
-CUDA_VISIBLE_DEVICES=${train_devices:-0} torchrun --standalone --nproc_per_node "${nproc:-1}" \
+run env CUDA_VISIBLE_DEVICES="$train_devices" torchrun --standalone --nproc_per_node "$ntrain" \
   -m dflash.train "$@" 'stages=[train]'
-CUDA_VISIBLE_DEVICES=$first_capture python -m dflash.train "$@" 'stages=[eval]'
+run env CUDA_VISIBLE_DEVICES="$first_worker" python -m dflash.train "$@" 'stages=[eval]'

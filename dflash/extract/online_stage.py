@@ -22,6 +22,7 @@ from dflash.extract.feature_cache import FeatureCache, cached_epochs
 from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
 from dflash.extract.online_workers import WorkerPool
 from dflash.extract.store import store_dtype
+from dflash.models.targets.placement import resolve_gpus_per_worker
 from dflash.run_files import container, read_json, write_json
 from dflash.train.batches import BatchPlan
 from dflash.train.checkpoints import latest_tag
@@ -48,7 +49,9 @@ class OnlineCapture:
                          settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
         stream = ItemStream(plan, epochs=settings.epochs)
         devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
-        num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) if devices else 1
+        # GPUs per capture worker: > 1 places a target too large for one GPU layer-wise across them.
+        g = resolve_gpus_per_worker(c.get("gpus_per_worker", 1), container(t), len(devices)) if devices else 1
+        num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) // g if devices else 1
         spool_dir, log_dir = self.spool_dir, os.path.join(self.run_dir, "capture_logs")
         cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
         if rank == 0:
@@ -68,7 +71,7 @@ class OnlineCapture:
             spec = {
                 "target": {"kind": str(t.kind), "path": t.path, "dtype": str(t.dtype), "tiny": container(t.tiny),
                            "cache_dir": t.cache_dir},
-                "device": "cuda:0" if devices else str(self.device),
+                "device": ([f"cuda:{j}" for j in range(g)] if g > 1 else "cuda:0") if devices else str(self.device),
                 "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
                 "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
                          "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
@@ -80,7 +83,8 @@ class OnlineCapture:
             }
             spec_path = os.path.join(log_dir, "spec.json")
             write_json(spec_path, spec)
-            pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices, max_restarts=int(c.max_restarts))
+            pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices, max_restarts=int(c.max_restarts),
+                              gpus_per_worker=g)
             pools.append(pool)
             pool.start()
             print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool {spool_dir} "
@@ -137,7 +141,8 @@ class OnlineCapture:
         stats = pool.stats()
         capture_tokens = sum(s["tokens"] for s in stats)
         capture_s = sum(s["capture_s"] for s in stats)
-        capture_rate = capture_tokens / capture_s if capture_s > 0 else float("nan")  # per capture device
+        # Worker-seconds measure one worker, which holds pool.gpus_per_worker GPUs: the rate per device divides.
+        capture_rate = capture_tokens / capture_s / pool.gpus_per_worker if capture_s > 0 else float("nan")
         trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
         capture_devices = len(c.devices) if c.devices is not None and self.device.type == "cuda" \
             else pool.num_workers

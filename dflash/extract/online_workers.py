@@ -82,16 +82,19 @@ def main(argv: list[str]) -> None:
 class WorkerPool:
     """The capture processes of one online run: start, watch (restart the dead), join, and kill on failure.
 
-    Worker w runs on `devices[w]`: on CUDA the process sees only that GPU (CUDA_VISIBLE_DEVICES) and uses
-    cuda:0; on CPU `devices` is None and every worker runs on `cpu`.
+    Worker w runs on the `gpus_per_worker` GPUs devices[w*g : (w+1)*g]: on CUDA the process sees only those
+    (CUDA_VISIBLE_DEVICES) and loads the target on cuda:0 (g = 1) or layer-wise over cuda:0..g-1 (the spec's
+    "device" is then that list); on CPU `devices` is None and every worker runs on `cpu`.
     """
 
     def __init__(self, spec_path: str, num_workers: int, log_dir: str, *, devices: list[int] | None = None,
-                 cpu_device: str = "cpu", max_restarts: int = 3) -> None:
-        if devices is not None and len(devices) != num_workers:
-            raise ValueError(f"capture.devices {devices} must list one GPU per capture worker ({num_workers})")
+                 cpu_device: str = "cpu", max_restarts: int = 3, gpus_per_worker: int = 1) -> None:
+        if devices is not None and len(devices) != num_workers * gpus_per_worker:
+            raise ValueError(f"capture.devices {devices} must list {gpus_per_worker} GPU(s) per capture worker "
+                             f"({num_workers} workers x {gpus_per_worker} = {num_workers * gpus_per_worker})")
         self.spec_path, self.num_workers, self.log_dir = spec_path, num_workers, Path(log_dir)
         self.devices, self.cpu_device, self.max_restarts = devices, cpu_device, max_restarts
+        self.gpus_per_worker = gpus_per_worker
         self.processes: list[subprocess.Popen | None] = [None] * num_workers
         self.restarts = [0] * num_workers
         self.failure: str | None = None
@@ -105,7 +108,7 @@ class WorkerPool:
         repo = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
         if self.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.devices[worker])
+            env["CUDA_VISIBLE_DEVICES"] = self.visible_devices(worker)
         log = open(self.log_dir / f"w{worker}.log", "ab")  # noqa: SIM115 (the child holds it open)
         try:
             self.processes[worker] = subprocess.Popen(
@@ -113,6 +116,13 @@ class WorkerPool:
                 env=env, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
+
+    def visible_devices(self, worker: int) -> str:
+        """CUDA_VISIBLE_DEVICES of `worker`: its `gpus_per_worker` consecutive entries of `devices`, e.g. "2,3"."""
+        if self.devices is None:
+            raise ValueError("this pool runs on the CPU: its workers have no GPUs")
+        g = self.gpus_per_worker
+        return ",".join(str(d) for d in self.devices[worker * g:(worker + 1) * g])
 
     def start(self, poll_s: float = 0.5) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)

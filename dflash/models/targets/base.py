@@ -84,10 +84,22 @@ class TargetAdapter:
         """The decoder layers, in order; tap id L hooks `decoder_layers()[L]`."""
         return self.text_model().layers
 
+    @classmethod
+    def layout_of(cls, model: nn.Module) -> TargetAdapter:
+        """An adapter over `model` that only answers `text_model()` and `decoder_layers()`: no tokenizer, no
+        checks, so it works on a meta-device model before loading (dflash.models.targets.placement uses it)."""
+        shell = cls.__new__(cls)
+        shell.model = model
+        return shell
+
     # Properties -------------------------------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
+        """The embedding's device: where inputs go and where every feature, final state and logit is returned.
+
+        For a target placed layer-wise over several GPUs (load_target with a device list) this is the first one.
+        """
         return self.embed_tokens().weight.device
 
     @property
@@ -180,7 +192,7 @@ class TargetAdapter:
                 handle.remove()
         if len(final) != 1:
             raise RuntimeError(f"the final norm of {self.model_type} ran {len(final)} times in one forward, not once")
-        return self._concat(ids, store), final[0]
+        return self._concat(ids, store), final[0].to(self.device)
 
     def forward_with_features(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
@@ -196,13 +208,14 @@ class TargetAdapter:
         finally:
             for handle in handles:
                 handle.remove()
-        return out.logits, self._concat(ids, store)
+        return out.logits.to(self.device), self._concat(ids, store)
 
     def _concat(self, ids: list[int], store: dict[int, torch.Tensor]) -> torch.Tensor:
         missing = [i for i in ids if i not in store]
         if missing:
             raise RuntimeError(f"decoder layers {missing} of {self.model_type} did not run; no features captured")
-        return torch.cat([store[i] for i in ids], dim=-1)
+        # A layer-wise placed target computes taps on several devices; features are returned on the first.
+        return torch.cat([store[i].to(self.device) for i in ids], dim=-1)
 
     # Chat -------------------------------------------------------------------------------------------------
 

