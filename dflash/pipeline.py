@@ -46,6 +46,18 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"train.kl_weight={cfg.train.kl_weight} needs the target's logits while training, which "
                          f"only capture=colocated has (stored features hold none); this run has "
                          f"capture.mode={cfg.capture.mode}")
+    workers = str(cfg.capture.get("workers", "local"))
+    if workers not in ("local", "external"):
+        raise ValueError(f"capture.workers={workers!r}: expected 'local' (the trainer starts the capture workers) or "
+                         f"'external' (capture nodes run python -m dflash.extract.capture_node)")
+    if workers == "external":
+        c = cfg.capture
+        if str(c.mode) != "online":
+            raise ValueError(f"capture.workers=external is for capture.mode=online, not {c.mode!r}")
+        if c.get("num_workers") is None or not str(c.get("gpus_per_worker", 1)).isdigit():
+            raise ValueError(f"capture.workers=external needs capture.num_workers (all capture nodes together) and "
+                             f"an integer capture.gpus_per_worker; got {c.get('num_workers')} and "
+                             f"{c.get('gpus_per_worker', 1)}")
     if cfg.train.get("max_steps") is not None and str(cfg.capture.mode) == "online":
         raise ValueError(f"train.max_steps={cfg.train.max_steps} with capture=online: the capture workers stream "
                          f"whole epochs, so a run cut short would leave captured features unread; set train.epochs "
@@ -217,7 +229,7 @@ class Pipeline:
         # Where capture runs, how it checks itself and how online features travel do not change the features.
         skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
                 "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
-                "cache_budget_bytes", "gpus_per_worker")
+                "cache_budget_bytes", "gpus_per_worker", "workers")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         return fingerprint(self.data_fingerprint(), taps, capture)
 
@@ -364,8 +376,8 @@ class Pipeline:
             state = train(settings, config, store, head, self.dirs["checkpoints"], log, rank=rank,
                           world_size=world_size, device=self.device, show_progress=self.show_progress,
                           heldout=self._heldout_set())
-            if online and pools:
-                online_capture.finish(store, pools[0], time.perf_counter() - started, world_size)
+            if online and rank == 0:
+                online_capture.finish(store, pools[0] if pools else None, time.perf_counter() - started, world_size)
         finally:
             for pool in pools:
                 pool.kill()

@@ -158,7 +158,9 @@ def test_a_failing_trainer_stops_its_workers(tmp_path, data_dir, monkeypatch):
 
     monkeypatch.setattr(loop, "train", failing_train)
     with pytest.raises(RuntimeError, match="trainer crashed"):
-        Pipeline(compose(ONLINE + [f"run_dir={run_dir}"])).run()
+        # A small spool and no cache: the workers cannot finish the stream (and exit) before the check above.
+        Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "capture.chunk_items=4", "capture.budget_bytes=1000000",
+                                  "capture.cache=false"])).run()
     assert worker_pids(run_dir) == []
     assert not (run_dir / "export" / "done.json").exists()
 

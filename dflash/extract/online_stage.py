@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
+import uuid
 from typing import Callable
 
 import torch
@@ -37,6 +39,16 @@ class OnlineCapture:
     def spool_dir(self) -> str:
         return os.path.abspath(str(self.cfg.capture.spool_dir))
 
+    @property
+    def external(self) -> bool:
+        """capture.workers=external: capture nodes run the workers (capture_node.py); the trainer starts none."""
+        return str(self.cfg.capture.get("workers", "local")) == "external"
+
+    @property
+    def done_path(self) -> str:
+        """Written after training: tells the capture nodes' supervisors that this session is over."""
+        return os.path.join(self.run_dir, "capture_logs", "done.json")
+
     def source(self, settings, rank: int, world_size: int, pools: list):
         """This rank's OnlineFeatureSource; rank 0 first empties the spool and starts the capture workers (appended
         to `pools` as soon as they run, so the caller stops them whatever happens next)."""
@@ -50,15 +62,26 @@ class OnlineCapture:
         stream = ItemStream(plan, epochs=settings.epochs)
         devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
         # GPUs per capture worker: > 1 places a target too large for one GPU layer-wise across them.
-        g = resolve_gpus_per_worker(c.get("gpus_per_worker", 1), container(t), len(devices)) if devices else 1
+        if self.external:  # the capture nodes' GPUs are theirs to count; validate() asked for an int
+            g = int(c.get("gpus_per_worker", 1))
+        else:
+            g = resolve_gpus_per_worker(c.get("gpus_per_worker", 1), container(t), len(devices)) if devices else 1
         num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) // g if devices else 1
         spool_dir, log_dir = self.spool_dir, os.path.join(self.run_dir, "capture_logs")
+        external = self.external
         cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
         if rank == 0:
             # Consumed items are gone, so every start streams afresh from the step training resumes at.
             shutil.rmtree(spool_dir, ignore_errors=True)
             shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
             os.makedirs(log_dir, exist_ok=True)
+            session = uuid.uuid4().hex[:12]
+            if external:
+                # Workers of an earlier start may still be writing: each start streams through its own folder.
+                spool_dir = os.path.join(spool_dir, f"session-{session}")
+                for stale in (self.done_path, os.path.join(log_dir, "spec.json")):
+                    if os.path.exists(stale):
+                        os.remove(stale)
             resume_step = self.resume_step()
             use_cache = self.decide_feature_cache(info, cache_dir, fresh=resume_step == 0)
             write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir})
@@ -73,6 +96,7 @@ class OnlineCapture:
                            "cache_dir": t.cache_dir},
                 "device": ([f"cuda:{j}" for j in range(g)] if g > 1 else "cuda:0") if devices else str(self.device),
                 "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
+                "session": session, "gpus_per_worker": g,
                 "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
                          "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
                          "group_by_length": plan.group_by_length},
@@ -83,13 +107,19 @@ class OnlineCapture:
             }
             spec_path = os.path.join(log_dir, "spec.json")
             write_json(spec_path, spec)
-            pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices, max_restarts=int(c.max_restarts),
-                              gpus_per_worker=g)
-            pools.append(pool)
-            pool.start()
-            print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool {spool_dir} "
-                  f"(budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
+            if external:
+                print(f"[online] waiting for {num_workers} external capture worker(s): start them on the capture "
+                      f"node(s) with `python -m dflash.extract.capture_node {spec_path}` (docs/capture.md); "
+                      f"spool {spool_dir}")
+            else:
+                pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices,
+                                  max_restarts=int(c.max_restarts), gpus_per_worker=g)
+                pools.append(pool)
+                pool.start()
+                print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool "
+                      f"{spool_dir} (budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
         self.barrier()
+        spool_dir = read_json(os.path.join(log_dir, "spec.json"))["spool"]
         cache = None
         if read_json(os.path.join(log_dir, "cache.json"))["cache"]:
             cache = FeatureCache(cache_dir)
@@ -117,6 +147,18 @@ class OnlineCapture:
               + (f" -> {cache_dir}; the workers capture the first epoch only" if use else ""))
         return use
 
+    @staticmethod
+    def _external_stats(log_dir: str, num_workers: int, wait_s: float) -> list[dict]:
+        """The throughput counters of external workers (each writes its own once its stream is done)."""
+        folder = os.path.join(log_dir, "stats")
+        deadline = time.monotonic() + wait_s
+        while True:
+            names = os.listdir(folder) if os.path.isdir(folder) else []
+            if len({name.split("-")[0] for name in names if name.endswith(".json")}) >= num_workers \
+                    or time.monotonic() > deadline:
+                return [read_json(os.path.join(folder, name)) for name in sorted(names) if name.endswith(".json")]
+            time.sleep(0.5)
+
     def resume_step(self) -> int:
         """The global step training resumes at (0 without a checkpoint)."""
         tag = latest_tag(self.dirs["checkpoints"])
@@ -131,21 +173,28 @@ class OnlineCapture:
         """Join the capture workers, remove the (now empty) spool and report both throughputs and the device
         split that would balance them (rank 0)."""
         c = self.cfg.capture
-        pool.join(timeout_s=float(c.stale_after_s) + 60.0)
-        spool_dir = self.spool_dir
+        log_dir = os.path.join(self.run_dir, "capture_logs")
+        spec = read_json(os.path.join(log_dir, "spec.json"))
+        if pool is not None:
+            pool.join(timeout_s=float(c.stale_after_s) + 60.0)
+        spool_dir = spec["spool"]
         leftover = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(spool_dir, "data")) for f in files]
         if leftover:
             raise RuntimeError(f"the spool {spool_dir} still holds {len(leftover)} item files after training, "
                                f"e.g. {leftover[0]}: features were produced that no trainer rank read")
-        shutil.rmtree(spool_dir)
-        stats = pool.stats()
+        if pool is None:  # external workers: tell their supervisors, then wait for the workers' counters
+            write_json(self.done_path, {"session": spec["session"]})
+            stats = self._external_stats(log_dir, int(spec["num_workers"]), float(c.stale_after_s))
+        else:
+            stats = pool.stats()
+        shutil.rmtree(self.spool_dir)
         capture_tokens = sum(s["tokens"] for s in stats)
         capture_s = sum(s["capture_s"] for s in stats)
         # Worker-seconds measure one worker, which holds pool.gpus_per_worker GPUs: the rate per device divides.
-        capture_rate = capture_tokens / capture_s / pool.gpus_per_worker if capture_s > 0 else float("nan")
+        gpus = int(spec["gpus_per_worker"])
+        capture_rate = capture_tokens / capture_s / gpus if capture_s > 0 else float("nan")
         trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
-        capture_devices = len(c.devices) if c.devices is not None and self.device.type == "cuda" \
-            else pool.num_workers
+        capture_devices = int(spec["num_workers"]) * gpus
         total = capture_devices + world_size
         share = trainer_rate / (trainer_rate + capture_rate)  # capture devices x capture rate = trainers x rate
         balanced = min(max(round(total * share), 1), total - 1) if total > 1 else 1

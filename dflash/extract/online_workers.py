@@ -88,13 +88,15 @@ class WorkerPool:
     """
 
     def __init__(self, spec_path: str, num_workers: int, log_dir: str, *, devices: list[int] | None = None,
-                 cpu_device: str = "cpu", max_restarts: int = 3, gpus_per_worker: int = 1) -> None:
+                 cpu_device: str = "cpu", max_restarts: int = 3, gpus_per_worker: int = 1,
+                 first_worker: int = 0) -> None:
         if devices is not None and len(devices) != num_workers * gpus_per_worker:
             raise ValueError(f"capture.devices {devices} must list {gpus_per_worker} GPU(s) per capture worker "
                              f"({num_workers} workers x {gpus_per_worker} = {num_workers * gpus_per_worker})")
         self.spec_path, self.num_workers, self.log_dir = spec_path, num_workers, Path(log_dir)
         self.devices, self.cpu_device, self.max_restarts = devices, cpu_device, max_restarts
         self.gpus_per_worker = gpus_per_worker
+        self.first_worker = first_worker  # worker ids first_worker .. first_worker + num_workers - 1 (capture nodes)
         self.processes: list[subprocess.Popen | None] = [None] * num_workers
         self.restarts = [0] * num_workers
         self.failure: str | None = None
@@ -109,10 +111,11 @@ class WorkerPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.visible_devices(worker)
-        log = open(self.log_dir / f"w{worker}.log", "ab")  # noqa: SIM115 (the child holds it open)
+        log = open(self.log_dir / f"w{self.first_worker + worker}.log", "ab")  # noqa: SIM115 (the child holds it)
         try:
             self.processes[worker] = subprocess.Popen(
-                [sys.executable, "-m", "dflash.extract.online_workers", self.spec_path, str(worker)],
+                [sys.executable, "-m", "dflash.extract.online_workers", self.spec_path,
+                 str(self.first_worker + worker)],
                 env=env, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
@@ -132,7 +135,7 @@ class WorkerPool:
         self._monitor.start()
 
     def _log_tail(self, worker: int) -> str:
-        path = self.log_dir / f"w{worker}.log"
+        path = self.log_dir / f"w{self.first_worker + worker}.log"
         return path.read_bytes()[-2000:].decode(errors="replace") if path.exists() else ""
 
     def _watch(self, poll_s: float) -> None:
@@ -148,16 +151,17 @@ class WorkerPool:
         for worker, process in enumerate(self.processes):
             if process is None or process.poll() in (None, 0):
                 continue
+            wid = self.first_worker + worker
             if self.restarts[worker] < self.max_restarts:
                 self.restarts[worker] += 1
-                print(f"[online] capture worker {worker} exited with code {process.returncode}: restart "
+                print(f"[online] capture worker {wid} exited with code {process.returncode}: restart "
                       f"{self.restarts[worker]}/{self.max_restarts}", flush=True)
                 self._start(worker)
             else:
                 self.processes[worker] = None
                 if self.failure is None:
-                    self.failure = (f"capture worker {worker} died {self.max_restarts + 1} times (exit code "
-                                    f"{process.returncode}); last log lines of {self.log_dir}/w{worker}.log:\n"
+                    self.failure = (f"capture worker {wid} died {self.max_restarts + 1} times (exit code "
+                                    f"{process.returncode}); last log lines of {self.log_dir}/w{wid}.log:\n"
                                     f"{self._log_tail(worker)}")
         # One dead worker's chunks are taken over by the others; only all of them gone is hopeless.
         if self.failure is not None and all(p is None or p.poll() is not None for p in self.processes):
@@ -179,14 +183,15 @@ class WorkerPool:
             for worker, process in enumerate(self.processes):
                 if process is None:
                     continue
+                wid = self.first_worker + worker
                 try:
                     code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"capture worker {worker} did not exit {timeout_s} s after training ended; "
-                                       f"log: {self.log_dir}/w{worker}.log") from None
+                    raise RuntimeError(f"capture worker {wid} did not exit {timeout_s} s after training ended; "
+                                       f"log: {self.log_dir}/w{wid}.log") from None
                 if code != 0:
-                    print(f"[online] capture worker {worker} exited with code {code}; training had read every item, "
-                          f"so no sample was lost. Last lines of {self.log_dir}/w{worker}.log:\n"
+                    print(f"[online] capture worker {wid} exited with code {code}; training had read every item, "
+                          f"so no sample was lost. Last lines of {self.log_dir}/w{wid}.log:\n"
                           f"{self._log_tail(worker)}", flush=True)
 
     def kill(self) -> None:
