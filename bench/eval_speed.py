@@ -1,18 +1,23 @@
 """Evaluator speed on one GPU with the SmolLM2 target: live speculative vs target-only decoding, and replay timing.
 
     python bench/eval_speed.py                                   # random drafter + oracle drafts, defaults below
-    python bench/eval_speed.py --drafter runs/smollm2/export     # a trained drafter (z-lab folder) as well
+    python bench/eval_speed.py --drafter runs/smollm2/export     # a trained drafter (z-lab folder), live + replay
+    python bench/eval_speed.py --drafter runs/smollm2/export --live-drafters trained,oracle,random
     python bench/eval_speed.py --device cpu --replay-prompts 4 --live-prompts 2 --max-new-tokens 32   # smoke test
 
 Prints one JSON object (and writes it to --out when given). Live rows decode --live-prompts prompts one at a time,
 each target-only and speculative in the same process, after a warm-up; "speedup" = target-only time per token /
-speculative time per token. Drafters measured:
+speculative time per token. Drafters measured live (--live-drafters; default "trained" with --drafter, else
+"random,oracle"):
 - "random": an untrained drafter (tau ~ 1): the loop's overhead when nothing is accepted;
 - "oracle": the untrained drafter's forward still runs (same cost), but its logits are replaced by the target's
   own greedy tokens, so every draft is accepted (tau ~ block size): the most this loop can gain on this hardware;
-- "trained": the drafter of --drafter, when given.
-Replay: the exact greedy replay over --replay-prompts prompts x --max-new-tokens tokens (issue target: 100 x 256 in
-under a minute on one GPU).
+- "trained": the drafter of --drafter.
+Each live row also decodes its first --profile-prompts prompts once more with a device sync around every phase of
+a step ("steps": seconds per phase: prefill, draft, verify, accept, rollback), kept out of the speedup.
+Replay: the exact greedy replay (the evaluator's `evaluate`) over --replay-prompts prompts x --max-new-tokens tokens
+(issue target: 100 x 256 in under a minute on one GPU), with its seconds per phase ("timing": generate,
+target_pass, draft, accept).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dflash.config import compose  # noqa: E402
 from dflash.data.prompts import load_prompts  # noqa: E402
 from dflash.eval import live  # noqa: E402
 from dflash.eval.evaluate import evaluate  # noqa: E402
+from dflash.eval.metrics import PhaseTimer  # noqa: E402
 from dflash.eval.export import load_drafter  # noqa: E402
 from dflash.models.drafter import DFlashDraftModel  # noqa: E402
 from dflash.models.targets import load_target  # noqa: E402
@@ -44,9 +50,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="block size of the untrained drafter")
     parser.add_argument("--prompt-source", default="humaneval", help="humaneval | mtbench | gsm8k | sharegpt")
     parser.add_argument("--replay-prompts", type=int, default=100)
-    parser.add_argument("--live-prompts", type=int, default=16)
+    parser.add_argument("--live-prompts", type=int, default=8)
+    parser.add_argument("--live-drafters", default=None, help="comma list of random, oracle, trained")
+    parser.add_argument("--profile-prompts", type=int, default=2, help="live prompts decoded again, phase by phase")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--replay-batch-size", type=int, default=32)
+    parser.add_argument("--replay-batch-size", type=int, default=64)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser.parse_args()
 
@@ -58,13 +66,15 @@ def untrained_drafter(adapter, block_size: int) -> DFlashDraftModel:
     return drafter.to(device=adapter.device, dtype=adapter.dtype).eval()
 
 
-def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, oracle: bool) -> dict:
+def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, oracle: bool,
+             profile_prompts: int = 0) -> dict:
     stop_ids = adapter.stop_token_ids()
     real_draft = live.draft_block_logits
     totals = {"target_seconds": 0.0, "target_tokens": 0, "speculative_seconds": 0.0, "speculative_tokens": 0,
               "steps": 0, "committed": 0, "lossless_mismatches": 0}
+    timer, profiled_steps = PhaseTimer(adapter.device), 0
     try:
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             plain = live.target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
             if oracle:
                 truth = list(prompt) + plain.continuation
@@ -78,6 +88,10 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
 
                 live.draft_block_logits = draft
             result = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+            if index < profile_prompts:
+                profiled = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens,
+                                            stop_token_ids=stop_ids, timer=timer)
+                profiled_steps += profiled.trace.num_steps
             live.draft_block_logits = real_draft
             totals["target_seconds"] += plain.seconds
             totals["target_tokens"] += len(plain.continuation)
@@ -90,8 +104,17 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
         live.draft_block_logits = real_draft
     target_rate = totals["target_tokens"] / totals["target_seconds"]
     speculative_rate = totals["speculative_tokens"] / totals["speculative_seconds"]
-    return {**totals, "tau": totals["committed"] / max(totals["steps"], 1), "target_tokens_per_s": target_rate,
-            "speculative_tokens_per_s": speculative_rate, "speedup": speculative_rate / target_rate}
+    row = {**totals, "tau": totals["committed"] / max(totals["steps"], 1), "target_tokens_per_s": target_rate,
+           "speculative_tokens_per_s": speculative_rate, "speedup": speculative_rate / target_rate,
+           "target_ms_per_token": 1000 * totals["target_seconds"] / max(totals["target_tokens"], 1)}
+    if profiled_steps:
+        # Per speculative step (rollback only runs on steps that did not finish the decode); prefill per prompt.
+        profile = timer.summary()["seconds"]
+        row["profile"] = {"prompts": min(profile_prompts, len(prompts)), "steps": profiled_steps,
+                          "seconds": profile,
+                          "ms_per_step": {name.removeprefix("live_"): round(1000 * seconds / profiled_steps, 3)
+                                          for name, seconds in profile.items() if name != "live_prefill"}}
+    return row
 
 
 def main() -> None:
@@ -103,6 +126,10 @@ def main() -> None:
     drafters = {"random": untrained_drafter(adapter, args.block_size)}
     if args.drafter:
         drafters["trained"] = load_drafter(args.drafter, dtype=adapter.dtype, device=str(adapter.device))
+    names = (args.live_drafters or ("trained" if args.drafter else "random,oracle")).split(",")
+    unknown = [n for n in names if n not in ("random", "oracle", "trained") or (n == "trained" and not args.drafter)]
+    if unknown:
+        raise ValueError(f"--live-drafters {unknown} unknown (random, oracle, trained; trained needs --drafter)")
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(adapter.device) if adapter.device.type == "cuda" else "cpu",
@@ -111,27 +138,36 @@ def main() -> None:
         "target": "SmolLM2-135M-Instruct", "dtype": str(adapter.dtype), "prompt_source": args.prompt_source,
         "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv),
     }
+    began = time.perf_counter()
     # Warm-up: kernels and allocator for every shape the loops use.
-    live_row(drafters["random"], adapter, prompts[:1], min(args.max_new_tokens, 32), oracle=True)
+    live_row(drafters["random"], adapter, prompts[:1], min(args.max_new_tokens, 32), oracle=True, profile_prompts=1)
     live_prompts = prompts[: args.live_prompts]
-    report["live"] = {"random": live_row(drafters["random"], adapter, live_prompts, args.max_new_tokens, False),
-                      "oracle": live_row(drafters["random"], adapter, live_prompts, args.max_new_tokens, True)}
-    if "trained" in drafters:
-        report["live"]["trained"] = live_row(drafters["trained"], adapter, live_prompts, args.max_new_tokens, False)
+    report["live"] = {}
+    for name in names:
+        drafter = drafters["random" if name == "oracle" else name]
+        report["live"][name] = live_row(drafter, adapter, live_prompts, args.max_new_tokens, name == "oracle",
+                                        args.profile_prompts)
+        # Partial results on stderr as they come, so a run cut short by a time limit still says something.
+        print(f"[eval_speed] live {name}: {json.dumps(report['live'][name])}", file=sys.stderr, flush=True)
     replay_drafter = drafters.get("trained", drafters["random"])
     evaluate(replay_drafter, adapter, {"warmup": prompts[:2]}, max_new_tokens=16, show_progress=False,
              batch_size=args.replay_batch_size)
     if adapter.device.type == "cuda":
         torch.cuda.synchronize(adapter.device)
-    began = time.perf_counter()
+    replay_began = time.perf_counter()
     summary = evaluate(replay_drafter, adapter, {args.prompt_source: prompts[: args.replay_prompts]},
                        max_new_tokens=args.max_new_tokens, show_progress=False, batch_size=args.replay_batch_size)
     if adapter.device.type == "cuda":
         torch.cuda.synchronize(adapter.device)
     report["replay"] = {"drafter": "trained" if "trained" in drafters else "random",
-                        "prompts": args.replay_prompts, "seconds": time.perf_counter() - began,
+                        "prompts": args.replay_prompts, "batch_size": args.replay_batch_size,
+                        "seconds": time.perf_counter() - replay_began,
                         "tau": summary["overall"]["tau"], "num_tokens": summary["overall"]["num_tokens"],
-                        "greedy_mismatches": summary["overall"]["greedy_mismatches"]}
+                        "num_steps": summary["overall"]["num_steps"],
+                        "greedy_mismatches": summary["overall"]["greedy_mismatches"],
+                        "timing": summary["timing"]["seconds"]}
+    print(f"[eval_speed] replay: {json.dumps(report['replay'])}", file=sys.stderr, flush=True)
+    report["bench_seconds"] = time.perf_counter() - began
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

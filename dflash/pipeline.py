@@ -438,6 +438,7 @@ class Pipeline:
     def evaluate(self) -> dict[str, Any]:
         from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, write_summary
         from dflash.eval.export import load_drafter
+        from dflash.eval.metrics import PhaseTimer
 
         out = self.dirs["eval"]
         key = fingerprint(read_json(os.path.join(self.dirs["export"], "done.json"))["fingerprint"],
@@ -452,15 +453,16 @@ class Pipeline:
             print(f"[eval] drafter {folder}")
             drafter = load_drafter(folder, dtype=self.adapter.dtype, device=str(self.device))
             template_kwargs = container(e.get("chat_template_kwargs")) or {}
+            timer = PhaseTimer(self.adapter.device)  # summary["timing"]: where the eval's minutes go
             prompt_sets, categories = load_prompt_sets(
                 self.adapter, e.prompt_sets, max_new_tokens=int(e.max_new_tokens), template_kwargs=template_kwargs,
-                batch_size=int(e.get("batch_size", 8)),
+                batch_size=int(e.get("batch_size", 8)), timer=timer,
             )
             summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=int(e.max_new_tokens),
                                show_progress=self.show_progress, mode=str(e.get("mode", "replay")),
                                temperature=float(e.get("temperature", 0.0)), seed=int(e.get("seed", 0)),
                                measure_target=bool(e.get("measure_target", True)), categories=categories,
-                               batch_size=int(e.get("batch_size", 8)))
+                               batch_size=int(e.get("batch_size", 8)), timer=timer)
             summary["chat_template_kwargs"] = template_kwargs
             write_summary(summary, out)
             mark_done(out, key)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import os
+import time
 
 import pytest
 import torch
 
-from dflash.eval.evaluate import evaluate, format_table, write_summary
-from dflash.eval.metrics import StepTrace, acceptance_metrics
+from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, write_summary
+from dflash.eval.metrics import PhaseTimer, StepTrace, acceptance_metrics
 from dflash.eval.replay import DrafterProposer, greedy_continuations, replay, target_pass
 
 FAMILIES = ["llama", "qwen3_5"]
@@ -141,9 +142,9 @@ def noisy_oracle_draft(adapter, prompt, num_tokens):
 def oracle_proposer(noisy):
     """A DrafterProposer.__call__ that reads the true continuation from the replay's own sequences."""
 
-    def propose(self, rows, starts, size):
-        drafts = torch.full((len(rows), size - 1), self.drafter.mask_token_id, dtype=torch.long)
-        for i, (r, s) in enumerate(zip(rows, starts)):
+    def propose(self, rows, starts, sizes):
+        drafts = torch.full((len(rows), max(sizes) - 1), self.drafter.mask_token_id, dtype=torch.long)
+        for i, (r, s, size) in enumerate(zip(rows, starts, sizes)):
             true = self.sequences[r][s + 1 : s + size]
             if noisy:
                 true = [corrupt(t, s + k, self.adapter.vocab_size) for k, t in enumerate(true, start=1)]
@@ -227,26 +228,83 @@ def test_perfect_drafter_commits_full_blocks(tiny_target, make_drafter, monkeypa
     assert overall["tau"] == pytest.approx(overall["num_tokens"] / overall["num_steps"]) and overall["tau"] > 3.5
 
 
+def stored_proposer(adapter, drafter):
+    """(prompts, sequences, DrafterProposer) over 6 greedy tokens after each test prompt."""
+    prompts = prompts_for(adapter)
+    continuations = greedy_continuations(adapter, prompts, max_new_tokens=6, stop_token_ids=[])
+    sequences = [p + c for p, c in zip(prompts, continuations)]
+    features, _ = target_pass(adapter, sequences, drafter.target_layer_ids)
+    return prompts, sequences, DrafterProposer(drafter, adapter, sequences, features)
+
+
+def direct_hidden(adapter, drafter, sequence, start, size):
+    """The drafter's own forward on the block of `size` anchored at `start`, features from a fresh capture."""
+    context = adapter.capture(torch.tensor([sequence[:start]]), None, drafter.target_layer_ids)
+    block = torch.tensor([[sequence[start]] + [drafter.mask_token_id] * (size - 1)])
+    with torch.no_grad():
+        return drafter(torch.arange(start + size)[None], adapter.embed_tokens()(block), context)[0]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_drafting_matches_direct_call(family, tiny_target, make_drafter):
     # Sliding window 8 < context length, contexts of different lengths left-padded in one batch.
     adapter = tiny_target(family)
     drafter = make_drafter(adapter, std=0.2)
-    prompts = prompts_for(adapter)
-    continuations = greedy_continuations(adapter, prompts, max_new_tokens=6, stop_token_ids=[])
-    sequences = [p + c for p, c in zip(prompts, continuations)]
-    features, _ = target_pass(adapter, sequences, drafter.target_layer_ids)
-    proposer = DrafterProposer(drafter, adapter, sequences, features)
+    prompts, sequences, proposer = stored_proposer(adapter, drafter)
     rows, starts = [0, 1, 2, 0], [len(prompts[0]), len(prompts[1]) + 2, len(prompts[2]) + 1, len(prompts[0]) + 3]
     batched = proposer.hidden(rows, starts, 4)
     for i, (r, s) in enumerate(zip(rows, starts)):
-        context = adapter.capture(torch.tensor([sequences[r][:s]]), None, drafter.target_layer_ids)
-        block = torch.tensor([[sequences[r][s]] + [drafter.mask_token_id] * 3])
-        with torch.no_grad():
-            direct = drafter(torch.arange(s + 4)[None], adapter.embed_tokens()(block), context)
-        torch.testing.assert_close(batched[i], direct[0], atol=1e-5, rtol=1e-4)
+        direct = direct_hidden(adapter, drafter, sequences[r], s, 4)
+        torch.testing.assert_close(batched[i], direct, atol=1e-5, rtol=1e-4)
     assert min(starts) > drafter.config.sliding_window
     assert not torch.allclose(batched[0], batched[3], atol=1e-3)
+
+
+def test_blocks_of_different_sizes_in_one_proposal_match_direct_calls(tiny_target, make_drafter):
+    # Blocks shortened near max_new_tokens share the step's drafter forward, right-padded and masked: each row must
+    # equal the drafter run on its own block size (full-attention drafts depend on the block length).
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, std=0.2)
+    prompts, sequences, proposer = stored_proposer(adapter, drafter)
+    rows, starts, sizes = [0, 1, 2], [len(prompts[0]) + 1, len(prompts[1]) + 2, len(prompts[2])], [2, 4, 3]
+    batched = proposer.hidden(rows, starts, sizes)
+    drafts = proposer(rows, starts, sizes)
+    assert batched.shape[1] == 4 and drafts.shape == (3, 3)
+    for i, (r, s, size) in enumerate(zip(rows, starts, sizes)):
+        direct = direct_hidden(adapter, drafter, sequences[r], s, size)
+        torch.testing.assert_close(batched[i, :size], direct, atol=1e-5, rtol=1e-4)
+        assert drafts[i, : size - 1].tolist() == (direct[1:] @ adapter.lm_head_weight().T).argmax(-1).tolist()
+    # The padded tail changes nothing: the full-attention output at size 2 differs from the first 2 of size 4.
+    assert not torch.allclose(batched[0, :2], proposer.hidden([0], [starts[0]], 4)[0, :2], atol=1e-4)
+
+
+def test_summary_says_where_the_time_went(tiny_target, make_drafter, monkeypatch):
+    adapter = tiny_target("llama")
+    timer = PhaseTimer(adapter.device)
+    sets, categories = load_prompt_sets(adapter, {"mtbench": {"source": "mtbench", "limit": 2, "turns": 2}},
+                                        max_new_tokens=6, timer=timer)
+    # A slow drafter: its time must land in the "draft" phase, not elsewhere.
+    original = DrafterProposer.__call__
+
+    def slow(self, rows, starts, sizes):
+        time.sleep(0.01)
+        return original(self, rows, starts, sizes)
+
+    monkeypatch.setattr(DrafterProposer, "__call__", slow)
+    summary = evaluate(make_drafter(adapter), adapter, sets, max_new_tokens=6, show_progress=False,
+                       categories=categories, timer=timer)
+    timing = summary["timing"]
+    steps = summary["overall"]["num_steps"]
+    per_set = timing["prompt_sets"]
+    assert sorted(per_set["mtbench"]) == ["accept", "draft", "generate", "load_prompts", "target_pass"]
+    assert sorted(per_set["mtbench_turn2"]) == ["accept", "draft", "generate", "target_pass", "turn2_answers"]
+    for phase, seconds in timing["seconds"].items():
+        assert seconds == pytest.approx(sum(p.get(phase, 0.0) for p in per_set.values()), abs=2e-3)
+    assert timing["total_seconds"] == pytest.approx(sum(timing["seconds"].values()), abs=2e-3)
+    # Two sets replayed one step per call, each call sleeping 10 ms (steps >= calls >= steps / prompts per set).
+    assert timing["seconds"]["draft"] >= 0.01 * steps / 2 > timing["seconds"]["accept"]
+    table = format_table(summary)
+    assert "time (s): load_prompts" in table and "mtbench_turn2: turn2_answers" in table
 
 
 def test_replay_rejects_empty_prompt(tiny_target, make_drafter):

@@ -9,6 +9,7 @@ import torch
 from dflash.eval import live
 from dflash.eval.drafter_cache import CachedDrafter
 from dflash.eval.live import live_decode, target_only_decode
+from dflash.eval.metrics import PhaseTimer
 from dflash.eval.replay import replay
 
 FAMILIES = ["llama", "qwen3_5"]
@@ -58,6 +59,11 @@ def test_live_output_equals_target_greedy(family, tiny_target, make_drafter, mon
     result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[])
     assert result.continuation == truth
     assert sum(result.trace.committed) == 23
+    # Profiling the phases of each step changes nothing but the clock.
+    timer = PhaseTimer()
+    profiled = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], timer=timer)
+    assert profiled.continuation == truth and profiled.trace == result.trace
+    assert sorted(timer.totals) == ["live_accept", "live_draft", "live_prefill", "live_rollback", "live_verify"]
     # An oracle drafter with errors: partial and full acceptance, rollbacks of every length.
     oracle(monkeypatch, adapter, prompt, truth)
     result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[])
@@ -174,6 +180,9 @@ def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_d
     assert overall["speculative_seconds"] == pytest.approx(
         sum(live_summary["prompt_sets"][n]["speculative_seconds"] for n in ("a", "b")))
     assert "speedup" in format_table(live_summary)
+    assert sorted(live_summary["timing"]["seconds"]) == ["live_speculative", "live_target_only"]
+    assert live_summary["timing"]["seconds"]["live_speculative"] == pytest.approx(
+        overall["speculative_seconds"], abs=2e-3)
     by_category = live_summary["categories"]["a"]
     assert sorted(by_category) == ["math", "writing"] and by_category["math"]["num_prompts"] == 1
     assert by_category["math"]["num_steps"] + by_category["writing"]["num_steps"] == live_summary["prompt_sets"]["a"][
@@ -226,3 +235,10 @@ def test_target_cache_rollback_bounds_and_state_restore(tiny_target):
     for (_, _, got), (_, _, want) in zip(snapshot_linear_states(target.cache), snapshot_linear_states(fresh.cache)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert any(not torch.equal(a, b) for a, (_, _, b) in zip(before, snapshot_linear_states(target.cache)))
+    # The verify block may be a device tensor (live decoding keeps drafts there); rollback re-runs its kept part.
+    logits, _ = target.verify(torch.tensor([7, 8, 9]))
+    assert logits.shape[0] == 3 and target.rollback(len(prompt) + 3).shape == (1, 2 * adapter.hidden_size)
+    target.verify([5])
+    target.forward([6])
+    with pytest.raises(ValueError, match="must follow a verify directly"):
+        target.rollback(len(prompt) + 4)

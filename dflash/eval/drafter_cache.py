@@ -1,11 +1,15 @@
-"""The drafter side of live speculative decoding: context keys/values cached and extended with verified positions.
+"""Drafting from cached context keys/values: the live decoder's growing context and the replay's batched blocks.
 
 `DFlashDraftModel.forward` projects the whole context through fc, hidden_norm and every layer's k/v projections on
-each call: O(context) work per drafted block. The context of a live decode only grows (verified positions never
-change), so this module keeps, per drafter layer, the context keys (after k_norm and RoPE at their absolute
-positions) and values, and each step only projects the positions verified since the last one. The block part
-repeats the drafter's own attention math with its own modules; `tests/test_eval_live.py` checks that the result
-equals `DFlashDraftModel.forward` on the full context (full and sliding layers, context longer than the window).
+each call: O(context) work per drafted block. Verified positions never change, so their keys (after k_norm and
+RoPE at their absolute positions) and values can be computed once per position (`context_keys_values`) and each
+drafted block only runs its own tokens through the layers (`block_hidden`). The block part repeats the drafter's
+own attention math with its own modules; `tests/test_eval_live.py` and `tests/test_eval.py` check that the result
+equals `DFlashDraftModel.forward` on the full context (full and sliding layers, context longer than the window,
+left-padded batches).
+- `CachedDrafter`: one live sequence; `extend` appends the positions verified since the last step.
+- `DrafterProposer` (replay.py): many stored sequences; keys/values of all their positions are computed once and
+  each step gathers the context of its rows.
 """
 
 from __future__ import annotations
@@ -15,6 +19,78 @@ import torch.nn.functional as F
 
 from dflash.models.drafter import DFlashDraftModel, apply_rotary, sliding_mask_from_positions
 
+# Per drafter layer: (keys [b, kv_heads, n, head_dim] after k_norm + RoPE, values [b, kv_heads, n, head_dim]).
+KeysValues = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.inference_mode()
+def context_keys_values(drafter: DFlashDraftModel, features: torch.Tensor, positions: torch.Tensor) -> KeysValues:
+    """Every layer's context keys/values of target features [b, n, K*H] at absolute positions [b, n]."""
+    expected = drafter.config.num_taps * drafter.config.hidden_size
+    if features.dim() != 3 or features.shape[-1] != expected:
+        raise ValueError(f"features must be [batch, n, {expected}], got {tuple(features.shape)}")
+    dtype = drafter.fc.weight.dtype
+    batch, n, _ = features.shape
+    context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.device, dtype)))
+    cos, sin = drafter.rotary_emb(positions, dtype)
+    out: KeysValues = []
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        k = attn.k_norm(attn.k_proj(context).view(batch, n, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(context).view(batch, n, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        out.append((apply_rotary(k, cos, sin), v))
+    return out
+
+
+@torch.inference_mode()
+def block_hidden(
+    drafter: DFlashDraftModel,
+    noise_embedding: torch.Tensor,
+    block_positions: torch.Tensor,
+    context: KeysValues,
+    context_positions: torch.Tensor,
+    context_valid: torch.Tensor | None = None,
+    block_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drafter output [b, S, H] of blocks with embeddings [b, S, H] at positions [b, S] after cached context.
+
+    context: keys/values of C context columns per row (context_keys_values), at positions context_positions
+    [b, C]; context_valid [b, C] and block_valid [b, S] (None = all valid) mask out padding columns as keys in
+    every layer (a padded block position still gets an output, which means nothing).
+    """
+    dtype = drafter.fc.weight.dtype
+    hidden = noise_embedding.to(drafter.fc.weight.device, dtype)
+    batch, size, _ = hidden.shape
+    cos, sin = drafter.rotary_emb(block_positions, dtype)
+    full = None
+    if context_valid is not None or block_valid is not None:
+        device = context_positions.device
+        if context_valid is None:
+            context_valid = torch.ones(context_positions.shape, dtype=torch.bool, device=device)
+        if block_valid is None:
+            block_valid = torch.ones(batch, size, dtype=torch.bool, device=device)
+        full = torch.cat([context_valid, block_valid], dim=1)[:, None, None, :]
+    sliding = None
+    if drafter.config.sliding_window is not None:
+        key_positions = torch.cat([context_positions, block_positions], dim=1)
+        sliding = sliding_mask_from_positions(block_positions, key_positions, drafter.config.sliding_window)
+        if full is not None:
+            sliding = sliding & full
+    for layer, (context_keys, context_values) in zip(drafter.layers, context):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_norm(attn.q_proj(x).view(batch, size, attn.num_heads, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(batch, size, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, size, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k = torch.cat([context_keys, k], dim=2)
+        v = torch.cat([context_values, v], dim=2)
+        mask = sliding if attn.layer_type == "sliding_attention" else full
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, size, attn.num_heads * attn.head_dim))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return drafter.norm(hidden)
+
 
 class CachedDrafter:
     """Drafts blocks for one sequence (batch 1); `extend` appends verified target features to the cached context."""
@@ -23,9 +99,7 @@ class CachedDrafter:
         self.drafter = drafter
         self.config = drafter.config
         self.device = next(drafter.parameters()).device
-        self.dtype = drafter.fc.weight.dtype
-        self.keys: list[torch.Tensor | None] = [None] * len(drafter.layers)
-        self.values: list[torch.Tensor | None] = [None] * len(drafter.layers)
+        self.context: KeysValues = []
         self.length = 0
 
     @torch.inference_mode()
@@ -35,16 +109,12 @@ class CachedDrafter:
         if features.dim() != 2 or features.shape[-1] != expected:
             raise ValueError(f"features must be [n, {expected}], got {tuple(features.shape)}")
         n = features.shape[0]
-        context = self.drafter.hidden_norm(self.drafter.fc(features.to(self.device, self.dtype)))[None]
         positions = torch.arange(self.length, self.length + n, device=self.device)[None]
-        cos, sin = self.drafter.rotary_emb(positions, self.dtype)
-        for i, layer in enumerate(self.drafter.layers):
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(context).view(1, n, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-            v = attn.v_proj(context).view(1, n, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-            k = apply_rotary(k, cos, sin)
-            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
-            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
+        new = context_keys_values(self.drafter, features[None], positions)
+        if self.context:
+            new = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                   for (k, v), (nk, nv) in zip(self.context, new)]
+        self.context = new
         self.length += n
 
     @torch.inference_mode()
@@ -54,25 +124,6 @@ class CachedDrafter:
         if self.length == 0:
             raise ValueError("the drafter context is empty: extend() it with the prompt's features first")
         size = noise_embedding.shape[0]
-        hidden = noise_embedding.to(self.device, self.dtype)[None]
-        block_positions = torch.arange(self.length, self.length + size, device=self.device)[None]
-        cos, sin = self.drafter.rotary_emb(block_positions, self.dtype)
-        sliding = None
-        if self.config.sliding_window is not None:
-            all_positions = torch.arange(self.length + size, device=self.device)[None]
-            sliding = sliding_mask_from_positions(block_positions, all_positions, self.config.sliding_window)
-        for i, layer in enumerate(self.drafter.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_norm(attn.q_proj(x).view(1, size, attn.num_heads, attn.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(x).view(1, size, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-            v = attn.v_proj(x).view(1, size, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            k = torch.cat([self.keys[i], k], dim=2)
-            v = torch.cat([self.values[i], v], dim=2)
-            mask = sliding if attn.layer_type == "sliding_attention" else None
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, size, attn.num_heads * attn.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.drafter.norm(hidden)[0]
+        positions = torch.arange(self.length + size, device=self.device)[None]
+        return block_hidden(self.drafter, noise_embedding[None], positions[:, self.length:], self.context,
+                            positions[:, : self.length])[0]

@@ -10,6 +10,9 @@ committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_draft
 greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
 speculative_tokens_per_s and, when the target-only baseline ran, target_seconds, target_new_tokens,
 target_tokens_per_s, speedup and (T=0) lossless_mismatches. summary.csv has one row per prompt set + overall.
+"timing" (PhaseTimer.summary, metrics.py) says where the wall time went: {"seconds": {phase: s}, "total_seconds",
+"prompt_sets": {set: {phase: s}}}; phases: "load_prompts" and "turn2_answers" (when load_prompt_sets got the same
+timer), "generate", "target_pass", "draft", "accept" (replay), "live_speculative", "live_target_only" (live).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dflash.eval.metrics import acceptance_metrics
+from dflash.eval.metrics import PhaseTimer, acceptance_metrics
 from dflash.eval.plots import plot_committed_histogram, plot_per_position
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.replay import replay
@@ -54,6 +57,7 @@ TURN2_SUFFIX = "_turn2"
 def load_prompt_sets(
     adapter, specs: dict[str, Any], *, max_new_tokens: int, template_kwargs: dict[str, Any] | None = None,
     batch_size: int = 8,
+    timer: PhaseTimer | None = None,
 ) -> tuple[dict[str, list[list[int]]], dict[str, list[str]]]:
     """Token ids of every configured prompt set, and category labels where the source has them.
 
@@ -61,37 +65,46 @@ def load_prompt_sets(
     (multi-turn sources such as mtbench) adds the set "<name>_turn2": the second user turn asked on top of the
     target's own greedy answer to the first (multiturn.py), whose answer has at most `answer_max_new_tokens`
     tokens (default: max_new_tokens), generated `batch_size` prompts at a time. Both sets keep the categories of
-    the questions.
+    the questions. `timer` (optional; pass the same one to `evaluate`) is charged with "load_prompts" (reading and
+    chat-templating) and "turn2_answers" (the greedy first-turn answers), per set.
     """
     from dflash.data.prompts import load_prompts
     from dflash.eval.categories import prompt_categories
     from dflash.eval.multiturn import second_turn_conversations
 
     kwargs = template_kwargs or {}
+    timer = timer if timer is not None else PhaseTimer()
     prompt_sets: dict[str, list[list[int]]] = {}
     categories: dict[str, list[str]] = {}
-    for name, spec in specs.items():
-        turns = int(spec.get("turns", 1))
-        if turns not in (1, 2):
-            raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {turns}")
-        source, path = str(spec["source"]), spec.get("path")
-        prompts = load_prompts(source, path=path, limit=spec.get("limit"))
-        labels = prompt_categories(source, prompts, path=path)
-        names = [name]
-        prompt_sets[name] = [adapter.chat_ids(p.messages, **kwargs) for p in prompts]
-        if turns == 2:
-            second = name + TURN2_SUFFIX
-            if second in specs:
-                raise ValueError(f"eval prompt set {name!r} has turns: 2, which adds the set {second!r}, but a set "
-                                 f"of that name is configured too; rename one")
-            answer_tokens = spec.get("answer_max_new_tokens")
-            answer_tokens = max_new_tokens if answer_tokens is None else int(answer_tokens)
-            conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
-                                                      template_kwargs=kwargs, batch_size=batch_size)
-            prompt_sets[second] = [adapter.chat_ids(c, **kwargs) for c in conversations]
-            names.append(second)
-        if labels is not None:
-            categories.update({n: labels for n in names})
+    try:
+        for name, spec in specs.items():
+            turns = int(spec.get("turns", 1))
+            if turns not in (1, 2):
+                raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {turns}")
+            timer.prompt_set = name
+            with timer.phase("load_prompts"):
+                source, path = str(spec["source"]), spec.get("path")
+                prompts = load_prompts(source, path=path, limit=spec.get("limit"))
+                labels = prompt_categories(source, prompts, path=path)
+                prompt_sets[name] = [adapter.chat_ids(p.messages, **kwargs) for p in prompts]
+            names = [name]
+            if turns == 2:
+                second = name + TURN2_SUFFIX
+                if second in specs:
+                    raise ValueError(f"eval prompt set {name!r} has turns: 2, which adds the set {second!r}, but a set "
+                                     f"of that name is configured too; rename one")
+                answer_tokens = spec.get("answer_max_new_tokens")
+                answer_tokens = max_new_tokens if answer_tokens is None else int(answer_tokens)
+                timer.prompt_set = second
+                with timer.phase("turn2_answers"):
+                    conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
+                                                              template_kwargs=kwargs, batch_size=batch_size)
+                    prompt_sets[second] = [adapter.chat_ids(c, **kwargs) for c in conversations]
+                names.append(second)
+            if labels is not None:
+                categories.update({n: labels for n in names})
+    finally:
+        timer.prompt_set = None
     return prompt_sets, categories
 
 
@@ -108,6 +121,7 @@ def evaluate(
     seed: int = 0,
     measure_target: bool = True,
     categories: dict[str, list[str]] | None = None,
+    timer: PhaseTimer | None = None,
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
 
@@ -118,6 +132,7 @@ def evaluate(
     speculative output differs from the target-only output; 0 expected).
     `categories[name]` (optional) labels each prompt of set `name`; the summary then has
     "categories": {name: {label: acceptance metrics}} (MT-Bench categories, categories.py).
+    `timer`: pass the PhaseTimer that `load_prompt_sets` filled so loading shows in summary["timing"] too.
     """
     if not prompt_sets:
         raise ValueError("prompt_sets is empty")
@@ -126,6 +141,7 @@ def evaluate(
     if mode == "replay" and temperature != 0:
         raise ValueError(f"replay mode is exact only at temperature 0, got {temperature}; use mode 'live'")
     check_compatible(drafter, adapter)
+    timer = timer if timer is not None else PhaseTimer(adapter.device)
     drafter.eval()
     block_size = drafter.config.block_size
     bar = None
@@ -146,16 +162,17 @@ def evaluate(
         for name, prompts in prompt_sets.items():
             if bar is not None:
                 bar.set_postfix_str(name)
+            timer.prompt_set = name
             if mode == "replay":
                 with torch.inference_mode():
                     results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size, progress=progress)
+                                     batch_size=batch_size, progress=progress, timer=timer)
                 traces = [r.trace for r in results]
                 extra = {"greedy_mismatches": sum(r.greedy_mismatches for r in results)}
             else:
                 traces, extra = _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
                                           temperature=temperature, generator=generator,
-                                          measure_target=measure_target, progress=progress)
+                                          measure_target=measure_target, progress=progress, timer=timer)
             per_set[name] = {**acceptance_metrics(traces, block_size), **_finish(extra)}
             if name in categories:
                 groups: dict[str, list] = {}
@@ -166,6 +183,7 @@ def evaluate(
             all_traces += traces
             extras.append(extra)
     finally:
+        timer.prompt_set = None
         if bar is not None:
             bar.close()
     pooled = {key: sum(e[key] for e in extras) for key in extras[0]}
@@ -180,10 +198,12 @@ def evaluate(
     }
     if per_category:
         summary["categories"] = per_category
+    summary["timing"] = timer.summary()
     return summary
 
 
-def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress):
+def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress,
+              timer):
     """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
     stop_ids = adapter.stop_token_ids()
     traces = []
@@ -197,11 +217,13 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
                              temperature=temperature, generator=generator)
         traces.append(result.trace)
         extra["speculative_seconds"] += result.seconds
+        timer.add("live_speculative", result.seconds)
         extra["speculative_new_tokens"] += len(result.continuation)
         if measure_target:
             plain = target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
                                        temperature=temperature, generator=generator)
             extra["target_seconds"] += plain.seconds
+            timer.add("live_target_only", plain.seconds)
             extra["target_new_tokens"] += len(plain.continuation)
             if temperature == 0:
                 extra["lossless_mismatches"] += int(plain.continuation != result.continuation)
@@ -285,4 +307,17 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{m['num_prompts']:>7}  {m['num_steps']:>7}  {m['num_tokens']:>7}"
             + (f"  {number(m['speedup'], 2):>7}" if "speedup" in m else "")
         )
+    if summary.get("timing", {}).get("seconds"):
+        lines.append(format_timing(summary["timing"]))
+    return "\n".join(lines)
+
+
+def format_timing(timing: dict[str, Any]) -> str:
+    """One line per prompt set and one in total: wall seconds per phase (summary["timing"])."""
+
+    def phases(seconds: dict[str, float]) -> str:
+        return ", ".join(f"{name} {value:.2f}" for name, value in seconds.items())
+
+    lines = [f"time (s): {phases(timing['seconds'])}; total {timing['total_seconds']:.2f}"]
+    lines += [f"  {name}: {phases(seconds)}" for name, seconds in timing.get("prompt_sets", {}).items()]
     return "\n".join(lines)

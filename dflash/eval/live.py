@@ -14,12 +14,13 @@ At T=0 the committed tokens are the target's own greedy tokens (lossless) on den
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from dflash.eval.drafter_cache import CachedDrafter
-from dflash.eval.metrics import StepTrace
+from dflash.eval.metrics import PhaseTimer, StepTrace
 from dflash.eval.sampling import accept_greedy, accept_sampled, probabilities, sample
 from dflash.eval.target_cache import CachedTarget
 from dflash.models.drafter import DFlashDraftModel
@@ -75,35 +76,52 @@ def live_decode(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     restore_linear: bool = True,
+    timer: PhaseTimer | None = None,
 ) -> LiveResult:
     """Speculative decoding of one prompt. `restore_linear=False` only exists to show that without the GDN state
-    rollback a hybrid target is not lossless (tests); `generator` must live on the target's device."""
+    rollback a hybrid target is not lossless (tests); `generator` must live on the target's device.
+
+    `timer` (optional, for profiling) is charged per step with "live_prefill", "live_draft", "live_verify",
+    "live_accept" and "live_rollback"; on CUDA each of those syncs the device, which slows the decode a little, so
+    leave it out when measuring the speedup.
+    """
     _check(prompt, max_new_tokens, temperature)
     config = drafter.config
     stops = set(stop_token_ids)
+
+    def section(name: str) -> AbstractContextManager:
+        return timer.phase(name) if timer is not None else nullcontext()
+
     _synchronize(adapter.device)
     began = time.perf_counter()
-    target = CachedTarget(adapter, config.target_layer_ids, restore_linear=restore_linear)
-    context = CachedDrafter(drafter)
-    logits, features = target.forward(list(prompt), last_logits_only=True)
-    context.extend(features)
-    tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
+    with section("live_prefill"):
+        target = CachedTarget(adapter, config.target_layer_ids, restore_linear=restore_linear)
+        context = CachedDrafter(drafter)
+        logits, features = target.forward(list(prompt), last_logits_only=True)
+        context.extend(features)
+        tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
     start, max_length = len(prompt), len(prompt) + max_new_tokens
     trace = StepTrace()
     while start + 1 < max_length and tokens[-1] not in stops:
         size = min(config.block_size, max_length - start)
-        draft_logits = draft_block_logits(context, adapter, tokens[start], size)
-        if temperature == 0:
-            drafts = draft_logits.argmax(dim=-1)
-        else:
-            draft_probs = probabilities(draft_logits, temperature)
-            drafts = sample(draft_probs, generator)
-        verify_logits, verify_features = target.verify([tokens[start]] + drafts.tolist())
-        if temperature == 0:
-            accepted, following = accept_greedy(verify_logits, drafts)
-        else:
-            accepted, following = accept_sampled(probabilities(verify_logits, temperature), draft_probs, drafts,
-                                                 generator)
+        with section("live_draft"):
+            draft_logits = draft_block_logits(context, adapter, tokens[start], size)
+            if temperature == 0:
+                drafts = draft_logits.argmax(dim=-1)
+            else:
+                draft_probs = probabilities(draft_logits, temperature)
+                drafts = sample(draft_probs, generator)
+        with section("live_verify"):
+            # The block stays on the device: no host round trip (a sync) between drafting and verifying, so the
+            # host queues the verify while the device still drafts.
+            block = torch.cat([drafts.new_full((1,), tokens[start]), drafts]).to(adapter.device)
+            verify_logits, verify_features = target.verify(block)
+        with section("live_accept"):
+            if temperature == 0:
+                accepted, following = accept_greedy(verify_logits, drafts)
+            else:
+                accepted, following = accept_sampled(probabilities(verify_logits, temperature), draft_probs, drafts,
+                                                     generator)
         new = (drafts[:accepted].tolist() + [following])[: max_length - start - 1]
         stopped = next((i for i, t in enumerate(new) if t in stops), None)
         if stopped is not None:
@@ -114,8 +132,9 @@ def live_decode(
         tokens = tokens[: start + 1] + new
         if stopped is not None or start + committed + 1 >= max_length:
             break  # finished: no rollback or context update needed
-        recomputed = target.rollback(start + accepted + 1)
-        context.extend(recomputed if recomputed is not None else verify_features[: accepted + 1])
+        with section("live_rollback"):
+            recomputed = target.rollback(start + accepted + 1)
+            context.extend(recomputed if recomputed is not None else verify_features[: accepted + 1])
         start += committed
     _synchronize(adapter.device)
     return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began)
@@ -137,7 +156,7 @@ def target_only_decode(
     stops = set(stop_token_ids)
     _synchronize(adapter.device)
     began = time.perf_counter()
-    target = CachedTarget(adapter, [0])
+    target = CachedTarget(adapter, [])  # no taps: the baseline pays for no feature hooks
     logits, _ = target.forward(list(prompt), last_logits_only=True)
     tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
     trace = StepTrace()

@@ -10,12 +10,19 @@ Definitions (docs/eval.md):
 - acceptance_rate = sum(accepted) / sum(drafted), the "draft acceptance rate" of serving logs.
 - per_position[k-1] = fraction of the steps that drafted position k in which draft k was accepted (a survival curve:
   accepting draft k requires accepting drafts 1..k-1).
+
+Where the evaluator's time goes is recorded by `PhaseTimer`: wall seconds per named phase, per prompt set.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -78,3 +85,47 @@ def acceptance_metrics(traces: list[StepTrace], block_size: int) -> dict[str, An
         "num_accepted": sum(accepted),
         "num_drafted": sum(drafted),
     }
+
+
+class PhaseTimer:
+    """Wall seconds per phase ("generate", "target_pass", ...), summed per prompt set and over all sets.
+
+    `device`: on CUDA a phase starts and ends with a synchronize, so queued kernels are charged to the phase that
+    launched them; keep phases coarse (per chunk, per prompt), except when profiling a loop step by step.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self.prompt_set: str | None = None
+        self.per_set: dict[str, dict[str, float]] = {}
+        self.totals: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Charge the wall time of the `with` body to phase `name` (of the current prompt set, if one is set)."""
+        self._sync()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.add(name, time.perf_counter() - began)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add `seconds` to phase `name` of the current prompt set and to the total."""
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+        if self.prompt_set is not None:
+            phases = self.per_set.setdefault(self.prompt_set, {})
+            phases[name] = phases.get(name, 0.0) + seconds
+
+    def summary(self) -> dict[str, Any]:
+        """{"seconds": {phase: s}, "total_seconds": s, "prompt_sets": {set: {phase: s}}}, rounded to ms."""
+        def rounded(phases: dict[str, float]) -> dict[str, float]:
+            return {name: round(seconds, 3) for name, seconds in phases.items()}
+
+        return {"seconds": rounded(self.totals), "total_seconds": round(sum(self.totals.values()), 3),
+                "prompt_sets": {name: rounded(phases) for name, phases in self.per_set.items()}}

@@ -14,22 +14,29 @@ Where they can differ: only through floating-point noise. Batched/padded generat
 KV-cached verification round differently (much more so in bf16), so a near-tie in the target's logits can flip and
 the real decoder would continue with another token; `greedy_mismatches` counts the positions where the full forward's
 argmax disagrees with the generated continuation (0 means self-consistent). The drafter is batched across prompts
-with padded context, which is also only float noise. GDN hybrid targets need no state rollback here: nothing is
-decoded incrementally after generation.
+with left-padded context, and blocks shortened near max_new_tokens are right-padded to the longest block of the
+step, the padded keys masked out in every layer, which is also only float noise. GDN hybrid targets need no state
+rollback here: nothing is decoded incrementally after generation.
+
+Cost: the drafter's context keys/values are computed once per chunk (drafter_cache.py), and each step is ONE
+drafter forward over the block tokens of all active rows plus a few host-side tensor ops for their acceptance.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from dflash.eval.metrics import StepTrace
-from dflash.models.drafter import DFlashDraftModel, sliding_mask_from_positions
+from dflash.eval.drafter_cache import block_hidden, context_keys_values
+from dflash.eval.metrics import PhaseTimer, StepTrace
+from dflash.models.drafter import DFlashDraftModel
 
-# propose(rows, starts, size) -> draft ids [len(rows), size - 1] for blocks anchored at sequence positions `starts`.
-Proposer = Callable[[list[int], list[int], int], torch.Tensor]
+# propose(rows, starts, sizes) -> draft ids [len(rows), max(sizes) - 1] for blocks anchored at sequence positions
+# `starts`, row i a block of sizes[i] tokens (its drafts past sizes[i] - 1 are ignored).
+Proposer = Callable[[list[int], list[int], list[int]], torch.Tensor]
 
 
 @dataclass
@@ -127,8 +134,10 @@ def target_pass(
 class DrafterProposer:
     """Drafts blocks for many prompts at once from stored target features, as the reference decoder would.
 
-    The features are stacked once into one right-padded tensor on the drafter's device, so each step gathers its
-    left-padded contexts with a few indexing kernels instead of one copy per row: replay runs hundreds of steps.
+    Every drafter layer's context keys/values of every stored position are computed once, right-padded into one
+    tensor per layer on the drafter's device (drafter_cache.py): a step only gathers its rows' left-padded contexts
+    with a few indexing kernels and runs the block tokens through the layers, instead of re-projecting the whole
+    context through fc and every k/v projection: replay runs hundreds of steps.
     """
 
     def __init__(
@@ -138,42 +147,44 @@ class DrafterProposer:
         self.adapter = adapter
         self.sequences = sequences
         self.device = next(drafter.parameters()).device
-        self.features = torch.nn.utils.rnn.pad_sequence([f.to(self.device) for f in features], batch_first=True)
-        self.tokens = torch.nn.utils.rnn.pad_sequence(
-            [torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True).to(self.device)
+        padded = torch.nn.utils.rnn.pad_sequence([f.to(self.device) for f in features], batch_first=True)
+        positions = torch.arange(padded.shape[1], device=self.device)[None].expand(padded.shape[0], -1)
+        self.context = context_keys_values(drafter, padded, positions)
 
     @torch.inference_mode()
-    def hidden(self, rows: list[int], starts: list[int], size: int) -> torch.Tensor:
-        """Drafter output [len(rows), size, H] for blocks [anchor, MASK x (size-1)] anchored at `starts`.
+    def hidden(self, rows: list[int], starts: list[int], size: int | list[int]) -> torch.Tensor:
+        """Drafter output [len(rows), max size, H] for blocks [anchor, MASK x (size-1)] anchored at `starts`.
 
-        Row r sees the features of positions < starts[r] of sequence rows[r]. Contexts of different lengths are
-        left-padded; padded keys are masked out in every layer.
+        Row r sees the features of positions < starts[r] of sequence rows[r]. `size`: one block size, or one per
+        row. Contexts of different lengths are left-padded, blocks shorter than the longest right-padded; padded
+        keys are masked out in every layer (outputs at padded block positions are meaningless).
         """
         config = self.drafter.config
+        sizes = [size] * len(rows) if isinstance(size, int) else list(size)
+        size, n = max(sizes), len(rows)
         num_context = max(starts)
-        index = torch.tensor(rows, device=self.device)
-        start = torch.tensor(starts, device=self.device)
-        block = torch.full((len(rows), size), config.mask_token_id, dtype=torch.long, device=self.device)
-        block[:, 0] = self.tokens[index, start]
-        noise = self.adapter.embed_tokens()(block.to(self.adapter.device)).to(self.device)
+        # Everything the step needs from the host in ONE copy: a copy from pageable memory waits for the device.
+        block = [[self.sequences[r][s]] + [config.mask_token_id] * (size - 1) for r, s in zip(rows, starts)]
+        host = torch.tensor([*rows, *starts, *sizes, *(t for b in block for t in b)]).to(self.device)
+        index, start, lengths = host[:n], host[n : 2 * n], host[2 * n : 3 * n]
+        noise = self.adapter.embed_tokens()(host[3 * n :].view(n, size).to(self.adapter.device))
         # Key column j of row i holds position j - (num_context - start_i); negative positions are left padding.
         positions = torch.arange(num_context + size, device=self.device)[None] - (num_context - start)[:, None]
-        valid = positions >= 0
         source = positions[:, :num_context].clamp(min=0)
-        context = self.features[index[:, None], source] * valid[:, :num_context, None]
-        positions = positions.clamp(min=0)
-        masks = None
-        if not bool(valid.all()):
-            keys = valid[:, None, None, :]
-            masks = {"full_attention": keys}
-            if config.sliding_window is not None:
-                masks["sliding_attention"] = keys & sliding_mask_from_positions(
-                    positions[:, num_context:], positions, config.sliding_window
-                )
-        return self.drafter(positions, noise, context, attention_mask=masks)
+        # Advanced indices around a slice put the indexed axes first: [rows, C, kv_heads, head_dim].
+        context = [(k[index[:, None], :, source].transpose(1, 2), v[index[:, None], :, source].transpose(1, 2))
+                   for k, v in self.context]
+        context_valid = block_valid = None
+        if min(starts) != num_context:  # some row is left-padded (decided on the host: no device sync)
+            context_valid = source == positions[:, :num_context]
+        if min(sizes) != size:
+            block_valid = torch.arange(size, device=self.device)[None] < lengths[:, None]
+        return block_hidden(self.drafter, noise, positions[:, num_context:], context, source, context_valid,
+                            block_valid)
 
     @torch.inference_mode()
-    def __call__(self, rows: list[int], starts: list[int], size: int) -> torch.Tensor:
+    def __call__(self, rows: list[int], starts: list[int], size: int | list[int]) -> torch.Tensor:
+        """Greedy drafts [len(rows), max size - 1] on the host (the Proposer of replay_steps)."""
         hidden = self.hidden(rows, starts, size)[:, 1:]
         head = self.adapter.lm_head_weight()
         logits = hidden.to(device=head.device, dtype=head.dtype) @ head.T
@@ -194,32 +205,34 @@ def replay_steps(
     sequences[i] = prompt + greedy continuation (its first token came from the prefill, not from a step);
     greedy[i][t] = the target's greedy token after position t. Blocks shrink near prompt_len + max_new_tokens exactly
     as in the reference loop, which matters because full-attention drafts depend on the block length.
+    The acceptance of all rows drafted together is decided by a few tensor ops on the host, not per row.
     """
     traces = [StepTrace() for _ in sequences]
     starts = list(prompt_lens)
     ends = [len(s) - 1 for s in sequences]
-    greedy = [g.cpu() for g in greedy]
+    # -1 pads: never equal to a draft; such positions are outside `checkable` anyway.
+    padded = torch.nn.utils.rnn.pad_sequence([g.cpu().long() for g in greedy], batch_first=True, padding_value=-1)
     while True:
-        active = [i for i in range(len(sequences)) if starts[i] < ends[i]]
-        if not active:
+        rows = [i for i in range(len(sequences)) if starts[i] < ends[i]]
+        if not rows:
             return traces
-        by_size: dict[int, list[int]] = {}
-        for i in active:
-            size = min(block_size, prompt_lens[i] + max_new_tokens - starts[i])
-            by_size.setdefault(size, []).append(i)
-        for size, rows in by_size.items():
-            drafts = propose(rows, [starts[i] for i in rows], size)
-            for row, i in enumerate(rows):
-                start, remaining = starts[i], ends[i] - starts[i]
-                # Only drafts inside the continuation can be committed; later ones are cut off by the stop token
-                # or max_new_tokens in real decoding too, so they never change what is committed.
-                checkable = min(size - 1, remaining)
-                target = greedy[i][start : start + checkable]
-                matches = (drafts[row, :checkable] == target).int()
-                accepted = int(matches.cumprod(0).sum())
-                committed = min(accepted + 1, remaining)
-                traces[i].add(committed, accepted, checkable)
-                starts[i] = start + committed
+        # All active rows in one proposal, blocks of different sizes included: one drafter forward per step.
+        row_starts = [starts[i] for i in rows]
+        sizes = [min(block_size, prompt_lens[i] + max_new_tokens - starts[i]) for i in rows]
+        drafts = propose(rows, row_starts, sizes).cpu()
+        # Only drafts inside the continuation can be committed; later ones are cut off by the stop token or
+        # max_new_tokens in real decoding too, so they never change what is committed.
+        remaining = [ends[i] - starts[i] for i in rows]
+        checkable = [min(size - 1, r) for size, r in zip(sizes, remaining)]
+        offsets = torch.arange(max(sizes) - 1)
+        columns = (torch.tensor(row_starts)[:, None] + offsets[None]).clamp(max=padded.shape[1] - 1)
+        target = padded[torch.tensor(rows)[:, None], columns]
+        matches = (drafts[:, : offsets.numel()] == target) & (offsets[None] < torch.tensor(checkable)[:, None])
+        accepted = matches.int().cumprod(dim=1).sum(dim=1).tolist()
+        for i, a, r, c in zip(rows, accepted, remaining, checkable):
+            committed = min(a + 1, r)
+            traces[i].add(committed, a, c)
+            starts[i] += committed
 
 
 def replay(
@@ -231,40 +244,60 @@ def replay(
     stop_token_ids: list[int] | None = None,
     batch_size: int = 8,
     progress: Callable[[int], None] | None = None,
+    timer: PhaseTimer | None = None,
 ) -> list[ReplayResult]:
     """Replay greedy speculative decoding of `drafter` on `prompts` (token ids); one result per prompt.
 
     Continuations are generated for all prompts first (in batches of `batch_size`); then prompts go through in
     chunks of `batch_size` so only one chunk's features are held at a time. `progress` is called with the number
-    of prompts finished after each chunk.
+    of prompts finished after each chunk. `timer` (optional) is charged with the phases "generate" (greedy
+    continuations), "target_pass", "draft" (drafter forwards + head) and "accept" (the rest of the step loop).
     """
     if not prompts:
         return []
     empty = [i for i, p in enumerate(prompts) if not p]
     if empty:
         raise ValueError(f"prompts {empty[:5]} are empty token lists")
+    timer = timer if timer is not None else PhaseTimer()
     stop_ids = adapter.stop_token_ids() if stop_token_ids is None else list(stop_token_ids)
     config = drafter.config
     results: list[ReplayResult] = []
     # All continuations in one call: the static engine then captures its CUDA graph once, not once per chunk.
-    every_continuation = greedy_continuations(
-        adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, batch_size=batch_size
-    )
+    with timer.phase("generate"):
+        every_continuation = greedy_continuations(
+            adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, batch_size=batch_size
+        )
     for first in range(0, len(prompts), batch_size):
         chunk = prompts[first : first + batch_size]
         continuations = every_continuation[first : first + batch_size]
         sequences = [list(p) + c for p, c in zip(chunk, continuations)]
-        features, greedy = target_pass(adapter, sequences, config.target_layer_ids)
+        with timer.phase("target_pass"):
+            features, greedy = target_pass(adapter, sequences, config.target_layer_ids)
+            greedy = [g.cpu() for g in greedy]
         propose = DrafterProposer(drafter, adapter, sequences, features)
+        draft_seconds = 0.0
+
+        def timed_propose(rows: list[int], starts: list[int], size: int) -> torch.Tensor:
+            # No extra sync: a proposal ends with a copy of the drafts to the host.
+            nonlocal draft_seconds
+            began = time.perf_counter()
+            drafts = propose(rows, starts, size)
+            draft_seconds += time.perf_counter() - began
+            return drafts
+
+        # The loop ends on the host (drafts and greedy tokens are host tensors), so wall time needs no sync.
+        began = time.perf_counter()
         traces = replay_steps(
-            sequences, greedy, [len(p) for p in chunk], propose,
+            sequences, greedy, [len(p) for p in chunk], timed_propose,
             block_size=config.block_size, max_new_tokens=max_new_tokens,
         )
         for prompt, continuation, sequence_greedy, trace in zip(chunk, continuations, greedy, traces):
             # greedy[t] predicts token t+1: compare the predictions for the continuation with what was generated.
-            predicted = sequence_greedy[len(prompt) - 1 : -1].cpu()
+            predicted = sequence_greedy[len(prompt) - 1 : -1]
             mismatches = int((predicted != torch.tensor(continuation)).sum())
             results.append(ReplayResult(len(prompt), continuation, trace, mismatches))
+        timer.add("draft", draft_seconds)
+        timer.add("accept", time.perf_counter() - began - draft_seconds)
         if progress is not None:
             progress(len(chunk))
     return results

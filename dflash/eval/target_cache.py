@@ -90,14 +90,16 @@ def crop_attention(cache: Any, length: int) -> None:
 class CachedTarget:
     """One sequence (batch 1) decoded through the target with a KV cache; every forward returns logits + features.
 
-    `length` is the number of positions in the cache. `forward(ids)` appends ids at positions length.. and returns
-    (logits [n, V], features [n, K*H]); `verify(ids)` is forward after a snapshot; `rollback(keep)` then makes the
-    cache hold exactly the first `keep` positions.
+    `length` is the number of positions in the cache. `forward(ids)` appends ids (a list, or a 1-D tensor that may
+    stay on the device: no host round trip) at positions length.. and returns (logits [n, V], features [n, K*H]);
+    `verify(ids)` is forward after a snapshot; `rollback(keep)`, right after it, makes the cache hold exactly the
+    first `keep` positions. With no `layer_ids` (target-only decoding) no hooks are installed
+    and features are None.
     """
 
     def __init__(self, adapter: Any, layer_ids: list[int], *, restore_linear: bool = True) -> None:
         self.adapter = adapter
-        self.layer_ids = adapter.check_layer_ids(layer_ids)
+        self.layer_ids = adapter.check_layer_ids(layer_ids) if layer_ids else []
         self.restore_linear = restore_linear
         self.cache = new_cache(adapter.model)
         # transformers 5.24 renamed the argument to `cache` (`past_key_values` is deprecated there, the only name
@@ -109,14 +111,21 @@ class CachedTarget:
         self.length = 0
         self._snapshot: LinearSnapshot | None = None
         self._snapshot_length = 0
-        self._tokens: list[int] = []
+        self._verify_ids: list[int] | torch.Tensor = []
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: list[int] | torch.Tensor, last_logits_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append `ids`; logits [n, V] (or [1, V] for the last position when last_logits_only) and features."""
-        if not ids:
+        n = len(ids)
+        if n == 0:
             raise ValueError("CachedTarget.forward needs at least one token")
         device = self.adapter.device
+        if isinstance(ids, torch.Tensor):
+            input_ids = ids.reshape(1, n).to(device)
+        else:
+            input_ids = torch.tensor([list(ids)], device=device)
         store: dict[int, torch.Tensor] = {}
         layers = self.adapter.decoder_layers()
         handles = []
@@ -125,28 +134,28 @@ class CachedTarget:
                 # Decoder layers return a tensor in recent releases and a tuple in older ones.
                 store[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
             handles.append(layers[layer_id].register_forward_hook(hook))
-        positions = torch.arange(self.length, self.length + len(ids), device=device)[None]
+        positions = torch.arange(self.length, self.length + n, device=device)[None]
         # An explicit all-ones mask: without one, SDPA over a cache got a 4x slower path (transformers 5.24, CPU).
-        mask = torch.ones(1, self.length + len(ids), dtype=torch.long, device=device)
+        mask = torch.ones(1, self.length + n, dtype=torch.long, device=device)
         extra = {self._cache_argument: self.cache}
         if last_logits_only and self._logits_to_keep:
             extra["logits_to_keep"] = 1
         try:
-            out = self.adapter.model(input_ids=torch.tensor([ids], device=device), attention_mask=mask,
-                                     position_ids=positions, use_cache=True, **extra)
+            out = self.adapter.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                     **extra)
         finally:
             for handle in handles:
                 handle.remove()
-        self.length += len(ids)
-        self._tokens += list(ids)
-        features = torch.cat([store[i] for i in self.layer_ids], dim=-1)[0]
+        self.length += n
+        features = torch.cat([store[i] for i in self.layer_ids], dim=-1)[0] if self.layer_ids else None
         return out.logits[0], features
 
     @torch.inference_mode()
-    def verify(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward(ids) after remembering the state to roll back to (GDN states are snapshotted here)."""
         self._snapshot = snapshot_linear_states(self.cache) if self.restore_linear else []
         self._snapshot_length = self.length
+        self._verify_ids = ids
         return self.forward(ids)
 
     @torch.inference_mode()
@@ -155,17 +164,20 @@ class CachedTarget:
         positions [keep - start, K*H] when the target has linear-attention layers and had to re-run, else None.
         """
         start = self._snapshot_length
+        if self.length != start + len(self._verify_ids):
+            raise ValueError(f"rollback must follow a verify directly; the cache grew to {self.length} positions "
+                             f"after a verify of {start}..{start + len(self._verify_ids) - 1}")
         if not start < keep <= self.length:
             raise ValueError(f"rollback keeps {keep} positions; the last verify covered {start}..{self.length - 1}")
         if keep == self.length:
             return None
         if self.restore_linear and self._snapshot and has_linear_layers(self.cache):
-            kept = self._tokens[start:keep]
+            kept = self._verify_ids[: keep - start]
             restore_linear_states(self._snapshot)
             crop_attention(self.cache, start)
-            self.length, self._tokens = start, self._tokens[:start]
+            self.length = start
             _, features = self.forward(kept)
             return features
         crop_attention(self.cache, keep)
-        self.length, self._tokens = keep, self._tokens[:keep]
+        self.length = keep
         return None
