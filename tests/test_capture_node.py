@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,12 @@ EXTERNAL = ["+experiment=tiny", "show_progress=false", "capture=online", "captur
             "stages=[data,capture,train]"]
 STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_node_share_splits_worker_ids_evenly_or_says_why_not():
@@ -87,21 +94,23 @@ def test_capture_nodes_follow_a_trainer_that_was_killed_and_started_again(tmp_pa
     run_dir = tmp_path / "run"
     Pipeline(compose(EXTERNAL + [f"run_dir={run_dir}", "stages=[data]"])).run()
     spec = run_dir / "capture_logs" / "spec.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0"}
+    # A port of its own: this pytest process may hold a process group on the inherited MASTER_PORT.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0",
+           "MASTER_PORT": str(free_port())}
     with open(tmp_path / "node.log", "wb") as log:
         node = subprocess.Popen([sys.executable, "-m", "dflash.extract.capture_node", str(spec), "--wait-s", "300"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    trainer = subprocess.Popen([sys.executable, "-m", "dflash.train", *EXTERNAL, f"run_dir={run_dir}",
-                                "capture.num_workers=1"], env=env, cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(tmp_path / "trainer.log", "wb") as log:
+        trainer = subprocess.Popen([sys.executable, "-m", "dflash.train", *EXTERNAL, f"run_dir={run_dir}",
+                                    "capture.num_workers=1"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         metrics = run_dir / "metrics.jsonl"
-        for _ in range(600):  # killed once it has trained a step, with features in flight
+        for _ in range(1500):  # killed once it has trained a step, with features in flight
             if metrics.exists() and metrics.read_text().count("\n") >= 1 or trainer.poll() is not None:
                 break
             time.sleep(0.2)
         trainer.kill()
-        trainer.wait()
+        assert trainer.wait() == -9, (tmp_path / "trainer.log").read_text()[-3000:]
         first_session = json.loads(spec.read_text())["session"]
         with contextlib.redirect_stdout(io.StringIO()):
             Pipeline(compose(EXTERNAL + [f"run_dir={run_dir}", "capture.num_workers=1"])).run()
