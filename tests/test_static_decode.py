@@ -3,6 +3,8 @@ distribution, clear refusals, and the `engine` switch of regeneration and greedy
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -73,6 +75,87 @@ def test_matches_hf_greedy_token_for_token(target, family):
         assert got == expected, batch_size
 
 
+# Very different prompt lengths and budgets: with 2-5 rows, rows are refilled many times, a short prompt often
+# lands in a row whose previous occupant wrote far more columns (stale keys that must stay masked).
+REFILL_LENGTHS = (1, 44, 3, 27, 60, 9, 2, 35, 14, 51, 6, 20, 5, 38)
+REFILL_BUDGETS = [3 + (7 * i) % 23 for i in range(len(REFILL_LENGTHS))]
+
+
+def early_stop(continuations, budgets) -> int:
+    """The token that, as a stop token, ends the most continuations after their first token and before their
+    budget."""
+    ends = Counter()
+    for c, budget in zip(continuations, budgets):
+        firsts = {}
+        for i, token in enumerate(c[:budget - 1]):
+            firsts.setdefault(token, i)
+        ends.update(t for t, i in firsts.items() if i >= 1)
+    return ends.most_common(1)[0][0]
+
+
+def hf_alone(adapter, prompts, budgets, stops):
+    """Plain HF greedy generate of each prompt alone."""
+    return [greedy_continuations(adapter, [p], max_new_tokens=b, stop_token_ids=stops, batch_size=1, engine="hf")[0]
+            for p, b in zip(prompts, budgets)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_refilled_rows_match_hf_one_prompt_at_a_time(target, family):
+    adapter = target(family)
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    stops = [early_stop(hf_greedy(adapter, prompts, max(REFILL_BUDGETS), []), REFILL_BUDGETS), 2]
+    expected = hf_alone(adapter, prompts, REFILL_BUDGETS, stops)
+    assert any(c[-1] in stops and len(c) < b for c, b in zip(expected, REFILL_BUDGETS))  # some stop early
+    assert len({len(c) for c in expected}) > 6  # and stop times vary
+    steps = {}
+    for batch_size, refill in ((2, True), (3, True), (5, True), (5, False)):
+        generator = StaticGenerator(adapter, refill=refill)
+        got = generator.generate(prompts, max_new_tokens=REFILL_BUDGETS, stop_token_ids=stops, pad_id=0,
+                                 batch_size=batch_size)
+        assert got == expected, (batch_size, refill)
+        stats = generator.last_stats
+        assert stats.tokens == sum(map(len, expected)) and stats.rows == batch_size
+        if refill:
+            assert stats.admissions >= len(prompts) // batch_size
+        steps[batch_size, refill] = stats
+    # Refill needs fewer decode steps for the same tokens than plain batches of the same rows.
+    assert steps[5, True].decode_steps < steps[5, False].decode_steps
+    assert steps[5, True].utilisation > steps[5, False].utilisation
+
+
+def test_sampling_follows_the_prompt_not_its_row(target):
+    # Each prompt draws from its own seeded stream: rows, batch size and refill do not change its tokens.
+    adapter = target("llama")
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    args = dict(max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0, temperature=1.0, top_p=0.9, seed=4)
+    first = static_generate(adapter, prompts, batch_size=1, **args)
+    for batch_size, refill in ((3, True), (4, False), (len(prompts), True)):
+        assert static_generate(adapter, prompts, batch_size=batch_size, refill=refill, **args) == first
+    assert first != static_generate(adapter, prompts, batch_size=3, **{**args, "seed": 5})
+    assert first != hf_alone(adapter, prompts, REFILL_BUDGETS, [2])  # sampled, not greedy
+
+    # prompt_seeds key each stream by the prompt itself: a call with a subset (a resumed run) repeats its tokens.
+    seeds = [1000 + i for i in range(len(prompts))]
+    keyed = static_generate(adapter, prompts, batch_size=3, prompt_seeds=seeds, **args)
+    assert keyed != first
+    assert static_generate(adapter, prompts[5:], batch_size=4, prompt_seeds=seeds[5:], **{
+        **args, "max_new_tokens": REFILL_BUDGETS[5:]}) == keyed[5:]
+
+
+def test_stream_yields_each_prompt_as_it_finishes(target):
+    adapter = target("qwen3")
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    args = dict(max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0, batch_size=3)
+    generator = StaticGenerator(adapter)
+    streamed = list(generator.stream(prompts, **args))
+    assert sorted(i for i, _ in streamed) == list(range(len(prompts)))
+    assert [i for i, _ in streamed] != list(range(len(prompts)))  # completion order, not input order
+    assert [t for _, t in sorted(streamed)] == generator.generate(prompts, **args)
+    assert list(generator.stream([], **{**args, "max_new_tokens": 4})) == []
+    with pytest.raises(ValueError, match="prompt_seeds has 1 seeds for 14 prompts"):
+        next(generator.stream(prompts, **args, prompt_seeds=[3]))
+
+
 def test_dummy_rows_do_not_change_the_tokens(target):
     # Under CUDA graphs every batch is padded to batch_size with dummy rows; the eager path can do the same.
     adapter = target("qwen3")
@@ -106,8 +189,9 @@ def test_real_smollm2_matches_hf_greedy():
     stops = adapter.stop_token_ids()
     expected = hf_greedy(adapter, prompts, 32, stops)
     assert any(len(c) < 32 and c[-1] in stops for c in expected)  # one answer stops early ("... Paris.")
+    # 2 rows for 4 prompts: rows are refilled (the early stopper's row first).
     got = static_generate(adapter, prompts, max_new_tokens=32, stop_token_ids=stops,
-                          pad_id=adapter.tokenizer.pad_token_id, batch_size=4)
+                          pad_id=adapter.tokenizer.pad_token_id, batch_size=2)
     assert got == expected
 
 
@@ -174,7 +258,8 @@ def test_gdn_hybrids_are_refused(tiny_target, target):
 
 
 @pytest.mark.parametrize("change, name", [
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(batch_size=0), "batch_size"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=[3, 0]), "max_new_tokens"),
+    (dict(max_new_tokens=[3]), "max_new_tokens has 1 budgets for 2 prompts"), (dict(batch_size=0), "batch_size"),
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(pad_id=-1), "pad_id"), (dict(pad_id=10**6), "pad_id"), (dict(stop_token_ids=[2, 10**6]), "stop_token_ids"),
     (dict(prompts=[[5], []]), r"prompts\[1\]"), (dict(cuda_graphs=True), "cuda_graphs"),
@@ -219,16 +304,26 @@ def test_regenerate_engines_write_the_same_journal(target, tmp_path, monkeypatch
     longest = records["p3"]
     assert longest["finish"] == "length" and longest["prompt_len"] + len(longest["response_ids"]) == 65
 
-    # The batch-then-one-by-one failure handling is shared: one prompt that always fails is recorded as failed.
+    # A failing stream is retried prompt by prompt: one prompt that always fails is recorded as failed.
     bad = prompts[2]
-    real = StaticGenerator.generate
+    real_generate, real_stream = StaticGenerator.generate, StaticGenerator.stream
 
-    def flaky(self, batch, **kwargs):
-        if any(len(ids) == records[bad.id]["prompt_len"] for ids in batch):
+    def has_bad(batch):
+        return any(len(ids) == records[bad.id]["prompt_len"] for ids in batch)
+
+    def flaky_generate(self, batch, **kwargs):
+        if has_bad(batch):
             raise RuntimeError("boom")
-        return real(self, batch, **kwargs)
+        return real_generate(self, batch, **kwargs)
 
-    monkeypatch.setattr(StaticGenerator, "generate", flaky)
+    def flaky_stream(self, batch, **kwargs):
+        for i, tokens in real_stream(self, batch, **kwargs):
+            if has_bad(batch):  # mid-stream, after the first answer ended: every prompt not yet yielded is retried
+                raise RuntimeError("boom")
+            yield i, tokens
+
+    monkeypatch.setattr(StaticGenerator, "generate", flaky_generate)
+    monkeypatch.setattr(StaticGenerator, "stream", flaky_stream)
     stats = regenerate(prompts, adapter, tmp_path / "flaky.jsonl", **settings, engine="static")
     assert (stats["done"], stats["failed"]) == (4, 1) and stats["errors"][0]["id"] == bad.id
     assert "boom" in stats["errors"][0]["error"]
@@ -248,13 +343,14 @@ def test_greedy_continuations_engines_agree(target):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_replay_the_eager_step(target, dtype):
     adapter = target("qwen3", device="cuda", dtype=dtype)
-    prompts = make_prompts()
-    # Full batches only: eager runs do not pad a last short batch, and GEMM rounding may depend on the row count.
-    args = dict(max_new_tokens=20, stop_token_ids=[2], pad_id=0, batch_size=3)
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    # 3 rows for 14 prompts: rows are refilled many times, through one graph per attention span.
+    args = dict(max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0, batch_size=3)
     graphed = static_generate(adapter, prompts, **args, cuda_graphs=True)
     assert graphed == static_generate(adapter, prompts, **args, cuda_graphs=False)
     if dtype == "float32":
-        assert graphed == hf_greedy(adapter, prompts, 20, [2])
+        assert graphed == hf_alone(adapter, prompts, REFILL_BUDGETS, [2])
+        assert static_generate(adapter, prompts, **args, refill=False) == graphed
         assert static_generate(adapter, prompts, **args, compile_step=True) == graphed
     sampled = dict(args, temperature=0.9, top_p=0.8, seed=1)
     assert static_generate(adapter, prompts, **sampled, cuda_graphs=True) == static_generate(

@@ -29,6 +29,7 @@ from dflash.data.prompts import Prompt
 from dflash.data.static_decode import StaticGenerator, resolve_engine
 
 logger = logging.getLogger(__name__)
+JOURNAL_EVERY_S = 30.0  # the static engine streams every prompt in one call: write what finished this often
 
 
 def _scan(path: Path) -> tuple[dict | None, dict[str, tuple[str, int]], int]:
@@ -151,11 +152,61 @@ def _generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pa
     return out[:, width:].tolist()
 
 
-def _generate_static(generator: StaticGenerator, batch: list[list[int]], budget: int, stop_ids: list[int],
-                     pad_id: int, temperature: float, top_p: float, seed: int) -> list[list[int]]:
-    """New tokens for each prompt of the batch through the static-cache engine (one batch of len(batch) rows)."""
-    return generator.generate(batch, max_new_tokens=budget, stop_token_ids=stop_ids, pad_id=pad_id,
-                              batch_size=len(batch), temperature=temperature, top_p=top_p, seed=seed)
+def _one_batch_or_one_by_one(generate, chunk: list[tuple[Prompt, list[int]]], offset: int):
+    """(offset + j, new tokens or the exception) for chunk[j]: one batch, or prompt by prompt if the batch raises."""
+    try:
+        outputs = generate([ids for _, ids in chunk])
+    except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
+        logger.warning("batch generation failed (%s: %s); retrying its %d prompts one by one",
+                       type(e).__name__, e, len(chunk))
+        outputs = []
+        for _, ids in chunk:
+            try:
+                outputs.append(generate([ids])[0])
+            except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
+                outputs.append(e1)
+    for j, out in enumerate(outputs):
+        yield offset + j, out
+
+
+def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_size: int, max_new_tokens: int,
+                max_length: int, stop_ids: list[int], pad_id: int, temperature: float, top_p: float, seed: int):
+    """(index into pending, new tokens or the exception) per prompt, from model.generate over batches."""
+    for start in range(0, len(pending), batch_size):
+        chunk = pending[start: start + batch_size]
+        budget = min(max_new_tokens, max_length - min(len(ids) for _, ids in chunk))
+        config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
+        generate = partial(_generate, adapter, config=config, pad_id=pad_id,
+                           seed=_batch_seed(seed, [p.id for p, _ in chunk]))
+        yield from _one_batch_or_one_by_one(generate, chunk, start)
+
+
+def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list[int]]], batch_size: int,
+                    max_new_tokens: int, max_length: int, stop_ids: list[int], pad_id: int, temperature: float,
+                    top_p: float, seed: int):
+    """The same from the static engine: every prompt in one stream whose `batch_size` rows are refilled as prompts
+    finish, results in finishing order. Each prompt samples from its own stream (run seed + its id), so a resumed
+    run draws the same tokens. If the stream raises, the prompts it had not finished are retried one by one."""
+    budgets = [min(max_new_tokens, max_length - len(ids)) for _, ids in pending]
+    seeds = [_batch_seed(seed, [p.id]) for p, _ in pending]
+    options = dict(stop_token_ids=stop_ids, pad_id=pad_id, temperature=temperature, top_p=top_p)
+    finished: set[int] = set()
+    try:
+        for i, tokens in generator.stream([ids for _, ids in pending], max_new_tokens=budgets, batch_size=batch_size,
+                                          prompt_seeds=seeds, **options):
+            finished.add(i)
+            yield i, tokens
+    except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
+        logger.warning("static generation failed (%s: %s); retrying its %d unfinished prompts one by one",
+                       type(e).__name__, e, len(pending) - len(finished))
+        for i, (_, ids) in enumerate(pending):
+            if i in finished:
+                continue
+            try:
+                yield i, generator.generate([ids], max_new_tokens=[budgets[i]], batch_size=1,
+                                            prompt_seeds=[seeds[i]], **options)[0]
+            except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
+                yield i, e1
 
 
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
@@ -168,8 +219,9 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     prompts that still raise are counted as failed with their error. Responses are cut so that
     prompt + response <= max_length. Greedy when temperature == 0.
 
-    engine: "hf" (model.generate), "static" (static_decode: static KV cache + CUDA graphs) or "auto" (static on a
-    CUDA target it supports, else hf). Both give the same greedy tokens in float32, so the journal does not record
+    engine: "hf" (model.generate over batches of `batch_size`), "static" (static_decode: static KV cache + CUDA
+    graphs; every prompt in one stream whose `batch_size` rows are refilled as answers end, journaled as they
+    finish) or "auto" (static on a CUDA target it supports, else hf). Both give the same greedy tokens in float32, so the journal does not record
     which one ran. compile_step: the static engine also runs its decode step through torch.compile.
     """
     if max_length < 2 or max_new_tokens < 1 or batch_size < 1:
@@ -213,49 +265,39 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     if show_progress:
         from tqdm.auto import tqdm
         progress = tqdm(total=len(pending), desc="regenerate", unit="prompt")
+    arguments = (pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id, temperature, top_p, seed)
+    results = _hf_results(adapter, *arguments) if static is None else _static_results(static, *arguments)
+    lines: list[dict] = []
+
+    def write_journal() -> None:
+        journal.write("".join(json.dumps(r) + "\n" for r in lines))
+        journal.flush()
+        os.fsync(journal.fileno())
+        if progress is not None:
+            progress.update(len(lines))
+        lines.clear()
+
+    started = flushed = time.perf_counter()
     try:
-        for start in range(0, len(pending), batch_size):
-            chunk = pending[start: start + batch_size]
-            budget = min(max_new_tokens, max_length - min(len(ids_p) for _, ids_p in chunk))
-            batch_seed = _batch_seed(seed, [p.id for p, _ in chunk])
-            if static is None:
-                config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
-                generate = partial(_generate, adapter, config=config, pad_id=pad_id, seed=batch_seed)
+        for i, out in results:
+            p, ids_p = pending[i]
+            if isinstance(out, Exception):
+                error = f"{type(out).__name__}: {out}"
+                failures.append({"id": p.id, "error": error})
+                lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "failed", "error": error})
             else:
-                generate = partial(_generate_static, static, budget=budget, stop_ids=stop_ids, pad_id=pad_id,
-                                   temperature=temperature, top_p=top_p, seed=batch_seed)
-            outputs: list[list[int] | Exception]
-            started = time.perf_counter()
-            try:
-                outputs = generate([ids_p for _, ids_p in chunk])
-            except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
-                logger.warning("batch generation failed (%s: %s); retrying its %d prompts one by one",
-                               type(e).__name__, e, len(chunk))
-                outputs = []
-                for p, ids_p in chunk:
-                    try:
-                        outputs.append(generate([ids_p])[0])
-                    except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
-                        outputs.append(e1)
-            generate_s += time.perf_counter() - started
-            lines = []
-            for (p, ids_p), out in zip(chunk, outputs):
-                if isinstance(out, Exception):
-                    error = f"{type(out).__name__}: {out}"
-                    failures.append({"id": p.id, "error": error})
-                    lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "failed", "error": error})
-                    continue
                 response, finish = _cut_response(out, set(stop_ids), max_length - len(ids_p))
                 lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "done", "prompt_len": len(ids_p),
                               "response_ids": response, "finish": finish})
                 done += 1
                 generated += 1
                 new_tokens += len(response)
-            journal.write("".join(json.dumps(r) + "\n" for r in lines))
-            journal.flush()
-            os.fsync(journal.fileno())
-            if progress is not None:
-                progress.update(len(chunk))
+            # Journal every batch's worth of prompts, or every few seconds: a killed run loses little.
+            if len(lines) >= batch_size or time.perf_counter() - flushed > JOURNAL_EVERY_S:
+                write_journal()
+                flushed = time.perf_counter()
+        write_journal()
+        generate_s = time.perf_counter() - started
     finally:
         journal.close()
         if progress is not None:

@@ -1,20 +1,23 @@
-"""Fast batched decoding of dense Llama-layout targets: a static KV cache and, on CUDA, one CUDA graph per step.
+"""Fast batched decoding of dense Llama-layout targets: a static KV cache, refilled rows and, on CUDA, CUDA graphs.
 
 Plain HF `generate` re-dispatches hundreds of small kernels from Python for every token, so a small target such as
 SmolLM2-135M is launch-bound (~550 tok/s at batch 64 on an H200). Here the target's own HF submodules (norms,
 q/k/v/o projections, q_norm/k_norm, MLP) run under our attention over a preallocated cache, and the whole decode
 step (embedding -> layers -> final norm -> lm_head -> next-token choice -> cache and state updates) is captured
-once in a CUDA graph and replayed for every token.
+in a CUDA graph (one per attention span) and replayed for every token. A row whose prompt stopped takes the next
+pending prompt (row_schedule.py decides which and when): its prompt is prefilled eagerly into that row from
+column 0 while the other rows keep their place, so the decode steps approach total tokens / rows.
 
-Same conventions as HF greedy `generate`, so at T=0 in float32 the tokens match it: left padding, the position of
-column c in row r is c - pad_r, keys of row r are valid from column pad_r up to the current column, the next
-token is the argmax of the float32 logits. Sampling (T > 0) is temperature + top-p from a seeded generator: the
-right distribution, not HF's random stream.
+At T=0 in float32 the tokens match HF greedy `generate` of each prompt alone: the position of column c is c, row
+r attends over columns 0..column[r] (what its current prompt wrote; keys a previous occupant left beyond are
+masked out), the next token is the argmax of the float32 logits. Sampling (T > 0) is temperature + top-p by
+inverse CDF from each prompt's own seeded uniform stream: the right distribution, not HF's random stream.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
@@ -23,17 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.data.row_schedule import ScheduleStats, round_up, run_schedule
+
 ENGINES = ("hf", "static", "auto")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants whose frequencies depend on the sequence length: a position table computed once would be wrong.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-# The KV cache length is rounded up to this, so similar batches share one captured graph and SDPA sees aligned
-# shapes.
-LENGTH_QUANTUM = 64
+# The KV cache length and the attention span of a decode step are multiples of this: one CUDA graph per span, and
+# SDPA sees aligned shapes.
+LENGTH_QUANTUM = 128
 # Prompt tokens per prefill slice: bounds the prefill's [rows, 1, P, P] mask and activations.
 PREFILL_TOKENS = 32768
 # On CUDA, "has every row stopped?" costs a device sync: ask every few steps only.
 CHECK_EVERY_CUDA = 8
+# With refill, free rows are refilled once 1/REFILL_GROUPS of the rows are free: each refill is one eager prefill
+# call (~1k kernel launches), so waiting for a group costs fewer steps than refilling every row alone.
+REFILL_GROUPS = 16
 
 
 def unsupported_reason(adapter) -> str | None:
@@ -151,7 +159,13 @@ class _Layout:
 
 
 class _Decoder:
-    """Static buffers, prefill and decode step for one (batch rows, cache length, choice rule)."""
+    """Static buffers, prefill and decode step for one (batch rows, cache length, choice rule).
+
+    Every row keeps its own write column: a prompt admitted into a row is prefilled from column 0 (right padded
+    inside its prefill group), so the position of column c is c in every row and row r attends over columns
+    0..column[r]; keys a previous occupant left beyond that are masked out. A row that stops (stop token or its
+    budget) freezes: it keeps writing at its last column and its tokens go to a scratch slot until it is refilled.
+    """
 
     def __init__(self, layout: _Layout, rows: int, length: int, stop_ids: list[int], temperature: float,
                  top_p: float, use_graph: bool, compile_step: bool = False) -> None:
@@ -162,6 +176,8 @@ class _Decoder:
         self.keys = [torch.zeros(cache_shape, device=device, dtype=lay.dtype) for _ in lay.layers]
         self.values = [torch.zeros(cache_shape, device=device, dtype=lay.dtype) for _ in lay.layers]
         self.columns = torch.arange(length, device=device)
+        # Row r, kv head h, column c is row (r * kv_heads + h) * length + c of a cache viewed as [-1, head_dim].
+        self.flat_base = (torch.arange(rows * lay.kv_heads, device=device) * length).view(rows, lay.kv_heads)
         # Positions are looked up in a table: elementwise the same numbers the rotary module gives per batch.
         probe = torch.zeros(1, device=device, dtype=lay.dtype)
         cos, sin = lay.rotary(probe, self.columns[None])
@@ -169,133 +185,159 @@ class _Decoder:
         self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         self.stops = torch.tensor(stop_ids, device=device, dtype=torch.long)
         self.tokens = torch.zeros(rows, device=device, dtype=torch.long)
-        self.positions = torch.zeros(rows, device=device, dtype=torch.long)
-        self.pads = torch.zeros(rows, device=device, dtype=torch.long)
-        self.column = torch.zeros(1, device=device, dtype=torch.long)
-        self.step_index = torch.zeros(1, device=device, dtype=torch.long)
-        self.finished = torch.zeros(rows, device=device, dtype=torch.bool)
-        self.out = torch.zeros(rows, length, device=device, dtype=torch.long)
-        self.uniform = torch.zeros(rows, device=device, dtype=torch.float32)
+        self.column = torch.zeros(rows, device=device, dtype=torch.long)
+        self.count = torch.zeros(rows, device=device, dtype=torch.long)
+        self.budget = torch.zeros(rows, device=device, dtype=torch.long)
+        self.finished = torch.ones(rows, device=device, dtype=torch.bool)
+        # Tokens of row r go to out[r, count[r]]; column `length` is the scratch slot of stopped rows.
+        self.out = torch.zeros(rows, length + 1, device=device, dtype=torch.long)
+        # Per-row uniform draws, one per token index (sampling only; filled from each prompt's own stream).
+        self.uniform = torch.zeros(rows, length + 1, device=device, dtype=torch.float32)
         self.compile_step = compile_step
-        self.graph = self._capture() if use_graph else None
+        self.spans = list(range(LENGTH_QUANTUM, length + 1, LENGTH_QUANTUM))
+        self.graphs = self._capture() if use_graph else {}
 
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream before capturing (lazy initialisation must not land in the graph). The warm-up
-        # scribbles on the state buffers; run() resets all of them.
-        side = torch.cuda.Stream(device=self.layout.device)
-        side.wait_stream(torch.cuda.current_stream(self.layout.device))
+    def reset(self) -> None:
+        """Every row free (stopped, at column 0): the state a run starts from."""
+        self.finished.fill_(True)
+        for state in (self.tokens, self.column, self.count, self.budget):
+            state.zero_()
+
+    def _capture(self) -> dict[int, torch.cuda.CUDAGraph]:
+        # One graph per attention span, sharing one memory pool: they never run concurrently and pass nothing to
+        # each other (all state lives in the static buffers). Warm up on a side stream before capturing (lazy
+        # initialisation must not land in a graph); the warm-up scribbles on the state, reset() clears it.
+        device = self.layout.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(3):
-                self.advance()
-        torch.cuda.current_stream(self.layout.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.advance()
-        return graph
+            for span in self.spans:
+                self.advance(span)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graphs, pool = {}, torch.cuda.graph_pool_handle()
+        for span in self.spans:
+            graphs[span] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[span], pool=pool):
+                self.advance(span)
+        self.reset()
+        return graphs
 
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:
             return logits.argmax(dim=-1)
-        return sample_tokens(logits, self.temperature, self.top_p, self.uniform)
+        return sample_tokens(logits, self.temperature, self.top_p, uniform)
 
     def record(self, tokens: torch.Tensor) -> None:
-        """Store the chosen tokens and advance to the next column."""
-        self.out.index_copy_(1, self.step_index, tokens[:, None])
-        self.finished |= (tokens[:, None] == self.stops).any(dim=-1)
+        """Store the chosen tokens of the running rows and move them to their next column."""
+        running = ~self.finished
+        slot = torch.where(running, self.count, self.length)
+        self.out.scatter_(1, slot[:, None], tokens[:, None])
+        self.count += running
+        self.column += running
+        self.finished |= (tokens[:, None] == self.stops).any(dim=-1) | (self.count >= self.budget)
         self.tokens.copy_(tokens)
-        self.positions += 1
-        self.column += 1
-        self.step_index += 1
 
-    def advance(self) -> None:
+    def advance(self, span: int) -> None:
         """One decode step, compiled or not."""
         if self.compile_step:
-            _compiled_step()(self)
+            _compiled_step()(self, span)
         else:
-            self.step()
+            self.step(span)
 
-    def step(self) -> None:
-        """One decode step for every row: feed `tokens` at `column`, choose and record the next tokens."""
+    def step(self, span: int) -> None:
+        """One decode step for every row: feed `tokens` at each row's `column`, attend over the first `span`
+        columns, choose and record the next tokens."""
         lay = self.layout
         x = lay.embed(self.tokens[:, None])
-        cos, signed_sin = self.cos[self.positions][:, None], self.signed_sin[self.positions][:, None]
-        valid = (self.columns >= self.pads[:, None]) & (self.columns <= self.column)
+        cos, signed_sin = self.cos[self.column][:, None], self.signed_sin[self.column][:, None]
+        valid = self.columns[:span] <= self.column[:, None]
         # An additive mask made once per step (SDPA would convert a boolean one in every layer).
         bias = torch.zeros(valid.shape, device=valid.device, dtype=lay.dtype).masked_fill_(~valid, float("-inf"))
         bias = bias[:, None, None, :]
+        write = (self.flat_base + self.column[:, None]).view(-1)
         groups = lay.heads // lay.kv_heads
         for layer, keys, values in zip(lay.layers, self.keys, self.values):
             attn = layer.self_attn
             q, k, v = lay.project(attn, layer.input_layernorm(x), cos, signed_sin)
-            keys.index_copy_(2, self.column, k)
-            values.index_copy_(2, self.column, v)
+            keys.view(-1, lay.head_dim).index_copy_(0, write, k.reshape(-1, lay.head_dim))
+            values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
             # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
             q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
-            context = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=lay.scaling)
+            context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=bias,
+                                                     scale=lay.scaling)
             x = x + attn.o_proj(context.reshape(self.rows, 1, lay.heads * lay.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = lay.head(lay.norm(x[:, -1])).float()
-        self.record(self.choose(logits))
+        uniform = self.uniform.gather(1, self.count[:, None]).squeeze(1) if self.temperature > 0 else None
+        self.record(self.choose(logits, uniform))
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the left-padded prompts [rows, P] into the cache; float32 logits [rows, V] of the last column."""
+    def prefill(self, rows: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ids [k, W] into the cache rows `rows` from column 0; float32 logits [k, V] of
+        each prompt's last token. The padding sits after the real tokens, so a causal mask is all they need."""
         lay = self.layout
         width = ids.shape[1]
-        cols = self.columns[:width]
-        causal = cols[:, None] >= cols[None, :]
-        # A padding query sees itself too: a fully masked row would give NaN, and NaN values in the cache would
-        # poison later steps even behind a mask (0 * NaN).
-        diagonal = torch.eye(width, device=ids.device, dtype=torch.bool)
+        cos, signed_sin = self.cos[None, :width], self.signed_sin[None, :width]
         groups = lay.heads // lay.kv_heads
-        logits = []
-        step = max(1, PREFILL_TOKENS // width)
-        for start in range(0, self.rows, step):
-            rows = slice(start, min(start + step, self.rows))
-            pads = self.pads[rows]
-            mask = ((causal & (cols[None, None, :] >= pads[:, None, None])) | diagonal)[:, None]
-            positions = (cols[None, :] - pads[:, None]).clamp(min=0)
-            cos, signed_sin = self.cos[positions], self.signed_sin[positions]
-            x = lay.embed(ids[rows])
-            for layer, keys, values in zip(lay.layers, self.keys, self.values):
-                attn = layer.self_attn
-                q, k, v = lay.project(attn, layer.input_layernorm(x), cos, signed_sin)
-                keys[rows, :, :width] = k
-                values[rows, :, :width] = v
-                context = F.scaled_dot_product_attention(
-                    q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask,
-                    scale=lay.scaling,
-                )
-                x = x + attn.o_proj(context.transpose(1, 2).reshape(x.shape[0], width, -1))
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-            logits.append(lay.head(lay.norm(x[:, -1])).float())
-        return torch.cat(logits)
+        x = lay.embed(ids)
+        for layer, keys, values in zip(lay.layers, self.keys, self.values):
+            attn = layer.self_attn
+            q, k, v = lay.project(attn, layer.input_layernorm(x), cos, signed_sin)
+            keys[rows, :, :width] = k
+            values[rows, :, :width] = v
+            context = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True,
+                scale=lay.scaling,
+            )
+            x = x + attn.o_proj(context.transpose(1, 2).reshape(x.shape[0], width, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x[torch.arange(len(lengths), device=x.device), lengths - 1]
+        return lay.head(lay.norm(last)).float()
 
-    def run(self, prompts: list[list[int]], real: int, max_new_tokens: int, pad_id: int,
-            generator: torch.Generator | None) -> list[list[int]]:
-        """New tokens of each of the first `real` prompts (the others are dummy rows), cut at max_new_tokens."""
+    def admit(self, rows: list[int], prompts: list[list[int]], budgets: list[int],
+              uniform: torch.Tensor | None) -> None:
+        """Prefill the prompts (longest first) into the given rows, choose their first tokens and start them.
+
+        uniform [len(rows), >= max budget]: each prompt's own uniform draws, one per token index (sampling only).
+        """
         device = self.layout.device
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-        self.pads.copy_(torch.tensor([width - len(p) for p in prompts], device=device))
-        self.finished.copy_(torch.arange(self.rows, device=device) >= real)
-        self.out.zero_()
-        logits = self.prefill(ids)
-        self.positions.copy_(width - 1 - self.pads)
-        self.column.fill_(width - 1)
-        self.step_index.zero_()
-        check_every = CHECK_EVERY_CUDA if device.type == "cuda" else 1
-        for step in range(max_new_tokens):
-            if step and step % check_every == 0 and bool(self.finished.all()):
-                break
-            if generator is not None:
-                self.uniform.uniform_(generator=generator)
-            if step == 0:
-                self.record(self.choose(logits))
-            elif self.graph is not None:
-                self.graph.replay()
+        per_call = max(1, PREFILL_TOKENS // width)
+        for start in range(0, len(rows), per_call):
+            group = slice(start, start + per_call)
+            chunk = prompts[group]
+            wide = max(len(p) for p in chunk)
+            ids = torch.tensor([list(p) + [0] * (wide - len(p)) for p in chunk], device=device)
+            index = torch.tensor(rows[group], device=device)
+            lengths = torch.tensor([len(p) for p in chunk], device=device)
+            budget = torch.tensor(budgets[group], device=device)
+            draws = None
+            if uniform is not None:
+                draws = uniform[group].to(device)
+                self.uniform[index, : draws.shape[1]] = draws
+                draws = draws[:, 0]
+            first = self.choose(self.prefill(index, ids, lengths), draws)
+            self.out[index, 0] = first
+            self.tokens[index] = first
+            self.column[index] = lengths
+            self.count[index] = 1
+            self.budget[index] = budget
+            self.finished[index] = (first[:, None] == self.stops).any(dim=-1) | (budget <= 1)
+
+    def decode(self, steps: int, span: int) -> None:
+        for _ in range(steps):
+            if self.graphs:
+                self.graphs[span].replay()
             else:
-                self.advance()
-        return [row[:max_new_tokens] for row in self.out[:real].tolist()]
+                self.advance(span)
+
+    def finished_rows(self) -> list[bool]:
+        return self.finished.tolist()
+
+    def harvest(self, rows: list[int]) -> list[list[int]]:
+        index = torch.tensor(rows, device=self.layout.device)
+        counts = self.count[index].tolist()
+        tokens = self.out[index, : max(counts)].tolist()
+        return [row[:n] for row, n in zip(tokens, counts)]
 
 
 @cache
@@ -304,28 +346,51 @@ def _compiled_step():
     return torch.compile(_Decoder.step, fullgraph=True)
 
 
-def _batch_generator(seed: int, batch: int, device: torch.device) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{batch}".encode()).digest()
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return generator
+def prompt_draws(key: str, count: int) -> torch.Tensor:
+    """The uniform draws [count] of the prompt whose stream key is `key`, one per new-token index: its sampling
+    stream, whichever row or batch it decodes in."""
+    digest = hashlib.sha256(key.encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.rand(count, generator=generator)
 
 
-def _cut(row: list[int], stops: set[int]) -> list[int]:
-    for i, token in enumerate(row):
-        if token in stops:
-            return row[: i + 1]
-    return row
+class _CallRows:
+    """The RowDecoder of one call: a _Decoder plus the call's prompts, budgets and sampling stream keys."""
+
+    def __init__(self, decoder: _Decoder, prompts: list[list[int]], budgets: list[int], keys: list[str]) -> None:
+        self.decoder, self.prompts, self.budgets, self.keys = decoder, prompts, budgets, keys
+        self.rows = decoder.rows
+
+    def admit(self, rows: list[int], prompts: list[int]) -> None:
+        uniform = None
+        if self.decoder.temperature > 0:
+            uniform = torch.zeros(len(prompts), max(self.budgets[i] for i in prompts))
+            for row, i in enumerate(prompts):
+                uniform[row, : self.budgets[i]] = prompt_draws(self.keys[i], self.budgets[i])
+        self.decoder.admit(rows, [self.prompts[i] for i in prompts], [self.budgets[i] for i in prompts], uniform)
+
+    def decode(self, steps: int, span: int) -> None:
+        self.decoder.decode(steps, span)
+
+    def finished(self) -> list[bool]:
+        return self.decoder.finished_rows()
+
+    def harvest(self, rows: list[int]) -> list[list[int]]:
+        return self.decoder.harvest(rows)
 
 
 class StaticGenerator:
-    """static_generate for one target, keeping the buffers and CUDA graph of the last shape across calls.
+    """static_generate for one target, keeping the buffers and CUDA graphs of the last shape across calls.
 
-    Use one per run when calling many times (e.g. once per journal batch) so that batches of the same shape do not
-    capture their graph again.
+    Refill only helps within a call, so pass many prompts per call (stream() yields results as they finish). Keep
+    one generator per run when calling several times: a call reuses the decoder when its rows, stop tokens and
+    choice rule match and its cache is long enough, so its graphs are not captured again. refill=False runs plain
+    batches (a batch ends when its last row stops), for comparison. `last_stats` holds the ScheduleStats of the
+    last call (decode steps, row utilisation).
     """
 
-    def __init__(self, adapter, cuda_graphs: bool | None = None, compile_step: bool = False) -> None:
+    def __init__(self, adapter, cuda_graphs: bool | None = None, compile_step: bool = False,
+                 refill: bool = True) -> None:
         reason = unsupported_reason(adapter)
         if reason is not None:
             raise ValueError(f"static decoding does not support this target: {reason}")
@@ -335,59 +400,79 @@ class StaticGenerator:
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA target; this one is on {self.layout.device}")
         self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
-        # Pad every batch to batch_size rows so one graph serves them all (eager runs need not).
+        # Pad every batch to batch_size rows so one set of graphs serves them all (eager runs need not).
         self.fixed_rows = self.cuda_graphs
         self.compile_step = compile_step
+        self.refill = refill
+        self.last_stats: ScheduleStats | None = None
         self._decoder: _Decoder | None = None
         self._key: tuple | None = None
 
     def _decoder_for(self, rows: int, length: int, stop_ids: list[int], temperature: float,
                      top_p: float) -> _Decoder:
-        key = (rows, length, tuple(stop_ids), temperature, top_p)
-        if key != self._key:
-            self._decoder = self._key = None  # free the old buffers and graph first
+        key = (rows, tuple(stop_ids), temperature, top_p)
+        if key != self._key or self._decoder.length < length:
+            self._decoder = self._key = None  # free the old buffers and graphs first
             self._decoder = _Decoder(self.layout, rows, length, stop_ids, temperature, top_p, self.cuda_graphs,
                                      self.compile_step)
             self._key = key
         return self._decoder
 
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], pad_id: int,
-                 batch_size: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int], stop_token_ids: list[int],
+                 pad_id: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 prompt_seeds: Sequence[int] | None = None) -> list[list[int]]:
         """See static_generate."""
-        self._check(prompts, max_new_tokens, stop_token_ids, pad_id, batch_size, temperature, top_p)
-        if not prompts:
-            return []
-        # Graph capture and replay run on the current device: make it the target's.
-        with torch.cuda.device(self.layout.device) if self.layout.device.type == "cuda" else nullcontext():
-            return self._generate(prompts, max_new_tokens, [int(t) for t in stop_token_ids], pad_id, batch_size,
-                                  temperature, top_p, seed)
-
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
-                  batch_size: int, temperature: float, top_p: float, seed: int) -> list[list[int]]:
-        # Longest first, so a batch holds similar lengths (little padding).
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[list[int]] = [[] for _ in prompts]
-        stop_set = set(stops)
-        for batch, start in enumerate(range(0, len(order), batch_size)):
-            index = order[start: start + batch_size]
-            rows = [list(prompts[i]) for i in index]
-            num_rows = batch_size if self.fixed_rows else len(rows)
-            rows += [[pad_id]] * (num_rows - len(rows))
-            length = -(-(max(len(r) for r in rows) + max_new_tokens) // LENGTH_QUANTUM) * LENGTH_QUANTUM
-            decoder = self._decoder_for(num_rows, length, stops, temperature, top_p)
-            generator = _batch_generator(seed, batch, self.layout.device) if temperature > 0 else None
-            outputs = decoder.run(rows, len(index), max_new_tokens, pad_id, generator)
-            for i, row in zip(index, outputs):
-                results[i] = _cut(row, stop_set)
+        for i, tokens in self.stream(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                                     pad_id=pad_id, batch_size=batch_size, temperature=temperature, top_p=top_p,
+                                     seed=seed, prompt_seeds=prompt_seeds):
+            results[i] = tokens
         return results
 
-    def _check(self, prompts, max_new_tokens, stop_token_ids, pad_id, batch_size, temperature, top_p) -> None:
+    @torch.inference_mode()
+    def stream(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int], stop_token_ids: list[int],
+               pad_id: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+               prompt_seeds: Sequence[int] | None = None) -> Iterator[tuple[int, list[int]]]:
+        """generate, yielding (index into prompts, new tokens) as prompts finish (not in input order), so a caller
+        can pass every prompt in one call (refill then runs across all of them) and still save results as they
+        come. Arguments are checked when iteration starts. One stream at a time per StaticGenerator."""
+        budgets = self._check(prompts, max_new_tokens, stop_token_ids, pad_id, batch_size, temperature, top_p)
+        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
+            raise ValueError(f"prompt_seeds has {len(prompt_seeds)} seeds for {len(prompts)} prompts")
+        if not prompts:
+            return
+        keys = [f"{seed}:{i}" for i in range(len(prompts))] if prompt_seeds is None else [
+            f"prompt:{int(s)}" for s in prompt_seeds]
+        stops = [int(t) for t in stop_token_ids]
+        rows = batch_size if self.fixed_rows else min(batch_size, len(prompts))
+        length = round_up(max(len(p) + b for p, b in zip(prompts, budgets)), LENGTH_QUANTUM)
+        # Graph capture and replay run on the current device: make it the target's.
+        with torch.cuda.device(self.layout.device) if self.layout.device.type == "cuda" else nullcontext():
+            decoder = self._decoder_for(rows, length, stops, temperature, top_p)
+            decoder.reset()
+            self.last_stats = ScheduleStats()
+            yield from run_schedule(
+                _CallRows(decoder, [list(p) for p in prompts], budgets, keys), [len(p) for p in prompts], budgets,
+                refill=self.refill, check_every=CHECK_EVERY_CUDA if self.layout.device.type == "cuda" else 1,
+                admit_min=max(1, rows // REFILL_GROUPS), span_quantum=LENGTH_QUANTUM, max_span=decoder.length,
+                stats=self.last_stats,
+            )
+
+    def _check(self, prompts, max_new_tokens, stop_token_ids, pad_id, batch_size, temperature,
+               top_p) -> list[int]:
+        """Validate the arguments; the new-token budget of each prompt."""
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}] is an empty token list")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, Sequence):
+            budgets = [int(b) for b in max_new_tokens]
+            if len(budgets) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(budgets)} budgets for {len(prompts)} prompts")
+        else:
+            budgets = [int(max_new_tokens)] * max(1, len(prompts))
+        if min(budgets, default=1) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")
+        budgets = budgets[: len(prompts)]
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if temperature < 0:
@@ -399,19 +484,29 @@ class StaticGenerator:
         bad = [t for t in stop_token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        return budgets
 
 
-def static_generate(adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
-                    pad_id: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                    cuda_graphs: bool | None = None, compile_step: bool = False) -> list[list[int]]:
-    """The new tokens of each prompt (input order), up to and including its first stop token, at most max_new_tokens.
+def static_generate(adapter, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int],
+                    stop_token_ids: list[int], pad_id: int, batch_size: int, temperature: float = 0.0,
+                    top_p: float = 1.0, seed: int = 0, prompt_seeds: Sequence[int] | None = None,
+                    cuda_graphs: bool | None = None, compile_step: bool = False,
+                    refill: bool = True) -> list[list[int]]:
+    """The new tokens of each prompt (input order), up to and including its first stop token, at most its budget.
 
-    Greedy (argmax of the float32 logits) when temperature == 0, else temperature + top-p sampling seeded from
-    `seed` and the batch's index. cuda_graphs None = on for CUDA targets; CPU always runs without graphs.
-    compile_step: run the decode step through torch.compile (fuses the norms, RoPE and residual adds into few
-    kernels; compiling takes a while, and each new batch shape may recompile). ValueError for a target
-    supports_static_decode refuses and for bad arguments.
+    max_new_tokens: one budget for all prompts or one per prompt. batch_size rows decode together; with refill
+    (the default) a row whose prompt stopped takes the next pending prompt, so pass all prompts in one call.
+    Greedy (argmax of the float32 logits) when temperature == 0, else temperature + top-p sampling where prompt i
+    draws from its own uniform stream, keyed by (seed, i), or by prompt_seeds[i] when given (e.g. a hash of the
+    prompt's id, so the stream also survives a resumed run that passes other prompts): the same tokens whichever
+    row, batch size or refill setting (up to the float rounding of the batch a prompt runs in). cuda_graphs None =
+    on for CUDA targets; CPU always runs without graphs. compile_step: run the decode step through torch.compile
+    (fuses the norms, RoPE and residual adds into few kernels; compiling takes a while, and each new shape may
+    recompile). pad_id is checked and kept
+    for compatibility (prompts are right padded inside prefill, where padding is never attended). ValueError for
+    a target supports_static_decode refuses and for bad arguments.
     """
-    generator = StaticGenerator(adapter, cuda_graphs, compile_step)
+    generator = StaticGenerator(adapter, cuda_graphs, compile_step, refill)
     return generator.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, pad_id=pad_id,
-                              batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed)
+                              batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed,
+                              prompt_seeds=prompt_seeds)
