@@ -201,7 +201,7 @@ class Pipeline:
         # The mask token only enters the drafter, so it belongs to the train fingerprint, not here.
         target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
         # Both generation engines give the target's own tokens (equal in fp32): switching them redoes nothing.
-        data = {k: v for k, v in container(self.cfg.data).items() if k not in ("engine", "compile_step")}
+        data = {k: v for k, v in container(self.cfg.data).items() if k not in ("engine", "compile_step", "refill")}
         return fingerprint(data, target)
 
     def data(self) -> None:
@@ -220,7 +220,8 @@ class Pipeline:
                               max_new_tokens=int(d.max_new_tokens), batch_size=int(d.batch_size),
                               temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
                               show_progress=self.show_progress, heldout=int(d.get("heldout", 0)),
-                              engine=str(d.get("engine", "auto")), compile_step=bool(d.get("compile_step", False)))
+                              engine=str(d.get("engine", "auto")), compile_step=bool(d.get("compile_step", False)),
+                              refill=bool(d.get("refill", True)))
         print(f"[data] {stats}")
         mark_done(out, key, stats=stats)
 

@@ -271,21 +271,22 @@ def test_bad_arguments_name_the_argument(target, change, name):
         static_generate(target("llama"), **args)
 
 
-def test_the_data_stage_passes_compile_step_to_the_engine(target, tmp_path, monkeypatch):
+def test_the_data_stage_passes_compile_step_and_refill_to_the_engine(target, tmp_path, monkeypatch):
     import dflash.data.regenerate as regenerate_module
 
     made = []
 
     class Recording(regenerate_module.StaticGenerator):
-        def __init__(self, adapter, cuda_graphs=None, compile_step=False):
-            made.append(compile_step)
-            super().__init__(adapter, cuda_graphs)  # eager here: compiling would only slow the test down
+        def __init__(self, adapter, cuda_graphs=None, compile_step=False, refill=True):
+            made.append((compile_step, refill))
+            # eager here: compiling would only slow the test down
+            super().__init__(adapter, cuda_graphs, refill=refill)
 
     monkeypatch.setattr(regenerate_module, "StaticGenerator", Recording)
     prompts = [Prompt("p0", [{"role": "user", "content": "hi"}], "test")]
     regenerate(prompts, target("llama"), tmp_path / "j.jsonl", max_length=40, max_new_tokens=4, batch_size=1,
-               show_progress=False, engine="static", compile_step=True)
-    assert made == [True]
+               show_progress=False, engine="static", compile_step=True, refill=False)
+    assert made == [(True, False)]
 
 
 def test_regenerate_engines_write_the_same_journal(target, tmp_path, monkeypatch):

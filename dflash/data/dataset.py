@@ -103,7 +103,7 @@ def _encode_record(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], rec
 def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf",
-                  compile_step: bool = False) -> dict:
+                  compile_step: bool = False, refill: bool = True) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
 
     heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
@@ -133,7 +133,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     journal_path = out_dir / "journal.jsonl"
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
-                     compile_step=compile_step)
+                     compile_step=compile_step, refill=refill)
     _, index = scan_journal(journal_path)
     done_ids = [p.id for p in prompts if index.get(p.id, (None, 0))[0] == "done"]
     if heldout and heldout >= len(done_ids):

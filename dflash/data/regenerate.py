@@ -211,7 +211,8 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
 
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, show_progress: bool = True, engine: str = "hf", compile_step: bool = False) -> dict:
+               seed: int = 0, show_progress: bool = True, engine: str = "hf", compile_step: bool = False,
+               refill: bool = True) -> dict:
     """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", ...}.
 
     Prompts already done in the journal are skipped. A prompt whose templated length + 1 exceeds max_length is
@@ -222,7 +223,8 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     engine: "hf" (model.generate over batches of `batch_size`), "static" (static_decode: static KV cache + CUDA
     graphs; every prompt in one stream whose `batch_size` rows are refilled as answers end, journaled as they
     finish) or "auto" (static on a CUDA target it supports, else hf). Both give the same greedy tokens in float32, so the journal does not record
-    which one ran. compile_step: the static engine also runs its decode step through torch.compile.
+    which one ran. compile_step: the static engine also runs its decode step through torch.compile. refill=False:
+    the static engine runs plain batches (a batch ends with its longest answer), for comparison.
     """
     if max_length < 2 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"need max_length >= 2, max_new_tokens >= 1, batch_size >= 1; got {max_length}, "
@@ -242,7 +244,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
     journal_path = Path(journal_path)
     journal, done_ids = _open_journal(journal_path, settings)
-    static = StaticGenerator(adapter, compile_step=compile_step) if engine == "static" else None
+    static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
 
     done = sum(1 for p in prompts if p.id in done_ids)
     skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0

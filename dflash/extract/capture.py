@@ -421,9 +421,9 @@ def capture_dataset(
         raise ValueError(f"batch_tokens ({batch_tokens}) and shard_tokens ({shard_tokens}) must be positive")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not one of the {world_size} ranks (0..{world_size - 1})")
-    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"world_size={world_size} needs an initialised torch.distributed process group (launch "
-                         "with torchrun or deepspeed and call dflash.train.engine.init_distributed first)")
+    if world_size > 1 and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size):
+        raise ValueError(f"world_size={world_size} needs an initialised torch.distributed process group of that size "
+                         "(launch with torchrun or deepspeed and call dflash.train.engine.init_distributed first)")
     if len(dataset) == 0:
         raise ValueError("the dataset is empty: nothing to capture")
     for column in ("id", "input_ids", "loss_mask"):
