@@ -364,11 +364,17 @@ class Pipeline:
         try:
             head = load_frozen_head(os.path.join(self.dirs["features"], "frozen_head.safetensors"))
             settings = self.train_settings()
+            lengths = None
+            if settings.group_by_length:  # from the token dataset: reading it costs nothing, unlike a store
+                from dflash.data.dataset import load_dataset_dir
+                from dflash.extract.capture import sample_lengths
+
+                lengths = tuple(sample_lengths(load_dataset_dir(self.dirs["data"])).tolist())
             if online:
                 from dflash.extract.online_stage import OnlineCapture
 
                 online_capture = OnlineCapture(self.cfg, self.run_dir, self.dirs, self.device, self.barrier)
-                store = online_capture.source(settings, rank, world_size, pools)
+                store = online_capture.source(settings, rank, world_size, pools, lengths)
             elif str(self.cfg.capture.mode) == "colocated":
                 store = self._colocated_source()
             else:
@@ -376,7 +382,7 @@ class Pipeline:
             started = time.perf_counter()
             state = train(settings, config, store, head, self.dirs["checkpoints"], log, rank=rank,
                           world_size=world_size, device=self.device, show_progress=self.show_progress,
-                          heldout=self._heldout_set())
+                          heldout=self._heldout_set(), lengths=lengths)
             if online and rank == 0:
                 online_capture.finish(store, pools[0] if pools else None, time.perf_counter() - started, world_size)
         finally:

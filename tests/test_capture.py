@@ -9,7 +9,8 @@ import torch
 from datasets import Dataset
 
 from dflash.extract import store as store_module
-from dflash.extract.capture import capture_dataset, length_batches, plan_shards
+from dflash.data.dataset import FEATURES
+from dflash.extract.capture import capture_dataset, length_batches, plan_shards, sample_lengths
 from dflash.extract.store import FeatureStore, read_manifest
 from dflash.models.targets import build_tiny_target
 
@@ -272,3 +273,11 @@ def test_crosscheck_catches_off_by_one_taps(tmp_path, dense, monkeypatch):
     monkeypatch.setattr(dense, "capture", shifted)
     with pytest.raises(ValueError, match=r"tap 2 differs from output_hidden_states\[3\]"):
         capture_dataset(dense, make_dataset([5]), tmp_path, [2], fingerprint={}, show_progress=False)
+
+
+def test_sample_lengths_follow_the_rows_of_a_dataset_and_of_a_selection():
+    rows = {"id": ["a", "b", "c"], "input_ids": [[1, 2, 3], [4], [5, 6]], "loss_mask": [[0, 1, 1], [1], [0, 1]],
+            "prompt_set": ["x"] * 3}
+    ds = Dataset.from_dict(rows, features=FEATURES)
+    assert sample_lengths(ds).tolist() == [3, 1, 2]
+    assert sample_lengths(ds.select([2, 0])).tolist() == [2, 3]

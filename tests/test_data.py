@@ -3,12 +3,11 @@
 import json
 import logging
 
-import datasets
 import pytest
 import torch
 
 from dflash.data.chat import encode_conversation, prompt_ids, prompt_ids_many
-from dflash.data.dataset import FEATURES, build_dataset, load_dataset_dir, sample_lengths
+from dflash.data.dataset import build_dataset, load_dataset_dir
 from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.regenerate import read_journal, regenerate
 from dflash.models.targets import load_target
@@ -324,11 +323,3 @@ def test_samples_without_a_response_token_are_dropped(tiny, tmp_path, monkeypatc
 def test_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no dataset at .*dataset: run build_dataset"):
         load_dataset_dir(tmp_path)
-
-
-def test_sample_lengths_follow_the_rows_of_a_dataset_and_of_a_selection():
-    rows = {"id": ["a", "b", "c"], "input_ids": [[1, 2, 3], [4], [5, 6]], "loss_mask": [[0, 1, 1], [1], [0, 1]],
-            "prompt_set": ["x"] * 3}
-    ds = datasets.Dataset.from_dict(rows, features=FEATURES)
-    assert sample_lengths(ds) == [3, 1, 2]
-    assert sample_lengths(ds.select([2, 0])) == [2, 3]

@@ -213,16 +213,6 @@ def load_heldout_dir(out_dir: str | Path) -> datasets.Dataset | None:
     return _checked_columns(datasets.load_from_disk(str(path)), path)
 
 
-def sample_lengths(ds: datasets.Dataset) -> list[int]:
-    """Token count of every sample, read from the Arrow list offsets (no token is decoded into Python)."""
-    import pyarrow.compute as pc
-
-    column = ds.data.column("input_ids")
-    if ds._indices is not None:  # a selected / shuffled view: lengths in the view's order
-        column = column.take(ds._indices.column(0))
-    return pc.list_value_length(column).to_pylist()
-
-
 def _checked_columns(ds: datasets.Dataset, path: Path) -> datasets.Dataset:
     missing = [c for c in COLUMNS if c not in ds.column_names]
     if missing:

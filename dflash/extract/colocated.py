@@ -45,11 +45,6 @@ class ColocatedFeatureSource:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def lengths(self) -> list[int]:
-        from dflash.data.dataset import sample_lengths
-
-        return sample_lengths(self.dataset)
-
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.get_many([index])[0]
 

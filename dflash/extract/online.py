@@ -363,12 +363,6 @@ class OnlineFeatureSource:
     def __len__(self) -> int:
         return self.stream.plan.num_samples
 
-    def lengths(self) -> list[int]:
-        """The sample lengths the stream's plan groups by (the trainer's plan must be the same)."""
-        if self.stream.plan.lengths is None:
-            raise ValueError("this stream's plan was built without sample lengths (group_by_length=0)")
-        return list(self.stream.plan.lengths)
-
     def _advance(self, g: int) -> int:
         while g < self.stream.num_items and self.stream.item(g)[2] != self.rank:
             g += 1

@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
-from dflash.data.dataset import load_dataset_dir, sample_lengths
 from dflash.extract.capture import bytes_per_token
 from dflash.extract.feature_cache import FeatureCache, cached_epochs
 from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
@@ -49,14 +48,12 @@ class OnlineCapture:
         """Written after training: tells the capture nodes' supervisors that this session is over."""
         return os.path.join(self.run_dir, "capture_logs", "done.json")
 
-    def source(self, settings, rank: int, world_size: int, pools: list):
+    def source(self, settings, rank: int, world_size: int, pools: list, lengths: tuple[int, ...] | None = None):
         """This rank's OnlineFeatureSource; rank 0 first empties the spool and starts the capture workers (appended
-        to `pools` as soon as they run, so the caller stops them whatever happens next)."""
+        to `pools` as soon as they run, so the caller stops them whatever happens next). `lengths`: every sample's
+        token count when settings.group_by_length (the trainer's plan is built from the same)."""
         c, t = self.cfg.capture, self.cfg.target
         info = read_json(os.path.join(self.dirs["features"], "online.json"))
-        lengths = None
-        if settings.group_by_length:
-            lengths = tuple(sample_lengths(load_dataset_dir(info["data"])))
         plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
                          settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
         stream = ItemStream(plan, epochs=settings.epochs)

@@ -39,7 +39,8 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     """Capture this worker's share of the stream described by `spec`; return its throughput counters."""
     import torch
 
-    from dflash.data.dataset import load_dataset_dir, sample_lengths
+    from dflash.data.dataset import load_dataset_dir
+    from dflash.extract.capture import sample_lengths
     from dflash.extract.online import CaptureWorker, ItemStream, Spool
     from dflash.models.targets import load_target
     from dflash.train.batches import BatchPlan
@@ -53,7 +54,7 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     dataset = load_dataset_dir(spec["data"])
     group = int(p.get("group_by_length", 0))
     plan = BatchPlan(p["num_samples"], p["micro_batch_size"], p["world_size"], p["grad_accum"], p["seed"],
-                     group_by_length=group, lengths=tuple(sample_lengths(dataset)) if group else None)
+                     group_by_length=group, lengths=tuple(sample_lengths(dataset).tolist()) if group else None)
     stream = ItemStream(plan, epochs=int(spec["epochs"]))
     spool = Spool(spec["spool"], num_workers=int(spec["num_workers"]))
     capture = CaptureWorker(adapter, dataset, spool, stream, list(spec["layer_ids"]),

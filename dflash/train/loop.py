@@ -182,12 +182,13 @@ def resolve_peak_tflops(value: float | str | None, device: torch.device) -> floa
 def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
           frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *, rank: int,
           world_size: int, device: torch.device, show_progress: bool = True,
-          heldout: HeldoutSet | None = None) -> dict[str, torch.Tensor]:
+          heldout: HeldoutSet | None = None, lengths: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
 
     store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
     frozen_head: the target's (embedding weight, lm_head weight); heldout: evaluated every
     settings.eval_every steps and at the last step, the best weights kept in checkpoint_dir/best.
+    lengths: every sample's token count, needed by settings.group_by_length.
     """
     if heldout is None and settings.eval_every:
         raise ValueError(f"eval_every={settings.eval_every} needs a held-out set (data.heldout > 0)")
@@ -195,14 +196,9 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         heldout.check(drafter_config)
     entered = time.perf_counter()
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
-    lengths = None
-    if settings.group_by_length:
-        if not hasattr(store, "lengths"):
-            raise ValueError(f"group_by_length={settings.group_by_length} needs a store with lengths(); "
-                             f"{type(store).__name__} has none")
-        lengths = tuple(store.lengths())
     plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed,
-                     group_by_length=settings.group_by_length, lengths=lengths)
+                     group_by_length=settings.group_by_length,
+                     lengths=tuple(lengths) if settings.group_by_length and lengths is not None else None)
     total_steps = plan.steps_per_epoch * settings.epochs
     if settings.max_steps is not None:
         if settings.max_steps < 1:
