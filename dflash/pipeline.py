@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.run_files import container, fingerprint, mark_done, read_json, stage_done, write_json
+from dflash.run_files import (
+    claim_checkpoint_dir, container, fingerprint, mark_done, read_json, stage_done, write_json, write_text,
+)
 
 STAGES = ("data", "capture", "train", "eval")
 
@@ -173,8 +175,7 @@ class Pipeline:
 
             init_distributed()
         if self.rank == 0:
-            with open(os.path.join(self.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
+            write_text(os.path.join(self.run_dir, "config.yaml"), OmegaConf.to_yaml(self.cfg, resolve=True))
         stages = list(self.cfg.stages)
         if self.rank == 0 and "data" in stages:
             timed("data", self.data)
@@ -201,7 +202,9 @@ class Pipeline:
         # The mask token only enters the drafter, so it belongs to the train fingerprint, not here.
         target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
         # Both generation engines give the target's own tokens (equal in fp32): switching them redoes nothing.
-        data = {k: v for k, v in container(self.cfg.data).items() if k not in ("engine", "compile_step", "refill")}
+        # Nor do the engine's speed settings (rows per batch included: each prompt samples from its own stream).
+        speed_only = ("engine", "compile_step", "refill", "batch_size")
+        data = {k: v for k, v in container(self.cfg.data).items() if k not in speed_only}
         return fingerprint(data, target)
 
     def data(self) -> None:
@@ -223,6 +226,11 @@ class Pipeline:
                               engine=str(d.get("engine", "auto")), compile_step=bool(d.get("compile_step", False)),
                               refill=bool(d.get("refill", True)))
         print(f"[data] {stats}")
+        if stats["failed"]:
+            # Not marked done: the next run of this stage retries them (the rest comes from the journal).
+            print(f"[data] {stats['failed']} prompt(s) failed (errors above and in stats.json); the stages go on "
+                  "without them, and running the data stage again retries them")
+            return
         mark_done(out, key, stats=stats)
 
     def capture_fingerprint(self) -> str:
@@ -330,13 +338,18 @@ class Pipeline:
             group_by_length=int(t.get("group_by_length", 0)),
         )
 
-    def train_fingerprint(self) -> str:
+    def checkpoint_fingerprint(self) -> str:
+        """What the checkpoints of a run depend on. The rank count is not part of it: a run resumes on another
+        number of ranks (the checkpoints are converted)."""
         # Settings that change neither the math nor the data are left out, so changing them never retrains.
         skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing",
                 "compile")
         train = {k: v for k, v in container(self.cfg.train).items() if k not in skip}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),
-                           self.cfg.target.mask_token_id, container(self.cfg.deepspeed), self.world_size)
+                           self.cfg.target.mask_token_id, container(self.cfg.deepspeed))
+
+    def train_fingerprint(self) -> str:
+        return fingerprint(self.checkpoint_fingerprint(), self.world_size)
 
     def train(self) -> None:
         from dflash.eval.export import export_zlab
@@ -353,6 +366,11 @@ class Pipeline:
                 print(f"[train] up to date: {out}")
             return
         rank, world_size, _ = init_distributed()
+        if rank == 0:
+            moved = claim_checkpoint_dir(self.dirs["checkpoints"], self.checkpoint_fingerprint())
+            if moved:
+                print(f"[train] checkpoints of other settings moved aside to {moved}; training starts afresh")
+        self.barrier()
         shape = read_json(os.path.join(self.dirs["features"], "target.json"))
         config = drafter_config(self.cfg, shape)
         logging = self.cfg.logging

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,25 +20,61 @@ def fingerprint(*parts: Any) -> str:
 
 
 def stage_done(folder: str, key: str) -> bool:
+    """Whether `folder` holds a done marker for `key`; an unreadable marker counts as not done (redo the stage)."""
     path = os.path.join(folder, "done.json")
-    if not os.path.exists(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("fingerprint") == key
+    except (OSError, ValueError, AttributeError):
         return False
-    with open(path, encoding="utf-8") as f:
-        return json.load(f).get("fingerprint") == key
 
 
 def mark_done(folder: str, key: str, **info: Any) -> None:
-    tmp = os.path.join(folder, "done.json.tmp")
+    write_json(os.path.join(folder, "done.json"), {"fingerprint": key, **info})
+
+
+def write_text(path: str, text: str) -> None:
+    """Write `text` to `path` atomically: a reader sees the old file or the whole new one, also after a crash."""
+    tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"fingerprint": key, **info}, f, indent=2)
-    os.replace(tmp, os.path.join(folder, "done.json"))
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_json(path: str, value: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(value, indent=2))
+
+
+CHECKPOINT_KEY = "fingerprint.json"
+
+
+def claim_checkpoint_dir(directory: str, key: str) -> str | None:
+    """Make `directory` hold checkpoints of the training run fingerprinted `key` only.
+
+    Checkpoints written under other settings (or before checkpoints carried a fingerprint) would be resumed as if
+    they were this run's: a run whose settings changed would load the old final step and export the old weights.
+    They are moved aside, never deleted, to `<directory>.<old key>` (a numbered suffix if that exists); returns
+    where they went, or None when nothing had to move.
+    """
+    marker = os.path.join(directory, CHECKPOINT_KEY)
+    moved = None
+    if os.path.isdir(directory) and os.listdir(directory):
+        try:
+            old = read_json(marker).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            old = None
+        if old == key:
+            return None
+        base = f"{directory}.{old or 'unfingerprinted'}"
+        moved, n = base, 1
+        while os.path.exists(moved):
+            moved, n = f"{base}.{n}", n + 1
+        os.replace(directory, moved)
+    os.makedirs(directory, exist_ok=True)
+    write_json(marker, {"fingerprint": key})
+    return moved
 
 
 def read_json(path: str) -> Any:
@@ -45,5 +82,42 @@ def read_json(path: str) -> Any:
         return json.load(f)
 
 
+def read_json_or_none(path: str | os.PathLike) -> Any:
+    """The JSON at `path`, or None when it is not there (yet) or is being replaced at this instant."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def container(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+OWNER_MARKER = ".made-by-dflash"
+
+
+def make_owned_dir(path: str) -> None:
+    """Create `path` (if needed) and mark it as a folder dflash may empty and delete (remove_owned_dir)."""
+    os.makedirs(path, exist_ok=True)
+    marker = os.path.join(path, OWNER_MARKER)
+    if not os.path.exists(marker):
+        write_text(marker, "this folder is written and deleted by dflash\n")
+
+
+def remove_owned_dir(path: str, run_dir: str | None = None) -> None:
+    """Delete `path`, a working folder a user may name (a spool, a feature cache), only if dflash made it.
+
+    A folder inside `run_dir` is the run's own. Elsewhere, a folder that holds anything and lacks the marker of
+    make_owned_dir is someone else's (say capture.cache_dir pointed at a disk's root): ValueError, nothing
+    deleted. A missing or empty folder is fine.
+    """
+    if not os.path.isdir(path):
+        return
+    inside = run_dir is not None and os.path.commonpath([os.path.abspath(path), os.path.abspath(run_dir)]) == \
+        os.path.abspath(run_dir)
+    if not inside and os.listdir(path) and not os.path.exists(os.path.join(path, OWNER_MARKER)):
+        raise ValueError(f"{path} holds files that dflash did not write (no {OWNER_MARKER}); it would be emptied "
+                         "here: name a new or empty folder for it")
+    shutil.rmtree(path)

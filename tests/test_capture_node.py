@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dflash.config import compose
-from dflash.extract.capture_node import node_share, node_spec
+from dflash.extract.capture_node import node_share, node_spec, supervise
 from dflash.pipeline import Pipeline
 
 EXTERNAL = ["+experiment=tiny", "show_progress=false", "capture=online", "capture.threads=1",
@@ -45,6 +45,16 @@ def test_node_spec_names_the_devices_each_worker_sees(tmp_path):
     assert on_gpus["device"] == ["cuda:0", "cuda:1"] and on_gpus["session"] == "s1"
     on_cpu = json.loads(node_spec(dict(spec, gpus_per_worker=1), tmp_path / "spec.json", 0, None).read_text())
     assert on_cpu["device"] == "cpu" and (tmp_path / "spec-node0.json").is_file()
+
+
+def test_a_supervisor_started_after_its_session_ended_starts_no_workers(tmp_path):
+    # A late start or a requeue after training: done.json names the spec's session, so there is nothing to do.
+    spec = {"session": "s1", "gpus_per_worker": 1, "num_workers": 2, "log_dir": str(tmp_path / "logs"),
+            "stale_after_s": 60}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "done.json").write_text(json.dumps({"session": "s1"}))
+    assert supervise(tmp_path / "spec.json", 0, 1, None, wait_s=5.0, poll_s=0.01) == 0
+    assert not (tmp_path / "logs").exists()  # no worker was started
 
 
 @pytest.mark.parametrize("override, message", [

@@ -219,9 +219,9 @@ def test_response_stops_at_the_first_stop_token(tiny, tmp_path, monkeypatch):
         assert record["response_ids"] == [40, 41, stop] and record["finish"] == "stop"
 
 
-def test_a_failing_generation_is_counted_and_retried_later(tiny, tmp_path, monkeypatch):
-    prompts = make_prompts(5)
-    bad = tuple(prompt_ids(tiny.tokenizer, prompts[2].messages))
+def failing_on(tiny, prompt: Prompt):
+    """tiny.model.generate that raises (as out of memory would) on any batch holding `prompt`."""
+    bad = tuple(prompt_ids(tiny.tokenizer, prompt.messages))
     real = tiny.model.generate
 
     def generate(input_ids, attention_mask, **kwargs):
@@ -230,7 +230,13 @@ def test_a_failing_generation_is_counted_and_retried_later(tiny, tmp_path, monke
                 raise RuntimeError("simulated out of memory")
         return real(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
-    monkeypatch.setattr(tiny.model, "generate", generate)
+    return generate
+
+
+def test_a_failing_generation_is_counted_and_retried_later(tiny, tmp_path, monkeypatch):
+    prompts = make_prompts(5)
+    real = tiny.model.generate
+    monkeypatch.setattr(tiny.model, "generate", failing_on(tiny, prompts[2]))
     journal = tmp_path / "j.jsonl"
     stats = regenerate(prompts, tiny, journal, **GEN)
     assert (stats["total"], stats["done"], stats["skipped"], stats["failed"]) == (5, 4, 0, 1)
@@ -238,6 +244,34 @@ def test_a_failing_generation_is_counted_and_retried_later(tiny, tmp_path, monke
     monkeypatch.setattr(tiny.model, "generate", real)
     stats = regenerate(prompts, tiny, journal, **GEN)
     assert (stats["done"], stats["failed"], stats["generated"]) == (5, 0, 1)
+
+
+def test_a_build_with_failed_prompts_is_not_reused_but_retried(tiny, tmp_path, monkeypatch):
+    prompts = make_prompts(4)
+    real = tiny.model.generate
+    monkeypatch.setattr(tiny.model, "generate", failing_on(tiny, prompts[1]))
+    first = build_dataset(prompts, tiny, tmp_path, **GEN)
+    assert (first["failed"], first["samples"]) == (1, 3)
+    monkeypatch.setattr(tiny.model, "generate", real)
+    second = build_dataset(prompts, tiny, tmp_path, **GEN)
+    assert (second["failed"], second["samples"], second["generated_tokens"] > 0) == (0, 4, True)
+    third = build_dataset(prompts, tiny, tmp_path, **GEN)
+    assert third == second  # complete now: reused
+
+
+def test_answers_finished_before_an_interrupt_are_journaled(tiny, tmp_path, monkeypatch):
+    import dflash.data.regenerate as regenerate_module
+
+    def two_then_interrupted(adapter, pending, *args):
+        yield 0, [40, 41]
+        yield 1, [42]
+        raise KeyboardInterrupt  # Ctrl-C while the third answer is generated
+
+    monkeypatch.setattr(regenerate_module, "_hf_results", two_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(make_prompts(5), tiny, tmp_path / "j.jsonl", **GEN)  # 2 answers < a batch of 3: not yet written
+    records = read_journal(tmp_path / "j.jsonl")[1]
+    assert len(records) == 2 and all(r["status"] == "done" for r in records.values())
 
 
 def test_sampling_is_seeded_and_leaves_the_global_rng_alone(tiny, tmp_path):

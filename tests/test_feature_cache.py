@@ -99,3 +99,15 @@ def test_pipeline_with_and_without_the_cache_trains_the_offline_losses(tmp_path,
         assert f"feature cache {'on' if mode == 'true' else 'off'}" in out.getvalue()
         assert not (run_dir / "spool").exists()
         shutil.rmtree(run_dir)
+
+
+@pytest.mark.multiproc
+def test_a_resumed_run_keeps_the_cache_decision_it_started_with(tmp_path, data_dir):
+    # Started with the cache off: a restart that turned it on would look for first-epoch features never kept.
+    run_dir = new_run(tmp_path, data_dir)
+    Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "capture.cache=false"])).run()
+    (run_dir / "export" / "done.json").unlink()  # as if killed after the last checkpoint: the train stage resumes
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "capture.cache=true"])).run()
+    assert "feature cache off, as when this run started" in out.getvalue()
+    assert not list((run_dir / "feature_cache").glob("s*.safetensors"))

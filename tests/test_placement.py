@@ -194,7 +194,8 @@ def test_gpus_per_worker_setting():
     assert rank_devices(1, 2) == ["cuda:2", "cuda:3"]
 
 
-def test_worker_pool_gives_each_worker_its_gpus(tmp_path):
+def test_worker_pool_gives_each_worker_its_gpus(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # indices are physical ids without a mask
     pool = WorkerPool(str(tmp_path / "spec.json"), 2, str(tmp_path), devices=[4, 5, 6, 7], gpus_per_worker=2)
     assert [pool.visible_devices(w) for w in range(2)] == ["4,5", "6,7"]
     assert WorkerPool(str(tmp_path / "spec.json"), 2, str(tmp_path), devices=[4, 5]).visible_devices(1) == "5"

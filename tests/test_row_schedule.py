@@ -89,6 +89,12 @@ def test_every_prompt_decoded_once_in_input_order(refill):
         assert [len(g) for g in fake.admitted] == [5] * 8  # plain batches of 5 rows
 
 
+def test_an_admit_minimum_above_the_row_count_still_decodes_every_prompt():
+    lengths, budgets, answers = [5, 9, 3, 7, 4], [4] * 5, [2, 6, 3, 1, 5]
+    _, results, _ = run(2, lengths, budgets, answers, True, check_every=1, admit_min=4)
+    assert results == [[i] * min(a, b) for i, (a, b) in enumerate(zip(answers, budgets))]
+
+
 def test_spans_follow_the_longest_running_row():
     # Long prompts first, then short ones: the span shrinks once the long ones are done, never below a running
     # row's column (FakeRows asserts that).

@@ -109,7 +109,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
     instead of out_dir/dataset. Returns the stats: the regeneration counts (total = done + skipped + failed),
     training samples written, held-out samples written (only with heldout > 0), samples dropped for having no
-    loss token, and token counts. A finished build with the same fingerprint is reused.
+    loss token, and token counts. A finished build with the same fingerprint and no failed prompt is reused.
     """
     if heldout < 0 or (heldout and heldout >= len(prompts)):
         raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
@@ -124,7 +124,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     stats_path, dataset_path, heldout_path = out_dir / "stats.json", out_dir / "dataset", out_dir / "heldout"
     if stats_path.exists() and dataset_path.exists() and (heldout_path.exists() or not heldout):
         previous = json.loads(stats_path.read_text(encoding="utf-8"))
-        if previous.get("fingerprint") == fp:
+        # A build with failed prompts is redone: they are retried (the journal keeps everything that finished).
+        if previous.get("fingerprint") == fp and not previous.get("failed"):
             logger.info("%s is up to date (fingerprint %s); not rebuilding", dataset_path, fp[:12])
             return previous
     # A stale stats.json next to a replaced dataset would claim the wrong fingerprint.

@@ -1,8 +1,9 @@
 """Regenerate the responses with the target itself, resumably.
 
 The drafter must imitate the target's own distribution (dflash-notes.md section 4), so every prompt is answered
-by the target. Finished prompts go to an append-only JSON-lines journal, fsynced per batch: an interrupted run
-restarts where it stopped and never generates a prompt twice.
+by the target. Finished prompts go to an append-only JSON-lines journal, fsynced every batch's worth of prompts
+(or every few seconds): an interrupted run restarts where it stopped and never generates a journaled prompt again.
+A hard kill loses at most the answers finished since the last write; the next run generates those.
 
 Journal lines: a header {"header": {...settings}} first, then one record per finished prompt:
 {"id", "prompt_set", "status": "done", "prompt_len", "response_ids", "finish": "stop" | "length"} or
@@ -244,18 +245,21 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
     journal_path = Path(journal_path)
     journal, done_ids = _open_journal(journal_path, settings)
-    static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
-
     done = sum(1 for p in prompts if p.id in done_ids)
     skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
     pending = []
     todo = [p for p in prompts if p.id not in done_ids]
     template_started = time.perf_counter()
-    for p, ids_p in zip(todo, prompt_ids_many(tokenizer, [p.messages for p in todo])):
-        if len(ids_p) + 1 > max_length:
-            skipped.append((p.id, len(ids_p)))
-        else:
-            pending.append((p, ids_p))
+    try:
+        static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
+        for p, ids_p in zip(todo, prompt_ids_many(tokenizer, [p.messages for p in todo])):
+            if len(ids_p) + 1 > max_length:
+                skipped.append((p.id, len(ids_p)))
+            else:
+                pending.append((p, ids_p))
+    except BaseException:
+        journal.close()  # a template or engine error: no handle left open
+        raise
     template_s = time.perf_counter() - template_started
     if skipped:
         logger.warning("skipped %d prompt(s) longer than max_length - 1 = %d tokens, e.g. %s", len(skipped),
@@ -301,6 +305,10 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
         write_journal()
         generate_s = time.perf_counter() - started
     finally:
+        # Finished answers are kept even when the run stops by an exception (Ctrl-C included); only a hard kill
+        # loses the last unwritten batch's worth, which the next run regenerates.
+        if lines:
+            write_journal()
         journal.close()
         if progress is not None:
             progress.close()

@@ -87,7 +87,8 @@ def run_schedule(decoder: RowDecoder, lengths: list[int], budgets: list[int], *,
     step = 0
     while True:
         free = [r for r in range(rows) if occupant[r] is None]
-        ready = len(free) == rows if not refill else len(free) >= min(admit_min, len(pending))
+        # All rows free always admits: an admit_min above the row count must not leave prompts undecoded.
+        ready = len(free) == rows or (refill and len(free) >= min(admit_min, len(pending)))
         if pending and ready:
             take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
             decoder.admit(free[: len(take)], take)

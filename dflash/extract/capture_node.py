@@ -23,15 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash.extract.online_workers import WorkerPool
+from dflash.run_files import read_json_or_none
 
 POLL_S = 1.0
-
-
-def read_json_or_none(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or replaced this instant
-        return None
 
 
 def node_share(num_workers: int, node: int, nodes: int) -> tuple[int, int]:
@@ -69,6 +63,10 @@ def supervise(spec_path: Path, node: int, nodes: int, devices: list[int] | None,
                 print(f"[capture-node {node}] session {session} done", flush=True)
                 return 0
             if spec is not None and spec.get("session") != session:
+                if done is not None and done.get("session") == spec.get("session"):
+                    # Started (or requeued) after the trainer finished: there is nothing left to capture.
+                    print(f"[capture-node {node}] session {spec['session']} is already done", flush=True)
+                    return 0
                 if pool is not None:
                     print(f"[capture-node {node}] the trainer restarted: session {spec['session']}", flush=True)
                     pool.kill()

@@ -24,7 +24,9 @@ from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
 from dflash.extract.online_workers import WorkerPool
 from dflash.extract.store import store_dtype
 from dflash.models.targets.placement import resolve_gpus_per_worker
-from dflash.run_files import container, read_json, write_json
+from dflash.run_files import (
+    container, make_owned_dir, read_json, read_json_or_none, remove_owned_dir, write_json,
+)
 from dflash.train.batches import BatchPlan
 from dflash.train.checkpoints import latest_tag
 
@@ -69,7 +71,8 @@ class OnlineCapture:
         cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
         if rank == 0:
             # Consumed items are gone, so every start streams afresh from the step training resumes at.
-            shutil.rmtree(spool_dir, ignore_errors=True)
+            remove_owned_dir(spool_dir, self.run_dir)
+            make_owned_dir(spool_dir)
             shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
             os.makedirs(log_dir, exist_ok=True)
             session = uuid.uuid4().hex[:12]
@@ -80,7 +83,15 @@ class OnlineCapture:
                     if os.path.exists(stale):
                         os.remove(stale)
             resume_step = self.resume_step()
-            use_cache = self.decide_feature_cache(info, cache_dir, fresh=resume_step == 0)
+            if resume_step:
+                # The epochs already passed decided it: with the cache off then, later epochs have nothing cached
+                # for the samples read before the restart; with it on, the workers captured the first epoch only.
+                previous = read_json_or_none(os.path.join(log_dir, "cache.json"))
+                use_cache = bool(previous and previous["cache"])
+                cache_dir = previous["dir"] if use_cache else cache_dir
+                print(f"[online] feature cache {'on' if use_cache else 'off'}, as when this run started")
+            else:
+                use_cache = self.decide_feature_cache(info, cache_dir)
             write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir})
             spool = Spool(spool_dir, num_workers)
             spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)
@@ -118,21 +129,22 @@ class OnlineCapture:
         self.barrier()
         spool_dir = read_json(os.path.join(log_dir, "spec.json"))["spool"]
         cache = None
-        if read_json(os.path.join(log_dir, "cache.json"))["cache"]:
-            cache = FeatureCache(cache_dir)
+        decided = read_json(os.path.join(log_dir, "cache.json"))
+        if decided["cache"]:
+            cache = FeatureCache(decided["dir"])
         return OnlineFeatureSource(Spool(spool_dir, num_workers), stream, rank, timeout_s=float(c.timeout_s),
                                    hopeless=pools[0].failed if pools else None, cache=cache)
 
-    def decide_feature_cache(self, info: dict, cache_dir: str, *, fresh: bool) -> bool:
+    def decide_feature_cache(self, info: dict, cache_dir: str) -> bool:
         """capture.cache: keep the first epoch's features for the later ones when the disk holds them (rank 0).
 
-        A fresh run (no checkpoint) starts from an empty cache: what a folder holds from an earlier run is not this
-        run's. A resumed run keeps it, since the epochs it already passed will not be captured again.
+        Decided when a run starts (no checkpoint), from an empty cache: what a folder holds from an earlier run is
+        not this run's. A resumed run keeps its decision and its cache (source), since the epochs it already passed
+        will not be captured again.
         """
         c = self.cfg.capture
-        if fresh:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        os.makedirs(cache_dir, exist_ok=True)
+        remove_owned_dir(cache_dir, self.run_dir)
+        make_owned_dir(cache_dir)
         shape = read_json(os.path.join(self.dirs["features"], "target.json"))
         taps = len(info["target_layer_ids"])
         tokens = int(read_json(os.path.join(self.dirs["data"], "stats.json"))["num_tokens"])
@@ -184,12 +196,16 @@ class OnlineCapture:
             stats = self._external_stats(log_dir, int(spec["num_workers"]), float(c.stale_after_s))
         else:
             stats = pool.stats()
-        shutil.rmtree(self.spool_dir)
+        remove_owned_dir(self.spool_dir, self.run_dir)
         capture_tokens = sum(s["tokens"] for s in stats)
         capture_s = sum(s["capture_s"] for s in stats)
+        if capture_s <= 0 or source.tokens_read == 0:
+            # A start that resumed at the last step (killed while exporting, say) streamed nothing to measure.
+            print("[online] nothing was captured in this start: no throughput to report")
+            return
         # Worker-seconds measure one worker, which holds pool.gpus_per_worker GPUs: the rate per device divides.
         gpus = int(spec["gpus_per_worker"])
-        capture_rate = capture_tokens / capture_s / gpus if capture_s > 0 else float("nan")
+        capture_rate = capture_tokens / capture_s / gpus
         trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
         capture_devices = int(spec["num_workers"]) * gpus
         total = capture_devices + world_size

@@ -122,11 +122,24 @@ class WorkerPool:
             log.close()
 
     def visible_devices(self, worker: int) -> str:
-        """CUDA_VISIBLE_DEVICES of `worker`: its `gpus_per_worker` consecutive entries of `devices`, e.g. "2,3"."""
+        """CUDA_VISIBLE_DEVICES of `worker`: its `gpus_per_worker` consecutive entries of `devices`, e.g. "2,3".
+
+        `devices` are indices as this process sees them; under a CUDA_VISIBLE_DEVICES of its own (a scheduler's
+        mask, say "4,5,6,7") index d is that mask's d-th entry, so the worker lands on the GPU this process meant.
+        """
         if self.devices is None:
             raise ValueError("this pool runs on the CPU: its workers have no GPUs")
         g = self.gpus_per_worker
-        return ",".join(str(d) for d in self.devices[worker * g:(worker + 1) * g])
+        mine = self.devices[worker * g:(worker + 1) * g]
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if parent is None or not parent.strip():
+            return ",".join(str(d) for d in mine)
+        visible = [entry.strip() for entry in parent.split(",")]
+        outside = [d for d in mine if not 0 <= int(d) < len(visible)]
+        if outside:
+            raise ValueError(f"capture devices {outside} are not among the {len(visible)} GPU(s) of "
+                             f"CUDA_VISIBLE_DEVICES={parent!r}")
+        return ",".join(visible[int(d)] for d in mine)
 
     def start(self, poll_s: float = 0.5) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +186,8 @@ class WorkerPool:
         return self.failure if self.all_dead else None
 
     def join(self, timeout_s: float) -> None:
-        """Wait for the workers to finish (they exit once every item is consumed); RuntimeError when one does not.
+        """Wait for the workers to finish (they exit once every item is consumed); one still running after
+        `timeout_s` is stopped and reported.
 
         Called once training has read every item, so a worker that died (killed, say, after its last chunk was
         taken over, and before the watcher restarted it) cost nothing: it is reported, not raised.
@@ -188,8 +202,12 @@ class WorkerPool:
                 try:
                     code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"capture worker {wid} did not exit {timeout_s} s after training ended; "
-                                       f"log: {self.log_dir}/w{wid}.log") from None
+                    # Training has read every item, so the worker has nothing left to give (a restarted one may
+                    # still be loading its target): stop it rather than fail a finished stage.
+                    print(f"[online] capture worker {wid} still ran {timeout_s:.0f} s after training ended; "
+                          f"stopped (no sample was missing). Log: {self.log_dir}/w{wid}.log", flush=True)
+                    _stop_processes([process])
+                    continue
                 if code != 0:
                     print(f"[online] capture worker {wid} exited with code {code}; training had read every item, "
                           f"so no sample was lost. Last lines of {self.log_dir}/w{wid}.log:\n"
@@ -199,21 +217,26 @@ class WorkerPool:
         """Stop every worker still running: SIGTERM, then SIGKILL after a grace period."""
         self._stop.set()
         with self._lock:
-            running = [p for p in self.processes if p is not None and p.poll() is None]
-            for process in running:
-                process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + _STOP_GRACE_S
-            for process in running:
-                try:
-                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            _stop_processes([p for p in self.processes if p is not None])
 
     def stats(self) -> list[dict[str, Any]]:
         """Throughput counters written by every worker life that finished."""
         folder = self.log_dir / "stats"
         return [json.loads(p.read_text()) for p in sorted(folder.glob("w*.json"))] if folder.is_dir() else []
+
+
+def _stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to those still running, then SIGKILL to any still running after a grace period."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for process in running:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 if __name__ == "__main__":

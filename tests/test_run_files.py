@@ -1,0 +1,61 @@
+"""Run-folder files: done markers and the fingerprint that ties checkpoints to their run's settings."""
+
+import json
+import os
+
+import pytest
+
+from dflash.run_files import claim_checkpoint_dir, make_owned_dir, mark_done, remove_owned_dir, stage_done
+
+
+def test_checkpoints_of_other_settings_are_moved_aside_never_deleted(tmp_path):
+    folder = str(tmp_path / "checkpoints")
+    assert claim_checkpoint_dir(folder, "aaa") is None  # a fresh folder is claimed
+    (tmp_path / "checkpoints" / "latest").write_text("step4")
+    assert claim_checkpoint_dir(folder, "aaa") is None  # same settings: kept, so the run resumes
+    assert (tmp_path / "checkpoints" / "latest").is_file()
+
+    assert claim_checkpoint_dir(folder, "bbb") == f"{folder}.aaa"
+    assert (tmp_path / "checkpoints.aaa" / "latest").read_text() == "step4"
+    assert os.listdir(folder) == ["fingerprint.json"]
+    assert json.loads((tmp_path / "checkpoints" / "fingerprint.json").read_text()) == {"fingerprint": "bbb"}
+
+
+def test_unfingerprinted_checkpoints_are_moved_aside_with_a_numbered_name_when_taken(tmp_path):
+    folder = tmp_path / "checkpoints"
+    (tmp_path / "checkpoints.unfingerprinted").mkdir()
+    folder.mkdir()
+    (folder / "latest").write_text("step2")
+    assert claim_checkpoint_dir(str(folder), "ccc") == f"{folder}.unfingerprinted.1"
+    assert (tmp_path / "checkpoints.unfingerprinted.1" / "latest").read_text() == "step2"
+
+
+def test_an_unreadable_done_marker_means_the_stage_is_redone(tmp_path):
+    mark_done(str(tmp_path), "key")
+    assert stage_done(str(tmp_path), "key") and not stage_done(str(tmp_path), "other")
+    (tmp_path / "done.json").write_text('{"fingerprint": "ke')  # torn by a crash of an older writer
+    assert not stage_done(str(tmp_path), "key")
+    (tmp_path / "done.json").write_text("[]")
+    assert not stage_done(str(tmp_path), "key")
+
+
+def test_a_named_working_folder_is_deleted_only_if_dflash_made_it(tmp_path):
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "scratch"
+    (elsewhere / "someone").mkdir(parents=True)
+    (elsewhere / "someone" / "thesis.tex").write_text("years of work")
+    with pytest.raises(ValueError, match="holds files that dflash did not write"):
+        remove_owned_dir(str(elsewhere), str(run_dir))
+    assert (elsewhere / "someone" / "thesis.tex").is_file()
+
+    made = tmp_path / "spool"
+    make_owned_dir(str(made))
+    (made / "item").write_text("x")
+    remove_owned_dir(str(made), str(run_dir))
+    assert not made.exists()
+    remove_owned_dir(str(made), str(run_dir))  # already gone: fine
+
+    inside = run_dir / "feature_cache"  # the run's own folder, e.g. left by a run from before the marker
+    inside.mkdir(parents=True)
+    (inside / "0.safetensors").write_text("x")
+    remove_owned_dir(str(inside), str(run_dir))
+    assert not inside.exists()
