@@ -5,7 +5,10 @@
 
 Both compute sum_i w_i CE_i over `rows` block positions through a frozen [vocab, hidden] head and the gradient for
 the hidden states (forward + backward, timed together, median of --steps):
-  head_cross_entropy: the trainer's path (dflash/train/head_cross_entropy.py), logits made once per chunk;
+  head_cross_entropy: the trainer's path (dflash/train/head_cross_entropy.py), logits made once per chunk, the
+                      softmax / CE / argmax / gradient logits of each chunk in one compiled function on CUDA (the
+                      warm-up step compiles it);
+  eager_chunks:       the same with that chunk function in eager torch (what runs on CPU);
   checkpointed:       autograd over chunks under activation checkpointing, logits upcast to float32, the way the
                       trainer computed it before (each chunk's logits made twice).
 Prints one JSON object: per shape and path, milliseconds, TFLOP/s by 4 x rows x vocab x hidden (logits + hidden
@@ -26,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.train.head_cross_entropy import head_cross_entropy  # noqa: E402
+from dflash.train.head_cross_entropy import head_cross_entropy, head_loss  # noqa: E402
 
 SHAPES = {  # rows = query positions with a loss in one step
     "smollm2": dict(rows=16 * 256 * 15, hidden=576, vocab=49152),
@@ -53,6 +56,11 @@ def fused_loss(hidden, head, labels, weights, chunk_size):
     return (ce * weights).sum()
 
 
+def eager_chunk_loss(hidden, head, labels, weights, chunk_size):
+    terms, _, _ = head_loss(hidden, head, labels, chunk_size, fused=False)
+    return (terms * weights).sum()
+
+
 def measure(shape: dict, device: torch.device, dtype: torch.dtype, steps: int, chunk_size: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     head = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
@@ -61,7 +69,8 @@ def measure(shape: dict, device: torch.device, dtype: torch.dtype, steps: int, c
     weights = torch.rand(shape["rows"], generator=generator).to(device)
     flops = 4.0 * shape["rows"] * shape["vocab"] * shape["hidden"]
     result = {}
-    for name, loss_fn in (("head_cross_entropy", fused_loss), ("checkpointed", checkpointed_loss)):
+    paths = (("head_cross_entropy", fused_loss), ("eager_chunks", eager_chunk_loss), ("checkpointed", checkpointed_loss))
+    for name, loss_fn in paths:
         times, grads = [], None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -11,6 +11,8 @@ Each path runs in its own subprocess (so peak memory is its own) through the rea
 TFLOP/s use the formula of dflash/train/step_metrics.py (6 x layer params x query positions + 4 x vocab x hidden x
 query positions + 6 x (fc + context k/v params) x context positions); MFU divides by a bf16 8192^3 matmul measured
 at the start of the same run. On CPU FlexAttention has no backward in torch, so --tiny runs the SDPA paths only.
+peak_gib is the peak allocated over the timed steps, resident_gib what stays allocated between steps (weights,
+fp32 master, Adam state, frozen embedding and head): their difference is what one step adds.
 """
 
 from __future__ import annotations
@@ -101,8 +103,10 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
         "loss_mask": torch.ones(shape["seq"], dtype=torch.long),
         "hidden": torch.randn(shape["seq"], shape["taps"] * shape["hidden"], generator=generator).to(dtype),
     } for _ in range(batch)]
+    # As the trainer does on CUDA: the features in page-locked memory, copied to the GPU in every step.
     micro = prepare_micro_batch(samples, [(i, True) for i in range(batch)], epoch=0, seed=0,
-                                num_anchors=shape["anchors"], block_size=shape["block"], gamma=7.0)
+                                num_anchors=shape["anchors"], block_size=shape["block"], gamma=7.0,
+                                pin_memory=device.type == "cuda")
     queries = batch * shape["anchors"] * shape["block"]
     chunk = queries if path == "sdpa_full" else loss_chunk
     settings = TrainSettings(epochs=1, micro_batch_size=batch, grad_accum=1, lr=6e-4, weight_decay=0.0,
@@ -119,7 +123,10 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
         loss = train_step(engine, embed, lm_head, [micro], settings, 1, settings.attention)["loss"]
         first_loss = loss if first_loss is None else first_loss
     sync()
+    resident = None
     if device.type == "cuda":
+        # Between steps only what outlives a step is allocated: weights, master copy, Adam state, frozen head.
+        resident = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(steps):
@@ -138,6 +145,7 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
               "activation_checkpointing": activation_checkpointing, "batch": batch, "compile": compile}
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        result["resident_gib"] = round(resident / 2**30, 2)
     return result
 
 

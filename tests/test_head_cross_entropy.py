@@ -94,3 +94,43 @@ def test_kl_without_target_states_is_refused():
         head_loss(hidden, head, labels, kl_weight=0.5)
     with pytest.raises(ValueError, match="kl_weight must be in"):
         head_loss(hidden, head, labels, kl_weight=1.5, target_hidden=hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_chunks_give_the_eager_loss_gradient_and_accuracy(dtype):
+    # The CUDA default, forced on CPU: the compiled chunk against the eager one (two chunk lengths, one graph).
+    hidden, head, labels, row_weights = case(dtype, seed=4)
+    results = []
+    for fused in (False, True):
+        leaf = hidden.clone().requires_grad_()
+        terms, ce, correct = head_loss(leaf, head, labels, 8, fused=fused)
+        (terms * row_weights).sum().backward()
+        results.append((terms, ce, correct, leaf.grad))
+    (terms, ce, correct, grad), (fused_terms, fused_ce, fused_correct, fused_grad) = results
+    torch.testing.assert_close(fused_terms, terms, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_ce, ce, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused_correct, correct)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused_grad, grad, rtol=1e-5, atol=1e-6)
+    else:  # one bf16 rounding of the gradient logits apart at most
+        assert (fused_grad.float() - grad.float()).abs().max() <= 0.01 * grad.float().abs().max()
+    with pytest.raises(ValueError, match="CE only"):
+        head_loss(hidden, head, labels, 8, torch.zeros_like(hidden), 0.5, fused=True)
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_chunk(monkeypatch):
+    import dflash.train.head_cross_entropy as module
+
+    def broken(*args, **kwargs):
+        def fail(*a, **k):
+            raise RuntimeError("inductor assertion on this GPU")
+        return fail
+
+    monkeypatch.setattr(module, "_compiled_ce_chunk", None)
+    monkeypatch.setattr(module.torch, "compile", broken)
+    logits, labels = torch.randn(5, 11), torch.tensor([0, 3, 10, 2, 2])
+    with pytest.warns(UserWarning, match="compiled CE chunk failed"):
+        got = module.compiled_ce_chunk()(logits, labels)
+    for a, b in zip(got, module.ce_chunk(logits, labels)):
+        assert torch.equal(a, b)
+    assert module.compiled_ce_chunk() is module.ce_chunk  # the rest of the process runs eagerly

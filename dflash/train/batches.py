@@ -84,20 +84,22 @@ class BatchPlan:
         return result
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def collate(samples: list[dict[str, torch.Tensor]], pin_memory: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad input_ids / loss_mask / hidden (and target_final when the samples have it) to the longest sample.
 
     Padding has loss_mask 0. The hidden states stay on the device they come from (a colocated target's GPU, or the
-    CPU).
+    CPU). pin_memory (CUDA only): the padded CPU tensors are allocated in page-locked memory, so the copy to the
+    GPU is one asynchronous DMA instead of a staged pageable copy, and costs no second host copy.
     """
     longest = max(s["input_ids"].shape[0] for s in samples)
     batch = len(samples)
-    input_ids = torch.zeros(batch, longest, dtype=torch.long)
-    loss_mask = torch.zeros(batch, longest, dtype=torch.long)
+    input_ids = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
+    loss_mask = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
     padded = {"input_ids": input_ids, "loss_mask": loss_mask}
     for key in ["hidden"] + (["target_final"] if "target_final" in samples[0] else []):
         first = samples[0][key]
-        padded[key] = torch.zeros(batch, longest, first.shape[-1], dtype=first.dtype, device=first.device)
+        padded[key] = torch.zeros(batch, longest, first.shape[-1], dtype=first.dtype, device=first.device,
+                                  pin_memory=pin_memory and first.device.type == "cpu")
     for row, sample in enumerate(samples):
         length = sample["input_ids"].shape[0]
         for key, tensor in padded.items():
@@ -110,7 +112,8 @@ def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generato
 
 
 def prepare_micro_batch(
-    store, slots: list[tuple[int, bool]], *, epoch: int, seed: int, num_anchors: int, block_size: int, gamma: float
+    store, slots: list[tuple[int, bool]], *, epoch: int, seed: int, num_anchors: int, block_size: int, gamma: float,
+    pin_memory: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Collated tensors plus anchors, labels and loss weights (zeroed for placeholder samples).
 
@@ -118,13 +121,29 @@ def prepare_micro_batch(
     the KL loss; train_step gathers its rows per block position.
 
     A store with `get_many` (colocated capture) fetches the micro-batch in one call: one target forward.
+    pin_memory (only when training on CUDA): every CPU tensor of the batch is page-locked, so train_step's copies
+    to the GPU are asynchronous (batch_to_device).
     """
     indices = [index for index, _ in slots]
     get_many = getattr(store, "get_many", None)
-    batch = collate(get_many(indices) if get_many is not None else [store[index] for index in indices])
+    batch = collate(get_many(indices) if get_many is not None else [store[index] for index in indices], pin_memory)
     generators = [anchor_generator(seed, epoch, index) for index, _ in slots]
     anchors, valid = sample_anchors(batch["loss_mask"], num_anchors, generators)
     valid &= torch.tensor([is_real for _, is_real in slots])[:, None]
     labels, weights = block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid, block_size, gamma)
-    batch.update(anchors=anchors, labels=labels, weights=weights)
+    small = {"anchors": anchors, "labels": labels, "weights": weights}
+    # Small (kilobytes), but a copy from pageable memory makes the host wait for the GPU stream to drain.
+    batch.update({k: v.pin_memory() if pin_memory and v.device.type == "cpu" else v for k, v in small.items()})
     return batch
+
+
+def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device,
+                    hidden_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of a micro-batch on `device` (hidden in `hidden_dtype`), copied without waiting for the GPU.
+
+    From pinned memory (prepare_micro_batch(pin_memory=True)) each copy is an asynchronous DMA queued on the
+    stream, so the host goes on launching the forward; a dtype change is then made on the GPU. On CPU nothing moves.
+    """
+    moved = {key: value.to(device, non_blocking=True) for key, value in batch.items() if key != "hidden"}
+    moved["hidden"] = batch["hidden"].to(device, hidden_dtype, non_blocking=True)
+    return moved

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
 from dflash.train.activation_checkpointing import apply_activation_checkpointing
-from dflash.train.batches import BatchPlan, prepare_micro_batch
+from dflash.train.batches import BatchPlan, batch_to_device, prepare_micro_batch
 from dflash.train.best_checkpoint import clear_best, read_best, write_best
 from dflash.train.checkpoints import load_checkpoint, resume_tag, save_checkpoint
 from dflash.train.compile_layers import compile_layers
@@ -112,24 +112,25 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     """
     device = engine.device
     local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting)
-                       for batch in micro_batches).to(device, torch.float32)
+                       for batch in micro_batches).to(device, torch.float32, non_blocking=True)
     total_weight = global_sum(local_weight).clamp_min(1e-12)
     block_size = micro_batches[0]["labels"].shape[-1]
     totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted
     for batch in micro_batches:
-        anchors = batch["anchors"].to(device)
-        hidden = training_forward(
-            engine, embed_weight, batch["input_ids"].to(device), batch["hidden"].to(device, engine.dtype),
-            anchors, attention=attention,
-        )
+        # Queued copies that never wait for the GPU (a blocking host-to-device copy stalls the host until the
+        # stream drains, leaving the GPU idle while the next kernels are launched).
+        batch = batch_to_device(batch, device, engine.dtype)
+        anchors = batch["anchors"]
+        hidden = training_forward(engine, embed_weight, batch["input_ids"], batch["hidden"], anchors,
+                                  attention=attention)
         target_hidden = None
         if settings.kl_weight > 0:
             if "target_final" not in batch:
                 raise ValueError(f"train.kl_weight={settings.kl_weight} needs the target's final hidden states "
                                  "(\"target_final\"), which only capture.mode=colocated provides")
-            target_hidden = block_target_hidden(batch["target_final"].to(device), anchors, block_size)
+            target_hidden = block_target_hidden(batch["target_final"], anchors, block_size)
         loss_sum, _, correct, counted = weighted_block_loss(
-            hidden, lm_head, batch["labels"].to(device), batch["weights"].to(device), settings.loss_chunk_size,
+            hidden, lm_head, batch["labels"], batch["weights"], settings.loss_chunk_size,
             settings.loss_weighting, settings.dpace_alpha, settings.kl_weight, target_hidden,
         )
         # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
@@ -137,17 +138,22 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
         engine.backward(scaled)
         engine.step()
         tokens = batch["input_ids"].shape[0] * batch["input_ids"].shape[1]
-        sizes = torch.tensor([tokens, batch["labels"].numel(), tokens], device=device, dtype=torch.float32)
-        totals += torch.cat([loss_sum.detach().reshape(1), sizes, correct, counted])
+        totals[0] += loss_sum.detach()
+        for index, size in ((1, tokens), (2, batch["labels"].numel()), (3, tokens)):
+            totals[index] += size  # a Python number goes to the kernel as an argument: no host-to-device copy
+        totals[4:] += torch.cat([correct, counted])
     totals = global_sum(totals)
     correct, counted = totals[4 : 4 + block_size], totals[4 + block_size :]
-    metrics = {"loss": (totals[0] / total_weight).item(), "tokens": totals[1].item()}
-    metrics["acc"] = (correct[1:].sum() / counted[1:].sum().clamp_min(1)).item()
-    accuracies = [(correct[k] / counted[k].clamp_min(1)).item() for k in range(1, block_size)]
+    # One device-to-host transfer for every logged figure (each .item() would be a separate wait for the GPU).
+    loss, tokens, queries, context, acc, *accuracies = torch.cat([
+        (totals[0] / total_weight).reshape(1), totals[1:4],
+        (correct[1:].sum() / counted[1:].sum().clamp_min(1)).reshape(1), correct[1:] / counted[1:].clamp_min(1),
+    ]).tolist()
+    metrics = {"loss": loss, "tokens": tokens, "acc": acc}
     for k, accuracy in enumerate(accuracies, start=1):
         metrics[f"acc_pos{k}"] = accuracy
     metrics["accept_len_est"] = expected_acceptance_length(accuracies)
-    metrics["flops"] = step_flops(engine.config, int(totals[2].item()), int(totals[3].item()))
+    metrics["flops"] = step_flops(engine.config, int(queries), int(context))
     return metrics
 
 
@@ -234,7 +240,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             micro_batches = [
                 prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed,
                                     num_anchors=settings.num_anchors, block_size=drafter_config.block_size,
-                                    gamma=settings.gamma)
+                                    gamma=settings.gamma, pin_memory=torch.device(device).type == "cuda")
                 for slots in plan.micro_batches(epoch, step_in_epoch, rank)
             ]
             metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
