@@ -2,12 +2,17 @@
 
     python bench/capture.py                      # one CUDA GPU, bf16, the full 27B shape (~60 GB of weights)
     python bench/capture.py --tiny               # CPU smoke check of the same code on a tiny qwen3_5 model
+    python bench/capture.py --conv torch fla --profile /tmp/capture.txt   # both GDN convs, a profile of each
 
 Measured in one run, on the same batches of real-length-distributed sequences (log-normal, median ~1.1k tokens,
 clipped to [64, 4096], grouped by length into right-padded batches of at most --batch-tokens tokens):
   * matmul:  a large bf16 matmul, the ceiling the layer stack's GEMMs can reach;
   * hf:      the base model with output_hidden_states=True (all 64 layers, every hidden state kept, no logits);
   * capture: TargetAdapter.capture (hooks on the 5 taps, stops after the deepest tap, no logits).
+--conv measures each listed causal conv1d of the GDN layers in turn (torch: transformers' choice, its torch
+reference unless causal-conv1d is installed; fla: flash-linear-attention's Triton kernel; auto: fla when it can).
+--profile PATH writes a torch.profiler table (device time sorted) of one capture batch per conv, and the run prints
+the conv and gated-delta-rule kernels that batch ran.
 Tokens/s counts real tokens (padding excluded). Model FLOPs per token = 2 x (linear-layer parameters of the layers
 that run) + causal attention scores and values of the full-attention layers; the GDN recurrence is left out
 (small next to the projections), so TFLOP/s slightly understates the work done.
@@ -18,14 +23,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 
 import torch
+import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.extract.capture import check_features, length_batches  # noqa: E402
+from dflash.models.targets.gdn_kernels import CONV_CHOICES  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
 from dflash.models.targets.tiny import build_builtin_tokenizer  # noqa: E402
 
@@ -143,6 +151,43 @@ def timed(run, batches: list, device: torch.device, warmup: bool) -> tuple[float
     return time.perf_counter() - start, tokens
 
 
+# Kernel (CUDA) or op (CPU) names of the causal conv1d and of the chunked gated delta rule, in the profile.
+GDN_KERNEL_PATTERN = re.compile(r"conv|delta|kkt|tril|inverse|l2norm|w_u|cumsum|chunk", re.IGNORECASE)
+
+
+def profile_batch(run, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, path: str) -> None:
+    """Profile one call of `run`, write its table (device time sorted; CPU time on the CPU) atomically to `path`
+    and print the conv / gated-delta-rule kernels that ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        run(ids, mask)
+        sync(device)
+    events = prof.key_averages()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(f"one capture batch {tuple(ids.shape)}, {int(mask.sum())} real tokens\n")
+        f.write(events.table(sort_by=key, row_limit=60, max_name_column_width=100))
+    os.replace(path + ".tmp", path)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    gdn = sorted((e for e in events if GDN_KERNEL_PATTERN.search(e.key) and getattr(e, key) > 0),
+                 key=lambda e: -getattr(e, key))
+    print(f"    profile written to {path}; conv / gated-delta-rule kernels that ran:")
+    for event in gdn[:12]:
+        print(f"      {getattr(event, key) / 1e3:9.1f} ms {100 * getattr(event, key) / total:5.1f}%  "
+              f"x{event.count:<5} {event.key[:110]}")
+
+
+def output_path(path: str, conv: str, batch_tokens: int, several_convs: bool, several_sizes: bool) -> str:
+    """`path` with ".<conv>" and ".<batch_tokens>" inserted before the extension when a run makes several."""
+    stem, ext = os.path.splitext(path)
+    return stem + (f".{conv}" if several_convs else "") + (f".{batch_tokens}" if several_sizes else "") + ext
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny qwen3_5 on CPU, float32 (a smoke check)")
@@ -153,6 +198,10 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed pass over the batches")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--conv", nargs="+", choices=CONV_CHOICES, default=["auto"],
+                        help="GDN causal conv1d(s) to measure, one after the other (default auto)")
+    parser.add_argument("--profile", metavar="PATH", default=None,
+                        help="write a torch.profiler table of one capture batch (per conv and batch size) here")
     args = parser.parse_args()
 
     if args.tiny:
@@ -172,13 +221,8 @@ def main() -> None:
     adapter = HybridTargetAdapter(model, build_builtin_tokenizer())
     lengths = draw_lengths(args.tokens, args.seed, 64 if not args.tiny else 8, args.max_length)
     mean_context = sum(n * (n + 1) / 2 for n in lengths) / sum(lengths)
-    try:
-        import fla  # noqa: F401
-        kernels = "flash-linear-attention"
-    except ImportError:
-        kernels = "torch GDN fallback"
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, dtype {dtype}, "
-          f"GDN kernels: {kernels}, torch {torch.__version__}")
+          f"torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"{len(lengths)} sequences, {sum(lengths)} tokens, mean length {sum(lengths) / len(lengths):.0f}, "
           f"taps {taps}")
 
@@ -198,19 +242,32 @@ def main() -> None:
         batches = make_batches(lengths, batch_tokens, shape["vocab_size"], device, args.seed)
         padded = sum(ids.numel() for ids, _, _ in batches)
         print(f"batch_tokens {batch_tokens}: {len(batches)} batches, {100 * (1 - sum(lengths) / padded):.1f}% padding")
-        # Random weights through 64 layers must still give finite, varying states, or the timing means nothing.
         ids, mask, _ = batches[0]
-        check_features(adapter.capture(ids, mask, taps), mask.sum(dim=1).tolist(),
-                       [str(i) for i in range(len(ids))], taps)
-        for name, run, flops in (("hf output_hidden_states", hf, flops_hf), ("capture", capture, flops_capture)):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            seconds, tokens = timed(run, batches, device, not args.no_warmup)
-            rate = tokens / seconds
-            memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
-                      if device.type == "cuda" else "")
-            print(f"{name:>24}: {rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOP/s "
-                  f"({100 * rate * flops / 1e12 / peak:.0f}% of the matmul){memory}")
+        reference = None
+        for conv in args.conv:
+            adapter.set_gdn_conv(conv)  # prints the conv and chunk kernels now in use
+            # Random weights through 64 layers must still give finite, varying states, or the timing means nothing.
+            features = adapter.capture(ids, mask, taps)
+            check_features(features, mask.sum(dim=1).tolist(), [str(i) for i in range(len(ids))], taps)
+            # Real tokens only, kept on the host so that the peak memory figures below do not include them.
+            features = features[mask.bool()].cpu().float()
+            if reference is None:
+                reference = (conv, features)
+            else:
+                error = (features - reference[1]).norm() / reference[1].norm()
+                print(f"    features vs conv {reference[0]}: relative difference {float(error):.2e}")
+            for name, run, flops in (("hf output_hidden_states", hf, flops_hf), ("capture", capture, flops_capture)):
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                seconds, tokens = timed(run, batches, device, not args.no_warmup)
+                rate = tokens / seconds
+                memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+                          if device.type == "cuda" else "")
+                print(f"{name:>24} [conv {conv}]: {rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOP/s "
+                      f"({100 * rate * flops / 1e12 / peak:.0f}% of the matmul){memory}")
+            if args.profile:
+                path = output_path(args.profile, conv, batch_tokens, len(args.conv) > 1, len(args.batch_tokens) > 1)
+                profile_batch(capture, ids, mask, device, path)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
 class TargetAdapter:
     """A frozen HF *ForCausalLM plus its tokenizer, with hook-based capture of decoder-layer outputs."""
 
+    # capture() / capture_with_final() leave the padding mask out (see `_run_decoder`): None = on CUDA inputs only.
+    drop_padding_mask: bool | None = None
+
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
         model.eval()
         model.requires_grad_(False)
@@ -137,6 +140,20 @@ class TargetAdapter:
         if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("attention_mask is not right-padded: capture assumes real tokens first, padding last")
 
+    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Run the decoder stack (no LM head) on a right-padded batch whose mask was checked.
+
+        On CUDA (or when `drop_padding_mask` is True) the mask is left out: under a causal mask a real token only
+        sees earlier positions, and with right padding those are all real, so the padding mask changes nothing on
+        real tokens: not in attention, not in the GDN recurrence or conv (both causal), not in MoE routing (per
+        token). Leaving it out spares building the [b, 1, T, T] mask, lets SDPA take its causal flash kernel
+        instead of the masked one, and skips the GDN layers' zeroing of padded states. Only the padded positions'
+        states change. On the CPU the mask is kept by default, so CPU results stay as they were.
+        """
+        drop = self.drop_padding_mask if self.drop_padding_mask is not None else input_ids.is_cuda
+        with torch.no_grad():
+            self.text_model()(input_ids=input_ids, attention_mask=None if drop else attention_mask, use_cache=False)
+
     def _install_hooks(self, layer_ids: list[int], store: dict[int, torch.Tensor], stop_at: int | None) -> list:
         layers = self.decoder_layers()
         handles = []
@@ -154,15 +171,15 @@ class TargetAdapter:
     ) -> torch.Tensor:
         """Features [b, T, K*H] of the taps in `layer_ids` order (right padding), without computing logits.
 
-        Runs the decoder stack only (never the LM head) and stops right after the deepest tap.
+        Runs the decoder stack only (never the LM head) and stops right after the deepest tap. Padded positions
+        hold unspecified states (see `_run_decoder`); real positions equal an unpadded forward's.
         """
         ids = self.check_layer_ids(layer_ids)
         self.check_right_padding(attention_mask)
         store: dict[int, torch.Tensor] = {}
         handles = self._install_hooks(ids, store, stop_at=max(ids))
         try:
-            with torch.no_grad():
-                self.text_model()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self._run_decoder(input_ids, attention_mask)
         except _StopForward:
             pass
         finally:
@@ -185,8 +202,7 @@ class TargetAdapter:
         handles = self._install_hooks(ids, store, stop_at=None)
         handles.append(self.text_model().norm.register_forward_hook(lambda _module, _args, out: final.append(out)))
         try:
-            with torch.no_grad():
-                self.text_model()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self._run_decoder(input_ids, attention_mask)
         finally:
             for handle in handles:
                 handle.remove()
