@@ -185,6 +185,9 @@ def test_gpus_per_worker_setting():
     assert resolve_gpus_per_worker(2, tiny, num_devices=4) == 2
     assert resolve_gpus_per_worker("auto", tiny, num_devices=4, gpu_bytes=10 * size) == 1
     assert resolve_gpus_per_worker("auto", tiny, num_devices=4, gpu_bytes=size) == 2  # 80% of a GPU is usable
+    # A float32 target weighs twice its bf16 size: "auto" counts the dtype it will load in.
+    assert resolve_gpus_per_worker("auto", dict(tiny, dtype="float32"), num_devices=4, gpu_bytes=2 * size) == 2
+    assert resolve_gpus_per_worker("auto", dict(tiny, dtype="auto"), num_devices=4, gpu_bytes=2 * size) == 1
     if not torch.cuda.is_available():
         assert resolve_gpus_per_worker("auto", tiny, num_devices=3) == 1
     with pytest.raises(ValueError, match="does not divide the 3 capture GPU"):

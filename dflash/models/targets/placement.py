@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.models.targets.base import resolve_dtype
+
 # Share of each GPU left free by `gpus_per_worker` for activations, the captured features and the CUDA context.
 DEFAULT_RESERVE = 0.2
 
@@ -208,15 +210,17 @@ def resolve_gpus_per_worker(setting: int | str | None, target: dict[str, Any], n
                             gpu_bytes: int | None = None) -> int:
     """`capture.gpus_per_worker` as a number that divides `num_devices` (the capture GPUs).
 
-    An int is taken as given; "auto" (or None) asks `gpus_per_worker` with the target's bf16 weight bytes and the
-    memory of GPU 0 (all capture GPUs are assumed alike); without CUDA it is 1.
+    An int is taken as given; "auto" (or None) asks `gpus_per_worker` with the target's weight bytes in the dtype
+    it loads in on a GPU (`target.dtype`; "auto" is bf16) and the memory of GPU 0 (all capture GPUs are assumed
+    alike); without CUDA it is 1.
     """
     if setting is None or str(setting) == "auto":
         if gpu_bytes is None:
             if not torch.cuda.is_available():
                 return 1
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-        count = gpus_per_worker(target_bytes(target), gpu_bytes)
+        count = gpus_per_worker(target_bytes(target, resolve_dtype(str(target.get("dtype", "auto")), "cuda")),
+                                gpu_bytes)
     else:
         try:
             count = int(setting)
