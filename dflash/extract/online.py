@@ -174,12 +174,18 @@ class Spool:
             return False
 
     def claim(self, chunk: int) -> tuple[int, int, int] | None:
-        """(generation, owner, share) of a chunk's newest claim, or None when unclaimed."""
-        found = sorted(self.path.glob(f"claims/c{chunk:09d}.*"), key=lambda p: int(p.suffix[1:]))
-        if not found:
+        """(generation, owner, share) of a chunk's newest claim, or None when unclaimed.
+
+        Generations are made one after the other (0, then the newest + 1 on a takeover), so probing 0, 1, ... finds
+        the newest with a stat per generation, where listing the claims folder would grow with the run.
+        """
+        generation = 0
+        while (self.path / "claims" / f"c{chunk:09d}.{generation}").exists():
+            generation += 1
+        if generation == 0:
             return None
-        owner, share = (int(x) for x in found[-1].read_text().split())
-        return int(found[-1].suffix[1:]), owner, share
+        owner, share = (int(x) for x in (self.path / "claims" / f"c{chunk:09d}.{generation - 1}").read_text().split())
+        return generation - 1, owner, share
 
     def try_claim(self, chunk: int, generation: int, owner: int, share: int) -> bool:
         """Create claim `generation` of `chunk` atomically, content included; False when another worker made it
@@ -243,12 +249,19 @@ class CaptureWorker:
     def chunk_items_of(self, chunk: int) -> range:
         return range(chunk * self.chunk_items, min((chunk + 1) * self.chunk_items, self.stream.num_items))
 
-    def chunk_bytes(self, chunk: int) -> int:
-        return sum(self.lengths[self.stream.item(g)[1]] * self.token_bytes + _FILE_OVERHEAD_BYTES
-                   for g in self.chunk_items_of(chunk))
+    def item_bytes(self, g: int) -> int:
+        return self.lengths[self.stream.item(g)[1]] * self.token_bytes + _FILE_OVERHEAD_BYTES
 
-    def _capture(self, chunk: int, share: int) -> None:
-        """Capture the chunk's unfinished items into `share` (finished ones are kept, never redone)."""
+    def chunk_bytes(self, chunk: int) -> int:
+        return sum(self.item_bytes(g) for g in self.chunk_items_of(chunk))
+
+    def _capture(self, chunk: int, share: int, generation: int) -> None:
+        """Capture the chunk's unfinished items into `share` (finished ones are kept, never redone).
+
+        Written only while this worker's claim (`generation`) is the chunk's newest: a worker wrongly judged dead
+        (a stalled disk, a suspended process) that another has taken over from stops writing, and an item that
+        was finished meanwhile is not written again after a trainer consumed it.
+        """
         todo = [g for g in self.chunk_items_of(chunk) if not self.spool.finished(self.stream, g)]
         if not todo:
             return
@@ -268,13 +281,20 @@ class CaptureWorker:
             }
             if "scales" in arrays:
                 tensors["scales"] = arrays["scales"][start:end].contiguous()
+            claim = self.spool.claim(chunk)
+            if claim is None or claim[:2] != (generation, self.worker):
+                return  # taken over: the new owner writes the rest
+            if self.spool.finished(self.stream, g):
+                continue
             _write_item(self.spool, share, g, tensors, self.worker)
         self.tokens_captured += int(offsets[-1])
         self.items_captured += len(todo)
         self.capture_s += time.perf_counter() - started
 
     def _room(self, share: int, chunk: int) -> bool:
-        return self.spool.share_bytes(share) + self.chunk_bytes(chunk) <= self.share_budget
+        """Whether `share` holds the chunk's items still to write (a taken-over chunk may be partly written)."""
+        missing = sum(self.item_bytes(g) for g in self.chunk_items_of(chunk) if not self.spool.finished(self.stream, g))
+        return self.spool.share_bytes(share) + missing <= self.share_budget
 
     def run(self) -> None:
         """Capture until every item of the stream is written or consumed."""
@@ -305,7 +325,7 @@ class CaptureWorker:
                 if frontier < self.num_chunks and self._room(self.worker, frontier):
                     if self.spool.try_claim(frontier, 0, self.worker, self.worker):
                         mine.add(frontier)
-                        self._capture(frontier, self.worker)
+                        self._capture(frontier, self.worker, 0)
                     continue
                 time.sleep(_POLL_S)
         finally:
@@ -332,7 +352,7 @@ class CaptureWorker:
                 continue
             if self.spool.try_claim(c, generation + 1, self.worker, share):
                 mine.add(c)
-                self._capture(c, share)
+                self._capture(c, share, generation + 1)
                 return True
         return False
 
