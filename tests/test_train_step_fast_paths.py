@@ -85,3 +85,29 @@ def test_a_step_set_directly_is_placed_for_the_fused_kernel():
                                   "exp_avg_sq": torch.zeros(3)}
         steps_beside_params(optimizer)
         assert optimizer.state[param]["step"].dtype == want and optimizer.state[param]["step"].item() == 5.0
+
+
+def test_anchor_slots_no_sequence_uses_are_trimmed_without_changing_the_loss(monkeypatch):
+    import dflash.train.batches as batches
+
+    store = trainer_harness.synthetic_store()  # 7 to 22 valid anchors per sequence
+    slots = [(4, True), (5, True)]
+
+    def prepared():
+        return [prepare_micro_batch(store, slots, epoch=0, seed=0, num_anchors=64, block_size=4, gamma=4.0)]
+
+    trimmed = prepared()
+    assert trimmed[0]["anchors"].shape[1] == 32  # 22 used slots, rounded up to the quantum
+    monkeypatch.setattr(batches, "trim_anchor_padding", lambda anchors, valid: (anchors, valid))
+    padded = prepared()
+    assert padded[0]["anchors"].shape[1] == 64
+    assert torch.equal(padded[0]["anchors"][:, :32], trimmed[0]["anchors"])
+    assert not padded[0]["weights"][:, 32:].any()  # what was dropped weighed nothing
+
+    embed, lm_head = trainer_harness.frozen_head()
+    settings = trainer_harness.settings(micro_batch_size=2, grad_accum=1)
+    loss = {}
+    for name, batch in (("trimmed", trimmed), ("padded", padded)):
+        engine = make_engine(None)
+        loss[name] = train_step(engine, embed, lm_head, batch, settings, 1)["loss"]
+    assert abs(loss["trimmed"] - loss["padded"]) < 1e-5 * abs(loss["padded"])

@@ -111,6 +111,25 @@ def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generato
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + sample_index)
 
 
+# Anchor slots are trimmed to a multiple of this (x block size 16 = 512 query rows: whole 128-row flex tiles), so
+# the step sees few distinct shapes.
+ANCHOR_QUANTUM = 32
+
+
+def trim_anchor_padding(anchors: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the anchor slots that no sequence of the micro-batch uses (rounded up to ANCHOR_QUANTUM).
+
+    A sequence with fewer valid positions than num_anchors pads its slots at the end (sample_anchors), and a padded
+    block costs a full block of query rows in every layer for a loss weight of 0. Blocks never see each other, so
+    dropping slots that are padding in every row leaves every real block's output and loss as they were. With the
+    recipe's 256 anchors about a quarter of the slots are padding (short answers); how many a micro-batch can drop
+    depends on its longest answer.
+    """
+    slots = anchors.shape[1]
+    keep = min(slots, -(-max(int(valid.sum(dim=1).max()), 1) // ANCHOR_QUANTUM) * ANCHOR_QUANTUM)
+    return anchors[:, :keep], valid[:, :keep]
+
+
 def prepare_micro_batch(
     store, slots: list[tuple[int, bool]], *, epoch: int, seed: int, num_anchors: int, block_size: int, gamma: float,
     pin_memory: bool = False,
@@ -129,6 +148,7 @@ def prepare_micro_batch(
     batch = collate(get_many(indices) if get_many is not None else [store[index] for index in indices], pin_memory)
     generators = [anchor_generator(seed, epoch, index) for index, _ in slots]
     anchors, valid = sample_anchors(batch["loss_mask"], num_anchors, generators)
+    anchors, valid = trim_anchor_padding(anchors, valid)
     valid &= torch.tensor([is_real for _, is_real in slots])[:, None]
     labels, weights = block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid, block_size, gamma)
     small = {"anchors": anchors, "labels": labels, "weights": weights}

@@ -23,7 +23,8 @@ DEFAULT_TILE = 128  # the tile size the CUDA flex kernels are tuned for
 def _mask_mod(anchors: torch.Tensor, context_len: int, block_size: int, window: int | None):
     last_block = anchors.shape[1] - 1
     # A tensor, not an int: the compiled kernel would specialise (recompile) on every new padded length.
-    context_len = torch.tensor(context_len, device=anchors.device)
+    # Filled on the device: a tensor built from a host value is a host-to-device copy, which waits for the GPU.
+    context_len = torch.full((), context_len, dtype=torch.long, device=anchors.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         # Clamped: kernels may evaluate the padding rows of the last query tile.
