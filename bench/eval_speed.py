@@ -3,6 +3,7 @@
     python bench/eval_speed.py                                   # random drafter + oracle drafts, defaults below
     python bench/eval_speed.py --drafter runs/smollm2/export     # a trained drafter (z-lab folder), live + replay
     python bench/eval_speed.py --drafter runs/smollm2/export --live-drafters trained,oracle,random
+    python bench/eval_speed.py --drafter runs/smollm2/export --live-engine hf,static   # both target engines
     python bench/eval_speed.py --device cpu --replay-prompts 4 --live-prompts 2 --max-new-tokens 32   # smoke test
 
 Prints one JSON object (and writes it to --out when given). Live rows decode --live-prompts prompts one at a time,
@@ -13,6 +14,10 @@ speculative time per token. Drafters measured live (--live-drafters; default "tr
 - "oracle": the untrained drafter's forward still runs (same cost), but its logits are replaced by the target's
   own greedy tokens, so every draft is accepted (tau ~ block size): the most this loop can gain on this hardware;
 - "trained": the drafter of --drafter.
+Each drafter is measured with each target engine of --live-engine (comma list of auto, hf, static; live.py): "hf"
+drives the HF model over a DynamicCache, "static" a static KV cache whose verify and one-token steps replay CUDA
+graphs (what a serving engine does); rows are keyed "drafter/engine" and say which engine ran. Graph capture
+happens before each decode's clock starts, once per process.
 Each live row also decodes its first --profile-prompts prompts once more with a device sync around every phase of
 a step ("steps": seconds per phase: prefill, draft, verify, accept, rollback), kept out of the speedup.
 Replay: the exact greedy replay (the evaluator's `evaluate`) over --replay-prompts prompts x --max-new-tokens tokens
@@ -34,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.config import compose  # noqa: E402
 from dflash.data.prompts import load_prompts  # noqa: E402
+from dflash.data.static_decode import resolve_engine  # noqa: E402
 from dflash.eval import live  # noqa: E402
 from dflash.eval.evaluate import evaluate  # noqa: E402
 from dflash.eval.metrics import PhaseTimer  # noqa: E402
@@ -52,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replay-prompts", type=int, default=100)
     parser.add_argument("--live-prompts", type=int, default=8)
     parser.add_argument("--live-drafters", default=None, help="comma list of random, oracle, trained")
+    parser.add_argument("--live-engine", default="auto", help="comma list of auto, hf, static (target engines)")
     parser.add_argument("--profile-prompts", type=int, default=2, help="live prompts decoded again, phase by phase")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--replay-batch-size", type=int, default=64)
@@ -67,15 +74,16 @@ def untrained_drafter(adapter, block_size: int) -> DFlashDraftModel:
 
 
 def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, oracle: bool,
-             profile_prompts: int = 0) -> dict:
+             profile_prompts: int = 0, engine: str = "auto") -> dict:
     stop_ids = adapter.stop_token_ids()
     real_draft = live.draft_block_logits
     totals = {"target_seconds": 0.0, "target_tokens": 0, "speculative_seconds": 0.0, "speculative_tokens": 0,
               "steps": 0, "committed": 0, "lossless_mismatches": 0}
-    timer, profiled_steps = PhaseTimer(adapter.device), 0
+    timer, profiled_steps, engines = PhaseTimer(adapter.device), 0, set()
     try:
         for index, prompt in enumerate(prompts):
-            plain = live.target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+            plain = live.target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                                            target_engine=engine)
             if oracle:
                 truth = list(prompt) + plain.continuation
 
@@ -87,10 +95,12 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
                     return perfect
 
                 live.draft_block_logits = draft
-            result = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+            result = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                                      target_engine=engine)
+            engines.update((plain.engine, result.engine))
             if index < profile_prompts:
                 profiled = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens,
-                                            stop_token_ids=stop_ids, timer=timer)
+                                            stop_token_ids=stop_ids, timer=timer, target_engine=engine)
                 profiled_steps += profiled.trace.num_steps
             live.draft_block_logits = real_draft
             totals["target_seconds"] += plain.seconds
@@ -104,8 +114,9 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
         live.draft_block_logits = real_draft
     target_rate = totals["target_tokens"] / totals["target_seconds"]
     speculative_rate = totals["speculative_tokens"] / totals["speculative_seconds"]
-    row = {**totals, "tau": totals["committed"] / max(totals["steps"], 1), "target_tokens_per_s": target_rate,
-           "speculative_tokens_per_s": speculative_rate, "speedup": speculative_rate / target_rate,
+    row = {"engine": ",".join(sorted(engines)), **totals, "tau": totals["committed"] / max(totals["steps"], 1),
+           "target_tokens_per_s": target_rate, "speculative_tokens_per_s": speculative_rate,
+           "speedup": speculative_rate / target_rate,
            "target_ms_per_token": 1000 * totals["target_seconds"] / max(totals["target_tokens"], 1)}
     if profiled_steps:
         # Per speculative step (rollback only runs on steps that did not finish the decode); prefill per prompt.
@@ -130,6 +141,9 @@ def main() -> None:
     unknown = [n for n in names if n not in ("random", "oracle", "trained") or (n == "trained" and not args.drafter)]
     if unknown:
         raise ValueError(f"--live-drafters {unknown} unknown (random, oracle, trained; trained needs --drafter)")
+    engines = args.live_engine.split(",")
+    for engine in engines:
+        resolve_engine(engine, adapter)  # an unknown or unsupported engine fails here, before any timing
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(adapter.device) if adapter.device.type == "cuda" else "cpu",
@@ -139,16 +153,19 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens, "command": " ".join(sys.argv),
     }
     began = time.perf_counter()
-    # Warm-up: kernels and allocator for every shape the loops use.
-    live_row(drafters["random"], adapter, prompts[:1], min(args.max_new_tokens, 32), oracle=True, profile_prompts=1)
     live_prompts = prompts[: args.live_prompts]
     report["live"] = {}
-    for name in names:
-        drafter = drafters["random" if name == "oracle" else name]
-        report["live"][name] = live_row(drafter, adapter, live_prompts, args.max_new_tokens, name == "oracle",
-                                        args.profile_prompts)
-        # Partial results on stderr as they come, so a run cut short by a time limit still says something.
-        print(f"[eval_speed] live {name}: {json.dumps(report['live'][name])}", file=sys.stderr, flush=True)
+    for engine in engines:
+        # Warm-up: kernels and allocator for every shape the loops use.
+        live_row(drafters["random"], adapter, prompts[:1], min(args.max_new_tokens, 32), oracle=True,
+                 profile_prompts=1, engine=engine)
+        for name in names:
+            drafter = drafters["random" if name == "oracle" else name]
+            key = f"{name}/{engine}"
+            report["live"][key] = live_row(drafter, adapter, live_prompts, args.max_new_tokens, name == "oracle",
+                                           args.profile_prompts, engine)
+            # Partial results on stderr as they come, so a run cut short by a time limit still says something.
+            print(f"[eval_speed] live {key}: {json.dumps(report['live'][key])}", file=sys.stderr, flush=True)
     replay_drafter = drafters.get("trained", drafters["random"])
     evaluate(replay_drafter, adapter, {"warmup": prompts[:2]}, max_new_tokens=16, show_progress=False,
              batch_size=args.replay_batch_size)

@@ -487,7 +487,8 @@ class Pipeline:
                                show_progress=self.show_progress, mode=str(e.get("mode", "replay")),
                                temperature=float(e.get("temperature", 0.0)), seed=int(e.get("seed", 0)),
                                measure_target=bool(e.get("measure_target", True)), categories=categories,
-                               batch_size=int(e.get("batch_size", 8)), timer=timer)
+                               batch_size=int(e.get("batch_size", 8)), timer=timer,
+                               live_engine=str(e.get("live_engine", "auto")))
             summary["chat_template_kwargs"] = template_kwargs
             write_summary(summary, out)
             mark_done(out, key)

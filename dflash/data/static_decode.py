@@ -115,8 +115,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """The target's modules and attention shape, read once."""
+class TargetLayout:
+    """The target's modules and attention shape, read once (also used by eval/static_target.py)."""
 
     embed: nn.Module
     layers: nn.ModuleList
@@ -131,7 +131,7 @@ class _Layout:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, adapter) -> _Layout:
+    def of(cls, adapter) -> TargetLayout:
         text_model = adapter.text_model()
         attn = adapter.decoder_layers()[0].self_attn
         config = adapter.config
@@ -143,6 +143,14 @@ class _Layout:
             scaling=float(getattr(attn, "scaling", head_dim**-0.5)), device=torch.device(adapter.device),
             dtype=adapter.dtype,
         )
+
+    def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed_sin [length, head_dim] (see _rotate) of positions 0..length-1. Positions are looked up in
+        this table: elementwise the same numbers the rotary module gives per batch."""
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
+        half = self.head_dim // 2
+        return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     def project(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
         """q [b, H, t, D], k and v [b, kv, t, D] of hidden states h [b, t, hidden], RoPE applied (cos and signed_sin
@@ -167,7 +175,7 @@ class _Decoder:
     budget) freezes: it keeps writing at its last column and its tokens go to a scratch slot until it is refilled.
     """
 
-    def __init__(self, layout: _Layout, rows: int, length: int, stop_ids: list[int], temperature: float,
+    def __init__(self, layout: TargetLayout, rows: int, length: int, stop_ids: list[int], temperature: float,
                  top_p: float, use_graph: bool, compile_step: bool = False) -> None:
         self.layout, self.rows, self.length = layout, rows, length
         self.temperature, self.top_p = temperature, top_p
@@ -178,11 +186,7 @@ class _Decoder:
         self.columns = torch.arange(length, device=device)
         # Row r, kv head h, column c is row (r * kv_heads + h) * length + c of a cache viewed as [-1, head_dim].
         self.flat_base = (torch.arange(rows * lay.kv_heads, device=device) * length).view(rows, lay.kv_heads)
-        # Positions are looked up in a table: elementwise the same numbers the rotary module gives per batch.
-        probe = torch.zeros(1, device=device, dtype=lay.dtype)
-        cos, sin = lay.rotary(probe, self.columns[None])
-        half = lay.head_dim // 2
-        self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        self.cos, self.signed_sin = lay.rope_table(length)
         self.stops = torch.tensor(stop_ids, device=device, dtype=torch.long)
         self.tokens = torch.zeros(rows, device=device, dtype=torch.long)
         self.column = torch.zeros(rows, device=device, dtype=torch.long)
@@ -394,7 +398,7 @@ class StaticGenerator:
         reason = unsupported_reason(adapter)
         if reason is not None:
             raise ValueError(f"static decoding does not support this target: {reason}")
-        self.layout = _Layout.of(adapter)
+        self.layout = TargetLayout.of(adapter)
         self.vocab_size = int(adapter.vocab_size)
         on_cuda = self.layout.device.type == "cuda"
         if cuda_graphs and not on_cuda:

@@ -92,6 +92,19 @@ def block_hidden(
     return drafter.norm(hidden)
 
 
+def check_features(config, features: torch.Tensor) -> None:
+    """ValueError unless `features` [n, K*H] are target features of the drafter `config`'s taps."""
+    expected = config.num_taps * config.hidden_size
+    if features.dim() != 2 or features.shape[-1] != expected:
+        raise ValueError(f"features must be [n, {expected}], got {tuple(features.shape)}")
+
+
+def check_context(length: int) -> None:
+    """ValueError when a block would be drafted from an empty context."""
+    if length == 0:
+        raise ValueError("the drafter context is empty: extend() it with the prompt's features first")
+
+
 class CachedDrafter:
     """Drafts blocks for one sequence (batch 1); `extend` appends verified target features to the cached context."""
 
@@ -105,9 +118,7 @@ class CachedDrafter:
     @torch.inference_mode()
     def extend(self, features: torch.Tensor) -> None:
         """Append the target features [n, K*H] of the next n positions (length .. length+n-1) to the context."""
-        expected = self.config.num_taps * self.config.hidden_size
-        if features.dim() != 2 or features.shape[-1] != expected:
-            raise ValueError(f"features must be [n, {expected}], got {tuple(features.shape)}")
+        check_features(self.config, features)
         n = features.shape[0]
         positions = torch.arange(self.length, self.length + n, device=self.device)[None]
         new = context_keys_values(self.drafter, features[None], positions)
@@ -121,8 +132,7 @@ class CachedDrafter:
     def hidden(self, noise_embedding: torch.Tensor) -> torch.Tensor:
         """Drafter output [size, H] for the block whose embedding is `noise_embedding` [size, H], placed right
         after the cached context (anchor at position `length`)."""
-        if self.length == 0:
-            raise ValueError("the drafter context is empty: extend() it with the prompt's features first")
+        check_context(self.length)
         size = noise_embedding.shape[0]
         positions = torch.arange(self.length + size, device=self.device)[None]
         return block_hidden(self.drafter, noise_embedding[None], positions[:, self.length:], self.context,

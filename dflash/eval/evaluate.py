@@ -3,8 +3,8 @@
 Summary schema (summary.json, schema_version 2; docs/eval.md):
     {"schema_version": 2, "mode": "replay"|"live", "temperature": T, "block_size": B, "max_new_tokens": N,
      "prompt_sets": {name: metrics}, "overall": metrics}
-    (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, and "chat_template_kwargs"
-    when the pipeline writes it)
+    (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, "live_engine": "hf"|"static"
+    in live mode (the target engine that ran, live.py), and "chat_template_kwargs" when the pipeline writes it)
 where metrics = acceptance_metrics(...) (tau, tau_prompt_mean, acceptance_rate, per_position,
 committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_drafted) plus, in replay mode,
 greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dflash.data.static_decode import resolve_engine
 from dflash.eval.metrics import PhaseTimer, acceptance_metrics
 from dflash.eval.plots import plot_committed_histogram, plot_per_position
 from dflash.eval.live import live_decode, target_only_decode
@@ -122,6 +123,7 @@ def evaluate(
     measure_target: bool = True,
     categories: dict[str, list[str]] | None = None,
     timer: PhaseTimer | None = None,
+    live_engine: str = "auto",
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
 
@@ -133,6 +135,7 @@ def evaluate(
     `categories[name]` (optional) labels each prompt of set `name`; the summary then has
     "categories": {name: {label: acceptance metrics}} (MT-Bench categories, categories.py).
     `timer`: pass the PhaseTimer that `load_prompt_sets` filled so loading shows in summary["timing"] too.
+    `live_engine` (live mode): the target engine of both decodes, "auto" | "static" | "hf" (live.py).
     """
     if not prompt_sets:
         raise ValueError("prompt_sets is empty")
@@ -141,6 +144,7 @@ def evaluate(
     if mode == "replay" and temperature != 0:
         raise ValueError(f"replay mode is exact only at temperature 0, got {temperature}; use mode 'live'")
     check_compatible(drafter, adapter)
+    engine = resolve_engine(live_engine, adapter) if mode == "live" else None
     timer = timer if timer is not None else PhaseTimer(adapter.device)
     drafter.eval()
     block_size = drafter.config.block_size
@@ -172,7 +176,8 @@ def evaluate(
             else:
                 traces, extra = _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
                                           temperature=temperature, generator=generator,
-                                          measure_target=measure_target, progress=progress, timer=timer)
+                                          measure_target=measure_target, progress=progress, timer=timer,
+                                          engine=engine)
             per_set[name] = {**acceptance_metrics(traces, block_size), **_finish(extra)}
             if name in categories:
                 groups: dict[str, list] = {}
@@ -196,6 +201,8 @@ def evaluate(
         "prompt_sets": per_set,
         "overall": {**acceptance_metrics(all_traces, block_size), **_finish(pooled)},
     }
+    if engine is not None:
+        summary["live_engine"] = engine
     if per_category:
         summary["categories"] = per_category
     summary["timing"] = timer.summary()
@@ -203,7 +210,7 @@ def evaluate(
 
 
 def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress,
-              timer):
+              timer, engine):
     """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
     stop_ids = adapter.stop_token_ids()
     traces = []
@@ -214,14 +221,14 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
             extra["lossless_mismatches"] = 0
     for prompt in prompts:
         result = live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
-                             temperature=temperature, generator=generator)
+                             temperature=temperature, generator=generator, target_engine=engine)
         traces.append(result.trace)
         extra["speculative_seconds"] += result.seconds
         timer.add("live_speculative", result.seconds)
         extra["speculative_new_tokens"] += len(result.continuation)
         if measure_target:
             plain = target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
-                                       temperature=temperature, generator=generator)
+                                       temperature=temperature, generator=generator, target_engine=engine)
             extra["target_seconds"] += plain.seconds
             timer.add("live_target_only", plain.seconds)
             extra["target_new_tokens"] += len(plain.continuation)

@@ -9,6 +9,13 @@ The loop is the reference `dflash_generate` loop (docs/eval.md), run for real, o
    target_cache.py), the drafter context is extended with the features of the kept positions;
 4. until a stop token is committed or max_new_tokens tokens exist.
 At T=0 the committed tokens are the target's own greedy tokens (lossless) on dense and GDN hybrid targets.
+
+Engines (`target_engine`, also for target-only decoding): "hf" is CachedTarget, the HF model over a DynamicCache
+(every target), with CachedDrafter; "static" is StaticTarget (static_target.py), a static KV cache whose verify and
+one-token forwards replay CUDA graphs on CUDA, as a serving engine runs them (dense full-attention targets only),
+with StaticDrafter (static_drafter.py), the drafter context in static buffers with graphed extend and block steps;
+"auto" picks static on a supported CUDA target, else hf (static_decode.resolve_engine). The one-off graph capture
+happens before a decode's clock starts and is kept for later prompts.
 """
 
 from __future__ import annotations
@@ -19,21 +26,26 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.data.static_decode import resolve_engine
 from dflash.eval.drafter_cache import CachedDrafter
 from dflash.eval.metrics import PhaseTimer, StepTrace
 from dflash.eval.sampling import accept_greedy, accept_sampled, probabilities, sample
+from dflash.eval.static_drafter import StaticDrafter, static_drafter
+from dflash.eval.static_target import StaticTarget, static_target
 from dflash.eval.target_cache import CachedTarget
 from dflash.models.drafter import DFlashDraftModel
 
 
 @dataclass
 class LiveResult:
-    """One prompt's live decode: the new tokens, per-step records and wall time (seconds, device-synchronised)."""
+    """One prompt's live decode: the new tokens, per-step records, wall time (seconds, device-synchronised) and
+    the target engine that ran ("hf" or "static")."""
 
     prompt_len: int
     continuation: list[int]
     trace: StepTrace
     seconds: float
+    engine: str = "hf"
 
 
 def _synchronize(device: torch.device) -> None:
@@ -50,13 +62,22 @@ def _check(prompt: list[int], max_new_tokens: int, temperature: float) -> None:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
 
 
+def _target(adapter, layer_ids: list[int], engine: str, length: int, graph_size: int,
+            restore_linear: bool = True) -> tuple[CachedTarget | StaticTarget, str]:
+    """The cached target of one decode of at most `length` positions, and the engine it resolved to."""
+    engine = resolve_engine(engine, adapter)
+    if engine == "static":
+        return static_target(adapter, layer_ids, length=length, graph_sizes=(graph_size,)), engine
+    return CachedTarget(adapter, layer_ids, restore_linear=restore_linear), engine
+
+
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     if temperature == 0:
         return int(logits.argmax())
     return int(sample(probabilities(logits, temperature), generator))
 
 
-def draft_block_logits(context: CachedDrafter, adapter, anchor: int, size: int) -> torch.Tensor:
+def draft_block_logits(context: CachedDrafter | StaticDrafter, adapter, anchor: int, size: int) -> torch.Tensor:
     """Drafter logits [size - 1, V] for the block [anchor, MASK x (size-1)] placed after the cached context."""
     block = torch.full((size,), context.config.mask_token_id, dtype=torch.long, device=adapter.device)
     block[0] = anchor
@@ -77,9 +98,11 @@ def live_decode(
     generator: torch.Generator | None = None,
     restore_linear: bool = True,
     timer: PhaseTimer | None = None,
+    target_engine: str = "auto",
 ) -> LiveResult:
     """Speculative decoding of one prompt. `restore_linear=False` only exists to show that without the GDN state
-    rollback a hybrid target is not lossless (tests); `generator` must live on the target's device.
+    rollback a hybrid target is not lossless (tests; the static engine has nothing to restore);
+    `generator` must live on the target's device. `target_engine`: "auto" | "static" | "hf" (module docstring).
 
     `timer` (optional, for profiling) is charged per step with "live_prefill", "live_draft", "live_verify",
     "live_accept" and "live_rollback"; on CUDA each of those syncs the device, which slows the decode a little, so
@@ -92,11 +115,13 @@ def live_decode(
     def section(name: str) -> AbstractContextManager:
         return timer.phase(name) if timer is not None else nullcontext()
 
+    length = len(prompt) + max_new_tokens
+    target, engine = _target(adapter, config.target_layer_ids, target_engine, length, config.block_size,
+                             restore_linear)
+    context = static_drafter(drafter, length=length) if engine == "static" else CachedDrafter(drafter)
     _synchronize(adapter.device)
     began = time.perf_counter()
     with section("live_prefill"):
-        target = CachedTarget(adapter, config.target_layer_ids, restore_linear=restore_linear)
-        context = CachedDrafter(drafter)
         logits, features = target.forward(list(prompt), last_logits_only=True)
         context.extend(features)
         tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
@@ -137,7 +162,7 @@ def live_decode(
             context.extend(recomputed if recomputed is not None else verify_features[: accepted + 1])
         start += committed
     _synchronize(adapter.device)
-    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began)
+    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)
 
 
 @torch.inference_mode()
@@ -149,14 +174,17 @@ def target_only_decode(
     stop_token_ids: list[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    target_engine: str = "auto",
 ) -> LiveResult:
     """Plain autoregressive decoding with the same cached target forward (one token per forward): the baseline
-    of the speedup. Its trace has one 1-token step per forward after the prefill."""
+    of the speedup. Its trace has one 1-token step per forward after the prefill. `target_engine` as live_decode.
+    """
     _check(prompt, max_new_tokens, temperature)
     stops = set(stop_token_ids)
+    # No taps: the baseline pays for no feature hooks or copies.
+    target, engine = _target(adapter, [], target_engine, len(prompt) + max_new_tokens, 1)
     _synchronize(adapter.device)
     began = time.perf_counter()
-    target = CachedTarget(adapter, [])  # no taps: the baseline pays for no feature hooks
     logits, _ = target.forward(list(prompt), last_logits_only=True)
     tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
     trace = StepTrace()
@@ -165,4 +193,4 @@ def target_only_decode(
         tokens.append(_pick(logits[-1], temperature, generator))
         trace.add(1, 0, 0)
     _synchronize(adapter.device)
-    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began)
+    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)

@@ -87,6 +87,16 @@ def crop_attention(cache: Any, length: int) -> None:
         layer.values = layer.values[..., :length, :]
 
 
+def check_rollback(start: int, size: int, length: int, keep: int) -> None:
+    """ValueError unless keeping `keep` positions of a cache now `length` long directly follows a verify of
+    `size` positions from `start` and keeps at least its first position."""
+    if length != start + size:
+        raise ValueError(f"rollback must follow a verify directly; the cache grew to {length} positions "
+                         f"after a verify of {start}..{start + size - 1}")
+    if not start < keep <= length:
+        raise ValueError(f"rollback keeps {keep} positions; the last verify covered {start}..{length - 1}")
+
+
 class CachedTarget:
     """One sequence (batch 1) decoded through the target with a KV cache; every forward returns logits + features.
 
@@ -164,11 +174,7 @@ class CachedTarget:
         positions [keep - start, K*H] when the target has linear-attention layers and had to re-run, else None.
         """
         start = self._snapshot_length
-        if self.length != start + len(self._verify_ids):
-            raise ValueError(f"rollback must follow a verify directly; the cache grew to {self.length} positions "
-                             f"after a verify of {start}..{start + len(self._verify_ids) - 1}")
-        if not start < keep <= self.length:
-            raise ValueError(f"rollback keeps {keep} positions; the last verify covered {start}..{self.length - 1}")
+        check_rollback(start, len(self._verify_ids), self.length, keep)
         if keep == self.length:
             return None
         if self.restore_linear and self._snapshot and has_linear_layers(self.cache):

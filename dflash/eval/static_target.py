@@ -1,0 +1,156 @@
+"""The target side of live speculative decoding over a static KV cache, the way a serving engine runs it.
+
+CachedTarget (target_cache.py) drives the HF model over a DynamicCache: each forward re-dispatches hundreds of
+small kernels from Python, so on a GPU a small target is launch-bound and the measured speedup says more about
+Python than about the drafter. StaticTarget runs the target's own HF submodules under the attention math of
+static decoding (data/static_decode.py, TargetLayout) over one preallocated KV row. On CUDA the fixed-shape
+forwards (1 token for target-only decoding, block_size tokens for a verify) replay CUDA graphs, one per (tokens,
+attention span), all captured when the StaticTarget is built; a prefill (any length) and other sizes run eagerly.
+
+Column c of the cache holds position c. A forward of n tokens at `length` writes columns length..length+n-1 and
+each query attends over the columns up to its own position, so a rollback only sets `length`: the columns of
+rejected drafts are masked out until the next forward overwrites them. Dense full-attention targets only
+(supports_static_decode); GDN hybrids keep CachedTarget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dflash.data.row_schedule import round_up
+from dflash.data.static_decode import LENGTH_QUANTUM, TargetLayout, unsupported_reason
+from dflash.eval.graphs import capture_graphs, kept_for, replay
+from dflash.eval.target_cache import check_rollback
+
+# Cache lengths are rounded up to this, so prompts of similar lengths share one StaticTarget and its graphs.
+CAPACITY_QUANTUM = 1024
+
+Outputs = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class StaticTarget:
+    """One sequence (batch 1) through the target over a static KV cache of `capacity` positions.
+
+    Same interface as CachedTarget: `forward(ids)` appends ids (a list, or a 1-D tensor that may stay on the
+    device) at positions length.. and returns (logits [n, V], features [n, K*H] or None without `layer_ids`);
+    `verify(ids)` is forward remembering where it started; `rollback(keep)`, right after it, keeps the first
+    `keep` positions and returns None (nothing is recomputed). Features are those of capture(): layer id L = output
+    of decoder layer L. `graph_sizes`: forward sizes replayed as CUDA graphs (cuda_graphs None = on for CUDA).
+    """
+
+    @torch.inference_mode()
+    def __init__(self, adapter, layer_ids: list[int], capacity: int, graph_sizes: Sequence[int] = (),
+                 cuda_graphs: bool | None = None) -> None:
+        reason = unsupported_reason(adapter)
+        if reason is not None:
+            raise ValueError(f"the static live target does not support this target: {reason}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 position, got {capacity}")
+        self.layer_ids = adapter.check_layer_ids(layer_ids) if layer_ids else []
+        self.layout = lay = TargetLayout.of(adapter)
+        self.capacity = round_up(capacity, LENGTH_QUANTUM)
+        shape = (1, lay.kv_heads, self.capacity, lay.head_dim)
+        self.keys = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]
+        self.values = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]
+        self.cos, self.signed_sin = lay.rope_table(self.capacity)
+        self.columns = torch.arange(self.capacity, device=lay.device)
+        # `length` on the device: what a graph reads as the first position of its forward.
+        self.start = torch.zeros((), dtype=torch.long, device=lay.device)
+        self.length = 0
+        self._verified: tuple[int, int] | None = None
+        use_graphs = lay.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.graph_sizes = tuple(sorted({int(n) for n in graph_sizes if 0 < n <= self.capacity})) if use_graphs else ()
+        self._inputs = {n: torch.zeros(n, dtype=torch.long, device=lay.device) for n in self.graph_sizes}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
+        if self.graph_sizes:
+            spans = range(LENGTH_QUANTUM, self.capacity + 1, LENGTH_QUANTUM)
+            # The warm-up writes garbage into columns that a real forward writes before reading.
+            self._graphs = capture_graphs(
+                lay.device, [(n, span) for n in self.graph_sizes for span in spans if n <= span],
+                prepare=lambda shape: self.start.fill_(shape[1] - shape[0]),
+                run=lambda shape: self._run(self._inputs[shape[0]], shape[1], last_only=False))
+
+    def reset(self) -> None:
+        """An empty sequence (the cache columns are left as they are: nothing reads them before they are written)."""
+        self.length = 0
+        self._verified = None
+
+    def _run(self, ids: torch.Tensor, span: int, last_only: bool) -> Outputs:
+        """Forward ids [n] at positions start..start+n-1, attending over the first `span` columns."""
+        lay = self.layout
+        n = ids.shape[0]
+        positions = self.start + torch.arange(n, device=lay.device)
+        cos, signed_sin = self.cos[positions][None], self.signed_sin[positions][None]
+        groups = lay.heads // lay.kv_heads
+        # The query heads of one kv group act as groups x n query rows of that kv head (no copy of the cache), so
+        # the causal mask [n, span] is repeated per group; additive, made once per forward.
+        valid = (self.columns[:span] <= positions[:, None]).repeat(groups, 1)
+        bias = torch.zeros(valid.shape, device=lay.device, dtype=lay.dtype).masked_fill_(~valid, float("-inf"))
+        taps: dict[int, torch.Tensor] = {}
+        x = lay.embed(ids[None])
+        for index, (layer, keys, values) in enumerate(zip(lay.layers, self.keys, self.values)):
+            attn = layer.self_attn
+            q, k, v = lay.project(attn, layer.input_layernorm(x), cos, signed_sin)
+            keys.index_copy_(2, positions, k)
+            values.index_copy_(2, positions, v)
+            q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
+            context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=bias,
+                                                     scale=lay.scaling)
+            context = context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2).reshape(1, n, -1)
+            x = x + attn.o_proj(context)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if index in self.layer_ids:
+                taps[index] = x[0]
+        logits = lay.head(lay.norm(x[0, -1:] if last_only else x[0]))
+        return logits, torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int] | torch.Tensor, last_logits_only: bool = False) -> Outputs:
+        """Append `ids`; logits [n, V] (or [1, V] for the last position when last_logits_only) and features."""
+        n = len(ids)
+        if n == 0:
+            raise ValueError("StaticTarget.forward needs at least one token")
+        if self.length + n > self.capacity:
+            raise ValueError(f"{self.length} + {n} positions exceed the static cache of {self.capacity}")
+        device = self.layout.device
+        ids = ids.reshape(n).to(device) if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), device=device)
+        span = round_up(self.length + n, LENGTH_QUANTUM)
+        self.start.fill_(self.length)
+        entry = self._graphs.get((n, span))
+        if entry is None:
+            logits, features = self._run(ids, span, last_logits_only)
+        else:
+            graph, (logits, features) = entry
+            self._inputs[n].copy_(ids)
+            replay(graph, device)
+            # The graph's outputs are overwritten by its next replay: hand out copies.
+            logits = (logits[-1:] if last_logits_only else logits).clone()
+            features = features.clone() if features is not None else None
+        self.length += n
+        return logits, features
+
+    @torch.inference_mode()
+    def verify(self, ids: list[int] | torch.Tensor) -> Outputs:
+        """forward(ids), remembering where the block starts for rollback."""
+        self._verified = (self.length, len(ids))
+        return self.forward(ids)
+
+    def rollback(self, keep: int) -> None:
+        """Keep the first `keep` positions of the last verify (static columns: only the length changes)."""
+        if self._verified is None:
+            raise ValueError("rollback must follow a verify directly; there was no verify")
+        check_rollback(*self._verified, self.length, keep)
+        self.length = keep
+
+
+def static_target(adapter, layer_ids: list[int], *, length: int, graph_sizes: Sequence[int] = ()) -> StaticTarget:
+    """An empty StaticTarget for `adapter` with room for `length` positions, kept per (model, taps, graph sizes)
+    across calls so its graphs are captured once (rebuilt with a larger capacity when `length` outgrows it)."""
+    key = ("target", tuple(layer_ids), tuple(sorted(set(graph_sizes))))
+    target = kept_for(adapter.model, key, length, lambda: StaticTarget(
+        adapter, layer_ids, round_up(length, CAPACITY_QUANTUM), graph_sizes))
+    target.reset()
+    return target
