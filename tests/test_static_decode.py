@@ -257,6 +257,16 @@ def test_gdn_hybrids_are_refused(tiny_target, target):
         resolve_engine("fast", target("llama"))
 
 
+def test_a_target_placed_over_several_devices_is_refused(target, monkeypatch):
+    adapter = target("llama")
+    monkeypatch.setattr(adapter.model, "hf_device_map", {"model.layers.0": 0, "model.layers.1": 1}, raising=False)
+    assert not supports_static_decode(adapter)
+    with pytest.raises(ValueError, match=r"placed over several devices \['0', '1'\]"):
+        resolve_engine("static", adapter)
+    monkeypatch.setattr(adapter.model, "hf_device_map", {"": 0}, raising=False)  # one device: fine
+    assert supports_static_decode(adapter)
+
+
 @pytest.mark.parametrize("change, name", [
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=[3, 0]), "max_new_tokens"),
     (dict(max_new_tokens=[3]), "max_new_tokens has 1 budgets for 2 prompts"), (dict(batch_size=0), "batch_size"),

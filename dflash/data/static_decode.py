@@ -48,6 +48,11 @@ def unsupported_reason(adapter) -> str | None:
     """Why static decoding cannot run this target, or None when it can."""
     if adapter.model_type not in FAMILIES:
         return f"model_type {adapter.model_type!r} is not a dense family static decoding supports {FAMILIES}"
+    # The static engine keeps one KV cache on one device; a target placed layer-wise over several (accelerate's
+    # device map) would hand it keys from another GPU.
+    placed = sorted({str(d) for d in (getattr(adapter.model, "hf_device_map", None) or {}).values()})
+    if len(placed) > 1:
+        return f"the target is placed over several devices {placed}"
     text_model = adapter.text_model()
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(text_model, name):
