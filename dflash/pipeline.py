@@ -66,6 +66,9 @@ def validate(cfg: DictConfig) -> None:
                          f"instead, or use capture=offline or colocated")
     if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
         raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
+    if str(cfg.train.get("group_by", "tokens")) not in ("tokens", "work"):
+        raise ValueError(f"train.group_by={cfg.train.group_by!r}: expected 'tokens' (sample length) or 'work' "
+                         "(length + block_size x anchors trained)")
 
 
 # Target shape and drafter config ---------------------------------------------------------------------------------
@@ -338,6 +341,10 @@ class Pipeline:
             group_by_length=int(t.get("group_by_length", 0)),
         )
 
+    def group_by(self) -> str:
+        """train.group_by: the key train.group_by_length sorts samples by (capture.grouping_keys)."""
+        return str(self.cfg.train.get("group_by", "tokens"))
+
     def checkpoint_fingerprint(self) -> str:
         """What the checkpoints of a run depend on. The rank count is not part of it: a run resumes on another
         number of ranks (the checkpoints are converted)."""
@@ -382,12 +389,13 @@ class Pipeline:
         try:
             head = load_frozen_head(os.path.join(self.dirs["features"], "frozen_head.safetensors"))
             settings = self.train_settings()
-            lengths = None
+            lengths = None  # the grouping key of every sample (train.group_by), when batches are grouped
             if settings.group_by_length:  # from the token dataset: reading it costs nothing, unlike a store
                 from dflash.data.dataset import load_dataset_dir
-                from dflash.extract.capture import sample_lengths
+                from dflash.extract.capture import grouping_keys
 
-                lengths = tuple(sample_lengths(load_dataset_dir(self.dirs["data"])).tolist())
+                lengths = tuple(grouping_keys(load_dataset_dir(self.dirs["data"]), self.group_by(),
+                                              settings.num_anchors, config.block_size).tolist())
             if online:
                 from dflash.extract.online_stage import OnlineCapture
 

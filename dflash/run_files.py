@@ -55,8 +55,9 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
 
     Checkpoints written under other settings (or before checkpoints carried a fingerprint) would be resumed as if
     they were this run's: a run whose settings changed would load the old final step and export the old weights.
-    They are moved aside, never deleted, to `<directory>.<old key>` (a numbered suffix if that exists); returns
-    where they went, or None when nothing had to move.
+    They are moved aside to `<directory>.<old key>`, so going back to the old settings loses nothing (move the
+    folder back). Only the latest moved-aside folder is kept: optimizer state is large (~25 GB per 27B-recipe
+    checkpoint), and every settings change would add one. Returns where they went, or None when nothing moved.
     """
     marker = os.path.join(directory, CHECKPOINT_KEY)
     moved = None
@@ -67,10 +68,13 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
             old = None
         if old == key:
             return None
-        base = f"{directory}.{old or 'unfingerprinted'}"
-        moved, n = base, 1
-        while os.path.exists(moved):
-            moved, n = f"{base}.{n}", n + 1
+        parent, name = os.path.split(os.path.abspath(directory))
+        for stale in os.listdir(parent):
+            if stale.startswith(f"{name}.") and os.path.isdir(os.path.join(parent, stale)):
+                print(f"[train] deleting {os.path.join(parent, stale)}, checkpoints of settings older than the ones "
+                      "moved aside now")
+                shutil.rmtree(os.path.join(parent, stale))
+        moved = f"{directory}.{old or 'unfingerprinted'}"
         os.replace(directory, moved)
     os.makedirs(directory, exist_ok=True)
     write_json(marker, {"fingerprint": key})

@@ -176,8 +176,12 @@ def test_workers_that_keep_dying_stop_the_trainer_with_their_error(tmp_path, dat
 
 
 @pytest.mark.multiproc
-def test_length_grouped_batches_train_the_same_online_colocated_and_offline(tmp_path, data_dir):
-    base = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]", "train.group_by_length=2"]
+@pytest.mark.parametrize("group_by", ["tokens", "work"])
+def test_length_grouped_batches_train_the_same_online_colocated_and_offline(tmp_path, data_dir, group_by):
+    # The online workers compute the grouping keys themselves: any difference from the trainer's would deal
+    # other batches (their plan digests are compared) or train other losses.
+    base = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]", "train.group_by_length=2",
+            f"train.group_by={group_by}"]
     modes = {"offline": ["capture=offline"], "colocated": ["capture=colocated"],
              "online": ["capture=online", "capture.threads=1"]}
     curves = {}

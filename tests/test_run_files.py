@@ -21,13 +21,17 @@ def test_checkpoints_of_other_settings_are_moved_aside_never_deleted(tmp_path):
     assert json.loads((tmp_path / "checkpoints" / "fingerprint.json").read_text()) == {"fingerprint": "bbb"}
 
 
-def test_unfingerprinted_checkpoints_are_moved_aside_with_a_numbered_name_when_taken(tmp_path):
+def test_only_the_latest_moved_aside_checkpoints_are_kept(tmp_path):
     folder = tmp_path / "checkpoints"
-    (tmp_path / "checkpoints.unfingerprinted").mkdir()
+    (tmp_path / "checkpoints.unfingerprinted").mkdir()  # moved aside by an earlier change: now deleted
+    (tmp_path / "checkpoints_other").mkdir()  # not ours
     folder.mkdir()
     (folder / "latest").write_text("step2")
-    assert claim_checkpoint_dir(str(folder), "ccc") == f"{folder}.unfingerprinted.1"
-    assert (tmp_path / "checkpoints.unfingerprinted.1" / "latest").read_text() == "step2"
+    assert claim_checkpoint_dir(str(folder), "ccc") == f"{folder}.unfingerprinted"
+    assert (tmp_path / "checkpoints.unfingerprinted" / "latest").read_text() == "step2"
+    (folder / "latest").write_text("step9")
+    assert claim_checkpoint_dir(str(folder), "ddd") == f"{folder}.ccc"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "checkpoints.ccc", "checkpoints_other"]
 
 
 def test_an_unreadable_done_marker_means_the_stage_is_redone(tmp_path):

@@ -61,6 +61,41 @@ def sample_lengths(dataset: Any) -> np.ndarray:
     return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
 
 
+def sample_anchor_positions(dataset: Any) -> np.ndarray:
+    """Per row, the positions a with loss_mask[a] and loss_mask[a + 1] (the valid anchors of training), counted
+    over the flat Arrow values chunk by chunk."""
+    table = dataset.with_format("arrow")
+    counts = []
+    for start in range(0, len(dataset), _LENGTH_CHUNK):
+        column = table[start:start + _LENGTH_CHUNK]["loss_mask"].combine_chunks()
+        offsets = column.offsets.to_numpy(zero_copy_only=False) - column.offsets[0].as_py()
+        values = column.flatten().to_numpy(zero_copy_only=False).astype(bool)
+        pairs = np.concatenate([[0], np.cumsum(values[:-1] & values[1:])]) if len(values) else np.zeros(1, int)
+        # Pairs (a, a + 1) inside row r: a from offsets[r] to offsets[r + 1] - 2.
+        first, last = offsets[:-1], np.maximum(offsets[1:] - 1, offsets[:-1])
+        counts.append(pairs[last] - pairs[first])
+    return np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, dtype=np.int64)
+
+
+GROUP_KEYS = ("tokens", "work")
+
+
+def grouping_keys(dataset: Any, group_by: str, num_anchors: int, block_size: int) -> np.ndarray:
+    """What train.group_by_length sorts samples by (train.group_by).
+
+    "tokens": the token count, so a batch pads its context little. "work": tokens + block_size x the anchors the
+    sample trains (min(valid anchor positions, num_anchors)), the rows a training step spends on it; batches of
+    similar work also drop most padded anchor slots (batches.trim_anchor_padding), which dominate when num_anchors
+    is near the answer length.
+    """
+    if group_by not in GROUP_KEYS:
+        raise ValueError(f"train.group_by must be one of {list(GROUP_KEYS)}, got {group_by!r}")
+    lengths = sample_lengths(dataset)
+    if group_by == "tokens":
+        return lengths
+    return lengths + block_size * np.minimum(sample_anchor_positions(dataset), num_anchors)
+
+
 def plan_shards(lengths: np.ndarray, start: int, shard_tokens: int) -> list[tuple[int, int]]:
     """[(first_sample, end_sample)] from `start` on: each shard closes once it holds >= shard_tokens tokens."""
     plan, first, tokens = [], start, 0

@@ -107,7 +107,10 @@ class OnlineCapture:
                 "session": session, "gpus_per_worker": g,
                 "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
                          "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
-                         "group_by_length": plan.group_by_length},
+                         "group_by_length": plan.group_by_length,
+                         # The workers compute the same grouping keys from the dataset (capture.grouping_keys).
+                         "group_by": str(self.cfg.train.get("group_by", "tokens")),
+                         "num_anchors": settings.num_anchors, "block_size": int(self.cfg.drafter.block_size)},
                 "epochs": 1 if use_cache else settings.epochs, "layer_ids": info["target_layer_ids"],
                 "dtype": str(c.dtype),
                 "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),

@@ -40,7 +40,7 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     import torch
 
     from dflash.data.dataset import load_dataset_dir
-    from dflash.extract.capture import sample_lengths
+    from dflash.extract.capture import grouping_keys
     from dflash.extract.online import CaptureWorker, ItemStream, Spool
     from dflash.models.targets import load_target
     from dflash.train.batches import BatchPlan
@@ -53,8 +53,12 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     p = spec["plan"]
     dataset = load_dataset_dir(spec["data"])
     group = int(p.get("group_by_length", 0))
+    keys = None
+    if group:  # the trainer's keys, from the same dataset (its plan's digest is checked against ours)
+        keys = tuple(grouping_keys(dataset, p.get("group_by", "tokens"), int(p.get("num_anchors", 0)),
+                                   int(p.get("block_size", 0))).tolist())
     plan = BatchPlan(p["num_samples"], p["micro_batch_size"], p["world_size"], p["grad_accum"], p["seed"],
-                     group_by_length=group, lengths=tuple(sample_lengths(dataset).tolist()) if group else None)
+                     group_by_length=group, lengths=keys)
     stream = ItemStream(plan, epochs=int(spec["epochs"]))
     spool = Spool(spec["spool"], num_workers=int(spec["num_workers"]))
     capture = CaptureWorker(adapter, dataset, spool, stream, list(spec["layer_ids"]),

@@ -162,8 +162,9 @@ def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device,
     """Every tensor of a micro-batch on `device` (hidden in `hidden_dtype`), copied without waiting for the GPU.
 
     From pinned memory (prepare_micro_batch(pin_memory=True)) each copy is an asynchronous DMA queued on the
-    stream, so the host goes on launching the forward; a dtype change is then made on the GPU. On CPU nothing moves.
+    stream, so the host goes on launching the forward; a dtype change is then made on the GPU (moving and casting
+    in one call would convert on the host into pageable memory first). On CPU nothing moves.
     """
     moved = {key: value.to(device, non_blocking=True) for key, value in batch.items() if key != "hidden"}
-    moved["hidden"] = batch["hidden"].to(device, hidden_dtype, non_blocking=True)
+    moved["hidden"] = batch["hidden"].to(device, non_blocking=True).to(hidden_dtype)
     return moved

@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -139,6 +140,15 @@ def saved_world_size(directory: str, tag: str) -> int | None:
         return int(json.load(f)["world_size"])
 
 
+def _from_rank0(read: Callable[[], Any]) -> Any:
+    """What `read()` gives on rank 0, on every rank (a picklable object; a plain call on a single process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return read()
+    box = [read() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, bool]:
     """(tag to load or None, whether it is a universal checkpoint) for a run with `world_size` ranks.
 
@@ -146,7 +156,10 @@ def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, 
     they are, so rank 0 converts the tag with DeepSpeed's ds_to_universal (into a temporary folder, renamed when
     whole) and every rank loads the conversion; the engine must then be built with `load_universal`.
     """
-    tag = latest_tag(directory)
+    # Rank 0 reads `latest` for everyone: on a shared file system another node may still see a directory entry
+    # it cached before the folder changed (say, moved aside by claim_checkpoint_dir), and ranks that resumed
+    # different steps would train apart without an error.
+    tag = _from_rank0(lambda: latest_tag(directory))
     if tag is None or saved_world_size(directory, tag) in (None, world_size):
         return tag, False
     universal = tag + UNIVERSAL
