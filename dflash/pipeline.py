@@ -339,6 +339,7 @@ class Pipeline:
             kl_weight=float(t.get("kl_weight", 0.0)),
             max_steps=int(t.max_steps) if t.get("max_steps") is not None else None,
             group_by_length=int(t.get("group_by_length", 0)),
+            profile_steps=None if t.get("profile_steps") is None else str(t.profile_steps),
         )
 
     def group_by(self) -> str:
@@ -350,7 +351,7 @@ class Pipeline:
         number of ranks (the checkpoints are converted)."""
         # Settings that change neither the math nor the data are left out, so changing them never retrains.
         skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing",
-                "compile")
+                "compile", "profile_steps")
         train = {k: v for k, v in container(self.cfg.train).items() if k not in skip}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),
                            self.cfg.target.mask_token_id, container(self.cfg.deepspeed))

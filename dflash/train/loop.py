@@ -13,6 +13,7 @@ in training, and it runs before the step's checkpoint, so a resumed run has seen
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from dflash.train.compile_layers import compile_layers
 from dflash.train.engine import OptimConfig, TrainEngine
 from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
+from dflash.train.step_profile import StepProfiler, parse_profile_steps
 from dflash.train.stop_signal import StopSignal, TrainingStopped
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.objective import (
@@ -70,10 +72,12 @@ class TrainSettings:
     kl_weight: float = 0.0             # loss = (1 - w) CE + w KL(target || drafter); > 0 needs capture=colocated
     max_steps: int | None = None       # stop after this many optimizer steps (the schedule ends there), None = epochs
     group_by_length: int = 0           # > 0: global batches of similar-length samples (batches.py), less padding
+    profile_steps: str | None = None   # "START:COUNT": a profiler table of those steps (step_profile.py), rank 0
 
     def __post_init__(self) -> None:
         check_loss_weighting(self.loss_weighting, self.dpace_alpha)
         check_kl_weight(self.kl_weight)
+        parse_profile_steps(self.profile_steps)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 evaluates only at the last step), got {self.eval_every}")
 
@@ -231,10 +235,13 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         else:
             best = read_best(checkpoint_dir)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
+    profiler = StepProfiler(settings.profile_steps, os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)),
+                                                                 "train_profile.txt"), device, enabled=rank == 0)
     started, tokens_seen, eval_s, first_step = time.perf_counter(), 0.0, 0.0, True
     # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
     with StopSignal() as stop:
         while step < total_steps:
+            profiler.before_step(step + 1)
             step_started = time.perf_counter()
             epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
             micro_batches = [
@@ -281,6 +288,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
                                  tau=f"{metrics['accept_len_est']:.2f}")
             progress.update(1)
+            profiler.after_step(step)
             stopping = step < total_steps and stop.requested(device)
             if stopping or step == total_steps or (settings.save_every and step % settings.save_every == 0):
                 save_checkpoint(engine, checkpoint_dir, step,

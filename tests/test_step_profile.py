@@ -1,0 +1,35 @@
+"""train.profile_steps: a profiler table of chosen steps of the real training loop."""
+
+import pytest
+import torch
+
+from dflash.config import compose
+from dflash.pipeline import Pipeline
+from dflash.train.step_profile import StepProfiler, parse_profile_steps
+
+
+def test_the_window_is_parsed_or_named_as_wrong():
+    assert parse_profile_steps(None) is None and parse_profile_steps("10:5") == (10, 5)
+    for bad in ("10", "a:b", "0:3", "3:0"):
+        with pytest.raises(ValueError, match="train.profile_steps"):
+            parse_profile_steps(bad)
+
+
+def test_only_the_window_is_profiled_and_written_once(tmp_path):
+    path = tmp_path / "train_profile.txt"
+    profiler = StepProfiler("2:2", str(path), torch.device("cpu"))
+    for step in range(1, 6):
+        profiler.before_step(step)
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        profiler.after_step(step)
+        assert path.exists() == (step >= 3)
+    assert path.read_text().startswith("optimizer steps 2..3") and "aten::mm" in path.read_text()
+    silent = StepProfiler("1:1", str(tmp_path / "other.txt"), torch.device("cpu"), enabled=False)  # not rank 0
+    silent.before_step(1), silent.after_step(1)
+    assert not (tmp_path / "other.txt").exists()
+
+
+def test_a_run_writes_its_profile_next_to_the_checkpoints(tmp_path):
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "train.max_steps=3",
+                      "train.profile_steps=2:2", "stages=[data,capture,train]"])).run()
+    assert (tmp_path / "train_profile.txt").read_text().startswith("optimizer steps 2..3")
