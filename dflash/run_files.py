@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from typing import Any
 
@@ -69,8 +70,10 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
         if old == key:
             return None
         parent, name = os.path.split(os.path.abspath(directory))
+        # Only folders this function made: <name>.<16 hex digits of a fingerprint> or <name>.unfingerprinted.
+        ours = re.compile(re.escape(name) + r"\.([0-9a-f]{16}|unfingerprinted)")
         for stale in os.listdir(parent):
-            if stale.startswith(f"{name}.") and os.path.isdir(os.path.join(parent, stale)):
+            if ours.fullmatch(stale) and os.path.isdir(os.path.join(parent, stale)):
                 print(f"[train] deleting {os.path.join(parent, stale)}, checkpoints of settings older than the ones "
                       "moved aside now")
                 shutil.rmtree(os.path.join(parent, stale))

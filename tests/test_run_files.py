@@ -25,13 +25,19 @@ def test_only_the_latest_moved_aside_checkpoints_are_kept(tmp_path):
     folder = tmp_path / "checkpoints"
     (tmp_path / "checkpoints.unfingerprinted").mkdir()  # moved aside by an earlier change: now deleted
     (tmp_path / "checkpoints_other").mkdir()  # not ours
+    (tmp_path / "checkpoints.backup").mkdir()  # not ours either, though it starts like ours
     folder.mkdir()
     (folder / "latest").write_text("step2")
     assert claim_checkpoint_dir(str(folder), "ccc") == f"{folder}.unfingerprinted"
     assert (tmp_path / "checkpoints.unfingerprinted" / "latest").read_text() == "step2"
     (folder / "latest").write_text("step9")
     assert claim_checkpoint_dir(str(folder), "ddd") == f"{folder}.ccc"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "checkpoints.ccc", "checkpoints_other"]
+    assert claim_checkpoint_dir(str(folder), "0123456789abcdef") == f"{folder}.ddd"
+    (folder / "latest").write_text("step1")
+    assert claim_checkpoint_dir(str(folder), "fedcba9876543210") == f"{folder}.0123456789abcdef"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoints", "checkpoints.0123456789abcdef", "checkpoints.backup", "checkpoints.ccc", "checkpoints.ddd",
+        "checkpoints_other"]  # short test keys are not fingerprints: kept
 
 
 def test_an_unreadable_done_marker_means_the_stage_is_redone(tmp_path):
@@ -63,3 +69,12 @@ def test_a_named_working_folder_is_deleted_only_if_dflash_made_it(tmp_path):
     (inside / "0.safetensors").write_text("x")
     remove_owned_dir(str(inside), str(run_dir))
     assert not inside.exists()
+
+
+def test_an_older_moved_aside_fingerprint_folder_is_deleted_when_another_moves_aside(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for key in ("0123456789abcdef", "fedcba9876543210", "aaaaaaaaaaaaaaaa"):
+        claim_checkpoint_dir(str(folder), key)
+        (folder / "latest").write_text(key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "checkpoints.fedcba9876543210"]
+    assert (tmp_path / "checkpoints.fedcba9876543210" / "latest").read_text() == "fedcba9876543210"
