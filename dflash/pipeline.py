@@ -19,7 +19,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.run_files import (
-    claim_checkpoint_dir, container, fingerprint, mark_done, read_json, stage_done, write_json, write_text,
+    claim_checkpoint_dir, container, fingerprint, mark_done, read_json, read_json_or_none, stage_done, write_json,
+    write_text,
 )
 
 STAGES = ("data", "capture", "train", "eval")
@@ -243,7 +244,10 @@ class Pipeline:
                 "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
                 "cache_budget_bytes", "gpus_per_worker", "workers")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
-        return fingerprint(self.data_fingerprint(), taps, capture)
+        # What the data stage made, not only what it was asked: a rerun that retried failed prompts has more samples.
+        stats = read_json_or_none(os.path.join(self.dirs["data"], "stats.json")) or {}
+        made = {k: stats.get(k) for k in ("fingerprint", "samples", "num_tokens")}
+        return fingerprint(self.data_fingerprint(), taps, capture, made)
 
     def capture(self) -> None:
         from dflash.data.dataset import load_dataset_dir
@@ -352,7 +356,10 @@ class Pipeline:
         # Settings that change neither the math nor the data are left out, so changing them never retrains.
         skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing",
                 "compile", "profile_steps")
-        train = {k: v for k, v in container(self.cfg.train).items() if k not in skip}
+        # A setting added later is left out at its neutral value, so runs from before it keep their fingerprint.
+        neutral = {"group_by": "tokens"}
+        train = {k: v for k, v in container(self.cfg.train).items()
+                 if k not in skip and not (k in neutral and v == neutral[k])}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),
                            self.cfg.target.mask_token_id, container(self.cfg.deepspeed))
 

@@ -56,11 +56,14 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
 
     Checkpoints written under other settings (or before checkpoints carried a fingerprint) would be resumed as if
     they were this run's: a run whose settings changed would load the old final step and export the old weights.
-    They are moved aside to `<directory>.<old key>`, so going back to the old settings loses nothing (move the
-    folder back). Only the latest moved-aside folder is kept: optimizer state is large (~25 GB per 27B-recipe
-    checkpoint), and every settings change would add one. Returns where they went, or None when nothing moved.
+    They are moved aside to `<directory>.<old key>`; a later run with those settings again moves them back and
+    resumes. Only one moved-aside folder is kept besides the one being restored: optimizer state is large (~25 GB
+    per 27B-recipe checkpoint) and every settings change would add one. Returns where the current checkpoints
+    went, or None when nothing moved.
     """
     marker = os.path.join(directory, CHECKPOINT_KEY)
+    parent, name = os.path.split(os.path.abspath(directory))
+    restore = f"{directory}.{key}"
     moved = None
     if os.path.isdir(directory) and os.listdir(directory):
         try:
@@ -69,16 +72,21 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
             old = None
         if old == key:
             return None
-        parent, name = os.path.split(os.path.abspath(directory))
         # Only folders this function made: <name>.<16 hex digits of a fingerprint> or <name>.unfingerprinted.
         ours = re.compile(re.escape(name) + r"\.([0-9a-f]{16}|unfingerprinted)")
         for stale in os.listdir(parent):
-            if ours.fullmatch(stale) and os.path.isdir(os.path.join(parent, stale)):
-                print(f"[train] deleting {os.path.join(parent, stale)}, checkpoints of settings older than the ones "
-                      "moved aside now")
-                shutil.rmtree(os.path.join(parent, stale))
+            path = os.path.join(parent, stale)
+            if ours.fullmatch(stale) and os.path.isdir(path) and os.path.abspath(path) != os.path.abspath(restore):
+                print(f"[train] deleting {path}, checkpoints of settings older than the ones moved aside now")
+                shutil.rmtree(path)
         moved = f"{directory}.{old or 'unfingerprinted'}"
         os.replace(directory, moved)
+    elif os.path.isdir(directory):
+        os.rmdir(directory)
+    if os.path.isdir(restore):
+        os.replace(restore, directory)  # these settings ran before: their checkpoints resume
+        print(f"[train] checkpoints of these settings restored from {restore}")
+        return moved
     os.makedirs(directory, exist_ok=True)
     write_json(marker, {"fingerprint": key})
     return moved
@@ -100,7 +108,6 @@ def read_json_or_none(path: str | os.PathLike) -> Any:
 
 def container(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-
 
 OWNER_MARKER = ".made-by-dflash"
 

@@ -21,6 +21,7 @@ def test_anchor_positions_count_consecutive_loss_pairs_inside_each_row():
     assert sample_anchor_positions(rows).tolist() == [brute_force(m) for m in masks] == [2, 1, 0, 0, 1, 1, 4]
     # A slice starts its Arrow offsets past 0: counted the same.
     assert sample_anchor_positions(rows.select(range(3, 7))).tolist() == [0, 1, 1, 4]
+    assert sample_anchor_positions(dataset([[1, 1], [], [0, 1, 1], []])).tolist() == [1, 0, 1, 0]  # empty rows
 
 
 def test_work_keys_add_the_query_rows_of_the_anchors_a_sample_trains():

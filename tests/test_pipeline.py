@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
+from omegaconf import open_dict
 
 from dflash.config import CONFIG_DIR, compose
 from dflash.pipeline import Pipeline, drafter_config
@@ -130,6 +131,23 @@ def test_a_changed_train_setting_trains_afresh_beside_the_old_checkpoints(tiny_r
     assert (tmp_path / f"checkpoints.{old_key}" / "latest").is_file()  # moved aside, not deleted
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] == 1 and len(steps) == len(losses(run_dir))  # trained from step 1, not resumed at the end
+
+
+def test_capture_and_training_follow_what_the_data_stage_made(tiny_run, tmp_path):
+    # A rerun that retried failed prompts writes more samples under the same settings: capture and training redo.
+    run_dir, _ = tiny_run
+    subprocess.run(["cp", "-r", os.path.join(run_dir, "data"), str(tmp_path / "data")], check=True)
+    pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path}"]))
+    before = (pipeline.capture_fingerprint(), pipeline.train_fingerprint())
+    stats = json.loads((tmp_path / "data" / "stats.json").read_text())
+    (tmp_path / "data" / "stats.json").write_text(json.dumps(dict(stats, samples=stats["samples"] + 1)))
+    after = (pipeline.capture_fingerprint(), pipeline.train_fingerprint())
+    assert before[0] != after[0] and before[1] != after[1]
+    # A setting added with a neutral default leaves the fingerprints of runs from before it as they were.
+    older = compose(TINY + [f"run_dir={run_dir}"])
+    with open_dict(older.train):
+        del older.train["group_by"]
+    assert Pipeline(older).train_fingerprint() == Pipeline(compose(TINY + [f"run_dir={run_dir}"])).train_fingerprint()
 
 
 @pytest.mark.multiproc

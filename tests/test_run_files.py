@@ -78,3 +78,16 @@ def test_an_older_moved_aside_fingerprint_folder_is_deleted_when_another_moves_a
         (folder / "latest").write_text(key)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "checkpoints.fedcba9876543210"]
     assert (tmp_path / "checkpoints.fedcba9876543210" / "latest").read_text() == "fedcba9876543210"
+
+
+def test_going_back_to_earlier_settings_resumes_their_checkpoints(tmp_path):
+    folder = tmp_path / "checkpoints"
+    a, b = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
+    claim_checkpoint_dir(str(folder), a)
+    (folder / "latest").write_text("step7 of A")
+    assert claim_checkpoint_dir(str(folder), b) == f"{folder}.{a}"
+    (folder / "latest").write_text("step3 of B")
+    assert claim_checkpoint_dir(str(folder), a) == f"{folder}.{b}"
+    assert (folder / "latest").read_text() == "step7 of A"  # restored, not deleted
+    assert claim_checkpoint_dir(str(folder), a) is None
+    assert (tmp_path / f"checkpoints.{b}" / "latest").read_text() == "step3 of B"

@@ -33,3 +33,16 @@ def test_a_run_writes_its_profile_next_to_the_checkpoints(tmp_path):
     Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "train.max_steps=3",
                       "train.profile_steps=2:2", "stages=[data,capture,train]"])).run()
     assert (tmp_path / "train_profile.txt").read_text().startswith("optimizer steps 2..3")
+
+
+def test_a_run_that_ends_inside_the_window_still_stops_the_profiler_and_writes(tmp_path):
+    path = tmp_path / "train_profile.txt"
+    profiler = StepProfiler("2:10", str(path), torch.device("cpu"))
+    for step in range(4, 6):  # resumed at step 4, inside the window: profiled from there
+        profiler.before_step(step)
+        torch.ones(8) + 1
+        profiler.after_step(step)
+    assert not path.exists()
+    profiler.close(5)  # the loop ended (last step, a signal, an error) before the window did
+    assert path.read_text().startswith("optimizer steps 4..5")
+    profiler.close(5)  # closing twice is harmless

@@ -70,7 +70,9 @@ def sample_anchor_positions(dataset: Any) -> np.ndarray:
         column = table[start:start + _LENGTH_CHUNK]["loss_mask"].combine_chunks()
         offsets = column.offsets.to_numpy(zero_copy_only=False) - column.offsets[0].as_py()
         values = column.flatten().to_numpy(zero_copy_only=False).astype(bool)
-        pairs = np.concatenate([[0], np.cumsum(values[:-1] & values[1:])]) if len(values) else np.zeros(1, int)
+        # One entry per flat position (+ one past the end, for empty trailing rows): pairs[i] = pairs before i.
+        pairs = np.concatenate([[0], np.cumsum(values[:-1] & values[1:]), [0]]) if len(values) else np.zeros(2, int)
+        pairs[-1] = pairs[-2]
         # Pairs (a, a + 1) inside row r: a from offsets[r] to offsets[r + 1] - 2.
         first, last = offsets[:-1], np.maximum(offsets[1:] - 1, offsets[:-1])
         counts.append(pairs[last] - pairs[first])

@@ -141,12 +141,23 @@ def saved_world_size(directory: str, tag: str) -> int | None:
 
 
 def _from_rank0(read: Callable[[], Any]) -> Any:
-    """What `read()` gives on rank 0, on every rank (a picklable object; a plain call on a single process)."""
+    """What `read()` gives on rank 0, on every rank (a picklable object; a plain call on a single process).
+
+    An exception on rank 0 is raised on every rank, so the others do not wait in a collective until it times out.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return read()
-    box = [read() if dist.get_rank() == 0 else None]
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", read())]
+        except Exception as error:  # noqa: BLE001 (re-raised below, on every rank)
+            box = [("error", f"{type(error).__name__}: {error}")]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    status, value = box[0]
+    if status == "error":
+        raise ValueError(f"rank 0 could not read the checkpoint folder: {value}")
+    return value
 
 
 def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, bool]:
@@ -159,8 +170,12 @@ def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, 
     # Rank 0 reads `latest` for everyone: on a shared file system another node may still see a directory entry
     # it cached before the folder changed (say, moved aside by claim_checkpoint_dir), and ranks that resumed
     # different steps would train apart without an error.
-    tag = _from_rank0(lambda: latest_tag(directory))
-    if tag is None or saved_world_size(directory, tag) in (None, world_size):
+    def read() -> tuple[str | None, int | None]:
+        tag = latest_tag(directory)
+        return tag, None if tag is None else saved_world_size(directory, tag)
+
+    tag, saved = _from_rank0(read)
+    if tag is None or saved in (None, world_size):
         return tag, False
     universal = tag + UNIVERSAL
     target = os.path.join(directory, universal)

@@ -13,6 +13,7 @@ in training, and it runs before the step's checkpoint, so a resumed run has seen
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -239,7 +240,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                                                                  "train_profile.txt"), device, enabled=rank == 0)
     started, tokens_seen, eval_s, first_step = time.perf_counter(), 0.0, 0.0, True
     # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
-    with StopSignal() as stop:
+    with StopSignal() as stop, contextlib.ExitStack() as cleanup:
+        cleanup.callback(lambda: profiler.close(step))  # however the loop ends, the profiler stops here
         while step < total_steps:
             profiler.before_step(step + 1)
             step_started = time.perf_counter()

@@ -34,17 +34,28 @@ class StepProfiler:
         self.window = parse_profile_steps(spec) if enabled else None
         self.path, self.device = path, torch.device(device)
         self._profile: profile | None = None
+        self._first = 0
 
     def before_step(self, step: int) -> None:
-        """Call with the number of the step about to run (1-based)."""
-        if self.window is not None and step == self.window[0] and self._profile is None:
+        """Call with the number of the step about to run (1-based); a run resumed inside the window starts there."""
+        if self.window is None or self._profile is not None:
+            return
+        start, count = self.window
+        if start <= step < start + count:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profile = profile(activities=activities)
             self._profile.__enter__()
+            self._first = step
 
     def after_step(self, step: int) -> None:
         """Call with the number of the step that just ended; the last profiled one writes the table."""
-        if self._profile is None or step < self.window[0] + self.window[1] - 1:
+        if self._profile is not None and step >= self.window[0] + self.window[1] - 1:
+            self.close(step)
+
+    def close(self, last_step: int) -> None:
+        """Stop and write what was recorded (a run that ends or stops inside the window); no-op when not running.
+        Call it when the loop ends, however it ends: a profiler left running would record the rest of the process."""
+        if self._profile is None:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -52,9 +63,9 @@ class StepProfiler:
         key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self._profile.key_averages().table(sort_by=key, row_limit=80, max_name_column_width=90)
         self._profile = None
-        start, count = self.window
+        first, count = self._first, last_step - self._first + 1
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(f"optimizer steps {start}..{start + count - 1} of the training loop ({count} steps)\n{table}")
+            f.write(f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n{table}")
         os.replace(tmp, self.path)
-        print(f"[train] profile of steps {start}..{start + count - 1} -> {self.path}", flush=True)
+        print(f"[train] profile of steps {first}..{last_step} -> {self.path}", flush=True)
