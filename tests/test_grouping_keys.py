@@ -32,3 +32,15 @@ def test_work_keys_add_the_query_rows_of_the_anchors_a_sample_trains():
     assert np.array_equal(grouping_keys(rows, "work", 4, 16), np.array([4 + 32, 10 + 64, 3]))
     with pytest.raises(ValueError, match="train.group_by must be one of"):
         grouping_keys(rows, "answers", 4, 16)
+
+
+def test_anchor_positions_equal_a_plain_count_over_chunks_of_a_shuffled_dataset(monkeypatch):
+    import random
+
+    import dflash.extract.capture as capture
+
+    rng = random.Random(1)
+    masks = [[rng.choice([0, 1, 1]) for _ in range(rng.randrange(0, 9))] for _ in range(300)]
+    rows = dataset(masks).shuffle(seed=3)  # an indices mapping over the Arrow table
+    monkeypatch.setattr(capture, "_ANCHOR_CHUNK", 7)  # chunks that end on empty and on one-token rows
+    assert sample_anchor_positions(rows).tolist() == [brute_force(m) for m in rows["loss_mask"]]

@@ -42,6 +42,7 @@ from dflash.models.targets.base import TargetAdapter
 # padding change the kernels' summation order (large in bfloat16), a wrong tap or zero states give ~1.
 CROSSCHECK_RTOL = 0.05
 _LENGTH_CHUNK = 65536
+_ANCHOR_CHUNK = 4096
 # safetensors header and alignment of one shard, counted generously.
 _SHARD_OVERHEAD_BYTES = 1 << 16
 
@@ -66,8 +67,9 @@ def sample_anchor_positions(dataset: Any) -> np.ndarray:
     over the flat Arrow values chunk by chunk."""
     table = dataset.with_format("arrow")
     counts = []
-    for start in range(0, len(dataset), _LENGTH_CHUNK):
-        column = table[start:start + _LENGTH_CHUNK]["loss_mask"].combine_chunks()
+    # Fewer rows per chunk than for lengths: here every token of the chunk becomes a few numpy arrays.
+    for start in range(0, len(dataset), _ANCHOR_CHUNK):
+        column = table[start:start + _ANCHOR_CHUNK]["loss_mask"].combine_chunks()
         offsets = column.offsets.to_numpy(zero_copy_only=False) - column.offsets[0].as_py()
         values = column.flatten().to_numpy(zero_copy_only=False).astype(bool)
         # One entry per flat position (+ one past the end, for empty trailing rows): pairs[i] = pairs before i.
