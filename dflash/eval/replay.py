@@ -25,6 +25,7 @@ drafter forward over the block tokens of all active rows plus a few host-side te
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -61,7 +62,12 @@ def _pad_id(adapter, stop_ids: list[int]) -> int:
     return stop_ids[0] if stop_ids else 0
 
 
-@torch.inference_mode()
+# Greedy continuations already generated, per target model: the frozen target answers a prompt the same way every
+# time, and an evaluation asks again (MT-Bench turn 1 is answered for the turn-2 prompts and again by its own
+# replay; the held-out set is replayed every eval_every steps). Weak keys: a model that goes takes its answers.
+_ANSWERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def greedy_continuations(
     adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int = 8,
     engine: str = "auto",
@@ -69,8 +75,25 @@ def greedy_continuations(
     """The target's greedy continuation of each prompt, ending with the first stop token or at max_new_tokens.
 
     engine: "hf" (model.generate), "static" (dflash.data.static_decode) or "auto" (static on a CUDA target it
-    supports, else hf).
+    supports, else hf). A prompt answered before under the same settings is not generated again.
     """
+    answered = _ANSWERED.setdefault(adapter.model, {})
+    weight = next(adapter.model.parameters())  # a model cast to another dtype or moved answers anew
+    settings = (max_new_tokens, tuple(stop_token_ids), engine, weight.dtype, str(weight.device))
+    keys = [(tuple(p), settings) for p in prompts]
+    missing = list(dict.fromkeys(k for k in keys if k not in answered))
+    if missing:
+        made = _generate_greedy(adapter, [list(k[0]) for k in missing], max_new_tokens=max_new_tokens,
+                                stop_token_ids=stop_token_ids, batch_size=batch_size, engine=engine)
+        answered.update(zip(missing, made))
+    return [list(answered[k]) for k in keys]
+
+
+@torch.inference_mode()
+def _generate_greedy(
+    adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int,
+    engine: str,
+) -> list[list[int]]:
     from transformers import GenerationConfig
 
     from dflash.data.static_decode import resolve_engine, static_generate
