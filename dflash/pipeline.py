@@ -67,7 +67,9 @@ def validate(cfg: DictConfig) -> None:
                          f"instead, or use capture=offline or colocated")
     if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
         raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
-    if str(cfg.train.get("group_by", "tokens")) not in ("tokens", "work"):
+    from dflash.extract.capture import GROUP_KEYS
+
+    if str(cfg.train.get("group_by", "tokens")) not in GROUP_KEYS:
         raise ValueError(f"train.group_by={cfg.train.group_by!r}: expected 'tokens' (sample length) or 'work' "
                          "(length + block_size x anchors trained)")
 
@@ -384,7 +386,7 @@ class Pipeline:
         if rank == 0:
             moved = claim_checkpoint_dir(self.dirs["checkpoints"], self.checkpoint_fingerprint())
             if moved:
-                print(f"[train] checkpoints of other settings moved aside to {moved}; training starts afresh")
+                print(f"[train] checkpoints of other settings moved aside to {moved}")
         self.barrier()
         shape = read_json(os.path.join(self.dirs["features"], "target.json"))
         config = drafter_config(self.cfg, shape)

@@ -35,8 +35,9 @@ def mark_done(folder: str, key: str, **info: Any) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """Write `text` to `path` atomically: a reader sees the old file or the whole new one, also after a crash."""
-    tmp = f"{path}.tmp"
+    """Write `text` to `path` atomically: a reader sees the old file or the whole new one, also after a crash.
+    The temporary name carries the process id, so two processes writing the same file never share it."""
+    tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
@@ -89,6 +90,8 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
         return moved
     os.makedirs(directory, exist_ok=True)
     write_json(marker, {"fingerprint": key})
+    if moved:
+        print("[train] no checkpoint of these settings: training starts afresh")
     return moved
 
 

@@ -233,6 +233,12 @@ def test_malformed_or_empty_prompt_file_is_named(tmp_path, content, message):
     assert not os.path.exists(tmp_path / "run" / "data" / "dataset")
 
 
+def test_an_unknown_grouping_key_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="train.group_by='answers': expected 'tokens'"):
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.group_by=answers"]))
+    assert not os.listdir(tmp_path)
+
+
 def test_float16_capture_is_refused(tmp_path):
     with pytest.raises(ValueError, match="float16"):
         Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture.dtype=float16"]))

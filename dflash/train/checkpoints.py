@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from dflash.run_files import write_text
 from dflash.train.engine import TrainEngine
 
 COMPLETE = "complete"
@@ -43,15 +44,6 @@ _UNIVERSAL_TAG = re.compile(r"^step\d+_universal(\.tmp)?$")
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def tag_for(step: int) -> str:
@@ -116,10 +108,10 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
     _barrier()
     if rank == 0:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        _write_atomic(os.path.join(folder, LAYOUT), json.dumps({"world_size": world_size,
+        write_text(os.path.join(folder, LAYOUT), json.dumps({"world_size": world_size,
                                                                 "zero_stage": engine.zero_stage}))
-        _write_atomic(os.path.join(folder, COMPLETE), f"{step}\n")
-        _write_atomic(os.path.join(directory, LATEST), tag)
+        write_text(os.path.join(folder, COMPLETE), f"{step}\n")
+        write_text(os.path.join(directory, LATEST), tag)
         if keep_last > 0:
             for _, old in complete_tags(directory)[:-keep_last]:
                 shutil.rmtree(os.path.join(directory, old))
