@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.cuda_graphs import capture_graphs
 from dflash.data.row_schedule import ScheduleStats, round_up, run_schedule
 
 ENGINES = ("hf", "static", "auto")
@@ -213,23 +214,11 @@ class _Decoder:
             state.zero_()
 
     def _capture(self) -> dict[int, torch.cuda.CUDAGraph]:
-        # One graph per attention span, sharing one memory pool: they never run concurrently and pass nothing to
-        # each other (all state lives in the static buffers). Warm up on a side stream before capturing (lazy
-        # initialisation must not land in a graph); the warm-up scribbles on the state, reset() clears it.
-        device = self.layout.device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for span in self.spans:
-                self.advance(span)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graphs, pool = {}, torch.cuda.graph_pool_handle()
-        for span in self.spans:
-            graphs[span] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[span], pool=pool):
-                self.advance(span)
+        # One graph per attention span (all state lives in the static buffers, so they pass nothing to each other).
+        # The warm-up scribbles on the state; reset() clears it.
+        captured = capture_graphs(self.layout.device, self.spans, prepare=lambda span: None, run=self.advance)
         self.reset()
-        return graphs
+        return {span: graph for span, (graph, _) in captured.items()}
 
     def choose(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:

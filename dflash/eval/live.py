@@ -28,7 +28,7 @@ import torch
 
 from dflash.data.static_decode import resolve_engine
 from dflash.eval.drafter_cache import CachedDrafter
-from dflash.eval.metrics import PhaseTimer, StepTrace
+from dflash.eval.metrics import PhaseTimer, StepTrace, synchronize
 from dflash.eval.sampling import accept_greedy, accept_sampled, probabilities, sample
 from dflash.eval.static_drafter import StaticDrafter, static_drafter
 from dflash.eval.static_target import StaticTarget, static_target
@@ -46,11 +46,6 @@ class LiveResult:
     trace: StepTrace
     seconds: float
     engine: str = "hf"
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _check(prompt: list[int], max_new_tokens: int, temperature: float) -> None:
@@ -119,7 +114,7 @@ def live_decode(
     target, engine = _target(adapter, config.target_layer_ids, target_engine, length, config.block_size,
                              restore_linear)
     context = static_drafter(drafter, length=length) if engine == "static" else CachedDrafter(drafter)
-    _synchronize(adapter.device)
+    synchronize(adapter.device)
     began = time.perf_counter()
     with section("live_prefill"):
         logits, features = target.forward(list(prompt), last_logits_only=True)
@@ -161,7 +156,7 @@ def live_decode(
             recomputed = target.rollback(start + accepted + 1)
             context.extend(recomputed if recomputed is not None else verify_features[: accepted + 1])
         start += committed
-    _synchronize(adapter.device)
+    synchronize(adapter.device)
     return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)
 
 
@@ -183,7 +178,7 @@ def target_only_decode(
     stops = set(stop_token_ids)
     # No taps: the baseline pays for no feature hooks or copies.
     target, engine = _target(adapter, [], target_engine, len(prompt) + max_new_tokens, 1)
-    _synchronize(adapter.device)
+    synchronize(adapter.device)
     began = time.perf_counter()
     logits, _ = target.forward(list(prompt), last_logits_only=True)
     tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
@@ -192,5 +187,5 @@ def target_only_decode(
         logits, _ = target.forward(tokens[-1:])
         tokens.append(_pick(logits[-1], temperature, generator))
         trace.add(1, 0, 0)
-    _synchronize(adapter.device)
+    synchronize(adapter.device)
     return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)

@@ -87,6 +87,12 @@ def acceptance_metrics(traces: list[StepTrace], block_size: int) -> dict[str, An
     }
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (wall times mean nothing otherwise); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PhaseTimer:
     """Wall seconds per phase ("generate", "target_pass", ...), summed per prompt set and over all sets.
 
@@ -101,8 +107,8 @@ class PhaseTimer:
         self.totals: dict[str, float] = {}
 
     def _sync(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device is not None:
+            synchronize(self.device)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

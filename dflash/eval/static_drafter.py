@@ -17,7 +17,8 @@ import torch
 from dflash.data.row_schedule import round_up
 from dflash.data.static_decode import LENGTH_QUANTUM
 from dflash.eval.drafter_cache import block_hidden, check_context, check_features, context_keys_values
-from dflash.eval.graphs import capture_graphs, kept_for, replay
+from dflash.cuda_graphs import capture_graphs, replay
+from dflash.eval.graphs import kept_for
 from dflash.eval.static_target import CAPACITY_QUANTUM
 from dflash.models.drafter import DFlashDraftModel
 

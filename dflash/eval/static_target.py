@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from dflash.data.row_schedule import round_up
 from dflash.data.static_decode import LENGTH_QUANTUM, TargetLayout, unsupported_reason
-from dflash.eval.graphs import capture_graphs, kept_for, replay
+from dflash.cuda_graphs import capture_graphs, replay
+from dflash.eval.graphs import kept_for
 from dflash.eval.target_cache import check_rollback
 
 # Cache lengths are rounded up to this, so prompts of similar lengths share one StaticTarget and its graphs.

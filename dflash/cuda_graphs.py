@@ -1,0 +1,45 @@
+"""CUDA graphs of fixed-shape steps over static buffers: the static generation engine (data/static_decode.py) and
+static live decoding (eval/static_target.py, eval/static_drafter.py) capture theirs here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+Shape = TypeVar("Shape", bound=Hashable)
+
+
+def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Callable[[Shape], None],
+                   run: Callable[[Shape], Any]) -> dict[Shape, tuple[torch.cuda.CUDAGraph, Any]]:
+    """One CUDA graph per shape of `run(shape)` (which reads and writes only static buffers), with its outputs.
+
+    `prepare(shape)` sets the buffers a warm-up run of that shape needs (outside the graph). Warm-up runs on a
+    side stream first (lazy initialisation must not land in a graph). The graphs share one memory pool: they never
+    run concurrently and their outputs stay referenced here.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for shape in shapes:
+                prepare(shape)
+                run(shape)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graphs, pool = {}, torch.cuda.graph_pool_handle()
+        for shape in shapes:
+            prepare(shape)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = run(shape)
+            graphs[shape] = (graph, outputs)
+    return graphs
+
+
+def replay(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        graph.replay()
