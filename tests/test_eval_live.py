@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.eval import live
-from dflash.eval.drafter_cache import CachedDrafter
+from dflash.eval.drafter_cache import CachedDrafter, context_keys_values
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.metrics import PhaseTimer
 from dflash.eval.replay import replay
@@ -143,8 +143,11 @@ def test_cached_drafter_equals_full_forward(layer_types, tiny_target, make_draft
         with torch.no_grad():
             direct = drafter(torch.arange(start + 4)[None], noise[None], features[None, :start])[0]
         torch.testing.assert_close(cached.hidden(noise), direct, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="features must be"):
+    width = drafter.config.num_taps * adapter.hidden_size
+    with pytest.raises(ValueError, match=rf"features must be \[n, {width}\]"):
         cached.extend(features[:2, :5])
+    with pytest.raises(ValueError, match=rf"features must be \[batch, n, {width}\]"):
+        context_keys_values(drafter, features, torch.arange(len(features))[None])
 
 
 def test_live_rejects_bad_input(tiny_target, make_drafter):

@@ -26,20 +26,19 @@ KeysValues = list[tuple[torch.Tensor, torch.Tensor]]
 @torch.inference_mode()
 def context_keys_values(drafter: DFlashDraftModel, features: torch.Tensor, positions: torch.Tensor) -> KeysValues:
     """Every layer's context keys/values of target features [b, n, K*H] at absolute positions [b, n]."""
-    expected = drafter.config.num_taps * drafter.config.hidden_size
-    if features.dim() != 3 or features.shape[-1] != expected:
-        raise ValueError(f"features must be [batch, n, {expected}], got {tuple(features.shape)}")
+    check_features(drafter.config, features, batched=True)
     dtype = drafter.fc.weight.dtype
-    batch, n, _ = features.shape
     context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.device, dtype)))
     cos, sin = drafter.rotary_emb(positions, dtype)
-    out: KeysValues = []
-    for layer in drafter.layers:
-        attn = layer.self_attn
-        k = attn.k_norm(attn.k_proj(context).view(batch, n, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(context).view(batch, n, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        out.append((apply_rotary(k, cos, sin), v))
-    return out
+    return [_keys_values(layer.self_attn, context, cos, sin) for layer in drafter.layers]
+
+
+def _keys_values(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafter layer's keys (k_norm, then RoPE) and values [b, kv_heads, n, head_dim] of inputs x [b, n, H]."""
+    batch, n, _ = x.shape
+    k = attn.k_norm(attn.k_proj(x).view(batch, n, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+    v = attn.v_proj(x).view(batch, n, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    return apply_rotary(k, cos, sin), v
 
 
 @torch.inference_mode()
@@ -80,9 +79,8 @@ def block_hidden(
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         q = attn.q_norm(attn.q_proj(x).view(batch, size, attn.num_heads, attn.head_dim)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(batch, size, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, size, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos, sin)
+        k, v = _keys_values(attn, x, cos, sin)
         k = torch.cat([context_keys, k], dim=2)
         v = torch.cat([context_values, v], dim=2)
         mask = sliding if attn.layer_type == "sliding_attention" else full
@@ -92,11 +90,13 @@ def block_hidden(
     return drafter.norm(hidden)
 
 
-def check_features(config, features: torch.Tensor) -> None:
-    """ValueError unless `features` [n, K*H] are target features of the drafter `config`'s taps."""
+def check_features(config, features: torch.Tensor, batched: bool = False) -> None:
+    """ValueError unless `features` [n, K*H] (batched: [b, n, K*H]) are target features of the drafter `config`'s
+    taps."""
     expected = config.num_taps * config.hidden_size
-    if features.dim() != 2 or features.shape[-1] != expected:
-        raise ValueError(f"features must be [n, {expected}], got {tuple(features.shape)}")
+    dims, leading = (3, "batch, n") if batched else (2, "n")
+    if features.dim() != dims or features.shape[-1] != expected:
+        raise ValueError(f"features must be [{leading}, {expected}], got {tuple(features.shape)}")
 
 
 def check_context(length: int) -> None:

@@ -77,35 +77,30 @@ def load_prompt_sets(
     timer = timer if timer is not None else PhaseTimer()
     prompt_sets: dict[str, list[list[int]]] = {}
     categories: dict[str, list[str]] = {}
-    try:
-        for name, spec in specs.items():
-            turns = int(spec.get("turns", 1))
-            if turns not in (1, 2):
-                raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {turns}")
-            timer.prompt_set = name
-            with timer.phase("load_prompts"):
-                source, path = str(spec["source"]), spec.get("path")
-                prompts = load_prompts(source, path=path, limit=spec.get("limit"))
-                labels = prompt_categories(source, prompts, path=path)
-                prompt_sets[name] = [adapter.chat_ids(p.messages, **kwargs) for p in prompts]
-            names = [name]
-            if turns == 2:
-                second = name + TURN2_SUFFIX
-                if second in specs:
-                    raise ValueError(f"eval prompt set {name!r} has turns: 2, which adds the set {second!r}, but a set "
-                                     f"of that name is configured too; rename one")
-                answer_tokens = spec.get("answer_max_new_tokens")
-                answer_tokens = max_new_tokens if answer_tokens is None else int(answer_tokens)
-                timer.prompt_set = second
-                with timer.phase("turn2_answers"):
-                    conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
-                                                              template_kwargs=kwargs, batch_size=batch_size)
-                    prompt_sets[second] = [adapter.chat_ids(c, **kwargs) for c in conversations]
-                names.append(second)
-            if labels is not None:
-                categories.update({n: labels for n in names})
-    finally:
-        timer.prompt_set = None
+    for name, spec in specs.items():
+        turns = int(spec.get("turns", 1))
+        if turns not in (1, 2):
+            raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {turns}")
+        with timer.for_prompt_set(name), timer.phase("load_prompts"):
+            source, path = str(spec["source"]), spec.get("path")
+            prompts = load_prompts(source, path=path, limit=spec.get("limit"))
+            labels = prompt_categories(source, prompts, path=path)
+            prompt_sets[name] = [adapter.chat_ids(p.messages, **kwargs) for p in prompts]
+        names = [name]
+        if turns == 2:
+            second = name + TURN2_SUFFIX
+            if second in specs:
+                raise ValueError(f"eval prompt set {name!r} has turns: 2, which adds the set {second!r}, but a set "
+                                 f"of that name is configured too; rename one")
+            answer_tokens = spec.get("answer_max_new_tokens")
+            answer_tokens = max_new_tokens if answer_tokens is None else int(answer_tokens)
+            with timer.for_prompt_set(second), timer.phase("turn2_answers"):
+                conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
+                                                          template_kwargs=kwargs, batch_size=batch_size)
+                prompt_sets[second] = [adapter.chat_ids(c, **kwargs) for c in conversations]
+            names.append(second)
+        if labels is not None:
+            categories.update({n: labels for n in names})
     return prompt_sets, categories
 
 
@@ -166,18 +161,18 @@ def evaluate(
         for name, prompts in prompt_sets.items():
             if bar is not None:
                 bar.set_postfix_str(name)
-            timer.prompt_set = name
-            if mode == "replay":
-                with torch.inference_mode():
-                    results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size, progress=progress, timer=timer)
-                traces = [r.trace for r in results]
-                extra = {"greedy_mismatches": sum(r.greedy_mismatches for r in results)}
-            else:
-                traces, extra = _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
-                                          temperature=temperature, generator=generator,
-                                          measure_target=measure_target, progress=progress, timer=timer,
-                                          engine=engine)
+            with timer.for_prompt_set(name):
+                if mode == "replay":
+                    with torch.inference_mode():
+                        results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
+                                         batch_size=batch_size, progress=progress, timer=timer)
+                    traces = [r.trace for r in results]
+                    extra = {"greedy_mismatches": sum(r.greedy_mismatches for r in results)}
+                else:
+                    traces, extra = _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
+                                              temperature=temperature, generator=generator,
+                                              measure_target=measure_target, progress=progress, timer=timer,
+                                              engine=engine)
             per_set[name] = {**acceptance_metrics(traces, block_size), **_finish(extra)}
             if name in categories:
                 groups: dict[str, list] = {}
@@ -188,7 +183,6 @@ def evaluate(
             all_traces += traces
             extras.append(extra)
     finally:
-        timer.prompt_set = None
         if bar is not None:
             bar.close()
     pooled = {key: sum(e[key] for e in extras) for key in extras[0]}

@@ -111,6 +111,16 @@ class PhaseTimer:
             synchronize(self.device)
 
     @contextmanager
+    def for_prompt_set(self, name: str) -> Iterator[None]:
+        """Charge the phases of the `with` body to prompt set `name`; the previous set is restored on the way out,
+        also when the body raises."""
+        previous, self.prompt_set = self.prompt_set, name
+        try:
+            yield
+        finally:
+            self.prompt_set = previous
+
+    @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Charge the wall time of the `with` body to phase `name` (of the current prompt set, if one is set)."""
         self._sync()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.eval.drafter_cache import block_hidden, context_keys_values
+from dflash.eval.drafter_cache import KeysValues, block_hidden, context_keys_values
 from dflash.eval.metrics import PhaseTimer, StepTrace
 from dflash.models.drafter import DFlashDraftModel
 
@@ -159,8 +159,8 @@ class DrafterProposer:
 
     Every drafter layer's context keys/values of every stored position are computed once, right-padded into one
     tensor per layer on the drafter's device (drafter_cache.py): a step only gathers its rows' left-padded contexts
-    with a few indexing kernels and runs the block tokens through the layers, instead of re-projecting the whole
-    context through fc and every k/v projection: replay runs hundreds of steps.
+    with a few indexing kernels (or slices them, see `contexts`) and runs the block tokens through the layers,
+    instead of re-projecting the whole context through fc and every k/v projection: replay runs hundreds of steps.
     """
 
     def __init__(
@@ -194,16 +194,28 @@ class DrafterProposer:
         # Key column j of row i holds position j - (num_context - start_i); negative positions are left padding.
         positions = torch.arange(num_context + size, device=self.device)[None] - (num_context - start)[:, None]
         source = positions[:, :num_context].clamp(min=0)
-        # Advanced indices around a slice put the indexed axes first: [rows, C, kv_heads, head_dim].
-        context = [(k[index[:, None], :, source].transpose(1, 2), v[index[:, None], :, source].transpose(1, 2))
-                   for k, v in self.context]
+        left_padded = min(starts) != num_context  # decided on the host: no device sync
+        context = self.contexts(rows, index, source, left_padded)
         context_valid = block_valid = None
-        if min(starts) != num_context:  # some row is left-padded (decided on the host: no device sync)
+        if left_padded:
             context_valid = source == positions[:, :num_context]
         if min(sizes) != size:
             block_valid = torch.arange(size, device=self.device)[None] < lengths[:, None]
         return block_hidden(self.drafter, noise, positions[:, num_context:], context, source, context_valid,
                             block_valid)
+
+    def contexts(self, rows: list[int], index: torch.Tensor, source: torch.Tensor, left_padded: bool) -> KeysValues:
+        """Every layer's cached keys/values [len(rows), kv_heads, C, head_dim] of context columns `source` [n, C]
+        of rows `rows` (`index`: the same rows on the device); `left_padded` False when every row's source is 0..C-1.
+        """
+        first, n, num_context = rows[0], len(rows), source.shape[1]
+        if not left_padded and rows == list(range(first, first + n)):
+            # Consecutive rows over the same columns (a lone row, near the end of a chunk): a view, no gather copy.
+            return [(k[first : first + n, :, :num_context], v[first : first + n, :, :num_context])
+                    for k, v in self.context]
+        # Advanced indices around a slice put the indexed axes first: [rows, C, kv_heads, head_dim].
+        return [(k[index[:, None], :, source].transpose(1, 2), v[index[:, None], :, source].transpose(1, 2))
+                for k, v in self.context]
 
     @torch.inference_mode()
     def __call__(self, rows: list[int], starts: list[int], size: int | list[int]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dflash.data.row_schedule import round_up
 from dflash.data.static_decode import LENGTH_QUANTUM, TargetLayout, unsupported_reason
 from dflash.cuda_graphs import capture_graphs, replay
 from dflash.eval.graphs import kept_for
-from dflash.eval.target_cache import check_rollback
+from dflash.eval.target_cache import check_rollback, token_ids
 
 # Cache lengths are rounded up to this, so prompts of similar lengths share one StaticTarget and its graphs.
 CAPACITY_QUANTUM = 1024
@@ -111,13 +111,11 @@ class StaticTarget:
     @torch.inference_mode()
     def forward(self, ids: list[int] | torch.Tensor, last_logits_only: bool = False) -> Outputs:
         """Append `ids`; logits [n, V] (or [1, V] for the last position when last_logits_only) and features."""
-        n = len(ids)
-        if n == 0:
-            raise ValueError("StaticTarget.forward needs at least one token")
+        device = self.layout.device
+        ids = token_ids(ids, device)
+        n = ids.shape[0]
         if self.length + n > self.capacity:
             raise ValueError(f"{self.length} + {n} positions exceed the static cache of {self.capacity}")
-        device = self.layout.device
-        ids = ids.reshape(n).to(device) if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), device=device)
         span = round_up(self.length + n, LENGTH_QUANTUM)
         self.start.fill_(self.length)
         entry = self._graphs.get((n, span))

@@ -87,6 +87,15 @@ def crop_attention(cache: Any, length: int) -> None:
         layer.values = layer.values[..., :length, :]
 
 
+def token_ids(ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`ids` (a list, or a 1-D tensor that may stay on the device) as a 1-D tensor on `device`; ValueError when
+    there are none (a cached forward appends at least one position)."""
+    n = len(ids)
+    if n == 0:
+        raise ValueError("a cached target forward needs at least one token")
+    return ids.reshape(n).to(device) if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), device=device)
+
+
 def check_rollback(start: int, size: int, length: int, keep: int) -> None:
     """ValueError unless keeping `keep` positions of a cache now `length` long directly follows a verify of
     `size` positions from `start` and keeps at least its first position."""
@@ -128,14 +137,9 @@ class CachedTarget:
         self, ids: list[int] | torch.Tensor, last_logits_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append `ids`; logits [n, V] (or [1, V] for the last position when last_logits_only) and features."""
-        n = len(ids)
-        if n == 0:
-            raise ValueError("CachedTarget.forward needs at least one token")
         device = self.adapter.device
-        if isinstance(ids, torch.Tensor):
-            input_ids = ids.reshape(1, n).to(device)
-        else:
-            input_ids = torch.tensor([list(ids)], device=device)
+        input_ids = token_ids(ids, device)[None]
+        n = input_ids.shape[1]
         store: dict[int, torch.Tensor] = {}
         layers = self.adapter.decoder_layers()
         handles = []

@@ -1,0 +1,81 @@
+"""Static live decoding on a GPU with real CUDA graphs: the graph replays of the target's verify and one-token
+forwards and of the drafter's extend and block steps equal eager runs over the same static buffers, and live
+decoding through them is lossless. Skipped without CUDA; on the GPU machine:
+
+    PYTHONPATH=. python -m pytest tests/test_eval_cuda_graphs.py tests/test_eval_replay_contexts.py -q -rs
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.eval.drafter_cache import CachedDrafter
+from dflash.eval.live import live_decode, target_only_decode
+from dflash.eval.static_drafter import StaticDrafter
+from dflash.eval.static_target import StaticTarget
+from dflash.models.targets import build_tiny_target
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = GPU
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    """A float32 tiny llama on the GPU, weights large enough that greedy text varies."""
+    return build_tiny_target("llama", 0, tokenizer="builtin", initializer_range=0.2, device=DEVICE, dtype="float32")
+
+
+def long_prompt(adapter, length: int) -> list[int]:
+    chat = adapter.chat_ids([{"role": "user", "content": "What is two plus two?"}])
+    return [4 + i % 50 for i in range(length - len(chat))] + chat
+
+
+def test_target_graphs_equal_eager(adapter):
+    taps = [0, 2, adapter.num_layers - 1]
+    prompt = long_prompt(adapter, 120)
+    graphed, eager = (StaticTarget(adapter, taps, capacity=len(prompt) + 20, graph_sizes=(1, 4), cuda_graphs=graphs)
+                      for graphs in (True, False))
+    assert graphed._graphs and not eager._graphs
+    for target in (graphed, eager):
+        target.forward(prompt, last_logits_only=True)
+    # Verifies of 4 (graphed) with rollbacks into them; the last crosses the 128-column span.
+    blocks = (([5, 6, 7, 8], 2), (torch.tensor([9, 10, 11, 12], device=DEVICE), 3), ([12, 13, 14, 15], 1))
+    for block, keep in blocks:
+        for got, want in zip(graphed.verify(block), eager.verify(block)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        start = graphed.length - len(block)
+        graphed.rollback(start + keep)
+        eager.rollback(start + keep)
+    for token in (7, 8):  # one-token forwards (graphed)
+        for got, want in zip(graphed.forward([token]), eager.forward([token])):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_graphs_equal_eager(adapter, make_drafter):
+    drafter = make_drafter(adapter, window=6, std=0.2, block_size=4).to(DEVICE)
+    prompt = long_prompt(adapter, 150)
+    features = adapter.capture(torch.tensor([prompt], device=DEVICE), None, drafter.target_layer_ids)[0]
+    graphed, eager = (StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=graphs) for graphs in (True, False))
+    assert graphed._graphs and not eager._graphs
+    cached = CachedDrafter(drafter)
+    for n in (120, 1, 4, 2, 3, 1):  # a prompt, then the verified positions of steps; the context crosses 128
+        for context in (graphed, eager, cached):
+            context.extend(features[context.length : context.length + n])
+        block = torch.tensor([prompt[graphed.length]] + [drafter.mask_token_id] * 3, device=DEVICE)
+        noise = adapter.embed_tokens()(block)
+        got = graphed.hidden(noise)
+        torch.testing.assert_close(got, eager.hidden(noise), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, cached.hidden(noise), atol=1e-4, rtol=1e-4)
+
+
+def test_live_through_graphs_is_lossless(adapter, make_drafter):
+    drafter = make_drafter(adapter, std=0.2).to(DEVICE)
+    prompt = adapter.chat_ids([{"role": "user", "content": "Write a haiku about the sea, please."}])
+    truth = target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="hf")
+    plain = target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="static")
+    assert plain.engine == "static" and plain.continuation == truth.continuation
+    for engine in ("static", "hf"):
+        result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine=engine)
+        assert result.engine == engine and result.continuation == truth.continuation
