@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -153,21 +154,18 @@ def _generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pa
     return out[:, width:].tolist()
 
 
-def _one_batch_or_one_by_one(generate, chunk: list[tuple[Prompt, list[int]]], offset: int):
-    """(offset + j, new tokens or the exception) for chunk[j]: one batch, or prompt by prompt if the batch raises."""
-    try:
-        outputs = generate([ids for _, ids in chunk])
-    except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
-        logger.warning("batch generation failed (%s: %s); retrying its %d prompts one by one",
-                       type(e).__name__, e, len(chunk))
-        outputs = []
-        for _, ids in chunk:
-            try:
-                outputs.append(generate([ids])[0])
-            except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
-                outputs.append(e1)
-    for j, out in enumerate(outputs):
-        yield offset + j, out
+def _retry_one_by_one(error: Exception, generate_one: Callable[[int], list[int]],
+                      indices: list[int]) -> Iterator[tuple[int, list[int] | Exception]]:
+    """After a batch failed with `error`: (i, generate_one(i) or the exception it raises) for each index, so that
+    one bad prompt fails alone."""
+    logger.warning("generation failed (%s: %s); retrying %d prompt(s) one by one", type(error).__name__, error,
+                   len(indices))
+    for i in indices:
+        try:
+            out = generate_one(i)
+        except Exception as e:  # noqa: BLE001 - recorded as a failed prompt
+            out = e
+        yield i, out
 
 
 def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_size: int, max_new_tokens: int,
@@ -179,7 +177,13 @@ def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_siz
         config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
         generate = partial(_generate, adapter, config=config, pad_id=pad_id,
                            seed=_batch_seed(seed, [p.id for p, _ in chunk]))
-        yield from _one_batch_or_one_by_one(generate, chunk, start)
+        try:
+            outputs = generate([ids for _, ids in chunk])
+        except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s)
+            yield from _retry_one_by_one(e, lambda i: generate([pending[i][1]])[0],
+                                         list(range(start, start + len(chunk))))
+            continue
+        yield from enumerate(outputs, start)
 
 
 def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list[int]]], batch_size: int,
@@ -197,17 +201,12 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
                                           prompt_seeds=seeds, **options):
             finished.add(i)
             yield i, tokens
-    except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s) below
-        logger.warning("static generation failed (%s: %s); retrying its %d unfinished prompts one by one",
-                       type(e).__name__, e, len(pending) - len(finished))
-        for i, (_, ids) in enumerate(pending):
-            if i in finished:
-                continue
-            try:
-                yield i, generator.generate([ids], max_new_tokens=[budgets[i]], batch_size=1,
-                                            prompt_seeds=[seeds[i]], **options)[0]
-            except Exception as e1:  # noqa: BLE001 - recorded as a failed prompt
-                yield i, e1
+    except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s)
+        def generate_one(i: int) -> list[int]:
+            return generator.generate([pending[i][1]], max_new_tokens=[budgets[i]], batch_size=1,
+                                      prompt_seeds=[seeds[i]], **options)[0]
+
+        yield from _retry_one_by_one(e, generate_one, [i for i in range(len(pending)) if i not in finished])
 
 
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
@@ -223,9 +222,10 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
 
     engine: "hf" (model.generate over batches of `batch_size`), "static" (static_decode: static KV cache + CUDA
     graphs; every prompt in one stream whose `batch_size` rows are refilled as answers end, journaled as they
-    finish) or "auto" (static on a CUDA target it supports, else hf). Both give the same greedy tokens in float32, so the journal does not record
-    which one ran. compile_step: the static engine also runs its decode step through torch.compile. refill=False:
-    the static engine runs plain batches (a batch ends with its longest answer), for comparison.
+    finish) or "auto" (static on a CUDA target it supports, else hf). Both give the same greedy tokens in
+    float32, so the journal does not record which one ran. compile_step: the static engine also runs its decode
+    step through torch.compile. refill=False: the static engine runs plain batches (a batch ends with its longest
+    answer), for comparison.
     """
     if max_length < 2 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"need max_length >= 2, max_new_tokens >= 1, batch_size >= 1; got {max_length}, "

@@ -114,6 +114,14 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, unifor
     return (order.gather(-1, choice) if top_p < 1.0 else choice).squeeze(-1)
 
 
+def prompt_draws(key: str, count: int) -> torch.Tensor:
+    """The uniform draws [count] of the prompt whose stream key is `key`, one per new-token index: its sampling
+    stream, whichever row or batch it decodes in."""
+    digest = hashlib.sha256(key.encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.rand(count, generator=generator)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE as the llama/qwen families apply it, x * cos + [-x2, x1] * sin, written as a roll times a
     sin whose first half is negated: the same numbers, one kernel fewer per call."""
@@ -173,7 +181,8 @@ class TargetLayout:
 
 
 class _Decoder:
-    """Static buffers, prefill and decode step for one (batch rows, cache length, choice rule).
+    """Static buffers, prefill and decode step for one (batch rows, cache length, choice rule); the RowDecoder
+    that row_schedule.run_schedule drives through one call (begin() hands it the call's prompts).
 
     Every row keeps its own write column: a prompt admitted into a row is prefilled from column 0 (right padded
     inside its prefill group), so the position of column c is c in every row and row r attends over columns
@@ -198,18 +207,22 @@ class _Decoder:
         self.column = torch.zeros(rows, device=device, dtype=torch.long)
         self.count = torch.zeros(rows, device=device, dtype=torch.long)
         self.budget = torch.zeros(rows, device=device, dtype=torch.long)
-        self.finished = torch.ones(rows, device=device, dtype=torch.bool)
+        self.stopped = torch.ones(rows, device=device, dtype=torch.bool)
         # Tokens of row r go to out[r, count[r]]; column `length` is the scratch slot of stopped rows.
         self.out = torch.zeros(rows, length + 1, device=device, dtype=torch.long)
         # Per-row uniform draws, one per token index (sampling only; filled from each prompt's own stream).
         self.uniform = torch.zeros(rows, length + 1, device=device, dtype=torch.float32)
         self.compile_step = compile_step
+        # The current call's prompts (token lists), new-token budgets and sampling stream keys, by prompt index.
+        self.call_prompts: list[list[int]] = []
+        self.call_budgets: list[int] = []
+        self.call_keys: list[str] = []
         self.spans = list(range(LENGTH_QUANTUM, length + 1, LENGTH_QUANTUM))
         self.graphs = self._capture() if use_graph else {}
 
     def reset(self) -> None:
         """Every row free (stopped, at column 0): the state a run starts from."""
-        self.finished.fill_(True)
+        self.stopped.fill_(True)
         for state in (self.tokens, self.column, self.count, self.budget):
             state.zero_()
 
@@ -227,12 +240,12 @@ class _Decoder:
 
     def record(self, tokens: torch.Tensor) -> None:
         """Store the chosen tokens of the running rows and move them to their next column."""
-        running = ~self.finished
+        running = ~self.stopped
         slot = torch.where(running, self.count, self.length)
         self.out.scatter_(1, slot[:, None], tokens[:, None])
         self.count += running
         self.column += running
-        self.finished |= (tokens[:, None] == self.stops).any(dim=-1) | (self.count >= self.budget)
+        self.stopped |= (tokens[:, None] == self.stops).any(dim=-1) | (self.count >= self.budget)
         self.tokens.copy_(tokens)
 
     def advance(self, span: int) -> None:
@@ -291,35 +304,42 @@ class _Decoder:
         last = x[torch.arange(len(lengths), device=x.device), lengths - 1]
         return lay.head(lay.norm(last)).float()
 
-    def admit(self, rows: list[int], prompts: list[list[int]], budgets: list[int],
-              uniform: torch.Tensor | None) -> None:
-        """Prefill the prompts (longest first) into the given rows, choose their first tokens and start them.
+    def begin(self, prompts: list[list[int]], budgets: list[int], keys: list[str]) -> None:
+        """Start a call: every row free; admit() takes prompts of this call by index (token lists, new-token
+        budgets, sampling stream keys)."""
+        self.call_prompts, self.call_budgets, self.call_keys = prompts, budgets, keys
+        self.reset()
 
-        uniform [len(rows), >= max budget]: each prompt's own uniform draws, one per token index (sampling only).
-        """
+    def admit(self, rows: list[int], prompts: list[int]) -> None:
+        """Prefill the call's prompts (indices, longest first) into the given free rows, choose their first tokens
+        and start them."""
         device = self.layout.device
-        width = max(len(p) for p in prompts)
+        width = max(len(self.call_prompts[i]) for i in prompts)
         per_call = max(1, PREFILL_TOKENS // width)
         for start in range(0, len(rows), per_call):
-            group = slice(start, start + per_call)
-            chunk = prompts[group]
+            group = prompts[start: start + per_call]
+            chunk = [self.call_prompts[i] for i in group]
+            budgets = [self.call_budgets[i] for i in group]
             wide = max(len(p) for p in chunk)
-            ids = torch.tensor([list(p) + [0] * (wide - len(p)) for p in chunk], device=device)
-            index = torch.tensor(rows[group], device=device)
+            ids = torch.tensor([p + [0] * (wide - len(p)) for p in chunk], device=device)
+            index = torch.tensor(rows[start: start + per_call], device=device)
             lengths = torch.tensor([len(p) for p in chunk], device=device)
-            budget = torch.tensor(budgets[group], device=device)
+            budget = torch.tensor(budgets, device=device)
             draws = None
-            if uniform is not None:
-                draws = uniform[group].to(device)
-                self.uniform[index, : draws.shape[1]] = draws
-                draws = draws[:, 0]
+            if self.temperature > 0:
+                # Each prompt's own uniform draws, one per new-token index, whichever row it lands in.
+                uniform = torch.zeros(len(group), max(budgets))
+                for row, (i, n) in enumerate(zip(group, budgets)):
+                    uniform[row, :n] = prompt_draws(self.call_keys[i], n)
+                self.uniform[index, : uniform.shape[1]] = uniform.to(device)
+                draws = self.uniform[index, 0]
             first = self.choose(self.prefill(index, ids, lengths), draws)
             self.out[index, 0] = first
             self.tokens[index] = first
             self.column[index] = lengths
             self.count[index] = 1
             self.budget[index] = budget
-            self.finished[index] = (first[:, None] == self.stops).any(dim=-1) | (budget <= 1)
+            self.stopped[index] = (first[:, None] == self.stops).any(dim=-1) | (budget <= 1)
 
     def decode(self, steps: int, span: int) -> None:
         for _ in range(steps):
@@ -328,8 +348,8 @@ class _Decoder:
             else:
                 self.advance(span)
 
-    def finished_rows(self) -> list[bool]:
-        return self.finished.tolist()
+    def finished(self) -> list[bool]:
+        return self.stopped.tolist()
 
     def harvest(self, rows: list[int]) -> list[list[int]]:
         index = torch.tensor(rows, device=self.layout.device)
@@ -342,39 +362,6 @@ class _Decoder:
 def _compiled_step():
     """_Decoder.step through torch.compile (one compiled function for all decoders; new shapes recompile)."""
     return torch.compile(_Decoder.step, fullgraph=True)
-
-
-def prompt_draws(key: str, count: int) -> torch.Tensor:
-    """The uniform draws [count] of the prompt whose stream key is `key`, one per new-token index: its sampling
-    stream, whichever row or batch it decodes in."""
-    digest = hashlib.sha256(key.encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return torch.rand(count, generator=generator)
-
-
-class _CallRows:
-    """The RowDecoder of one call: a _Decoder plus the call's prompts, budgets and sampling stream keys."""
-
-    def __init__(self, decoder: _Decoder, prompts: list[list[int]], budgets: list[int], keys: list[str]) -> None:
-        self.decoder, self.prompts, self.budgets, self.keys = decoder, prompts, budgets, keys
-        self.rows = decoder.rows
-
-    def admit(self, rows: list[int], prompts: list[int]) -> None:
-        uniform = None
-        if self.decoder.temperature > 0:
-            uniform = torch.zeros(len(prompts), max(self.budgets[i] for i in prompts))
-            for row, i in enumerate(prompts):
-                uniform[row, : self.budgets[i]] = prompt_draws(self.keys[i], self.budgets[i])
-        self.decoder.admit(rows, [self.prompts[i] for i in prompts], [self.budgets[i] for i in prompts], uniform)
-
-    def decode(self, steps: int, span: int) -> None:
-        self.decoder.decode(steps, span)
-
-    def finished(self) -> list[bool]:
-        return self.decoder.finished_rows()
-
-    def harvest(self, rows: list[int]) -> list[list[int]]:
-        return self.decoder.harvest(rows)
 
 
 class StaticGenerator:
@@ -447,11 +434,11 @@ class StaticGenerator:
         # Graph capture and replay run on the current device: make it the target's.
         with torch.cuda.device(self.layout.device) if self.layout.device.type == "cuda" else nullcontext():
             decoder = self._decoder_for(rows, length, stops, temperature, top_p)
-            decoder.reset()
+            decoder.begin([list(p) for p in prompts], budgets, keys)
             self.last_stats = ScheduleStats()
             yield from run_schedule(
-                _CallRows(decoder, [list(p) for p in prompts], budgets, keys), [len(p) for p in prompts], budgets,
-                refill=self.refill, check_every=CHECK_EVERY_CUDA if self.layout.device.type == "cuda" else 1,
+                decoder, [len(p) for p in prompts], budgets, refill=self.refill,
+                check_every=CHECK_EVERY_CUDA if self.layout.device.type == "cuda" else 1,
                 admit_min=max(1, rows // REFILL_GROUPS), span_quantum=LENGTH_QUANTUM, max_span=decoder.length,
                 stats=self.last_stats,
             )
@@ -500,9 +487,8 @@ def static_generate(adapter, prompts: list[list[int]], *, max_new_tokens: int | 
     row, batch size or refill setting (up to the float rounding of the batch a prompt runs in). cuda_graphs None =
     on for CUDA targets; CPU always runs without graphs. compile_step: run the decode step through torch.compile
     (fuses the norms, RoPE and residual adds into few kernels; compiling takes a while, and each new shape may
-    recompile). pad_id is checked and kept
-    for compatibility (prompts are right padded inside prefill, where padding is never attended). ValueError for
-    a target supports_static_decode refuses and for bad arguments.
+    recompile). pad_id is checked and kept for compatibility (prompts are right padded inside prefill, where
+    padding is never attended). ValueError for a target supports_static_decode refuses and for bad arguments.
     """
     generator = StaticGenerator(adapter, cuda_graphs, compile_step, refill)
     return generator.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, pad_id=pad_id,
