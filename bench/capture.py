@@ -33,7 +33,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.extract.capture import check_features, length_batches  # noqa: E402
-from dflash.models.targets.gdn_kernels import CONV_CHOICES  # noqa: E402
+from dflash.models.targets.gdn_kernels import CONV_CHOICES, conv_choice  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
 from dflash.models.targets.tiny import build_builtin_tokenizer  # noqa: E402
 
@@ -232,7 +232,7 @@ def main() -> None:
     print(f"matmul ceiling: {peak:.3g} TFLOP/s = {peak * 1e12 / flops_hf:,.0f} tok/s for a full forward")
 
     def hf(ids: torch.Tensor, mask: torch.Tensor) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), conv_choice(adapter.gdn_conv):  # a direct call of the model: its conv set here
             model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
 
     def capture(ids: torch.Tensor, mask: torch.Tensor) -> None:

@@ -1,11 +1,14 @@
 """GDN kernel routing of hybrid targets (dflash/models/targets/gdn_kernels.py) and the capture path's inputs.
 
-On the CPU the fla route must never be applied; the routing machinery itself is exercised on the CPU with a pure
-torch conv standing in for fla's kernel. The fla-vs-torch comparison needs CUDA and flash-linear-attention.
+The conv is chosen per call from the input's device: on CPU inputs transformers' conv always runs; the choice of
+fla's kernel for CUDA inputs and the router inside a real GDN forward are exercised on the CPU with fla's
+availability mocked and a pure torch conv standing in for its kernel. The fla-vs-torch comparison needs CUDA and
+flash-linear-attention.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 
@@ -16,7 +19,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash.models.targets import gdn_kernels, load_target
 from dflash.models.targets.gdn_kernels import (
-    CONV_GLOBAL, FLA_CONV_NAME, describe_gdn_kernels, gdn_layers, transformers_conv,
+    CONV_GLOBAL, FLA_CONV_NAME, FLA_KERNEL_GLOBALS, choose_causal_conv1d, conv_choice, describe_gdn_kernels, gdn_layers,
+    route_causal_conv1d, transformers_conv,
 )
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -57,8 +61,8 @@ def test_cpu_model_is_left_as_loaded(family):
     assert touched == []
     kernels = adapter.gdn_kernels()
     assert kernels["conv"] == f"{type(layers[0]).__module__}.causal_conv1d_fn (torch reference)"
-    fla = importlib.util.find_spec("fla") is not None
-    assert ("fla.ops" in kernels["chunk"]) == fla and "chunk_gated_delta_rule" in kernels["chunk"]
+    # A CPU model runs the torch reference even where fla is installed (its Triton kernels need CUDA inputs).
+    assert "fla.ops" not in kernels["chunk"] and "chunk_gated_delta_rule" in kernels["chunk"]
     with pytest.raises(RuntimeError, match="needs flash-linear-attention installed and the GDN layers on a CUDA"):
         adapter.set_gdn_conv("fla")
     with pytest.raises(ValueError, match="unknown causal conv1d choice 'triton'"):
@@ -87,44 +91,113 @@ def test_transformers_conv_matches_the_torch_reference():
         conv(x, weight, activation="gelu")
 
 
+def test_the_conv_is_chosen_per_call_from_the_input_device(monkeypatch):
+    """No GPU needed: a CUDA device object is enough to ask which conv a CUDA input would get."""
+    torch_conv, fast = (lambda *args, **kwargs: "torch"), (lambda *args, **kwargs: "fla")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    monkeypatch.setattr(gdn_kernels, "fla_causal_conv1d", lambda: fast)  # fla importable
+    assert choose_causal_conv1d(cpu, torch_conv) is torch_conv
+    assert choose_causal_conv1d(cuda, torch_conv) is fast
+    assert choose_causal_conv1d(cuda, torch_conv, "fla") is fast
+    assert choose_causal_conv1d(cuda, torch_conv, "torch") is torch_conv
+    with pytest.raises(RuntimeError, match="conv 'fla' needs flash-linear-attention installed.*on cpu"):
+        choose_causal_conv1d(cpu, torch_conv, "fla")
+    with pytest.raises(ValueError, match="unknown causal conv1d choice 'triton'"):
+        choose_causal_conv1d(cuda, torch_conv, "triton")
+    monkeypatch.setattr(gdn_kernels, "fla_causal_conv1d", lambda: None)  # fla not importable
+    assert choose_causal_conv1d(cuda, torch_conv) is torch_conv
+    with pytest.raises(RuntimeError, match="conv 'fla' needs flash-linear-attention installed"):
+        choose_causal_conv1d(cuda, torch_conv, "fla")
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-def test_routing_is_per_model_and_restores_the_global(family, monkeypatch):
-    """The route machinery on the CPU: a recording torch conv stands in for fla, the CUDA check is lifted."""
-    plain, routed = tiny(family), tiny(family)
+def test_the_router_picks_per_call_inside_the_gdn_forward(family, monkeypatch):
+    """fla installed (mocked, a recording torch conv for its kernel): CPU inputs still run transformers' conv;
+    treating the CPU as fla's device shows the router calls fla's kernel from every GDN layer, and that the
+    adapter's choice ("torch") and a failing kernel leave nothing behind."""
+    plain = tiny(family)
+    ids, mask = padded_batch(256, [11, 6, 9])
+    layer_ids = list(range(plain.num_layers))
+    reference_logits, reference = plain.forward_with_features(ids, mask, layer_ids)
+    reference_final = plain.capture_with_final(ids, mask, [0])[1]
+    namespace = modeling_namespace(plain)
+    original = namespace[CONV_GLOBAL]
+    monkeypatch.setitem(namespace, CONV_GLOBAL, original)  # put transformers' kernels back after the test
+    for name in FLA_KERNEL_GLOBALS:
+        monkeypatch.setitem(namespace, name, namespace[name])
     calls: list[tuple] = []
 
     def recording(**kwargs):
         calls.append(tuple(kwargs["x"].shape))
         return shifted_conv(**kwargs)
 
-    monkeypatch.setattr(gdn_kernels, "runs_on_cuda", lambda layer: True)
+    monkeypatch.setattr(gdn_kernels, "fla_installed", lambda: True)
     monkeypatch.setattr(gdn_kernels, "fla_causal_conv1d", lambda: transformers_conv(recording))
-    namespace = modeling_namespace(routed)
-    original = namespace[CONV_GLOBAL]
-    assert routed.set_gdn_conv("fla")["conv"] == FLA_CONV_NAME
-    ids, mask = padded_batch(256, [11, 6, 9])
-    layer_ids = list(range(routed.num_layers))
+    routed = tiny(family)
+    router = namespace[CONV_GLOBAL]
+    gdn = len(routed.linear_attention_layer_ids())
+    assert router is not original
+    kernels = [namespace[name] for name in FLA_KERNEL_GLOBALS if name in namespace]
+    assert kernels and all(hasattr(k, gdn_kernels._KERNEL_ATTR) for k in kernels)  # device-routed as well
+    assert route_causal_conv1d(routed.model) == gdn and namespace[CONV_GLOBAL] is router  # once per module
+    torch_name = f"{type(gdn_layers(routed.model)[0]).__module__}.causal_conv1d_fn (torch reference)"
+    assert routed.gdn_kernels()["conv"] == torch_name
+    torch.testing.assert_close(routed.capture(ids, mask, layer_ids), reference, atol=0, rtol=0)
+    assert calls == []  # CPU inputs: transformers' conv
+    with pytest.raises(RuntimeError, match="needs flash-linear-attention installed and the GDN layers on a CUDA"):
+        routed.set_gdn_conv("fla")
+
+    monkeypatch.setattr(gdn_kernels, "FLA_DEVICE_TYPE", "cpu")  # CPU inputs now take fla's path
+    assert routed.gdn_kernels()["conv"] == FLA_CONV_NAME
     logits, features = routed.forward_with_features(ids, mask, layer_ids)
-    assert len(calls) == len(routed.linear_attention_layer_ids()) and calls[0] == (3, 11, gdn_layers(routed.model)[0]
-                                                                                   .conv1d.weight.shape[0])
-    assert namespace[CONV_GLOBAL] is original
-    reference_logits, reference = plain.forward_with_features(ids, mask, layer_ids)
-    assert len(calls) == len(routed.linear_attention_layer_ids())  # the other model kept transformers' conv
+    assert len(calls) == gdn and calls[0] == (3, 11, gdn_layers(routed.model)[0].conv1d.weight.shape[0])
     torch.testing.assert_close(features, reference, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(logits, reference_logits, atol=1e-5, rtol=1e-4)
+
+    calls.clear()
+    assert routed.set_gdn_conv("torch")["conv"] == torch_name
+    torch.testing.assert_close(routed.capture(ids, mask, layer_ids), reference, atol=0, rtol=0)
+    assert calls == []  # the adapter's forwards run its choice ...
+    with torch.no_grad():
+        routed.model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert len(calls) == gdn  # ... other calls of the model run "auto"
 
     def failing(**kwargs):
         raise RuntimeError("conv failed")
 
     monkeypatch.setattr(gdn_kernels, "fla_causal_conv1d", lambda: transformers_conv(failing))
-    routed.set_gdn_conv("fla")
+    assert routed.set_gdn_conv("fla")["conv"] == FLA_CONV_NAME
     with pytest.raises(RuntimeError, match="conv failed"):
         routed.capture(ids, mask, [0])
-    assert namespace[CONV_GLOBAL] is original
+    assert gdn_kernels._choice.get() == "auto"  # the adapter's choice ended with its forward
+    with conv_choice("torch"), torch.no_grad():  # a direct call of the model runs the choice around it
+        hidden = routed.text_model()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    torch.testing.assert_close(hidden, reference_final, atol=0, rtol=0)
+    assert namespace[CONV_GLOBAL] is router
+
+
+def test_gated_delta_rule_kernels_follow_the_input_device(monkeypatch):
+    """transformers hands a GDN layer fla's gated-delta-rule kernel whenever fla is installed, also for a model on
+    the CPU; the router runs the torch reference the kernel wraps for CPU inputs and the kernel for CUDA inputs."""
+    calls: list[str] = []
+
+    def reference(query, key, value, g=None, beta=None):
+        calls.append("reference")
+        return query + 1
+
+    @functools.wraps(reference)
+    def kernel(*args, **kwargs):
+        calls.append("kernel")
+        return reference(*args, **kwargs)
+
+    router = gdn_kernels._device_router(kernel)
+    q = torch.zeros(2)
+    assert torch.equal(router(q, q, q), q + 1) and torch.equal(router(query=q, key=q, value=q, g=q), q + 1)
+    assert calls == ["reference", "reference"]  # the kernel was never entered
+    monkeypatch.setattr(gdn_kernels, "FLA_DEVICE_TYPE", "cpu")  # CPU inputs now count as fla's device
     calls.clear()
-    assert routed.set_gdn_conv("torch")["conv"] == (
-        f"{type(gdn_layers(routed.model)[0]).__module__}.causal_conv1d_fn (torch reference)")
-    torch.testing.assert_close(routed.capture(ids, mask, layer_ids), plain.capture(ids, mask, layer_ids))
+    router(q, q, q)
+    assert calls == ["kernel", "reference"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -160,10 +233,15 @@ def test_fla_conv_matches_torch_conv_on_cuda():
     adapter = load_target("tiny", tiny={"family": "qwen3_5", "seed": 0, "tokenizer": "builtin"},
                           dtype="bfloat16", device="cuda")
     assert adapter.gdn_kernels()["conv"] == FLA_CONV_NAME  # "auto" at load
-    ids, mask = padded_batch(256, [300, 129, 64])
-    ids, mask, real = ids.cuda(), mask.cuda(), mask.bool().cuda()
+    # The same weights on the CPU (float32), in the same process: transformers' conv there, call by call.
+    on_cpu = tiny("qwen3_5")
+    assert on_cpu.gdn_kernels()["conv"] != FLA_CONV_NAME
+    cpu_ids, cpu_mask = padded_batch(256, [300, 129, 64])
+    ids, mask, real = cpu_ids.cuda(), cpu_mask.cuda(), cpu_mask.bool().cuda()
     layer_ids = [0, 3, 6]
     fast = adapter.capture(ids, mask, layer_ids)[real].float()
+    exact = on_cpu.capture(cpu_ids, cpu_mask, layer_ids)[cpu_mask.bool()].to(fast.device)
+    assert float((fast - exact).norm() / exact.norm()) < 2e-2
     torch_conv = adapter.set_gdn_conv("torch")["conv"]
     assert torch_conv != FLA_CONV_NAME and "causal_conv1d_fn" in torch_conv
     slow = adapter.capture(ids, mask, layer_ids)[real].float()

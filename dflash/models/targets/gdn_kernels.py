@@ -1,24 +1,32 @@
-"""Which kernels the Gated DeltaNet (GDN) layers of a hybrid target run, and routing their causal conv1d.
+"""Which kernels the Gated DeltaNet (GDN) layers of a hybrid target run, and the choice of their causal conv1d.
 
 transformers (5.17 .. 5.24) gives every GDN layer two kernels through globals of its modeling module:
 `torch_chunk_gated_delta_rule` (flash-linear-attention's chunked kernel when `fla` is installed, else a torch
 reference) and `causal_conv1d_fn` (the `causal_conv1d` package when installed, else a torch reference built on
 F.conv1d). The causal-conv1d package often has no wheel for the machine, while flash-linear-attention ships a Triton
-causal conv1d of its own; `set_causal_conv1d` makes the GDN layers of ONE loaded model use it.
+causal conv1d of its own.
 
-How, without patching transformers for the whole process: each GDN layer of the model gets its own `forward`
-(an instance attribute, like accelerate's hooks) that puts the chosen conv into the modeling module's
-`causal_conv1d_fn` global only while that layer runs and puts the previous value back afterwards. Other models in
-the process keep transformers' choice; the one caveat is a second thread running a GDN layer of the same family at
-that very moment, which would get the same (numerically equivalent) conv.
+The conv is chosen on every call, from the input's device: `route_causal_conv1d` puts a router in front of the
+modeling module's `causal_conv1d_fn` once (when fla is installed; the global is never swapped back and forth), and
+the router asks `choose_causal_conv1d` for each call: fla's Triton kernel for CUDA inputs, transformers' own conv
+otherwise. So a model on the CPU computes what it computed before, a model placed over several devices gets the
+right conv on each, and models on different devices in one process share no state that changes under them.
+The gated-delta-rule kernels get a router of their own: fla's kernel for CUDA inputs, the torch reference
+otherwise (transformers picks fla's whenever it is installed, even for a model on the CPU, where Triton fails).
+`conv_choice("torch" | "fla")` overrides "auto" for the calls made inside it (a context variable: per thread,
+restored on exit); HybridTargetAdapter applies its own choice around its forwards.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -26,12 +34,19 @@ from torch import nn
 
 CONV_GLOBAL = "causal_conv1d_fn"
 CHUNK_GLOBAL = "torch_chunk_gated_delta_rule"
+# transformers' gated-delta-rule kernels: flash-linear-attention's Triton kernels whenever fla is installed, whatever
+# device the model is on (a CPU model on a GPU machine would crash in Triton); the torch reference is `__wrapped__`.
+FLA_KERNEL_GLOBALS = (CHUNK_GLOBAL, "torch_recurrent_gated_delta_rule")
 CONV_CHOICES = ("auto", "fla", "torch")
-# Per-layer attributes: the conv a routed layer runs ((name, function) or None) and the forward its routed
-# forward wraps (also the mark that a layer's forward is already wrapped).
-_ROUTE_ATTR = "_dflash_causal_conv1d"
-_WRAPPED_ATTR = "_dflash_forward_before_routing"
 FLA_CONV_NAME = "fla.modules.causal_conv1d (Triton)"
+# The device type fla's Triton kernels run on.
+FLA_DEVICE_TYPE = "cuda"
+# On a router: the transformers conv it stands in front of (also the mark that a global is already routed).
+_TORCH_CONV_ATTR = "_dflash_torch_conv"
+# On a device router of a gated-delta-rule kernel: the kernel transformers picked (fla's when installed).
+_KERNEL_ATTR = "_dflash_kernel"
+_choice: ContextVar[str] = ContextVar("dflash_gdn_conv", default="auto")
+_route_lock = threading.Lock()
 
 
 def gdn_layers(model: nn.Module) -> list[nn.Module]:
@@ -66,7 +81,7 @@ def transformers_conv(causal_conv1d: Callable) -> Callable:
         packed = [k for k in ("cu_seq_lens_q", "cu_seqlens") if kwargs.get(k) is not None]
         if seq_idx is not None or packed:
             raise ValueError(f"the routed causal conv1d takes right-padded batches only, got packed-sequence "
-                             f"arguments {packed or ['seq_idx']}; use set_causal_conv1d(model, 'torch')")
+                             f"arguments {packed or ['seq_idx']}; use set_gdn_conv('torch')")
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"the routed causal conv1d supports activation silu/swish or none, got {activation!r}")
         # transformers' x is usually a transposed view of a contiguous [B, T, D] (transposing back costs no copy);
@@ -77,11 +92,15 @@ def transformers_conv(causal_conv1d: Callable) -> Callable:
     return conv
 
 
+def fla_installed() -> bool:
+    """Whether flash-linear-attention can be imported (looked up without importing it)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+@functools.cache
 def fla_causal_conv1d() -> Callable | None:
     """flash-linear-attention's Triton causal conv1d behind transformers' `causal_conv1d_fn` signature, or None
-    when fla is not installed or there is no CUDA device."""
-    if not torch.cuda.is_available():
-        return None
+    when fla is not installed. Imported on first use only (by then a CUDA input needs it)."""
     try:
         from fla.modules.causal_conv1d import causal_conv1d
     except ImportError:
@@ -92,74 +111,131 @@ def fla_causal_conv1d() -> Callable | None:
     return transformers_conv(causal_conv1d)
 
 
-def runs_on_cuda(layer: nn.Module) -> bool:
-    """Whether a GDN layer's weights are on a CUDA device (only those are routed)."""
-    return layer.conv1d.weight.is_cuda
+def _check_choice(conv: str) -> None:
+    if conv not in CONV_CHOICES:
+        raise ValueError(f"unknown causal conv1d choice {conv!r}; use one of {list(CONV_CHOICES)}")
 
 
-def _routed_forward(layer: nn.Module, forward: Callable) -> Callable:
-    namespace = _namespace(layer)
+def choose_causal_conv1d(device: torch.device, torch_conv: Callable, conv: str = "auto") -> Callable:
+    """The causal conv1d for one call whose input is on `device`: fla's Triton kernel for a CUDA input when fla is
+    installed (unless conv is "torch"), else `torch_conv` (transformers' own). conv "fla" raises RuntimeError
+    where fla's kernel cannot run."""
+    _check_choice(conv)
+    if conv == "torch":
+        return torch_conv
+    fast = fla_causal_conv1d() if device.type == FLA_DEVICE_TYPE else None
+    if fast is not None:
+        return fast
+    if conv == "fla":
+        raise RuntimeError(f"conv 'fla' needs flash-linear-attention installed and the input on a CUDA device; "
+                           f"got an input on {device}, fla installed: {fla_installed()}")
+    return torch_conv
 
-    @functools.wraps(forward)
-    def routed(*args: Any, **kwargs: Any) -> Any:
-        route = layer.__dict__.get(_ROUTE_ATTR)
-        if route is None or not runs_on_cuda(layer):
-            return forward(*args, **kwargs)
-        previous = namespace[CONV_GLOBAL]
-        namespace[CONV_GLOBAL] = route[1]
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            namespace[CONV_GLOBAL] = previous
 
+def _router(torch_conv: Callable) -> Callable:
+    """A `causal_conv1d_fn` that runs the conv choose_causal_conv1d picks for each call."""
+
+    def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = None, **kwargs: Any) -> torch.Tensor:
+        conv = choose_causal_conv1d(hidden_states.device, torch_conv, _choice.get())
+        return conv(hidden_states, weight, bias, activation=activation, **kwargs)
+
+    setattr(causal_conv1d_fn, _TORCH_CONV_ATTR, torch_conv)
+    return causal_conv1d_fn
+
+
+def _torch_conv(function: Any) -> Any:
+    """transformers' conv behind a router, or `function` itself when it is not one."""
+    return getattr(function, _TORCH_CONV_ATTR, function)
+
+
+def _is_routed(layer: nn.Module) -> bool:
+    return hasattr(_namespace(layer).get(CONV_GLOBAL), _TORCH_CONV_ATTR)
+
+
+def _device_router(kernel: Callable) -> Callable:
+    """`kernel` for CUDA inputs, its torch reference (what it wraps) for inputs on any other device."""
+    reference = inspect.unwrap(kernel)
+
+    def gated_delta_rule(*args: Any, **kwargs: Any) -> Any:
+        query = args[0] if args else kwargs["query"]
+        return (kernel if query.device.type == FLA_DEVICE_TYPE else reference)(*args, **kwargs)
+
+    setattr(gated_delta_rule, _KERNEL_ATTR, kernel)
+    return gated_delta_rule
+
+
+def _kernel(function: Any) -> Any:
+    """The kernel behind a device router, or `function` itself when it is not one."""
+    return getattr(function, _KERNEL_ATTR, function)
+
+
+def route_causal_conv1d(model: nn.Module) -> int:
+    """Put routers in front of the GDN kernels in the modeling modules of `model`'s GDN layers (once per module):
+    `causal_conv1d_fn` picks its conv per call (choose_causal_conv1d), and the gated-delta-rule kernels run fla's
+    Triton code on CUDA inputs and the torch reference on others. Returns how many GDN layers call a routed conv.
+    Without fla installed nothing is touched: every kernel is transformers' torch code already."""
+    if not fla_installed():
+        return 0
+    routed = 0
+    with _route_lock:  # two loads at once must not put a router in front of a router
+        for layer in gdn_layers(model):
+            namespace = _namespace(layer)
+            for name in FLA_KERNEL_GLOBALS:
+                if name in namespace and not hasattr(namespace[name], _KERNEL_ATTR):
+                    namespace[name] = _device_router(namespace[name])
+            if CONV_GLOBAL not in namespace:  # a release that calls its conv some other way: left alone
+                continue
+            if not hasattr(namespace[CONV_GLOBAL], _TORCH_CONV_ATTR):
+                namespace[CONV_GLOBAL] = _router(namespace[CONV_GLOBAL])
+            routed += 1
     return routed
 
 
-def set_causal_conv1d(model: nn.Module, conv: str = "auto") -> str:
-    """Choose the causal conv1d of `model`'s GDN layers; returns the name of the conv they now run.
+@contextmanager
+def conv_choice(conv: str) -> Iterator[None]:
+    """Run the GDN causal convs called inside with `conv` ("auto", "fla" or "torch"); per thread."""
+    _check_choice(conv)
+    token = _choice.set(conv)
+    try:
+        yield
+    finally:
+        _choice.reset(token)
 
-    "fla": flash-linear-attention's Triton kernel (RuntimeError when fla or CUDA is missing or the model is not on
-    CUDA); "torch": transformers' own choice (its torch reference unless the causal-conv1d package is installed);
-    "auto": "fla" when the GDN layers are on CUDA and fla is importable, else "torch". Only CUDA layers are routed,
-    so a model on the CPU is left exactly as loaded.
-    """
-    if conv not in CONV_CHOICES:
-        raise ValueError(f"unknown causal conv1d choice {conv!r}; use one of {list(CONV_CHOICES)}")
-    found = gdn_layers(model)
-    # Only layers whose transformers module calls the conv through the global can be routed.
-    layers = [layer for layer in found if CONV_GLOBAL in _namespace(layer)]
-    on_cuda = bool(layers) and all(runs_on_cuda(layer) for layer in layers)
-    fast = fla_causal_conv1d() if on_cuda and conv != "torch" else None
-    if conv == "fla" and fast is None:
+
+def check_conv_choice(model: nn.Module, conv: str) -> None:
+    """ValueError for an unknown choice; RuntimeError for "fla" unless every GDN layer of `model` is routed, on
+    CUDA, and fla's kernel imports."""
+    _check_choice(conv)
+    if conv != "fla":
+        return
+    layers = gdn_layers(model)
+    routed = sum(_is_routed(layer) for layer in layers)
+    on_cuda = bool(layers) and all(layer.conv1d.weight.device.type == FLA_DEVICE_TYPE for layer in layers)
+    if not (layers and routed == len(layers) and on_cuda and fla_causal_conv1d() is not None):
         raise RuntimeError(
             "conv 'fla' needs flash-linear-attention installed and the GDN layers on a CUDA device "
-            f"({len(found)} GDN layers found, {len(layers)} calling `{CONV_GLOBAL}`, on CUDA: {on_cuda}, "
-            f"CUDA available: {torch.cuda.is_available()})"
+            f"({len(layers)} GDN layers found, {routed} calling a routed `{CONV_GLOBAL}`, on CUDA: {on_cuda}, "
+            f"fla installed: {fla_installed()})"
         )
-    for layer in layers:
-        if fast is None:
-            if _ROUTE_ATTR in layer.__dict__:
-                layer.__dict__[_ROUTE_ATTR] = None
-            continue
-        if _WRAPPED_ATTR not in layer.__dict__:
-            forward = layer.forward
-            layer.__dict__[_WRAPPED_ATTR] = forward
-            layer.forward = _routed_forward(layer, forward)
-        layer.__dict__[_ROUTE_ATTR] = (FLA_CONV_NAME, fast)
-    return describe_gdn_kernels(model).get("conv", "none")
 
 
-def describe_gdn_kernels(model: nn.Module) -> dict[str, str]:
-    """{"conv": ..., "chunk": ...}: the causal conv1d and the chunked gated-delta-rule kernel the GDN layers of
-    `model` run on a prefill (several names joined by " + " when layers differ); empty for a model without GDN."""
+def describe_gdn_kernels(model: nn.Module, conv: str = "auto") -> dict[str, str]:
+    """{"conv": ..., "chunk": ...}: the causal conv1d (under choice `conv`) and the chunked gated-delta-rule kernel
+    the GDN layers of `model` run on a prefill, where their weights are now (several names joined by " + " when
+    layers differ); empty for a model without GDN."""
     convs: list[str] = []
     chunks: list[str] = []
     for layer in gdn_layers(model):
         namespace = _namespace(layer)
-        route = layer.__dict__.get(_ROUTE_ATTR)
-        conv = route[0] if route is not None and runs_on_cuda(layer) else implementation_name(
-            namespace.get(CONV_GLOBAL))
-        chunk = implementation_name(namespace.get(CHUNK_GLOBAL))
-        convs += [conv] if conv not in convs else []
+        torch_conv = _torch_conv(namespace.get(CONV_GLOBAL))
+        fla_runs = (_is_routed(layer) and conv != "torch" and layer.conv1d.weight.device.type == FLA_DEVICE_TYPE
+                    and fla_causal_conv1d() is not None)
+        name = FLA_CONV_NAME if fla_runs else implementation_name(torch_conv)
+        chunk_global = namespace.get(CHUNK_GLOBAL)
+        kernel = _kernel(chunk_global)
+        on_reference = hasattr(chunk_global, _KERNEL_ATTR) and layer.conv1d.weight.device.type != FLA_DEVICE_TYPE
+        chunk = implementation_name(inspect.unwrap(kernel) if on_reference else kernel)
+        convs += [name] if name not in convs else []
         chunks += [chunk] if chunk not in chunks else []
     return {"conv": " + ".join(convs), "chunk": " + ".join(chunks)} if convs else {}

@@ -4,26 +4,34 @@
 the multimodal *ForConditionalGeneration wrapper keeps it at `model.model.language_model`. Both are accepted.
 Taps may sit on GDN layers as well as on full-attention layers (notes section 2).
 
-On CUDA with flash-linear-attention installed the GDN layers' causal conv1d runs fla's Triton kernel instead of
-transformers' torch fallback (dflash/models/targets/gdn_kernels.py); the kernels in use are printed at load.
+With flash-linear-attention installed, the GDN layers' causal conv1d runs fla's Triton kernel on CUDA inputs instead
+of transformers' torch fallback, chosen per call (dflash/models/targets/gdn_kernels.py); the kernels in use are
+printed at load.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from dflash.models.targets.base import TargetAdapter
-from dflash.models.targets.gdn_kernels import describe_gdn_kernels, set_causal_conv1d
+from dflash.models.targets.gdn_kernels import (
+    check_conv_choice, conv_choice, describe_gdn_kernels, route_causal_conv1d,
+)
 
 
 class HybridTargetAdapter(TargetAdapter):
     """A GDN hybrid: `config.layer_types` mixes "linear_attention" (GDN) and "full_attention" layers."""
 
+    # The causal conv1d choice this adapter's forwards run under (see set_gdn_conv).
+    gdn_conv: str = "auto"
+
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
         super().__init__(model, tokenizer)
-        self.set_gdn_conv("auto")
+        route_causal_conv1d(model)
+        self._print_kernels()
 
     def text_model(self) -> nn.Module:
         inner = self.model.model
@@ -31,17 +39,34 @@ class HybridTargetAdapter(TargetAdapter):
         return language_model if language_model is not None else inner
 
     def set_gdn_conv(self, conv: str = "auto") -> dict[str, str]:
-        """Pick the GDN layers' causal conv1d ("auto", "fla" or "torch", see gdn_kernels.set_causal_conv1d);
-        prints and returns the kernels the GDN layers now run ({"conv": ..., "chunk": ...})."""
-        set_causal_conv1d(self.model, conv)
+        """Pick the GDN layers' causal conv1d for this adapter's forwards (capture, capture_with_final,
+        forward_with_features): "auto" (fla's Triton kernel on CUDA inputs when fla is installed, else
+        transformers' conv), "fla" (RuntimeError unless it can run on every GDN layer) or "torch" (transformers'
+        own). Other calls of the model (e.g. model.generate) run "auto". Prints and returns the kernels the GDN
+        layers now run ({"conv": ..., "chunk": ...})."""
+        check_conv_choice(self.model, conv)
+        self.gdn_conv = conv
+        return self._print_kernels()
+
+    def gdn_kernels(self) -> dict[str, str]:
+        """{"conv": ..., "chunk": ...}: the causal conv1d and chunked gated-delta-rule kernels of a prefill."""
+        return describe_gdn_kernels(self.model, self.gdn_conv)
+
+    def _print_kernels(self) -> dict[str, str]:
         kernels = self.gdn_kernels()
         print(f"[target] {self.model_type} GDN kernels: conv {kernels.get('conv')}, "
               f"chunk {kernels.get('chunk')}", flush=True)
         return kernels
 
-    def gdn_kernels(self) -> dict[str, str]:
-        """{"conv": ..., "chunk": ...}: the causal conv1d and chunked gated-delta-rule kernels of a prefill."""
-        return describe_gdn_kernels(self.model)
+    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        with conv_choice(self.gdn_conv):
+            super()._run_decoder(input_ids, attention_mask)
+
+    def forward_with_features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with conv_choice(self.gdn_conv):
+            return super().forward_with_features(input_ids, attention_mask, layer_ids)
 
     @property
     def layer_types(self) -> list[str]:

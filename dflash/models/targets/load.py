@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from dflash.models.targets.base import TargetAdapter, resolve_dtype
-from dflash.models.targets.hybrid import HybridTargetAdapter
 from dflash.models.targets.placement import check_available, describe, device_map_for, empty_model, parse_devices
 from dflash.models.targets.registry import wrap_model
 
@@ -70,8 +69,6 @@ def _load_placed(kind: str, path: str | None, dtype: str, devices: list[str], ti
         device_map = device_map_for(adapter.model, devices)
         # force_hooks: a map whose entries are all "cpu" still runs through accelerate's hooks, as on GPUs.
         dispatch_model(adapter.model, device_map=device_map, main_device=devices[0], force_hooks=True)
-        if isinstance(adapter, HybridTargetAdapter):
-            adapter.set_gdn_conv("auto")  # built on the CPU: only now are the GDN layers on their GPUs
     print(f"[target] {adapter.model_type} placed layer-wise: {describe(device_map)}", flush=True)
     return adapter
 
