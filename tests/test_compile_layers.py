@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash.models.drafter import DFlashDraftModel
+from dflash.models.drafter_config import DrafterConfig
 from dflash.train.batches import prepare_micro_batch
 from dflash.train.compile_layers import compile_layers
 from dflash.train.forward import training_forward
@@ -39,3 +41,42 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(one_thread):
         assert abs(loss - compiled_loss) <= 1e-5 * abs(loss)
         for grad, compiled_grad in zip(grads, compiled_grads):
             torch.testing.assert_close(compiled_grad, grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor's Triton kernels)")
+def test_compiled_layers_serve_changing_shapes_on_cuda():
+    """The recipe's case that crashed inductor's generated backward on an H200: bf16 layers of the SmolLM2 drafter
+    shape (head_dim 64), flex attention, micro-batches whose padded length and anchor count change every step.
+    Every shape must run, and the last one must agree with the eager layers."""
+    config = DrafterConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                           num_key_value_heads=3, head_dim=64, vocab_size=512, num_target_layers=4,
+                           target_layer_ids=[0, 2], mask_token_id=511, block_size=16)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    with device:
+        eager = DFlashDraftModel(config).to(torch.bfloat16)
+        compiled = DFlashDraftModel(config).to(torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    compile_layers(compiled)
+    generator = torch.Generator().manual_seed(0)
+    embed = (torch.randn(512, 576, generator=generator) * 0.02).to(device, torch.bfloat16)
+    head = (torch.randn(512, 576, generator=generator) * 0.02).to(device, torch.bfloat16)
+    for lengths, anchors in (([512] * 8, 64), ([577, 300] * 4, 64), ([1024, 900] * 4, 32), ([129] * 8, 32),
+                             ([700, 650] * 4, 64)):
+        samples = [{"input_ids": torch.randint(0, 511, (n,), generator=generator),
+                    "loss_mask": torch.ones(n, dtype=torch.long),
+                    "hidden": torch.randn(n, 2 * 576, generator=generator).to(torch.bfloat16)} for n in lengths]
+        batch = prepare_micro_batch(samples, [(i, True) for i in range(len(samples))], epoch=0, seed=0,
+                                    num_anchors=anchors, block_size=16, gamma=7.0)
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        losses = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            hidden = training_forward(model, embed, batch["input_ids"], batch["hidden"], batch["anchors"],
+                                      attention="flex")
+            loss, *_ = weighted_block_loss(hidden, head, batch["labels"], batch["weights"], 7)
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[0]), (lengths, anchors, losses)
+    for p_eager, p_compiled in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(p_compiled.grad.float(), p_eager.grad.float(), rtol=0.1, atol=2e-3)

@@ -19,6 +19,12 @@ def compile_layers(drafter: nn.Module) -> nn.Module:
     # only chooses among tilings, so turning it off changes speed at most, never results.
     if hasattr(inductor_config, "triton") and hasattr(inductor_config.triton, "coalesce_tiling_analysis"):
         inductor_config.triton.coalesce_tiling_analysis = False
+    # Its "mix-order" reduction (the q/k-norm weight gradient summed in the same kernel as the row reduction) sized
+    # its workspace from one length and viewed it with another in a later micro-batch on an H200 (torch 2.11:
+    # "shape '[1731, 64]' is invalid for input of size 1536", 64 anchors x 64 sequences); pytorch issue 186426
+    # reports the same family of dynamic-shape failures. Plain split reductions compute the same sums.
+    if hasattr(inductor_config, "triton") and hasattr(inductor_config.triton, "mix_order_reduction"):
+        inductor_config.triton.mix_order_reduction = False
     for layer in drafter.layers:
         if getattr(layer, "_dflash_compiled", False):
             continue
