@@ -478,21 +478,41 @@ class Pipeline:
             return best
         return self.dirs["export"]
 
+    def _drafter_to_evaluate(self) -> tuple[str, str]:
+        """(folder, fingerprint) of the drafter the eval stage measures. A run whose training stopped early (a time
+        limit, a signal) has no export yet; with eval.checkpoint=best its best held-out checkpoint so far is
+        exported and measured, so a stopped run can be evaluated without resuming it."""
+        from dflash.train.best_checkpoint import read_best
+
+        folder, done = self.eval_drafter_dir(), os.path.join(self.dirs["export"], "done.json")
+        if os.path.exists(done):
+            return folder, read_json(done)["fingerprint"]
+        best = read_best(self.dirs["checkpoints"]) if str(self.cfg.eval.get("checkpoint", "best")) == "best" else None
+        if best is None:
+            raise FileNotFoundError(
+                f"no drafter to evaluate: {done} is missing (the train stage has not finished) and "
+                f"{self.dirs['checkpoints']} holds no best held-out checkpoint (data.heldout > 0 and eval.checkpoint="
+                f"best make one); rerun training, which resumes from its last checkpoint"
+            )
+        self._export_best(drafter_config(self.cfg, read_json(os.path.join(self.dirs["features"], "target.json"))))
+        print(f"[eval] training has not finished: evaluating its best held-out checkpoint so far "
+              f"(step {best['step']}, held-out tau {best['tau']:.3f})")
+        return os.path.join(self.run_dir, "export_best"), fingerprint(self.checkpoint_fingerprint(), best)
+
     def evaluate(self) -> dict[str, Any]:
         from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, write_summary
         from dflash.eval.export import load_drafter
         from dflash.eval.metrics import PhaseTimer
 
         out = self.dirs["eval"]
-        key = fingerprint(read_json(os.path.join(self.dirs["export"], "done.json"))["fingerprint"],
-                          container(self.cfg.eval), container(self.cfg.target), self.eval_drafter_dir())
+        folder, drafter_key = self._drafter_to_evaluate()
+        key = fingerprint(drafter_key, container(self.cfg.eval), container(self.cfg.target), folder)
         summary_path = os.path.join(out, "summary.json")
         if stage_done(out, key) and os.path.exists(summary_path):
             summary = read_json(summary_path)
         else:
             os.makedirs(out, exist_ok=True)
             e = self.cfg.eval
-            folder = self.eval_drafter_dir()
             print(f"[eval] drafter {folder}")
             drafter = load_drafter(folder, dtype=self.adapter.dtype, device=str(self.device))
             template_kwargs = container(e.get("chat_template_kwargs")) or {}

@@ -63,3 +63,29 @@ def test_eval_checkpoint_picks_best_or_final(heldout_run):
         assert any(not torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="eval.checkpoint"):
         Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "eval.checkpoint=newest"])).eval_drafter_dir()
+
+
+def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(heldout_run, tmp_path):
+    """Training stopped by a time limit or a signal leaves checkpoints and no export: the eval stage exports the
+    best held-out checkpoint so far and measures it; without one it names what is missing."""
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(heldout_run, stopped)
+    for folder in ("export", "export_best", "eval"):
+        shutil.rmtree(stopped / folder)
+    overrides = HELDOUT + [f"run_dir={stopped}", "stages=[eval]"]
+    summary = Pipeline(compose(overrides)).run()
+    best = json.loads((stopped / "checkpoints" / "best" / "best.json").read_text())
+    assert json.loads((stopped / "export_best" / "best.json").read_text()) == best
+    assert summary["overall"]["tau"] >= 1.0 and (stopped / "eval" / "summary.json").exists()
+    a = load_file(str(stopped / "export_best" / "model.safetensors"))
+    b = load_file(str(heldout_run / "export_best" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same best, exported again
+
+    shutil.rmtree(stopped / "checkpoints" / "best")
+    shutil.rmtree(stopped / "eval")
+    with pytest.raises(FileNotFoundError, match="the train stage has not finished"):
+        Pipeline(compose(overrides)).run()
+    with pytest.raises(FileNotFoundError, match="the train stage has not finished"):
+        Pipeline(compose(overrides + ["eval.checkpoint=final"])).run()
