@@ -17,7 +17,7 @@ inverse CDF from each prompt's own seeded uniform stream: the right distribution
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
@@ -179,6 +179,16 @@ class TargetLayout:
         q, k = _rotate(q.transpose(1, 2), cos, signed_sin), _rotate(k.transpose(1, 2), cos, signed_sin)
         return q, k, v.transpose(1, 2)
 
+    def run_layer(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One decoder layer on hidden states x [b, t, hidden]. attend(q, k, v) (shapes as project gives them)
+        writes the layer's cache and returns the attention context [b, t, heads * head_dim]: the only part that
+        differs between a prefill, a decode step and a verify."""
+        attn = layer.self_attn
+        q, k, v = self.project(attn, layer.input_layernorm(x), cos, signed_sin)
+        x = x + attn.o_proj(attend(q, k, v))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
 
 class _Decoder:
     """Static buffers, prefill and decode step for one (batch rows, cache length, choice rule); the RowDecoder
@@ -268,16 +278,16 @@ class _Decoder:
         write = (self.flat_base + self.column[:, None]).view(-1)
         groups = lay.heads // lay.kv_heads
         for layer, keys, values in zip(lay.layers, self.keys, self.values):
-            attn = layer.self_attn
-            q, k, v = lay.project(attn, layer.input_layernorm(x), cos, signed_sin)
-            keys.view(-1, lay.head_dim).index_copy_(0, write, k.reshape(-1, lay.head_dim))
-            values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
-            # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
-            q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
-            context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=bias,
-                                                     scale=lay.scaling)
-            x = x + attn.o_proj(context.reshape(self.rows, 1, lay.heads * lay.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            def attend(q, k, v, keys=keys, values=values):
+                keys.view(-1, lay.head_dim).index_copy_(0, write, k.reshape(-1, lay.head_dim))
+                values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
+                # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
+                q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
+                context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
+                                                         attn_mask=bias, scale=lay.scaling)
+                return context.reshape(self.rows, 1, lay.heads * lay.head_dim)
+
+            x = lay.run_layer(layer, x, cos, signed_sin, attend)
         logits = lay.head(lay.norm(x[:, -1])).float()
         uniform = self.uniform.gather(1, self.count[:, None]).squeeze(1) if self.temperature > 0 else None
         self.record(self.choose(logits, uniform))
@@ -291,16 +301,16 @@ class _Decoder:
         groups = lay.heads // lay.kv_heads
         x = lay.embed(ids)
         for layer, keys, values in zip(lay.layers, self.keys, self.values):
-            attn = layer.self_attn
-            q, k, v = lay.project(attn, layer.input_layernorm(x), cos, signed_sin)
-            keys[rows, :, :width] = k
-            values[rows, :, :width] = v
-            context = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True,
-                scale=lay.scaling,
-            )
-            x = x + attn.o_proj(context.transpose(1, 2).reshape(x.shape[0], width, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            def attend(q, k, v, keys=keys, values=values):
+                keys[rows, :, :width] = k
+                values[rows, :, :width] = v
+                context = F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True,
+                    scale=lay.scaling,
+                )
+                return context.transpose(1, 2).reshape(q.shape[0], width, -1)
+
+            x = lay.run_layer(layer, x, cos, signed_sin, attend)
         last = x[torch.arange(len(lengths), device=x.device), lengths - 1]
         return lay.head(lay.norm(last)).float()
 

@@ -93,16 +93,15 @@ class StaticTarget:
         taps: dict[int, torch.Tensor] = {}
         x = lay.embed(ids[None])
         for index, (layer, keys, values) in enumerate(zip(lay.layers, self.keys, self.values)):
-            attn = layer.self_attn
-            q, k, v = lay.project(attn, layer.input_layernorm(x), cos, signed_sin)
-            keys.index_copy_(2, positions, k)
-            values.index_copy_(2, positions, v)
-            q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
-            context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=bias,
-                                                     scale=lay.scaling)
-            context = context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2).reshape(1, n, -1)
-            x = x + attn.o_proj(context)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            def attend(q, k, v, keys=keys, values=values):
+                keys.index_copy_(2, positions, k)
+                values.index_copy_(2, positions, v)
+                q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
+                context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
+                                                         attn_mask=bias, scale=lay.scaling)
+                return context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2).reshape(1, n, -1)
+
+            x = lay.run_layer(layer, x, cos, signed_sin, attend)
             if index in self.layer_ids:
                 taps[index] = x[0]
         logits = lay.head(lay.norm(x[0, -1:] if last_only else x[0]))
