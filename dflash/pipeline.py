@@ -19,8 +19,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.run_files import (
-    claim_checkpoint_dir, container, fingerprint, mark_done, read_json, read_json_or_none, stage_done, write_json,
-    write_text,
+    CHECKPOINT_KEY, claim_checkpoint_dir, container, fingerprint, mark_done, read_json, read_json_or_none, stage_done,
+    write_json, write_text,
 )
 
 STAGES = ("data", "capture", "train", "eval")
@@ -431,7 +431,8 @@ class Pipeline:
             export_zlab(drafter, out)
             self._export_best(config)
             self._plot_training_curve()
-            mark_done(out, key)
+            # The settings of the checkpoints behind this export: the eval stage checks them (world size aside).
+            mark_done(out, key, checkpoint=self.checkpoint_fingerprint())
             print(f"[train] exported drafter -> {out}")
 
     def _colocated_source(self):
@@ -451,8 +452,9 @@ class Pipeline:
             path = plot_training_curve(metrics, os.path.join(self.run_dir, "training_curve.png"))
             print(f"[train] training curve -> {path}")
 
-    def _export_best(self, config) -> None:
-        """export_best/: the checkpoint with the best held-out tau, in the z-lab format (removed when none)."""
+    def _export_best(self, config) -> dict[str, Any] | None:
+        """export_best/: the checkpoint with the best held-out tau, in the z-lab format (removed when none); returns
+        its best.json (step, tau, acceptance rate), or None."""
         from dflash.eval.export import export_zlab
         from dflash.models.drafter import DFlashDraftModel
         from dflash.train.best_checkpoint import best_state_dict
@@ -461,12 +463,13 @@ class Pipeline:
         best = best_state_dict(self.dirs["checkpoints"])
         if best is None:
             shutil.rmtree(folder, ignore_errors=True)
-            return
+            return None
         drafter = DFlashDraftModel(config)
         drafter.load_state_dict({k: v.float() for k, v in best[0].items()})
         export_zlab(drafter, folder)
         write_json(os.path.join(folder, "best.json"), best[1])
         print(f"[train] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
+        return best[1]
 
     def eval_drafter_dir(self) -> str:
         """export_best/ (the best held-out tau) when eval.checkpoint is 'best' and training kept one, else export/."""
@@ -480,24 +483,29 @@ class Pipeline:
 
     def _drafter_to_evaluate(self) -> tuple[str, str]:
         """(folder, fingerprint) of the drafter the eval stage measures. A run whose training stopped early (a time
-        limit, a signal) has no export yet; with eval.checkpoint=best its best held-out checkpoint so far is
-        exported and measured, so a stopped run can be evaluated without resuming it."""
-        from dflash.train.best_checkpoint import read_best
-
+        limit, a signal) has no export of its settings yet; with eval.checkpoint=best its best held-out checkpoint
+        so far is exported and measured, so a stopped run can be evaluated without resuming it."""
         folder, done = self.eval_drafter_dir(), os.path.join(self.dirs["export"], "done.json")
-        if os.path.exists(done):
-            return folder, read_json(done)["fingerprint"]
-        best = read_best(self.dirs["checkpoints"]) if str(self.cfg.eval.get("checkpoint", "best")) == "best" else None
+        current = self.checkpoint_fingerprint()
+        marker = read_json_or_none(done)
+        # A marker without the field predates it and is trusted as before.
+        if marker is not None and marker.get("checkpoint", current) == current:
+            return folder, marker["fingerprint"]
+        owner = read_json_or_none(os.path.join(self.dirs["checkpoints"], CHECKPOINT_KEY)) or {}
+        best = None
+        if str(self.cfg.eval.get("checkpoint", "best")) == "best" and owner.get("fingerprint") == current:
+            best = self._export_best(drafter_config(self.cfg, read_json(os.path.join(self.dirs["features"],
+                                                                                     "target.json"))))
         if best is None:
             raise FileNotFoundError(
-                f"no drafter to evaluate: {done} is missing (the train stage has not finished) and "
-                f"{self.dirs['checkpoints']} holds no best held-out checkpoint (data.heldout > 0 and eval.checkpoint="
-                f"best make one); rerun training, which resumes from its last checkpoint"
+                f"no drafter of these settings to evaluate: the train stage has not finished ({done} is "
+                f"{'missing' if marker is None else 'from other settings'}) and {self.dirs['checkpoints']} holds no "
+                f"best held-out checkpoint of these settings (data.heldout > 0 and eval.checkpoint=best make one); "
+                f"rerun training, which resumes from its last checkpoint"
             )
-        self._export_best(drafter_config(self.cfg, read_json(os.path.join(self.dirs["features"], "target.json"))))
         print(f"[eval] training has not finished: evaluating its best held-out checkpoint so far "
               f"(step {best['step']}, held-out tau {best['tau']:.3f})")
-        return os.path.join(self.run_dir, "export_best"), fingerprint(self.checkpoint_fingerprint(), best)
+        return os.path.join(self.run_dir, "export_best"), fingerprint(current, best)
 
     def evaluate(self) -> dict[str, Any]:
         from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, write_summary

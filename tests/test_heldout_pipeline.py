@@ -89,3 +89,18 @@ def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(h
         Pipeline(compose(overrides)).run()
     with pytest.raises(FileNotFoundError, match="the train stage has not finished"):
         Pipeline(compose(overrides + ["eval.checkpoint=final"])).run()
+
+
+def test_an_export_or_checkpoints_of_other_settings_are_not_evaluated_as_these(heldout_run, tmp_path):
+    """After a settings change the old export and the old checkpoints belong to the old settings: the eval stage
+    must not measure (or report as done) either of them under the new ones."""
+    import shutil
+
+    run = tmp_path / "changed"
+    shutil.copytree(heldout_run, run)
+    overrides = HELDOUT + [f"run_dir={run}", "stages=[eval]", "train.lr=0.01"]
+    with pytest.raises(FileNotFoundError, match="from other settings"):
+        Pipeline(compose(overrides)).run()
+    shutil.rmtree(run / "export")  # a stopped run: only the (old settings') checkpoints are left
+    with pytest.raises(FileNotFoundError, match="holds no best held-out checkpoint of these settings"):
+        Pipeline(compose(overrides)).run()
