@@ -29,3 +29,35 @@ def test_an_interrupt_is_not_recorded_as_a_failed_prompt():
 
     with pytest.raises(KeyboardInterrupt):
         list(_retry_one_by_one(RuntimeError("batch failed"), interrupted, [0, 1]))
+
+
+def test_the_failed_stream_is_released_before_the_retries():
+    """After a CUDA out-of-memory error the retries need the memory the failed call held: its frames (and the
+    caches in them) must be gone before the first retry runs, not kept alive by the exception's traceback."""
+    import weakref
+
+    from dflash.data.regenerate import _static_results
+
+    class Cache:  # stands for a KV cache the failed call allocated
+        pass
+
+    class Generator:
+        cache = None
+
+        def stream(self, prompts, **kwargs):
+            cache = Cache()
+            self.cache = weakref.ref(cache)
+            yield 0, [7]
+            raise RuntimeError(f"out of memory with {len(prompts)} rows")
+
+        def generate(self, prompts, **kwargs):
+            assert self.cache() is None, "the failed stream's frame is still alive during the retry"
+            return [[8]]
+
+    class Prompt:
+        id = "p"
+
+    pending = [(Prompt(), [1, 2]), (Prompt(), [3, 4])]
+    results = list(_static_results(Generator(), pending, batch_size=2, max_new_tokens=4, max_length=16,
+                                   stop_ids=[0], pad_id=0, temperature=0.0, top_p=1.0, seed=0))
+    assert results == [(0, [7]), (1, [8])]

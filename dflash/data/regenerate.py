@@ -154,6 +154,12 @@ def _generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pa
     return out[:, width:].tolist()
 
 
+def _without_frames(error: Exception) -> Exception:
+    """`error` without its traceback: the failed call's frames, and the caches they hold (after a CUDA
+    out-of-memory error, the memory the retries need), are freed once the except block ends."""
+    return error.with_traceback(None)
+
+
 def _retry_one_by_one(error: Exception, generate_one: Callable[[int], list[int]],
                       indices: list[int]) -> Iterator[tuple[int, list[int] | Exception]]:
     """After a batch failed with `error`: (i, generate_one(i) or the exception it raises) for each index, so that
@@ -177,10 +183,13 @@ def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_siz
         config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
         generate = partial(_generate, adapter, config=config, pad_id=pad_id,
                            seed=_batch_seed(seed, [p.id for p, _ in chunk]))
+        failure = None
         try:
             outputs = generate([ids for _, ids in chunk])
         except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s)
-            yield from _retry_one_by_one(e, lambda i: generate([pending[i][1]])[0],
+            failure = _without_frames(e)
+        if failure is not None:
+            yield from _retry_one_by_one(failure, lambda i: generate([pending[i][1]])[0],
                                          list(range(start, start + len(chunk))))
             continue
         yield from enumerate(outputs, start)
@@ -196,17 +205,22 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
     seeds = [_batch_seed(seed, [p.id]) for p, _ in pending]
     options = dict(stop_token_ids=stop_ids, pad_id=pad_id, temperature=temperature, top_p=top_p)
     finished: set[int] = set()
+    failure = None
     try:
         for i, tokens in generator.stream([ids for _, ids in pending], max_new_tokens=budgets, batch_size=batch_size,
                                           prompt_seeds=seeds, **options):
             finished.add(i)
             yield i, tokens
     except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s)
-        def generate_one(i: int) -> list[int]:
-            return generator.generate([pending[i][1]], max_new_tokens=[budgets[i]], batch_size=1,
-                                      prompt_seeds=[seeds[i]], **options)[0]
+        failure = _without_frames(e)
+    if failure is None:
+        return
 
-        yield from _retry_one_by_one(e, generate_one, [i for i in range(len(pending)) if i not in finished])
+    def generate_one(i: int) -> list[int]:
+        return generator.generate([pending[i][1]], max_new_tokens=[budgets[i]], batch_size=1,
+                                  prompt_seeds=[seeds[i]], **options)[0]
+
+    yield from _retry_one_by_one(failure, generate_one, [i for i in range(len(pending)) if i not in finished])
 
 
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
