@@ -110,6 +110,9 @@ def test_the_conv_is_chosen_per_call_from_the_input_device(monkeypatch):
         choose_causal_conv1d(cuda, torch_conv, "fla")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None,
+                    reason="mocks fla's absence and presence; with fla installed its real kernels are routed "
+                           "(test_fla_conv_matches_torch_conv_on_cuda covers them)")
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_the_router_picks_per_call_inside_the_gdn_forward(family, monkeypatch):
     """fla installed (mocked, a recording torch conv for its kernel): CPU inputs still run transformers' conv;
@@ -194,6 +197,8 @@ def test_gated_delta_rule_kernels_follow_the_input_device(monkeypatch):
     q = torch.zeros(2)
     assert torch.equal(router(q, q, q), q + 1) and torch.equal(router(query=q, key=q, value=q, g=q), q + 1)
     assert calls == ["reference", "reference"]  # the kernel was never entered
+    with pytest.raises(ValueError, match="packed sequences"):  # the reference would ignore them silently
+        router(q, q, q, cu_seqlens=torch.tensor([0, 1, 2]))
     monkeypatch.setattr(gdn_kernels, "FLA_DEVICE_TYPE", "cpu")  # CPU inputs now count as fla's device
     calls.clear()
     router(q, q, q)

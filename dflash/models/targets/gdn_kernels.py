@@ -106,8 +106,10 @@ def fla_causal_conv1d() -> Callable | None:
     except ImportError:
         try:  # fla releases before the module was renamed
             from fla.modules.convolution import causal_conv1d
-        except ImportError:
+        except Exception:  # noqa: BLE001 - as transformers does: a broken install falls back to the torch conv
             return None
+    except Exception:  # noqa: BLE001 - the same for an import that fails other than by absence
+        return None
     return transformers_conv(causal_conv1d)
 
 
@@ -121,9 +123,15 @@ def choose_causal_conv1d(device: torch.device, torch_conv: Callable, conv: str =
     installed (unless conv is "torch"), else `torch_conv` (transformers' own). conv "fla" raises RuntimeError
     where fla's kernel cannot run."""
     _check_choice(conv)
+    if device.type != FLA_DEVICE_TYPE:
+        if conv == "fla":
+            raise RuntimeError(f"conv 'fla' needs flash-linear-attention installed and the input on a CUDA device; "
+                               f"got an input on {device}, fla installed: {fla_installed()}")
+        # transformers' own torch code: its wrapper would pick the causal-conv1d package, CUDA-only, when installed.
+        return inspect.unwrap(torch_conv)
     if conv == "torch":
         return torch_conv
-    fast = fla_causal_conv1d() if device.type == FLA_DEVICE_TYPE else None
+    fast = fla_causal_conv1d()
     if fast is not None:
         return fast
     if conv == "fla":
@@ -159,7 +167,12 @@ def _device_router(kernel: Callable) -> Callable:
 
     def gated_delta_rule(*args: Any, **kwargs: Any) -> Any:
         query = args[0] if args else kwargs["query"]
-        return (kernel if query.device.type == FLA_DEVICE_TYPE else reference)(*args, **kwargs)
+        if query.device.type == FLA_DEVICE_TYPE:
+            return kernel(*args, **kwargs)
+        if kwargs.get("cu_seqlens") is not None:  # the torch reference would ignore it: wrong states, silently
+            raise ValueError("packed sequences (cu_seqlens) need fla's gated-delta-rule kernel on a CUDA device; "
+                             f"got an input on {query.device}")
+        return reference(*args, **kwargs)
 
     setattr(gated_delta_rule, _KERNEL_ATTR, kernel)
     return gated_delta_rule
