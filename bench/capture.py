@@ -3,6 +3,7 @@
     python bench/capture.py                      # one CUDA GPU, bf16, the full 27B shape (~60 GB of weights)
     python bench/capture.py --tiny               # CPU smoke check of the same code on a tiny qwen3_5 model
     python bench/capture.py --conv torch fla --profile /tmp/capture.txt   # both GDN convs, a profile of each
+    python bench/capture.py --conv fla --compile --capture-only   # decoder layers compiled (the warmup compiles)
 
 Measured in one run, on the same batches of real-length-distributed sequences (log-normal, median ~1.1k tokens,
 clipped to [64, 4096], grouped by length into right-padded batches of at most --batch-tokens tokens):
@@ -13,6 +14,10 @@ clipped to [64, 4096], grouped by length into right-padded batches of at most --
 reference unless causal-conv1d is installed; fla: flash-linear-attention's Triton kernel; auto: fla when it can).
 --profile PATH writes a torch.profiler table (device time sorted) of one capture batch per conv, and the run prints
 the conv and gated-delta-rule kernels that batch ran.
+--compile compiles every decoder layer (dflash.models.targets.compile_target) before the measurements and prints
+how far the compiled features of the first batch are from the eager ones; that capture and the untimed warmup pass
+pay the compilation of each call variant, and dynamo's graph and graph-break counts follow each conv's measurements.
+--capture-only leaves out the hf forward (and the graphs its call variants would compile).
 Tokens/s counts real tokens (padding excluded). Model FLOPs per token = 2 x (linear-layer parameters of the layers
 that run) + causal attention scores and values of the full-attention layers; the GDN recurrence is left out
 (small next to the projections), so TFLOP/s slightly understates the work done.
@@ -29,10 +34,12 @@ import time
 
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.extract.capture import check_features, length_batches  # noqa: E402
+from dflash.models.targets.compile_target import compile_target_layers  # noqa: E402
 from dflash.models.targets.gdn_kernels import CONV_CHOICES, conv_choice  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
 from dflash.models.targets.tiny import build_builtin_tokenizer  # noqa: E402
@@ -202,6 +209,10 @@ def main() -> None:
                         help="GDN causal conv1d(s) to measure, one after the other (default auto)")
     parser.add_argument("--profile", metavar="PATH", default=None,
                         help="write a torch.profiler table of one capture batch (per conv and batch size) here")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each decoder layer first (without --no-warmup, compile time is untimed)")
+    parser.add_argument("--capture-only", action="store_true",
+                        help="measure capture alone, not the hf output_hidden_states forward (fewer graphs to compile)")
     args = parser.parse_args()
 
     if args.tiny:
@@ -251,20 +262,30 @@ def main() -> None:
             check_features(features, mask.sum(dim=1).tolist(), [str(i) for i in range(len(ids))], taps)
             # Real tokens only, kept on the host so that the peak memory figures below do not include them.
             features = features[mask.bool()].cpu().float()
+            if args.compile and compile_target_layers(adapter):  # once: then the eager features above check it
+                compiled = adapter.capture(ids, mask, taps)[mask.bool()].cpu().float()
+                error = (compiled - features).norm() / features.norm()
+                print(f"    compiled the decoder layers: features vs eager, relative difference {float(error):.2e}")
+                features = compiled
             if reference is None:
                 reference = (conv, features)
             else:
                 error = (features - reference[1]).norm() / reference[1].norm()
                 print(f"    features vs conv {reference[0]}: relative difference {float(error):.2e}")
-            for name, run, flops in (("hf output_hidden_states", hf, flops_hf), ("capture", capture, flops_capture)):
+            measured = [("hf output_hidden_states", hf, flops_hf)] if not args.capture_only else []
+            for name, run, flops in measured + [("capture", capture, flops_capture)]:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 seconds, tokens = timed(run, batches, device, not args.no_warmup)
                 rate = tokens / seconds
                 memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
                           if device.type == "cuda" else "")
-                print(f"{name:>24} [conv {conv}]: {rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOP/s "
+                label = f"[conv {conv}, compile {'on' if args.compile else 'off'}]"
+                print(f"{name:>24} {label}: {rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOP/s "
                       f"({100 * rate * flops / 1e12 / peak:.0f}% of the matmul){memory}")
+            if args.compile:
+                print(f"    dynamo so far: {counters['stats']['unique_graphs']} graphs, "
+                      f"{sum(counters['graph_break'].values())} graph breaks")
             if args.profile:
                 path = output_path(args.profile, conv, batch_tokens, len(args.conv) > 1, len(args.batch_tokens) > 1)
                 profile_batch(capture, ids, mask, device, path)

@@ -1,0 +1,27 @@
+"""Inductor settings for dflash's compiled layers with dynamic shapes: the drafter's layers in training
+(dflash/train/compile_layers.py) and the target's layers in capture (dflash/models/targets/compile_target.py).
+
+Two of inductor's code-generation strategies failed for such layers on an H200 (torch 2.11). Both only choose
+between ways of generating the same computation, so turning them off changes speed at most, never results:
+- the memory-coalescing tiling analysis asserted while generating Triton code (an AssertionError in
+  tiling_utils.get_pw_red_splits);
+- the "mix-order" reduction (a norm's weight gradient summed in the kernel of the row reduction) sized its
+  workspace from one length and viewed it with another in a later micro-batch ("shape '[1731, 64]' is invalid for
+  input of size 1536", 64 anchors x 64 sequences); pytorch issue 186426 reports the same family of failures.
+"""
+
+from __future__ import annotations
+
+import torch._inductor.config as inductor_config
+
+# Set on a layer once it is compiled, so that no layer is ever compiled twice.
+COMPILED_MARK = "_dflash_compiled"
+TURNED_OFF_TRITON_OPTIONS = ("coalesce_tiling_analysis", "mix_order_reduction")
+
+
+def configure_inductor() -> None:
+    """Turn off the code-generation strategies above (those this torch release has)."""
+    triton_options = getattr(inductor_config, "triton", None)
+    for option in TURNED_OFF_TRITON_OPTIONS:
+        if hasattr(triton_options, option):
+            setattr(triton_options, option, False)

@@ -1,0 +1,57 @@
+"""compile_target_layers: compiled target layers capture what the eager ones did, once compiled (CPU, inductor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from dflash.models.targets import load_target
+from dflash.models.targets.compile_target import compile_target_layers
+
+# Two layers each; the qwen3_5 pair is one GDN layer and one full-attention layer, the two kinds of the 27B target.
+TINY = {
+    "llama": {"num_hidden_layers": 2},
+    "qwen3_5": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+}
+
+
+def right_padded(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(width)
+    ids = torch.randint(4, 200, (2, width), generator=generator)
+    mask = torch.ones(2, width, dtype=torch.long)
+    mask[1, width - 3:] = 0
+    return ids, mask
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_compiled_layers_capture_the_eager_features(one_thread, family):
+    target = load_target("tiny", tiny={"family": family, "seed": 0, "tokenizer": "builtin", **TINY[family]})
+    taps = [0, 1]
+    widths = (9, 14)  # two padded lengths: one dynamic-shape graph must serve both
+    names = [name for name, _ in target.model.named_parameters()]
+    eager = {w: target.capture(*right_padded(w), taps) for w in widths}
+    eager_logits, eager_features = target.forward_with_features(*right_padded(9), taps)
+
+    before = graphs()
+    assert compile_target_layers(target) == target.num_layers
+    for width in widths:
+        torch.testing.assert_close(target.capture(*right_padded(width), taps), eager[width], rtol=1e-5, atol=1e-5)
+    logits, features = target.forward_with_features(*right_padded(9), taps)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(features, eager_features, rtol=1e-5, atol=1e-5)
+    assert graphs() > before, "no layer ran a compiled graph"
+    assert [name for name, _ in target.model.named_parameters()] == names
+
+    # Applying it again wraps nothing twice, and the same shapes run the graphs already compiled.
+    forwards = [layer.forward for layer in target.decoder_layers()]
+    compiled_graphs = graphs()
+    assert compile_target_layers(target) == 0
+    assert [layer.forward for layer in target.decoder_layers()] == forwards
+    for width in widths:
+        torch.testing.assert_close(target.capture(*right_padded(width), taps), eager[width], rtol=1e-5, atol=1e-5)
+    assert graphs() == compiled_graphs, "the second application or a repeated shape recompiled"
