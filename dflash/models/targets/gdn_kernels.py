@@ -143,6 +143,9 @@ def choose_causal_conv1d(device: torch.device, torch_conv: Callable, conv: str =
 def _router(torch_conv: Callable) -> Callable:
     """A `causal_conv1d_fn` that runs the conv choose_causal_conv1d picks for each call."""
 
+    # Kept out of torch.compile'd layers (compile_target): the choice reads a context variable, and fla's kernels
+    # are autograd Functions launching autotuned Triton code that dynamo need not trace. The graph breaks here.
+    @torch.compiler.disable
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = None, **kwargs: Any) -> torch.Tensor:
         conv = choose_causal_conv1d(hidden_states.device, torch_conv, _choice.get())
@@ -165,6 +168,7 @@ def _device_router(kernel: Callable) -> Callable:
     """`kernel` for CUDA inputs, its torch reference (what it wraps) for inputs on any other device."""
     reference = inspect.unwrap(kernel)
 
+    @torch.compiler.disable  # as the conv router: the graph of a compiled layer breaks here
     def gated_delta_rule(*args: Any, **kwargs: Any) -> Any:
         query = args[0] if args else kwargs["query"]
         if query.device.type == FLA_DEVICE_TYPE:
