@@ -49,8 +49,8 @@ def test_a_chunks_newest_claim_is_found_and_claims_are_exclusive(tmp_path):
     assert spool.claim(7) is None
     assert spool.try_claim(7, 0, owner=0, share=0)
     assert not spool.try_claim(7, 0, owner=1, share=1)  # another worker made generation 0 first
-    assert spool.try_claim(7, 1, owner=1, share=0)  # a takeover: the next generation, the dead worker's share
-    assert spool.claim(7) == (1, 1, 0) and spool.claim(8) is None
+    assert spool.try_claim(7, 1, owner=1, share=1)  # a takeover: the next generation, in the taker's share
+    assert spool.claim(7) == (1, 1, 1) and spool.claim(8) is None
 
 
 def test_item_stream_is_the_training_loops_read_order():

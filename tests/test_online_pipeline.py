@@ -130,7 +130,9 @@ def test_two_workers_one_killed_lose_no_sample(tmp_path, data_dir, monkeypatch):
             time.sleep(0.02)
         pids = worker_pids(run_dir)
         assert len(pids) == 2
-        (pid,) = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[-2] == b"0"]
+        spec = str(run_dir / "capture_logs" / "spec.json").encode()
+        argv = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in pids}
+        (pid,) = [p for p in pids if argv[p][argv[p].index(spec) + 1] == b"0"]  # SPEC WORKER_ID PARENT_PID
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
         return real_train(settings, config, store, *args, **kwargs)

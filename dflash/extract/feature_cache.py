@@ -10,10 +10,15 @@ temporary name and renamed, so a reader never sees half of one; a killed run kee
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
+
+
+# Left free on the cache's disk for what else the run writes there: checkpoints (optimizer state included), logs.
+DISK_MARGIN_FRACTION = 0.05
 
 
 class FeatureCache:
@@ -51,7 +56,8 @@ class FeatureCache:
 def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, free_bytes: int) -> bool:
     """Whether to keep the first epoch: mode "true" (must fit, else ValueError), "false", or "auto" (if it fits).
 
-    It fits when the estimate is within `budget_bytes` (None: no budget of its own) and within the free disk.
+    It fits when the estimate is within `budget_bytes` (None: no budget of its own) and within `free_bytes`, the
+    disk room the cache may use (cache_room).
     """
     if mode not in ("auto", "true", "false"):
         raise ValueError(f"capture.cache={mode!r}: expected auto, true or false")
@@ -59,5 +65,16 @@ def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, fre
     fits = estimated_bytes <= room
     if mode == "true" and not fits:
         raise ValueError(f"capture.cache=true: one epoch of features takes {estimated_bytes / 2**30:.2f} GiB, more "
-                         f"than the {room / 2**30:.2f} GiB the cache may use (budget and free disk)")
+                         f"than the {room / 2**30:.2f} GiB the cache may use (its budget; the free disk less the "
+                         "spool's budget and a margin for checkpoints)")
     return mode == "true" or (mode == "auto" and fits)
+
+
+def cache_room(cache_dir: str, spool_dir: str, spool_budget_bytes: int) -> int:
+    """Bytes the cache may fill on its disk: the free space less DISK_MARGIN_FRACTION of the disk, and less the
+    spool's budget when the spool is on the same file system (it fills while the first epoch is cached)."""
+    usage = shutil.disk_usage(cache_dir)
+    room = usage.free - int(DISK_MARGIN_FRACTION * usage.total)
+    if os.stat(cache_dir).st_dev == os.stat(spool_dir).st_dev:
+        room -= int(spool_budget_bytes)
+    return max(room, 0)

@@ -14,9 +14,13 @@ Budget: the spool's byte budget is split into one share per worker; a worker cla
 share can hold it (backpressure), so the budget is never exceeded. Liveness: every worker touches
 `workers/w{id}` every few seconds. A claim (`claims/c{chunk}.{generation}`, created by an exclusive hard link)
 whose owner's heartbeat is older than `stale_after_s` is taken over by a live worker, which creates the next
-generation and writes the chunk's missing items into the dead worker's share. An item is finished when its
-file exists or its rank's cursor has passed it (the file is checked first: a consumer writes its cursor before
-deleting), so a takeover never redoes a consumed item and never loses one.
+generation and writes the chunk's missing items into its OWN share (readers look in every share): each share has
+one writer, so its budget check cannot race with another process's. An item is finished when its file exists or
+its rank's cursor has passed it (the file is checked first: a consumer writes its cursor before deleting), so a
+takeover never redoes a consumed item and never loses one. A worker wrongly judged dead (stalled past
+`stale_after_s`) may still rename an item into place after the trainer consumed it: every writer re-reads the
+item's cursor after its rename and deletes its copy when the item was consumed, and the consumer deletes every
+share's copy, so no orphan file is left holding budget.
 """
 
 from __future__ import annotations
@@ -157,6 +161,15 @@ class Spool:
         tmp.write_text(str(g))
         os.replace(tmp, file)
 
+    def remove_item(self, g: int) -> None:
+        """Delete every share's copy of item g (two exist when a stalled worker and its taker both wrote it)."""
+        for share in range(self.num_workers):
+            self.item_path(share, g).unlink(missing_ok=True)
+
+    def consumed_below(self, world_size: int) -> int:
+        """An item number below which every rank has consumed everything: the lowest of the ranks' cursors."""
+        return max(min(self.cursor(r) for r in range(world_size)), 0)
+
     def finished(self, stream: ItemStream, g: int) -> bool:
         # The file first: a consumer moves its cursor before deleting, so "no file, cursor not past" is unfinished.
         if self.find_item(g) is not None:
@@ -287,14 +300,35 @@ class CaptureWorker:
             if self.spool.finished(self.stream, g):
                 continue
             _write_item(self.spool, share, g, tensors, self.worker)
+            # Stalled between the checks above and the rename, we may have written an item the trainer consumed
+            # meanwhile (its cursor moved first, then it deleted the copies it saw): ours would never be read.
+            if self.spool.cursor(self.stream.item(g)[2]) > g:
+                self.spool.item_path(share, g).unlink(missing_ok=True)
         self.tokens_captured += int(offsets[-1])
         self.items_captured += len(todo)
         self.capture_s += time.perf_counter() - started
 
-    def _room(self, share: int, chunk: int) -> bool:
-        """Whether `share` holds the chunk's items still to write (a taken-over chunk may be partly written)."""
-        missing = sum(self.item_bytes(g) for g in self.chunk_items_of(chunk) if not self.spool.finished(self.stream, g))
-        return self.spool.share_bytes(share) + missing <= self.share_budget
+    def _missing_bytes(self, chunk: int) -> int:
+        """Bytes of the chunk's items still to write (a taken-over chunk may be partly written)."""
+        return sum(self.item_bytes(g) for g in self.chunk_items_of(chunk) if not self.spool.finished(self.stream, g))
+
+    def _room(self, share: int, chunk: int, reserve: int = 0) -> bool:
+        """Whether `share` holds the chunk's items still to write, with `reserve` bytes to spare."""
+        return self.spool.share_bytes(share) + self._missing_bytes(chunk) + reserve <= self.share_budget
+
+    def _others_unwritten(self, low: int, high: int) -> int:
+        """Bytes still to write of the chunks in [low, high) that other workers claimed.
+
+        A new chunk is claimed only if our share keeps this much free: should their owners die for good, we take
+        those lower chunks over into our share, which the later items of our new chunk must then not have filled
+        (the trainer reads no item of ours until the lower ones are written).
+        """
+        total = 0
+        for c in range(low, high):
+            claim = self.spool.claim(c)
+            if claim is not None and claim[1] != self.worker:
+                total += self._missing_bytes(c)
+        return total
 
     def run(self) -> None:
         """Capture until every item of the stream is written or consumed."""
@@ -310,7 +344,9 @@ class CaptureWorker:
         thread.start()
         mine: set[int] = set()  # chunks claimed in this life
         try:
-            low = frontier = 0
+            # Every chunk below the ranks' lowest cursor is consumed: start there, so that a (re)start late in a run
+            # or after a resume neither checks nor claims the items already read one by one.
+            low = frontier = self.spool.consumed_below(self.stream.plan.world_size) // self.chunk_items
             while True:
                 while low < self.num_chunks and all(
                         self.spool.finished(self.stream, g) for g in self.chunk_items_of(low)):
@@ -320,9 +356,13 @@ class CaptureWorker:
                 while frontier < self.num_chunks and self.spool.claim(frontier) is not None:
                     frontier += 1
                 # Chunks claimed in an earlier life of this worker id look alive: redo them first.
-                if self._take_over_stale(low, frontier, mine):
+                taken = self._take_over_stale(low, frontier, mine)
+                if taken is True:
                     continue
-                if frontier < self.num_chunks and self._room(self.worker, frontier):
+                # A dead worker's chunk waits for room in our share: claiming later chunks now would fill the share
+                # with items the trainer cannot reach before the missing ones, which could then never be written.
+                if taken is None and frontier < self.num_chunks and \
+                        self._room(self.worker, frontier, self._others_unwritten(low, frontier)):
                     if self.spool.try_claim(frontier, 0, self.worker, self.worker):
                         mine.add(frontier)
                         self._capture(frontier, self.worker, 0)
@@ -331,16 +371,18 @@ class CaptureWorker:
         finally:
             stop.set()
 
-    def _take_over_stale(self, low: int, high: int, mine: set[int]) -> bool:
-        """Redo one chunk in [low, high) claimed by a dead worker, or by this worker id in an earlier life, whose
-        share has room now (the lowest first); True when one was done."""
+    def _take_over_stale(self, low: int, high: int, mine: set[int]) -> bool | None:
+        """Redo, into this worker's share, one chunk in [low, high) claimed by a dead worker or by this worker id in
+        an earlier life (the lowest first). True when one was done, False when one waits for room in our share,
+        None when there is none to take over."""
+        waiting = None
         for c in range(low, high):
             if c in mine:
                 continue
             claim = self.spool.claim(c)
             if claim is None:
                 continue
-            generation, owner, share = claim
+            generation, owner, _ = claim
             if owner != self.worker and self.spool.alive(owner, self.stale_after_s):
                 continue
             if all(self.spool.finished(self.stream, g) for g in self.chunk_items_of(c)):
@@ -348,13 +390,14 @@ class CaptureWorker:
             # The owner is dead: its half-written temp files would hold its share's budget forever.
             if owner != self.worker:
                 self.spool.remove_temps(owner)
-            if not self._room(share, c):
+            if not self._room(self.worker, c):
+                waiting = False
                 continue
-            if self.spool.try_claim(c, generation + 1, self.worker, share):
+            if self.spool.try_claim(c, generation + 1, self.worker, self.worker):
                 mine.add(c)
-                self._capture(c, share, generation + 1)
+                self._capture(c, self.worker, generation + 1)
                 return True
-        return False
+        return waiting
 
 
 class OnlineFeatureSource:
@@ -420,7 +463,7 @@ class OnlineFeatureSource:
         if self.cache is not None:
             self.cache.put(expected, tensors)  # before the cursor moves: a consumed item is always cached
         self.spool.set_cursor(self.rank, g + 1)
-        path.unlink()
+        self.spool.remove_item(g)  # after the cursor: a writer renaming a late copy now sees it consumed
         self._next = self._advance(g + 1)
         return self._sample(tensors)
 

@@ -1,9 +1,10 @@
 """The train stage's side of online capture (capture.mode=online).
 
-Rank 0 empties the spool, decides whether the first epoch's features are cached for the later ones, writes the
-workers' spec and starts the capture workers; every rank then reads its items through an OnlineFeatureSource.
-After training, `finish` joins the workers, checks that every produced item was read, and reports the capture
-and trainer throughputs with the device split that would balance them.
+Rank 0 empties the spool (external workers: makes a new session folder in it), decides whether the first
+epoch's features are cached for the later ones, writes the workers' spec and starts the capture workers; every
+rank then reads its items through an OnlineFeatureSource. After training, `finish` joins the workers, checks that
+every produced item was read, and reports the capture and trainer throughputs with the device split that would
+balance them.
 """
 
 from __future__ import annotations
@@ -19,22 +20,43 @@ import torch
 from omegaconf import DictConfig
 
 from dflash.extract.capture import bytes_per_token
-from dflash.extract.feature_cache import FeatureCache, cached_epochs
+from dflash.extract.feature_cache import FeatureCache, cache_room, cached_epochs
 from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
 from dflash.extract.online_workers import WorkerPool
 from dflash.extract.store import store_dtype
 from dflash.models.targets.placement import resolve_gpus_per_worker
 from dflash.run_files import (
-    container, make_owned_dir, read_json, read_json_or_none, remove_owned_dir, write_json,
+    CHECKPOINT_KEY, OWNER_MARKER, container, make_owned_dir, read_json, read_json_or_none, remove_owned_dir,
+    write_json,
 )
 from dflash.train.batches import BatchPlan
 from dflash.train.checkpoints import latest_tag
 
 
+def owned_or_new(path: str, run_dir: str) -> None:
+    """ValueError when `path` holds files dflash did not write (remove_owned_dir would refuse to empty it later)."""
+    inside = os.path.commonpath([os.path.abspath(path), os.path.abspath(run_dir)]) == os.path.abspath(run_dir)
+    if not inside and os.path.isdir(path) and os.listdir(path) and \
+            not os.path.exists(os.path.join(path, OWNER_MARKER)):
+        raise ValueError(f"capture.spool_dir {path} holds files that dflash did not write (no {OWNER_MARKER}): "
+                         "name a new or empty folder for the spool")
+
+
 class OnlineCapture:
+    """`checkpoint_key`: the fingerprint of the checkpoints training resumes from (Pipeline.checkpoint_fingerprint);
+    None reads it from the checkpoint folder's marker (claim_checkpoint_dir writes it before training starts)."""
+
     def __init__(self, cfg: DictConfig, run_dir: str, dirs: dict[str, str], device: torch.device,
-                 barrier: Callable[[], None]) -> None:
+                 barrier: Callable[[], None], checkpoint_key: str | None = None) -> None:
         self.cfg, self.run_dir, self.dirs, self.device, self.barrier = cfg, run_dir, dirs, device, barrier
+        self._checkpoint_key = checkpoint_key
+
+    @property
+    def checkpoint_key(self) -> str | None:
+        if self._checkpoint_key is not None:
+            return self._checkpoint_key
+        marker = read_json_or_none(os.path.join(self.dirs["checkpoints"], CHECKPOINT_KEY))
+        return marker.get("fingerprint") if isinstance(marker, dict) else None
 
     @property
     def spool_dir(self) -> str:
@@ -71,28 +93,28 @@ class OnlineCapture:
         cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
         if rank == 0:
             # Consumed items are gone, so every start streams afresh from the step training resumes at.
-            remove_owned_dir(spool_dir, self.run_dir)
-            make_owned_dir(spool_dir)
-            shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
-            os.makedirs(log_dir, exist_ok=True)
             session = uuid.uuid4().hex[:12]
             if external:
-                # Workers of an earlier start may still be writing: each start streams through its own folder.
+                # Workers of an earlier start may still be writing into their session folder until their capture
+                # node sees this start's spec: leave it (finish() removes it) and stream through a new one.
+                owned_or_new(spool_dir, self.run_dir)
+                make_owned_dir(spool_dir)
                 spool_dir = os.path.join(spool_dir, f"session-{session}")
                 for stale in (self.done_path, os.path.join(log_dir, "spec.json")):
                     if os.path.exists(stale):
                         os.remove(stale)
+            else:
+                remove_owned_dir(spool_dir, self.run_dir)
+            make_owned_dir(spool_dir)
+            shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
+            os.makedirs(log_dir, exist_ok=True)
+            key = self.checkpoint_key
             resume_step = self.resume_step()
             if resume_step:
-                # The epochs already passed decided it: with the cache off then, later epochs have nothing cached
-                # for the samples read before the restart; with it on, the workers captured the first epoch only.
-                previous = read_json_or_none(os.path.join(log_dir, "cache.json"))
-                use_cache = bool(previous and previous["cache"])
-                cache_dir = previous["dir"] if use_cache else cache_dir
-                print(f"[online] feature cache {'on' if use_cache else 'off'}, as when this run started")
+                use_cache, cache_dir = self.resumed_feature_cache(log_dir, key, cache_dir)
             else:
-                use_cache = self.decide_feature_cache(info, cache_dir)
-            write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir})
+                use_cache = self.decide_feature_cache(info, cache_dir, spool_dir)
+            write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir, "checkpoint": key})
             spool = Spool(spool_dir, num_workers)
             spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)
             first = resume_step * plan.global_batch_size
@@ -138,7 +160,23 @@ class OnlineCapture:
         return OnlineFeatureSource(Spool(spool_dir, num_workers), stream, rank, timeout_s=float(c.timeout_s),
                                    hopeless=pools[0].failed if pools else None, cache=cache)
 
-    def decide_feature_cache(self, info: dict, cache_dir: str) -> bool:
+    def resumed_feature_cache(self, log_dir: str, key: str | None, cache_dir: str) -> tuple[bool, str]:
+        """(cache on, its folder) of a resumed run: the epochs already passed decided it. With the cache off then,
+        later epochs have nothing cached for the samples read before the restart; with it on, the workers captured
+        the first epoch only. A decision recorded for other checkpoints (settings changed, then changed back: the
+        old checkpoints are restored while cache.json and the cache are another run's) is not used: cache off,
+        every epoch captured, which is right whatever the cache holds."""
+        previous = read_json_or_none(os.path.join(log_dir, "cache.json"))
+        if previous is None or key is None or previous.get("checkpoint") != key:
+            if previous is not None and previous["cache"]:  # another run's features: no resume will read them
+                remove_owned_dir(previous["dir"], self.run_dir)
+            print("[online] feature cache off: no cache decision was recorded for the checkpoints resumed here")
+            return False, cache_dir
+        use_cache = bool(previous["cache"])
+        print(f"[online] feature cache {'on' if use_cache else 'off'}, as when this run started")
+        return use_cache, previous["dir"] if use_cache else cache_dir
+
+    def decide_feature_cache(self, info: dict, cache_dir: str, spool_dir: str) -> bool:
         """capture.cache: keep the first epoch's features for the later ones when the disk holds them (rank 0).
 
         Decided when a run starts (no checkpoint), from an empty cache: what a folder holds from an earlier run is
@@ -154,7 +192,8 @@ class OnlineCapture:
         needed = tokens * bytes_per_token(taps * int(shape["hidden_size"]), taps, store_dtype(str(c.dtype)))
         budget, mode = c.get("cache_budget_bytes"), c.get("cache", "false")
         mode = ("true" if mode else "false") if isinstance(mode, bool) else str(mode)  # YAML reads true as a bool
-        use = cached_epochs(mode, needed, None if budget is None else int(budget), shutil.disk_usage(cache_dir).free)
+        room = cache_room(cache_dir, spool_dir, int(c.budget_bytes))
+        use = cached_epochs(mode, needed, None if budget is None else int(budget), room)
         print(f"[online] feature cache {'on' if use else 'off'}: one epoch is {needed / 2**30:.2f} GiB"
               + (f" -> {cache_dir}; the workers capture the first epoch only" if use else ""))
         return use
@@ -199,6 +238,7 @@ class OnlineCapture:
             stats = self._external_stats(log_dir, int(spec["num_workers"]), float(c.stale_after_s))
         else:
             stats = pool.stats()
+        # Every session's folder with it (external workers): their capture nodes moved on to this session.
         remove_owned_dir(self.spool_dir, self.run_dir)
         capture_tokens = sum(s["tokens"] for s in stats)
         capture_s = sum(s["capture_s"] for s in stats)

@@ -1,11 +1,11 @@
 """Capture worker processes for online training: the entry point of one worker and the pool that runs them.
 
-    python -m dflash.extract.online_workers SPEC.json WORKER_ID
+    python -m dflash.extract.online_workers SPEC.json WORKER_ID PARENT_PID
 
 SPEC.json (written by the pipeline's train stage) names the target, the token dataset, the spool and the batch
 plan; the worker loads the target on its device, runs `CaptureWorker.run()` until every item of the stream is
 written or consumed, and writes its throughput to `stats/w{id}-{pid}.json` next to its log. A worker exits when
-its parent (the trainer) disappears, so a killed trainer leaves no capture process behind.
+its parent (the trainer, PARENT_PID) disappears, so a killed trainer leaves no capture process behind.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ _STOP_GRACE_S = 10.0
 
 
 def _exit_with_parent(parent: int) -> None:
-    """Exit at once when the process that started us is gone (we were re-parented)."""
+    """Exit at once when the process that started us (pid `parent`, given by it) is gone: we were re-parented.
+
+    The parent passes its pid, since reading os.getppid() here would take the new parent's for ours when the
+    parent died while we started."""
+    if os.getppid() != parent:
+        os._exit(3)
+
     def watch() -> None:
         while True:
             if os.getppid() != parent:
@@ -71,9 +77,9 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m dflash.extract.online_workers SPEC.json WORKER_ID")
-    _exit_with_parent(os.getppid())
+    if len(argv) != 3:
+        raise SystemExit("usage: python -m dflash.extract.online_workers SPEC.json WORKER_ID PARENT_PID")
+    _exit_with_parent(int(argv[2]))
     spec_path, worker = Path(argv[0]), int(argv[1])
     spec = json.loads(spec_path.read_text())
     stats = run_worker(spec, worker)
@@ -120,7 +126,7 @@ class WorkerPool:
         try:
             self.processes[worker] = subprocess.Popen(
                 [sys.executable, "-m", "dflash.extract.online_workers", self.spec_path,
-                 str(self.first_worker + worker)],
+                 str(self.first_worker + worker), str(os.getpid())],
                 env=env, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()

@@ -1,0 +1,95 @@
+"""The train stage's side of online capture: spool sessions, the cache's disk room and its tie to the checkpoints."""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash.config import compose
+from dflash.extract import feature_cache
+from dflash.extract.feature_cache import DISK_MARGIN_FRACTION, cache_room, cached_epochs
+from dflash.extract.online_stage import OnlineCapture
+from dflash.run_files import CHECKPOINT_KEY, make_owned_dir, read_json, write_json
+
+Usage = namedtuple("Usage", "total used free")
+SETTINGS = SimpleNamespace(micro_batch_size=2, grad_accum=1, seed=0, group_by_length=0, epochs=2, num_anchors=4)
+
+
+def put_json(path: str, value: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_json(path, value)
+
+
+def test_the_cache_leaves_room_for_a_spool_on_its_disk_and_a_margin(tmp_path, monkeypatch):
+    total, free, spool_budget = 1000 * 2**20, 600 * 2**20, 300 * 2**20
+    monkeypatch.setattr(feature_cache.shutil, "disk_usage", lambda path: Usage(total, total - free, free))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "spool").mkdir()
+    room = cache_room(str(tmp_path / "cache"), str(tmp_path / "spool"), spool_budget)
+    assert room == free - int(DISK_MARGIN_FRACTION * total) - spool_budget
+    assert cached_epochs("auto", 400 * 2**20, None, free) and not cached_epochs("auto", 400 * 2**20, None, room)
+    assert cache_room(str(tmp_path / "cache"), str(tmp_path / "spool"), 10 * total) == 0
+    if os.path.isdir("/dev/shm") and os.stat("/dev/shm").st_dev != os.stat(tmp_path).st_dev:
+        # A spool on another file system takes nothing from the cache's disk.
+        assert cache_room(str(tmp_path / "cache"), "/dev/shm", spool_budget) == room + spool_budget
+
+
+def test_a_resumed_run_uses_only_the_cache_decision_made_for_its_checkpoints(tmp_path):
+    run_dir, log_dir = tmp_path / "run", tmp_path / "run" / "capture_logs"
+    dirs = {"checkpoints": str(run_dir / "checkpoints")}
+    capture = OnlineCapture(None, str(run_dir), dirs, torch.device("cpu"), lambda: None)
+    assert capture.checkpoint_key is None
+    put_json(os.path.join(dirs["checkpoints"], CHECKPOINT_KEY), {"fingerprint": "aaaa"})
+    assert capture.checkpoint_key == "aaaa"
+    assert OnlineCapture(None, str(run_dir), dirs, torch.device("cpu"), lambda: None, "bbbb").checkpoint_key == "bbbb"
+    kept = tmp_path / "kept"
+    make_owned_dir(str(kept))
+    put_json(str(log_dir / "cache.json"), {"cache": True, "dir": str(kept), "checkpoint": "aaaa"})
+    assert capture.resumed_feature_cache(str(log_dir), "aaaa", "unused") == (True, str(kept))
+    # Checkpoints of other settings restored: the recorded cache is another run's, not read and not kept.
+    assert capture.resumed_feature_cache(str(log_dir), "bbbb", "fresh") == (False, "fresh")
+    assert not kept.exists()
+    put_json(str(log_dir / "cache.json"), {"cache": True, "dir": str(kept)})  # recorded before the fingerprint
+    assert capture.resumed_feature_cache(str(log_dir), "aaaa", "fresh") == (False, "fresh")
+
+
+def online_capture(tmp_path, *overrides: str) -> OnlineCapture:
+    """An OnlineCapture of the tiny recipe over hand-made stage outputs (no data or capture stage is run)."""
+    run_dir = tmp_path / "run"
+    dirs = {name: str(run_dir / name) for name in ("data", "features", "checkpoints")}
+    put_json(os.path.join(dirs["features"], "online.json"),
+               {"num_samples": 6, "data": dirs["data"], "target_layer_ids": [1, 3]})
+    put_json(os.path.join(dirs["features"], "target.json"), {"hidden_size": 64})
+    put_json(os.path.join(dirs["data"], "stats.json"), {"num_tokens": 100})
+    put_json(os.path.join(dirs["checkpoints"], CHECKPOINT_KEY), {"fingerprint": "aaaa"})
+    cfg = compose(["+experiment=tiny", "capture=online", f"run_dir={run_dir}", *overrides])
+    return OnlineCapture(cfg, str(run_dir), dirs, torch.device("cpu"), lambda: None)
+
+
+def test_an_external_start_streams_through_a_new_session_and_leaves_the_earlier_ones(tmp_path):
+    capture = online_capture(tmp_path, "capture.workers=external", "capture.num_workers=2")
+    earlier = os.path.join(capture.spool_dir, "session-earlier", "data", "w0")
+    os.makedirs(earlier)
+    open(os.path.join(earlier, "i000000000003.safetensors"), "wb").close()  # its workers may still write
+    source = capture.source(SETTINGS, 0, 1, [])
+    spool = read_json(os.path.join(capture.run_dir, "capture_logs", "spec.json"))["spool"]
+    assert os.path.dirname(spool) == capture.spool_dir and os.path.basename(spool).startswith("session-")
+    assert str(source.spool.path) == spool
+    assert os.listdir(earlier) == ["i000000000003.safetensors"]
+    decided = read_json(os.path.join(capture.run_dir, "capture_logs", "cache.json"))
+    assert decided["checkpoint"] == "aaaa"
+
+
+def test_an_external_spool_folder_of_someone_elses_files_is_refused(tmp_path):
+    foreign = tmp_path / "elsewhere"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not dflash's\n")
+    capture = online_capture(tmp_path, "capture.workers=external", "capture.num_workers=2",
+                             f"capture.spool_dir={foreign}")
+    with pytest.raises(ValueError, match="did not write"):
+        capture.source(SETTINGS, 0, 1, [])
+    assert (foreign / "notes.txt").is_file()
