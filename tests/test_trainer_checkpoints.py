@@ -41,7 +41,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, one_thr
     command = [sys.executable, "tests/trainer_harness.py", str(out), "2", "1", "2", "--epochs", "4",
                "--save-every", "1", "--keep-last", "2", "--delay", "0.15"]  # ~0.3 s per step
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "MASTER_PORT": str(29000 + os.getpid() % 500)}
+           "MASTER_PORT": str(free_port())}  # a fixed range collided with a concurrent test run
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
