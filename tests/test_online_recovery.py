@@ -92,6 +92,52 @@ def test_a_worker_keeps_room_to_take_over_the_lower_chunk_of_a_worker_that_dies_
     assert spool.claim(0) == (1, 1, 1) and item_files(spool) == []
 
 
+def test_a_takeover_keeps_room_for_a_lower_chunk_whose_live_owner_may_still_die(tmp_path, dense):
+    """Three workers, shares of three chunks. B takes over a dead worker's chunk 3 while A is still (slowly) on
+    chunk 0: the takeover must keep room for chunk 0, or once A dies for good B's share is full of later items
+    the trainer cannot read before item 0, and item 0 can never be written."""
+    spool = Spool(tmp_path / "spool", num_workers=3)
+    stream = ItemStream(BatchPlan(12, 2, 1, 1, 0), epochs=1)
+    budget = 3 * 3 * 2 * ITEM_BYTES
+    a, b, c = (make_worker(dense, spool, stream, w, budget) for w in range(3))
+    for w in range(3):
+        spool.heartbeat(w)
+    assert spool.try_claim(0, 0, 0, 0)  # A: chunk 0, slow but alive
+    assert b._room(1, 1, b._others_unwritten(0, 1)) and spool.try_claim(1, 0, 1, 1)
+    b._capture(1, 1, 0)
+    assert b._room(1, 2, b._others_unwritten(0, 2)) and spool.try_claim(2, 0, 1, 1)
+    assert c._room(2, 3, c._others_unwritten(0, 3)) and spool.try_claim(3, 0, 2, 2)
+    b._capture(2, 1, 0)
+    go_stale(spool, 2)  # C dies for good
+    spool.heartbeat(0)
+    spool.heartbeat(1)
+    assert b._take_over_stale(0, 4, {1, 2}) is False  # chunk 3 waits: the room is chunk 0's
+    go_stale(spool, 0)  # A dies for good before writing chunk 0
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    source = OnlineFeatureSource(spool, stream, rank=0, timeout_s=30)
+    for g in range(stream.num_items):
+        source[stream.item(g)[1]]
+    thread.join(timeout=30)
+    assert not thread.is_alive() and item_files(spool) == []
+
+
+def test_a_chunk_taken_from_a_stalled_worker_comes_back_when_its_taker_dies(tmp_path, dense):
+    """A stalls on chunk 0 and is judged dead; B takes chunk 0 over and then dies for good. A, alive again, must
+    take chunk 0 back although it claimed it in this life: nobody else is left to write it."""
+    spool = Spool(tmp_path / "spool", num_workers=2)
+    stream = ItemStream(BatchPlan(12, 2, 1, 1, 0), epochs=1)
+    a = make_worker(dense, spool, stream, 0, 1 << 20)
+    spool.heartbeat(0)
+    assert spool.try_claim(0, 0, 0, 0)  # A's chunk 0, then A stalls
+    assert spool.try_claim(0, 1, 1, 1)  # B took it over ...
+    spool.heartbeat(1)
+    go_stale(spool, 1)  # ... and died for good
+    spool.heartbeat(0)
+    assert a._take_over_stale(0, 1, {0}) is True
+    assert all(spool.finished(stream, g) for g in a.chunk_items_of(0))
+
+
 @pytest.mark.parametrize("late", ["after the read", "before the read"])
 def test_a_stalled_worker_judged_dead_leaves_no_orphan_item(tmp_path, dense, monkeypatch, late):
     """Worker 0 stalls between its last checks and its rename; worker 1 takes its chunk over. Its late copy lands

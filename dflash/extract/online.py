@@ -251,13 +251,20 @@ class CaptureWorker:
         self.num_chunks = -(-stream.num_items // chunk_items)
         # Throughput counters: real tokens and items captured, seconds spent capturing (waits excluded).
         self.tokens_captured, self.items_captured, self.capture_s = 0, 0, 0.0
-        for c in range(self.num_chunks):  # fail at once, not after a deadlock, when one chunk cannot fit
-            if self.chunk_bytes(c) > self.share_budget:
+        sizes = [self.chunk_bytes(c) for c in range(self.num_chunks)]
+        for c, size in enumerate(sizes):  # fail at once, not after a deadlock, when one chunk cannot fit
+            if size > self.share_budget:
                 raise ValueError(
-                    f"chunk {c} of {chunk_items} items needs {self.chunk_bytes(c)} bytes, more than one worker's "
+                    f"chunk {c} of {chunk_items} items needs {size} bytes, more than one worker's "
                     f"share of the spool budget ({self.share_budget} = {budget_bytes} / {spool.num_workers}): "
                     "raise the budget or lower chunk_items"
                 )
+        # Every claim keeps room in its share for the lower chunks other workers still owe (so a dead worker's
+        # chunk can always be taken over): with fewer than num_workers chunks per share, workers mostly take turns.
+        if worker == 0 and sizes and self.share_budget < spool.num_workers * max(sizes):
+            print(f"[capture] warning: one worker's spool share ({self.share_budget} bytes) holds fewer than "
+                  f"{spool.num_workers} chunks of up to {max(sizes)} bytes, so the capture workers will often run "
+                  "one after another: raise capture.budget_bytes or lower capture.chunk_items", flush=True)
 
     def chunk_items_of(self, chunk: int) -> range:
         return range(chunk * self.chunk_items, min((chunk + 1) * self.chunk_items, self.stream.num_items))
@@ -375,14 +382,15 @@ class CaptureWorker:
         """Redo, into this worker's share, one chunk in [low, high) claimed by a dead worker or by this worker id in
         an earlier life (the lowest first). True when one was done, False when one waits for room in our share,
         None when there is none to take over."""
-        waiting = None
         for c in range(low, high):
-            if c in mine:
-                continue
             claim = self.spool.claim(c)
             if claim is None:
                 continue
             generation, owner, _ = claim
+            # A chunk of this life is ours to finish, unless another worker took it over meanwhile (we stalled)
+            # and then died: then it is a dead worker's chunk like any other.
+            if owner == self.worker and c in mine:
+                continue
             if owner != self.worker and self.spool.alive(owner, self.stale_after_s):
                 continue
             if all(self.spool.finished(self.stream, g) for g in self.chunk_items_of(c)):
@@ -390,14 +398,15 @@ class CaptureWorker:
             # The owner is dead: its half-written temp files would hold its share's budget forever.
             if owner != self.worker:
                 self.spool.remove_temps(owner)
-            if not self._room(self.worker, c):
-                waiting = False
-                continue
+            # Like a new claim, a takeover keeps room for the lower chunks other workers still owe, and the lowest
+            # waiting chunk goes first (a higher one taking the room could leave the lower one unwritable).
+            if not self._room(self.worker, c, self._others_unwritten(low, c)):
+                return False
             if self.spool.try_claim(c, generation + 1, self.worker, self.worker):
                 mine.add(c)
                 self._capture(c, self.worker, generation + 1)
                 return True
-        return waiting
+        return None
 
 
 class OnlineFeatureSource:
