@@ -200,3 +200,26 @@ def test_a_worker_whose_named_parent_is_gone_exits_at_once(tmp_path):
                            "1"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                           timeout=60)
     assert done.returncode == 3, done.stderr.decode()[-2000:]
+
+
+def test_a_worker_waiting_for_room_polls_less_and_less_often(tmp_path, dense, monkeypatch):
+    """Backpressure is the normal state when capture outpaces training; each poll stats the items in flight, so a
+    waiting worker backs off (up to a cap) instead of polling every 20 ms."""
+    stream = ItemStream(BatchPlan(12, 2, 1, 1, 0), epochs=1)
+    spool = Spool(tmp_path / "spool", num_workers=1)
+    worker = make_worker(dense, spool, stream, 0, 2 * ITEM_BYTES + ITEM_BYTES)  # room for one chunk only
+    delays: list[float] = []
+
+    class Waited(Exception):
+        pass
+
+    def sleep(seconds: float) -> None:
+        delays.append(seconds)
+        if len(delays) == 10:
+            raise Waited
+
+    monkeypatch.setattr(online.time, "sleep", sleep)
+    with pytest.raises(Waited):  # chunk 0 is written, nobody reads it: the worker waits for room
+        worker.run()
+    assert worker.items_captured == 2
+    assert delays == sorted(delays) and delays[0] == online._POLL_S and delays[-1] == online._MAX_WAIT_POLL_S

@@ -47,6 +47,10 @@ from dflash.models.targets.base import TargetAdapter
 from dflash.train.batches import BatchPlan
 
 _POLL_S = 0.02
+# A worker waiting for room polls less and less often, up to this: each poll stats every item of the chunks in
+# flight, which adds up on a shared file system with many workers, while a spool full enough to wait on keeps the
+# trainer busy for longer than this.
+_MAX_WAIT_POLL_S = 0.32
 _FILE_OVERHEAD_BYTES = 1 << 12  # safetensors header and alignment of one item file, counted generously
 
 
@@ -354,6 +358,7 @@ class CaptureWorker:
             # Every chunk below the ranks' lowest cursor is consumed: start there, so that a (re)start late in a run
             # or after a resume neither checks nor claims the items already read one by one.
             low = frontier = self.spool.consumed_below(self.stream.plan.world_size) // self.chunk_items
+            idle = 0  # polls in a row that found nothing to do
             while True:
                 while low < self.num_chunks and all(
                         self.spool.finished(self.stream, g) for g in self.chunk_items_of(low)):
@@ -365,6 +370,7 @@ class CaptureWorker:
                 # Chunks claimed in an earlier life of this worker id look alive: redo them first.
                 taken = self._take_over_stale(low, frontier, mine)
                 if taken is True:
+                    idle = 0
                     continue
                 # A dead worker's chunk waits for room in our share: claiming later chunks now would fill the share
                 # with items the trainer cannot reach before the missing ones, which could then never be written.
@@ -373,8 +379,10 @@ class CaptureWorker:
                     if self.spool.try_claim(frontier, 0, self.worker, self.worker):
                         mine.add(frontier)
                         self._capture(frontier, self.worker, 0)
+                    idle = 0
                     continue
-                time.sleep(_POLL_S)
+                time.sleep(min(_POLL_S * 2 ** idle, _MAX_WAIT_POLL_S))
+                idle += 1
         finally:
             stop.set()
 
