@@ -57,6 +57,59 @@ def test_a_supervisor_started_after_its_session_ended_starts_no_workers(tmp_path
     assert not (tmp_path / "logs").exists()  # no worker was started
 
 
+def test_a_restarted_trainer_frees_the_item_files_of_the_nodes_old_workers(tmp_path, monkeypatch):
+    """When the trainer starts a new session, the supervisor stops its workers and deletes their shares of the old
+    session's spool: nobody reads them any more, and each restart would otherwise keep up to a spool budget."""
+    import threading
+
+    from dflash.extract import capture_node
+
+    class FakePool:  # the supervisor's view of its workers, without processes
+        def __init__(self, *args, **kwargs):
+            self.killed = False
+
+        def start(self):
+            pass
+
+        def kill(self):
+            self.killed = True
+
+        def failed(self):
+            return None
+
+        def join(self, timeout_s):
+            pass
+
+    monkeypatch.setattr(capture_node, "WorkerPool", FakePool)
+    spec_path = tmp_path / "logs" / "spec.json"
+    spec_path.parent.mkdir()
+
+    def start(session: str) -> Path:
+        spool = tmp_path / f"session-{session}"
+        for worker in (0, 1):  # node 1 of 2 runs worker 1 only
+            (spool / "data" / f"w{worker}").mkdir(parents=True)
+            (spool / "data" / f"w{worker}" / "i000000000001.safetensors").write_bytes(b"x")
+        spec_path.write_text(json.dumps({"session": session, "spool": str(spool), "num_workers": 2,
+                                         "gpus_per_worker": 1, "log_dir": str(tmp_path / "logs"),
+                                         "stale_after_s": 1}))
+        return spool
+
+    old = start("a")
+    result: list[int] = []
+    supervisor = threading.Thread(target=lambda: result.append(
+        supervise(spec_path, 1, 2, None, wait_s=30, poll_s=0.01)))
+    supervisor.start()
+    time.sleep(0.3)
+    new = start("b")
+    time.sleep(0.3)
+    (tmp_path / "logs" / "done.json").write_text(json.dumps({"session": "b"}))
+    supervisor.join(timeout=30)
+    assert result == [0]
+    assert not (old / "data" / "w1").exists()  # this node's share of the old session: freed
+    assert (old / "data" / "w0").exists()  # node 0's: its own supervisor frees it
+    assert (new / "data" / "w1" / "i000000000001.safetensors").exists()  # the running session's: kept
+
+
 @pytest.mark.parametrize("override, message", [
     ("capture.num_workers=null", "needs capture.num_workers"),
     ("capture.gpus_per_worker=auto", "an integer capture.gpus_per_worker"),

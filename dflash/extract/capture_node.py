@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from dflash.extract.online import share_dir
 from dflash.extract.online_workers import WorkerPool
 from dflash.run_files import read_json_or_none
 
@@ -53,6 +55,7 @@ def supervise(spec_path: Path, node: int, nodes: int, devices: list[int] | None,
     done_path = spec_path.with_name("done.json")
     pool: WorkerPool | None = None
     session = None
+    running: tuple[str, int, int] = ("", 0, 0)  # the running session's spool and this node's first share, count
     waiting_since = time.monotonic()
     try:
         while True:
@@ -70,6 +73,7 @@ def supervise(spec_path: Path, node: int, nodes: int, devices: list[int] | None,
                 if pool is not None:
                     print(f"[capture-node {node}] the trainer restarted: session {spec['session']}", flush=True)
                     pool.kill()
+                    remove_shares(*running)
                 first, count = node_share(int(spec["num_workers"]), node, nodes)
                 gpus = int(spec["gpus_per_worker"])
                 if devices is not None and len(devices) != count * gpus:
@@ -80,6 +84,7 @@ def supervise(spec_path: Path, node: int, nodes: int, devices: list[int] | None,
                                   first_worker=first)
                 pool.start()
                 session = spec["session"]
+                running = (spec["spool"], first, count)
                 print(f"[capture-node {node}] session {session}: workers {first}..{first + count - 1} on "
                       f"{devices or 'cpu'}", flush=True)
             if pool is not None and pool.failed():
@@ -92,6 +97,14 @@ def supervise(spec_path: Path, node: int, nodes: int, devices: list[int] | None,
     finally:
         if pool is not None:
             pool.kill()
+
+
+def remove_shares(spool_dir: str, first: int, count: int) -> None:
+    """Delete the item files of workers first..first+count-1 in the spool of a session that ended (the trainer
+    restarted into a new one, and these workers are stopped): nobody reads them any more, and they would hold up
+    to a spool budget of disk until the trainer's finish()."""
+    for worker in range(first, first + count):
+        shutil.rmtree(share_dir(spool_dir, worker), ignore_errors=True)
 
 
 def visible_gpus() -> list[int] | None:

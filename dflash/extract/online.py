@@ -97,6 +97,11 @@ def _epoch_order(plan: BatchPlan, epoch: int) -> list[int]:
     return plan.epoch_order(epoch)
 
 
+def share_dir(spool: str | Path, share: int) -> Path:
+    """The folder of one worker's share of the item files in a spool directory."""
+    return Path(spool) / "data" / f"w{share}"
+
+
 class Spool:
     """Paths and small atomic files of one spool directory."""
 
@@ -105,8 +110,10 @@ class Spool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.path = Path(path)
         self.num_workers = num_workers
-        for sub in ["claims", "workers", "ranks"] + [f"data/w{w}" for w in range(num_workers)]:
+        for sub in ["claims", "workers", "ranks"]:
             (self.path / sub).mkdir(parents=True, exist_ok=True)
+        for share in range(num_workers):
+            share_dir(self.path, share).mkdir(parents=True, exist_ok=True)
 
     def check_stream(self, stream: ItemStream) -> None:
         """Record the stream's plan in `stream.json` (the first caller) or check it matches (everyone else):
@@ -130,7 +137,7 @@ class Spool:
             )
 
     def item_path(self, share: int, g: int) -> Path:
-        return self.path / "data" / f"w{share}" / f"i{g:012d}.safetensors"
+        return share_dir(self.path, share) / f"i{g:012d}.safetensors"
 
     def find_item(self, g: int) -> Path | None:
         for share in range(self.num_workers):
@@ -142,7 +149,7 @@ class Spool:
     def share_bytes(self, share: int) -> int:
         """Bytes of item files (and temp files) currently held in one worker's share."""
         total = 0
-        for entry in os.scandir(self.path / "data" / f"w{share}"):
+        for entry in os.scandir(share_dir(self.path, share)):
             try:
                 total += entry.stat().st_size
             except FileNotFoundError:  # consumed while we looked
