@@ -223,3 +223,14 @@ def test_a_worker_waiting_for_room_polls_less_and_less_often(tmp_path, dense, mo
         worker.run()
     assert worker.items_captured == 2
     assert delays == sorted(delays) and delays[0] == online._POLL_S and delays[-1] == online._MAX_WAIT_POLL_S
+
+
+def test_shares_smaller_than_one_chunk_per_worker_are_named_at_start(tmp_path, dense, capsys):
+    """Every claim keeps room for the lower chunks other workers owe, so shares of fewer chunks than workers make
+    the workers take turns: worker 0 says so, with the settings to change."""
+    stream = ItemStream(BatchPlan(12, 2, 1, 1, 0), epochs=1)
+    spool = Spool(tmp_path / "spool", num_workers=2)
+    make_worker(dense, spool, stream, 0, 2 * 2 * ITEM_BYTES)  # one chunk per share
+    assert "capture.budget_bytes" in capsys.readouterr().out
+    make_worker(dense, spool, stream, 0, 2 * 2 * 2 * ITEM_BYTES)  # two chunks per share
+    assert "warning" not in capsys.readouterr().out

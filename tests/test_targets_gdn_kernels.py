@@ -252,3 +252,31 @@ def test_fla_conv_matches_torch_conv_on_cuda():
     slow = adapter.capture(ids, mask, layer_ids)[real].float()
     assert float((fast - slow).norm() / slow.norm()) < 2e-2
     assert adapter.set_gdn_conv("fla")["conv"] == FLA_CONV_NAME
+
+
+def test_off_cuda_the_conv_is_transformers_torch_code_itself(monkeypatch):
+    """transformers' conv is a wrapper that runs the causal-conv1d package (CUDA-only) when it is installed: a
+    non-CUDA input must get the torch function behind it, a CUDA input transformers' own choice."""
+    def reference(x, weight, bias=None, activation=None):
+        return x
+
+    @functools.wraps(reference)
+    def wrapper(*args, **kwargs):
+        raise AssertionError("the CUDA-only package ran on a CPU input")
+
+    monkeypatch.setattr(gdn_kernels, "fla_causal_conv1d", lambda: None)  # fla absent
+    assert choose_causal_conv1d(torch.device("cpu"), wrapper) is reference
+    assert choose_causal_conv1d(torch.device("cpu"), wrapper, "torch") is reference
+    assert choose_causal_conv1d(torch.device("cuda"), wrapper) is wrapper
+
+
+def test_a_broken_fla_install_falls_back_to_the_torch_conv(monkeypatch):
+    def broken(name):
+        raise RuntimeError(f"{name}: Triton is broken")
+
+    gdn_kernels.fla_causal_conv1d.cache_clear()
+    monkeypatch.setattr(gdn_kernels.importlib, "import_module", broken)
+    try:
+        assert gdn_kernels.fla_causal_conv1d() is None
+    finally:
+        gdn_kernels.fla_causal_conv1d.cache_clear()

@@ -20,6 +20,7 @@ restored on exit); HybridTargetAdapter applies its own choice around its forward
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
 import sys
@@ -101,16 +102,14 @@ def fla_installed() -> bool:
 def fla_causal_conv1d() -> Callable | None:
     """flash-linear-attention's Triton causal conv1d behind transformers' `causal_conv1d_fn` signature, or None
     when fla is not installed. Imported on first use only (by then a CUDA input needs it)."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except ImportError:
-        try:  # fla releases before the module was renamed
-            from fla.modules.convolution import causal_conv1d
-        except Exception:  # noqa: BLE001 - as transformers does: a broken install falls back to the torch conv
-            return None
-    except Exception:  # noqa: BLE001 - the same for an import that fails other than by absence
-        return None
-    return transformers_conv(causal_conv1d)
+    # As transformers does, any failure to import (a broken install too) falls back to the torch conv. The second
+    # module is where fla releases before the rename kept it.
+    for module in ("fla.modules.causal_conv1d", "fla.modules.convolution"):
+        try:
+            return transformers_conv(importlib.import_module(module).causal_conv1d)
+        except Exception:  # noqa: BLE001
+            continue
+    return None
 
 
 def _check_choice(conv: str) -> None:
@@ -123,21 +122,15 @@ def choose_causal_conv1d(device: torch.device, torch_conv: Callable, conv: str =
     installed (unless conv is "torch"), else `torch_conv` (transformers' own). conv "fla" raises RuntimeError
     where fla's kernel cannot run."""
     _check_choice(conv)
-    if device.type != FLA_DEVICE_TYPE:
-        if conv == "fla":
-            raise RuntimeError(f"conv 'fla' needs flash-linear-attention installed and the input on a CUDA device; "
-                               f"got an input on {device}, fla installed: {fla_installed()}")
-        # transformers' own torch code: its wrapper would pick the causal-conv1d package, CUDA-only, when installed.
-        return inspect.unwrap(torch_conv)
-    if conv == "torch":
-        return torch_conv
-    fast = fla_causal_conv1d()
+    on_cuda = device.type == FLA_DEVICE_TYPE
+    fast = fla_causal_conv1d() if on_cuda and conv != "torch" else None
     if fast is not None:
         return fast
     if conv == "fla":
         raise RuntimeError(f"conv 'fla' needs flash-linear-attention installed and the input on a CUDA device; "
                            f"got an input on {device}, fla installed: {fla_installed()}")
-    return torch_conv
+    # Off CUDA transformers' torch code itself: its wrapper would pick the causal-conv1d package (CUDA-only).
+    return torch_conv if on_cuda else inspect.unwrap(torch_conv)
 
 
 def _router(torch_conv: Callable) -> Callable:
