@@ -43,6 +43,7 @@ from dflash.models.targets.compile_target import compile_target_layers  # noqa: 
 from dflash.models.targets.gdn_kernels import CONV_CHOICES, conv_choice  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
 from dflash.models.targets.tiny import build_builtin_tokenizer  # noqa: E402
+from dflash.run_files import write_text  # noqa: E402
 
 QWEN36_27B = dict(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
@@ -176,10 +177,8 @@ def profile_batch(run, ids: torch.Tensor, mask: torch.Tensor, device: torch.devi
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(f"one capture batch {tuple(ids.shape)}, {int(mask.sum())} real tokens\n")
-        f.write(events.table(sort_by=key, row_limit=60, max_name_column_width=100))
-    os.replace(path + ".tmp", path)
+    write_text(path, f"one capture batch {tuple(ids.shape)}, {int(mask.sum())} real tokens\n"
+               + events.table(sort_by=key, row_limit=60, max_name_column_width=100))
     total = sum(getattr(e, key) for e in events) or 1.0
     gdn = sorted((e for e in events if GDN_KERNEL_PATTERN.search(e.key) and getattr(e, key) > 0),
                  key=lambda e: -getattr(e, key))

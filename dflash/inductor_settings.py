@@ -12,7 +12,10 @@ between ways of generating the same computation, so turning them off changes spe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch._inductor.config as inductor_config
+from torch import nn
 
 # Set on a layer once it is compiled, so that no layer is ever compiled twice.
 COMPILED_MARK = "_dflash_compiled"
@@ -25,3 +28,12 @@ def configure_inductor() -> None:
     for option in TURNED_OFF_TRITON_OPTIONS:
         if hasattr(triton_options, option):
             setattr(triton_options, option, False)
+
+
+def compile_once(layer: nn.Module, compile_layer: Callable[[nn.Module], None]) -> bool:
+    """compile_layer(layer) unless the layer is compiled already (then False); marks it compiled."""
+    if getattr(layer, COMPILED_MARK, False):
+        return False
+    compile_layer(layer)
+    setattr(layer, COMPILED_MARK, True)
+    return True

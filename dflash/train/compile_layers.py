@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from dflash.inductor_settings import COMPILED_MARK, configure_inductor
+from dflash.inductor_settings import compile_once, configure_inductor
 
 
 def compile_layers(drafter: nn.Module) -> nn.Module:
     configure_inductor()
     for layer in drafter.layers:
-        if getattr(layer, COMPILED_MARK, False):
-            continue
-        layer.compile(dynamic=True)
-        setattr(layer, COMPILED_MARK, True)
+        compile_once(layer, lambda module: module.compile(dynamic=True))
     return drafter

@@ -8,10 +8,11 @@ written next to the checkpoints folder as train_profile.txt.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from dflash.run_files import write_text
 
 
 def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
@@ -64,8 +65,5 @@ class StepProfiler:
         table = self._profile.key_averages().table(sort_by=key, row_limit=80, max_name_column_width=90)
         self._profile = None
         first, count = self._first, last_step - self._first + 1
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n{table}")
-        os.replace(tmp, self.path)
+        write_text(self.path, f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n{table}")
         print(f"[train] profile of steps {first}..{last_step} -> {self.path}", flush=True)

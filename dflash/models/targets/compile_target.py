@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo.config as dynamo_config
 
-from dflash.inductor_settings import COMPILED_MARK, configure_inductor
+from dflash.inductor_settings import compile_once, configure_inductor
 from dflash.models.targets.base import TargetAdapter
 
 # Graphs one layer code may need: every decoder layer of a family runs the same `forward` code, compiled once per
@@ -34,11 +34,8 @@ def compile_target_layers(adapter: TargetAdapter) -> int:
     # Older torch releases call the limit cache_size_limit.
     limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, limit_name, max(getattr(dynamo_config, limit_name), RECOMPILE_LIMIT))
-    compiled = 0
-    for layer in adapter.decoder_layers():
-        if getattr(layer, COMPILED_MARK, False):
-            continue
+
+    def compile_forward(layer: torch.nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
-        setattr(layer, COMPILED_MARK, True)
-        compiled += 1
-    return compiled
+
+    return sum(compile_once(layer, compile_forward) for layer in adapter.decoder_layers())
