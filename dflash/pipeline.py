@@ -9,6 +9,7 @@ at a barrier.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -67,9 +68,9 @@ def validate(cfg: DictConfig) -> None:
                          f"instead, or use capture=offline or colocated")
     if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
         raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
-    from dflash.extract.capture import GROUP_KEYS
+    from dflash.extract.capture import GROUP_KEYS, group_by_setting
 
-    if str(cfg.train.get("group_by", "tokens")) not in GROUP_KEYS:
+    if group_by_setting(cfg.train) not in GROUP_KEYS:
         raise ValueError(f"train.group_by={cfg.train.group_by!r}: expected 'tokens' (sample length) or 'work' "
                          "(length + block_size x anchors trained)")
 
@@ -244,7 +245,7 @@ class Pipeline:
         # Where capture runs, how it checks itself and how online features travel do not change the features.
         skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
                 "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
-                "cache_budget_bytes", "gpus_per_worker", "workers")
+                "cache_budget_bytes", "gpus_per_worker", "workers", "compile")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         # What the data stage made, not only what it was asked: a rerun that retried failed prompts has more samples.
         stats = read_json_or_none(os.path.join(self.dirs["data"], "stats.json")) or {}
@@ -280,12 +281,15 @@ class Pipeline:
                 "dtype": str(c.dtype), "batch_tokens": int(c.batch_tokens)})
             summary = f"{len(dataset)} samples whose features are made during training ({mode} capture)"
         else:
-            manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
-                                       batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
-                                       dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
-                                       verify_existing=bool(c.get("verify_existing", False)),
-                                       fingerprint={"key": key}, show_progress=self.show_progress,
-                                       rank=self.rank, world_size=self.world_size)
+            from dflash.models.targets.compile_target import target_layers_compiled
+
+            with target_layers_compiled(self.adapter, bool(c.get("compile", False))):
+                manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
+                                           batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
+                                           dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
+                                           verify_existing=bool(c.get("verify_existing", False)),
+                                           fingerprint={"key": key}, show_progress=self.show_progress,
+                                           rank=self.rank, world_size=self.world_size)
             summary = f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
         if self.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
             self._adapter = None  # frees this rank's device for training (rank 0 keeps the target for eval)
@@ -350,7 +354,9 @@ class Pipeline:
 
     def group_by(self) -> str:
         """train.group_by: the key train.group_by_length sorts samples by (capture.grouping_keys)."""
-        return str(self.cfg.train.get("group_by", "tokens"))
+        from dflash.extract.capture import group_by_setting
+
+        return group_by_setting(self.cfg.train)
 
     def checkpoint_fingerprint(self) -> str:
         """What the checkpoints of a run depend on. The rank count is not part of it: a run resumes on another
@@ -358,8 +364,10 @@ class Pipeline:
         # Settings that change neither the math nor the data are left out, so changing them never retrains.
         skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing",
                 "compile", "profile_steps")
+        from dflash.extract.capture import group_by_setting
+
         # A setting added later is left out at its neutral value, so runs from before it keep their fingerprint.
-        neutral = {"group_by": "tokens"}
+        neutral = {"group_by": group_by_setting({})}
         train = {k: v for k, v in container(self.cfg.train).items()
                  if k not in skip and not (k in neutral and v == neutral[k])}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),
@@ -416,9 +424,10 @@ class Pipeline:
             else:
                 store = FeatureStore(self.dirs["features"])
             started = time.perf_counter()
-            state = train(settings, config, store, head, self.dirs["checkpoints"], log, rank=rank,
-                          world_size=world_size, device=self.device, show_progress=self.show_progress,
-                          heldout=self._heldout_set(), lengths=lengths)
+            with self._colocated_target_compiled():
+                state = train(settings, config, store, head, self.dirs["checkpoints"], log, rank=rank,
+                              world_size=world_size, device=self.device, show_progress=self.show_progress,
+                              heldout=self._heldout_set(), lengths=lengths)
             if online and rank == 0:
                 online_capture.finish(store, pools[0] if pools else None, time.perf_counter() - started, world_size)
         finally:
@@ -434,6 +443,15 @@ class Pipeline:
             # The settings of the checkpoints behind this export: the eval stage checks them (world size aside).
             mark_done(out, key, checkpoint=self.checkpoint_fingerprint())
             print(f"[train] exported drafter -> {out}")
+
+    def _colocated_target_compiled(self):
+        """capture.compile with colocated capture: the target's layers compiled for training, eager for eval."""
+        from dflash.models.targets.compile_target import target_layers_compiled
+
+        c = self.cfg.capture
+        if str(c.mode) != "colocated" or not c.get("compile", False):
+            return contextlib.nullcontext()
+        return target_layers_compiled(self.adapter)
 
     def _colocated_source(self):
         """This rank's ColocatedFeatureSource: the target on this rank's device makes each micro-batch's features."""
@@ -457,9 +475,12 @@ class Pipeline:
         its best.json (step, tau, acceptance rate), or None."""
         from dflash.eval.export import export_zlab
         from dflash.models.drafter import DFlashDraftModel
-        from dflash.train.best_checkpoint import best_state_dict
+        from dflash.train.best_checkpoint import best_state_dict, read_best
 
         folder = os.path.join(self.run_dir, "export_best")
+        exported = read_json_or_none(os.path.join(folder, "best.json"))  # written last: the export is whole
+        if exported is not None and exported == read_best(self.dirs["checkpoints"]):
+            return exported  # this best checkpoint is exported already (an eval of a stopped run, rerun)
         best = best_state_dict(self.dirs["checkpoints"])
         if best is None:
             shutil.rmtree(folder, ignore_errors=True)

@@ -13,6 +13,7 @@ from dflash.data.dataset import load_dataset_dir
 from dflash.extract.colocated import ColocatedFeatureSource
 from dflash.extract.store import FeatureStore
 from dflash.pipeline import Pipeline
+from dflash.train.batches import collate
 
 TINY = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]"]
 STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"
@@ -59,3 +60,87 @@ def test_colocated_refuses_fp8(colocated_run):
     pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated"]))
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         ColocatedFeatureSource(pipeline.adapter, load_dataset_dir(colocated_run / "data"), [1], "fp8")
+
+
+def test_a_padded_batch_is_what_collate_makes_of_the_samples(colocated_run):
+    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated"]))
+    source = pipeline._colocated_source()
+    picked = [4, 1, 6]
+    batch = source.get_batch(picked)
+    assert batch.pop("lengths").tolist() == [len(source.dataset[i]["input_ids"]) for i in picked]
+    expected = collate(source.get_many(picked))
+    assert batch.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(batch[key], value), key
+
+
+def test_a_bad_feature_is_named_after_the_step_not_during_it(colocated_run, monkeypatch):
+    """get_batch queues the check without waiting for the device; verify_features (the loop calls it after each
+    step) or the next get_batch raises, naming the sample and tap."""
+    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated"]))
+    source = pipeline._colocated_source()
+    real = pipeline.adapter.capture
+    monkeypatch.setattr(pipeline.adapter, "capture",
+                        lambda *args: real(*args).index_fill(2, torch.tensor([0]), float("nan")))
+    source.get_batch([2, 3])  # no error yet: the check is pending
+    with pytest.raises(ValueError, match=f"sample '{source.dataset[2]['id']}': tap {source.layer_ids[0]} has "
+                                         "non-finite"):
+        source.verify_features()
+    source.verify_features()  # a raised check is gone
+    source.get_batch([2])
+    with pytest.raises(ValueError, match="non-finite"):
+        source.get_batch([3])  # an unread check is read before the next batch
+
+
+def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch):
+    from dflash.extract import colocated
+
+    real = colocated.feature_flags
+    calls = []
+
+    def bad_on_the_second_batch(features, lengths, layer_ids):
+        calls.append(1)
+        return real(features, lengths, layer_ids) * (0 if len(calls) == 2 else 1)
+
+    monkeypatch.setattr(colocated, "feature_flags", bad_on_the_second_batch)
+    with pytest.raises(ValueError, match="has non-finite hidden states"):
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated"])).run()
+    assert len(calls) == 2  # raised after step 2, before a third batch was captured
+    assert len(losses(tmp_path)) == 1  # step 2 was never logged (nor saved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned copies, events, SDPA kernels)")
+def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(colocated_run, monkeypatch):
+    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "device=cuda:0"]))
+    source = pipeline._colocated_source()
+    batch = source.get_batch([4, 1, 6], pin_memory=True)
+    assert batch["input_ids"].is_pinned() and batch["hidden"].device.type == "cuda"
+    batch.pop("lengths")
+    expected = collate(source.get_many([4, 1, 6]))
+    for key, value in expected.items():
+        assert torch.equal(batch[key].cpu(), value.cpu()), key
+    real = pipeline.adapter.capture
+    monkeypatch.setattr(pipeline.adapter, "capture",
+                        lambda *args: real(*args).index_fill(2, torch.tensor([0], device="cuda"), float("nan")))
+    source.get_batch([2, 3])
+    with pytest.raises(ValueError, match=f"sample '{source.dataset[2]['id']}'.*non-finite"):
+        source.verify_features()
+
+
+def test_capture_compile_trains_the_same_losses_and_leaves_the_target_eager_for_eval(colocated_run, tmp_path,
+                                                                                      one_thread):
+    from torch._dynamo.utils import counters
+
+    run = Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated", "capture.compile=true",
+                                   "train.max_steps=3"]))
+    torch._dynamo.reset()  # graphs an earlier test compiled for the same layer code would be reused, uncounted
+    graphs = counters["stats"]["unique_graphs"]
+    run.run()
+    assert counters["stats"]["unique_graphs"] > graphs  # the target's layers ran compiled
+    torch.testing.assert_close(torch.tensor(losses(tmp_path)), torch.tensor(losses(colocated_run)[:3]),
+                               rtol=1e-4, atol=1e-4)
+    assert all("forward" not in vars(layer) for layer in run.adapter.decoder_layers())
+    # Features do not depend on it, so a run that only turns it on reuses the capture stage.
+    assert run.capture_fingerprint() == Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated",
+                                                                 "train.max_steps=3"])).capture_fingerprint()

@@ -82,6 +82,10 @@ def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(h
     a = load_file(str(stopped / "export_best" / "model.safetensors"))
     b = load_file(str(heldout_run / "export_best" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same best, exported again
+    weights = stopped / "export_best" / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    Pipeline(compose(overrides))._drafter_to_evaluate()  # a rerun finds that best exported already
+    assert weights.stat().st_mtime_ns == written
 
     shutil.rmtree(stopped / "checkpoints" / "best")
     shutil.rmtree(stopped / "eval")

@@ -197,3 +197,23 @@ def test_length_grouped_batches_train_the_same_online_colocated_and_offline(tmp_
     assert not torch.allclose(curves["offline"], stored)  # grouping changed which samples share a batch
     torch.testing.assert_close(curves["online"], curves["offline"], rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(curves["colocated"], curves["offline"], rtol=2e-4, atol=2e-4)
+
+
+def test_capture_compile_reaches_the_workers(online_run, monkeypatch):
+    """capture.compile travels in the workers' spec, and a worker compiles its target's layers before capturing."""
+    from dflash.extract import online_workers
+    from dflash.models.targets import compile_target
+
+    run_dir, _ = online_run
+    spec = json.loads((run_dir / "capture_logs" / "spec.json").read_text())
+    assert spec["compile"] is False
+
+    class Compiled(Exception):
+        pass
+
+    def compile_layers(adapter):
+        raise Compiled(adapter.num_layers)
+
+    monkeypatch.setattr(compile_target, "compile_target_layers", compile_layers)
+    with pytest.raises(Compiled):
+        online_workers.run_worker(dict(spec, compile=True), 0)

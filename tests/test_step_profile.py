@@ -5,6 +5,8 @@ import torch
 
 from dflash.config import compose
 from dflash.pipeline import Pipeline
+from dflash.train.loop import (PHASE_BACKWARD, PHASE_BATCHES, PHASE_FORWARD, PHASE_LOSS, PHASE_METRICS,
+                               PHASE_OPTIMIZER)
 from dflash.train.step_profile import StepProfiler, parse_profile_steps
 
 
@@ -32,7 +34,14 @@ def test_only_the_window_is_profiled_and_written_once(tmp_path):
 def test_a_run_writes_its_profile_next_to_the_checkpoints(tmp_path):
     Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "train.max_steps=3",
                       "train.profile_steps=2:2", "stages=[data,capture,train]"])).run()
-    assert (tmp_path / "train_profile.txt").read_text().startswith("optimizer steps 2..3")
+    text = (tmp_path / "train_profile.txt").read_text()
+    assert text.startswith("optimizer steps 2..3")
+    phases = text.split("the step's phases")[1].split("operators by host time")[0]
+    forward = next(line for line in phases.splitlines() if line.startswith(PHASE_FORWARD))
+    ms, operators, launches = forward[len(PHASE_FORWARD):].split()
+    assert float(ms) > 0 and int(operators) > 20 and int(launches) == 0  # no kernel launches on the CPU
+    for phase in (PHASE_BATCHES, PHASE_FORWARD, PHASE_LOSS, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_METRICS):
+        assert phase in phases  # each phase of the step is a row of the host-time table
 
 
 def test_a_run_that_ends_inside_the_window_still_stops_the_profiler_and_writes(tmp_path):

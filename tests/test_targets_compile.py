@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from dflash.models.targets import load_target
-from dflash.models.targets.compile_target import compile_target_layers
+from dflash.models.targets.compile_target import compile_target_layers, target_layers_compiled
 
 # Two layers each; the qwen3_5 pair is one GDN layer and one full-attention layer, the two kinds of the 27B target.
 TINY = {
@@ -26,6 +26,12 @@ def right_padded(width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def graphs() -> int:
     return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Graphs that an earlier test compiled for the same layer code would be reused, and counted as none here."""
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
@@ -55,3 +61,39 @@ def test_compiled_layers_capture_the_eager_features(one_thread, family):
     for width in widths:
         torch.testing.assert_close(target.capture(*right_padded(width), taps), eager[width], rtol=1e-5, atol=1e-5)
     assert graphs() == compiled_graphs, "the second application or a repeated shape recompiled"
+
+
+def test_the_block_compiles_the_layers_and_gives_the_eager_ones_back(one_thread):
+    target = load_target("tiny", tiny={"family": "llama", "seed": 0, "tokenizer": "builtin", **TINY["llama"]})
+    eager_forwards = [layer.forward for layer in target.decoder_layers()]
+    ids, mask = right_padded(9)
+    eager = target.capture(ids, mask, [0, 1])
+    with target_layers_compiled(target, enabled=False):
+        assert [layer.forward for layer in target.decoder_layers()] == eager_forwards
+    before = graphs()
+    with target_layers_compiled(target):
+        assert all(layer.forward != forward for layer, forward in zip(target.decoder_layers(), eager_forwards))
+        torch.testing.assert_close(target.capture(ids, mask, [0, 1]), eager, rtol=1e-5, atol=1e-5)
+    assert graphs() > before
+    assert [layer.forward for layer in target.decoder_layers()] == eager_forwards  # the eval stage runs these
+    assert all("forward" not in vars(layer) for layer in target.decoder_layers())
+    assert compile_target_layers(target) == target.num_layers  # not marked compiled any more
+
+
+def test_offline_capture_runs_inside_the_block_when_asked(tmp_path, monkeypatch):
+    from dflash.config import compose
+    from dflash.models.targets import compile_target
+    from dflash.pipeline import Pipeline
+
+    entered = []
+    real = compile_target.target_layers_compiled
+
+    def recording(adapter, enabled=True):
+        entered.append(enabled)
+        return real(adapter, enabled=False)  # the wiring is under test here, not the compiler
+
+    monkeypatch.setattr(compile_target, "target_layers_compiled", recording)
+    for flag in ("false", "true"):
+        Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path / flag}",
+                          "stages=[data,capture]", f"capture.compile={flag}"])).run()
+    assert entered == [False, True]

@@ -167,6 +167,30 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path, one_process):
     assert_same_training(torch.load(tmp_path / "result.pt", weights_only=True), one_process)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_gpus_over_nccl_match_one_gpu(tmp_path, zero_stage):
+    """The same run as the gloo tests on DeepSpeed's CUDA accelerator: 2 ranks on cuda:0 and cuda:1 talking over
+    NCCL against 1 rank accumulating 2 micro-batches on cuda:0."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    env.pop("DS_ACCELERATOR", None)
+    results = []
+    for nproc, accum in ((1, 2), (2, 1)):
+        out = tmp_path / f"ranks{nproc}"
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+             str(free_port()), "tests/trainer_harness.py", str(out), "1", str(accum), str(zero_stage),
+             "--device", "cuda"],
+            check=True, env=env, timeout=600,
+        )
+        result = torch.load(out / "result.pt", weights_only=True, map_location="cpu")
+        assert all(tensor.dtype == torch.float32 for tensor in result["state"].values())
+        results.append(result)
+    assert len(results[0]["losses"]) == 6
+    assert_same_training(results[1], (results[0]["losses"], results[0]["state"]))
+
+
 def test_entry_accepts_the_deepspeed_local_rank_argument():
     from dflash.train.__main__ import strip_local_rank
 

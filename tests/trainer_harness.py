@@ -65,16 +65,18 @@ class SlowStore(list):
 
 
 def run(out_dir: str, micro_batch_size: int, grad_accum: int, zero_stage: int = 2, epochs: int = 2,
-        save_every: int = 0, keep_last: int = 0, delay: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+        save_every: int = 0, keep_last: int = 0, delay: float = 0.0,
+        device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
     from dflash.train.engine import init_distributed
 
-    rank, world_size, _ = init_distributed()
+    rank, world_size, local_rank = init_distributed()
     log = MetricsLog(out_dir, enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t",
                      config={})
     store = SlowStore(synthetic_store(), delay) if delay else synthetic_store()
     state = train(settings(micro_batch_size, grad_accum, zero_stage, epochs, save_every, keep_last), drafter_config(),
                   store, frozen_head(), os.path.join(out_dir, "checkpoints"), log, rank=rank, world_size=world_size,
-                  device=torch.device("cpu"), show_progress=False)
+                  device=torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu"),
+                  show_progress=False)
     log.close()
     losses = []
     if rank == 0:
@@ -94,9 +96,10 @@ if __name__ == "__main__":
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--keep-last", type=int, default=0)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")  # cuda: rank r on cuda:r, NCCL
     args = parser.parse_args()
     torch.set_num_threads(1)
     losses, state = run(args.out, args.micro, args.accum, args.stage, args.epochs, args.save_every, args.keep_last,
-                        args.delay)
+                        args.delay, args.device)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({"losses": losses, "state": state}, os.path.join(args.out, "result.pt"))

@@ -84,6 +84,11 @@ def sample_anchor_positions(dataset: Any) -> np.ndarray:
 GROUP_KEYS = ("tokens", "work")
 
 
+def group_by_setting(train: Any) -> str:
+    """train.group_by of a train config; "tokens" (what runs before the setting existed grouped by) when absent."""
+    return str(train.get("group_by", GROUP_KEYS[0]))
+
+
 def grouping_keys(dataset: Any, group_by: str, num_anchors: int, block_size: int) -> np.ndarray:
     """What train.group_by_length sorts samples by (train.group_by).
 
@@ -148,6 +153,15 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 def check_features(features: torch.Tensor, lengths: list[int], ids: list[str], layer_ids: list[int]) -> None:
     """Raise ValueError naming the sample and tap on a shape mismatch, a non-finite value or zero variance."""
+    raise_on_bad_features(feature_flags(features, lengths, layer_ids).cpu(), ids, layer_ids)
+
+
+def feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """[b, taps, 2] float on the features' device: (all finite, variance) of each sample's real rows per tap.
+
+    Nothing here waits for the device: the caller decides when to look (raise_on_bad_features), so a colocated
+    trainer can launch its step before the target's forward has finished. The shape is checked at once.
+    """
     b, t, width = features.shape
     num_taps = len(layer_ids)
     if b != len(lengths) or t < max(lengths) or width % num_taps:
@@ -167,12 +181,16 @@ def check_features(features: torch.Tensor, lengths: list[int], ids: list[str], l
         x = torch.where(valid, x, 0.0)
         mean = x.sum(dim=(1, 2)) / count
         var.append(torch.where(valid, x - mean[:, None, None], 0.0).pow(2).sum(dim=(1, 2)) / count)
-    finite, var = torch.stack(finite, dim=1).cpu(), torch.stack(var, dim=1).cpu()
-    for row in range(b):
+    return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
+
+
+def raise_on_bad_features(flags: torch.Tensor, ids: list[str], layer_ids: list[int]) -> None:
+    """ValueError naming the first sample and tap whose flags (feature_flags, on the CPU) show a problem."""
+    for row in range(flags.shape[0]):
         for k, layer_id in enumerate(layer_ids):
-            if not finite[row, k]:
+            if not flags[row, k, 0] > 0:
                 raise ValueError(f"sample {ids[row]!r}: tap {layer_id} has non-finite hidden states")
-            if not var[row, k] > 0:
+            if not flags[row, k, 1] > 0:
                 raise ValueError(f"sample {ids[row]!r}: tap {layer_id} has zero variance (all-constant states)")
 
 

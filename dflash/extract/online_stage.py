@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
-from dflash.extract.capture import bytes_per_token
+from dflash.extract.capture import bytes_per_token, group_by_setting
 from dflash.extract.feature_cache import FeatureCache, cache_room, cached_epochs
 from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
 from dflash.extract.online_workers import WorkerPool
@@ -131,12 +131,13 @@ class OnlineCapture:
                          "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
                          "group_by_length": plan.group_by_length,
                          # The workers compute the same grouping keys from the dataset (capture.grouping_keys).
-                         "group_by": str(self.cfg.train.get("group_by", "tokens")),
+                         "group_by": group_by_setting(self.cfg.train),
                          "num_anchors": settings.num_anchors, "block_size": int(self.cfg.drafter.block_size)},
                 "epochs": 1 if use_cache else settings.epochs, "layer_ids": info["target_layer_ids"],
                 "dtype": str(c.dtype),
                 "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),
                 "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
+                "compile": bool(c.get("compile", False)),
             }
             spec_path = os.path.join(log_dir, "spec.json")
             write_json(spec_path, spec)

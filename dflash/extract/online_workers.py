@@ -46,7 +46,7 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     import torch
 
     from dflash.data.dataset import load_dataset_dir
-    from dflash.extract.capture import grouping_keys
+    from dflash.extract.capture import group_by_setting, grouping_keys
     from dflash.extract.online import CaptureWorker, ItemStream, Spool
     from dflash.models.targets import load_target
     from dflash.train.batches import BatchPlan
@@ -56,12 +56,16 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     t = spec["target"]
     adapter = load_target(t["kind"], path=t["path"], dtype=t["dtype"], device=spec["device"], tiny=t["tiny"],
                           cache_dir=t["cache_dir"])
+    if spec.get("compile"):  # capture.compile: a worker process only captures, so its layers stay compiled
+        from dflash.models.targets.compile_target import compile_target_layers
+
+        compile_target_layers(adapter)
     p = spec["plan"]
     dataset = load_dataset_dir(spec["data"])
     group = int(p.get("group_by_length", 0))
     keys = None
     if group:  # the trainer's keys, from the same dataset (its plan's digest is checked against ours)
-        keys = tuple(grouping_keys(dataset, p.get("group_by", "tokens"), int(p.get("num_anchors", 0)),
+        keys = tuple(grouping_keys(dataset, group_by_setting(p), int(p.get("num_anchors", 0)),
                                    int(p.get("block_size", 0))).tolist())
     plan = BatchPlan(p["num_samples"], p["micro_batch_size"], p["world_size"], p["grad_accum"], p["seed"],
                      group_by_length=group, lengths=keys)

@@ -139,13 +139,17 @@ def prepare_micro_batch(
     A store whose samples hold "target_final" (colocated capture with final_hidden=True) passes it on, padded, for
     the KL loss; train_step gathers its rows per block position.
 
-    A store with `get_many` (colocated capture) fetches the micro-batch in one call: one target forward.
+    A store with `get_batch` (colocated capture) hands out the micro-batch already padded: one target forward.
     pin_memory (only when training on CUDA): every CPU tensor of the batch is page-locked, so train_step's copies
     to the GPU are asynchronous (batch_to_device).
     """
     indices = [index for index, _ in slots]
-    get_many = getattr(store, "get_many", None)
-    batch = collate(get_many(indices) if get_many is not None else [store[index] for index in indices], pin_memory)
+    get_batch = getattr(store, "get_batch", None)
+    if get_batch is not None:
+        batch = get_batch(indices, pin_memory)
+        del batch["lengths"]
+    else:
+        batch = collate([store[index] for index in indices], pin_memory)
     generators = [anchor_generator(seed, epoch, index) for index, _ in slots]
     anchors, valid = sample_anchors(batch["loss_mask"], num_anchors, generators)
     anchors, valid = trim_anchor_padding(anchors, valid)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from dflash.models.drafter import DFlashDraftModel
@@ -83,6 +84,15 @@ class TrainSettings:
             raise ValueError(f"eval_every must be >= 0 (0 evaluates only at the last step), got {self.eval_every}")
 
 
+# Named ranges of a step, shown as rows of the train.profile_steps tables (host and device time per phase).
+PHASE_BATCHES = "dflash: batches (features, anchors, labels)"
+PHASE_FORWARD = "dflash: drafter forward"
+PHASE_LOSS = "dflash: loss"
+PHASE_BACKWARD = "dflash: backward"
+PHASE_OPTIMIZER = "dflash: optimizer step"
+PHASE_METRICS = "dflash: step metrics"
+
+
 def global_sum(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
@@ -126,27 +136,38 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
         # stream drains, leaving the GPU idle while the next kernels are launched).
         batch = batch_to_device(batch, device, engine.dtype)
         anchors = batch["anchors"]
-        hidden = training_forward(engine, embed_weight, batch["input_ids"], batch["hidden"], anchors,
-                                  attention=attention)
+        with record_function(PHASE_FORWARD):
+            hidden = training_forward(engine, embed_weight, batch["input_ids"], batch["hidden"], anchors,
+                                      attention=attention)
         target_hidden = None
         if settings.kl_weight > 0:
             if "target_final" not in batch:
                 raise ValueError(f"train.kl_weight={settings.kl_weight} needs the target's final hidden states "
                                  "(\"target_final\"), which only capture.mode=colocated provides")
             target_hidden = block_target_hidden(batch["target_final"], anchors, block_size)
-        loss_sum, _, correct, counted = weighted_block_loss(
-            hidden, lm_head, batch["labels"], batch["weights"], settings.loss_chunk_size,
-            settings.loss_weighting, settings.dpace_alpha, settings.kl_weight, target_hidden,
-        )
-        # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
-        scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
-        engine.backward(scaled)
-        engine.step()
+        with record_function(PHASE_LOSS):
+            loss_sum, _, correct, counted = weighted_block_loss(
+                hidden, lm_head, batch["labels"], batch["weights"], settings.loss_chunk_size,
+                settings.loss_weighting, settings.dpace_alpha, settings.kl_weight, target_hidden,
+            )
+            # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
+            scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
+        with record_function(PHASE_BACKWARD):
+            engine.backward(scaled)
+        with record_function(PHASE_OPTIMIZER):
+            engine.step()
         tokens = batch["input_ids"].shape[0] * batch["input_ids"].shape[1]
         totals[0] += loss_sum.detach()
         for index, size in ((1, tokens), (2, batch["labels"].numel()), (3, tokens)):
             totals[index] += size  # a Python number goes to the kernel as an argument: no host-to-device copy
         totals[4:] += torch.cat([correct, counted])
+    with record_function(PHASE_METRICS):
+        return step_metrics(engine, totals, total_weight, block_size)
+
+
+def step_metrics(engine: TrainEngine, totals: torch.Tensor, total_weight: torch.Tensor,
+                 block_size: int) -> dict[str, float]:
+    """The logged figures of one step from its summed totals, in one device-to-host transfer."""
     totals = global_sum(totals)
     correct, counted = totals[4 : 4 + block_size], totals[4 + block_size :]
     # One device-to-host transfer for every logged figure (each .item() would be a separate wait for the GPU).
@@ -239,6 +260,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     profiler = StepProfiler(settings.profile_steps, os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)),
                                                                  "train_profile.txt"), device, enabled=rank == 0)
     started, tokens_seen, eval_s, first_step = time.perf_counter(), 0.0, 0.0, True
+    verify_features = getattr(store, "verify_features", None)
     # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
     with StopSignal() as stop, contextlib.ExitStack() as cleanup:
         cleanup.callback(lambda: profiler.close(step))  # however the loop ends, the profiler stops here
@@ -246,13 +268,16 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             profiler.before_step(step + 1)
             step_started = time.perf_counter()
             epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-            micro_batches = [
-                prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed,
-                                    num_anchors=settings.num_anchors, block_size=drafter_config.block_size,
-                                    gamma=settings.gamma, pin_memory=torch.device(device).type == "cuda")
-                for slots in plan.micro_batches(epoch, step_in_epoch, rank)
-            ]
+            with record_function(PHASE_BATCHES):
+                micro_batches = [
+                    prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed,
+                                        num_anchors=settings.num_anchors, block_size=drafter_config.block_size,
+                                        gamma=settings.gamma, pin_memory=torch.device(device).type == "cuda")
+                    for slots in plan.micro_batches(epoch, step_in_epoch, rank)
+                ]
             metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
+            if verify_features is not None:
+                verify_features()  # colocated capture: this step's feature checks, read after the step's sync
             if first_step and rank == 0:
                 # Where a (re)start spends its time: engine build + checkpoint load, then the first step's kernel
                 # compilation (flex attention), both paid again by every resumed call.

@@ -8,11 +8,17 @@ written next to the checkpoints folder as train_profile.txt.
 
 from __future__ import annotations
 
+import bisect
+
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash.run_files import write_text
+
+# dflash's own profiler ranges (record_function) start with this: the step's phases (loop.PHASE_*) and the
+# colocated target forward inside the batches phase.
+PHASE_PREFIX = "dflash: "
 
 
 def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
@@ -61,9 +67,39 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._profile.__exit__(None, None, None)
-        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = self._profile.key_averages().table(sort_by=key, row_limit=80, max_name_column_width=90)
+        averages = self._profile.key_averages()
+        phases = phase_table(self._profile.events(), last_step - self._first + 1)
         self._profile = None
         first, count = self._first, last_step - self._first + 1
-        write_text(self.path, f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n{table}")
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        text = (f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n\n{phases}\n"
+                f"operators by {'GPU' if self.device.type == 'cuda' else 'host'} time of their own:\n"
+                + averages.table(sort_by=key, row_limit=80, max_name_column_width=90))
+        write_text(self.path, text)
         print(f"[train] profile of steps {first}..{last_step} -> {self.path}", flush=True)
+
+
+def phase_table(events, steps: int) -> str:
+    """Per step, for each of dflash's named ranges: host milliseconds, operators called and GPU kernels launched.
+
+    When the host is the bound (a small drafter, a colocated target), the step takes as long as the host needs
+    to issue it, so operators and launches per phase say where the time goes on any machine. An event counts for a
+    range when it starts inside it on any thread: autograd runs a CUDA backward on its own threads. Operators are
+    the outermost aten calls (an aten op inside another one is part of its caller).
+    """
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name.startswith(PHASE_PREFIX))
+    operators = sorted(e.time_range.start for e in events if e.name.startswith("aten::")
+                       and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    launches = sorted(e.time_range.start for e in events if "LaunchKernel" in e.name)
+    totals: dict[str, list[float]] = {}
+    for start, end, name in ranges:
+        row = totals.setdefault(name, [0.0, 0, 0])
+        row[0] += (end - start) / 1000
+        row[1] += bisect.bisect_left(operators, end) - bisect.bisect_left(operators, start)
+        row[2] += bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
+    width = max([len(name) for name in totals] + [5])
+    lines = [f"the step's phases, per step ({steps} steps; nested ranges count in each):",
+             f"{'phase':<{width}}  {'host ms':>9}  {'operators':>9}  {'kernel launches':>15}"]
+    for name, (ms, ops, kernels) in sorted(totals.items(), key=lambda item: -item[1][0]):
+        lines.append(f"{name:<{width}}  {ms / steps:9.1f}  {ops / steps:9.0f}  {kernels / steps:15.0f}")
+    return "\n".join(lines) + "\n"

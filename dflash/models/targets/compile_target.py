@@ -14,10 +14,13 @@ new call variant pays the compilation.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch._dynamo.config as dynamo_config
 
-from dflash.inductor_settings import compile_once, configure_inductor
+from dflash.inductor_settings import COMPILED_MARK, compile_once, configure_inductor
 from dflash.models.targets.base import TargetAdapter
 
 # Graphs one layer code may need: every decoder layer of a family runs the same `forward` code, compiled once per
@@ -39,3 +42,24 @@ def compile_target_layers(adapter: TargetAdapter) -> int:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
     return sum(compile_once(layer, compile_forward) for layer in adapter.decoder_layers())
+
+
+@contextlib.contextmanager
+def target_layers_compiled(adapter: TargetAdapter, enabled: bool = True) -> Iterator[None]:
+    """capture.compile: the decoder layers compiled while the block runs, eager again after it.
+
+    The same target later serves the eval stage in this process (the static-cache engine captures CUDA graphs of
+    the eager layers), so the layers this block compiled get their class's forward back. Layers compiled before
+    the block stay compiled.
+    """
+    if not enabled:
+        yield
+        return
+    fresh = [layer for layer in adapter.decoder_layers() if not getattr(layer, COMPILED_MARK, False)]
+    compile_target_layers(adapter)
+    try:
+        yield
+    finally:
+        for layer in fresh:
+            del layer.forward  # the compiled instance attribute: the class's forward shows through again
+            delattr(layer, COMPILED_MARK)
