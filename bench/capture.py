@@ -38,12 +38,12 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.profile_table import profile_calls, self_time_key, write_table  # noqa: E402
 from dflash.extract.capture import check_features, length_batches  # noqa: E402
 from dflash.models.targets.compile_target import compile_target_layers  # noqa: E402
 from dflash.models.targets.gdn_kernels import CONV_CHOICES, conv_choice  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
 from dflash.models.targets.tiny import build_builtin_tokenizer  # noqa: E402
-from dflash.run_files import write_text  # noqa: E402
 
 QWEN36_27B = dict(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
@@ -166,19 +166,9 @@ GDN_KERNEL_PATTERN = re.compile(r"conv|delta|kkt|tril|inverse|l2norm|w_u|cumsum|
 def profile_batch(run, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, path: str) -> None:
     """Profile one call of `run`, write its table (device time sorted; CPU time on the CPU) atomically to `path`
     and print the conv / gated-delta-rule kernels that ran."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    with profile(activities=activities) as prof:
-        run(ids, mask)
-        sync(device)
-    events = prof.key_averages()
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    write_text(path, f"one capture batch {tuple(ids.shape)}, {int(mask.sum())} real tokens\n"
-               + events.table(sort_by=key, row_limit=60, max_name_column_width=100))
+    events = profile_calls(lambda: run(ids, mask), device)
+    write_table(path, events, device, f"one capture batch {tuple(ids.shape)}, {int(mask.sum())} real tokens")
+    key = self_time_key(device)
     total = sum(getattr(e, key) for e in events) or 1.0
     gdn = sorted((e for e in events if GDN_KERNEL_PATTERN.search(e.key) and getattr(e, key) > 0),
                  key=lambda e: -getattr(e, key))

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.profile_table import profile_calls, write_table  # noqa: E402
 from dflash.models.drafter_config import DrafterConfig  # noqa: E402
 
 FULL = dict(hidden=5120, inter=17408, layers=5, heads=32, kv_heads=8, head_dim=128, window=2048, vocab=248320,
@@ -136,8 +137,9 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
         times.append(time.perf_counter() - started)
     step_s = sorted(times)[len(times) // 2]
     if profile:
-        write_profile(profile, lambda: train_step(engine, embed, lm_head, [micro], settings, 1, settings.attention),
-                      device)
+        events = profile_calls(lambda: train_step(engine, embed, lm_head, [micro], settings, 1, settings.attention),
+                               device, calls=2)
+        write_table(profile, events, device, f"two more training steps of the {path} path after the timed ones")
     flops = step_flops(config, queries, batch * shape["seq"])
     result = {"path": path, "step_ms": round(step_s * 1e3, 2), "tflops": float(f"{flops / step_s / 1e12:.4g}"),
               "step_tflop": float(f"{flops / 1e12:.4g}"), "first_loss": round(first_loss, 5),
@@ -147,21 +149,6 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
         result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         result["resident_gib"] = round(resident / 2**30, 2)
     return result
-
-
-def write_profile(path: str, step, device: torch.device, steps: int = 2) -> None:
-    """The torch.profiler table (sorted by device time) of `steps` more steps, written to `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
 
 
 def main() -> None:

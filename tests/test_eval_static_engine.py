@@ -12,10 +12,10 @@ import weakref
 import pytest
 import torch
 
-from dflash.eval import graphs as graphs_module, live
+from dflash.eval import live, static_objects as static_objects_module
 from dflash.eval import static_drafter as static_drafter_module, static_target as static_target_module
 from dflash.eval.drafter_cache import CachedDrafter
-from dflash.eval.graphs import _KEPT
+from dflash.eval.static_objects import _KEPT_PER_MODEL
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.static_drafter import StaticDrafter, static_drafter
 from dflash.eval.static_target import StaticTarget, static_target
@@ -174,7 +174,7 @@ def test_live_static_equals_target_greedy(family, target, make_drafter, monkeypa
 @pytest.fixture
 def graph_engine(cpu_graphs, monkeypatch):
     """The static engine of live.py with stand-in graphs (fresh objects: none kept from eager runs)."""
-    monkeypatch.setattr(graphs_module, "_KEPT", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(static_objects_module, "_KEPT_PER_MODEL", weakref.WeakKeyDictionary())
     monkeypatch.setattr(static_target_module, "StaticTarget", functools.partial(StaticTarget, cuda_graphs=True))
     monkeypatch.setattr(static_drafter_module, "StaticDrafter", functools.partial(StaticDrafter, cuda_graphs=True))
     return cpu_graphs
@@ -316,10 +316,10 @@ def test_static_drafter_is_kept_per_drafter(tiny_target, make_drafter):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
         StaticDrafter(drafter, capacity=8, cuda_graphs=True)
     # The kept object does not keep its drafter alive: dropping the drafter drops it too.
-    count = len(_KEPT)
+    count = len(_KEPT_PER_MODEL)
     del drafter, first, again
     gc.collect()
-    assert len(_KEPT) == count - 1
+    assert len(_KEPT_PER_MODEL) == count - 1
 
 
 def test_evaluate_live_engine(target, make_drafter):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import sys
 
 import pytest
@@ -19,8 +20,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from dflash.models.targets import gdn_kernels, load_target
 from dflash.models.targets.gdn_kernels import (
-    CONV_GLOBAL, FLA_CONV_NAME, FLA_KERNEL_GLOBALS, choose_causal_conv1d, conv_choice, describe_gdn_kernels, gdn_layers,
-    route_causal_conv1d, transformers_conv,
+    CONV_GLOBAL, DEVICE_ROUTED_GLOBALS, FLA_CONV_NAME, UPDATE_GLOBAL, choose_causal_conv1d, conv_choice,
+    describe_gdn_kernels, gdn_layers, route_causal_conv1d, transformers_conv,
 )
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -126,7 +127,7 @@ def test_the_router_picks_per_call_inside_the_gdn_forward(family, monkeypatch):
     namespace = modeling_namespace(plain)
     original = namespace[CONV_GLOBAL]
     monkeypatch.setitem(namespace, CONV_GLOBAL, original)  # put transformers' kernels back after the test
-    for name in FLA_KERNEL_GLOBALS:
+    for name in DEVICE_ROUTED_GLOBALS:
         monkeypatch.setitem(namespace, name, namespace[name])
     calls: list[tuple] = []
 
@@ -140,7 +141,7 @@ def test_the_router_picks_per_call_inside_the_gdn_forward(family, monkeypatch):
     router = namespace[CONV_GLOBAL]
     gdn = len(routed.linear_attention_layer_ids())
     assert router is not original
-    kernels = [namespace[name] for name in FLA_KERNEL_GLOBALS if name in namespace]
+    kernels = [namespace[name] for name in DEVICE_ROUTED_GLOBALS if name in namespace]
     assert kernels and all(hasattr(k, gdn_kernels._KERNEL_ATTR) for k in kernels)  # device-routed as well
     assert route_causal_conv1d(routed.model) == gdn and namespace[CONV_GLOBAL] is router  # once per module
     torch_name = f"{type(gdn_layers(routed.model)[0]).__module__}.causal_conv1d_fn (torch reference)"
@@ -179,30 +180,69 @@ def test_the_router_picks_per_call_inside_the_gdn_forward(family, monkeypatch):
     assert namespace[CONV_GLOBAL] is router
 
 
-def test_gated_delta_rule_kernels_follow_the_input_device(monkeypatch):
-    """transformers hands a GDN layer fla's gated-delta-rule kernel whenever fla is installed, also for a model on
-    the CPU; the router runs the torch reference the kernel wraps for CPU inputs and the kernel for CUDA inputs."""
+def test_device_routed_kernels_follow_the_input_device(monkeypatch):
+    """transformers hands a GDN layer fla's gated-delta-rule kernels whenever fla is installed, and the causal-conv1d
+    package's one-token conv update whenever that is installed, also for a model on the CPU; the router runs the
+    torch reference the kernel wraps for CPU inputs and the kernel for CUDA inputs."""
     calls: list[str] = []
 
-    def reference(query, key, value, g=None, beta=None):
+    def gated_delta_rule(query, key, value, g=None, beta=None):
         calls.append("reference")
         return query + 1
 
-    @functools.wraps(reference)
-    def kernel(*args, **kwargs):
-        calls.append("kernel")
-        return reference(*args, **kwargs)
+    def conv_update(hidden_states, conv_state, weight, bias=None, activation=None):
+        calls.append("reference")
+        return hidden_states + 1
 
-    router = gdn_kernels._device_router(kernel)
+    def kernel_of(reference):
+        @functools.wraps(reference)
+        def kernel(*args, **kwargs):
+            calls.append("kernel")
+            return reference(*args, **kwargs)
+        return kernel
+
     q = torch.zeros(2)
-    assert torch.equal(router(q, q, q), q + 1) and torch.equal(router(query=q, key=q, value=q, g=q), q + 1)
-    assert calls == ["reference", "reference"]  # the kernel was never entered
+    routers = [gdn_kernels._device_router(kernel_of(reference)) for reference in (gated_delta_rule, conv_update)]
+    for router, reference in zip(routers, (gated_delta_rule, conv_update)):
+        by_name = dict(zip(inspect.signature(reference).parameters, (q, q, q)))
+        assert torch.equal(router(q, q, q), q + 1) and torch.equal(router(**by_name), q + 1)
+    assert calls == ["reference"] * 4  # no kernel was entered
     with pytest.raises(ValueError, match="packed sequences"):  # the reference would ignore them silently
-        router(q, q, q, cu_seqlens=torch.tensor([0, 1, 2]))
-    monkeypatch.setattr(gdn_kernels, "FLA_DEVICE_TYPE", "cpu")  # CPU inputs now count as fla's device
+        routers[0](q, q, q, cu_seqlens=torch.tensor([0, 1, 2]))
+    monkeypatch.setattr(gdn_kernels, "FLA_DEVICE_TYPE", "cpu")  # CPU inputs now count as CUDA ones
     calls.clear()
-    router(q, q, q)
-    assert calls == ["kernel", "reference"]
+    for router in routers:
+        router(q, q, q)
+    assert calls == ["kernel", "reference"] * 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None,
+                    reason="mocks fla's absence and presence; with fla installed its real kernels are routed")
+def test_a_cpu_cached_decode_never_enters_the_conv_update_package(monkeypatch):
+    """fla (mocked) and the causal-conv1d package (a stand-in that fails on any call) installed: a CPU model's
+    cached decode runs transformers' torch update and decodes what it decodes without them."""
+    plain = tiny("qwen3_5")
+    prompt = torch.tensor([[5, 9, 17, 33, 60, 7]])
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = plain.model.generate(prompt, **greedy)
+    namespace = modeling_namespace(plain)
+    for name in (CONV_GLOBAL, *DEVICE_ROUTED_GLOBALS):  # put transformers' kernels back after the test
+        monkeypatch.setitem(namespace, name, namespace[name])
+    torch_update = inspect.unwrap(namespace[UPDATE_GLOBAL])
+
+    @functools.wraps(torch_update)
+    def package(*args, **kwargs):
+        raise AssertionError("the CUDA-only causal-conv1d package ran on a CPU input")
+
+    namespace[UPDATE_GLOBAL] = package
+    with pytest.raises(AssertionError, match="CUDA-only"), torch.no_grad():  # unrouted, the package runs
+        plain.model.generate(prompt, **greedy)
+    monkeypatch.setattr(gdn_kernels, "fla_installed", lambda: True)
+    routed = tiny("qwen3_5")
+    assert hasattr(namespace[UPDATE_GLOBAL], gdn_kernels._KERNEL_ATTR)
+    with torch.no_grad():
+        assert torch.equal(routed.model.generate(prompt, **greedy), expected)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

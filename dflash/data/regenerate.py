@@ -259,73 +259,69 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
     journal_path = Path(journal_path)
     journal, done_ids = _open_journal(journal_path, settings)
-    done = sum(1 for p in prompts if p.id in done_ids)
-    skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
-    pending = []
-    todo = [p for p in prompts if p.id not in done_ids]
-    template_started = time.perf_counter()
-    try:
+    with journal:  # closed on every exit, a template or engine error included
+        done = sum(1 for p in prompts if p.id in done_ids)
+        skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
+        pending = []
+        todo = [p for p in prompts if p.id not in done_ids]
+        template_started = time.perf_counter()
         static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
         for p, ids_p in zip(todo, prompt_ids_many(tokenizer, [p.messages for p in todo])):
             if len(ids_p) + 1 > max_length:
                 skipped.append((p.id, len(ids_p)))
             else:
                 pending.append((p, ids_p))
-    except BaseException:
-        journal.close()  # a template or engine error: no handle left open
-        raise
-    template_s = time.perf_counter() - template_started
-    if skipped:
-        logger.warning("skipped %d prompt(s) longer than max_length - 1 = %d tokens, e.g. %s", len(skipped),
-                       max_length - 1, ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:5]))
-    # Longest first: similar lengths share a batch (less padding) and memory trouble shows up at once.
-    pending.sort(key=lambda item: -len(item[1]))
+        template_s = time.perf_counter() - template_started
+        if skipped:
+            logger.warning("skipped %d prompt(s) longer than max_length - 1 = %d tokens, e.g. %s", len(skipped),
+                           max_length - 1, ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:5]))
+        # Longest first: similar lengths share a batch (less padding) and memory trouble shows up at once.
+        pending.sort(key=lambda item: -len(item[1]))
 
-    progress = None
-    if show_progress:
-        from tqdm.auto import tqdm
-        progress = tqdm(total=len(pending), desc="regenerate", unit="prompt")
-    arguments = (pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id, temperature, top_p, seed)
-    results = _hf_results(adapter, *arguments) if static is None else _static_results(static, *arguments)
-    lines: list[dict] = []
+        progress = None
+        if show_progress:
+            from tqdm.auto import tqdm
+            progress = tqdm(total=len(pending), desc="regenerate", unit="prompt")
+        arguments = (pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id, temperature, top_p, seed)
+        results = _hf_results(adapter, *arguments) if static is None else _static_results(static, *arguments)
+        lines: list[dict] = []
 
-    def write_journal() -> None:
-        journal.write("".join(json.dumps(r) + "\n" for r in lines))
-        journal.flush()
-        os.fsync(journal.fileno())
-        if progress is not None:
-            progress.update(len(lines))
-        lines.clear()
+        def write_journal() -> None:
+            journal.write("".join(json.dumps(r) + "\n" for r in lines))
+            journal.flush()
+            os.fsync(journal.fileno())
+            if progress is not None:
+                progress.update(len(lines))
+            lines.clear()
 
-    started = flushed = time.perf_counter()
-    try:
-        for i, out in results:
-            p, ids_p = pending[i]
-            if isinstance(out, Exception):
-                error = f"{type(out).__name__}: {out}"
-                failures.append({"id": p.id, "error": error})
-                lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "failed", "error": error})
-            else:
-                response, finish = _cut_response(out, set(stop_ids), max_length - len(ids_p))
-                lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "done", "prompt_len": len(ids_p),
-                              "response_ids": response, "finish": finish})
-                done += 1
-                generated += 1
-                new_tokens += len(response)
-            # Journal every batch's worth of prompts, or every few seconds: a killed run loses little.
-            if len(lines) >= batch_size or time.perf_counter() - flushed > JOURNAL_EVERY_S:
-                write_journal()
-                flushed = time.perf_counter()
-        write_journal()
-        generate_s = time.perf_counter() - started
-    finally:
-        # Finished answers are kept even when the run stops by an exception (Ctrl-C included); only a hard kill
-        # loses the last unwritten batch's worth, which the next run regenerates.
-        if lines:
+        started = flushed = time.perf_counter()
+        try:
+            for i, out in results:
+                p, ids_p = pending[i]
+                if isinstance(out, Exception):
+                    error = f"{type(out).__name__}: {out}"
+                    failures.append({"id": p.id, "error": error})
+                    lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "failed", "error": error})
+                else:
+                    response, finish = _cut_response(out, set(stop_ids), max_length - len(ids_p))
+                    lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "done", "prompt_len": len(ids_p),
+                                  "response_ids": response, "finish": finish})
+                    done += 1
+                    generated += 1
+                    new_tokens += len(response)
+                # Journal every batch's worth of prompts, or every few seconds: a killed run loses little.
+                if len(lines) >= batch_size or time.perf_counter() - flushed > JOURNAL_EVERY_S:
+                    write_journal()
+                    flushed = time.perf_counter()
             write_journal()
-        journal.close()
-        if progress is not None:
-            progress.close()
+            generate_s = time.perf_counter() - started
+        finally:
+            # Finished answers are kept even when the run stops by an exception (Ctrl-C included); only a hard kill
+            # loses the last unwritten batch's worth, which the next run regenerates.
+            if lines:
+                write_journal()
+            if progress is not None:
+                progress.close()
 
     stats = {"total": len(prompts), "done": done, "skipped": len(skipped), "failed": len(failures),
              "generated": generated, "errors": failures, "engine": engine, "generated_tokens": new_tokens,

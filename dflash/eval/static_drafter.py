@@ -18,7 +18,7 @@ from dflash.data.row_schedule import round_up
 from dflash.data.static_decode import LENGTH_QUANTUM
 from dflash.eval.drafter_cache import block_hidden, check_context, check_features, context_keys_values
 from dflash.cuda_graphs import capture_graphs, replay
-from dflash.eval.graphs import kept_for
+from dflash.eval.static_objects import kept_object
 from dflash.eval.static_target import CAPACITY_QUANTUM
 from dflash.models.drafter import DFlashDraftModel
 
@@ -34,7 +34,7 @@ class StaticDrafter:
     def __init__(self, drafter: DFlashDraftModel, capacity: int, cuda_graphs: bool | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 position, got {capacity}")
-        # A weak reference: kept_for keeps this object per drafter, which must stay free to go.
+        # A weak reference: kept_object keeps this object per drafter, which must stay free to go.
         self._drafter = weakref.ref(drafter)
         self.config = config = drafter.config
         self.device = device = drafter.fc.weight.device
@@ -126,7 +126,7 @@ class StaticDrafter:
 def static_drafter(drafter: DFlashDraftModel, *, length: int) -> StaticDrafter:
     """An empty StaticDrafter for `drafter` with room for `length` positions, kept per drafter across calls so its
     graphs are captured once (rebuilt with a larger capacity when `length` outgrows it)."""
-    context = kept_for(drafter, "drafter", length,
-                       lambda: StaticDrafter(drafter, round_up(length, CAPACITY_QUANTUM)))
+    context = kept_object(drafter, "drafter", length,
+                          lambda: StaticDrafter(drafter, round_up(length, CAPACITY_QUANTUM)))
     context.reset()
     return context

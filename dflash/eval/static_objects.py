@@ -18,13 +18,13 @@ Built = TypeVar("Built")
 
 # Per model, the static objects of live decoding by key. Weak keys: they go when the model goes (the objects hold
 # the model's submodules, never the model itself).
-_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KEPT_PER_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def kept_for(model: torch.nn.Module, key: Hashable, length: int, build: Callable[[], Built]) -> Built:
+def kept_object(model: torch.nn.Module, key: Hashable, length: int, build: Callable[[], Built]) -> Built:
     """The object kept for (model, key) when its `capacity` holds `length` positions, else a new `build()` (the
     old one is dropped first, freeing its buffers and graphs)."""
-    objects = _KEPT.setdefault(model, {})
+    objects = _KEPT_PER_MODEL.setdefault(model, {})
     kept = objects.get(key)
     if kept is None or kept.capacity < length:
         objects.pop(key, None)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from dflash.data.row_schedule import round_up
 from dflash.data.static_decode import LENGTH_QUANTUM, TargetLayout, unsupported_reason
 from dflash.cuda_graphs import capture_graphs, replay
-from dflash.eval.graphs import kept_for
+from dflash.eval.static_objects import kept_object
 from dflash.eval.target_cache import check_rollback, token_ids
 
 # Cache lengths are rounded up to this, so prompts of similar lengths share one StaticTarget and its graphs.
@@ -148,7 +148,7 @@ def static_target(adapter, layer_ids: list[int], *, length: int, graph_sizes: Se
     """An empty StaticTarget for `adapter` with room for `length` positions, kept per (model, taps, graph sizes)
     across calls so its graphs are captured once (rebuilt with a larger capacity when `length` outgrows it)."""
     key = ("target", tuple(layer_ids), tuple(sorted(set(graph_sizes))))
-    target = kept_for(adapter.model, key, length, lambda: StaticTarget(
+    target = kept_object(adapter.model, key, length, lambda: StaticTarget(
         adapter, layer_ids, round_up(length, CAPACITY_QUANTUM), graph_sizes))
     target.reset()
     return target

@@ -13,6 +13,8 @@ otherwise. So a model on the CPU computes what it computed before, a model place
 right conv on each, and models on different devices in one process share no state that changes under them.
 The gated-delta-rule kernels get a router of their own: fla's kernel for CUDA inputs, the torch reference
 otherwise (transformers picks fla's whenever it is installed, even for a model on the CPU, where Triton fails).
+So does `causal_conv1d_update`, the one-token conv of a cached decode: transformers takes it from the causal-conv1d
+package (never from fla), whose kernel is CUDA-only too; CPU inputs get transformers' torch update.
 `conv_choice("torch" | "fla")` overrides "auto" for the calls made inside it (a context variable: per thread,
 restored on exit); HybridTargetAdapter applies its own choice around its forwards.
 """
@@ -38,13 +40,17 @@ CHUNK_GLOBAL = "torch_chunk_gated_delta_rule"
 # transformers' gated-delta-rule kernels: flash-linear-attention's Triton kernels whenever fla is installed, whatever
 # device the model is on (a CPU model on a GPU machine would crash in Triton); the torch reference is `__wrapped__`.
 FLA_KERNEL_GLOBALS = (CHUNK_GLOBAL, "torch_recurrent_gated_delta_rule")
+# The cached decode's one-token conv: the causal-conv1d package's CUDA kernel whenever that package is installed.
+UPDATE_GLOBAL = "causal_conv1d_update"
+# The kernels routed per input device (_device_router): CUDA inputs run transformers' pick, others its torch reference.
+DEVICE_ROUTED_GLOBALS = FLA_KERNEL_GLOBALS + (UPDATE_GLOBAL,)
 CONV_CHOICES = ("auto", "fla", "torch")
 FLA_CONV_NAME = "fla.modules.causal_conv1d (Triton)"
 # The device type fla's Triton kernels run on.
 FLA_DEVICE_TYPE = "cuda"
 # On a router: the transformers conv it stands in front of (also the mark that a global is already routed).
 _TORCH_CONV_ATTR = "_dflash_torch_conv"
-# On a device router of a gated-delta-rule kernel: the kernel transformers picked (fla's when installed).
+# On a device router: the kernel transformers picked (fla's or causal-conv1d's when installed).
 _KERNEL_ATTR = "_dflash_kernel"
 _choice: ContextVar[str] = ContextVar("dflash_gdn_conv", default="auto")
 _route_lock = threading.Lock()
@@ -158,21 +164,22 @@ def _is_routed(layer: nn.Module) -> bool:
 
 
 def _device_router(kernel: Callable) -> Callable:
-    """`kernel` for CUDA inputs, its torch reference (what it wraps) for inputs on any other device."""
+    """`kernel` for CUDA inputs, its torch reference (what it wraps) for inputs on any other device. The input is
+    the first argument (`query` of a gated-delta-rule kernel, `hidden_states` of the conv update)."""
     reference = inspect.unwrap(kernel)
 
     @torch.compiler.disable  # as the conv router: the graph of a compiled layer breaks here
-    def gated_delta_rule(*args: Any, **kwargs: Any) -> Any:
-        query = args[0] if args else kwargs["query"]
-        if query.device.type == FLA_DEVICE_TYPE:
+    def device_routed(*args: Any, **kwargs: Any) -> Any:
+        device = (args[0] if args else kwargs[next(iter(inspect.signature(reference).parameters))]).device
+        if device.type == FLA_DEVICE_TYPE:
             return kernel(*args, **kwargs)
         if kwargs.get("cu_seqlens") is not None:  # the torch reference would ignore it: wrong states, silently
             raise ValueError("packed sequences (cu_seqlens) need fla's gated-delta-rule kernel on a CUDA device; "
-                             f"got an input on {query.device}")
+                             f"got an input on {device}")
         return reference(*args, **kwargs)
 
-    setattr(gated_delta_rule, _KERNEL_ATTR, kernel)
-    return gated_delta_rule
+    setattr(device_routed, _KERNEL_ATTR, kernel)
+    return device_routed
 
 
 def _kernel(function: Any) -> Any:
@@ -182,16 +189,16 @@ def _kernel(function: Any) -> Any:
 
 def route_causal_conv1d(model: nn.Module) -> int:
     """Put routers in front of the GDN kernels in the modeling modules of `model`'s GDN layers (once per module):
-    `causal_conv1d_fn` picks its conv per call (choose_causal_conv1d), and the gated-delta-rule kernels run fla's
-    Triton code on CUDA inputs and the torch reference on others. Returns how many GDN layers call a routed conv.
-    Without fla installed nothing is touched: every kernel is transformers' torch code already."""
+    `causal_conv1d_fn` picks its conv per call (choose_causal_conv1d), and the gated-delta-rule kernels and the
+    conv update run transformers' pick on CUDA inputs and the torch reference on others. Returns how many GDN layers
+    call a routed conv. Without fla installed nothing is touched."""
     if not fla_installed():
         return 0
     routed = 0
     with _route_lock:  # two loads at once must not put a router in front of a router
         for layer in gdn_layers(model):
             namespace = _namespace(layer)
-            for name in FLA_KERNEL_GLOBALS:
+            for name in DEVICE_ROUTED_GLOBALS:
                 if name in namespace and not hasattr(namespace[name], _KERNEL_ATTR):
                     namespace[name] = _device_router(namespace[name])
             if CONV_GLOBAL not in namespace:  # a release that calls its conv some other way: left alone
