@@ -20,9 +20,9 @@ from dflash.train.head_cross_entropy import head_loss
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[T] bool: a is a usable anchor iff a and a+1 are both response tokens (there is something to predict)."""
+    """[..., T] bool: a is a usable anchor iff a and a+1 are both response tokens (there is something to predict)."""
     valid = torch.zeros_like(loss_mask, dtype=torch.bool)
-    valid[:-1] = loss_mask[:-1].bool() & loss_mask[1:].bool()
+    valid[..., :-1] = loss_mask[..., :-1].bool() & loss_mask[..., 1:].bool()
     return valid
 
 
@@ -37,8 +37,10 @@ def sample_anchors(
     batch = loss_mask.shape[0]
     anchors = torch.zeros(batch, num_anchors, dtype=torch.long)
     valid = torch.zeros(batch, num_anchors, dtype=torch.bool)
-    for row in range(batch):
-        candidates = valid_anchor_positions(loss_mask[row].cpu()).nonzero().flatten()
+    # Every row's usable positions at once (a step has 64 rows; per-row tensor calls are host time), split by row.
+    usable = valid_anchor_positions(loss_mask.cpu())
+    positions = usable.nonzero()[:, 1].split(usable.sum(dim=1).tolist())
+    for row, candidates in enumerate(positions):
         order = torch.randperm(candidates.numel(), generator=generators[row])[:num_anchors]
         chosen = candidates[order].sort().values
         anchors[row, : chosen.numel()] = chosen
