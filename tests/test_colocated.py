@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,18 @@ def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(colocated
     expected = collate(source.get_many([4, 1, 6]))
     for key, value in expected.items():
         assert torch.equal(batch[key].cpu(), value.cpu()), key
+    # dflash's own code in get_batch never makes the host wait for the GPU (the target's modeling code may).
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            source.get_batch([3, 4, 5], pin_memory=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ours = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message) and "/dflash/" in w.filename]
+    assert not ours, ours
+    source.verify_features()
     real = pipeline.adapter.capture
     monkeypatch.setattr(pipeline.adapter, "capture",
                         lambda *args: real(*args).index_fill(2, torch.tensor([0], device="cuda"), float("nan")))

@@ -55,3 +55,26 @@ def test_a_run_that_ends_inside_the_window_still_stops_the_profiler_and_writes(t
     profiler.close(5)  # the loop ended (last step, a signal, an error) before the window did
     assert path.read_text().startswith("optimizer steps 4..5")
     profiler.close(5)  # closing twice is harmless
+
+
+def test_the_phase_table_counts_host_events_only():
+    """On CUDA a range also appears as a GPU-side annotation of the same name on the GPU's (late) timeline; it
+    must add neither time nor the host's later operators and launches to the phase."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from dflash.train.step_profile import phase_table
+
+    def event(name, start, end, device=DeviceType.CPU, thread=1):
+        return FunctionEvent(id=0, name=name, thread=thread, start_us=start, end_us=end, device_type=device)
+
+    events = [
+        event(PHASE_FORWARD, 0, 1000), event("aten::mm", 100, 200), event("cudaLaunchKernel", 120, 130),
+        event(PHASE_BACKWARD, 1000, 3000), event("aten::mm", 1500, 1600), event("cudaLaunchKernel", 1520, 1530),
+        event("aten::mm", 2500, 2600), event("cudaLaunchKernel", 2520, 2530),
+        event(PHASE_FORWARD, 1200, 5200, device=DeviceType.CUDA, thread=7),  # the GPU runs the forward late
+        event("void gemm_kernel", 1300, 5100, device=DeviceType.CUDA, thread=7),
+    ]
+    lines = phase_table(events, 1).splitlines()
+    assert next(line for line in lines if line.startswith(PHASE_FORWARD)).split()[-3:] == ["1.0", "1", "1"]
+    assert next(line for line in lines if line.startswith(PHASE_BACKWARD)).split()[-3:] == ["2.0", "2", "2"]

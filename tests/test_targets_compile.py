@@ -97,3 +97,27 @@ def test_offline_capture_runs_inside_the_block_when_asked(tmp_path, monkeypatch)
         Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path / flag}",
                           "stages=[data,capture]", f"capture.compile={flag}"])).run()
     assert entered == [False, True]
+
+
+def test_a_placed_target_keeps_its_device_hooks_and_a_failed_compile_leaves_nothing(monkeypatch):
+    """A target placed over several devices has accelerate's wrapper as every layer's instance forward (it moves
+    the inputs to the layer's device): the block must give that wrapper back, not the class's forward."""
+    target = load_target("tiny", tiny={"family": "llama", "seed": 0, **TINY["llama"]}, device=["cpu", "cpu"])
+    wrappers = [vars(layer)["forward"] for layer in target.decoder_layers()]
+    with target_layers_compiled(target):
+        assert [vars(layer)["forward"] for layer in target.decoder_layers()] != wrappers
+    assert [vars(layer)["forward"] for layer in target.decoder_layers()] == wrappers
+
+    real, calls = torch.compile, []
+
+    def fails_on_the_second_layer(function, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("inductor failed")
+        return real(function, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", fails_on_the_second_layer)
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        with target_layers_compiled(target):
+            pass
+    assert [vars(layer)["forward"] for layer in target.decoder_layers()] == wrappers

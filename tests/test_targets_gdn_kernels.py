@@ -218,9 +218,10 @@ def test_device_routed_kernels_follow_the_input_device(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None,
                     reason="mocks fla's absence and presence; with fla installed its real kernels are routed")
-def test_a_cpu_cached_decode_never_enters_the_conv_update_package(monkeypatch):
-    """fla (mocked) and the causal-conv1d package (a stand-in that fails on any call) installed: a CPU model's
-    cached decode runs transformers' torch update and decodes what it decodes without them."""
+@pytest.mark.parametrize("installed", ["fla_installed", "causal_conv1d_installed"])
+def test_a_cpu_cached_decode_never_enters_the_conv_update_package(monkeypatch, installed):
+    """The causal-conv1d package (a stand-in that fails on any call) installed, with or without fla (mocked): a CPU
+    model's cached decode runs transformers' torch update and decodes what it decodes without them."""
     plain = tiny("qwen3_5")
     prompt = torch.tensor([[5, 9, 17, 33, 60, 7]])
     greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -238,7 +239,7 @@ def test_a_cpu_cached_decode_never_enters_the_conv_update_package(monkeypatch):
     namespace[UPDATE_GLOBAL] = package
     with pytest.raises(AssertionError, match="CUDA-only"), torch.no_grad():  # unrouted, the package runs
         plain.model.generate(prompt, **greedy)
-    monkeypatch.setattr(gdn_kernels, "fla_installed", lambda: True)
+    monkeypatch.setattr(gdn_kernels, installed, lambda: True)
     routed = tiny("qwen3_5")
     assert hasattr(namespace[UPDATE_GLOBAL], gdn_kernels._KERNEL_ATTR)
     with torch.no_grad():

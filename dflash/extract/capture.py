@@ -171,8 +171,9 @@ def feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[in
         )
     hidden = width // num_taps
     positions = torch.arange(t, device=features.device)
-    valid = (positions[None, :] < torch.tensor(lengths, device=features.device)[:, None])[:, :, None]
-    count = torch.tensor(lengths, device=features.device, dtype=torch.float32) * hidden
+    lengths_on_device = host_to_device(torch.tensor(lengths), features.device)
+    valid = (positions[None, :] < lengths_on_device[:, None])[:, :, None]
+    count = lengths_on_device.float() * hidden
     finite, var = [], []
     for k in range(num_taps):
         # One tap at a time keeps the float32 temporaries at 1/K of the batch.
@@ -182,6 +183,14 @@ def feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[in
         mean = x.sum(dim=(1, 2)) / count
         var.append(torch.where(valid, x - mean[:, None, None], 0.0).pow(2).sum(dim=(1, 2)) / count)
     return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (host) on `device`, without waiting for the device: a copy from pageable memory to a GPU makes the
+    host wait until the stream has finished everything queued before it; from page-locked memory it is queued."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def raise_on_bad_features(flags: torch.Tensor, ids: list[str], layer_ids: list[int]) -> None:

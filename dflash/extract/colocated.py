@@ -25,7 +25,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
-from dflash.extract.capture import feature_flags, raise_on_bad_features
+from dflash.extract.capture import feature_flags, host_to_device, raise_on_bad_features
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
 
@@ -90,7 +90,8 @@ class ColocatedFeatureSource:
         device = self.adapter.device
         # The target sees its own pad token on the padding; the batch keeps zeros there, as collate pads.
         target_ids = input_ids.masked_fill(attention_mask == 0, self.adapter.tokenizer.pad_token_id)
-        inputs = (target_ids.to(device), attention_mask.to(device), self.layer_ids)
+        mask_on_device = host_to_device(attention_mask, device)
+        inputs = (host_to_device(target_ids, device), mask_on_device, self.layer_ids)
         final = None
         with record_function("dflash: colocated target forward"), self._attention_kernels(device):
             if self.final_hidden:
@@ -103,7 +104,7 @@ class ColocatedFeatureSource:
             checks.append((feature_flags(final, lengths, ["final norm"]), ["final norm"]))
         for flags, names in checks:
             self._defer_check(flags, sample_ids, names)
-        padding = (attention_mask == 0).to(device)[:, :, None]
+        padding = (mask_on_device == 0)[:, :, None]
         batch = {"input_ids": input_ids, "loss_mask": loss_mask,
                  "hidden": features.to(self.dtype).masked_fill_(padding, 0)}
         if final is not None:
@@ -133,7 +134,7 @@ class ColocatedFeatureSource:
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)  # lands when the stream gets there; `ready` says when
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(flags.device))  # the copy's stream, whichever device is current
         self._pending.append((host, ids, names, ready))
 
     def verify_features(self) -> None:

@@ -12,6 +12,7 @@ import bisect
 
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dflash.run_files import write_text
@@ -87,10 +88,13 @@ def phase_table(events, steps: int) -> str:
     range when it starts inside it on any thread: autograd runs a CUDA backward on its own threads. Operators are
     the outermost aten calls (an aten op inside another one is part of its caller).
     """
-    ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.name.startswith(PHASE_PREFIX))
-    operators = sorted(e.time_range.start for e in events if e.name.startswith("aten::")
+    # Host events only: on CUDA each range also appears as a GPU-side annotation of the same name, timed on the
+    # GPU's timeline, which would count the GPU's lag behind the host as host time.
+    host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in host if e.name.startswith(PHASE_PREFIX))
+    operators = sorted(e.time_range.start for e in host if e.name.startswith("aten::")
                        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
-    launches = sorted(e.time_range.start for e in events if "LaunchKernel" in e.name)
+    launches = sorted(e.time_range.start for e in host if "LaunchKernel" in e.name)
     totals: dict[str, list[float]] = {}
     for start, end, name in ranges:
         row = totals.setdefault(name, [0.0, 0, 0])

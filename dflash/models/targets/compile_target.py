@@ -46,20 +46,29 @@ def compile_target_layers(adapter: TargetAdapter) -> int:
 
 @contextlib.contextmanager
 def target_layers_compiled(adapter: TargetAdapter, enabled: bool = True) -> Iterator[None]:
-    """capture.compile: the decoder layers compiled while the block runs, eager again after it.
+    """capture.compile: the decoder layers compiled while the block runs, as they were before it after it.
 
     The same target later serves the eval stage in this process (the static-cache engine captures CUDA graphs of
-    the eager layers), so the layers this block compiled get their class's forward back. Layers compiled before
-    the block stay compiled.
+    the eager layers), so each layer this block compiles gets back the forward it had: the class's, or the instance
+    wrapper that accelerate's hooks put on every layer of a target placed over several GPUs (it moves the inputs to
+    the layer's GPU). Layers compiled before the block stay compiled; a compilation that fails partway leaves none
+    of this block's compiled.
     """
     if not enabled:
         yield
         return
-    fresh = [layer for layer in adapter.decoder_layers() if not getattr(layer, COMPILED_MARK, False)]
-    compile_target_layers(adapter)
+    before = {id(layer): vars(layer).get("forward") for layer in adapter.decoder_layers()
+              if not getattr(layer, COMPILED_MARK, False)}
     try:
+        compile_target_layers(adapter)
         yield
     finally:
-        for layer in fresh:
-            del layer.forward  # the compiled instance attribute: the class's forward shows through again
+        for layer in adapter.decoder_layers():
+            if id(layer) not in before or not getattr(layer, COMPILED_MARK, False):
+                continue
+            previous = before[id(layer)]
+            if previous is None:
+                del layer.forward  # the class's forward shows through again
+            else:
+                layer.forward = previous
             delattr(layer, COMPILED_MARK)

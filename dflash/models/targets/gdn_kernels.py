@@ -104,6 +104,12 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def causal_conv1d_installed() -> bool:
+    """Whether the causal-conv1d package can be imported: transformers then calls its CUDA-only kernels for the conv
+    and the conv update, whatever the input's device."""
+    return importlib.util.find_spec("causal_conv1d") is not None
+
+
 @functools.cache
 def fla_causal_conv1d() -> Callable | None:
     """flash-linear-attention's Triton causal conv1d behind transformers' `causal_conv1d_fn` signature, or None
@@ -191,8 +197,9 @@ def route_causal_conv1d(model: nn.Module) -> int:
     """Put routers in front of the GDN kernels in the modeling modules of `model`'s GDN layers (once per module):
     `causal_conv1d_fn` picks its conv per call (choose_causal_conv1d), and the gated-delta-rule kernels and the
     conv update run transformers' pick on CUDA inputs and the torch reference on others. Returns how many GDN layers
-    call a routed conv. Without fla installed nothing is touched."""
-    if not fla_installed():
+    call a routed conv. With neither fla nor causal-conv1d installed nothing is touched: transformers then runs its
+    torch code on every device."""
+    if not (fla_installed() or causal_conv1d_installed()):
         return 0
     routed = 0
     with _route_lock:  # two loads at once must not put a router in front of a router
