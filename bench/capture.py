@@ -38,12 +38,13 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.profile_table import profile_calls, self_time_key, write_table  # noqa: E402
+from bench.profile_table import profile_calls, write_table  # noqa: E402
 from dflash.extract.capture import check_features, length_batches  # noqa: E402
 from dflash.models.targets.compile_target import compile_target_layers  # noqa: E402
 from dflash.models.targets.gdn_kernels import CONV_CHOICES, conv_choice  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
 from dflash.models.targets.tiny import build_builtin_tokenizer  # noqa: E402
+from dflash.train.step_profile import self_time_key  # noqa: E402
 
 QWEN36_27B = dict(
     vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,

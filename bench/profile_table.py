@@ -13,11 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash.run_files import write_text
-
-
-def self_time_key(device: torch.device) -> str:
-    """The FunctionEventAvg attribute the table is sorted by: own device time on CUDA, own CPU time elsewhere."""
-    return "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+from dflash.train.step_profile import self_time_key
 
 
 def profile_calls(run: Callable[[], object], device: torch.device, calls: int = 1):

@@ -67,8 +67,8 @@ def test_a_padded_batch_is_what_collate_makes_of_the_samples(colocated_run):
     pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated"]))
     source = pipeline._colocated_source()
     picked = [4, 1, 6]
-    batch = source.get_batch(picked)
-    assert batch.pop("lengths").tolist() == [len(source.dataset[i]["input_ids"]) for i in picked]
+    batch, lengths = source.get_batch(picked)
+    assert lengths == [len(source.dataset[i]["input_ids"]) for i in picked]
     expected = collate(source.get_many(picked))
     assert batch.keys() == expected.keys()
     for key, value in expected.items():
@@ -115,9 +115,8 @@ def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch):
 def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(colocated_run, monkeypatch):
     pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "device=cuda:0"]))
     source = pipeline._colocated_source()
-    batch = source.get_batch([4, 1, 6], pin_memory=True)
+    batch, _ = source.get_batch([4, 1, 6], pin_memory=True)
     assert batch["input_ids"].is_pinned() and batch["hidden"].device.type == "cuda"
-    batch.pop("lengths")
     expected = collate(source.get_many([4, 1, 6]))
     for key, value in expected.items():
         assert torch.equal(batch[key].cpu(), value.cpu()), key

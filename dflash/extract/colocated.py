@@ -63,14 +63,13 @@ class ColocatedFeatureSource:
         return self.get_many([index])[0]
 
     def get_many(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        batch = self.get_batch(indices)
+        batch, lengths = self.get_batch(indices)
         self.verify_features()
-        lengths = batch.pop("lengths").tolist()
         return [{key: value[row, :length] for key, value in batch.items()} for row, length in enumerate(lengths)]
 
-    def get_batch(self, indices: list[int], pin_memory: bool = False) -> dict[str, torch.Tensor]:
-        """The micro-batch right-padded to its longest sample, as `batches.collate` pads stored samples (zeros,
-        loss_mask 0), plus "lengths" [b]. pin_memory: input_ids / loss_mask in page-locked host memory."""
+    def get_batch(self, indices: list[int], pin_memory: bool = False) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """(the micro-batch right-padded to its longest sample, as `batches.collate` pads stored samples (zeros,
+        loss_mask 0); each sample's length). pin_memory: input_ids / loss_mask in page-locked host memory."""
         self.verify_features()
         rows = self._rows[list(indices)]
         ids, masks = rows["input_ids"], rows["loss_mask"]
@@ -112,8 +111,7 @@ class ColocatedFeatureSource:
         if pin_memory:
             batch.update(input_ids=input_ids.pin_memory(), loss_mask=loss_mask.pin_memory())
         self.tokens_captured += sum(lengths)
-        batch["lengths"] = torch.tensor(lengths)
-        return batch
+        return batch, lengths
 
     @staticmethod
     def _attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:

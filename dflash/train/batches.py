@@ -146,8 +146,7 @@ def prepare_micro_batch(
     indices = [index for index, _ in slots]
     get_batch = getattr(store, "get_batch", None)
     if get_batch is not None:
-        batch = get_batch(indices, pin_memory)
-        del batch["lengths"]
+        batch, _ = get_batch(indices, pin_memory)
     else:
         batch = collate([store[index] for index in indices], pin_memory)
     generators = [anchor_generator(seed, epoch, index) for index, _ in slots]

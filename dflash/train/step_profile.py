@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 
-
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -72,12 +71,18 @@ class StepProfiler:
         phases = phase_table(self._profile.events(), last_step - self._first + 1)
         self._profile = None
         first, count = self._first, last_step - self._first + 1
-        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        key = self_time_key(self.device)
         text = (f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n\n{phases}\n"
                 f"operators by {'GPU' if self.device.type == 'cuda' else 'host'} time of their own:\n"
                 + averages.table(sort_by=key, row_limit=80, max_name_column_width=90))
         write_text(self.path, text)
         print(f"[train] profile of steps {first}..{last_step} -> {self.path}", flush=True)
+
+
+def self_time_key(device: torch.device) -> str:
+    """What a profiler table is sorted by: each operator's own device time on CUDA, its own host time elsewhere (a
+    kernel's time counted once, not again in every operator above it)."""
+    return "self_device_time_total" if torch.device(device).type == "cuda" else "self_cpu_time_total"
 
 
 def phase_table(events, steps: int) -> str:
