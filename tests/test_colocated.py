@@ -131,6 +131,13 @@ def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(colocated
         torch.cuda.set_sync_debug_mode(0)
     ours = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message) and "/dflash/" in w.filename]
     assert not ours, ours
+    # The target's attention runs SDPA's efficient/flash kernels, never cuDNN's (which plans each new width on the
+    # host).
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        source.get_batch([0, 5], pin_memory=True)
+    names = {event.name for event in profiled.events()}
+    assert not [name for name in names if "cudnn_attention" in name]
+    assert [name for name in names if "scaled_dot_product" in name]
     source.verify_features()
     real = pipeline.adapter.capture
     monkeypatch.setattr(pipeline.adapter, "capture",
