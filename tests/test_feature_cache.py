@@ -91,7 +91,10 @@ def test_pipeline_with_and_without_the_cache_trains_the_offline_losses(tmp_path,
         (tmp_path / mode).mkdir()
         run_dir = new_run(tmp_path / mode, data_dir)
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            Pipeline(compose(ONLINE + [f"run_dir={run_dir}", f"capture.cache={mode}"])).run()
+            # A spool budget of 64 MiB (the tiny run's items take kilobytes): the cache's room is the free disk less
+            # that budget and a margin, so the default 20 GiB would make the test depend on this machine's disk.
+            Pipeline(compose(ONLINE + [f"run_dir={run_dir}", f"capture.cache={mode}",
+                                       "capture.budget_bytes=67108864"])).run()
         torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(stored), rtol=2e-4, atol=2e-4)
         cached = list((run_dir / "feature_cache").glob("s*.safetensors"))
         samples = json.loads((run_dir / "features" / "online.json").read_text())["num_samples"]
