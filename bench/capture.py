@@ -18,6 +18,9 @@ the conv and gated-delta-rule kernels that batch ran.
 how far the compiled features of the first batch are from the eager ones; that capture and the untimed warmup pass
 pay the compilation of each call variant, and dynamo's graph and graph-break counts follow each conv's measurements.
 --capture-only leaves out the hf forward (and the graphs its call variants would compile).
+--layouts padded packed also measures packed capture (TargetAdapter.capture_packed: the same sequences laid end to
+end in runs of at most --batch-tokens tokens, no padding; FlashAttention's varlen kernel and fla's kernels reading
+cu_seqlens), after checking its features against the same sequences captured alone.
 Tokens/s counts real tokens (padding excluded). Model FLOPs per token = 2 x (linear-layer parameters of the layers
 that run) + causal attention scores and values of the full-attention layers; the GDN recurrence is left out
 (small next to the projections), so TFLOP/s slightly understates the work done.
@@ -32,6 +35,7 @@ import re
 import sys
 import time
 
+import numpy as np
 import torch
 import transformers
 from torch._dynamo.utils import counters
@@ -39,7 +43,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.profile_table import profile_calls, write_table  # noqa: E402
-from dflash.extract.capture import check_features, length_batches  # noqa: E402
+from dflash.extract.capture import check_features, length_batches, packed_runs  # noqa: E402
 from dflash.models.targets.compile_target import compile_target_layers  # noqa: E402
 from dflash.models.targets.gdn_kernels import CONV_CHOICES, conv_choice  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402
@@ -115,6 +119,31 @@ def make_batches(lengths: list[int], batch_tokens: int, vocab: int, device: torc
             mask[row, :lengths[j]] = 1
         batches.append((ids.to(device), mask.to(device), sum(lengths[j] for j in group)))
     return batches
+
+
+def make_packed_runs(lengths: list[int], batch_tokens: int, vocab: int, device: torch.device, seed: int) -> list:
+    """(ids [T] on device, lengths of its sequences, T) per packed run, the sequences in drawn order."""
+    generator = torch.Generator().manual_seed(seed)
+    runs = []
+    for first, end in packed_runs(np.array(lengths), batch_tokens):
+        run_lengths = lengths[first:end]
+        ids = torch.randint(4, vocab, (sum(run_lengths),), generator=generator)
+        runs.append((ids.to(device), run_lengths, sum(run_lengths)))
+    return runs
+
+
+def check_packed(adapter: HybridTargetAdapter, run: tuple, taps: list[int], samples: int = 3) -> float:
+    """Relative difference between a packed run's features and its first `samples` sequences captured alone."""
+    ids, lengths, _ = run
+    packed = adapter.capture_packed(ids, lengths, taps)
+    count = min(samples, len(lengths))
+    check_features(packed[None, :sum(lengths[:count])], [sum(lengths[:count])], ["packed run"], taps)
+    alone, start = [], 0
+    for length in lengths[:count]:
+        alone.append(adapter.capture(ids[start:start + length][None], None, taps)[0].float().cpu())
+        start += length
+    reference = torch.cat(alone)
+    return float((packed[:start].float().cpu() - reference).norm() / reference.norm())
 
 
 def sync(device: torch.device) -> None:
@@ -201,6 +230,8 @@ def main() -> None:
                         help="write a torch.profiler table of one capture batch (per conv and batch size) here")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each decoder layer first (without --no-warmup, compile time is untimed)")
+    parser.add_argument("--layouts", nargs="+", choices=["padded", "packed"], default=["padded"],
+                        help="capture layouts to measure: right-padded batches and/or packed runs (default padded)")
     parser.add_argument("--capture-only", action="store_true",
                         help="measure capture alone, not the hf output_hidden_states forward (fewer graphs to compile)")
     args = parser.parse_args()
@@ -239,6 +270,9 @@ def main() -> None:
     def capture(ids: torch.Tensor, mask: torch.Tensor) -> None:
         adapter.capture(ids, mask, taps)
 
+    def capture_packed(ids: torch.Tensor, run_lengths: list[int]) -> None:
+        adapter.capture_packed(ids, run_lengths, taps)
+
     for batch_tokens in args.batch_tokens:
         batches = make_batches(lengths, batch_tokens, shape["vocab_size"], device, args.seed)
         padded = sum(ids.numel() for ids, _, _ in batches)
@@ -262,11 +296,18 @@ def main() -> None:
             else:
                 error = (features - reference[1]).norm() / reference[1].norm()
                 print(f"    features vs conv {reference[0]}: relative difference {float(error):.2e}")
-            measured = [("hf output_hidden_states", hf, flops_hf)] if not args.capture_only else []
-            for name, run, flops in measured + [("capture", capture, flops_capture)]:
+            measured = [("hf output_hidden_states", hf, flops_hf, batches)] if not args.capture_only else []
+            if "padded" in args.layouts:
+                measured.append(("capture", capture, flops_capture, batches))
+            if "packed" in args.layouts:
+                runs = make_packed_runs(lengths, batch_tokens, shape["vocab_size"], device, args.seed)
+                print(f"    packed: {len(runs)} runs of up to {batch_tokens} tokens; features vs the same sequences "
+                      f"captured alone: relative difference {check_packed(adapter, runs[0], taps):.2e}")
+                measured.append(("capture packed", capture_packed, flops_capture, runs))
+            for name, run, flops, inputs in measured:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                seconds, tokens = timed(run, batches, device, not args.no_warmup)
+                seconds, tokens = timed(run, inputs, device, not args.no_warmup)
                 rate = tokens / seconds
                 memory = (f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
                           if device.type == "cuda" else "")

@@ -245,7 +245,7 @@ class Pipeline:
         # Where capture runs, how it checks itself and how online features travel do not change the features.
         skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
                 "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
-                "cache_budget_bytes", "gpus_per_worker", "workers", "compile")
+                "cache_budget_bytes", "gpus_per_worker", "workers", "compile", "pack")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         # What the data stage made, not only what it was asked: a rerun that retried failed prompts has more samples.
         stats = read_json_or_none(os.path.join(self.dirs["data"], "stats.json")) or {}
@@ -283,6 +283,7 @@ class Pipeline:
         else:
             from dflash.models.targets.compile_target import target_layers_compiled
 
+            self.adapter.pack_capture = bool(c.get("pack", False))
             with target_layers_compiled(self.adapter, bool(c.get("compile", False))):
                 manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
                                            batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),

@@ -81,13 +81,22 @@ def test_transformers_conv_matches_the_torch_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 9, 6, generator=g).transpose(1, 2)  # transformers' layout: a [B, D, T] view
     weight = torch.randn(6, 4, generator=g)
-    reference = modeling_qwen3_5.causal_conv1d_fn  # the torch fallback here: causal-conv1d is not installed
+    reference = gdn_kernels._torch_conv(modeling_qwen3_5.causal_conv1d_fn)  # the torch fallback here: causal-conv1d is not installed
     torch.testing.assert_close(conv(x, weight, None, activation="silu"), reference(x, weight, None, activation="silu"))
     torch.testing.assert_close(conv(x, weight), reference(x, weight))
-    with pytest.raises(ValueError, match="right-padded batches only.*seq_idx"):
+    with pytest.raises(ValueError, match="packed sequences as cu_seq_lens_q, not seq_idx"):
         conv(x, weight, activation="silu", seq_idx=torch.zeros(2, 9, dtype=torch.int32))
-    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+    with pytest.raises(ValueError, match="packed sequences come as one row, got a batch of 2"):
         conv(x, weight, activation="silu", cu_seq_lens_q=torch.tensor([0, 9, 18]))
+    seen = []
+
+    def packing_kernel(x, weight, bias=None, activation=None, cu_seqlens=None):
+        seen.append(cu_seqlens.tolist())
+        return shifted_conv(x, weight, bias, activation)
+
+    offsets = torch.tensor([0, 4, 9])  # fla's kernel reads the offsets itself
+    transformers_conv(packing_kernel)(x[:1], weight, activation="silu", cu_seq_lens_q=offsets)
+    assert seen == [[0, 4, 9]]
     with pytest.raises(ValueError, match="activation silu/swish or none, got 'gelu'"):
         conv(x, weight, activation="gelu")
 
@@ -109,6 +118,40 @@ def test_the_conv_is_chosen_per_call_from_the_input_device(monkeypatch):
     assert choose_causal_conv1d(cuda, torch_conv) is torch_conv
     with pytest.raises(RuntimeError, match="conv 'fla' needs flash-linear-attention installed"):
         choose_causal_conv1d(cuda, torch_conv, "fla")
+
+
+def test_packed_rows_run_the_torch_references_one_sequence_at_a_time():
+    """transformers' torch conv and chunked gated delta rule ignore cu_seqlens (they would carry one sequence's
+    states into the next); the routers split a packed row for them, on CPU inputs and where fla is missing."""
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 5, 6, 13])
+    segments = [(0, 5), (5, 6), (6, 13)]
+    x = torch.randn(1, 13, 8, generator=g).transpose(1, 2)  # [1, D, T]
+    weight, bias = torch.randn(8, 4, generator=g), torch.randn(8, generator=g)
+    # The module globals may be routers already (any GDN model loaded in this process routes them).
+    transformers_conv_fn = gdn_kernels._torch_conv(modeling_qwen3_5.causal_conv1d_fn)
+    torch_conv = inspect.unwrap(transformers_conv_fn)
+    router = gdn_kernels._router(transformers_conv_fn)
+    got = router(x, weight, bias, activation="silu", cu_seq_lens_q=offsets)
+    expected = torch.cat([torch_conv(x[:, :, a:b], weight, bias, activation="silu") for a, b in segments], dim=2)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert (torch_conv(x, weight, bias, activation="silu") - expected).abs().max() > 1e-3  # it would leak
+
+    q, k = (torch.randn(1, 13, 2, 16, generator=g) for _ in range(2))
+    v = torch.randn(1, 13, 2, 16, generator=g)
+    gate, beta = -torch.rand(1, 13, 2, generator=g), torch.rand(1, 13, 2, generator=g)
+    reference = inspect.unwrap(gdn_kernels._kernel(modeling_qwen3_5.torch_chunk_gated_delta_rule))
+    chunk = gdn_kernels._device_router(reference)
+    out, state = chunk(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=True, cu_seqlens=offsets)
+    alone = torch.cat([reference(q[:, a:b], k[:, a:b], v[:, a:b], g=gate[:, a:b], beta=beta[:, a:b],
+                                 use_qk_l2norm_in_kernel=True)[0] for a, b in segments], dim=1)
+    assert state is None
+    torch.testing.assert_close(out, alone, atol=0, rtol=0)
+    whole = reference(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    assert (whole - alone).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="from a zero state, without final states"):
+        chunk(q, k, v, g=gate, beta=beta, output_final_state=True, cu_seqlens=offsets)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None,
@@ -140,7 +183,7 @@ def test_the_router_picks_per_call_inside_the_gdn_forward(family, monkeypatch):
     routed = tiny(family)
     router = namespace[CONV_GLOBAL]
     gdn = len(routed.linear_attention_layer_ids())
-    assert router is not original
+    assert router is original and hasattr(router, gdn_kernels._TORCH_CONV_ATTR)  # routed at load, fla or not
     kernels = [namespace[name] for name in DEVICE_ROUTED_GLOBALS if name in namespace]
     assert kernels and all(hasattr(k, gdn_kernels._KERNEL_ATTR) for k in kernels)  # device-routed as well
     assert route_causal_conv1d(routed.model) == gdn and namespace[CONV_GLOBAL] is router  # once per module
@@ -207,8 +250,7 @@ def test_device_routed_kernels_follow_the_input_device(monkeypatch):
         by_name = dict(zip(inspect.signature(reference).parameters, (q, q, q)))
         assert torch.equal(router(q, q, q), q + 1) and torch.equal(router(**by_name), q + 1)
     assert calls == ["reference"] * 4  # no kernel was entered
-    with pytest.raises(ValueError, match="packed sequences"):  # the reference would ignore them silently
-        routers[0](q, q, q, cu_seqlens=torch.tensor([0, 1, 2]))
+    assert calls == ["reference"] * 4
     monkeypatch.setattr(gdn_kernels, "FLA_DEVICE_TYPE", "cpu")  # CPU inputs now count as CUDA ones
     calls.clear()
     for router in routers:

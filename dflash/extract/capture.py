@@ -1,9 +1,11 @@
 """Offline capture: run the frozen target over a token dataset and store the tapped hidden states.
 
-Samples are planned into shards in dataset order (a sample never straddles two shards). Inside a shard, samples
-are sorted by length and grouped into right-padded batches of at most `batch_tokens` padded tokens; each batch
-goes through `TargetAdapter.capture` (hooks on the decoder layers, no LM head, stops after the deepest tap) and
-its rows are copied back to their place in the shard. Every batch is checked (one row per token, finite values,
+Samples are planned into shards in dataset order (a sample never straddles two shards). Inside a shard, with
+`adapter.pack_capture` (capture.pack), consecutive samples are laid end to end in runs of at most `batch_tokens`
+tokens, each run one `TargetAdapter.capture_packed` forward with no padding at all; otherwise samples are sorted by
+length and grouped into right-padded batches of at most `batch_tokens` padded tokens for `TargetAdapter.capture`.
+Either way the target runs its decoder layers only (no LM head) and stops after the deepest tap, and the features
+are copied back to their place in the shard. Every batch is checked (one row per token, finite values,
 non-zero variance per tap and sample), and one sample in `check_every` is compared with a plain single-sequence
 `output_hidden_states` forward, because capture paths have silently produced wrong or all-zero states before
 (notes section 8). Before any work the disk the run will take is printed, and the run refuses to start when the
@@ -185,6 +187,34 @@ def feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[in
     return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
 
 
+def packed_feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """feature_flags of a packed row: `features` [T, K*H] holds samples of `lengths` end to end; returns
+    [samples, taps, 2] (all finite, variance) on the features' device, without waiting for it."""
+    t, width = features.shape
+    num_taps = len(layer_ids)
+    if t != sum(lengths) or width % num_taps:
+        raise ValueError(
+            f"captured features have shape {tuple(features.shape)} for {len(lengths)} packed samples of "
+            f"{sum(lengths)} tokens and {num_taps} taps (one row per token expected)"
+        )
+    hidden = width // num_taps
+    sizes = host_to_device(torch.tensor(lengths), features.device)
+    # Sample index of every token; output_size spares a device-to-host read of the total.
+    sample = torch.repeat_interleave(torch.arange(len(lengths), device=features.device), sizes, output_size=t)
+    count = sizes.float() * hidden
+
+    def per_sample(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(lengths), device=features.device).index_add_(0, sample, values)
+
+    finite, var = [], []
+    for k in range(num_taps):
+        x = features[:, k * hidden:(k + 1) * hidden].float()
+        finite.append(per_sample((~torch.isfinite(x)).any(dim=1).float()) == 0)
+        mean = per_sample(x.sum(dim=1)) / count
+        var.append(per_sample((x - mean[sample, None]).pow(2).sum(dim=1)) / count)
+    return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
+
+
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` (host) on `device`, without waiting for the device: a copy from pageable memory to a GPU makes the
     host wait until the stream has finished everything queued before it; from page-locked memory it is queued."""
@@ -266,6 +296,10 @@ def capture_rows(
     num_tokens = int(offsets[-1])
     hidden = torch.empty(num_tokens, len(layer_ids) * adapter.hidden_size, dtype=dtype)
     scales = torch.empty(num_tokens, len(layer_ids), dtype=torch.float32) if dtype == FP8_DTYPE else None
+    if adapter.pack_capture:
+        _capture_packed_rows(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids,
+                             batch_tokens, check_every, progress, hidden, scales)
+        return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
     pad_id = adapter.tokenizer.pad_token_id
 
     for batch in length_batches(lengths.tolist(), batch_tokens):
@@ -296,10 +330,57 @@ def capture_rows(
         for row, j in enumerate(batch):
             hidden[offsets[j]:offsets[j + 1]] = features[row, :lengths[j]]
         progress.update(sum(batch_lengths))
+    return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
+
+
+def _shard_arrays(hidden: torch.Tensor, flat_ids: torch.Tensor, flat_mask: torch.Tensor, offsets: torch.Tensor,
+                  scales: torch.Tensor | None) -> dict[str, torch.Tensor]:
     arrays = {"hidden": hidden, "input_ids": flat_ids, "loss_mask": flat_mask, "offsets": offsets}
     if scales is not None:
         arrays["scales"] = scales
     return arrays
+
+
+def packed_runs(lengths: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]:
+    """[(first, end)]: consecutive samples laid end to end, at most `batch_tokens` tokens per run (a longer sample
+    runs alone). Dataset order is kept, so a run's features land in one contiguous slice of the shard."""
+    runs, first, tokens = [], 0, 0
+    for j, length in enumerate(lengths.tolist()):
+        if j > first and tokens + length > batch_tokens:
+            runs.append((first, j))
+            first, tokens = j, 0
+        tokens += length
+    if first < len(lengths):
+        runs.append((first, len(lengths)))
+    return runs
+
+
+def _capture_packed_rows(
+    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
+    sample_ids: list[str], first_sample: int, layer_ids: list[int], batch_tokens: int, check_every: int,
+    progress: tqdm, hidden: torch.Tensor, scales: torch.Tensor | None,
+) -> None:
+    """capture_rows' packed path: each run of samples goes through TargetAdapter.capture_packed (no padding at
+    all) and its features fill hidden[start:stop] directly."""
+    for first, end in packed_runs(lengths, batch_tokens):
+        start, stop = int(offsets[first]), int(offsets[end])
+        run_lengths = lengths[first:end].tolist()
+        features = adapter.capture_packed(host_to_device(flat_ids[start:stop], adapter.device), run_lengths,
+                                          layer_ids)
+        flags = packed_feature_flags(features, run_lengths, layer_ids)
+        raise_on_bad_features(flags.cpu(), sample_ids[first:end], layer_ids)
+        for j in range(first, end):
+            if check_every and (first_sample + j) % check_every == 0:
+                crosscheck_sample(adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(),
+                                  features[int(offsets[j]) - start:int(offsets[j + 1]) - start], layer_ids,
+                                  sample_ids[j])
+        if scales is not None:
+            q, run_scales = quantize_fp8(features, len(layer_ids))
+            hidden[start:stop] = q.cpu()
+            scales[start:stop] = run_scales.cpu()
+        else:
+            hidden[start:stop] = features.to(hidden.dtype).cpu()
+        progress.update(stop - start)
 
 
 def _repair_shards(

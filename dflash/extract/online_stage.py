@@ -137,7 +137,7 @@ class OnlineCapture:
                 "dtype": str(c.dtype),
                 "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),
                 "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
-                "compile": bool(c.get("compile", False)),
+                "compile": bool(c.get("compile", False)), "pack": bool(c.get("pack", False)),
             }
             spec_path = os.path.join(log_dir, "spec.json")
             write_json(spec_path, spec)

@@ -56,6 +56,7 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     t = spec["target"]
     adapter = load_target(t["kind"], path=t["path"], dtype=t["dtype"], device=spec["device"], tiny=t["tiny"],
                           cache_dir=t["cache_dir"])
+    adapter.pack_capture = bool(spec.get("pack", False))
     if spec.get("compile"):  # capture.compile: a worker process only captures, so its layers stay compiled
         from dflash.models.targets.compile_target import compile_target_layers
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.models.targets.packed_attention import packed_attention
+
 # Names of end-of-turn tokens used by common chat templates; the ones present in a tokenizer stop generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -55,6 +57,8 @@ class TargetAdapter:
 
     # capture() / capture_with_final() leave the padding mask out (see `_run_decoder`): None = on CUDA inputs only.
     drop_padding_mask: bool | None = None
+    # capture_rows lays samples end to end (capture_packed) instead of padding them into batches (capture.pack).
+    pack_capture: bool = False
 
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
         model.eval()
@@ -140,7 +144,7 @@ class TargetAdapter:
         if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("attention_mask is not right-padded: capture assumes real tokens first, padding last")
 
-    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **packing: Any) -> None:
         """Run the decoder stack (no LM head) on a right-padded batch whose mask was checked.
 
         On CUDA (or when `drop_padding_mask` is True) the mask is left out: under a causal mask a real token only
@@ -149,10 +153,12 @@ class TargetAdapter:
         token). Leaving it out spares building the [b, 1, T, T] mask, lets SDPA take its causal flash kernel
         instead of the masked one, and skips the GDN layers' zeroing of padded states. Only the padded positions'
         states change. On the CPU the mask is kept by default, so CPU results stay as they were.
+        `packing` holds a packed row's position ids and offsets (capture_packed), passed on to every layer.
         """
         drop = self.drop_padding_mask if self.drop_padding_mask is not None else input_ids.is_cuda
         with torch.no_grad():
-            self.text_model()(input_ids=input_ids, attention_mask=None if drop else attention_mask, use_cache=False)
+            self.text_model()(input_ids=input_ids, attention_mask=None if drop else attention_mask, use_cache=False,
+                              **packing)
 
     def _install_hooks(self, layer_ids: list[int], store: dict[int, torch.Tensor], stop_at: int | None) -> list:
         layers = self.decoder_layers()
@@ -186,6 +192,40 @@ class TargetAdapter:
             for handle in handles:
                 handle.remove()
         return self._concat(ids, store)
+
+    def capture_packed(self, input_ids: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
+        """capture() of sequences laid end to end in one row, without padding: `input_ids` [T] holds sequences of
+        `lengths` (sum T) back to back; returns their features [T, K*H] in the same order.
+
+        Every sequence starts at position 0 and sees only itself: its attention runs packed_attention_forward
+        (FlashAttention's variable-length kernel on CUDA) and the GDN layers of a hybrid restart their conv and
+        recurrent states at each sequence (fla's kernels read the offsets; the torch references run per sequence).
+        Features equal those of each sequence captured alone, up to the kernels' rounding.
+        """
+        ids = self.check_layer_ids(layer_ids)
+        if input_ids.dim() != 1:
+            raise ValueError(f"capture_packed takes a 1-D row of token ids, got shape {tuple(input_ids.shape)}")
+        if not lengths or min(lengths) < 1 or sum(lengths) != input_ids.numel():
+            raise ValueError(f"packed lengths must be positive and sum to the row's {input_ids.numel()} tokens, "
+                             f"got {len(lengths)} lengths summing to {sum(lengths)}")
+        sizes = torch.tensor(lengths, dtype=torch.int64)
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = sizes.cumsum(0)
+        positions = torch.arange(input_ids.numel()) - offsets[:-1].repeat_interleave(sizes)
+        device = input_ids.device
+        offsets = offsets.to(device, non_blocking=True)
+        store: dict[int, torch.Tensor] = {}
+        handles = self._install_hooks(ids, store, stop_at=max(ids))
+        try:
+            with packed_attention(self.model, max(lengths)):
+                self._run_decoder(input_ids[None], None, position_ids=positions.to(device, non_blocking=True)[None],
+                                  cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self._concat(ids, store)[0]
 
     def capture_with_final(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]

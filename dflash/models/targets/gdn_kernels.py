@@ -15,6 +15,8 @@ The gated-delta-rule kernels get a router of their own: fla's kernel for CUDA in
 otherwise (transformers picks fla's whenever it is installed, even for a model on the CPU, where Triton fails).
 So does `causal_conv1d_update`, the one-token conv of a cached decode: transformers takes it from the causal-conv1d
 package (never from fla), whose kernel is CUDA-only too; CPU inputs get transformers' torch update.
+Packed rows (several sequences end to end, offsets in `cu_seq_lens_q`; packed_attention.py): fla's conv and chunk
+kernels take the offsets themselves; the torch references cannot, so the routers run them one sequence at a time.
 `conv_choice("torch" | "fla")` overrides "auto" for the calls made inside it (a context variable: per thread,
 restored on exit); HybridTargetAdapter applies its own choice around its forwards.
 """
@@ -52,6 +54,8 @@ FLA_DEVICE_TYPE = "cuda"
 _TORCH_CONV_ATTR = "_dflash_torch_conv"
 # On a device router: the kernel transformers picked (fla's or causal-conv1d's when installed).
 _KERNEL_ATTR = "_dflash_kernel"
+# On a conv: it reads packed sequences' offsets (cu_seq_lens_q) itself, so the router need not split the row.
+_PACKING_ATTR = "_dflash_packs"
 _choice: ContextVar[str] = ContextVar("dflash_gdn_conv", default="auto")
 _route_lock = threading.Lock()
 
@@ -85,18 +89,60 @@ def transformers_conv(causal_conv1d: Callable) -> Callable:
 
     def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              activation: str | None = None, seq_idx: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        packed = [k for k in ("cu_seq_lens_q", "cu_seqlens") if kwargs.get(k) is not None]
-        if seq_idx is not None or packed:
-            raise ValueError(f"the routed causal conv1d takes right-padded batches only, got packed-sequence "
-                             f"arguments {packed or ['seq_idx']}; use set_gdn_conv('torch')")
+        if seq_idx is not None:
+            raise ValueError("the routed causal conv1d takes packed sequences as cu_seq_lens_q, not seq_idx")
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"the routed causal conv1d supports activation silu/swish or none, got {activation!r}")
+        cu_seqlens = packed_offsets(kwargs)
+        if cu_seqlens is not None and x.shape[0] != 1:
+            raise ValueError(f"packed sequences come as one row, got a batch of {x.shape[0]}")
         # transformers' x is usually a transposed view of a contiguous [B, T, D] (transposing back costs no copy);
         # with a cache, x is the cached conv state concatenated in front, laid out [B, D, T]: then one copy.
-        y, _ = causal_conv1d(x=x.transpose(1, 2).contiguous(), weight=weight, bias=bias, activation=activation)
+        packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        y, _ = causal_conv1d(x=x.transpose(1, 2).contiguous(), weight=weight, bias=bias, activation=activation,
+                             **packing)
         return y.transpose(1, 2)
 
+    setattr(conv, _PACKING_ATTR, True)
     return conv
+
+
+def packed_offsets(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The running offsets of a packed row ([N + 1]) among a GDN kernel call's keyword arguments, or None."""
+    for key in ("cu_seq_lens_q", "cu_seqlens"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def conv_per_sequence(torch_conv: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      activation: str | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """transformers' torch conv (x [1, D, T]) run on each packed sequence alone: it has no notion of packing and
+    would carry one sequence's last tokens into the next one's first outputs."""
+    return torch.cat([torch_conv(x[:, :, start:end], weight, bias, activation=activation)
+                      for start, end in _segments(cu_seqlens)], dim=2)
+
+
+def chunk_rule_per_sequence(reference: Callable, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """transformers' torch chunked gated delta rule run on each packed sequence alone (it ignores cu_seqlens):
+    inputs [1, T, heads, dim], every sequence starting from a zero state. Returns (output [1, T, ...], None)."""
+    bound = inspect.signature(reference).bind(*args, **kwargs)
+    call = dict(bound.arguments)
+    extra = call.pop("kwargs", {})
+    cu_seqlens = packed_offsets({**call, **extra})
+    if call.get("initial_state") is not None or call.get("output_final_state"):
+        raise ValueError("packed sequences are captured from a zero state, without final states")
+    sliced = ("query", "key", "value", "g", "beta")
+    outputs = []
+    for start, end in _segments(cu_seqlens):
+        segment = {k: (v[:, start:end] if k in sliced else v) for k, v in call.items()}
+        outputs.append(reference(**segment)[0])
+    return torch.cat(outputs, dim=1), None
 
 
 def fla_installed() -> bool:
@@ -154,6 +200,9 @@ def _router(torch_conv: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = None, **kwargs: Any) -> torch.Tensor:
         conv = choose_causal_conv1d(hidden_states.device, torch_conv, _choice.get())
+        cu_seqlens = packed_offsets(kwargs)
+        if cu_seqlens is not None and not hasattr(conv, _PACKING_ATTR):
+            return conv_per_sequence(conv, hidden_states, weight, bias, activation, cu_seqlens)
         return conv(hidden_states, weight, bias, activation=activation, **kwargs)
 
     setattr(causal_conv1d_fn, _TORCH_CONV_ATTR, torch_conv)
@@ -173,16 +222,16 @@ def _device_router(kernel: Callable) -> Callable:
     """`kernel` for CUDA inputs, its torch reference (what it wraps) for inputs on any other device. The input is
     the first argument (`query` of a gated-delta-rule kernel, `hidden_states` of the conv update)."""
     reference = inspect.unwrap(kernel)
+    kernel_packs = not implementation_name(kernel).endswith("(torch reference)")  # fla's kernels read cu_seqlens
 
     @torch.compiler.disable  # as the conv router: the graph of a compiled layer breaks here
     def device_routed(*args: Any, **kwargs: Any) -> Any:
         device = (args[0] if args else kwargs[next(iter(inspect.signature(reference).parameters))]).device
-        if device.type == FLA_DEVICE_TYPE:
-            return kernel(*args, **kwargs)
-        if kwargs.get("cu_seqlens") is not None:  # the torch reference would ignore it: wrong states, silently
-            raise ValueError("packed sequences (cu_seqlens) need fla's gated-delta-rule kernel on a CUDA device; "
-                             f"got an input on {device}")
-        return reference(*args, **kwargs)
+        on_kernel_device = device.type == FLA_DEVICE_TYPE
+        if kwargs.get("cu_seqlens") is not None and not (on_kernel_device and kernel_packs):
+            # The torch reference would ignore cu_seqlens and carry states across sequences, silently.
+            return chunk_rule_per_sequence(reference, args, kwargs)
+        return (kernel if on_kernel_device else reference)(*args, **kwargs)
 
     setattr(device_routed, _KERNEL_ATTR, kernel)
     return device_routed
@@ -197,10 +246,8 @@ def route_causal_conv1d(model: nn.Module) -> int:
     """Put routers in front of the GDN kernels in the modeling modules of `model`'s GDN layers (once per module):
     `causal_conv1d_fn` picks its conv per call (choose_causal_conv1d), and the gated-delta-rule kernels and the
     conv update run transformers' pick on CUDA inputs and the torch reference on others. Returns how many GDN layers
-    call a routed conv. With neither fla nor causal-conv1d installed nothing is touched: transformers then runs its
-    torch code on every device."""
-    if not (fla_installed() or causal_conv1d_installed()):
-        return 0
+    call a routed conv. Routed also with neither fla nor causal-conv1d installed: transformers' torch code then runs
+    on every device, but a packed row (cu_seq_lens_q) still goes through it one sequence at a time."""
     routed = 0
     with _route_lock:  # two loads at once must not put a router in front of a router
         for layer in gdn_layers(model):

@@ -58,9 +58,9 @@ class HybridTargetAdapter(TargetAdapter):
               f"chunk {kernels.get('chunk')}", flush=True)
         return kernels
 
-    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **packing: Any) -> None:
         with conv_choice(self.gdn_conv):
-            super()._run_decoder(input_ids, attention_mask)
+            super()._run_decoder(input_ids, attention_mask, **packing)
 
     def forward_with_features(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]

@@ -1,0 +1,128 @@
+"""Attention over packed sequences for capture: several sequences laid end to end in one row, no padding.
+
+A packed capture runs the target on a single row [1, T] holding N sequences back to back, described by
+`cu_seqlens` (int64 [N + 1], the running offsets). Each token must attend causally within its own sequence only,
+which no dense mask does cheaply (a [T, T] block-diagonal mask makes SDPA compute every block of the row). While
+`packed_attention(model)` is active, the model's attention layers run `packed_attention_forward`, registered with
+transformers' AttentionInterface under PACKED_ATTENTION:
+  * CUDA, bf16/fp16: FlashAttention's variable-length kernel through `torch.ops.aten._flash_attention_forward`
+    (the kernel behind SDPA's flash backend; it reads `cu_seqlens` and never computes across sequences);
+  * anywhere else (the CPU, float32): causal SDPA on each sequence in turn. Slow, exact, and what the CPU tests
+    compare against one-sequence-at-a-time forwards.
+A call without `cu_seq_lens_q` (an ordinary padded batch reaching a model switched to this implementation) runs
+transformers' SDPA, so nothing else changes meaning. Because the name has no mask function registered,
+transformers builds no attention mask for it at all: no [T, T] mask is made for a packed row.
+
+The GDN layers of hybrid targets read the same `cu_seq_lens_q` argument (gdn_kernels.py routes it to fla's kernels
+on CUDA and runs the torch references one sequence at a time elsewhere), so their recurrent and conv states restart
+at every sequence boundary as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+PACKED_ATTENTION = "dflash_packed"
+# FlashAttention's kernels take half precision only.
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+# The longest sequence of the packed row being run, known on the host (packed_attention): the kernel needs it, and
+# reading it from cu_seqlens would make the host wait for the device in every attention layer. A context variable
+# rather than a layer argument, so compiled layers neither specialise on it nor recompile for each row.
+_max_length: ContextVar[int | None] = ContextVar("dflash_packed_max_length", default=None)
+
+
+@torch.compiler.disable  # a graph break around the kernel call: it reads a context variable (the row's max length)
+def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                  scale: float | None) -> torch.Tensor:
+    max_length = _max_length.get()
+    if max_length is None:  # called outside packed_attention: ask the device
+        max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    offsets = cu_seqlens.to(torch.int32)
+    return torch.ops.aten._flash_attention_forward(
+        query, key, value, offsets, offsets, max_length, max_length, 0.0, True, False, scale=scale,
+    )[0]
+
+
+def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                  scale: float | None) -> torch.Tensor:
+    """Causal SDPA on each sequence of the row in turn; q/k/v and the result are [T, heads, dim]."""
+    groups = query.shape[1] // key.shape[1]
+    outputs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, L, dim]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
+    return torch.cat(outputs, dim=0)
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q [1, Hq, T, D], k/v [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed forward takes one row of sequences laid end to end, got a batch of "
+                         f"{query.shape[0]} rows")
+    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
+        raise ValueError(f"packed capture does not support sliding-window attention ({type(module).__name__}); "
+                         f"capture this target with capture.pack=false")
+    # [1, heads, T, D] -> [T, heads, D]: a view, with the head dim still contiguous as the kernels need.
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if q.is_cuda and q.dtype in FLASH_DTYPES:
+        out = _flash_varlen(q, k, v, cu_seqlens, scaling)
+    else:
+        out = _per_sequence(q, k, v, cu_seqlens, scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every distinct config object the model's modules read their attention implementation from."""
+    seen: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def packed_attention(model: nn.Module, max_length: int | None = None) -> Iterator[None]:
+    """Run `model`'s attention layers with packed_attention_forward inside the block, for packed rows whose
+    longest sequence has `max_length` tokens (None: read from cu_seqlens on every call); the implementation each
+    config had is restored after it (also when the forward raises)."""
+    configs = _configs(model)
+    before = [config._attn_implementation for config in configs]
+    token = _max_length.set(max_length)
+    try:
+        for config in configs:
+            # The internal attribute: the public setter would also rewrite sub-configs (a VLM's vision tower).
+            config._attn_implementation_internal = PACKED_ATTENTION
+        yield
+    finally:
+        for config, implementation in zip(configs, before):
+            config._attn_implementation_internal = implementation
+        _max_length.reset(token)
