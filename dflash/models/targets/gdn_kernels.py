@@ -7,7 +7,7 @@ F.conv1d). The causal-conv1d package often has no wheel for the machine, while f
 causal conv1d of its own.
 
 The conv is chosen on every call, from the input's device: `route_causal_conv1d` puts a router in front of the
-modeling module's `causal_conv1d_fn` once (when fla is installed; the global is never swapped back and forth), and
+modeling module's `causal_conv1d_fn` once (the global is never swapped back and forth), and
 the router asks `choose_causal_conv1d` for each call: fla's Triton kernel for CUDA inputs, transformers' own conv
 otherwise. So a model on the CPU computes what it computed before, a model placed over several devices gets the
 right conv on each, and models on different devices in one process share no state that changes under them.

@@ -9,6 +9,7 @@ transformers' AttentionInterface under PACKED_ATTENTION:
     (the kernel behind SDPA's flash backend; it reads `cu_seqlens` and never computes across sequences);
   * anywhere else (the CPU, float32): causal SDPA on each sequence in turn. Slow, exact, and what the CPU tests
     compare against one-sequence-at-a-time forwards.
+Sliding-window layers (a Mistral-style `sliding_window`) keep their window on both paths.
 A call without `cu_seq_lens_q` (an ordinary padded batch reaching a model switched to this implementation) runs
 transformers' SDPA, so nothing else changes meaning. Because the name has no mask function registered,
 transformers builds no attention mask for it at all: no [T, T] mask is made for a packed row.
@@ -42,19 +43,23 @@ _max_length: ContextVar[int | None] = ContextVar("dflash_packed_max_length", def
 
 @torch.compiler.disable  # a graph break around the kernel call: it reads a context variable (the row's max length)
 def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                  scale: float | None) -> torch.Tensor:
+                  scale: float | None, window: int | None) -> torch.Tensor:
     max_length = _max_length.get()
     if max_length is None:  # called outside packed_attention: ask the device
         max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     offsets = cu_seqlens.to(torch.int32)
+    # A query sees the `window` latest keys, itself included (transformers' sliding-window masks).
+    sliding = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
     return torch.ops.aten._flash_attention_forward(
-        query, key, value, offsets, offsets, max_length, max_length, 0.0, True, False, scale=scale,
+        query, key, value, offsets, offsets, max_length, max_length, 0.0, True, False, scale=scale, **sliding,
     )[0]
 
 
+@torch.compiler.disable  # a host loop over the sequences: compiled, it would specialise on their number
 def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                  scale: float | None) -> torch.Tensor:
-    """Causal SDPA on each sequence of the row in turn; q/k/v and the result are [T, heads, dim]."""
+                  scale: float | None, window: int | None) -> torch.Tensor:
+    """Causal SDPA (within `window` keys when set) on each sequence of the row in turn; q/k/v and the result are
+    [T, heads, dim]."""
     groups = query.shape[1] // key.shape[1]
     outputs = []
     bounds = cu_seqlens.tolist()
@@ -62,7 +67,13 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, L, dim]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-        outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
+        if window is None or end - start <= window:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            distance = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
+            visible = ((distance >= 0) & (distance < window)).to(q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        outputs.append(out.transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
 
@@ -84,15 +95,13 @@ def packed_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"a packed forward takes one row of sequences laid end to end, got a batch of "
                          f"{query.shape[0]} rows")
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
-        raise ValueError(f"packed capture does not support sliding-window attention ({type(module).__name__}); "
-                         f"capture this target with capture.pack=false")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     # [1, heads, T, D] -> [T, heads, D]: a view, with the head dim still contiguous as the kernels need.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if q.is_cuda and q.dtype in FLASH_DTYPES:
-        out = _flash_varlen(q, k, v, cu_seqlens, scaling)
+        out = _flash_varlen(q, k, v, cu_seqlens, scaling, window)
     else:
-        out = _per_sequence(q, k, v, cu_seqlens, scaling)
+        out = _per_sequence(q, k, v, cu_seqlens, scaling, window)
     return out.unsqueeze(0), None
 
 
