@@ -12,7 +12,8 @@ clipped to [64, 4096], grouped by length into right-padded batches of at most --
   * capture: TargetAdapter.capture (hooks on the 5 taps, stops after the deepest tap, no logits).
 --conv measures each listed causal conv1d of the GDN layers in turn (torch: transformers' choice, its torch
 reference unless causal-conv1d is installed; fla: flash-linear-attention's Triton kernel; auto: fla when it can).
---profile PATH writes a torch.profiler table (device time sorted) of one capture batch per conv, and the run prints
+--profile PATH writes a torch.profiler table (device time sorted) of one capture batch per conv (and of one packed run,
+to PATH with ".packed" before the extension), and the run prints
 the conv and gated-delta-rule kernels that batch ran.
 --compile compiles every decoder layer (dflash.models.targets.compile_target) before the measurements and prints
 how far the compiled features of the first batch are from the eager ones; that capture and the untimed warmup pass
@@ -193,11 +194,11 @@ def timed(run, batches: list, device: torch.device, warmup: bool) -> tuple[float
 GDN_KERNEL_PATTERN = re.compile(r"conv|delta|kkt|tril|inverse|l2norm|w_u|cumsum|chunk", re.IGNORECASE)
 
 
-def profile_batch(run, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, path: str) -> None:
-    """Profile one call of `run`, write its table (device time sorted; CPU time on the CPU) atomically to `path`
-    and print the conv / gated-delta-rule kernels that ran."""
-    events = profile_calls(lambda: run(ids, mask), device)
-    write_table(path, events, device, f"one capture batch {tuple(ids.shape)}, {int(mask.sum())} real tokens")
+def profile_call(call, description: str, device: torch.device, path: str) -> None:
+    """Profile `call()`, write its table (device time sorted; CPU time on the CPU) atomically to `path` and print
+    the conv / gated-delta-rule kernels that ran."""
+    events = profile_calls(call, device)
+    write_table(path, events, device, description)
     key = self_time_key(device)
     total = sum(getattr(e, key) for e in events) or 1.0
     gdn = sorted((e for e in events if GDN_KERNEL_PATTERN.search(e.key) and getattr(e, key) > 0),
@@ -319,7 +320,14 @@ def main() -> None:
                       f"{sum(counters['graph_break'].values())} graph breaks")
             if args.profile:
                 path = output_path(args.profile, conv, batch_tokens, len(args.conv) > 1, len(args.batch_tokens) > 1)
-                profile_batch(capture, ids, mask, device, path)
+                if "padded" in args.layouts:
+                    profile_call(lambda: capture(ids, mask), f"one capture batch {tuple(ids.shape)}, "
+                                 f"{int(mask.sum())} real tokens", device, path)
+                if "packed" in args.layouts:
+                    run_ids, run_lengths, _ = runs[0]
+                    stem, ext = os.path.splitext(path)
+                    profile_call(lambda: capture_packed(run_ids, run_lengths), f"one packed run of "
+                                 f"{len(run_lengths)} sequences, {len(run_ids)} tokens", device, stem + ".packed" + ext)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(one_thread):
 def test_compiled_layers_serve_changing_shapes_on_cuda():
     """The recipe's case that crashed inductor's generated backward on an H200: bf16 layers of the SmolLM2 drafter
     shape (head_dim 64), flex attention, micro-batches whose padded length and anchor count change every step.
-    Every shape must run, and the last one must agree with the eager layers."""
+    Every shape must run, and the compiled layers must be as close to a float32 reference as the eager bf16
+    layers are: bf16 alone puts single gradient entries far apart (an H200 run saw 0.3 between eager and compiled),
+    so each is measured against float32 rather than against the other."""
     config = DrafterConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
                            num_key_value_heads=3, head_dim=64, vocab_size=512, num_target_layers=4,
                            target_layer_ids=[0, 2], mask_token_id=511, block_size=16)
@@ -56,9 +58,12 @@ def test_compiled_layers_serve_changing_shapes_on_cuda():
     torch._dynamo.reset()
     torch.manual_seed(0)
     with device:
+        reference = DFlashDraftModel(config)
         eager = DFlashDraftModel(config).to(torch.bfloat16)
         compiled = DFlashDraftModel(config).to(torch.bfloat16)
-    compiled.load_state_dict(eager.state_dict())
+    eager.load_state_dict(reference.state_dict())
+    compiled.load_state_dict(reference.state_dict())
+    reference.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in reference.state_dict().items()})
     compile_layers(compiled)
     generator = torch.Generator().manual_seed(0)
     embed = (torch.randn(512, 576, generator=generator) * 0.02).to(device, torch.bfloat16)
@@ -72,13 +77,18 @@ def test_compiled_layers_serve_changing_shapes_on_cuda():
                                     num_anchors=anchors, block_size=16, gamma=7.0)
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         losses = []
-        for model in (eager, compiled):
+        for model in (reference, eager, compiled):
+            dtype = next(model.parameters()).dtype
             model.zero_grad()
-            hidden = training_forward(model, embed, batch["input_ids"], batch["hidden"], batch["anchors"],
-                                      attention="flex")
-            loss, *_ = weighted_block_loss(hidden, head, batch["labels"], batch["weights"], 7)
+            hidden = training_forward(model, embed.to(dtype), batch["input_ids"], batch["hidden"].to(dtype),
+                                      batch["anchors"], attention="flex")
+            loss, *_ = weighted_block_loss(hidden, head.to(dtype), batch["labels"], batch["weights"], 7)
             loss.backward()
             losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[0]), (lengths, anchors, losses)
-    for p_eager, p_compiled in zip(eager.parameters(), compiled.parameters()):
-        torch.testing.assert_close(p_compiled.grad.float(), p_eager.grad.float(), rtol=0.1, atol=2e-3)
+        assert abs(losses[2] - losses[0]) <= 2e-2 * abs(losses[0]), (lengths, anchors, losses)
+    for (name, p_ref), p_eager, p_compiled in zip(reference.named_parameters(), eager.parameters(),
+                                                  compiled.parameters()):
+        scale = p_ref.grad.norm()
+        eager_error = float((p_eager.grad.float() - p_ref.grad).norm() / scale)
+        compiled_error = float((p_compiled.grad.float() - p_ref.grad).norm() / scale)
+        assert compiled_error <= 2 * eager_error + 1e-3, (name, compiled_error, eager_error)
