@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.train.objective import block_targets, sample_anchors
+from dflash.train.objective import block_targets, loss_rows, sample_anchors
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,8 @@ def prepare_micro_batch(
     anchors, valid = trim_anchor_padding(anchors, valid)
     valid &= torch.tensor([is_real for _, is_real in slots])[:, None]
     labels, weights = block_targets(batch["input_ids"], batch["loss_mask"], anchors, valid, block_size, gamma)
-    small = {"anchors": anchors, "labels": labels, "weights": weights}
+    # The loss rows are found here, on the host: found on the GPU they would make the host wait for it mid-step.
+    small = {"anchors": anchors, "labels": labels, "weights": weights, "loss_rows": loss_rows(weights)}
     # Small (kilobytes), but a copy from pageable memory makes the host wait for the GPU stream to drain.
     batch.update({k: v.pin_memory() if pin_memory and v.device.type == "cpu" else v for k, v in small.items()})
     return batch

@@ -91,6 +91,7 @@ PHASE_LOSS = "dflash: loss"
 PHASE_BACKWARD = "dflash: backward"
 PHASE_OPTIMIZER = "dflash: optimizer step"
 PHASE_METRICS = "dflash: step metrics"
+PHASE_CHECKS = "dflash: feature checks"
 
 
 def global_sum(value: torch.Tensor) -> torch.Tensor:
@@ -126,8 +127,12 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     With settings.kl_weight > 0 every micro-batch must hold "target_final" [b, T, H] (colocated capture).
     """
     device = engine.device
-    local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting)
-                       for batch in micro_batches).to(device, torch.float32, non_blocking=True)
+    local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting) for batch in micro_batches)
+    if device.type == "cuda":
+        # A fresh host tensor is pageable, and a copy from pageable memory waits until the stream has run what is
+        # queued: the colocated target's forward, launched in the batches phase.
+        local_weight = local_weight.pin_memory()
+    local_weight = local_weight.to(device, torch.float32, non_blocking=True)
     total_weight = global_sum(local_weight).clamp_min(1e-12)
     block_size = micro_batches[0]["labels"].shape[-1]
     totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted
@@ -149,6 +154,7 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
             loss_sum, _, correct, counted = weighted_block_loss(
                 hidden, lm_head, batch["labels"], batch["weights"], settings.loss_chunk_size,
                 settings.loss_weighting, settings.dpace_alpha, settings.kl_weight, target_hidden,
+                rows=batch.get("loss_rows"),
             )
             # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
             scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
@@ -277,7 +283,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                 ]
             metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
             if verify_features is not None:
-                verify_features()  # colocated capture: this step's feature checks, read after the step's sync
+                with record_function(PHASE_CHECKS):
+                    verify_features()  # colocated capture: this step's feature checks, read after the step's sync
             if first_step and rank == 0:
                 # Where a (re)start spends its time: engine build + checkpoint load, then the first step's kernel
                 # compilation (flex attention), both paid again by every resumed call.

@@ -34,17 +34,19 @@ def sample_anchors(
     loss_mask: [batch, T] (0 on padding). One generator per sequence so a sample's anchors depend only on its own
     seed, never on which rank or micro-batch it landed in. Returns (anchors [batch, N] long, valid [batch, N] bool).
     """
-    batch = loss_mask.shape[0]
-    anchors = torch.zeros(batch, num_anchors, dtype=torch.long)
-    valid = torch.zeros(batch, num_anchors, dtype=torch.bool)
     # Every row's usable positions at once (a step has 64 rows; per-row tensor calls are host time), split by row.
     usable = valid_anchor_positions(loss_mask.cpu())
-    positions = usable.nonzero()[:, 1].split(usable.sum(dim=1).tolist())
-    for row, candidates in enumerate(positions):
-        order = torch.randperm(candidates.numel(), generator=generators[row])[:num_anchors]
-        chosen = candidates[order].sort().values
-        anchors[row, : chosen.numel()] = chosen
-        valid[row, : chosen.numel()] = True
+    counts = usable.sum(dim=1)
+    positions = usable.nonzero()[:, 1]
+    starts = (counts.cumsum(0) - counts).tolist()
+    # Only the draw is per row (each row has its own generator); picking, sorting and padding are batched.
+    picks = torch.cat([torch.randperm(n, generator=g)[:num_anchors] + start
+                       for n, g, start in zip(counts.tolist(), generators, starts)])
+    valid = torch.arange(num_anchors) < counts.clamp(max=num_anchors)[:, None]
+    # Padding slots sort last (no position reaches T), then read 0 as before.
+    anchors = torch.full(valid.shape, loss_mask.shape[1], dtype=torch.long)
+    anchors[valid] = positions[picks]
+    anchors = anchors.sort(dim=1).values.masked_fill_(~valid, 0)
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
@@ -193,6 +195,7 @@ def weighted_block_loss(
     dpace_alpha: float = 0.5,
     kl_weight: float = 0.0,
     target_hidden: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
 
@@ -203,7 +206,8 @@ def weighted_block_loss(
     (D-PACE Eq. 9). kl_weight > 0 needs target_hidden [batch, N*B, H] (block_target_hidden(): the target's final
     hidden state whose next-token distribution p is the target's for each block position); each position's loss
     is then (1 - kl_weight) CE + kl_weight KL(p || q), weighted the same way (D-PACE weights still come from the
-    drafter's label probability), with both heads' logits made chunk by chunk. Returns (loss_sum, weight_sum of
+    drafter's label probability), with both heads' logits made chunk by chunk. rows: loss_rows(weights), when
+    known before the weights reached the device. Returns (loss_sum, weight_sum of
     the weights used, per-position correct counts [B], per-position counts [B]) where the counts cover positions
     with non-zero weight.
     """
@@ -215,9 +219,12 @@ def weighted_block_loss(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels, flat_weights = labels.reshape(-1), weights.reshape(-1)
     flat_target = target_hidden.reshape(-1, target_hidden.shape[-1]) if kl_weight > 0 else None
-    rows = flat_weights.nonzero().flatten()
+    # The loss rows: taken from the host when the caller has them (prepare_micro_batch), since nonzero() of a GPU
+    # tensor waits for the GPU to reach it before it knows how many rows there are.
+    rows = flat_weights.nonzero().flatten() if rows is None else rows.to(hidden.device, non_blocking=True)
     offsets = rows % block_size
-    counts = torch.bincount(offsets, minlength=block_size).float()
+    # Not bincount: on CUDA it reads the largest offset back to the host first.
+    counts = (weights.reshape(-1, block_size) != 0).sum(dim=0).float()
     correct_sum = torch.zeros(block_size, device=hidden.device)
     terms, ce, correct = head_loss(flat_hidden[rows], lm_head_weight, flat_labels[rows], chunk_size,
                                    flat_target[rows] if kl_weight > 0 else None, kl_weight)
@@ -230,6 +237,11 @@ def weighted_block_loss(
         label_prob[rows] = torch.exp(-ce.detach())
         position_weights = dpace_weights(label_prob.view(weights.shape), weights != 0, dpace_alpha).reshape(-1)[rows]
     return (terms * position_weights).sum(), position_weights.sum(), correct_sum, counts
+
+
+def loss_rows(weights: torch.Tensor) -> torch.Tensor:
+    """Flat indices [R] of the block positions [batch, N, B] with non-zero loss weight, in row-major order."""
+    return weights.reshape(-1).nonzero().flatten()
 
 
 def decay_weights(block_size: int, gamma: float) -> list[float]:
