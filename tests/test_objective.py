@@ -12,6 +12,7 @@ from dflash.train.forward import training_forward
 from dflash.train.objective import (
     block_attention_masks,
     block_targets,
+    loss_rows,
     sample_anchors,
     valid_anchor_positions,
     weighted_block_loss,
@@ -149,6 +150,27 @@ def test_chunked_loss_equals_dense_cross_entropy_and_gradient():
     (grad_dense,) = torch.autograd.grad(dense, hidden)
     torch.testing.assert_close(grad_chunked, grad_dense, rtol=1e-4, atol=1e-6)
     assert counts.sum() == (weights > 0).sum() and weight_sum == pytest.approx(weights.float().sum().item())
+
+
+@pytest.mark.parametrize("weighting, kl", [("exp_decay", 0.0), ("dpace", 0.0), ("exp_decay", 0.5)])
+def test_loss_rows_from_the_host_give_the_same_loss(weighting, kl):
+    """The trainer hands weighted_block_loss the loss rows found on the host (prepare_micro_batch); the result is
+    the one it computes itself from the weights, bit for bit."""
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 3 * BLOCK, HIDDEN, requires_grad=True)
+    head = torch.randn(VOCAB, HIDDEN)
+    labels = torch.randint(0, VOCAB, (2, 3, BLOCK))
+    weights = torch.rand(2, 3, BLOCK) * (torch.rand(2, 3, BLOCK) > 0.3)
+    weights[1] = 0  # a placeholder sequence
+    target = torch.randn(2, 3 * BLOCK, HIDDEN) if kl else None
+    args = (hidden, head, labels, weights, 5, weighting, 0.5, kl, target)
+    own = weighted_block_loss(*args)
+    given = weighted_block_loss(*args, rows=loss_rows(weights))
+    for a, b in zip(own, given):
+        assert torch.equal(a, b)
+    assert torch.equal(torch.autograd.grad(own[0], hidden)[0], torch.autograd.grad(given[0], hidden)[0])
+    anchors, valid = sample_anchors(torch.zeros(0, 8, dtype=torch.long), 3, [])  # an empty batch: empty anchors
+    assert anchors.shape == valid.shape == (0, 3)
 
 
 def test_rope_angles_survive_a_bf16_cast():

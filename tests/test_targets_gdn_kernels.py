@@ -81,7 +81,7 @@ def test_transformers_conv_matches_the_torch_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 9, 6, generator=g).transpose(1, 2)  # transformers' layout: a [B, D, T] view
     weight = torch.randn(6, 4, generator=g)
-    reference = gdn_kernels._torch_conv(modeling_qwen3_5.causal_conv1d_fn)  # the torch fallback here: causal-conv1d is not installed
+    reference = gdn_kernels._torch_conv(modeling_qwen3_5.causal_conv1d_fn)  # torch fallback: no causal-conv1d here
     torch.testing.assert_close(conv(x, weight, None, activation="silu"), reference(x, weight, None, activation="silu"))
     torch.testing.assert_close(conv(x, weight), reference(x, weight))
     with pytest.raises(ValueError, match="packed sequences as cu_seq_lens_q, not seq_idx"):

@@ -128,7 +128,7 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     """
     device = engine.device
     local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting) for batch in micro_batches)
-    if device.type == "cuda":
+    if device.type == "cuda" and local_weight.device.type == "cpu":
         # A fresh host tensor is pageable, and a copy from pageable memory waits until the stream has run what is
         # queued: the colocated target's forward, launched in the batches phase.
         local_weight = local_weight.pin_memory()

@@ -40,8 +40,9 @@ def sample_anchors(
     positions = usable.nonzero()[:, 1]
     starts = (counts.cumsum(0) - counts).tolist()
     # Only the draw is per row (each row has its own generator); picking, sorting and padding are batched.
-    picks = torch.cat([torch.randperm(n, generator=g)[:num_anchors] + start
-                       for n, g, start in zip(counts.tolist(), generators, starts)])
+    draws = [torch.randperm(n, generator=g)[:num_anchors] + start
+             for n, g, start in zip(counts.tolist(), generators, starts)]
+    picks = torch.cat(draws) if draws else torch.zeros(0, dtype=torch.long)
     valid = torch.arange(num_anchors) < counts.clamp(max=num_anchors)[:, None]
     # Padding slots sort last (no position reaches T), then read 0 as before.
     anchors = torch.full(valid.shape, loss_mask.shape[1], dtype=torch.long)
@@ -200,16 +201,16 @@ def weighted_block_loss(
     """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
 
     hidden: [batch, N*B, H]; labels/weights: [batch, N, B]. The loss goes through head_loss (each chunk's logits
-    made once, the hidden-state gradient with them), so peak memory is one chunk of logits. weighting "exp_decay" uses `weights` as the loss
-    weights; "dpace" uses only their non-zero pattern (which positions carry loss) and weights each position by
-    dpace_weights() of the drafter's label probabilities, detached, so the CE term alone carries the gradient
-    (D-PACE Eq. 9). kl_weight > 0 needs target_hidden [batch, N*B, H] (block_target_hidden(): the target's final
-    hidden state whose next-token distribution p is the target's for each block position); each position's loss
-    is then (1 - kl_weight) CE + kl_weight KL(p || q), weighted the same way (D-PACE weights still come from the
-    drafter's label probability), with both heads' logits made chunk by chunk. rows: loss_rows(weights), when
-    known before the weights reached the device. Returns (loss_sum, weight_sum of
-    the weights used, per-position correct counts [B], per-position counts [B]) where the counts cover positions
-    with non-zero weight.
+    made once, the hidden-state gradient with them), so peak memory is one chunk of logits. weighting "exp_decay"
+    uses `weights` as the loss weights; "dpace" uses only their non-zero pattern (which positions carry loss) and
+    weights each position by dpace_weights() of the drafter's label probabilities, detached, so the CE term alone
+    carries the gradient (D-PACE Eq. 9). kl_weight > 0 needs target_hidden [batch, N*B, H] (block_target_hidden():
+    the target's final hidden state whose next-token distribution p is the target's for each block position); each
+    position's loss is then (1 - kl_weight) CE + kl_weight KL(p || q), weighted the same way (D-PACE weights still
+    come from the drafter's label probability), with both heads' logits made chunk by chunk. rows:
+    loss_rows(weights) of these exact weights, when known before the weights reached the device (not checked
+    against them). Returns (loss_sum, weight_sum of the weights used, per-position correct counts [B],
+    per-position counts [B]) where the counts cover positions with non-zero weight.
     """
     check_loss_weighting(weighting, dpace_alpha)
     check_kl_weight(kl_weight)
