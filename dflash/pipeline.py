@@ -212,6 +212,8 @@ class Pipeline:
         # Nor do the engine's speed settings (rows per batch included: each prompt samples from its own stream).
         speed_only = ("engine", "compile_step", "refill", "batch_size")
         data = {k: v for k, v in container(self.cfg.data).items() if k not in speed_only}
+        if not int((data.get("synthetic") or {}).get("count", 0)):
+            data.pop("synthetic", None)  # off: the same data as before the option existed
         return fingerprint(data, target)
 
     def data(self) -> None:
@@ -226,6 +228,9 @@ class Pipeline:
         os.makedirs(out, exist_ok=True)
         prompts = load_prompts(str(d.source), path=d.path, limit=d.limit, seed=int(d.seed),
                                turns=str(d.get("turns", "first")))
+        synthetic = d.get("synthetic") or {}
+        if int(synthetic.get("count", 0)) > 0:
+            prompts = prompts + self._synthetic_prompts(synthetic, out)
         stats = build_dataset(prompts, self.adapter, out, max_length=int(d.max_length),
                               max_new_tokens=int(d.max_new_tokens), batch_size=int(d.batch_size),
                               temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
@@ -239,6 +244,20 @@ class Pipeline:
                   "without them, and running the data stage again retries them")
             return
         mark_done(out, key, stats=stats)
+
+    def _synthetic_prompts(self, s: Any, out: str) -> list:
+        """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder."""
+        from dflash.data.synthetic import synthesize_prompts
+
+        d = self.cfg.data
+        prompts, stats = synthesize_prompts(
+            self.adapter, int(s.count), [str(p) for p in s.system_prompts], os.path.join(out, "synthetic.jsonl"),
+            temperature=float(s.temperature), top_p=float(s.top_p), max_new_tokens=int(s.max_new_tokens),
+            min_chars=int(s.min_chars), max_oversample=float(s.max_oversample), keep_system=bool(s.keep_system),
+            batch_size=int(d.batch_size), seed=int(d.seed), engine=str(d.get("engine", "auto")),
+            show_progress=self.show_progress)
+        print(f"[data] synthetic prompts: {stats}")
+        return prompts
 
     def capture_fingerprint(self) -> str:
         taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}

@@ -242,3 +242,23 @@ def test_an_unknown_grouping_key_is_refused_before_any_work(tmp_path):
 def test_float16_capture_is_refused(tmp_path):
     with pytest.raises(ValueError, match="float16"):
         Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture.dtype=float16"]))
+
+
+def test_synthetic_prompts_join_the_data_stage_and_only_then_change_its_fingerprint(tmp_path):
+    """data.synthetic.count > 0: the target writes extra prompts (journaled in the data folder) that are answered
+    with the source's; at count 0 the data fingerprint is the one from before the option existed."""
+    from dflash.data.dataset import load_dataset_dir
+
+    base = TINY + [f"run_dir={tmp_path}", "stages=[data]", "data.limit=4"]
+    off = Pipeline(compose(base))
+    older = compose(base)
+    with open_dict(older.data):
+        del older.data["synthetic"]
+    assert off.data_fingerprint() == Pipeline(older).data_fingerprint()
+    on = Pipeline(compose(base + ["data.synthetic.count=3", "data.synthetic.max_new_tokens=24",
+                                  "data.synthetic.min_chars=1", "data.synthetic.max_oversample=8"]))
+    assert on.data_fingerprint() != off.data_fingerprint()
+    on.run()
+    assert (tmp_path / "data" / "synthetic.jsonl").is_file()
+    sets = list(load_dataset_dir(str(tmp_path / "data"))["prompt_set"])
+    assert 1 <= sets.count("synthetic") <= 3 and len(sets) > sets.count("synthetic")

@@ -80,7 +80,7 @@ def read_journal(path: str | Path) -> tuple[dict | None, dict[str, dict]]:
         return header, {pid: read_record(f, offset) for pid, (_, offset) in index.items()}
 
 
-def _open_journal(path: Path, settings: dict) -> tuple[Any, set[str]]:
+def open_journal(path: Path, settings: dict) -> tuple[Any, set[str]]:
     """Open the journal for appending after dropping a partial tail; check it was made with `settings`.
 
     Returns the open file and the ids already done.
@@ -102,13 +102,13 @@ def _open_journal(path: Path, settings: dict) -> tuple[Any, set[str]]:
     return f, {pid for pid, (status, _) in index.items() if status == "done"}
 
 
-def _batch_seed(seed: int, ids: list[str]) -> int:
+def batch_seed(seed: int, ids: list[str]) -> int:
     """A sampling seed that depends only on the run seed and the prompts in the batch."""
     digest = hashlib.sha256(json.dumps([seed, ids]).encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _generation_config(max_new_tokens: int, stop_ids: list[int], pad_id: int, temperature: float,
+def generation_config(max_new_tokens: int, stop_ids: list[int], pad_id: int, temperature: float,
                        top_p: float) -> GenerationConfig:
     """Plain greedy (temperature 0) or temperature + top-p sampling.
 
@@ -125,7 +125,7 @@ def _generation_config(max_new_tokens: int, stop_ids: list[int], pad_id: int, te
                             use_cache=True, **neutral)
 
 
-def _cut_response(tokens: list[int], stop_ids: set[int], budget: int) -> tuple[list[int], str]:
+def cut_response(tokens: list[int], stop_ids: set[int], budget: int) -> tuple[list[int], str]:
     """Response up to and including the first stop token, at most `budget` tokens."""
     for i, t in enumerate(tokens):
         if t in stop_ids:
@@ -136,7 +136,7 @@ def _cut_response(tokens: list[int], stop_ids: set[int], budget: int) -> tuple[l
     return tokens, ("stop" if tokens and tokens[-1] in stop_ids else "length")
 
 
-def _generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pad_id: int,
+def hf_generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pad_id: int,
               seed: int) -> list[list[int]]:
     """New tokens for each left-padded prompt of the batch (one call of model.generate)."""
     width = max(len(ids) for ids in batch)
@@ -180,9 +180,9 @@ def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_siz
     for start in range(0, len(pending), batch_size):
         chunk = pending[start: start + batch_size]
         budget = min(max_new_tokens, max_length - min(len(ids) for _, ids in chunk))
-        config = _generation_config(budget, stop_ids, pad_id, temperature, top_p)
-        generate = partial(_generate, adapter, config=config, pad_id=pad_id,
-                           seed=_batch_seed(seed, [p.id for p, _ in chunk]))
+        config = generation_config(budget, stop_ids, pad_id, temperature, top_p)
+        generate = partial(hf_generate, adapter, config=config, pad_id=pad_id,
+                           seed=batch_seed(seed, [p.id for p, _ in chunk]))
         failure = None
         try:
             outputs = generate([ids for _, ids in chunk])
@@ -202,7 +202,7 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
     finish, results in finishing order. Each prompt samples from its own stream (run seed + its id), so a resumed
     run draws the same tokens. If the stream raises, the prompts it had not finished are retried one by one."""
     budgets = [min(max_new_tokens, max_length - len(ids)) for _, ids in pending]
-    seeds = [_batch_seed(seed, [p.id]) for p, _ in pending]
+    seeds = [batch_seed(seed, [p.id]) for p, _ in pending]
     options = dict(stop_token_ids=stop_ids, pad_id=pad_id, temperature=temperature, top_p=top_p)
     finished: set[int] = set()
     failure = None
@@ -258,7 +258,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
     journal_path = Path(journal_path)
-    journal, done_ids = _open_journal(journal_path, settings)
+    journal, done_ids = open_journal(journal_path, settings)
     with journal:  # closed on every exit, a template or engine error included
         done = sum(1 for p in prompts if p.id in done_ids)
         skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
@@ -303,7 +303,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                     failures.append({"id": p.id, "error": error})
                     lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "failed", "error": error})
                 else:
-                    response, finish = _cut_response(out, set(stop_ids), max_length - len(ids_p))
+                    response, finish = cut_response(out, set(stop_ids), max_length - len(ids_p))
                     lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "done", "prompt_len": len(ids_p),
                                   "response_ids": response, "finish": finish})
                     done += 1

@@ -1,0 +1,284 @@
+"""Prompts written by the target itself (Magpie-style): more, and more topical, training prompts.
+
+The target is given its own chat template up to the start of a user turn (after a system message that steers the
+topic, e.g. "You are a Python programming assistant.") and samples the user turn; the non-degenerate ones become
+prompts that the data stage answers greedily as usual. Generation runs on the data stage's engines
+(regenerate.py / static_decode.py); nothing here decodes tokens itself.
+
+Draw k of system prompt i has the id "syn-<i>-<k>" and its own seed; a kept draw's prompt id adds a digest of
+its text ("syn-<i>-<k>-<sha1[:8]>"). The static engine samples each draw from its
+own stream; plain HF `generate` samples a fixed group of `batch_size` draws from one seed. Either way a draw's text
+depends only on the settings, so every run draws the same texts.
+
+Journal (append-only JSON lines, resumable as regenerate's): a header {"header": {...settings}} first, then one
+line per draw: {"id", "status": "done", "system", "k", "seed", "text", "tokens", "finish", "verdict"}, where
+verdict is "ok" or why the draw alone is dropped ("length": cut at max_new_tokens, "empty", "short", "special":
+still holds a chat-template special token). Duplicates depend on the other draws, so they are resolved when the
+prompts are chosen: in (system, k) order, a text equal to an earlier kept one (case and whitespace aside) is a
+"duplicate"; ok draws past a system prompt's quota are "surplus".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from dflash.data.prompts import Prompt
+from dflash.data.regenerate import (JOURNAL_EVERY_S, batch_seed, cut_response, hf_generate, generation_config,
+                                    open_journal, read_journal)
+from dflash.data.static_decode import StaticGenerator, resolve_engine
+
+logger = logging.getLogger(__name__)
+
+PROMPT_SET = "synthetic"
+# Stands in for the user's text when the chat template is rendered; the prefix is everything before it.
+MARKER = "\u27e6dflash-synthetic-user-turn\u27e7"
+DROP_REASONS = ("length", "empty", "short", "special", "duplicate", "surplus")
+
+
+def user_turn_prefix(tokenizer: Any, system_prompt: str) -> str:
+    """The chat template's text up to where a user turn's content starts, after `system_prompt` (none when "")."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": MARKER}], tokenize=False)
+    if text.count(MARKER) != 1:
+        raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} renders the user's "
+                         f"text {text.count(MARKER)} times, not once: cannot find where a user turn starts")
+    prefix = text[: text.index(MARKER)]
+    if system_prompt and system_prompt not in prefix:
+        raise ValueError(f"the chat template dropped the system prompt {system_prompt!r}: it cannot steer the topic")
+    return prefix
+
+
+def prompt_id(record: dict) -> str:
+    """A kept draw's prompt id: its draw id plus a digest of its text. The answer journal is keyed by prompt id, so
+    a draw id whose text changed (a new synthetic journal under other system prompts) never reuses an answer."""
+    return f"{record['id']}-{hashlib.sha1(record['text'].encode('utf-8')).hexdigest()[:8]}"
+
+
+def quotas(count: int, parts: int) -> list[int]:
+    """`count` split over `parts` as evenly as possible, the first ones taking the remainder."""
+    return [count // parts + (1 if i < count % parts else 0) for i in range(parts)]
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def judge(tokens: list[int], tokenizer: Any, stop_ids: set[int], min_chars: int) -> tuple[str, str, str]:
+    """(text, finish, verdict) of a draw's new tokens: verdict "ok" or the reason the draw alone is dropped."""
+    finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
+    body = tokens[:-1] if finish == "stop" else tokens
+    text = tokenizer.decode(body, skip_special_tokens=False).strip()
+    if finish == "length":
+        verdict = "length"
+    elif not text:
+        verdict = "empty"
+    elif len(text) < min_chars:
+        verdict = "short"
+    elif any(special in text for special in _special_tokens(tokenizer)):
+        verdict = "special"
+    else:
+        verdict = "ok"
+    return text, finish, verdict
+
+
+def _special_tokens(tokenizer: Any) -> set[str]:
+    """Every special or added token's text (chat-template markers such as <|im_start|> are added tokens)."""
+    return {t for t in set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()) if t}
+
+
+def select_draws(records: dict[str, dict], wants: list[int], quota: list[int]) -> tuple[list[list[dict]], Counter]:
+    """The kept draws of each system prompt among draws k < wants[i], and the count of every verdict."""
+    seen: set[str] = set()
+    kept: list[list[dict]] = [[] for _ in quota]
+    verdicts: Counter = Counter()
+    for i, want in enumerate(wants):
+        for k in range(want):
+            record = records[f"syn-{i}-{k}"]
+            verdict = record["verdict"]
+            if verdict == "ok":
+                key = _normalise(record["text"])
+                if key in seen:
+                    verdict = "duplicate"
+                elif len(kept[i]) >= quota[i]:
+                    verdict = "surplus"
+                else:
+                    seen.add(key)
+                    kept[i].append(record)
+                    verdict = "kept"
+            verdicts[verdict] += 1
+    return kept, verdicts
+
+
+def _next_wants(kept: list[list[dict]], wants: list[int], quota: list[int], caps: list[int]) -> list[int]:
+    """Draws to consider next: a short system prompt draws its shortfall scaled by its observed keep rate, up to its
+    cap. Equal to `wants` when nothing more can or need be drawn."""
+    grown = []
+    for got, want, need, cap in zip(map(len, kept), wants, quota, caps):
+        short = need - got
+        extra = 0 if short <= 0 else max(short, math.ceil(short * want / max(got, 1)))
+        grown.append(min(cap, want + extra))
+    return grown
+
+
+class _Drawer:
+    """Samples user turns with the data stage's engines and journals each draw as it finishes."""
+
+    def __init__(self, adapter: Any, engine: str, prefix_ids: list[list[int]], journal: Any, records: dict,
+                 settings: dict, batch_size: int, progress: Any) -> None:
+        self.adapter, self.engine, self.prefix_ids = adapter, engine, prefix_ids
+        self.journal, self.records, self.progress = journal, records, progress
+        self.settings, self.batch_size = settings, batch_size
+        self.stop_ids = settings["stop_token_ids"]
+        tokenizer = adapter.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.static: StaticGenerator | None = None
+        self.lines: list[dict] = []
+        self.flushed = time.perf_counter()
+        self.new_tokens, self.seconds = 0, 0.0
+
+    def draw(self, missing: list[tuple[int, int]]) -> None:
+        """Draw every (system index, k) in `missing` and journal them."""
+        started = self.flushed = time.perf_counter()
+        if self.engine == "static" and self.static is None:
+            self.static = StaticGenerator(self.adapter)
+        try:
+            results = self._static(missing) if self.engine == "static" else self._hf(missing)
+            for (i, k), seed, tokens in results:
+                self._record(i, k, seed, tokens)
+        finally:
+            self._write()
+            self.seconds += time.perf_counter() - started
+
+    def _static(self, missing: list[tuple[int, int]]):
+        seeds = [batch_seed(self.settings["seed"], [f"syn-{i}-{k}"]) for i, k in missing]
+        stream = self.static.stream(
+            [self.prefix_ids[i] for i, _ in missing], max_new_tokens=self.settings["max_new_tokens"],
+            stop_token_ids=self.stop_ids, pad_id=self.pad_id, batch_size=self.batch_size,
+            temperature=self.settings["temperature"], top_p=self.settings["top_p"], prompt_seeds=seeds)
+        for index, tokens in stream:
+            yield missing[index], seeds[index], tokens
+
+    def _hf(self, missing: list[tuple[int, int]]):
+        """model.generate over whole groups of `batch_size` draws of one system prompt (all rows the same prompt,
+        so no padding), one seed per group. A group is drawn whole, so all its draws are journaled (later rounds
+        find them there), even those past what is needed now; a group cut by a crash is drawn again whole."""
+        size = self.batch_size
+        config = generation_config(self.settings["max_new_tokens"], self.stop_ids, self.pad_id,
+                                    self.settings["temperature"], self.settings["top_p"])
+        for i, group in sorted({(i, k // size) for i, k in missing}):
+            ids = [f"syn-{i}-{k}" for k in range(group * size, (group + 1) * size)]
+            seed = batch_seed(self.settings["seed"], ids)
+            outputs = hf_generate(self.adapter, [self.prefix_ids[i]] * size, config, self.pad_id, seed)
+            for k, tokens in enumerate(outputs, start=group * size):
+                if f"syn-{i}-{k}" not in self.records:
+                    yield (i, k), seed, tokens
+
+    def _record(self, i: int, k: int, seed: int, tokens: list[int]) -> None:
+        tokens, _ = cut_response(tokens, set(self.stop_ids), self.settings["max_new_tokens"])
+        text, finish, verdict = judge(tokens, self.adapter.tokenizer, set(self.stop_ids), self.settings["min_chars"])
+        record = {"id": f"syn-{i}-{k}", "status": "done", "system": i, "k": k, "seed": seed, "text": text,
+                  "tokens": len(tokens), "finish": finish, "verdict": verdict}
+        self.records[record["id"]] = record
+        self.lines.append(record)
+        self.new_tokens += len(tokens)
+        # Journal every batch's worth of draws, or every few seconds: a killed run loses little.
+        if len(self.lines) >= self.batch_size or time.perf_counter() - self.flushed > JOURNAL_EVERY_S:
+            self._write()
+
+    def _write(self) -> None:
+        self.journal.write("".join(json.dumps(r) + "\n" for r in self.lines))
+        self.journal.flush()
+        os.fsync(self.journal.fileno())
+        if self.progress is not None:
+            self.progress.update(len(self.lines))
+        self.lines.clear()
+        self.flushed = time.perf_counter()
+
+
+def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], journal_path: str | Path, *,
+                       temperature: float = 1.0, top_p: float = 0.95, max_new_tokens: int = 128,
+                       min_chars: int = 16, batch_size: int = 64, seed: int = 0, engine: str = "auto",
+                       max_oversample: float = 4.0, keep_system: bool = True,
+                       show_progress: bool = True) -> tuple[list[Prompt], dict]:
+    """`count` user prompts written by the target, spread evenly over `system_prompts`; returns (prompts, stats).
+
+    A system prompt "" means no system message (the template's default, if any). Each system prompt draws its
+    quota, then more while draws are dropped, at most ceil(quota * max_oversample) in all; if that is not enough
+    it keeps fewer (stats["kept"] < count, with a warning). Prompts are Prompt("syn-<i>-<k>", [system, user],
+    "synthetic") in (system, k) order; keep_system=False leaves the steering system message out of them.
+    engine: as regenerate's ("auto" = static on a supported CUDA target, else hf); batch_size rows decode at once.
+    A rerun with the same settings reuses the journal and draws the same texts; other settings raise ValueError.
+    """
+    if count < 0 or not system_prompts:
+        raise ValueError(f"need count >= 0 and at least one system prompt; got {count}, {system_prompts!r}")
+    if temperature <= 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature > 0 (greedy writes one text per system prompt) and 0 < top_p <= 1; "
+                         f"got {temperature}, {top_p}")
+    if max_new_tokens < 1 or batch_size < 1 or max_oversample < 1:
+        raise ValueError(f"need max_new_tokens >= 1, batch_size >= 1, max_oversample >= 1; got {max_new_tokens}, "
+                         f"{batch_size}, {max_oversample}")
+    engine = resolve_engine(engine, adapter)
+    tokenizer = adapter.tokenizer
+    stop_ids = [int(t) for t in adapter.stop_token_ids()]
+    if not stop_ids:
+        raise ValueError("adapter.stop_token_ids() is empty: a user turn would never end")
+    prefixes = [user_turn_prefix(tokenizer, s) for s in system_prompts]
+    prefix_ids = [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prefixes]
+    # What decides the texts. Under hf the group of draws sharing a seed is batch_size long, so it counts too.
+    settings = {"kind": "synthetic prompts", "prefixes": prefixes, "temperature": temperature, "top_p": top_p,
+                "max_new_tokens": max_new_tokens, "min_chars": min_chars, "seed": seed, "engine": engine,
+                "hf_group": batch_size if engine == "hf" else None, "stop_token_ids": stop_ids,
+                "vocab": len(tokenizer)}
+    journal_path = Path(journal_path)
+    journal, _ = open_journal(journal_path, settings)
+    progress = None
+    with journal:
+        _, records = read_journal(journal_path)
+        journaled = set(records)
+        if show_progress:
+            from tqdm.auto import tqdm
+            progress = tqdm(desc="synthesize prompts", unit="draw")
+        drawer = _Drawer(adapter, engine, prefix_ids, journal, records, settings, batch_size, progress)
+        quota = quotas(count, len(system_prompts))
+        caps = [max(q, math.ceil(q * max_oversample)) for q in quota]
+        wants = list(quota)
+        try:
+            while True:
+                missing = [(i, k) for i, want in enumerate(wants) for k in range(want)
+                           if f"syn-{i}-{k}" not in records]
+                if missing:
+                    drawer.draw(missing)
+                kept, verdicts = select_draws(records, wants, quota)
+                grown = _next_wants(kept, wants, quota, caps)
+                if grown == wants:
+                    break
+                wants = grown
+        finally:
+            if progress is not None:
+                progress.close()
+
+    prompts = []
+    for i, chosen in enumerate(kept):
+        system = [{"role": "system", "content": system_prompts[i]}] if system_prompts[i] and keep_system else []
+        prompts += [Prompt(prompt_id(r), system + [{"role": "user", "content": r["text"]}], PROMPT_SET)
+                    for r in chosen]
+    considered = [f"syn-{i}-{k}" for i, want in enumerate(wants) for k in range(want)]
+    stats = {"requested": count, "kept": len(prompts), "per_system": [len(c) for c in kept], "draws": len(considered),
+             "reused": sum(pid in journaled for pid in considered),
+             "dropped": {r: verdicts[r] for r in DROP_REASONS if verdicts[r]},
+             "engine": engine, "generated_tokens": drawer.new_tokens, "generate_seconds": round(drawer.seconds, 3),
+             "generate_tokens_per_s": round(drawer.new_tokens / drawer.seconds, 1) if drawer.seconds > 0 else None}
+    if len(prompts) < count:
+        logger.warning("synthesized %d of %d prompts after %d draws (at most %.1f per prompt); dropped: %s",
+                       len(prompts), count, stats["draws"], max_oversample, stats["dropped"])
+    return prompts, stats
