@@ -35,6 +35,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
+from dflash.host_copy import host_to_device
 from dflash.extract.store import (
     SCHEMA_VERSION, ShardWriter, file_sha256, read_manifest, shard_name, store_dtype,
 )
@@ -213,14 +214,6 @@ def packed_feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: 
         mean = per_sample(x.sum(dim=1)) / count
         var.append(per_sample((x - mean[sample, None]).pow(2).sum(dim=1)) / count)
     return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
-
-
-def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` (host) on `device`, without waiting for the device: a copy from pageable memory to a GPU makes the
-    host wait until the stream has finished everything queued before it; from page-locked memory it is queued."""
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def raise_on_bad_features(flags: torch.Tensor, ids: list[str], layer_ids: list[int]) -> None:

@@ -25,7 +25,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
-from dflash.extract.capture import feature_flags, host_to_device, raise_on_bad_features
+from dflash.extract.capture import feature_flags, raise_on_bad_features
+from dflash.host_copy import host_to_device
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
 

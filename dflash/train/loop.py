@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from tqdm import tqdm
 
+from dflash.host_copy import host_to_device
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
 from dflash.train.activation_checkpointing import apply_activation_checkpointing
@@ -128,11 +129,8 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     """
     device = engine.device
     local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting) for batch in micro_batches)
-    if device.type == "cuda" and local_weight.device.type == "cpu":
-        # A fresh host tensor is pageable, and a copy from pageable memory waits until the stream has run what is
-        # queued: the colocated target's forward, launched in the batches phase.
-        local_weight = local_weight.pin_memory()
-    local_weight = local_weight.to(device, torch.float32, non_blocking=True)
+    # Queued behind the colocated target's forward (launched in the batches phase), not waited for.
+    local_weight = host_to_device(local_weight.float(), device)
     total_weight = global_sum(local_weight).clamp_min(1e-12)
     block_size = micro_batches[0]["labels"].shape[-1]
     totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted

@@ -222,7 +222,7 @@ def weighted_block_loss(
     flat_target = target_hidden.reshape(-1, target_hidden.shape[-1]) if kl_weight > 0 else None
     # The loss rows: taken from the host when the caller has them (prepare_micro_batch), since nonzero() of a GPU
     # tensor waits for the GPU to reach it before it knows how many rows there are.
-    rows = flat_weights.nonzero().flatten() if rows is None else rows.to(hidden.device, non_blocking=True)
+    rows = loss_rows(weights) if rows is None else rows.to(hidden.device, non_blocking=True)
     offsets = rows % block_size
     # Not bincount: on CUDA it reads the largest offset back to the host first.
     counts = (weights.reshape(-1, block_size) != 0).sum(dim=0).float()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.host_copy import host_to_device
 from dflash.models.targets.packed_attention import packed_attention
 
 # Names of end-of-turn tokens used by common chat templates; the ones present in a tokenizer stop generation.
@@ -213,12 +214,12 @@ class TargetAdapter:
         offsets[1:] = sizes.cumsum(0)
         positions = torch.arange(input_ids.numel()) - offsets[:-1].repeat_interleave(sizes)
         device = input_ids.device
-        offsets = offsets.to(device, non_blocking=True)
+        offsets = host_to_device(offsets, device)
         store: dict[int, torch.Tensor] = {}
         handles = self._install_hooks(ids, store, stop_at=max(ids))
         try:
             with packed_attention(self.model, max(lengths)):
-                self._run_decoder(input_ids[None], None, position_ids=positions.to(device, non_blocking=True)[None],
+                self._run_decoder(input_ids[None], None, position_ids=host_to_device(positions, device)[None],
                                   cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
         except _StopForward:
             pass

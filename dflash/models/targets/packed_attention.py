@@ -60,19 +60,17 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
                   scale: float | None, window: int | None) -> torch.Tensor:
     """Causal SDPA (within `window` keys when set) on each sequence of the row in turn; q/k/v and the result are
     [T, heads, dim]."""
-    groups = query.shape[1] // key.shape[1]
     outputs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, L, dim]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        gqa = dict(scale=scale, enable_gqa=q.shape[0] != k.shape[0])
         if window is None or end - start <= window:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         else:
             distance = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
             visible = ((distance >= 0) & (distance < window)).to(q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, **gqa)
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
