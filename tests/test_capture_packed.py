@@ -13,7 +13,7 @@ from dflash.extract.capture import (
 from dflash.extract.store import FeatureStore
 from dflash.models.targets import build_tiny_target
 from dflash.models.targets.gdn_kernels import fla_installed
-from dflash.models.targets.packed_attention import PACKED_ATTENTION, packed_attention
+from dflash.models.targets.packed_attention import PACKED_ATTENTION, packed_attention, packed_attention_forward
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 LENGTHS = [11, 6, 9, 1, 20, 4]
@@ -79,6 +79,12 @@ def test_packed_capture_rejects_bad_lengths():
         adapter.capture_packed(ids, [10, 0], [1])
     with pytest.raises(ValueError, match="1-D row"):
         adapter.capture_packed(ids[None], [10], [1])
+
+
+def test_packed_attention_takes_one_row_only():
+    q = torch.randn(2, 4, 6, 8)
+    with pytest.raises(ValueError, match="one row of sequences laid end to end, got a batch of 2"):
+        packed_attention_forward(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 2, 6]))
 
 
 def test_packed_attention_is_restored_after_an_error():
