@@ -184,6 +184,19 @@ def test_qwen36_recipe_is_the_published_one():
     assert list(cfg.capture.devices) == [0, 1] and list(cfg.train.devices) == [2, 3, 4, 5, 6, 7]
 
 
+def test_smollm2_recipe_builds_its_training_settings(tmp_path):
+    """The measured recipe of docs/results.md: its data and drafter settings, and train settings that build."""
+    cfg = compose(["+experiment=smollm2", f"run_dir={tmp_path}"])
+    assert cfg.data.turns == "all" and cfg.data.heldout == 64 and cfg.data.synthetic.count == 20000
+    prompts = list(cfg.data.synthetic.system_prompts)
+    assert len(prompts) == len(set(prompts)) == 5 and "" in prompts  # one draw set keeps the template's default
+    assert cfg.drafter.num_hidden_layers == 5 and cfg.drafter.block_size == 16
+    assert str(cfg.capture.mode) == "colocated"
+    settings = Pipeline(cfg).train_settings()
+    assert (settings.micro_batch_size, settings.num_anchors, settings.gamma) == (64, 64, 7.0)
+    assert settings.compile and settings.eval_every == 1000
+
+
 def test_qwen36_without_weights_stops_at_once_naming_the_path(tmp_path):
     missing = str(tmp_path / "no-such-checkpoint")
     run_dir = tmp_path / "run"
