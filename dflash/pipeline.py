@@ -62,10 +62,11 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(f"capture.workers=external needs capture.num_workers (all capture nodes together) and "
                              f"an integer capture.gpus_per_worker; got {c.get('num_workers')} and "
                              f"{c.get('gpus_per_worker', 1)}")
-    if cfg.train.get("max_steps") is not None and str(cfg.capture.mode) == "online":
-        raise ValueError(f"train.max_steps={cfg.train.max_steps} with capture=online: the capture workers stream "
-                         f"whole epochs, so a run cut short would leave captured features unread; set train.epochs "
-                         f"instead, or use capture=offline or colocated")
+    for key in ("max_steps", "max_minutes"):
+        if cfg.train.get(key) is not None and str(cfg.capture.mode) == "online":
+            raise ValueError(f"train.{key}={cfg.train[key]} with capture=online: the capture workers stream whole "
+                             f"epochs, so a run cut short would leave captured features unread; set train.epochs "
+                             f"instead, or use capture=offline or colocated")
     if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
         raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
     from dflash.extract.capture import GROUP_KEYS, group_by_setting
@@ -368,6 +369,7 @@ class Pipeline:
             loss_weighting=str(t.get("loss_weighting", "exp_decay")), dpace_alpha=float(t.get("dpace_alpha", 0.5)),
             kl_weight=float(t.get("kl_weight", 0.0)),
             max_steps=int(t.max_steps) if t.get("max_steps") is not None else None,
+            max_minutes=float(t.max_minutes) if t.get("max_minutes") is not None else None,
             group_by_length=int(t.get("group_by_length", 0)),
             profile_steps=None if t.get("profile_steps") is None else str(t.profile_steps),
         )
@@ -387,7 +389,7 @@ class Pipeline:
         from dflash.extract.capture import group_by_setting
 
         # A setting added later is left out at its neutral value, so runs from before it keep their fingerprint.
-        neutral = {"group_by": group_by_setting({})}
+        neutral = {"group_by": group_by_setting({}), "max_minutes": None}
         train = {k: v for k, v in container(self.cfg.train).items()
                  if k not in skip and not (k in neutral and v == neutral[k])}
         return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),

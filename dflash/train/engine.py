@@ -123,12 +123,14 @@ class TrainEngine:
         optimizer = torch.optim.AdamW(
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=fused or None,
         )
-        warmup = max(1, round(config.warmup_ratio * config.total_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, warmup, config.total_steps, config.min_lr_ratio)
+        # The multiplier reads these two at every step, so `set_total_steps` can move the schedule's end.
+        self.built_warmup = max(1, round(config.warmup_ratio * config.total_steps))
+        self.warmup_steps, self.total_steps = self.built_warmup, config.total_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.total_steps, config.min_lr_ratio)
         )
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
             config=deepspeed_config(config, world_size), dist_init_required=False,
         )
         self.zero_stage = config.zero_stage
@@ -161,6 +163,22 @@ class TrainEngine:
 
     def lr(self) -> float:
         return self.engine.get_lr()[0]
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """End the warmup-cosine schedule at `total_steps` (a time budget's plan); the next step's LR follows at once.
+
+        The warmup keeps its built length unless the schedule became shorter than twice that: then it is half the
+        schedule, so the LR still reaches its minimum at the end.
+        """
+        if total_steps < 1:
+            raise ValueError(f"the LR schedule needs at least 1 step, got total_steps={total_steps}")
+        self.total_steps = total_steps
+        self.warmup_steps = min(self.built_warmup, max(1, total_steps // 2))
+        scheduler = self.scheduler
+        # What the scheduler's own step would have set for the step it is at (LambdaLR: base LR x multiplier).
+        for group, base_lr, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                              scheduler.lr_lambdas, strict=True):
+            group["lr"] = base_lr * multiplier(scheduler.last_epoch)
 
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()

@@ -9,6 +9,9 @@ With a held-out set, every `eval_every` steps and at the last step the drafter's
 it (dflash/train/heldout.py), logged as heldout/*, and the weights with the best tau so far are kept in
 checkpoints/best/ (dflash/train/best_checkpoint.py). The evaluation draws no random numbers, so it changes nothing
 in training, and it runs before the step's checkpoint, so a resumed run has seen every evaluation it restores.
+
+With settings.max_minutes, a TimeBudget (dflash/train/time_budget.py) is told when each step and evaluation ends and
+plans the total of steps that fits; the LR schedule, the last step and its evaluation and checkpoint follow the plan.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
 from dflash.train.step_profile import StepProfiler, parse_profile_steps
 from dflash.train.stop_signal import StopSignal, TrainingStopped
+from dflash.train.time_budget import TimeBudget, check_max_minutes
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.objective import (
     block_target_hidden, check_kl_weight, check_loss_weighting, loss_normaliser, weighted_block_loss,
@@ -74,6 +78,7 @@ class TrainSettings:
     dpace_alpha: float = 0.5           # D-PACE confidence smoothing, q~ = alpha + (1 - alpha) q
     kl_weight: float = 0.0             # loss = (1 - w) CE + w KL(target || drafter); > 0 needs capture=colocated
     max_steps: int | None = None       # stop after this many optimizer steps (the schedule ends there), None = epochs
+    max_minutes: float | None = None   # wall-time budget: the schedule is sized to end within it (time_budget.py)
     group_by_length: int = 0           # > 0: global batches of similar-length samples (batches.py), less padding
     profile_steps: str | None = None   # "START:COUNT": a profiler table of those steps (step_profile.py), rank 0
 
@@ -81,6 +86,7 @@ class TrainSettings:
         check_loss_weighting(self.loss_weighting, self.dpace_alpha)
         check_kl_weight(self.kl_weight)
         parse_profile_steps(self.profile_steps)
+        check_max_minutes(self.max_minutes)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 evaluates only at the last step), got {self.eval_every}")
 
@@ -93,6 +99,10 @@ PHASE_BACKWARD = "dflash: backward"
 PHASE_OPTIMIZER = "dflash: optimizer step"
 PHASE_METRICS = "dflash: step metrics"
 PHASE_CHECKS = "dflash: feature checks"
+
+
+# Every time the loop reads (a test replaces it with a scripted clock).
+clock = time.perf_counter
 
 
 def global_sum(value: torch.Tensor) -> torch.Tensor:
@@ -206,6 +216,29 @@ def evaluate_heldout(engine: TrainEngine, heldout: HeldoutSet, frozen_head: tupl
     return heldout.evaluate(engine.module, frozen_head), None
 
 
+def agreed_seconds(since: float, device: torch.device) -> float:
+    """Seconds since `since` on this rank's clock, the largest over all ranks, so every rank plans the same steps."""
+    seconds = clock() - since
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        seconds = value.item()
+    return seconds
+
+
+def follow_plan(budget: TimeBudget, engine: TrainEngine, progress: tqdm, total_steps: int, news: bool,
+                rank: int) -> int:
+    """The total of steps the budget now plans: the LR schedule and the progress bar follow it, and a line says so
+    when the plan was set or changed."""
+    if news and rank == 0:
+        print(budget.describe(total_steps), flush=True)
+    if budget.planned_steps != total_steps:
+        engine.set_total_steps(budget.planned_steps)
+        progress.total = budget.planned_steps
+        progress.refresh()
+    return budget.planned_steps
+
+
 def resolve_peak_tflops(value: float | str | None, device: torch.device) -> float | None:
     """Per-rank peak TFLOP/s for MFU: a number as given; 'auto' measures a bf16 matmul on CUDA (None on CPU)."""
     if value is None or (value == "auto" and device.type != "cuda"):
@@ -230,7 +263,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         raise ValueError(f"eval_every={settings.eval_every} needs a held-out set (data.heldout > 0)")
     if heldout is not None:
         heldout.check(drafter_config)
-    entered = time.perf_counter()
+    entered = clock()
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
     plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed,
                      group_by_length=settings.group_by_length,
@@ -254,6 +287,10 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             f"{plan.global_batch_size} (micro_batch_size x ranks x grad_accum): the data position would not match; "
             f"set train.grad_accum so the global batch is {saved_batch}"
         )
+    budget = None
+    if settings.max_minutes is not None:  # the schedule ends within the budget (dflash/train/time_budget.py)
+        budget = TimeBudget(settings.max_minutes, total_steps, start_step=step, eval_every=settings.eval_every,
+                            evaluates=heldout is not None, saved=state.get("time_budget"))
     best: dict[str, Any] | None = None
     if rank == 0:
         if tag is None:
@@ -261,16 +298,19 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         else:
             best = read_best(checkpoint_dir)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
+    if budget is not None:  # a resumed run goes on with its saved plan
+        total_steps = follow_plan(budget, engine, progress, total_steps, budget.planned_steps != total_steps, rank)
     profiler = StepProfiler(settings.profile_steps, os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)),
                                                                  "train_profile.txt"), device, enabled=rank == 0)
-    started, tokens_seen, eval_s, first_step = time.perf_counter(), 0.0, 0.0, True
+    started, tokens_seen, eval_s, first_step = clock(), 0.0, 0.0, True
+    window_started, window_step, window_eval_s = started, step, 0.0  # since the last log line, for step_s
     verify_features = getattr(store, "verify_features", None)
     # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
     with StopSignal() as stop, contextlib.ExitStack() as cleanup:
         cleanup.callback(lambda: profiler.close(step))  # however the loop ends, the profiler stops here
         while step < total_steps:
             profiler.before_step(step + 1)
-            step_started = time.perf_counter()
+            step_started = clock()
             epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
             with record_function(PHASE_BATCHES):
                 micro_batches = [
@@ -287,10 +327,13 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                 # Where a (re)start spends its time: engine build + checkpoint load, then the first step's kernel
                 # compilation (flex attention), both paid again by every resumed call.
                 print(f"[train] ready after {step_started - entered:.1f} s (engine, checkpoint); first step "
-                      f"{time.perf_counter() - step_started:.1f} s", flush=True)
+                      f"{clock() - step_started:.1f} s", flush=True)
             first_step = False
             step += 1
-            now = time.perf_counter()
+            now = clock()
+            if budget is not None:
+                news = budget.after_step(step, agreed_seconds(entered, device))
+                total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
             tokens_seen += metrics.pop("tokens")
             tflops = metrics.pop("flops") / (now - step_started) / 1e12
             metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch,
@@ -303,7 +346,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             evaluate_now = heldout is not None and (
                 step == total_steps or (settings.eval_every and step % settings.eval_every == 0))
             if evaluate_now:
-                eval_started = time.perf_counter()
+                eval_started = clock()
                 held, gathered = evaluate_heldout(engine, heldout, (embed_weight, lm_head), rank)
                 if held is not None:
                     metrics.update({f"heldout/{key}": value for key, value in held.items()})
@@ -313,9 +356,18 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                         write_best(checkpoint_dir, weights, best)
                 if world_size > 1:
                     dist.barrier()
-                metrics["heldout/seconds"] = time.perf_counter() - eval_started
+                metrics["heldout/seconds"] = clock() - eval_started
                 eval_s += metrics["heldout/seconds"]  # kept out of tokens/s
+                window_eval_s += metrics["heldout/seconds"]
+                if budget is not None:
+                    news = budget.after_evaluation(step, agreed_seconds(entered, device))
+                    total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
+            if budget is not None:
+                metrics.update(lr=engine.lr(), planned_steps=total_steps)  # the LR after any change of plan
             if step % settings.log_every == 0 or step == total_steps or evaluate_now:
+                now = clock()
+                metrics["step_s"] = (now - window_started - window_eval_s) / (step - window_step)
+                window_started, window_step, window_eval_s = now, step, 0.0
                 log.log(step, metrics)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
                                  tau=f"{metrics['accept_len_est']:.2f}")
@@ -323,9 +375,10 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             profiler.after_step(step)
             stopping = step < total_steps and stop.requested(device)
             if stopping or step == total_steps or (settings.save_every and step % settings.save_every == 0):
-                save_checkpoint(engine, checkpoint_dir, step,
-                                {"global_step": step, "global_batch_size": plan.global_batch_size}, rank=rank,
-                                keep_last=settings.keep_last)
+                client_state = {"global_step": step, "global_batch_size": plan.global_batch_size}
+                if budget is not None:
+                    client_state["time_budget"] = budget.state()
+                save_checkpoint(engine, checkpoint_dir, step, client_state, rank=rank, keep_last=settings.keep_last)
             if stopping:
                 progress.close()
                 raise TrainingStopped(step, stop.received or "a signal on another rank")

@@ -1,0 +1,186 @@
+"""A wall-time budget for the training stage (`train.max_minutes`): the LR schedule ends within it.
+
+Sizing `train.max_steps` from an assumed step time fails when the real step is slower (docs/LOG.md, session 8: 0.36 s
+instead of 0.15 s, so the deadline stopped training with the LR at 55% of its peak). Here the trainer times its own
+steps and plans the total it can afford:
+
+    planned = min(cap, done + the most steps that, with the held-out evaluations they bring, fit the time left)
+
+cap is the epochs / max_steps total, and never fewer than done + 1 are planned. The first step of a run (engine
+warm-up, kernel compilation) is not timed; the first plan comes after CALIBRATION_STEPS more steps, or sooner when
+those steps already used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
+after every held-out evaluation, from the rate of the last RATE_WINDOW steps (evaluations excluded), so a run that
+slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
+REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost the seconds of the latest one measured;
+before any was measured, UNMEASURED_EVAL_SHARE of the budget is set aside for all of them. A hard stop ends training
+at the current step (its final evaluation and checkpoint as usual) when the next step and the final evaluation no
+longer fit.
+
+Times come from the caller (seconds since the start of this run's training loop), so the arithmetic runs without a
+clock; the loop passes times agreed across ranks, so every rank plans the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+CALIBRATION_STEPS = 20         # steps timed after a run's first step before the first plan
+CALIBRATION_SHARE = 0.05       # ... or fewer, once the timed steps used this share of the budget
+REPLAN_EVERY = 20              # steps between renewals of the plan
+RATE_WINDOW = 100              # the recent step rate is measured over at most this many steps
+REPLAN_TOLERANCE = 0.02        # a renewed plan replaces the current total when they differ by more than this share
+UNMEASURED_EVAL_SHARE = 0.05   # share of the budget set aside for the evaluations to come before one is measured
+
+
+def check_max_minutes(value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"max_minutes must be a finite number of minutes > 0, or None for no time budget; "
+                         f"got {value}")
+
+
+def evaluations_in(first: int, last: int, eval_every: int) -> int:
+    """The held-out evaluations at steps first..last when `last` is the final step: every eval_every-th step
+    (0: none) and the final step."""
+    if first > last:
+        return 0
+    if not eval_every:
+        return 1
+    periodic = last // eval_every - (first - 1) // eval_every
+    return periodic + (0 if last % eval_every == 0 else 1)
+
+
+def affordable_total(cap: int, done: int, remaining_s: float, step_s: float,
+                     evaluations_s: Callable[[int], float]) -> int:
+    """The largest total in done + 1 .. cap whose steps after `done`, plus evaluations_s(total) (the seconds of the
+    evaluations still to come when training ends at total), fit in remaining_s; done + 1 when none fits."""
+    def fits(total: int) -> bool:
+        return (total - done) * step_s + evaluations_s(total) <= remaining_s
+
+    low, high = done + 1, max(cap, done + 1)
+    if not fits(low):
+        return low
+    while low < high:  # the cost grows with the total: the largest total that fits, by bisection
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+class TimeBudget:
+    """The planned total of steps under a budget of `minutes`, renewed from the steps and evaluations timed.
+
+    cap: the epochs / max_steps total; start_step: the step this run resumes from; eval_every, evaluates: when the
+    loop runs held-out evaluations (`evaluates` False: none at all); saved: `state()` of the checkpoint resumed.
+    """
+
+    def __init__(self, minutes: float, cap: int, *, start_step: int, eval_every: int, evaluates: bool,
+                 saved: dict[str, Any] | None = None) -> None:
+        check_max_minutes(minutes)
+        self.minutes = minutes
+        self.budget_s = 60.0 * minutes
+        self.cap = cap
+        self.eval_every = eval_every
+        self.evaluates = evaluates
+        saved = saved or {}
+        self.spent_before_s = float(saved.get("spent_s", 0.0))  # by the earlier calls of a resumed run
+        self.planned_steps = min(cap, int(saved.get("planned_steps", cap)))
+        self.eval_s: float | None = saved.get("eval_s")  # the latest evaluation's seconds, None before any
+        self.settled = bool(saved)  # a plan that the LR already followed: renewals then keep REPLAN_TOLERANCE
+        self.start_step = start_step
+        self.elapsed_s = self.spent_before_s  # under the budget, at the latest time given
+        self.step_s: float | None = None  # the rate behind the current plan
+        self.stopped = False  # the hard stop ended the plan early
+        self._run_s = 0.0  # the latest time given, this run
+        self._evaluations_s = 0.0  # evaluation seconds of this run, left out of the step rate
+        self._marks: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW + 1)  # (step, training seconds)
+        self._first_mark: tuple[int, float] | None = None
+        self._last_step_s = 0.0
+        self._next_plan: int | None = None  # the step of the next renewal, once calibrated
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps, so that a resumed run goes on with the budget that is left."""
+        return {"planned_steps": self.planned_steps, "spent_s": self.elapsed_s, "eval_s": self.eval_s}
+
+    def after_step(self, step: int, run_s: float) -> bool:
+        """Step `step` ended `run_s` seconds after this run's start: time it, renew the plan when due, stop when the
+        next step and the evaluations left would not fit. True when the plan was set or changed (worth a line)."""
+        self._advance(run_s)
+        mark = (step, run_s - self._evaluations_s)
+        self._last_step_s = mark[1] - self._marks[-1][1] if self._marks else 0.0
+        self._marks.append(mark)
+        if self._first_mark is None:  # this run's first step: start-up and compilation, not timed
+            self._first_mark = mark
+        elif self._next_plan is None and (step - self._first_mark[0] >= CALIBRATION_STEPS
+                                          or mark[1] - self._first_mark[1] >= CALIBRATION_SHARE * self.budget_s):
+            self._next_plan = step
+        news = False
+        if self._next_plan is not None and step >= self._next_plan:
+            news = self._renew(step, pending_from=step)  # this step's own evaluation, if any, is still to come
+            self._next_plan = step + REPLAN_EVERY
+        return self._stop_if_out_of_time(step, pending_from=step) or news
+
+    def after_evaluation(self, step: int, run_s: float) -> bool:
+        """The held-out evaluation of step `step` ended at `run_s`: its time is the cost of the next ones; the plan is
+        renewed (and may stop here). True when the plan changed."""
+        seconds = run_s - self._run_s
+        self._evaluations_s += seconds
+        self.eval_s = seconds
+        self._advance(run_s)
+        if step >= self.planned_steps:
+            return False
+        news = self._next_plan is not None and self._renew(step, pending_from=step + 1)
+        return self._stop_if_out_of_time(step, pending_from=step + 1) or news
+
+    def describe(self, previous: int) -> str:
+        """The line printed when the plan changed from `previous` steps."""
+        head = f"[train] time budget {self.minutes:g} min:"
+        if self.stopped:
+            return (f"{head} {self.elapsed_s / 60:.1f} min spent, stopping after step {self.planned_steps:,} "
+                    f"(was {previous:,})")
+        if self.step_s is None:
+            return (f"{head} resuming the plan of {self.planned_steps:,} steps (was {previous:,}), "
+                    f"{(self.budget_s - self.elapsed_s) / 60:.1f} min left")
+        return f"{head} {self.step_s:.3f} s/step -> {self.planned_steps:,} steps (was {previous:,})"
+
+    def _advance(self, run_s: float) -> None:
+        self._run_s = run_s
+        self.elapsed_s = self.spent_before_s + run_s
+
+    def _recent_step_s(self) -> float:
+        (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
+        return (last_s - first_s) / (last_step - first_step) if last_step > first_step else 0.0
+
+    def _evaluation_cost(self, count: int) -> float:
+        if count == 0 or not self.evaluates:
+            return 0.0
+        if self.eval_s is None:
+            return UNMEASURED_EVAL_SHARE * self.budget_s
+        return count * self.eval_s
+
+    def _renew(self, step: int, pending_from: int) -> bool:
+        step_s = self._recent_step_s()
+        proposed = affordable_total(
+            self.cap, step, self.budget_s - self.elapsed_s, step_s,
+            lambda total: self._evaluation_cost(evaluations_in(pending_from, total, self.eval_every)),
+        )
+        if self.settled and abs(proposed - self.planned_steps) <= REPLAN_TOLERANCE * self.planned_steps:
+            return False
+        self.planned_steps, self.step_s, self.settled = proposed, step_s, True
+        return True
+
+    def _stop_if_out_of_time(self, step: int, pending_from: int) -> bool:
+        """End the plan at `step` when one more step (at the slower of the recent rate and the last step) and the
+        evaluations it would bring no longer fit."""
+        if step >= self.planned_steps:
+            return False
+        next_step_s = max(self._recent_step_s(), self._last_step_s)
+        needed = next_step_s + self._evaluation_cost(evaluations_in(pending_from, step + 1, self.eval_every))
+        if self.budget_s - self.elapsed_s >= needed:
+            return False
+        self.planned_steps, self.stopped = step, True
+        return True

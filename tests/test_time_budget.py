@@ -1,0 +1,366 @@
+"""train.max_minutes: the planning arithmetic without a clock, then real tiny training runs on a scripted clock
+(each step and each held-out evaluation "takes" a set time) that end their LR schedule within the budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+
+import pytest
+import torch
+
+from dflash.config import compose
+from dflash.pipeline import Pipeline
+from dflash.train import loop
+from dflash.train.checkpoints import COMPLETE, latest_tag
+from dflash.train.engine import warmup_cosine
+from dflash.train.metrics_log import MetricsLog
+from dflash.train.stop_signal import TrainingStopped
+from dflash.train.time_budget import (
+    CALIBRATION_SHARE, CALIBRATION_STEPS, REPLAN_EVERY, REPLAN_TOLERANCE, UNMEASURED_EVAL_SHARE, TimeBudget, affordable_total,
+    evaluations_in,
+)
+from tests import trainer_harness
+
+# The planning arithmetic -------------------------------------------------------------------------------------------
+
+
+def test_evaluations_in_counts_the_periodic_ones_and_the_final_one_once():
+    assert evaluations_in(1, 10, 0) == 1  # only the final step
+    assert evaluations_in(1, 10, 5) == 2  # 5 and 10 (the final step is a periodic one)
+    assert evaluations_in(1, 12, 5) == 3  # 5, 10 and the final 12
+    assert evaluations_in(6, 9, 5) == 1 and evaluations_in(5, 5, 5) == 1
+    assert evaluations_in(5, 12, 5) == 3 and evaluations_in(11, 10, 5) == 0
+
+
+def test_affordable_total_is_the_largest_total_that_fits_never_below_done_plus_one():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        cap, done = int(torch.randint(2, 80, (1,), generator=generator)), int(torch.randint(0, 40, (1,),
+                                                                                              generator=generator))
+        cap = max(cap, done + 1)
+        remaining, step_s = float(torch.rand(1, generator=generator)) * 60, 0.1 + float(torch.rand(1,
+                                                                                                    generator=generator))
+        eval_every, eval_s = int(torch.randint(0, 6, (1,), generator=generator)), 3 * float(torch.rand(1,
+                                                                                                      generator=generator))
+
+        def evaluations_s(total: int) -> float:
+            return evaluations_in(done + 1, total, eval_every) * eval_s
+
+        fitting = [t for t in range(done + 1, cap + 1) if (t - done) * step_s + evaluations_s(t) <= remaining]
+        expected = max(fitting) if fitting else done + 1
+        assert affordable_total(cap, done, remaining, step_s, evaluations_s) == expected
+    assert affordable_total(50, 10, 1e9, 1.0, lambda t: 0.0) == 50  # capped by the epochs / max_steps total
+
+
+def feed(budget: TimeBudget, step: int, run_s: float, step_s: float, until: int) -> tuple[int, float, list[int]]:
+    """Steps step+1..until at step_s each; (last step, its time, the steps where after_step had news)."""
+    news = []
+    while step < until:
+        step, run_s = step + 1, run_s + step_s
+        if budget.after_step(step, run_s):
+            news.append(step)
+    return step, run_s, news
+
+
+def test_first_plan_after_calibration_then_steady_renewals_change_nothing():
+    # 1 minute: 5% of it (3 s) is 12 steps of 0.25 s, fewer than CALIBRATION_STEPS.
+    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    assert not budget.after_step(1, 10.0)  # the first step (compilation) is not timed
+    calibration = math.ceil(CALIBRATION_SHARE * 60 / 0.25)
+    assert calibration < CALIBRATION_STEPS
+    step, run_s, news = feed(budget, 1, 10.0, 0.25, 1 + calibration)
+    assert news == [1 + calibration] and budget.step_s == 0.25
+    assert budget.planned_steps == step + math.floor((60 - run_s) / 0.25) == 201
+    _, _, news = feed(budget, step, run_s, 0.25, 150)  # same rate: the renewals keep the plan
+    assert news == [] and budget.planned_steps == 201
+    # A long budget calibrates over CALIBRATION_STEPS steps.
+    budget = TimeBudget(60.0, 10**6, start_step=0, eval_every=0, evaluates=False)
+    budget.after_step(1, 10.0)
+    assert feed(budget, 1, 10.0, 0.25, 60)[2] == [1 + CALIBRATION_STEPS]
+    # A cap that fits: the plan is the cap (announced once).
+    budget = TimeBudget(60.0, 50, start_step=0, eval_every=0, evaluates=False)
+    budget.after_step(1, 10.0)
+    assert feed(budget, 1, 10.0, 0.25, 50)[2] == [1 + CALIBRATION_STEPS] and budget.planned_steps == 50
+
+
+def test_renewals_follow_a_slowdown_beyond_the_tolerance_only():
+    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    budget.after_step(1, 10.0)
+    step, run_s, _ = feed(budget, 1, 10.0, 0.25, 13)
+    assert budget.planned_steps == 201
+    step, run_s, news = feed(budget, step, run_s, 0.2525, 13 + 3 * REPLAN_EVERY)  # 1% slower: within tolerance
+    assert news == [] and budget.planned_steps == 201
+    step, run_s, news = feed(budget, step, run_s, 0.3, 13 + 5 * REPLAN_EVERY)  # 20% slower: re-planned
+    assert news and all((s - 13) % REPLAN_EVERY == 0 for s in news)
+    assert step < budget.planned_steps < 201
+    # To the end: the rate window still held faster steps, so the plan runs a few steps long and the hard stop
+    # ends it within the tolerance of its total, inside the budget.
+    while step < budget.planned_steps:
+        planned = budget.planned_steps
+        step, run_s = step + 1, run_s + 0.3
+        budget.after_step(step, run_s)
+    assert run_s <= 60 and (1 - REPLAN_TOLERANCE) * planned <= step <= planned
+
+
+def test_evaluations_are_reserved_then_measured():
+    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=20, evaluates=True)
+    budget.after_step(1, 10.0)
+    step, run_s, _ = feed(budget, 1, 10.0, 0.25, 13)
+    # Unmeasured: UNMEASURED_EVAL_SHARE of the budget (3 s) set aside for all evaluations to come.
+    assert budget.planned_steps == 13 + math.floor((60 - run_s - UNMEASURED_EVAL_SHARE * 60) / 0.25) == 189
+    step, run_s, _ = feed(budget, step, run_s, 0.25, 20)
+    run_s += 2.0  # the evaluation of step 20 takes 2 s
+    assert budget.after_evaluation(20, run_s)
+    assert budget.eval_s == 2.0
+    expected = affordable_total(1000, 20, 60 - run_s, 0.25, lambda t: 2.0 * evaluations_in(21, t, 20))
+    assert budget.planned_steps == expected
+    # Steps after it are timed without the evaluation: the rate stays 0.25 s.
+    step, run_s, news = feed(budget, 20, run_s, 0.25, 33)
+    assert news == [] and budget.step_s == 0.25
+
+
+def test_a_sudden_slowdown_stops_before_the_budget_with_a_normal_end():
+    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    budget.after_step(1, 10.0)
+    step, run_s, _ = feed(budget, 1, 10.0, 0.25, 100)
+    planned = budget.planned_steps
+    while step < budget.planned_steps:  # from now on a step takes 4 s
+        step, run_s = step + 1, run_s + 4.0
+        budget.after_step(step, run_s)
+    assert budget.stopped and step == budget.planned_steps < planned and run_s <= 60
+    assert budget.describe(planned).startswith(f"[train] time budget 1 min: {run_s / 60:.1f} min spent, stopping")
+
+
+def test_a_resumed_budget_starts_from_the_time_already_spent():
+    first = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    first.after_step(1, 10.0)
+    feed(first, 1, 10.0, 0.25, 13)
+    saved = first.state()
+    assert saved == {"planned_steps": 201, "spent_s": 13.0, "eval_s": None}
+    resumed = TimeBudget(1.0, 1000, start_step=13, eval_every=0, evaluates=False, saved=saved)
+    assert resumed.planned_steps == 201 and resumed.elapsed_s == 13.0
+    assert not resumed.after_step(14, 10.0)  # its own first step, recompiling for 10 s: 23 s spent in all
+    step, run_s, news = feed(resumed, 14, 10.0, 0.25, 40)
+    # Calibrated again over 12 steps: at step 26, 13 + 13 s are spent, 34 s left for 136 steps of 0.25 s.
+    assert news == [26] and resumed.planned_steps == 26 + 136 and resumed.elapsed_s == 13.0 + run_s
+
+
+def test_the_lr_at_the_planned_last_step_is_the_minimum():
+    for total in (5, 30, 201):
+        for warmup in (1, min(10, total // 2)):
+            assert warmup_cosine(total, warmup, total, 0.1) == pytest.approx(0.1)
+            assert warmup_cosine(total - 1, warmup, total, 0.1) > 0.1
+
+
+def test_bad_budgets_are_refused():
+    settings = trainer_harness.settings(2, 1)
+    for value in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"max_minutes must be a finite number of minutes > 0.*got {value}"):
+            dataclasses.replace(settings, max_minutes=value)
+    assert dataclasses.replace(settings, max_minutes=0.5).max_minutes == 0.5
+
+
+# The pipeline's settings -------------------------------------------------------------------------------------------
+
+TINY = ["+experiment=tiny", "show_progress=false"]
+
+
+def test_online_capture_refuses_a_budget_and_the_setting_reaches_the_trainer(tmp_path):
+    with pytest.raises(ValueError, match="train.max_minutes=2.5 with capture=online"):
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_minutes=2.5", "capture=online"]))
+    pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_minutes=2.5"]))
+    assert pipeline.train_settings().max_minutes == 2.5
+    off = Pipeline(compose(TINY + [f"run_dir={tmp_path}"]))
+    assert off.train_settings().max_minutes is None
+    # Off, the checkpoint fingerprint is that of a config from before the setting; on, it differs.
+    from omegaconf import open_dict
+
+    before = compose(TINY + [f"run_dir={tmp_path}"])
+    with open_dict(before):
+        del before.train["max_minutes"]
+    assert Pipeline(before).checkpoint_fingerprint() == off.checkpoint_fingerprint()
+    assert pipeline.checkpoint_fingerprint() != off.checkpoint_fingerprint()
+
+
+# Real tiny runs on a scripted clock ---------------------------------------------------------------------------------
+
+LR, MIN_LR_RATIO = 3e-3, 0.1  # trainer_harness.settings
+
+
+class ScriptedClock:
+    """The loop's clock: time moves only when a step or an evaluation "takes" its scripted seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowHeldout:
+    """A held-out set whose evaluation takes `seconds` on the scripted clock."""
+
+    def __init__(self, clock: ScriptedClock, seconds: float) -> None:
+        self.clock, self.seconds, self.steps = clock, seconds, 0
+
+    def check(self, config) -> None:
+        pass
+
+    def evaluate(self, drafter, frozen_head) -> dict[str, float]:
+        self.clock.now += self.seconds
+        self.steps += 1
+        return {"tau": 1.0, "acceptance_rate": 0.0}
+
+
+def scripted_steps(monkeypatch, clock: ScriptedClock, seconds, sigterm_at: int | None = None) -> None:
+    """Step k (1-based, counted in this run) takes seconds(k) (one micro-batch per step in these runs); with
+    sigterm_at, a SIGTERM arrives during that step."""
+    prepare = loop.prepare_micro_batch
+    calls = [0]
+
+    def timed(*args, **kwargs):
+        calls[0] += 1
+        clock.now += seconds(calls[0])
+        if calls[0] == sigterm_at:
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                pytest.fail("the loop's SIGTERM handler is not installed")
+            signal.raise_signal(signal.SIGTERM)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "clock", clock)
+    monkeypatch.setattr(loop, "prepare_micro_batch", timed)
+
+
+def budget_run(out, minutes: float | None, *, epochs: int = 20, heldout=None, eval_every: int = 0,
+               log_every: int = 1) -> list[dict]:
+    """The harness drafter (global batch 2, 3 steps per epoch) under a budget; rank 0's metric records."""
+    from dflash.train.engine import init_distributed
+
+    init_distributed()
+    settings = dataclasses.replace(trainer_harness.settings(2, 1, epochs=epochs), max_minutes=minutes,
+                                   eval_every=eval_every, log_every=log_every)
+    log = MetricsLog(str(out), enabled=True, tensorboard=False, wandb_mode="disabled", wandb_project="t", config={})
+    try:
+        loop.train(settings, trainer_harness.drafter_config(), trainer_harness.synthetic_store(),
+                   trainer_harness.frozen_head(), str(out / "checkpoints"), log, rank=0, world_size=1,
+                   device=torch.device("cpu"), show_progress=False, heldout=heldout)
+    finally:
+        log.close()
+    with open(out / "metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_normal_end(out, records: list[dict], last: int) -> None:
+    assert records[-1]["step"] == last and records[-1]["planned_steps"] == last
+    assert records[-1]["lr"] == pytest.approx(LR * MIN_LR_RATIO)  # the schedule's minimum
+    checkpoints = str(out / "checkpoints")
+    assert latest_tag(checkpoints) == f"step{last}" and (out / "checkpoints" / f"step{last}" / COMPLETE).exists()
+
+
+def test_step_s_is_the_mean_step_of_each_log_window_without_evaluations(tmp_path, monkeypatch):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0 + 0.5 * (k % 2))  # 1.5, 1.0, 1.5, ...
+    records = budget_run(tmp_path, None, epochs=2, heldout=SlowHeldout(clock, 7.0), eval_every=3, log_every=2)
+    assert [(r["step"], r["step_s"]) for r in records] == [(2, 1.25), (3, 1.5), (4, 1.0), (6, 1.25)]
+    assert all("planned_steps" not in r for r in records)  # no budget, no plan
+
+
+def test_a_run_ends_its_schedule_exactly_at_the_planned_step(tmp_path, monkeypatch, capsys):
+    # 1 s per step, 30 s: calibrated over 2 steps (5% of 30 s), planned at step 3 for 27 more steps.
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0)
+    records = budget_run(tmp_path, 0.5)
+    assert "[train] time budget 0.5 min: 1.000 s/step -> 30 steps (was 60)" in capsys.readouterr().out
+    assert [r["step"] for r in records] == list(range(1, 31)) and clock.now == 30.0
+    assert [r["planned_steps"] for r in records[:3]] == [60, 60, 30]
+    assert all(r["step_s"] == 1.0 for r in records)
+    lrs = [r["lr"] for r in records]
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # a plain cosine over the plan, no jumps back up
+    assert_normal_end(tmp_path, records, 30)
+
+
+def test_a_run_that_slows_down_stops_early_within_the_budget(tmp_path, monkeypatch, capsys):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0 if k <= 10 else 8.0)
+    records = budget_run(tmp_path, 0.5)
+    # Step 11 ends at 18 s; after step 12 (26 s) one more 8 s step would pass 30 s: stop there.
+    assert records[-1]["step"] == 12 and clock.now == 26.0
+    assert "0.4 min spent, stopping after step 12 (was 30)" in capsys.readouterr().out
+    assert_normal_end(tmp_path, records, 12)
+
+
+def test_a_stopped_run_resumes_with_the_budget_it_had_left(tmp_path, monkeypatch, capsys):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0, sigterm_at=10)
+    with pytest.raises(TrainingStopped):
+        budget_run(tmp_path, 0.5)
+    assert latest_tag(str(tmp_path / "checkpoints")) == "step10"
+    # The same command again, in a new process whose clock starts at 0: 20 s of the budget are left.
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0)
+    records = budget_run(tmp_path, 0.5)
+    assert "resuming the plan of 30 steps (was 60), 0.3 min left" in capsys.readouterr().out
+    assert records[-1]["step"] == 30 and clock.now == 20.0
+    assert_normal_end(tmp_path, records, 30)
+
+
+def test_held_out_evaluations_are_paid_for_within_the_budget(tmp_path, monkeypatch):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0)
+    heldout = SlowHeldout(clock, 2.0)
+    records = budget_run(tmp_path, 0.5, heldout=heldout, eval_every=5)
+    last = records[-1]["step"]
+    # Steps and evaluations (5, 10, ... and the last) fill the budget; one step more with its evaluation would not.
+    assert heldout.steps == evaluations_in(1, last, 5) and clock.now == last + 2.0 * heldout.steps <= 30
+    assert clock.now + 1 + 2.0 > 30
+    assert all(r["step_s"] == 1.0 for r in records)  # the evaluations are left out of step_s
+    assert_normal_end(tmp_path, records, last)
+
+
+TWO_RANK_RUN = """
+import dataclasses, json, os, sys
+import torch
+from dflash.train.engine import init_distributed
+from dflash.train.loop import train
+from dflash.train.metrics_log import MetricsLog
+from tests import trainer_harness
+
+torch.set_num_threads(1)
+out = sys.argv[1]
+rank, world_size, _ = init_distributed()
+settings = dataclasses.replace(trainer_harness.settings(1, 1, epochs=500), max_minutes=0.05)  # 3 s, 1,500 steps
+# Rank 1 reads its samples slower and started later: the ranks' clocks disagree, their plans must not.
+store = trainer_harness.SlowStore(trainer_harness.synthetic_store(), 0.002 + 0.01 * rank)
+log = MetricsLog(out, enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t", config={})
+train(settings, trainer_harness.drafter_config(), store, trainer_harness.frozen_head(),
+      os.path.join(out, "checkpoints"), log, rank=rank, world_size=world_size, device=torch.device("cpu"),
+      show_progress=False)
+log.close()
+"""
+
+
+@pytest.mark.multiproc
+def test_two_ranks_agree_on_the_plan_and_end_together(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_rank_run.py"
+    script.write_text(TWO_RANK_RUN)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           port, str(script), str(tmp_path)], env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    last = records[-1]["step"]
+    assert last < 1500 and records[-1]["planned_steps"] == last  # the budget, not the epochs, ended training
+    assert records[-1]["lr"] == pytest.approx(LR * MIN_LR_RATIO)
+    assert latest_tag(str(tmp_path / "checkpoints")) == f"step{last}"
