@@ -42,6 +42,8 @@ def test_a_run_writes_its_profile_next_to_the_checkpoints(tmp_path):
     assert float(ms) > 0 and int(operators) > 20 and int(launches) == 0  # no kernel launches on the CPU
     for phase in (PHASE_BATCHES, PHASE_FORWARD, PHASE_LOSS, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_METRICS):
         assert phase in phases  # each phase of the step is a row of the host-time table
+    most_called = phases.split("the operators each phase calls most")[1]
+    assert "aten::linear" in next(line for line in most_called.splitlines() if line.startswith(PHASE_FORWARD))
 
 
 def test_a_run_that_ends_inside_the_window_still_stops_the_profiler_and_writes(tmp_path):
@@ -78,3 +80,5 @@ def test_the_phase_table_counts_host_events_only():
     lines = phase_table(events, 1).splitlines()
     assert next(line for line in lines if line.startswith(PHASE_FORWARD)).split()[-3:] == ["1.0", "1", "1"]
     assert next(line for line in lines if line.startswith(PHASE_BACKWARD)).split()[-3:] == ["2.0", "2", "2"]
+    # and which operators each phase calls most, per step
+    assert f"{PHASE_BACKWARD}: aten::mm 2" in lines and f"{PHASE_FORWARD}: aten::mm 1" in lines

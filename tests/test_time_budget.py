@@ -19,8 +19,8 @@ from dflash.train.engine import warmup_cosine
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.stop_signal import TrainingStopped
 from dflash.train.time_budget import (
-    CALIBRATION_SHARE, CALIBRATION_STEPS, REPLAN_EVERY, REPLAN_TOLERANCE, UNMEASURED_EVAL_SHARE, TimeBudget, affordable_total,
-    evaluations_in,
+    CALIBRATION_SHARE, CALIBRATION_STEPS, RATE_WINDOW, REPLAN_EVERY, REPLAN_TOLERANCE, UNMEASURED_EVAL_SHARE, TimeBudget,
+    affordable_total, evaluations_in, rate_window,
 )
 from tests import trainer_harness
 
@@ -120,6 +120,51 @@ def test_evaluations_are_reserved_then_measured():
     # Steps after it are timed without the evaluation: the rate stays 0.25 s.
     step, run_s, news = feed(budget, 20, run_s, 0.25, 33)
     assert news == [] and budget.step_s == 0.25
+
+
+def test_the_rate_window_spans_whole_checkpoint_intervals():
+    assert rate_window(0) == RATE_WINDOW and rate_window(400) == 400 and rate_window(30) == 120
+
+
+def run_with_saves(save_every: int, window_save_every: int) -> tuple[int, list[int], float]:
+    """17 minutes of 0.15 s steps (a 40 s first step), a 2 s checkpoint save after every save_every-th step;
+    (the step it ends at, the steps where the plan changed, the largest jump of the LR multiplier)."""
+    budget = TimeBudget(17.0, 8250, start_step=0, eval_every=0, evaluates=False, save_every=window_save_every)
+    step, run_s, news, multipliers = 0, 40.0, [], []
+    while step < budget.planned_steps:
+        step += 1
+        run_s += 0.15 + (2.0 if step > 1 and (step - 1) % save_every == 0 else 0.0)  # the save after step - 1
+        if budget.after_step(step, run_s) and step > 1:
+            news.append(step)
+        multipliers.append(warmup_cosine(step, 330, budget.planned_steps, MIN_LR_RATIO))
+    jump = max(abs(b - a) for a, b in zip(multipliers[21:], multipliers[22:]))
+    return step, news, jump
+
+
+def test_checkpoint_saves_do_not_make_the_plan_flip():
+    # A 100-step window holds a 2 s save in one window out of four: the rate swings by 13% and the plan with it.
+    _, flips, jump = run_with_saves(400, window_save_every=0)
+    assert len(flips) > 10 and jump > 0.02
+    # A window of whole checkpoint intervals always holds one save: the plan settles, the LR moves smoothly.
+    last, settled, jump = run_with_saves(400, window_save_every=400)
+    assert len(settled) <= 4 and jump < 0.01
+    assert last > 0.98 * (17 * 60 - 40) / (0.15 + 2.0 / 400)  # and the budget is used
+
+
+def test_excluded_time_and_the_first_slow_evaluation_leave_the_rate_alone():
+    budget = TimeBudget(10.0, 10**6, start_step=0, eval_every=0, evaluates=True)
+    budget.after_step(1, 10.0)
+    step, run_s, _ = feed(budget, 1, 10.0, 0.25, 40)
+    planned = budget.planned_steps
+    run_s += 15.0  # say a profiled step and its table: 15 s, left out of the rate
+    budget.exclude(15.0)
+    step, run_s, news = feed(budget, step, run_s, 0.25, 120)
+    assert budget.step_s == 0.25 and abs(budget.planned_steps - (planned - 60)) <= 1  # only the time is gone
+    # The first evaluation also compiles: the cost of the ones to come is the shortest measured.
+    budget.after_evaluation(step, run_s + 30.0)
+    budget.after_step(step + 1, run_s + 30.0 + 0.25)
+    budget.after_evaluation(step + 1, run_s + 30.0 + 0.25 + 12.0)
+    assert budget.eval_s == 12.0
 
 
 def test_a_sudden_slowdown_stops_before_the_budget_with_a_normal_end():
@@ -235,13 +280,13 @@ def scripted_steps(monkeypatch, clock: ScriptedClock, seconds, sigterm_at: int |
 
 
 def budget_run(out, minutes: float | None, *, epochs: int = 20, heldout=None, eval_every: int = 0,
-               log_every: int = 1) -> list[dict]:
+               log_every: int = 1, profile_steps: str | None = None) -> list[dict]:
     """The harness drafter (global batch 2, 3 steps per epoch) under a budget; rank 0's metric records."""
     from dflash.train.engine import init_distributed
 
     init_distributed()
     settings = dataclasses.replace(trainer_harness.settings(2, 1, epochs=epochs), max_minutes=minutes,
-                                   eval_every=eval_every, log_every=log_every)
+                                   eval_every=eval_every, log_every=log_every, profile_steps=profile_steps)
     log = MetricsLog(str(out), enabled=True, tensorboard=False, wandb_mode="disabled", wandb_project="t", config={})
     try:
         loop.train(settings, trainer_harness.drafter_config(), trainer_harness.synthetic_store(),
@@ -280,6 +325,17 @@ def test_a_run_ends_its_schedule_exactly_at_the_planned_step(tmp_path, monkeypat
     lrs = [r["lr"] for r in records]
     assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # a plain cosine over the plan, no jumps back up
     assert_normal_end(tmp_path, records, 30)
+
+
+def test_profiled_steps_are_left_out_of_the_step_rate(tmp_path, monkeypatch):
+    # 1 s per step, but the two profiled steps take 6 s: 10 s of the minute gone, the rate still 1 s.
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 6.0 if k in (10, 11) else 1.0)
+    records = budget_run(tmp_path, 1.0, profile_steps="10:2")
+    assert (tmp_path / "train_profile.txt").exists()
+    assert min(r["planned_steps"] for r in records if r["step"] > 11) >= 49  # no dip after the profiled steps
+    assert_normal_end(tmp_path, records, 50)
+    assert clock.now == 60.0
 
 
 def test_a_run_that_slows_down_stops_early_within_the_budget(tmp_path, monkeypatch, capsys):

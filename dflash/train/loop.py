@@ -17,6 +17,7 @@ plans the total of steps that fits; the LR schedule, the last step and its evalu
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from dflash.train.compile_layers import compile_layers
 from dflash.train.engine import OptimConfig, TrainEngine
 from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
-from dflash.train.step_profile import StepProfiler, parse_profile_steps
+from dflash.train.step_profile import StepProfiler, in_window, parse_profile_steps
 from dflash.train.stop_signal import StopSignal, TrainingStopped
 from dflash.train.time_budget import TimeBudget, check_max_minutes
 from dflash.train.metrics_log import MetricsLog
@@ -216,9 +217,8 @@ def evaluate_heldout(engine: TrainEngine, heldout: HeldoutSet, frozen_head: tupl
     return heldout.evaluate(engine.module, frozen_head), None
 
 
-def agreed_seconds(since: float, device: torch.device) -> float:
-    """Seconds since `since` on this rank's clock, the largest over all ranks, so every rank plans the same steps."""
-    seconds = clock() - since
+def agreed_seconds(seconds: float, device: torch.device) -> float:
+    """`seconds` as measured on this rank, the largest over all ranks, so every rank plans the same steps."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -237,6 +237,21 @@ def follow_plan(budget: TimeBudget, engine: TrainEngine, progress: tqdm, total_s
         progress.total = budget.planned_steps
         progress.refresh()
     return budget.planned_steps
+
+
+def finite_or_raise(step: int, loss: float, grad_norm: float | None) -> None:
+    """Stop at a step whose loss or gradient norm is not finite, before that step's weights are checkpointed.
+
+    DeepSpeed's own overflow check is off in bf16 (engine.bf16_section); it reports a non-finite gradient norm as
+    -1 and would apply the step unclipped, so the weights after it are lost and the checkpoints before it are not.
+    """
+    if math.isfinite(loss) and (grad_norm is None or (math.isfinite(grad_norm) and grad_norm >= 0)):
+        return
+    norm = "not finite" if grad_norm is not None and grad_norm < 0 else grad_norm
+    raise FloatingPointError(
+        f"training step {step}: loss {loss}, gradient norm {norm}; its weights are no longer usable, the "
+        f"checkpoints before it are. Resume from the last one with a lower train.lr, or look for broken features "
+        f"(all-zero or huge hidden states) in the samples of that step")
 
 
 def resolve_peak_tflops(value: float | str | None, device: torch.device) -> float | None:
@@ -290,7 +305,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     budget = None
     if settings.max_minutes is not None:  # the schedule ends within the budget (dflash/train/time_budget.py)
         budget = TimeBudget(settings.max_minutes, total_steps, start_step=step, eval_every=settings.eval_every,
-                            evaluates=heldout is not None, saved=state.get("time_budget"))
+                            evaluates=heldout is not None, save_every=settings.save_every,
+                            saved=state.get("time_budget"))
     best: dict[str, Any] | None = None
     if rank == 0:
         if tag is None:
@@ -300,6 +316,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
     if budget is not None:  # a resumed run goes on with its saved plan
         total_steps = follow_plan(budget, engine, progress, total_steps, budget.planned_steps != total_steps, rank)
+    profile_window = parse_profile_steps(settings.profile_steps)
     profiler = StepProfiler(settings.profile_steps, os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)),
                                                                  "train_profile.txt"), device, enabled=rank == 0)
     started, tokens_seen, eval_s, first_step = clock(), 0.0, 0.0, True
@@ -330,9 +347,9 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                       f"{clock() - step_started:.1f} s", flush=True)
             first_step = False
             step += 1
-            now = clock()
+            now = step_ended = clock()
             if budget is not None:
-                news = budget.after_step(step, agreed_seconds(entered, device))
+                news = budget.after_step(step, agreed_seconds(clock() - entered, device))
                 total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
             tokens_seen += metrics.pop("tokens")
             tflops = metrics.pop("flops") / (now - step_started) / 1e12
@@ -341,6 +358,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             if peak_tflops is not None:
                 metrics["mfu"] = tflops / (peak_tflops * world_size)
             grad_norm = engine.grad_norm()
+            finite_or_raise(step, metrics["loss"], grad_norm)
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
             evaluate_now = heldout is not None and (
@@ -360,7 +378,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                 eval_s += metrics["heldout/seconds"]  # kept out of tokens/s
                 window_eval_s += metrics["heldout/seconds"]
                 if budget is not None:
-                    news = budget.after_evaluation(step, agreed_seconds(entered, device))
+                    news = budget.after_evaluation(step, agreed_seconds(clock() - entered, device))
                     total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
             if budget is not None:
                 metrics.update(lr=engine.lr(), planned_steps=total_steps)  # the LR after any change of plan
@@ -372,7 +390,12 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
                                  tau=f"{metrics['accept_len_est']:.2f}")
             progress.update(1)
-            profiler.after_step(step)
+            table_started = clock()
+            profiler.after_step(step)  # the last profiled step writes its table here (rank 0)
+            if budget is not None and in_window(profile_window, step):
+                # Profiled steps (and the table) are slower than the steps to come: out of the step rate. Every rank
+                # knows the window from the settings, and they agree on the seconds, so their plans stay equal.
+                budget.exclude(agreed_seconds(step_ended - step_started + clock() - table_started, device))
             stopping = step < total_steps and stop.requested(device)
             if stopping or step == total_steps or (settings.save_every and step % settings.save_every == 0):
                 client_state = {"global_step": step, "global_batch_size": plan.global_batch_size}

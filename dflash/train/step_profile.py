@@ -9,6 +9,7 @@ written next to the checkpoints folder as train_profile.txt.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 
 import torch
 from torch.autograd import DeviceType
@@ -19,6 +20,7 @@ from dflash.run_files import write_text
 # dflash's own profiler ranges (record_function) start with this: the step's phases (loop.PHASE_*) and the
 # colocated target forward inside the batches phase.
 PHASE_PREFIX = "dflash: "
+MOST_CALLED = 8  # operators listed per phase
 
 
 def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
@@ -34,6 +36,11 @@ def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
     return start, count
 
 
+def in_window(window: tuple[int, int] | None, step: int) -> bool:
+    """Whether optimizer step `step` (1-based) is one of the window's (parse_profile_steps; None: no window)."""
+    return window is not None and window[0] <= step < window[0] + window[1]
+
+
 class StepProfiler:
     """Profiles optimizer steps start .. start + count - 1 of one process; a no-op without a spec or off rank 0."""
 
@@ -47,8 +54,7 @@ class StepProfiler:
         """Call with the number of the step about to run (1-based); a run resumed inside the window starts there."""
         if self.window is None or self._profile is not None:
             return
-        start, count = self.window
-        if start <= step < start + count:
+        if in_window(self.window, step):
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profile = profile(activities=activities)
             self._profile.__enter__()
@@ -97,18 +103,29 @@ def phase_table(events, steps: int) -> str:
     # GPU's timeline, which would count the GPU's lag behind the host as host time.
     host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in host if e.name.startswith(PHASE_PREFIX))
-    operators = sorted(e.time_range.start for e in host if e.name.startswith("aten::")
+    outermost = sorted((e.time_range.start, e.name) for e in host if e.name.startswith("aten::")
                        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    operators = [start for start, _ in outermost]
     launches = sorted(e.time_range.start for e in host if "LaunchKernel" in e.name)
     totals: dict[str, list[float]] = {}
+    called: dict[str, Counter] = {}
     for start, end, name in ranges:
         row = totals.setdefault(name, [0.0, 0, 0])
+        first, last = bisect.bisect_left(operators, start), bisect.bisect_left(operators, end)
         row[0] += (end - start) / 1000
-        row[1] += bisect.bisect_left(operators, end) - bisect.bisect_left(operators, start)
+        row[1] += last - first
         row[2] += bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
+        called.setdefault(name, Counter()).update(op for _, op in outermost[first:last])
     width = max([len(name) for name in totals] + [5])
+    order = sorted(totals, key=lambda name: -totals[name][0])
     lines = [f"the step's phases, per step ({steps} steps; nested ranges count in each):",
              f"{'phase':<{width}}  {'host ms':>9}  {'operators':>9}  {'kernel launches':>15}"]
-    for name, (ms, ops, kernels) in sorted(totals.items(), key=lambda item: -item[1][0]):
+    for name in order:
+        ms, ops, kernels = totals[name]
         lines.append(f"{name:<{width}}  {ms / steps:9.1f}  {ops / steps:9.0f}  {kernels / steps:15.0f}")
+    # Which operators a phase calls most: a count that grows with the parameters or the sequences is a loop to fuse.
+    lines.append("\nthe operators each phase calls most, per step:")
+    for name in order:
+        common = ", ".join(f"{op} {count / steps:.0f}" for op, count in called[name].most_common(MOST_CALLED))
+        lines.append(f"{name}: {common or '-'}")
     return "\n".join(lines) + "\n"

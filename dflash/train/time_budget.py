@@ -9,7 +9,7 @@ steps and plans the total it can afford:
 cap is the epochs / max_steps total, and never fewer than done + 1 are planned. The first step of a run (engine
 warm-up, kernel compilation) is not timed; the first plan comes after CALIBRATION_STEPS more steps, or sooner when
 those steps already used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
-after every held-out evaluation, from the rate of the last RATE_WINDOW steps (evaluations excluded), so a run that
+after every held-out evaluation, from the rate of the last rate_window steps (evaluations excluded), so a run that
 slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
 REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost the seconds of the latest one measured;
 before any was measured, UNMEASURED_EVAL_SHARE of the budget is set aside for all of them. A hard stop ends training
@@ -30,7 +30,7 @@ from typing import Any
 CALIBRATION_STEPS = 20         # steps timed after a run's first step before the first plan
 CALIBRATION_SHARE = 0.05       # ... or fewer, once the timed steps used this share of the budget
 REPLAN_EVERY = 20              # steps between renewals of the plan
-RATE_WINDOW = 100              # the recent step rate is measured over at most this many steps
+RATE_WINDOW = 100              # the recent step rate is measured over at least this many steps (rate_window)
 REPLAN_TOLERANCE = 0.02        # a renewed plan replaces the current total when they differ by more than this share
 UNMEASURED_EVAL_SHARE = 0.05   # share of the budget set aside for the evaluations to come before one is measured
 
@@ -50,6 +50,13 @@ def evaluations_in(first: int, last: int, eval_every: int) -> int:
         return 1
     periodic = last // eval_every - (first - 1) // eval_every
     return periodic + (0 if last % eval_every == 0 else 1)
+
+
+def rate_window(save_every: int) -> int:
+    """Steps the step rate is measured over: RATE_WINDOW, rounded up to whole intervals of save_every (0: none)."""
+    if save_every <= 0:
+        return RATE_WINDOW
+    return save_every * math.ceil(RATE_WINDOW / save_every)
 
 
 def affordable_total(cap: int, done: int, remaining_s: float, step_s: float,
@@ -79,7 +86,7 @@ class TimeBudget:
     """
 
     def __init__(self, minutes: float, cap: int, *, start_step: int, eval_every: int, evaluates: bool,
-                 saved: dict[str, Any] | None = None) -> None:
+                 save_every: int = 0, saved: dict[str, Any] | None = None) -> None:
         check_max_minutes(minutes)
         self.minutes = minutes
         self.budget_s = 60.0 * minutes
@@ -89,7 +96,7 @@ class TimeBudget:
         saved = saved or {}
         self.spent_before_s = float(saved.get("spent_s", 0.0))  # by the earlier calls of a resumed run
         self.planned_steps = min(cap, int(saved.get("planned_steps", cap)))
-        self.eval_s: float | None = saved.get("eval_s")  # the latest evaluation's seconds, None before any
+        self.eval_s: float | None = saved.get("eval_s")  # the shortest evaluation's seconds, None before any
         self.settled = bool(saved)  # a plan that the LR already followed: renewals then keep REPLAN_TOLERANCE
         self.start_step = start_step
         self.elapsed_s = self.spent_before_s  # under the budget, at the latest time given
@@ -97,10 +104,17 @@ class TimeBudget:
         self.stopped = False  # the hard stop ended the plan early
         self._run_s = 0.0  # the latest time given, this run
         self._evaluations_s = 0.0  # evaluation seconds of this run, left out of the step rate
-        self._marks: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW + 1)  # (step, training seconds)
+        # (step, training seconds) of the latest steps; the window spans whole checkpoint intervals, so it always
+        # holds the same share of checkpoint saves and their cost is spread evenly (not in one window out of four)
+        self._marks: deque[tuple[int, float]] = deque(maxlen=rate_window(save_every) + 1)
         self._first_mark: tuple[int, float] | None = None
         self._last_step_s = 0.0
         self._next_plan: int | None = None  # the step of the next renewal, once calibrated
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` already spent (a profiled step, the profiler's table) out of the step rate, as evaluations
+        are: they still count against the budget, but the steps to come will not take that long."""
+        self._evaluations_s += seconds
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps, so that a resumed run goes on with the budget that is left."""
@@ -129,7 +143,8 @@ class TimeBudget:
         renewed (and may stop here). True when the plan changed."""
         seconds = run_s - self._run_s
         self._evaluations_s += seconds
-        self.eval_s = seconds
+        # The shortest one measured: the first evaluation of a run also compiles its kernels.
+        self.eval_s = seconds if self.eval_s is None else min(self.eval_s, seconds)
         self._advance(run_s)
         if step >= self.planned_steps:
             return False
