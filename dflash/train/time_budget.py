@@ -11,7 +11,7 @@ warm-up, kernel compilation) is not timed; the first plan comes after CALIBRATIO
 those steps already used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
 after every held-out evaluation, from the rate of the last rate_window steps (evaluations excluded), so a run that
 slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
-REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost the seconds of the latest one measured;
+REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost the seconds of the shortest one measured;
 before any was measured, UNMEASURED_EVAL_SHARE of the budget is set aside for all of them. A hard stop ends training
 at the current step (its final evaluation and checkpoint as usual) when the next step and the final evaluation no
 longer fit.
