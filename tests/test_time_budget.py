@@ -67,7 +67,7 @@ def feed(budget: TimeBudget, step: int, run_s: float, step_s: float, until: int)
 
 def test_first_plan_after_calibration_then_steady_renewals_change_nothing():
     # 1 minute: 5% of it (3 s) is 12 steps of 0.25 s, fewer than CALIBRATION_STEPS.
-    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    budget = TimeBudget(1.0, 1000, eval_every=0, evaluates=False)
     assert not budget.after_step(1, 10.0)  # the first step (compilation) is not timed
     calibration = math.ceil(CALIBRATION_SHARE * 60 / 0.25)
     assert calibration < CALIBRATION_STEPS
@@ -77,17 +77,17 @@ def test_first_plan_after_calibration_then_steady_renewals_change_nothing():
     _, _, news = feed(budget, step, run_s, 0.25, 150)  # same rate: the renewals keep the plan
     assert news == [] and budget.planned_steps == 201
     # A long budget calibrates over CALIBRATION_STEPS steps.
-    budget = TimeBudget(60.0, 10**6, start_step=0, eval_every=0, evaluates=False)
+    budget = TimeBudget(60.0, 10**6, eval_every=0, evaluates=False)
     budget.after_step(1, 10.0)
     assert feed(budget, 1, 10.0, 0.25, 60)[2] == [1 + CALIBRATION_STEPS]
     # A cap that fits: the plan is the cap (announced once).
-    budget = TimeBudget(60.0, 50, start_step=0, eval_every=0, evaluates=False)
+    budget = TimeBudget(60.0, 50, eval_every=0, evaluates=False)
     budget.after_step(1, 10.0)
     assert feed(budget, 1, 10.0, 0.25, 50)[2] == [1 + CALIBRATION_STEPS] and budget.planned_steps == 50
 
 
 def test_renewals_follow_a_slowdown_beyond_the_tolerance_only():
-    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    budget = TimeBudget(1.0, 1000, eval_every=0, evaluates=False)
     budget.after_step(1, 10.0)
     step, run_s, _ = feed(budget, 1, 10.0, 0.25, 13)
     assert budget.planned_steps == 201
@@ -106,7 +106,7 @@ def test_renewals_follow_a_slowdown_beyond_the_tolerance_only():
 
 
 def test_evaluations_are_reserved_then_measured():
-    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=20, evaluates=True)
+    budget = TimeBudget(1.0, 1000, eval_every=20, evaluates=True)
     budget.after_step(1, 10.0)
     step, run_s, _ = feed(budget, 1, 10.0, 0.25, 13)
     # Unmeasured: UNMEASURED_EVAL_SHARE of the budget (3 s) set aside for all evaluations to come.
@@ -129,7 +129,7 @@ def test_the_rate_window_spans_whole_checkpoint_intervals():
 def run_with_saves(save_every: int, window_save_every: int) -> tuple[int, list[int], float]:
     """17 minutes of 0.15 s steps (a 40 s first step), a 2 s checkpoint save after every save_every-th step;
     (the step it ends at, the steps where the plan changed, the largest jump of the LR multiplier)."""
-    budget = TimeBudget(17.0, 8250, start_step=0, eval_every=0, evaluates=False, save_every=window_save_every)
+    budget = TimeBudget(17.0, 8250, eval_every=0, evaluates=False, save_every=window_save_every)
     step, run_s, news, multipliers = 0, 40.0, [], []
     while step < budget.planned_steps:
         step += 1
@@ -152,7 +152,7 @@ def test_checkpoint_saves_do_not_make_the_plan_flip():
 
 
 def test_excluded_time_and_the_first_slow_evaluation_leave_the_rate_alone():
-    budget = TimeBudget(10.0, 10**6, start_step=0, eval_every=0, evaluates=True)
+    budget = TimeBudget(10.0, 10**6, eval_every=0, evaluates=True)
     budget.after_step(1, 10.0)
     step, run_s, _ = feed(budget, 1, 10.0, 0.25, 40)
     planned = budget.planned_steps
@@ -168,7 +168,7 @@ def test_excluded_time_and_the_first_slow_evaluation_leave_the_rate_alone():
 
 
 def test_a_sudden_slowdown_stops_before_the_budget_with_a_normal_end():
-    budget = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    budget = TimeBudget(1.0, 1000, eval_every=0, evaluates=False)
     budget.after_step(1, 10.0)
     step, run_s, _ = feed(budget, 1, 10.0, 0.25, 100)
     planned = budget.planned_steps
@@ -180,12 +180,12 @@ def test_a_sudden_slowdown_stops_before_the_budget_with_a_normal_end():
 
 
 def test_a_resumed_budget_starts_from_the_time_already_spent():
-    first = TimeBudget(1.0, 1000, start_step=0, eval_every=0, evaluates=False)
+    first = TimeBudget(1.0, 1000, eval_every=0, evaluates=False)
     first.after_step(1, 10.0)
     feed(first, 1, 10.0, 0.25, 13)
     saved = first.state()
     assert saved == {"planned_steps": 201, "spent_s": 13.0, "eval_s": None}
-    resumed = TimeBudget(1.0, 1000, start_step=13, eval_every=0, evaluates=False, saved=saved)
+    resumed = TimeBudget(1.0, 1000, eval_every=0, evaluates=False, saved=saved)
     assert resumed.planned_steps == 201 and resumed.elapsed_s == 13.0
     assert not resumed.after_step(14, 10.0)  # its own first step, recompiling for 10 s: 23 s spent in all
     step, run_s, news = feed(resumed, 14, 10.0, 0.25, 40)

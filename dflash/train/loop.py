@@ -288,7 +288,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
         )
     budget = None
     if settings.max_minutes is not None:  # the schedule ends within the budget (dflash/train/time_budget.py)
-        budget = TimeBudget(settings.max_minutes, total_steps, start_step=step, eval_every=settings.eval_every,
+        budget = TimeBudget(settings.max_minutes, total_steps, eval_every=settings.eval_every,
                             evaluates=heldout is not None, save_every=settings.save_every,
                             saved=state.get("time_budget"))
     best: dict[str, Any] | None = None

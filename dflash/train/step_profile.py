@@ -126,6 +126,6 @@ def phase_table(events, steps: int) -> str:
     # Which operators a phase calls most: a count that grows with the parameters or the sequences is a loop to fuse.
     lines.append("\nthe operators each phase calls most, per step:")
     for name in order:
-        common = ", ".join(f"{op} {count / steps:.0f}" for op, count in called[name].most_common(MOST_CALLED))
+        common = ", ".join(f"{op} {count / steps:.3g}" for op, count in called[name].most_common(MOST_CALLED))
         lines.append(f"{name}: {common or '-'}")
     return "\n".join(lines) + "\n"

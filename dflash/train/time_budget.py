@@ -81,11 +81,12 @@ def affordable_total(cap: int, done: int, remaining_s: float, step_s: float,
 class TimeBudget:
     """The planned total of steps under a budget of `minutes`, renewed from the steps and evaluations timed.
 
-    cap: the epochs / max_steps total; start_step: the step this run resumes from; eval_every, evaluates: when the
-    loop runs held-out evaluations (`evaluates` False: none at all); saved: `state()` of the checkpoint resumed.
+    cap: the epochs / max_steps total; eval_every, evaluates: when the loop runs held-out evaluations (`evaluates`
+    False: none at all); save_every: the checkpoint interval (the rate window spans whole intervals); saved:
+    `state()` of the checkpoint resumed.
     """
 
-    def __init__(self, minutes: float, cap: int, *, start_step: int, eval_every: int, evaluates: bool,
+    def __init__(self, minutes: float, cap: int, *, eval_every: int, evaluates: bool,
                  save_every: int = 0, saved: dict[str, Any] | None = None) -> None:
         check_max_minutes(minutes)
         self.minutes = minutes
@@ -98,7 +99,6 @@ class TimeBudget:
         self.planned_steps = min(cap, int(saved.get("planned_steps", cap)))
         self.eval_s: float | None = saved.get("eval_s")  # the shortest evaluation's seconds, None before any
         self.settled = bool(saved)  # a plan that the LR already followed: renewals then keep REPLAN_TOLERANCE
-        self.start_step = start_step
         self.elapsed_s = self.spent_before_s  # under the budget, at the latest time given
         self.step_s: float | None = None  # the rate behind the current plan
         self.stopped = False  # the hard stop ended the plan early
