@@ -10,7 +10,9 @@ from datasets import Dataset
 
 from dflash.extract import store as store_module
 from dflash.data.dataset import FEATURES
-from dflash.extract.capture import capture_dataset, length_batches, plan_shards, sample_lengths
+from dflash.extract.capture import (
+    capture_dataset, feature_flags, length_batches, packed_feature_flags, plan_shards, sample_lengths,
+)
 from dflash.extract.store import FeatureStore, read_manifest
 from dflash.models.targets import build_tiny_target
 
@@ -281,3 +283,19 @@ def test_sample_lengths_follow_the_rows_of_a_dataset_and_of_a_selection():
     ds = Dataset.from_dict(rows, features=FEATURES)
     assert sample_lengths(ds).tolist() == [3, 1, 2]
     assert sample_lengths(ds.select([2, 0])).tolist() == [2, 3]
+
+
+def test_feature_flags_look_at_real_rows_only_and_match_the_packed_layout():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 5, 8, generator=generator)
+    features[1, 3:] = float("nan")  # padding of the shorter sample: neither checked nor counted
+    flags = feature_flags(features, [5, 3], [1, 2])
+    assert flags[:, :, 0].eq(1).all()
+    for row, length in enumerate([5, 3]):
+        for tap in range(2):
+            real = features[row, :length, tap * 4:(tap + 1) * 4]
+            assert flags[row, tap, 1].item() == pytest.approx(real.var(unbiased=False).item(), rel=1e-5)
+    packed = torch.cat([features[0], features[1, :3]])
+    assert torch.allclose(packed_feature_flags(packed, [5, 3], [1, 2]), flags, rtol=1e-5)
+    features[1, 1, 5] = float("inf")  # a real row: caught
+    assert feature_flags(features, [5, 3], [1, 2])[1, :, 0].tolist() == [1.0, 0.0]

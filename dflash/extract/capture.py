@@ -166,53 +166,54 @@ def feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[in
     trainer can launch its step before the target's forward has finished. The shape is checked at once.
     """
     b, t, width = features.shape
-    num_taps = len(layer_ids)
-    if b != len(lengths) or t < max(lengths) or width % num_taps:
+    if b != len(lengths) or t < max(lengths) or width % len(layer_ids):
         raise ValueError(
             f"captured features have shape {tuple(features.shape)} for {len(lengths)} samples of up to "
-            f"{max(lengths)} tokens and {num_taps} taps (one row per token expected)"
+            f"{max(lengths)} tokens and {len(layer_ids)} taps (one row per token expected)"
         )
-    hidden = width // num_taps
-    positions = torch.arange(t, device=features.device)
-    lengths_on_device = host_to_device(torch.tensor(lengths), features.device)
-    valid = (positions[None, :] < lengths_on_device[:, None])[:, :, None]
-    count = lengths_on_device.float() * hidden
-    finite, var = [], []
-    for k in range(num_taps):
-        # One tap at a time keeps the float32 temporaries at 1/K of the batch.
-        x = features[..., k * hidden:(k + 1) * hidden].float()
-        finite.append((torch.isfinite(x) | ~valid).flatten(1).all(dim=1))
-        x = torch.where(valid, x, 0.0)
-        mean = x.sum(dim=(1, 2)) / count
-        var.append(torch.where(valid, x - mean[:, None, None], 0.0).pow(2).sum(dim=(1, 2)) / count)
-    return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
+    sizes = host_to_device(torch.tensor(lengths), features.device)
+    sample = torch.arange(b, device=features.device).repeat_interleave(t)
+    real = (torch.arange(t, device=features.device)[None, :] < sizes[:, None]).flatten()
+    return _sample_flags(features.reshape(b * t, width), sample, real, sizes, len(layer_ids))
 
 
 def packed_feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
     """feature_flags of a packed row: `features` [T, K*H] holds samples of `lengths` end to end; returns
     [samples, taps, 2] (all finite, variance) on the features' device, without waiting for it."""
     t, width = features.shape
-    num_taps = len(layer_ids)
-    if t != sum(lengths) or width % num_taps:
+    if t != sum(lengths) or width % len(layer_ids):
         raise ValueError(
             f"captured features have shape {tuple(features.shape)} for {len(lengths)} packed samples of "
-            f"{sum(lengths)} tokens and {num_taps} taps (one row per token expected)"
+            f"{sum(lengths)} tokens and {len(layer_ids)} taps (one row per token expected)"
         )
-    hidden = width // num_taps
     sizes = host_to_device(torch.tensor(lengths), features.device)
     # Sample index of every token; output_size spares a device-to-host read of the total.
     sample = torch.repeat_interleave(torch.arange(len(lengths), device=features.device), sizes, output_size=t)
+    return _sample_flags(features, sample, None, sizes, len(layer_ids))
+
+
+def _sample_flags(rows: torch.Tensor, sample: torch.Tensor, real: torch.Tensor | None, sizes: torch.Tensor,
+                  num_taps: int) -> torch.Tensor:
+    """[samples, taps, 2]: (all finite, variance) per sample and tap of `rows` [N, K*H], where row i belongs to
+    sample `sample[i]` and counts only where `real[i]` (None: every row); `sizes` [samples] counts the real rows."""
+    hidden = rows.shape[1] // num_taps
     count = sizes.float() * hidden
 
     def per_sample(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(lengths), device=features.device).index_add_(0, sample, values)
+        return torch.zeros(len(sizes), device=rows.device).index_add_(0, sample, values)
 
     finite, var = [], []
     for k in range(num_taps):
-        x = features[:, k * hidden:(k + 1) * hidden].float()
-        finite.append(per_sample((~torch.isfinite(x)).any(dim=1).float()) == 0)
+        # One tap at a time keeps the float32 temporaries at 1/K of the rows.
+        x = rows[:, k * hidden:(k + 1) * hidden].float()
+        bad = (~torch.isfinite(x)).any(dim=1)
+        if real is not None:  # padding: neither checked nor counted
+            bad &= real
+            x = torch.where(real[:, None], x, 0.0)
+        finite.append(per_sample(bad.float()) == 0)
         mean = per_sample(x.sum(dim=1)) / count
-        var.append(per_sample((x - mean[sample, None]).pow(2).sum(dim=1)) / count)
+        spread = (x - mean[sample, None]).pow(2).sum(dim=1)
+        var.append(per_sample(spread if real is None else torch.where(real, spread, 0.0)) / count)
     return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
 
 
