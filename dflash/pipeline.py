@@ -303,14 +303,14 @@ class Pipeline:
         else:
             from dflash.models.targets.compile_target import target_layers_compiled
 
-            self.adapter.pack_capture = bool(c.get("pack", False))
             with target_layers_compiled(self.adapter, bool(c.get("compile", False))):
                 manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
                                            batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
                                            dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
                                            verify_existing=bool(c.get("verify_existing", False)),
                                            fingerprint={"key": key}, show_progress=self.show_progress,
-                                           rank=self.rank, world_size=self.world_size)
+                                           rank=self.rank, world_size=self.world_size,
+                                           pack=bool(c.get("pack", False)))
             summary = f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
         if self.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
             self._adapter = None  # frees this rank's device for training (rank 0 keeps the target for eval)

@@ -144,9 +144,8 @@ def test_packed_store_equals_padded_store(tmp_path, dtype):
                               "loss_mask": [[1] * len(s) for s in sequences]})
     stores = {}
     for pack in (False, True):
-        adapter.pack_capture = pack
         capture_dataset(adapter, data, tmp_path / str(pack), [1, 3, 6], batch_tokens=30, shard_tokens=40,
-                        dtype=dtype, check_every=3, fingerprint={}, show_progress=False)
+                        dtype=dtype, check_every=3, fingerprint={}, show_progress=False, pack=pack)
         stores[pack] = FeatureStore(tmp_path / str(pack))
     for i in range(len(sequences)):
         padded, packed = stores[False][i], stores[True][i]
@@ -159,7 +158,6 @@ def test_packed_store_equals_padded_store(tmp_path, dtype):
 def test_a_leaking_packed_capture_is_caught_by_the_crosscheck(tmp_path, monkeypatch):
     """A target whose layers ignored the packing (states carried across sequences) fails the sampled re-forward."""
     adapter = build_tiny_target("llama", tokenizer="builtin")
-    adapter.pack_capture = True
     sequences = random_sequences([6, 8], seed=2)
     data = Dataset.from_dict({"id": ["a", "b"], "input_ids": [s.tolist() for s in sequences],
                               "loss_mask": [[1] * len(s) for s in sequences]})
@@ -169,7 +167,7 @@ def test_a_leaking_packed_capture_is_caught_by_the_crosscheck(tmp_path, monkeypa
 
     monkeypatch.setattr(adapter, "capture_packed", leaking)
     with pytest.raises(ValueError, match=r"sample 'b': tap 2 differs from output_hidden_states\[3\]"):
-        capture_dataset(adapter, data, tmp_path, [2], check_every=1, fingerprint={}, show_progress=False)
+        capture_dataset(adapter, data, tmp_path, [2], check_every=1, fingerprint={}, show_progress=False, pack=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlashAttention's varlen kernel, fla)")

@@ -124,6 +124,23 @@ online.CaptureWorker(adapter, make_dataset(args["lengths"]), spool, stream, args
 """
 
 
+def test_a_packing_worker_streams_the_features_of_the_padded_capture(tmp_path, dense, offline, monkeypatch):
+    calls = []
+    packed = dense.capture_packed
+    monkeypatch.setattr(dense, "capture_packed", lambda *args: calls.append(1) or packed(*args))
+    plan = BatchPlan(len(LENGTHS), micro_batch_size=2, world_size=1, grad_accum=1, seed=0)
+    stream = ItemStream(plan, epochs=1)
+    spool = Spool(tmp_path / "spool", num_workers=1)
+    worker = CaptureWorker(dense, make_dataset(LENGTHS), spool, stream, LAYER_IDS, worker=0, budget_bytes=1 << 24,
+                           chunk_items=2, dtype="float32", pack=True)
+    worker.run()
+    assert calls  # the chunks went through capture_packed
+    source = OnlineFeatureSource(spool, stream, rank=0, timeout_s=60)
+    for g in range(stream.num_items):
+        index = stream.item(g)[1]
+        torch.testing.assert_close(source[index]["hidden"], offline[index]["hidden"], atol=1e-5, rtol=1e-5)
+
+
 def start_worker(spool: Path, worker: int, stall: str, epochs: int = 2, world: int = 1) -> subprocess.Popen:
     args = dict(spool=str(spool), worker=worker, stall=stall, lengths=LENGTHS, layer_ids=LAYER_IDS, micro=2,
                 world=world, epochs=epochs, budget=1 << 20)

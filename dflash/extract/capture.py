@@ -1,7 +1,7 @@
 """Offline capture: run the frozen target over a token dataset and store the tapped hidden states.
 
 Samples are planned into shards in dataset order (a sample never straddles two shards). Inside a shard, with
-`adapter.pack_capture` (capture.pack), consecutive samples are laid end to end in runs of at most `batch_tokens`
+`pack` (capture.pack), consecutive samples are laid end to end in runs of at most `batch_tokens`
 tokens, each run one `TargetAdapter.capture_packed` forward with no padding at all; otherwise samples are sorted by
 length and grouped into right-padded batches of at most `batch_tokens` padded tokens for `TargetAdapter.capture`.
 Either way the target runs its decoder layers only (no LM head) and stops after the deepest tap, and the features
@@ -274,10 +274,11 @@ def capture_rows(
     dtype: torch.dtype,
     check_every: int,
     progress: tqdm,
+    pack: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Capture one shard's rows (an Arrow table slice) -> ShardWriter.write_shard's tensors (hidden, input_ids,
     loss_mask, offsets, and scales for fp8). Sample `first_sample + j` is crosschecked when divisible by
-    `check_every` (0: never)."""
+    `check_every` (0: never). pack: samples laid end to end (capture_packed) instead of padded batches."""
     sample_ids = [str(i) for i in rows["id"].to_pylist()]
     lengths = pc.list_value_length(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
     mask_lengths = pc.list_value_length(rows["loss_mask"]).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -295,7 +296,7 @@ def capture_rows(
     num_tokens = int(offsets[-1])
     hidden = torch.empty(num_tokens, len(layer_ids) * adapter.hidden_size, dtype=dtype)
     scales = torch.empty(num_tokens, len(layer_ids), dtype=torch.float32) if dtype == FP8_DTYPE else None
-    if adapter.pack_capture:
+    if pack:
         _capture_packed_rows(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids,
                              batch_tokens, check_every, progress, hidden, scales)
         return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
@@ -384,7 +385,7 @@ def _capture_packed_rows(
 
 def _repair_shards(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any], layer_ids: list[int],
-    batch_tokens: int, dtype: torch.dtype, check_every: int,
+    batch_tokens: int, dtype: torch.dtype, check_every: int, pack: bool,
 ) -> None:
     """Hash every shard listed in the manifest; recapture (same samples, same name) each missing or corrupt one."""
     writer, table = ShardWriter(out_dir), dataset.with_format("arrow")
@@ -397,7 +398,7 @@ def _repair_shards(
         problem = "missing" if actual is None else f"corrupt (sha256 {actual}, manifest {entry['sha256']})"
         print(f"[capture] feature shard {path} is {problem}: recapturing samples {first}..{end - 1}")
         arrays = capture_rows(adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every,
-                                tqdm(disable=True))
+                                tqdm(disable=True), pack)
         manifest["shards"][index] = writer.write_shard(index, first_sample=first, **arrays)
         writer.write_manifest(manifest)
 
@@ -502,7 +503,7 @@ def _append_finished(manifest: dict[str, Any], finished: dict[int, dict[str, Any
 def _capture_shards(
     adapter: TargetAdapter, table: Any, work: list[tuple[int, int, int]], writer: ShardWriter,
     on_written: Callable[[int, dict[str, Any]], None], layer_ids: list[int], batch_tokens: int,
-    dtype: torch.dtype, check_every: int, progress: tqdm,
+    dtype: torch.dtype, check_every: int, progress: tqdm, pack: bool,
 ) -> None:
     """Capture and write the shards `work` [(index, first, end)] in order; `on_written(index, entry)` runs for
     each shard once it is on disk, in the same order."""
@@ -513,7 +514,7 @@ def _capture_shards(
         try:
             for index, first, end in work:
                 arrays = capture_rows(
-                    adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every, progress
+                    adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every, progress, pack
                 )
                 if pending is not None:
                     (written, write), pending = pending, None
@@ -543,6 +544,7 @@ def capture_dataset(
     show_progress: bool = True,
     rank: int = 0,
     world_size: int = 1,
+    pack: bool = False,
 ) -> dict[str, Any]:
     """Capture the features of `layer_ids` for every row of `dataset` (columns id, input_ids, loss_mask) into
     the store folder `out_dir`; returns the manifest.
@@ -552,7 +554,8 @@ def capture_dataset(
     Samples whose index is a multiple of `check_every` (0: none) are compared with a plain forward. Raises
     OSError before any work when the remaining shards will not fit on the folder's disk. With `verify_existing`,
     the shards already listed (complete store included) are hashed first and any missing or corrupt one is
-    reported by name and recaptured.
+    reported by name and recaptured. With `pack`, samples are laid end to end (TargetAdapter.capture_packed)
+    instead of padded into batches; the store is the same up to the kernels' rounding.
 
     With `world_size` > 1, every rank of an initialised torch.distributed group calls this with its `rank` and
     the same arguments; `out_dir` must be one folder that every rank sees (a shared file system across nodes).
@@ -596,11 +599,13 @@ def capture_dataset(
             adapter, dataset, out_dir, manifest, _new_manifest(expected, adapter, len(dataset)), layer_ids,
             batch_tokens=batch_tokens, shard_tokens=shard_tokens, dtype=torch_dtype, check_every=check_every,
             verify_existing=verify_existing, show_progress=show_progress, rank=rank, world_size=world_size,
+            pack=pack,
         )
     fresh = manifest is None
     if manifest is not None:
         if verify_existing:
-            _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, torch_dtype, check_every)
+            _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, torch_dtype, check_every,
+                           pack)
         if manifest["complete"]:
             return manifest
         _check_listed_shards(out_dir, manifest)
@@ -644,7 +649,7 @@ def capture_dataset(
         save()
     try:
         _capture_shards(adapter, table, work, writer, record, layer_ids, batch_tokens, torch_dtype, check_every,
-                        progress)
+                        progress, pack)
     finally:
         progress.close()
     return manifest
@@ -653,7 +658,7 @@ def capture_dataset(
 def _capture_ranks(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any] | None, fresh: dict[str, Any],
     layer_ids: list[int], *, batch_tokens: int, shard_tokens: int, dtype: torch.dtype, check_every: int,
-    verify_existing: bool, show_progress: bool, rank: int, world_size: int,
+    verify_existing: bool, show_progress: bool, rank: int, world_size: int, pack: bool,
 ) -> dict[str, Any]:
     """capture_dataset on one of several ranks: `manifest` is the store's (None if new), `fresh` a new one.
 
@@ -698,7 +703,7 @@ def _capture_ranks(
     try:
         _capture_shards(adapter, dataset.with_format("arrow"), work, writer,
                         lambda index, entry: write_sidecar(out_dir, index, entry), layer_ids, batch_tokens, dtype,
-                        check_every, progress)
+                        check_every, progress, pack)
     finally:
         progress.close()
     dist.barrier()  # every rank's shards and sidecars are on disk

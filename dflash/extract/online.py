@@ -241,7 +241,8 @@ class CaptureWorker:
 
     def __init__(self, adapter: TargetAdapter, dataset: Any, spool: Spool, stream: ItemStream,
                  layer_ids: list[int], *, worker: int, budget_bytes: int, chunk_items: int = 16,
-                 batch_tokens: int = 8192, dtype: str = "bfloat16", stale_after_s: float = 60.0) -> None:
+                 batch_tokens: int = 8192, dtype: str = "bfloat16", stale_after_s: float = 60.0,
+                 pack: bool = False) -> None:
         if not 0 <= worker < spool.num_workers:
             raise ValueError(f"worker id {worker} out of range for {spool.num_workers} workers")
         if len(dataset) != stream.plan.num_samples:
@@ -249,7 +250,7 @@ class CaptureWorker:
         spool.check_stream(stream)
         self.adapter, self.spool, self.stream = adapter, spool, stream
         self.layer_ids = adapter.check_layer_ids(layer_ids)
-        self.worker, self.chunk_items, self.batch_tokens = worker, chunk_items, batch_tokens
+        self.worker, self.chunk_items, self.batch_tokens, self.pack = worker, chunk_items, batch_tokens, pack
         if chunk_items < 1 or batch_tokens < 1:
             raise ValueError(f"chunk_items ({chunk_items}) and batch_tokens ({batch_tokens}) must be positive")
         self.dtype = store_dtype(dtype)
@@ -300,7 +301,8 @@ class CaptureWorker:
         samples = [self.stream.item(g)[1] for g in todo]
         rows = self.table[samples]
         progress = tqdm(disable=True)
-        arrays = capture_rows(self.adapter, rows, 0, self.layer_ids, self.batch_tokens, self.dtype, 0, progress)
+        arrays = capture_rows(self.adapter, rows, 0, self.layer_ids, self.batch_tokens, self.dtype, 0, progress,
+                              self.pack)
         offsets = arrays["offsets"]
         for j, g in enumerate(todo):
             start, end = int(offsets[j]), int(offsets[j + 1])

@@ -56,7 +56,6 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     t = spec["target"]
     adapter = load_target(t["kind"], path=t["path"], dtype=t["dtype"], device=spec["device"], tiny=t["tiny"],
                           cache_dir=t["cache_dir"])
-    adapter.pack_capture = bool(spec.get("pack", False))
     if spec.get("compile"):  # capture.compile: a worker process only captures, so its layers stay compiled
         from dflash.models.targets.compile_target import compile_target_layers
 
@@ -75,7 +74,8 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     capture = CaptureWorker(adapter, dataset, spool, stream, list(spec["layer_ids"]),
                             worker=worker, budget_bytes=int(spec["budget_bytes"]),
                             chunk_items=int(spec["chunk_items"]), batch_tokens=int(spec["batch_tokens"]),
-                            dtype=str(spec["dtype"]), stale_after_s=float(spec["stale_after_s"]))
+                            dtype=str(spec["dtype"]), stale_after_s=float(spec["stale_after_s"]),
+                            pack=bool(spec.get("pack", False)))
     capture.run()
     return {"worker": worker, "tokens": capture.tokens_captured, "items": capture.items_captured,
             "capture_s": capture.capture_s}

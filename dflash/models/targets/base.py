@@ -58,8 +58,6 @@ class TargetAdapter:
 
     # capture() / capture_with_final() leave the padding mask out (see `_run_decoder`): None = on CUDA inputs only.
     drop_padding_mask: bool | None = None
-    # capture_rows lays samples end to end (capture_packed) instead of padding them into batches (capture.pack).
-    pack_capture: bool = False
 
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
         model.eval()
