@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.models.targets.packed_attention import sequence_bounds
+
 CONV_GLOBAL = "causal_conv1d_fn"
 CHUNK_GLOBAL = "torch_chunk_gated_delta_rule"
 # transformers' gated-delta-rule kernels: flash-linear-attention's Triton kernels whenever fla is installed, whatever
@@ -115,17 +117,12 @@ def packed_offsets(kwargs: dict[str, Any]) -> torch.Tensor | None:
     return None
 
 
-def _segments(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 def conv_per_sequence(torch_conv: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       activation: str | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """transformers' torch conv (x [1, D, T]) run on each packed sequence alone: it has no notion of packing and
     would carry one sequence's last tokens into the next one's first outputs."""
     return torch.cat([torch_conv(x[:, :, start:end], weight, bias, activation=activation)
-                      for start, end in _segments(cu_seqlens)], dim=2)
+                      for start, end in sequence_bounds(cu_seqlens)], dim=2)
 
 
 def chunk_rule_per_sequence(reference: Callable, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
@@ -139,7 +136,7 @@ def chunk_rule_per_sequence(reference: Callable, args: tuple, kwargs: dict[str, 
         raise ValueError("packed sequences are captured from a zero state, without final states")
     sliced = ("query", "key", "value", "g", "beta")
     outputs = []
-    for start, end in _segments(cu_seqlens):
+    for start, end in sequence_bounds(cu_seqlens):
         segment = {k: (v[:, start:end] if k in sliced else v) for k, v in call.items()}
         outputs.append(reference(**segment)[0])
     return torch.cat(outputs, dim=1), None

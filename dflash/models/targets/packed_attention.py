@@ -41,6 +41,12 @@ FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _max_length: ContextVar[int | None] = ContextVar("dflash_packed_max_length", default=None)
 
 
+def sequence_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """[(start, end)] of each sequence of a packed row, from its running offsets (read on the host)."""
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 @torch.compiler.disable  # a graph break around the kernel call: it reads a context variable (the row's max length)
 def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                   scale: float | None, window: int | None) -> torch.Tensor:
@@ -61,8 +67,7 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     """Causal SDPA (within `window` keys when set) on each sequence of the row in turn; q/k/v and the result are
     [T, heads, dim]."""
     outputs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in sequence_bounds(cu_seqlens):
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, L, dim]
         gqa = dict(scale=scale, enable_gqa=q.shape[0] != k.shape[0])
         if window is None or end - start <= window:
