@@ -11,7 +11,7 @@ import torch
 
 from dflash.data.prompts import SOURCES, Prompt, load_prompts
 from dflash.eval.categories import mtbench_categories
-from dflash.eval.evaluate import evaluate, load_prompt_sets
+from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, summary_csv
 from dflash.eval.multiturn import second_turn_conversations
 
 ANSWER_TOKENS = 6
@@ -85,6 +85,20 @@ def test_both_turns_are_reported_with_categories(tiny_target, make_drafter):
         by_category = summary["categories"][name]
         assert sum(m["num_steps"] for m in by_category.values()) == metrics["num_steps"]
     assert summary["overall"]["num_prompts"] == 4
+    # MT-Bench as the method's authors count it: both turns pooled into one tau.
+    first, second = summary["prompt_sets"]["mtbench"], summary["prompt_sets"]["mtbench_turn2"]
+    both = summary["both_turns"]["mtbench"]
+    for key in ("num_prompts", "num_steps", "num_tokens", "num_accepted", "greedy_mismatches"):
+        assert both[key] == first[key] + second[key]
+    assert both["tau"] == pytest.approx(both["num_tokens"] / both["num_steps"])
+    assert min(first["tau"], second["tau"]) <= both["tau"] <= max(first["tau"], second["tau"])
+    assert list(summary["both_turns"]) == ["mtbench"]
+    csv_rows = [line.split(",")[0] for line in summary_csv(summary).splitlines()]
+    assert csv_rows[:5] == ["prompt_set", "mtbench", "mtbench_turn2", "mtbench_both_turns", "overall"]
+    assert "mtbench_both_turns" in format_table(summary)
+    only_first = evaluate(make_drafter(adapter), adapter, {"mtbench": sets["mtbench"]}, max_new_tokens=8,
+                          show_progress=False)
+    assert "both_turns" not in only_first
 
 
 def test_bad_multiturn_specs_are_refused(tiny_target):

@@ -3,7 +3,8 @@
 Summary schema (summary.json, schema_version 2; docs/eval.md):
     {"schema_version": 2, "mode": "replay"|"live", "temperature": T, "block_size": B, "max_new_tokens": N,
      "prompt_sets": {name: metrics}, "overall": metrics}
-    (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, "live_engine": "hf"|"static"
+    (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, "both_turns": {set: metrics}
+    pooling a set and its "<set>_turn2" (MT-Bench as the method's authors count it), "live_engine": "hf"|"static"
     in live mode (the target engine that ran, live.py), and "chat_template_kwargs" when the pipeline writes it)
 where metrics = acceptance_metrics(...) (tau, tau_prompt_mean, acceptance_rate, per_position,
 committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_drafted) plus, in replay mode,
@@ -156,7 +157,8 @@ def evaluate(
             raise ValueError(f"categories[{name!r}] must label each of the prompts of prompt set {name!r}")
     per_set: dict[str, Any] = {}
     per_category: dict[str, Any] = {}
-    all_traces, extras = [], []
+    traces_of: dict[str, list] = {}
+    extras_of: dict[str, dict[str, Any]] = {}
     try:
         for name, prompts in prompt_sets.items():
             if bar is not None:
@@ -180,12 +182,10 @@ def evaluate(
                     groups.setdefault(label, []).append(trace)
                 per_category[name] = {label: acceptance_metrics(group, block_size)
                                       for label, group in sorted(groups.items())}
-            all_traces += traces
-            extras.append(extra)
+            traces_of[name], extras_of[name] = traces, extra
     finally:
         if bar is not None:
             bar.close()
-    pooled = {key: sum(e[key] for e in extras) for key in extras[0]}
     summary = {
         "schema_version": SCHEMA_VERSION,
         "mode": mode,
@@ -193,14 +193,27 @@ def evaluate(
         "block_size": block_size,
         "max_new_tokens": max_new_tokens,
         "prompt_sets": per_set,
-        "overall": {**acceptance_metrics(all_traces, block_size), **_finish(pooled)},
+        "overall": _pooled_metrics(list(traces_of), traces_of, extras_of, block_size),
     }
+    # A multi-turn benchmark's tau counts every turn: its sets pooled as one.
+    both_turns = {name: _pooled_metrics([name, name + TURN2_SUFFIX], traces_of, extras_of, block_size)
+                  for name in traces_of if name + TURN2_SUFFIX in traces_of}
+    if both_turns:
+        summary["both_turns"] = both_turns
     if engine is not None:
         summary["live_engine"] = engine
     if per_category:
         summary["categories"] = per_category
     summary["timing"] = timer.summary()
     return summary
+
+
+def _pooled_metrics(names: list[str], traces_of: dict[str, list], extras_of: dict[str, dict[str, Any]],
+                    block_size: int) -> dict[str, Any]:
+    """Acceptance metrics and summed timings of the prompt sets `names` taken as one."""
+    traces = [trace for name in names for trace in traces_of[name]]
+    pooled = {key: sum(extras_of[name][key] for name in names) for key in extras_of[names[0]]}
+    return {**acceptance_metrics(traces, block_size), **_finish(pooled)}
 
 
 def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress,
@@ -255,18 +268,25 @@ CSV_COLUMNS = ("prompt_set", "tau", "tau_prompt_mean", "acceptance_rate", "num_p
 
 
 def summary_csv(summary: dict[str, Any]) -> str:
-    """The scalar metrics as CSV text: one row per prompt set, "overall", then one per "set/category"; empty cells
-    where not measured."""
+    """The scalar metrics as CSV text: one row per prompt set, one per "<set>_both_turns", "overall", then one per
+    "set/category"; empty cells where not measured."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
-    rows = [*summary["prompt_sets"].items(), ("overall", summary["overall"])]
+    rows = _table_rows(summary)
     for set_name, labelled in summary.get("categories", {}).items():
         rows += [(f"{set_name}/{label}", metrics) for label, metrics in labelled.items()]
     for name, metrics in rows:
         values = [metrics.get(column) for column in CSV_COLUMNS[1:]]
         writer.writerow([name, *("" if v is None else v for v in values)])
     return buffer.getvalue()
+
+
+def _table_rows(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, metrics): each prompt set, each multi-turn set's turns pooled, then "overall"."""
+    return [*summary["prompt_sets"].items(),
+            *((f"{name}_both_turns", m) for name, m in summary.get("both_turns", {}).items()),
+            ("overall", summary["overall"])]
 
 
 def _write_text(path: str, text: str) -> None:
@@ -294,7 +314,7 @@ def format_table(summary: dict[str, Any]) -> str:
     def number(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    rows = [(name, m) for name, m in summary["prompt_sets"].items()] + [("overall", summary["overall"])]
+    rows = _table_rows(summary)
     width = max(12, *(len(name) for name, _ in rows))
     header = f"{'prompt set':<{width}}  {'tau':>6}  {'acc.rate':>8}  {'prompts':>7}  {'steps':>7}  {'tokens':>7}"
     if "speedup" in summary["overall"]:
