@@ -194,7 +194,7 @@ def test_smollm2_recipe_builds_its_training_settings(tmp_path):
     assert str(cfg.capture.mode) == "colocated"
     settings = Pipeline(cfg).train_settings()
     assert (settings.micro_batch_size, settings.num_anchors, settings.gamma) == (64, 64, 7.0)
-    assert settings.compile and settings.eval_every == 1000 and settings.max_minutes == 17
+    assert settings.compile and settings.eval_every == 1000 and settings.max_minutes == 16.5
 
 
 def test_qwen36_without_weights_stops_at_once_naming_the_path(tmp_path):
