@@ -75,6 +75,7 @@ def test_acceptance_notebook_runs_on_an_eval_output(two_runs, tmp_path):
     for name, metrics in summary["prompt_sets"].items():
         assert f"tau[{name}] = {metrics['tau']:.3f}" in text
     assert f"tau[overall] = {summary['overall']['tau']:.3f}" in text
+    assert f"tau[mtbench_both_turns] = {summary['both_turns']['mtbench']['tau']:.3f}" in text
     categories = summary["categories"]["mtbench"]  # the tiny run evaluates 2 MT-Bench prompts
     assert sum(m["num_prompts"] for m in categories.values()) == 2
     for label, metrics in categories.items():
@@ -89,7 +90,9 @@ def test_compare_runs_notebook_runs_on_two_runs(two_runs, tmp_path):
     with open(os.path.join(replay_dir, "metrics.jsonl"), encoding="utf-8") as f:
         last = json.loads(f.readlines()[-1])
     assert f"replay_run: last step {last['step']}, loss {last['loss']:.4f}" in text
-    assert f"{read_summary(replay_dir)['overall']['tau']:.3f}" in text
+    summary = read_summary(replay_dir)
+    assert f"{summary['overall']['tau']:.3f}" in text
+    assert "mtbench_both_turns" in text and f"{summary['both_turns']['mtbench']['tau']:.3f}" in text
 
 
 @pytest.mark.parametrize("name", ["acceptance.ipynb", "compare_runs.ipynb"])
