@@ -6,23 +6,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import signal
 
 import pytest
 import torch
 
 from dflash.config import compose
 from dflash.pipeline import Pipeline
-from dflash.train import loop
 from dflash.train.checkpoints import COMPLETE, latest_tag
 from dflash.train.engine import warmup_cosine
-from dflash.train.metrics_log import MetricsLog
 from dflash.train.stop_signal import TrainingStopped
 from dflash.train.time_budget import (
-    CALIBRATION_SHARE, CALIBRATION_STEPS, RATE_WINDOW, REPLAN_EVERY, REPLAN_TOLERANCE, UNMEASURED_EVAL_SHARE, TimeBudget,
+    CALIBRATION_SHARE, CALIBRATION_STEPS, ONE_OFF_FACTOR, RATE_WINDOW, REPLAN_EVERY, REPLAN_TOLERANCE, UNMEASURED_EVAL_SHARE, TimeBudget,
     affordable_total, evaluations_in, rate_window,
 )
 from tests import trainer_harness
+from tests.scripted_clock import ScriptedClock, SlowHeldout, budget_run, scripted_steps
 
 # The planning arithmetic -------------------------------------------------------------------------------------------
 
@@ -84,6 +82,45 @@ def test_first_plan_after_calibration_then_steady_renewals_change_nothing():
     budget = TimeBudget(60.0, 50, eval_every=0, evaluates=False)
     budget.after_step(1, 10.0)
     assert feed(budget, 1, 10.0, 0.25, 50)[2] == [1 + CALIBRATION_STEPS] and budget.planned_steps == 50
+
+
+@pytest.mark.parametrize("minutes", [16.78, 5.0])
+def test_a_recompiling_second_step_is_not_timed_by_the_first_plan(minutes):
+    # Session 9 on an H200: step 1 took 43 s, step 2 12.2 s (a recompilation), then 0.17 s. Timing step 2 made
+    # the first plan 1,793 steps instead of ~5,600, and the 400-step window kept it low until step ~420.
+    budget = TimeBudget(minutes, 10**6, eval_every=0, evaluates=False, save_every=400)
+    budget.after_step(1, 43.0)
+    assert not budget.after_step(2, 55.2)
+    step, run_s, news = feed(budget, 2, 55.2, 0.17, 2 + CALIBRATION_STEPS + 5)
+    assert news == [2 + CALIBRATION_STEPS]  # twenty timed steps after the one-off
+    assert budget.step_s == pytest.approx(0.17)
+    planned_at = 55.2
+    for _ in range(CALIBRATION_STEPS):
+        planned_at += 0.17  # as feed adds them
+    assert budget.planned_steps == affordable_total(10**6, news[0], 60 * minutes - planned_at, budget.step_s,
+                                                    lambda t: 0.0)
+    # The renewals that follow agree with it: no jump once the window fills with steps like these.
+    planned = budget.planned_steps
+    _, _, news = feed(budget, step, run_s, 0.17, 1000)
+    assert news == [] and budget.planned_steps == planned
+
+
+def test_only_a_step_well_above_the_others_is_left_out_of_the_first_plan():
+    # Steps alternating 0.2 / 0.4 s are the pace itself: nothing is dropped, the first plan's rate is their mean.
+    budget = TimeBudget(60.0, 10**6, eval_every=0, evaluates=False)
+    budget.after_step(1, 10.0)
+    run_s = 10.0
+    for step in range(2, 2 + CALIBRATION_STEPS):
+        run_s += 0.2 if step % 2 else 0.4
+        budget.after_step(step, run_s)
+    assert budget.step_s == pytest.approx(0.3)
+    # A step just below ONE_OFF_FACTOR times the median is timed too.
+    budget = TimeBudget(60.0, 10**6, eval_every=0, evaluates=False)
+    budget.after_step(1, 10.0)
+    budget.after_step(2, 10.0 + 0.99 * ONE_OFF_FACTOR * 0.25)
+    feed(budget, 2, 10.0 + 0.99 * ONE_OFF_FACTOR * 0.25, 0.25, 1 + CALIBRATION_STEPS)
+    assert budget.step_s == pytest.approx((0.99 * ONE_OFF_FACTOR * 0.25 + 0.25 * (CALIBRATION_STEPS - 1))
+                                          / CALIBRATION_STEPS)
 
 
 def test_renewals_follow_a_slowdown_beyond_the_tolerance_only():
@@ -233,69 +270,6 @@ def test_online_capture_refuses_a_budget_and_the_setting_reaches_the_trainer(tmp
 # Real tiny runs on a scripted clock ---------------------------------------------------------------------------------
 
 LR, MIN_LR_RATIO = 3e-3, 0.1  # trainer_harness.settings
-
-
-class ScriptedClock:
-    """The loop's clock: time moves only when a step or an evaluation "takes" its scripted seconds."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class SlowHeldout:
-    """A held-out set whose evaluation takes `seconds` on the scripted clock."""
-
-    def __init__(self, clock: ScriptedClock, seconds: float) -> None:
-        self.clock, self.seconds, self.steps = clock, seconds, 0
-
-    def check(self, config) -> None:
-        pass
-
-    def evaluate(self, drafter, frozen_head) -> dict[str, float]:
-        self.clock.now += self.seconds
-        self.steps += 1
-        return {"tau": 1.0, "acceptance_rate": 0.0}
-
-
-def scripted_steps(monkeypatch, clock: ScriptedClock, seconds, sigterm_at: int | None = None) -> None:
-    """Step k (1-based, counted in this run) takes seconds(k) (one micro-batch per step in these runs); with
-    sigterm_at, a SIGTERM arrives during that step."""
-    prepare = loop.prepare_micro_batch
-    calls = [0]
-
-    def timed(*args, **kwargs):
-        calls[0] += 1
-        clock.now += seconds(calls[0])
-        if calls[0] == sigterm_at:
-            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-                pytest.fail("the loop's SIGTERM handler is not installed")
-            signal.raise_signal(signal.SIGTERM)
-        return prepare(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "clock", clock)
-    monkeypatch.setattr(loop, "prepare_micro_batch", timed)
-
-
-def budget_run(out, minutes: float | None, *, epochs: int = 20, heldout=None, eval_every: int = 0,
-               log_every: int = 1, profile_steps: str | None = None) -> list[dict]:
-    """The harness drafter (global batch 2, 3 steps per epoch) under a budget; rank 0's metric records."""
-    from dflash.train.engine import init_distributed
-
-    init_distributed()
-    settings = dataclasses.replace(trainer_harness.settings(2, 1, epochs=epochs), max_minutes=minutes,
-                                   eval_every=eval_every, log_every=log_every, profile_steps=profile_steps)
-    log = MetricsLog(str(out), enabled=True, tensorboard=False, wandb_mode="disabled", wandb_project="t", config={})
-    try:
-        loop.train(settings, trainer_harness.drafter_config(), trainer_harness.synthetic_store(),
-                   trainer_harness.frozen_head(), str(out / "checkpoints"), log, rank=0, world_size=1,
-                   device=torch.device("cpu"), show_progress=False, heldout=heldout)
-    finally:
-        log.close()
-    with open(out / "metrics.jsonl", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def assert_normal_end(out, records: list[dict], last: int) -> None:

@@ -1,5 +1,6 @@
 """Checkpoints never lose work: a SIGKILLed run resumes to the same weights; incomplete tags are never picked."""
 
+import json
 import os
 import signal
 import socket
@@ -59,6 +60,8 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, one_thr
     for name in full_state:
         torch.testing.assert_close(resumed_state[name], full_state[name], rtol=1e-6, atol=1e-7)
     assert resumed_losses[-1] == pytest.approx(full_losses[-1], rel=1e-6)
+    with open(out / "metrics.jsonl", encoding="utf-8") as f:  # steps logged after the last checkpoint: once
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 13))
     assert [step for step, _ in complete_tags(checkpoints)] == [11, 12]  # keep-last-2
     folders = sorted(name for name in os.listdir(checkpoints) if os.path.isdir(os.path.join(checkpoints, name)))
     assert folders == ["step11", "step12"]  # the half-written tag of the killed run is gone too

@@ -279,6 +279,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     # Data position, anchors and LR all follow from the global step, restored with the optimizer and RNG state.
     state = {"global_step": 0} if tag is None else load_checkpoint(engine, checkpoint_dir, tag, rank=rank)
     step = state["global_step"]
+    log.resume_from(step)  # records of steps after the checkpoint (or of an earlier run) are not this run's
     saved_batch = state.get("global_batch_size", plan.global_batch_size)
     if saved_batch != plan.global_batch_size:
         raise ValueError(
@@ -303,8 +304,10 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     profile_window = parse_profile_steps(settings.profile_steps)
     profiler = StepProfiler(settings.profile_steps, os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)),
                                                                  "train_profile.txt"), device, enabled=rank == 0)
-    started, tokens_seen, eval_s, first_step = clock(), 0.0, 0.0, True
-    window_started, window_step, window_eval_s = started, step, 0.0  # since the last log line, for step_s
+    first_step = True
+    # Since the last log line, for step_s and tokens_per_s: each log line reports its own window, so the first
+    # steps' compilation weighs only on the first line.
+    window_started, window_step, window_eval_s, window_tokens = clock(), step, 0.0, 0.0
     verify_features = getattr(store, "verify_features", None)
     # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
     with StopSignal() as stop, contextlib.ExitStack() as cleanup:
@@ -338,10 +341,9 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                     budget.exclude(agreed_seconds(step_ended - step_started, device))
                 news = budget.after_step(step, agreed_seconds(clock() - entered, device))
                 total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
-            tokens_seen += metrics.pop("tokens")
+            window_tokens += metrics.pop("tokens")
             tflops = metrics.pop("flops") / (now - step_started) / 1e12
-            metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch,
-                           tokens_per_s=tokens_seen / (now - started - eval_s), tflops=tflops)
+            metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch, tflops=tflops)
             if peak_tflops is not None:
                 metrics["mfu"] = tflops / (peak_tflops * world_size)
             grad_norm = engine.grad_norm()
@@ -361,8 +363,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                 if world_size > 1:
                     dist.barrier()
                 metrics["heldout/seconds"] = clock() - eval_started
-                eval_s += metrics["heldout/seconds"]  # kept out of tokens/s
-                window_eval_s += metrics["heldout/seconds"]
+                window_eval_s += metrics["heldout/seconds"]  # kept out of step_s and tokens/s
                 if budget is not None:
                     news = budget.after_evaluation(step, agreed_seconds(clock() - entered, device))
                     total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
@@ -370,8 +371,10 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
                 metrics.update(lr=engine.lr(), planned_steps=total_steps)  # the LR after any change of plan
             if step % settings.log_every == 0 or step == total_steps or evaluate_now:
                 now = clock()
-                metrics["step_s"] = (now - window_started - window_eval_s) / (step - window_step)
-                window_started, window_step, window_eval_s = now, step, 0.0
+                training_s = now - window_started - window_eval_s
+                metrics["step_s"] = training_s / (step - window_step)
+                metrics["tokens_per_s"] = window_tokens / training_s
+                window_started, window_step, window_eval_s, window_tokens = now, step, 0.0, 0.0
                 log.log(step, metrics)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
                                  tau=f"{metrics['accept_len_est']:.2f}")
@@ -380,7 +383,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             profiler.after_step(step)  # the last profiled step writes its table here (rank 0)
             if budget is not None and profiled:  # so is the table; ranks agree on the seconds, their plans stay equal
                 budget.exclude(agreed_seconds(clock() - table_started, device))
-            stopping = step < total_steps and stop.requested(device)
+            # A signal in the last step stops too: the caller asked to stop now, not after export and eval.
+            stopping = stop.requested(device)
             if stopping or step == total_steps or (settings.save_every and step % settings.save_every == 0):
                 client_state = {"global_step": step, "global_batch_size": plan.global_batch_size}
                 if budget is not None:

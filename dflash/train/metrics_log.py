@@ -19,22 +19,43 @@ class MetricsLog:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._tensorboard_dir = os.path.join(run_dir, "tensorboard") if tensorboard else None
+        self._file = open(self.path, "a", encoding="utf-8")
         if wandb_mode != "disabled":
             import wandb
 
             self._wandb = wandb.init(project=wandb_project, dir=run_dir, mode=wandb_mode, config=config,
                                      reinit="finish_previous")
 
+    def resume_from(self, step: int) -> None:
+        """Training (re)starts after `step` (0: from scratch): drop the records of later steps, which a killed run
+        logged after its last checkpoint or an earlier run in this folder left, so that no step is logged twice or
+        by two runs. TensorBoard hides its later events the same way (purge_step)."""
+        if not self.enabled:
+            return
+        self._file.close()
+        with open(self.path, encoding="utf-8") as f:
+            kept = [line for line in f if _record_step(line) <= step]
+        temp = f"{self.path}.tmp-{os.getpid()}"
+        with open(temp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(temp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._open_tensorboard(purge_step=step + 1)
+
+    def _open_tensorboard(self, purge_step: int | None = None) -> None:
+        if self._tensorboard_dir is not None and self._tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(self._tensorboard_dir, purge_step=purge_step)
+
     def log(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()
+        self._open_tensorboard()
         if self._tensorboard is not None:
             for key, value in values.items():
                 self._tensorboard.add_scalar(key, value, step)
@@ -48,3 +69,12 @@ class MetricsLog:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _record_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a blank or torn line (a run killed mid-write), so it is
+    dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")

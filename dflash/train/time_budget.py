@@ -7,8 +7,10 @@ steps and plans the total it can afford:
     planned = min(cap, done + the most steps that, with the held-out evaluations they bring, fit the time left)
 
 cap is the epochs / max_steps total, and never fewer than done + 1 are planned. The first step of a run (engine
-warm-up, kernel compilation) is not timed; the first plan comes after CALIBRATION_STEPS more steps, or sooner when
-those steps already used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
+warm-up, kernel compilation) is not timed, nor, before the first plan, a later one-off step (a recompilation: on an
+H200 the recipe's second step took 12 s against 0.17 s for the next ones) that took more than ONE_OFF_FACTOR times
+the median of the others; the first plan comes after CALIBRATION_STEPS timed steps, or sooner when they already
+used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
 after every held-out evaluation, from the rate of the last rate_window steps (evaluations excluded), so a run that
 slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
 REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost the seconds of the shortest one measured;
@@ -29,6 +31,7 @@ from typing import Any
 
 CALIBRATION_STEPS = 20         # steps timed after a run's first step before the first plan
 CALIBRATION_SHARE = 0.05       # ... or fewer, once the timed steps used this share of the budget
+ONE_OFF_FACTOR = 3.0           # before the first plan, a step this many times the others' median is not timed
 REPLAN_EVERY = 20              # steps between renewals of the plan
 RATE_WINDOW = 100              # the recent step rate is measured over at least this many steps (rate_window)
 REPLAN_TOLERANCE = 0.02        # a renewed plan replaces the current total when they differ by more than this share
@@ -129,9 +132,11 @@ class TimeBudget:
         self._marks.append(mark)
         if self._first_mark is None:  # this run's first step: start-up and compilation, not timed
             self._first_mark = mark
-        elif self._next_plan is None and (step - self._first_mark[0] >= CALIBRATION_STEPS
-                                          or mark[1] - self._first_mark[1] >= CALIBRATION_SHARE * self.budget_s):
-            self._next_plan = step
+        elif self._next_plan is None:
+            self._drop_one_off_step()
+            (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
+            if last_step - first_step >= CALIBRATION_STEPS or last_s - first_s >= CALIBRATION_SHARE * self.budget_s:
+                self._next_plan = step
         news = False
         if self._next_plan is not None and step >= self._next_plan:
             news = self._renew(step, pending_from=step)  # this step's own evaluation, if any, is still to come
@@ -165,6 +170,20 @@ class TimeBudget:
     def _advance(self, run_s: float) -> None:
         self._run_s = run_s
         self.elapsed_s = self.spent_before_s + run_s
+
+    def _drop_one_off_step(self) -> None:
+        """Start the rate window after its slowest step when that step took more than ONE_OFF_FACTOR times the
+        median of the others (a recompilation, not the pace of the steps to come). Before the first plan only:
+        later, checkpoint saves are slow steps that belong in the rate."""
+        marks = list(self._marks)
+        seconds = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+        if len(seconds) < 2:
+            return
+        slowest = max(range(len(seconds)), key=seconds.__getitem__)
+        others = sorted(seconds[:slowest] + seconds[slowest + 1:])
+        if seconds[slowest] > ONE_OFF_FACTOR * others[len(others) // 2]:
+            for _ in range(slowest + 1):
+                self._marks.popleft()
 
     def _recent_step_s(self) -> float:
         (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]

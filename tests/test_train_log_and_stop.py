@@ -1,0 +1,107 @@
+"""The trainer's metrics log belongs to one run and one pass over each step, and a stop signal is always obeyed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dflash.train import loop
+from dflash.train.checkpoints import latest_tag
+from dflash.train.metrics_log import MetricsLog
+from dflash.train.stop_signal import TrainingStopped
+from tests.scripted_clock import ScriptedClock, budget_run, scripted_steps
+
+STEPS = 6  # budget_run: 3 steps per epoch
+
+
+def test_a_stop_signal_in_the_last_step_stops_before_export_and_the_rerun_only_finishes(tmp_path, monkeypatch):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0, sigterm_at=STEPS)
+    with pytest.raises(TrainingStopped):
+        budget_run(tmp_path, None, epochs=2)
+    assert latest_tag(str(tmp_path / "checkpoints")) == f"step{STEPS}"
+    trained = []
+    monkeypatch.setattr(loop, "train_step", lambda *a, **k: trained.append(1))
+    records = budget_run(tmp_path, None, epochs=2)  # resumes at the end: nothing left to train
+    assert trained == [] and [r["step"] for r in records] == list(range(1, STEPS + 1))
+
+
+def test_resuming_drops_the_records_logged_after_the_checkpoint(tmp_path, monkeypatch):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0, sigterm_at=4)
+    with pytest.raises(TrainingStopped):
+        budget_run(tmp_path, None, epochs=2)
+    assert latest_tag(str(tmp_path / "checkpoints")) == "step4"
+    # As if the run had gone on after its last checkpoint and been killed: steps 5 and 6 logged, a line torn.
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 5, "loss": -1.0}\n{"step": 6, "loss": -1.0}\n{"step": 7, "loss": 1.')
+    scripted_steps(monkeypatch, clock, lambda k: 1.0)
+    records = budget_run(tmp_path, None, epochs=2)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["loss"] > 0 for r in records)  # steps 5 and 6 as the resumed run trained them
+
+
+def test_a_fresh_run_in_an_old_folder_keeps_none_of_its_records(tmp_path, monkeypatch):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 1.0)
+    budget_run(tmp_path, None, epochs=4)  # 12 steps
+    shutil.rmtree(tmp_path / "checkpoints")  # what the pipeline does when the settings changed
+    records = budget_run(tmp_path, None, epochs=1)
+    assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def test_tokens_per_s_is_measured_over_each_log_window(tmp_path, monkeypatch):
+    clock = ScriptedClock()
+    scripted_steps(monkeypatch, clock, lambda k: 20.0 if k == 1 else 1.0)  # a first step that compiles
+    tokens = []
+    real_step = loop.train_step
+
+    def counting_step(*args, **kwargs):
+        metrics = real_step(*args, **kwargs)
+        tokens.append(metrics["tokens"])
+        return metrics
+
+    monkeypatch.setattr(loop, "train_step", counting_step)
+    records = budget_run(tmp_path, None, epochs=2, log_every=2)
+    assert [r["step"] for r in records] == [2, 4, 6]
+    seconds = [21.0, 2.0, 2.0]
+    for record, window_tokens, window_s in zip(records, [tokens[0:2], tokens[2:4], tokens[4:6]], seconds):
+        assert record["tokens_per_s"] == pytest.approx(sum(window_tokens) / window_s)
+
+
+def test_tensorboard_hides_the_steps_a_resumed_run_trains_again(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def steps_seen() -> list[int]:
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        return [event.step for event in events.Scalars("loss")]
+
+    log = MetricsLog(str(tmp_path), enabled=True, tensorboard=True, wandb_mode="disabled", wandb_project="t",
+                     config={})
+    log.resume_from(0)
+    for step in range(1, 6):
+        log.log(step, {"loss": float(step)})
+    log.close()
+    log = MetricsLog(str(tmp_path), enabled=True, tensorboard=True, wandb_mode="disabled", wandb_project="t",
+                     config={})
+    log.resume_from(3)
+    for step in (4, 5):
+        log.log(step, {"loss": 10.0 + step})
+    log.close()
+    assert steps_seen() == [1, 2, 3, 4, 5]
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["loss"] for line in f] == [1.0, 2.0, 3.0, 14.0, 15.0]
+
+
+def test_a_log_of_another_rank_writes_nothing(tmp_path):
+    log = MetricsLog(str(tmp_path), enabled=False, tensorboard=True, wandb_mode="disabled", wandb_project="t",
+                     config={})
+    log.resume_from(3)
+    log.log(4, {"loss": torch.tensor(1.0).item()})
+    log.close()
+    assert not any(tmp_path.iterdir())
