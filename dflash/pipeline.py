@@ -20,8 +20,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.run_files import (
-    CHECKPOINT_KEY, claim_checkpoint_dir, container, fingerprint, mark_done, read_json, read_json_or_none, stage_done,
-    write_json, write_text,
+    CHECKPOINT_KEY, claim_checkpoint_dir, claim_dir, clear_done, container, fingerprint, mark_done, read_json,
+    read_json_or_none, stage_done, write_json, write_text,
 )
 
 STAGES = ("data", "capture", "train", "eval")
@@ -227,6 +227,7 @@ class Pipeline:
             print(f"[data] up to date: {out}")
             return
         os.makedirs(out, exist_ok=True)
+        clear_done(out)
         prompts = load_prompts(str(d.source), path=d.path, limit=d.limit, seed=int(d.seed),
                                turns=str(d.get("turns", "first")))
         synthetic = d.get("synthetic") or {}
@@ -263,9 +264,10 @@ class Pipeline:
     def capture_fingerprint(self) -> str:
         taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}
         # Where capture runs, how it checks itself and how online features travel do not change the features.
+        # Nor do the batch and shard sizes: they only group the same samples (a batch's padding changes rounding).
         skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
                 "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
-                "cache_budget_bytes", "gpus_per_worker", "workers", "compile", "pack")
+                "cache_budget_bytes", "gpus_per_worker", "workers", "compile", "pack", "batch_tokens", "shard_tokens")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         # What the data stage made, not only what it was asked: a rerun that retried failed prompts has more samples.
         stats = read_json_or_none(os.path.join(self.dirs["data"], "stats.json")) or {}
@@ -287,7 +289,14 @@ class Pipeline:
         if stage_done(out, key):
             print(f"[capture] up to date: {out}")
             return
-        os.makedirs(out, exist_ok=True)
+        if self.rank == 0:  # features of other settings would be refused by the store: moved aside, not lost
+            moved = claim_dir(out, key, stage="capture", contents="features")
+            if moved:
+                print(f"[capture] features of other settings moved aside to {moved}")
+        self.barrier()
+        if stage_done(out, key):  # these settings' features came back from where a settings change had moved them
+            print(f"[capture] up to date: {out}")
+            return
         shape = target_shape(self.adapter)
         config = drafter_config(self.cfg, shape)  # validates taps, mask id and sizes before any work
         dataset = load_dataset_dir(self.dirs["data"])
@@ -563,6 +572,7 @@ class Pipeline:
             summary = read_json(summary_path)
         else:
             os.makedirs(out, exist_ok=True)
+            clear_done(out)
             e = self.cfg.eval
             print(f"[eval] drafter {folder}")
             drafter = load_drafter(folder, dtype=self.adapter.dtype, device=str(self.device))

@@ -6,6 +6,7 @@ the current fingerprint is finished and is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +29,13 @@ def stage_done(folder: str, key: str) -> bool:
             return json.load(f).get("fingerprint") == key
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def clear_done(folder: str) -> None:
+    """Remove `folder`'s done marker before a stage rewrites the folder: killed halfway, the folder must not pass
+    as the finished work of the settings the marker names."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(folder, "done.json"))
 
 
 def mark_done(folder: str, key: str, **info: Any) -> None:
@@ -57,42 +65,61 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
 
     Checkpoints written under other settings (or before checkpoints carried a fingerprint) would be resumed as if
     they were this run's: a run whose settings changed would load the old final step and export the old weights.
-    They are moved aside to `<directory>.<old key>`; a later run with those settings again moves them back and
-    resumes. Only one moved-aside folder is kept besides the one being restored: optimizer state is large (~25 GB
-    per 27B-recipe checkpoint) and every settings change would add one. Returns where the current checkpoints
-    went, or None when nothing moved.
+    They are moved aside (claim_dir); a later run with those settings again moves them back and resumes.
+    """
+    return claim_dir(directory, key, stage="train", contents="checkpoints")
+
+
+def claim_dir(directory: str, key: str, *, stage: str, contents: str) -> str | None:
+    """Make `directory` hold the work of settings fingerprinted `key` only (`contents` of stage `stage`).
+
+    Work of other settings (its fingerprint in the folder's marker, else in a done.json; neither: unfingerprinted)
+    is moved aside to `<directory>.<old key>`, and a folder moved aside earlier for `key` is moved back, so going
+    back to earlier settings resumes their work. Only one moved-aside folder is kept besides the one being restored:
+    optimizer state is large (~25 GB per 27B-recipe checkpoint) and so are feature stores, and every settings change
+    would add one. Returns where the current folder went, or None when nothing moved.
     """
     marker = os.path.join(directory, CHECKPOINT_KEY)
     parent, name = os.path.split(os.path.abspath(directory))
     restore = f"{directory}.{key}"
     moved = None
     if os.path.isdir(directory) and os.listdir(directory):
-        try:
-            old = read_json(marker).get("fingerprint")
-        except (OSError, ValueError, AttributeError):
-            old = None
+        old = _folder_key(directory)
         if old == key:
+            write_json(marker, {"fingerprint": key})  # a folder from before the marker: claimed as it is
             return None
         # Only folders this function made: <name>.<16 hex digits of a fingerprint> or <name>.unfingerprinted.
         ours = re.compile(re.escape(name) + r"\.([0-9a-f]{16}|unfingerprinted)")
         for stale in os.listdir(parent):
             path = os.path.join(parent, stale)
             if ours.fullmatch(stale) and os.path.isdir(path) and os.path.abspath(path) != os.path.abspath(restore):
-                print(f"[train] deleting {path}, checkpoints of settings older than the ones moved aside now")
+                print(f"[{stage}] deleting {path}, {contents} of settings older than the ones moved aside now")
                 shutil.rmtree(path)
         moved = f"{directory}.{old or 'unfingerprinted'}"
         os.replace(directory, moved)
     elif os.path.isdir(directory):
         os.rmdir(directory)
     if os.path.isdir(restore):
-        os.replace(restore, directory)  # these settings ran before: their checkpoints resume
-        print(f"[train] checkpoints of these settings restored from {restore}")
+        os.replace(restore, directory)  # these settings ran before: their work resumes
+        print(f"[{stage}] {contents} of these settings restored from {restore}")
         return moved
     os.makedirs(directory, exist_ok=True)
     write_json(marker, {"fingerprint": key})
     if moved:
-        print("[train] no checkpoint of these settings: training starts afresh")
+        print(f"[{stage}] no {contents} of these settings: the stage starts afresh")
     return moved
+
+
+def _folder_key(directory: str) -> str | None:
+    """The fingerprint a folder's work belongs to: its claim marker's, else its done.json's; None if neither."""
+    for file in (CHECKPOINT_KEY, "done.json"):
+        try:
+            key = read_json(os.path.join(directory, file)).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(key, str):
+            return key
+    return None
 
 
 def read_json(path: str) -> Any:
