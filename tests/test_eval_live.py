@@ -183,7 +183,7 @@ def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_d
     assert overall["speculative_seconds"] == pytest.approx(
         sum(live_summary["prompt_sets"][n]["speculative_seconds"] for n in ("a", "b")))
     assert "speedup" in format_table(live_summary)
-    assert sorted(live_summary["timing"]["seconds"]) == ["live_speculative", "live_target_only"]
+    assert sorted(live_summary["timing"]["seconds"]) == ["live_speculative", "live_target_only", "live_warmup"]
     assert live_summary["timing"]["seconds"]["live_speculative"] == pytest.approx(
         overall["speculative_seconds"], abs=2e-3)
     by_category = live_summary["categories"]["a"]

@@ -4,8 +4,9 @@ Summary schema (summary.json, schema_version 2; docs/eval.md):
     {"schema_version": 2, "mode": "replay"|"live", "temperature": T, "block_size": B, "max_new_tokens": N,
      "prompt_sets": {name: metrics}, "overall": metrics}
     (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, "both_turns": {set: metrics}
-    pooling a set and its "<set>_turn2" (MT-Bench as the method's authors count it), "live_engine": "hf"|"static"
-    in live mode (the target engine that ran, live.py), and "chat_template_kwargs" when the pipeline writes it)
+    pooling a set and its "<set>_turn2" as the method's authors' benchmark pools MT-Bench's turns (it prints the
+    mean over responses, our tau_prompt_mean), "live_engine": "hf"|"static" in live mode (the target engine that
+    ran, live.py), and "chat_template_kwargs" when the pipeline writes it)
 where metrics = acceptance_metrics(...) (tau, tau_prompt_mean, acceptance_rate, per_position,
 committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_drafted) plus, in replay mode,
 greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
@@ -13,7 +14,8 @@ speculative_tokens_per_s and, when the target-only baseline ran, target_seconds,
 target_tokens_per_s, speedup and (T=0) lossless_mismatches. summary.csv has one row per prompt set + overall.
 "timing" (PhaseTimer.summary, metrics.py) says where the wall time went: {"seconds": {phase: s}, "total_seconds",
 "prompt_sets": {set: {phase: s}}}; phases: "load_prompts" and "turn2_answers" (when load_prompt_sets got the same
-timer), "generate", "target_pass", "draft", "accept" (replay), "live_speculative", "live_target_only" (live).
+timer), "generate", "target_pass", "draft", "accept" (replay), "live_warmup", "live_speculative",
+"live_target_only" (live).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dflash.eval.plots import plot_committed_histogram, plot_per_position
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.replay import replay
 from dflash.models.drafter import DFlashDraftModel
+from dflash.run_files import write_text
 
 SCHEMA_VERSION = 2
 
@@ -120,6 +123,7 @@ def evaluate(
     categories: dict[str, list[str]] | None = None,
     timer: PhaseTimer | None = None,
     live_engine: str = "auto",
+    warm_up: bool = True,
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
 
@@ -132,6 +136,8 @@ def evaluate(
     "categories": {name: {label: acceptance metrics}} (MT-Bench categories, categories.py).
     `timer`: pass the PhaseTimer that `load_prompt_sets` filled so loading shows in summary["timing"] too.
     `live_engine` (live mode): the target engine of both decodes, "auto" | "static" | "hf" (live.py).
+    `warm_up` (live mode): first decode the first prompt briefly in both modes, untimed and uncounted
+    (`_warm_up_live`), so the first timed decode does not pay one-off costs that later ones do not.
     """
     if not prompt_sets:
         raise ValueError("prompt_sets is empty")
@@ -159,6 +165,12 @@ def evaluate(
     per_category: dict[str, Any] = {}
     traces_of: dict[str, list] = {}
     extras_of: dict[str, dict[str, Any]] = {}
+    if mode == "live" and warm_up:
+        first = next((prompts[0] for prompts in prompt_sets.values() if prompts), None)
+        if first is not None:
+            with timer.phase("live_warmup"):
+                _warm_up_live(drafter, adapter, first, max_new_tokens=max_new_tokens, temperature=temperature,
+                              seed=seed, measure_target=measure_target, engine=engine)
     try:
         for name, prompts in prompt_sets.items():
             if bar is not None:
@@ -195,7 +207,8 @@ def evaluate(
         "prompt_sets": per_set,
         "overall": _pooled_metrics(list(traces_of), traces_of, extras_of, block_size),
     }
-    # A multi-turn benchmark's tau counts every turn: its sets pooled as one.
+    # Every turn of a multi-turn benchmark, pooled as the method's authors' benchmark pools them (it prints the
+    # mean over responses of each response's tau: tau_prompt_mean here).
     both_turns = {name: _pooled_metrics([name, name + TURN2_SUFFIX], traces_of, extras_of, block_size)
                   for name in traces_of if name + TURN2_SUFFIX in traces_of}
     if both_turns:
@@ -214,6 +227,21 @@ def _pooled_metrics(names: list[str], traces_of: dict[str, list], extras_of: dic
     traces = [trace for name in names for trace in traces_of[name]]
     pooled = {key: sum(extras_of[name][key] for name in names) for key in extras_of[names[0]]}
     return {**acceptance_metrics(traces, block_size), **_finish(pooled)}
+
+
+def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed, measure_target, engine) -> None:
+    """Decode `prompt` a little in both modes, results dropped: the first timed decode would otherwise pay the
+    one-off costs (kernel loading, allocator growth, CUDA graph capture) that the target-only decode after it is
+    spared. A generator of its own, so the timed decodes draw the same random numbers with or without it."""
+    stop_ids = adapter.stop_token_ids()
+    # A few steps (full blocks, then the shorter ones near the limit), not the whole budget: it is pure overhead.
+    tokens = min(max_new_tokens, 2 * drafter.config.block_size)
+    generator = torch.Generator(device=adapter.device).manual_seed(seed) if temperature > 0 else None
+    live_decode(drafter, adapter, prompt, max_new_tokens=tokens, stop_token_ids=stop_ids, temperature=temperature,
+                generator=generator, target_engine=engine)
+    if measure_target:
+        target_only_decode(adapter, prompt, max_new_tokens=tokens, stop_token_ids=stop_ids, temperature=temperature,
+                           generator=generator, target_engine=engine)
 
 
 def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress,
@@ -289,20 +317,13 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
             ("overall", summary["overall"])]
 
 
-def _write_text(path: str, text: str) -> None:
-    temp = path + ".tmp"
-    with open(temp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(temp, path)
-
-
 def write_summary(summary: dict[str, Any], out_dir: str) -> str:
     """Write summary.json, summary.csv, per_position.png and committed_histogram.png into out_dir (each file
     atomically); returns the JSON path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "summary.json")
-    _write_text(path, json.dumps(summary, indent=2) + "\n")
-    _write_text(os.path.join(out_dir, "summary.csv"), summary_csv(summary))
+    write_text(path, json.dumps(summary, indent=2) + "\n")
+    write_text(os.path.join(out_dir, "summary.csv"), summary_csv(summary))
     plot_per_position(summary, os.path.join(out_dir, "per_position.png"))
     plot_committed_histogram(summary, os.path.join(out_dir, "committed_histogram.png"))
     return path

@@ -37,8 +37,9 @@ def drafter_tensors(drafter: DFlashDraftModel, dtype: torch.dtype) -> dict[str, 
 def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
     """Write out_dir/config.json and out_dir/model.safetensors; an existing out_dir is replaced as a whole.
 
-    Written into a temporary sibling folder first, then moved into place, so out_dir is never half-written.
-    Returns out_dir.
+    Written into a temporary sibling folder first, then moved into place, so out_dir is never half-written; if
+    the move fails, the previous export stays at out_dir. The folder and files get the usual modes (0o777 / 0o666
+    less the umask), so other users can read an export as they can any file of the run. Returns out_dir.
     """
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
@@ -47,22 +48,43 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
     config["dtype"] = str(dtype).removeprefix("torch.")
     tensors = drafter_tensors(drafter, dtype)
     temp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    old = temp + ".old"
     try:
         with open(os.path.join(temp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
         save_file(tensors, os.path.join(temp, WEIGHTS_NAME), metadata={"format": "pt"})
-        old = None
+        # mkdtemp makes the folder 0o700 and safetensors may write 0o600: only their owner could read them.
+        umask = process_umask()
+        for name in os.listdir(temp):
+            os.chmod(os.path.join(temp, name), 0o666 & ~umask)
+        os.chmod(temp, 0o777 & ~umask)
         if os.path.exists(out_dir):
-            old = temp + ".old"
             os.replace(out_dir, old)
         os.replace(temp, out_dir)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
+        if os.path.exists(old) and not os.path.exists(out_dir):
+            os.replace(old, out_dir)  # the new export did not arrive: put the previous one back
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def process_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (os.umask can only read by setting, and
+    another thread creating a file meanwhile would get the temporary mask)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # Elsewhere: set a strict mask for the instant of the swap, so a racing thread errs toward private files.
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
 
 
 def _weight_files(path: str) -> list[str]:

@@ -3,13 +3,16 @@
 Definitions (docs/eval.md):
 - committed[s]: tokens committed by verify step s, bonus included (1..B); the prefill token is not a step.
 - accepted[s]: draft tokens of step s that were committed (0..B-1).
-- drafted[s]: draft positions of step s that could have been committed (0..B-1); fewer than B-1 only on the last
-  step of a sequence, where the stop token or max_new_tokens ends the continuation.
+- drafted[s]: draft positions of step s that could have been committed (0..B-1): the block's size - 1 (B-1 but in
+  blocks shortened near max_new_tokens), except on the last step of a sequence, the one that commits its stop token
+  or its max_new_tokens-th token, where only drafts up to that token count. A step rejected before a stop token
+  inside its block counts its whole block, as a live decoder does.
 - tau = sum(committed) / number of steps = mean tokens per target verify forward (notes section 5).
 - tau_prompt_mean = mean over prompts of each prompt's own tau (what the reference benchmark prints).
 - acceptance_rate = sum(accepted) / sum(drafted), the "draft acceptance rate" of serving logs.
-- per_position[k-1] = fraction of the steps that drafted position k in which draft k was accepted (a survival curve:
-  accepting draft k requires accepting drafts 1..k-1).
+- per_position[k-1] = fraction of the steps that drafted position k in which draft k was accepted (nearly a survival
+  curve: accepting draft k requires accepting drafts 1..k-1; but a step that drafted fewer positions is only in the
+  denominators of those, so it can rise from k to k+1).
 
 Where the evaluator's time goes is recorded by `PhaseTimer`: wall seconds per named phase, per prompt set.
 """

@@ -32,10 +32,17 @@ def plot_per_position(summary: dict[str, Any], path: str) -> str:
     axes.set_xticks(range(1, block_size))
     axes.set_xlabel("draft position k in the block")
     axes.set_ylabel("fraction of steps with draft k accepted")
-    axes.set_title(f"Greedy acceptance per position (block size {block_size})")
+    axes.set_title(per_position_title(summary))
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     return save_figure(figure, path)
+
+
+def per_position_title(summary: dict[str, Any]) -> str:
+    """The per-position plot's title: how the summary was measured (greedy replay, live at some temperature)."""
+    mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
+    sampling = "greedy" if temperature == 0 else f"T={temperature}"
+    return f"Acceptance per position, {mode} {sampling} (block size {summary['block_size']})"
 
 
 def plot_committed_histogram(summary: dict[str, Any], path: str) -> str:

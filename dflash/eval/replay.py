@@ -264,9 +264,11 @@ def replay_steps(
         target = padded[torch.tensor(rows)[:, None], columns]
         matches = (drafts[:, : offsets.numel()] == target) & (offsets[None] < torch.tensor(checkable)[:, None])
         accepted = matches.int().cumprod(dim=1).sum(dim=1).tolist()
-        for i, a, r, c in zip(rows, accepted, remaining, checkable):
+        for i, a, r, c, size in zip(rows, accepted, remaining, checkable, sizes):
             committed = min(a + 1, r)
-            traces[i].add(committed, a, c)
+            # As a live decoder counts them: a step drafts the whole block unless it commits the continuation's
+            # last token (a stop token or the max_new_tokens-th), where only drafts up to that token could count.
+            traces[i].add(committed, a, c if committed == r else size - 1)
             starts[i] += committed
 
 

@@ -22,6 +22,26 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
 
 
+# Options of newer reference drafters that change what the drafter computes (the reference reads each from
+# dflash_config, else from the top level), with the test for the value that leaves them off. DFlashDraftModel has
+# none of them: a drafter trained with one on would load here and draft differently.
+REFERENCE_OPTIONS_OFF = {
+    "input_embedding_scale": lambda value: float(value) == 1.0,  # scales the block's token embeddings
+    "output_multiplier": lambda value: float(value) == 1.0,  # scales the drafter's logits
+    "final_logit_softcapping": lambda value: value is None or float(value) <= 0,  # cap * tanh(logits / cap)
+}
+
+
+def check_unsupported_options(config: dict[str, Any]) -> None:
+    """ValueError naming every reference option that `config` (z-lab form) sets to a value that is not off."""
+    dflash = config.get("dflash_config") or {}
+    found = [f"{where}{name}={source[name]!r}" for where, source in (("dflash_config.", dflash), ("", config))
+             for name, is_off in REFERENCE_OPTIONS_OFF.items() if name in source and not is_off(source[name])]
+    if found:
+        raise ValueError(f"drafter config sets {', '.join(found)}: reference drafter options that DFlashDraftModel "
+                         f"does not implement (it would draft differently from the published model)")
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -117,7 +137,9 @@ class DrafterConfig:
 
     @classmethod
     def from_zlab(cls, config: dict[str, Any]) -> "DrafterConfig":
+        """Read a z-lab `config.json`; ValueError when it turns on a reference option this drafter lacks."""
         dflash = config.get("dflash_config") or {}
+        check_unsupported_options(config)
         rope = config.get("rope_parameters") or {}
         num_layers = config["num_hidden_layers"]
         layer_types = config.get("layer_types") or ["full_attention"] * num_layers
