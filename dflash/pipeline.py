@@ -206,9 +206,13 @@ class Pipeline:
 
     # Stages
 
+    def target_identity(self) -> dict:
+        """The target's config less the drafter's mask token: which target the data stage's answers belong to."""
+        return {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
+
     def data_fingerprint(self) -> str:
         # The mask token only enters the drafter, so it belongs to the train fingerprint, not here.
-        target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
+        target = self.target_identity()
         # Both generation engines give the target's own tokens (equal in fp32): switching them redoes nothing.
         # Nor do the engine's speed settings (rows per batch included: each prompt samples from its own stream).
         speed_only = ("engine", "compile_step", "refill", "batch_size")
@@ -238,7 +242,7 @@ class Pipeline:
                               temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
                               show_progress=self.show_progress, heldout=int(d.get("heldout", 0)),
                               engine=str(d.get("engine", "auto")), compile_step=bool(d.get("compile_step", False)),
-                              refill=bool(d.get("refill", True)))
+                              refill=bool(d.get("refill", True)), target=self.target_identity())
         print(f"[data] {stats}")
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
@@ -257,7 +261,7 @@ class Pipeline:
             temperature=float(s.temperature), top_p=float(s.top_p), max_new_tokens=int(s.max_new_tokens),
             min_chars=int(s.min_chars), max_oversample=float(s.max_oversample), keep_system=bool(s.keep_system),
             batch_size=int(d.batch_size), seed=int(d.seed), engine=str(d.get("engine", "auto")),
-            show_progress=self.show_progress)
+            show_progress=self.show_progress, target=self.target_identity())
         print(f"[data] synthetic prompts: {stats}")
         return prompts
 

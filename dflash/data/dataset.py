@@ -22,7 +22,7 @@ import datasets
 
 from dflash.data.chat import encode_conversation, prompt_ids_many
 from dflash.data.prompts import Prompt
-from dflash.data.regenerate import read_record, regenerate, scan_journal
+from dflash.data.regenerate import read_record, regenerate, scan_journal, target_identity
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ ENCODE_CHUNK = 10_000  # samples per in-memory Arrow chunk (bounds the Python-li
 
 
 def fingerprint(prompts: list[Prompt], tokenizer: Any, settings: dict) -> str:
-    """Hash of what determines the dataset: prompts, generation settings, tokenizer and its chat template."""
+    """Hash of what determines the dataset: prompts, generation settings (the target's identity included, when
+    known), tokenizer and its chat template."""
     h = hashlib.sha256()
     h.update(json.dumps({"schema_version": SCHEMA_VERSION, "settings": settings,
                          "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
@@ -90,10 +91,13 @@ def _encode_record(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], rec
                    journal_path: Path) -> tuple[list[int], list[int]]:
     """encode_conversation of a journal record, checked against what the generation saw."""
     input_ids, loss_mask = encode_conversation(tokenizer, prompt.messages, record["response_ids"], prompt_tokens)
-    prompt_len = len(input_ids) - len(record["response_ids"])
-    if prompt_len != record["prompt_len"]:
-        raise ValueError(f"prompt {prompt.id!r} encodes to {prompt_len} tokens but was generated from "
-                         f"{record['prompt_len']}: the chat template changed; delete {journal_path}")
+    # A record with a prompt_hash matches its prompt: regenerate answered again every prompt whose tokens changed.
+    # A record from before prompt hashes can only be checked by its length.
+    if "prompt_hash" not in record and len(prompt_tokens) != record["prompt_len"]:
+        raise ValueError(f"prompt {prompt.id!r} encodes to {len(prompt_tokens)} tokens but its journaled answer "
+                         f"was generated from {record['prompt_len']}: the prompt's messages or the chat template "
+                         f"changed since; delete {journal_path} (it predates prompt hashes, which would have "
+                         f"answered the changed prompt again)")
     if len(input_ids) > max_length:
         raise ValueError(f"prompt {prompt.id!r}: {len(input_ids)} tokens > max_length {max_length} "
                          f"in {journal_path}")
@@ -103,13 +107,15 @@ def _encode_record(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], rec
 def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf",
-                  compile_step: bool = False, refill: bool = True) -> dict:
+                  compile_step: bool = False, refill: bool = True, target: dict | None = None) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
 
     heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
     instead of out_dir/dataset. Returns the stats: the regeneration counts (total = done + skipped + failed),
     training samples written, held-out samples written (only with heldout > 0), samples dropped for having no
     loss token, and token counts. A finished build with the same fingerprint and no failed prompt is reused.
+    target: the target's identity (a JSON-able dict such as its config), part of the fingerprint and of the journal
+    header: answers of another target are never reused (regenerate). None: unknown, left out of both.
     """
     if heldout < 0 or (heldout and heldout >= len(prompts)):
         raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
@@ -119,6 +125,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
                 "top_p": top_p, "seed": seed}
     if heldout:  # absent at 0, so a build without a held-out set keeps the fingerprint it always had
         settings["heldout"] = heldout
+    if target is not None:  # likewise absent when unknown
+        settings["target"] = target_identity(target)
     tokenizer = adapter.tokenizer
     fp = fingerprint(prompts, tokenizer, settings)
     stats_path, dataset_path, heldout_path = out_dir / "stats.json", out_dir / "dataset", out_dir / "heldout"
@@ -134,9 +142,9 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     journal_path = out_dir / "journal.jsonl"
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
-                     compile_step=compile_step, refill=refill)
+                     compile_step=compile_step, refill=refill, target=target)
     _, index = scan_journal(journal_path)
-    done_ids = [p.id for p in prompts if index.get(p.id, (None, 0))[0] == "done"]
+    done_ids = [p.id for p in prompts if p.id in index and index[p.id][0] == "done"]
     if heldout and heldout >= len(done_ids):
         raise ValueError(f"heldout={heldout} prompts, but only {len(done_ids)} were regenerated: no training "
                          f"sample would be left (journal: {journal_path})")
@@ -146,7 +154,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     chunks, rows = [], {c: [] for c in COLUMNS}
     held_rows = {c: [] for c in COLUMNS}
     samples = dropped = num_tokens = num_response_tokens = held_tokens = 0
-    finished = [p for p in prompts if index.get(p.id, (None, 0))[0] == "done"]
+    finished = [p for p in prompts if p.id in index and index[p.id][0] == "done"]
     with open(journal_path, "rb") as journal:
         for first in range(0, len(finished), ENCODE_CHUNK):
             batch = finished[first : first + ENCODE_CHUNK]
@@ -185,7 +193,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
 
     stats = {"schema_version": SCHEMA_VERSION, "fingerprint": fp, "settings": settings,
              "total": gen["total"], "done": gen["done"], "skipped": gen["skipped"], "failed": gen["failed"],
-             "errors": gen["errors"], "engine": gen["engine"], "generated_tokens": gen["generated_tokens"],
+             "stale": gen["stale"], "errors": gen["errors"], "engine": gen["engine"],
+             "generated_tokens": gen["generated_tokens"],
              "generate_tokens_per_s": gen["generate_tokens_per_s"], "generate_seconds": gen["generate_seconds"],
              "template_seconds": gen["template_seconds"], "encode_seconds": round(encode_s, 3), "samples": samples, "dropped_no_loss": dropped,
              "num_tokens": num_tokens, "num_response_tokens": num_response_tokens}

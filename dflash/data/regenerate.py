@@ -5,9 +5,13 @@ by the target. Finished prompts go to an append-only JSON-lines journal, fsynced
 (or every few seconds): an interrupted run restarts where it stopped and never generates a journaled prompt again.
 A hard kill loses at most the answers finished since the last write; the next run generates those.
 
-Journal lines: a header {"header": {...settings}} first, then one record per finished prompt:
-{"id", "prompt_set", "status": "done", "prompt_len", "response_ids", "finish": "stop" | "length"} or
-{"id", "prompt_set", "status": "failed", "error"} (failed prompts are retried on the next run).
+Journal lines: a header {"header": {...settings}} first (the settings include the target's identity when the
+caller gives one), then one record per finished prompt:
+{"id", "prompt_set", "status": "done", "prompt_len", "prompt_hash", "response_ids", "finish": "stop" | "length"} or
+{"id", "prompt_set", "status": "failed", "error"} (failed prompts are retried on the next run), and
+{"id", "prompt_set", "status": "stale"} when a done prompt's tokens changed since (it is answered again).
+The latest line of an id is its state. prompt_hash (prompt_hash() of the templated prompt's ids) ties an answer to
+the prompt it answers: ids alone do not (a file's default ids shift when a record is inserted).
 """
 
 from __future__ import annotations
@@ -34,7 +38,25 @@ logger = logging.getLogger(__name__)
 JOURNAL_EVERY_S = 30.0  # the static engine streams every prompt in one call: write what finished this often
 
 
-def _scan(path: Path) -> tuple[dict | None, dict[str, tuple[str, int]], int]:
+Index = dict[str, tuple[str, int, str | None]]  # id -> (status, byte offset of its latest line, prompt_hash)
+
+
+def prompt_hash(ids: list[int]) -> str:
+    """A short digest of a templated prompt's token ids: a journaled answer is reused only for the same ids."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def target_identity(target: dict | None) -> dict | None:
+    """`target` as it reads back from a journal header (JSON), so that comparing the two is exact; None stays None."""
+    if target is None:
+        return None
+    try:
+        return json.loads(json.dumps(target, sort_keys=True))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"target identity must be JSON-serialisable, got {target!r} ({e})") from None
+
+
+def _scan(path: Path) -> tuple[dict | None, Index, int]:
     """scan_journal, plus the byte length of the complete lines (where a partial last line starts)."""
     header, index, offset = None, {}, 0
     if not path.exists():
@@ -51,13 +73,14 @@ def _scan(path: Path) -> tuple[dict | None, dict[str, tuple[str, int]], int]:
                 if "header" in record:
                     header = record["header"]
                 else:
-                    index[record["id"]] = (record["status"], offset)
+                    index[record["id"]] = (record["status"], offset, record.get("prompt_hash"))
             offset += len(line)
     return header, index, offset
 
 
-def scan_journal(path: str | Path) -> tuple[dict | None, dict[str, tuple[str, int]]]:
-    """(header settings or None, {id: (status, byte offset of its latest line)}); a partial last line is ignored.
+def scan_journal(path: str | Path) -> tuple[dict | None, Index]:
+    """(header settings or None, {id: (status, byte offset of its latest line, its prompt_hash or None)}); a partial
+    last line is ignored.
 
     Streams the file and keeps no responses, so a journal of millions of long responses fits in memory.
     """
@@ -77,17 +100,30 @@ def read_journal(path: str | Path) -> tuple[dict | None, dict[str, dict]]:
     if not index:
         return header, {}
     with open(path, "rb") as f:
-        return header, {pid: read_record(f, offset) for pid, (_, offset) in index.items()}
+        return header, {pid: read_record(f, offset) for pid, (_, offset, _) in index.items()}
 
 
-def open_journal(path: Path, settings: dict) -> tuple[Any, set[str]]:
+def _differences(header: dict, settings: dict, prefix: str = "") -> list[str]:
+    """What differs between a journal's header and the settings now: `key: then -> now`, nested keys dotted."""
+    parts = []
+    for key in sorted(set(header) | set(settings)):
+        then = header[key] if key in header else "not recorded"
+        now = settings[key] if key in settings else "not given"
+        if isinstance(then, dict) and isinstance(now, dict):
+            parts += _differences(then, now, f"{prefix}{key}.")
+        elif then != now:
+            parts.append(f"{prefix}{key}: {then!r} -> {now!r}")
+    return parts
+
+
+def open_journal(path: Path, settings: dict) -> tuple[Any, dict[str, str | None]]:
     """Open the journal for appending after dropping a partial tail; check it was made with `settings`.
 
-    Returns the open file and the ids already done.
+    Returns the open file and {id: prompt_hash (None in records from before hashes)} of the ids already done.
     """
     header, index, complete = _scan(path)
     if header is not None and header != settings:
-        raise ValueError(f"{path} was written with other settings {header}; now {settings}. "
+        raise ValueError(f"{path} was written with other settings ({'; '.join(_differences(header, settings))}). "
                          f"Delete it or use another output folder.")
     if path.exists() and path.stat().st_size > complete:
         # Appending after a partial line would glue the next record onto it: cut it off first.
@@ -99,7 +135,14 @@ def open_journal(path: Path, settings: dict) -> tuple[Any, set[str]]:
     f = open(path, "a", encoding="utf-8")
     if header is None:
         f.write(json.dumps({"header": settings}) + "\n")
-    return f, {pid for pid, (status, _) in index.items() if status == "done"}
+    return f, {pid: digest for pid, (status, _, digest) in index.items() if status == "done"}
+
+
+def append_lines(f: Any, records: list[dict]) -> None:
+    """Append `records` as JSON lines to the journal opened as `f`, and make them durable (flush + fsync)."""
+    f.write("".join(json.dumps(r) + "\n" for r in records))
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def batch_seed(seed: int, ids: list[str]) -> int:
@@ -226,13 +269,16 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, show_progress: bool = True, engine: str = "hf", compile_step: bool = False,
-               refill: bool = True) -> dict:
-    """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", ...}.
+               refill: bool = True, *, target: dict | None = None) -> dict:
+    """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", "stale", ...}.
 
-    Prompts already done in the journal are skipped. A prompt whose templated length + 1 exceeds max_length is
-    skipped (no room for a response); a batch whose generation raises is retried prompt by prompt and the
-    prompts that still raise are counted as failed with their error. Responses are cut so that
-    prompt + response <= max_length. Greedy when temperature == 0.
+    Prompts already done in the journal are not generated again, unless their templated tokens changed since
+    (counted as "stale" and answered again). target: the target's identity (a JSON-able dict, e.g. its config),
+    recorded in the journal header; a journal written for another target, or without a recorded target while one
+    is given now, is refused like other settings. None (unknown) matches only a journal that records none.
+    A prompt whose templated length + 1 exceeds max_length is skipped (no room for a response); a batch whose
+    generation raises is retried prompt by prompt and the prompts that still raise are counted as failed with
+    their error. Responses are cut so that prompt + response <= max_length. Greedy when temperature == 0.
 
     engine: "hf" (model.generate over batches of `batch_size`), "static" (static_decode: static KV cache + CUDA
     graphs; every prompt in one stream whose `batch_size` rows are refilled as answers end, journaled as they
@@ -257,21 +303,33 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
+    if target is not None:  # absent when unknown, so the journals written before targets were recorded still match
+        settings["target"] = target_identity(target)
     journal_path = Path(journal_path)
-    journal, done_ids = open_journal(journal_path, settings)
+    journal, done_hashes = open_journal(journal_path, settings)
     with journal:  # closed on every exit, a template or engine error included
-        done = sum(1 for p in prompts if p.id in done_ids)
-        skipped, failures, generated, new_tokens, generate_s = [], [], 0, 0, 0.0
+        done = 0
+        skipped, failures, stale, generated, new_tokens, generate_s = [], [], [], 0, 0, 0.0
         pending = []
-        todo = [p for p in prompts if p.id not in done_ids]
         template_started = time.perf_counter()
         static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
-        for p, ids_p in zip(todo, prompt_ids_many(tokenizer, [p.messages for p in todo])):
+        for p, ids_p in zip(prompts, prompt_ids_many(tokenizer, [p.messages for p in prompts])):
+            if p.id in done_hashes:
+                # A record from before hashes (None) is checked by its length when the dataset is encoded.
+                if done_hashes[p.id] in (None, prompt_hash(ids_p)):
+                    done += 1
+                    continue
+                stale.append(p)
             if len(ids_p) + 1 > max_length:
                 skipped.append((p.id, len(ids_p)))
             else:
                 pending.append((p, ids_p))
         template_s = time.perf_counter() - template_started
+        if stale:
+            # Marked first, so that whatever happens to the new answer the old one is never taken for this prompt.
+            logger.warning("%d prompt(s) changed since they were answered (e.g. %s): answering them again",
+                           len(stale), ", ".join(p.id for p in stale[:5]))
+            append_lines(journal, [{"id": p.id, "prompt_set": p.prompt_set, "status": "stale"} for p in stale])
         if skipped:
             logger.warning("skipped %d prompt(s) longer than max_length - 1 = %d tokens, e.g. %s", len(skipped),
                            max_length - 1, ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:5]))
@@ -287,9 +345,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
         lines: list[dict] = []
 
         def write_journal() -> None:
-            journal.write("".join(json.dumps(r) + "\n" for r in lines))
-            journal.flush()
-            os.fsync(journal.fileno())
+            append_lines(journal, lines)
             if progress is not None:
                 progress.update(len(lines))
             lines.clear()
@@ -305,7 +361,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 else:
                     response, finish = cut_response(out, set(stop_ids), max_length - len(ids_p))
                     lines.append({"id": p.id, "prompt_set": p.prompt_set, "status": "done", "prompt_len": len(ids_p),
-                                  "response_ids": response, "finish": finish})
+                                  "prompt_hash": prompt_hash(ids_p), "response_ids": response, "finish": finish})
                     done += 1
                     generated += 1
                     new_tokens += len(response)
@@ -324,7 +380,8 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 progress.close()
 
     stats = {"total": len(prompts), "done": done, "skipped": len(skipped), "failed": len(failures),
-             "generated": generated, "errors": failures, "engine": engine, "generated_tokens": new_tokens,
+             "stale": len(stale), "generated": generated, "errors": failures, "engine": engine,
+             "generated_tokens": new_tokens,
              "generate_seconds": round(generate_s, 3), "template_seconds": round(template_s, 3),
              # Kept response tokens per second of generation (what the data stage needs; work past a stop excluded).
              "generate_tokens_per_s": round(new_tokens / generate_s, 1) if generate_s > 0 else None}

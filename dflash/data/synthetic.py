@@ -21,18 +21,16 @@ prompts are chosen: in (system, k) order, a text equal to an earlier kept one (c
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from dflash.data.prompts import Prompt
-from dflash.data.regenerate import (JOURNAL_EVERY_S, batch_seed, cut_response, hf_generate, generation_config,
-                                    open_journal, read_journal)
+from dflash.data.regenerate import (JOURNAL_EVERY_S, append_lines, batch_seed, cut_response, hf_generate,
+                                    generation_config, open_journal, read_journal, target_identity)
 from dflash.data.static_decode import StaticGenerator, resolve_engine
 
 logger = logging.getLogger(__name__)
@@ -196,9 +194,7 @@ class _Drawer:
             self._write()
 
     def _write(self) -> None:
-        self.journal.write("".join(json.dumps(r) + "\n" for r in self.lines))
-        self.journal.flush()
-        os.fsync(self.journal.fileno())
+        append_lines(self.journal, self.lines)
         if self.progress is not None:
             self.progress.update(len(self.lines))
         self.lines.clear()
@@ -209,7 +205,7 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
                        temperature: float = 1.0, top_p: float = 0.95, max_new_tokens: int = 128,
                        min_chars: int = 16, batch_size: int = 64, seed: int = 0, engine: str = "auto",
                        max_oversample: float = 4.0, keep_system: bool = True,
-                       show_progress: bool = True) -> tuple[list[Prompt], dict]:
+                       show_progress: bool = True, target: dict | None = None) -> tuple[list[Prompt], dict]:
     """`count` user prompts written by the target, spread evenly over `system_prompts`; returns (prompts, stats).
 
     A system prompt "" means no system message (the template's default, if any). Each system prompt draws its
@@ -218,6 +214,8 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     "synthetic") in (system, k) order; keep_system=False leaves the steering system message out of them.
     engine: as regenerate's ("auto" = static on a supported CUDA target, else hf); batch_size rows decode at once.
     A rerun with the same settings reuses the journal and draws the same texts; other settings raise ValueError.
+    target: the target's identity (a JSON-able dict such as its config), recorded in the journal header, so that
+    another target's draws are refused like other settings; None (unknown) matches only a journal that records none.
     """
     if count < 0 or not system_prompts:
         raise ValueError(f"need count >= 0 and at least one system prompt; got {count}, {system_prompts!r}")
@@ -239,6 +237,8 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
                 "max_new_tokens": max_new_tokens, "min_chars": min_chars, "seed": seed, "engine": engine,
                 "hf_group": batch_size if engine == "hf" else None, "stop_token_ids": stop_ids,
                 "vocab": len(tokenizer)}
+    if target is not None:  # absent when unknown, as in the journals written before targets were recorded
+        settings["target"] = target_identity(target)
     journal_path = Path(journal_path)
     journal, _ = open_journal(journal_path, settings)
     progress = None
