@@ -135,6 +135,10 @@ def timed(stage: str, work):
 
 # The pipeline ------------------------------------------------------------------------------------------------------
 
+# What the train stage logs beside its checkpoints, in the run folder (metrics_log.py).
+TRAINING_LOGS = ("metrics.jsonl", "tensorboard")
+
+
 class Pipeline:
     def __init__(self, cfg: DictConfig) -> None:
         validate(cfg)
@@ -207,12 +211,13 @@ class Pipeline:
     # Stages
 
     def target_identity(self) -> dict:
-        """The target's config less the drafter's mask token: which target the data stage's answers belong to."""
-        return {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
+        """Which target the data stage's answers belong to: its config less the drafter's mask token and the folder
+        a GGUF target is dequantised into (the same weights wherever they are cached)."""
+        return {k: v for k, v in container(self.cfg.target).items() if k not in ("mask_token_id", "cache_dir")}
 
     def data_fingerprint(self) -> str:
         # The mask token only enters the drafter, so it belongs to the train fingerprint, not here.
-        target = self.target_identity()
+        target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
         # Both generation engines give the target's own tokens (equal in fp32): switching them redoes nothing.
         # Nor do the engine's speed settings (rows per batch included: each prompt samples from its own stream).
         speed_only = ("engine", "compile_step", "refill", "batch_size")
@@ -268,10 +273,9 @@ class Pipeline:
     def capture_fingerprint(self) -> str:
         taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}
         # Where capture runs, how it checks itself and how online features travel do not change the features.
-        # Nor do the batch and shard sizes: they only group the same samples (a batch's padding changes rounding).
         skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
                 "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
-                "cache_budget_bytes", "gpus_per_worker", "workers", "compile", "pack", "batch_tokens", "shard_tokens")
+                "cache_budget_bytes", "gpus_per_worker", "workers", "compile", "pack")
         capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
         # What the data stage made, not only what it was asked: a rerun that retried failed prompts has more samples.
         stats = read_json_or_none(os.path.join(self.dirs["data"], "stats.json")) or {}
@@ -290,15 +294,15 @@ class Pipeline:
                              "workers stream features to the trainer during the train stage) or 'colocated' (each "
                              "trainer rank runs the target itself)")
         out, key = self.dirs["features"], self.capture_fingerprint()
-        if stage_done(out, key):
-            print(f"[capture] up to date: {out}")
-            return
-        if self.rank == 0:  # features of other settings would be refused by the store: moved aside, not lost
+        if self.rank == 0 and not stage_done(out, key):
+            # Features of other settings would be refused by the store: moved aside, not lost; those of these
+            # settings come back from where an earlier change moved them.
             moved = claim_dir(out, key, stage="capture", contents="features")
             if moved:
                 print(f"[capture] features of other settings moved aside to {moved}")
-        self.barrier()
-        if stage_done(out, key):  # these settings' features came back from where a settings change had moved them
+        if mode == "offline":
+            self.barrier()  # every rank captures offline (only rank 0 gets here otherwise): wait for the claim
+        if stage_done(out, key):
             print(f"[capture] up to date: {out}")
             return
         shape = target_shape(self.adapter)
@@ -430,6 +434,7 @@ class Pipeline:
             moved = claim_checkpoint_dir(self.dirs["checkpoints"], self.checkpoint_fingerprint())
             if moved:
                 print(f"[train] checkpoints of other settings moved aside to {moved}")
+            self._carry_training_logs(moved)
         self.barrier()
         shape = read_json(os.path.join(self.dirs["features"], "target.json"))
         config = drafter_config(self.cfg, shape)
@@ -478,6 +483,18 @@ class Pipeline:
             # The settings of the checkpoints behind this export: the eval stage checks them (world size aside).
             mark_done(out, key, checkpoint=self.checkpoint_fingerprint())
             print(f"[train] exported drafter -> {out}")
+
+    def _carry_training_logs(self, moved: str | None) -> None:
+        """The training logs travel with their checkpoints: into the folder the other settings' checkpoints were
+        moved to, and back out of restored ones, so that each run's metrics stay its own (the trainer then drops
+        only the records after the step it resumes from, MetricsLog.resume_from)."""
+        for name in TRAINING_LOGS:
+            current = os.path.join(self.run_dir, name)
+            if moved and os.path.exists(current):
+                os.replace(current, os.path.join(moved, name))
+            restored = os.path.join(self.dirs["checkpoints"], name)
+            if os.path.exists(restored) and not os.path.exists(current):
+                os.replace(restored, current)
 
     def _colocated_target_compiled(self):
         """capture.compile with colocated capture: the target's layers compiled for training, eager for eval."""

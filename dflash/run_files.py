@@ -111,10 +111,12 @@ def claim_dir(directory: str, key: str, *, stage: str, contents: str) -> str | N
 
 
 def _folder_key(directory: str) -> str | None:
-    """The fingerprint a folder's work belongs to: its claim marker's, else its done.json's; None if neither."""
-    for file in (CHECKPOINT_KEY, "done.json"):
+    """The fingerprint a folder's work belongs to: its claim marker's, else its done.json's, else (a feature store
+    captured partly before folders were claimed) its manifest's {"key": ...}; None if none."""
+    for file, read in ((CHECKPOINT_KEY, lambda d: d.get("fingerprint")), ("done.json", lambda d: d.get("fingerprint")),
+                       ("manifest.json", lambda d: (d.get("fingerprint") or {}).get("key"))):
         try:
-            key = read_json(os.path.join(directory, file)).get("fingerprint")
+            key = read(read_json(os.path.join(directory, file)))
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(key, str):

@@ -1,9 +1,14 @@
-"""A capture redone under new settings moves the old feature store aside (going back restores it); settings that
-only regroup the same samples redo nothing."""
+"""Changed settings: a capture redone under new settings moves the old feature store aside and going back restores
+it (the training logs travel with their checkpoints the same way); a stage killed halfway is redone; two ranks run
+colocated capture and training in one launch."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -24,9 +29,6 @@ def test_changed_capture_settings_move_the_store_aside_and_back(tmp_path, monkey
     first = Pipeline(compose(TINY + run))
     first.run()
     first_key = read_json(str(features / "done.json"))["fingerprint"]
-    with monkeypatch.context() as patch:  # batch and shard sizes only regroup the same samples
-        patch.setattr("dflash.extract.capture.capture_dataset", must_not_run)
-        Pipeline(compose(TINY + run + ["capture.batch_tokens=4096", "capture.shard_tokens=65536"])).run()
 
     # Stored in bfloat16 instead of float32: other features, so the stage is redone, the old store kept aside.
     changed = Pipeline(compose(TINY + run + ["capture.dtype=bfloat16"]))
@@ -67,3 +69,45 @@ def test_a_stage_killed_halfway_is_not_taken_for_the_earlier_settings_work(tmp_p
 
 def must_not_run_interrupt(*args, **kwargs):
     raise KeyboardInterrupt
+
+
+def test_going_back_to_earlier_settings_brings_their_training_logs_back(tmp_path):
+    run = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "stages=[data,capture,train]",
+           "train.epochs=1"]
+
+    def records() -> list[tuple[int, float]]:
+        with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+            return [(r["step"], r["lr"]) for r in map(json.loads, f)]
+
+    Pipeline(compose(run)).run()
+    first = records()
+    Pipeline(compose(run + ["train.lr=0.05"])).run()  # other settings: their own run and log
+    other = records()
+    assert [step for step, _ in other] == [step for step, _ in first] and other != first
+    Pipeline(compose(run)).run()  # back: the first run's checkpoints and its log return together
+    assert records() == first
+    assert os.path.exists(tmp_path / "tensorboard")
+
+
+def test_where_a_gguf_target_is_cached_does_not_change_whose_answers_the_journal_holds(tmp_path):
+    here = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path}"]))
+    elsewhere = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path}", f"target.cache_dir={tmp_path}"]))
+    assert here.target_identity() == elsewhere.target_identity()
+    assert "mask_token_id" not in here.target_identity() and here.target_identity()["kind"] == "tiny"
+
+
+@pytest.mark.multiproc
+def test_two_ranks_run_colocated_capture_and_training_in_one_launch(tmp_path):
+    # Only rank 0 enters the capture stage with colocated capture: a barrier inside it would pair with the other
+    # ranks' next one and hang the launch.
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+         "-m", "dflash.train", "+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}",
+         "stages=[data,capture,train]", "capture=colocated", "train.micro_batch_size=2"],
+        env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_json(str(tmp_path / "export" / "done.json"))["fingerprint"]

@@ -105,6 +105,20 @@ def test_a_recompiling_second_step_is_not_timed_by_the_first_plan(minutes):
     assert news == [] and budget.planned_steps == planned
 
 
+def test_a_recurring_slow_step_does_not_hold_off_the_first_plan():
+    # Every 8th step 4x the others (a periodic stall): left out once at most, so the first plan still comes after
+    # CALIBRATION_STEPS more steps and the run anneals within its budget.
+    budget = TimeBudget(10.0, 100_000, eval_every=0, evaluates=False)
+    run_s, step = 5.0, 0
+    while not budget.stopped and step < budget.planned_steps:
+        step += 1
+        run_s += 0.2 if step % 8 == 0 else 0.05
+        budget.after_step(step, run_s)
+        if step == 1 + 8 + CALIBRATION_STEPS:
+            assert budget.step_s is not None, "no plan yet"
+    assert not budget.stopped and step == budget.planned_steps and run_s <= 600
+
+
 def test_only_a_step_well_above_the_others_is_left_out_of_the_first_plan():
     # Steps alternating 0.2 / 0.4 s are the pace itself: nothing is dropped, the first plan's rate is their mean.
     budget = TimeBudget(60.0, 10**6, eval_every=0, evaluates=False)

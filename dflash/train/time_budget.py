@@ -7,9 +7,9 @@ steps and plans the total it can afford:
     planned = min(cap, done + the most steps that, with the held-out evaluations they bring, fit the time left)
 
 cap is the epochs / max_steps total, and never fewer than done + 1 are planned. The first step of a run (engine
-warm-up, kernel compilation) is not timed, nor, before the first plan, a later one-off step (a recompilation: on an
-H200 the recipe's second step took 12 s against 0.17 s for the next ones) that took more than ONE_OFF_FACTOR times
-the median of the others; the first plan comes after CALIBRATION_STEPS timed steps, or sooner when they already
+warm-up, kernel compilation) is not timed, nor, before the first plan, one later one-off step (a recompilation: on
+an H200 the recipe's second step took 12 s against 0.17 s for the next ones) that took more than ONE_OFF_FACTOR
+times the median of the others; the first plan comes after CALIBRATION_STEPS timed steps, or sooner when they already
 used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
 after every held-out evaluation, from the rate of the last rate_window steps (evaluations excluded), so a run that
 slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
@@ -113,6 +113,7 @@ class TimeBudget:
         self._first_mark: tuple[int, float] | None = None
         self._last_step_s = 0.0
         self._next_plan: int | None = None  # the step of the next renewal, once calibrated
+        self._dropped_one_off = False  # one step at most is left out that way: a recurring one is the pace
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` already spent (a profiled step, the profiler's table) out of the step rate, as evaluations
@@ -133,7 +134,8 @@ class TimeBudget:
         if self._first_mark is None:  # this run's first step: start-up and compilation, not timed
             self._first_mark = mark
         elif self._next_plan is None:
-            self._drop_one_off_step()
+            if not self._dropped_one_off:
+                self._dropped_one_off = self._drop_one_off_step()
             (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
             if last_step - first_step >= CALIBRATION_STEPS or last_s - first_s >= CALIBRATION_SHARE * self.budget_s:
                 self._next_plan = step
@@ -171,19 +173,21 @@ class TimeBudget:
         self._run_s = run_s
         self.elapsed_s = self.spent_before_s + run_s
 
-    def _drop_one_off_step(self) -> None:
+    def _drop_one_off_step(self) -> bool:
         """Start the rate window after its slowest step when that step took more than ONE_OFF_FACTOR times the
-        median of the others (a recompilation, not the pace of the steps to come). Before the first plan only:
-        later, checkpoint saves are slow steps that belong in the rate."""
+        median of the others (a recompilation, not the pace of the steps to come); True when it did. Once, before
+        the first plan only: a slow step that recurs (a checkpoint save, a periodic stall) belongs in the rate."""
         marks = list(self._marks)
         seconds = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
         if len(seconds) < 2:
-            return
+            return False
         slowest = max(range(len(seconds)), key=seconds.__getitem__)
         others = sorted(seconds[:slowest] + seconds[slowest + 1:])
-        if seconds[slowest] > ONE_OFF_FACTOR * others[len(others) // 2]:
-            for _ in range(slowest + 1):
-                self._marks.popleft()
+        if seconds[slowest] <= ONE_OFF_FACTOR * others[len(others) // 2]:
+            return False
+        for _ in range(slowest + 1):
+            self._marks.popleft()
+        return True
 
     def _recent_step_s(self) -> float:
         (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
