@@ -236,7 +236,6 @@ class Pipeline:
             print(f"[data] up to date: {out}")
             return
         os.makedirs(out, exist_ok=True)
-        clear_done(out)
         prompts = load_prompts(str(d.source), path=d.path, limit=d.limit, seed=int(d.seed),
                                turns=str(d.get("turns", "first")))
         synthetic = d.get("synthetic") or {}
@@ -247,7 +246,8 @@ class Pipeline:
                               temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
                               show_progress=self.show_progress, heldout=int(d.get("heldout", 0)),
                               engine=str(d.get("engine", "auto")), compile_step=bool(d.get("compile_step", False)),
-                              refill=bool(d.get("refill", True)), target=self.target_identity())
+                              refill=bool(d.get("refill", True)), target=self.target_identity(),
+                              before_replace=lambda: clear_done(out))
         print(f"[data] {stats}")
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,8 @@ def _encode_record(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], rec
 def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf",
-                  compile_step: bool = False, refill: bool = True, target: dict | None = None) -> dict:
+                  compile_step: bool = False, refill: bool = True, target: dict | None = None,
+                  before_replace: Callable[[], None] | None = None) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
 
     heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
@@ -116,6 +118,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     loss token, and token counts. A finished build with the same fingerprint and no failed prompt is reused.
     target: the target's identity (a JSON-able dict such as its config), part of the fingerprint and of the journal
     header: answers of another target are never reused (regenerate). None: unknown, left out of both.
+    before_replace: called once the new build is ready, right before it replaces the folder's dataset (the caller
+    withdraws its own "done" marker there); a build refused or failing earlier leaves the folder as it was.
     """
     if heldout < 0 or (heldout and heldout >= len(prompts)):
         raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
@@ -136,9 +140,6 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
         if previous.get("fingerprint") == fp and not previous.get("failed"):
             logger.info("%s is up to date (fingerprint %s); not rebuilding", dataset_path, fp[:12])
             return previous
-    # A stale stats.json next to a replaced dataset would claim the wrong fingerprint.
-    stats_path.unlink(missing_ok=True)
-
     journal_path = out_dir / "journal.jsonl"
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
@@ -185,6 +186,10 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
         chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
     ds = datasets.concatenate_datasets(chunks) if len(chunks) > 1 else chunks[0]
     encode_s = time.perf_counter() - encode_started
+    if before_replace is not None:
+        before_replace()
+    # A stale stats.json next to a replaced dataset would claim the wrong fingerprint.
+    stats_path.unlink(missing_ok=True)
     _save_dataset(ds, dataset_path, show_progress)
     if held_rows["id"]:
         _save_dataset(datasets.Dataset.from_dict(held_rows, features=FEATURES), heldout_path, show_progress)
