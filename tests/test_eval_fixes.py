@@ -173,6 +173,19 @@ def test_zlab_config_with_a_reference_option_on_is_refused(where, name, value, t
         load_drafter(out)
 
 
+def test_zlab_is_causal_is_refused_only_where_it_changes_a_layer():
+    config = zlab_config()
+    kinds = config["layer_types"]
+    assert kinds == ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="is_causal=True"):
+        DrafterConfig.from_zlab({**config, "is_causal": True})  # the full layer would become causal
+    with pytest.raises(ValueError, match="is_causal=False"):  # the sliding layer would become bidirectional
+        DrafterConfig.from_zlab({**config, "dflash_config": {**config["dflash_config"], "is_causal": False}})
+    all_full = {**config, "layer_types": ["full_attention"] * len(kinds), "is_causal": False}
+    assert DrafterConfig.from_zlab(all_full).layer_types == ["full_attention"] * len(kinds)
+    assert DrafterConfig.from_zlab({**config, "is_causal": None}) == small_drafter().config
+
+
 def test_zlab_config_with_reference_options_off_loads():
     config = zlab_config()
     config["dflash_config"].update(input_embedding_scale=1.0, output_multiplier=1, final_logit_softcapping=None)

@@ -40,6 +40,16 @@ def check_unsupported_options(config: dict[str, Any]) -> None:
     if found:
         raise ValueError(f"drafter config sets {', '.join(found)}: reference drafter options that DFlashDraftModel "
                          f"does not implement (it would draft differently from the published model)")
+    # is_causal, when set, makes every layer causal (True) or bidirectional (False); unset, sliding layers are
+    # causal and full ones bidirectional, which is the only layout DFlashDraftModel has.
+    is_causal = config.get("is_causal", dflash.get("is_causal"))
+    if is_causal is not None:
+        layer_types = config.get("layer_types") or ["full_attention"] * int(config.get("num_hidden_layers", 0))
+        differ = [i for i, kind in enumerate(layer_types) if bool(is_causal) != (kind == "sliding_attention")]
+        if differ:
+            raise ValueError(f"drafter config sets is_causal={is_causal!r}, which makes layers {differ} "
+                             f"{'causal' if is_causal else 'bidirectional'}; DFlashDraftModel makes sliding layers "
+                             f"causal and full ones bidirectional (it would draft differently)")
 
 
 @dataclass
