@@ -216,7 +216,8 @@ class Pipeline:
         return {k: v for k, v in container(self.cfg.target).items() if k not in ("mask_token_id", "cache_dir")}
 
     def data_fingerprint(self) -> str:
-        # The mask token only enters the drafter, so it belongs to the train fingerprint, not here.
+        # The mask token only enters the drafter, so it belongs to the train fingerprint, not here. cache_dir stays
+        # in (unlike target_identity), as it always was: leaving it out would redo every finished data stage.
         target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
         # Both generation engines give the target's own tokens (equal in fp32): switching them redoes nothing.
         # Nor do the engine's speed settings (rows per batch included: each prompt samples from its own stream).

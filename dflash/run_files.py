@@ -113,10 +113,10 @@ def claim_dir(directory: str, key: str, *, stage: str, contents: str) -> str | N
 def _folder_key(directory: str) -> str | None:
     """The fingerprint a folder's work belongs to: its claim marker's, else its done.json's, else (a feature store
     captured partly before folders were claimed) its manifest's {"key": ...}; None if none."""
-    for file, read in ((CHECKPOINT_KEY, lambda d: d.get("fingerprint")), ("done.json", lambda d: d.get("fingerprint")),
-                       ("manifest.json", lambda d: (d.get("fingerprint") or {}).get("key"))):
+    for file in (CHECKPOINT_KEY, "done.json", "manifest.json"):
         try:
-            key = read(read_json(os.path.join(directory, file)))
+            key = read_json(os.path.join(directory, file)).get("fingerprint")
+            key = key.get("key") if isinstance(key, dict) else key
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(key, str):

@@ -23,7 +23,7 @@ import datasets
 
 from dflash.data.chat import encode_conversation, prompt_ids_many
 from dflash.data.prompts import Prompt
-from dflash.data.regenerate import read_record, regenerate, scan_journal, target_identity
+from dflash.data.regenerate import read_record, regenerate, scan_journal, with_target
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +129,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
                 "top_p": top_p, "seed": seed}
     if heldout:  # absent at 0, so a build without a held-out set keeps the fingerprint it always had
         settings["heldout"] = heldout
-    if target is not None:  # likewise absent when unknown
-        settings["target"] = target_identity(target)
+    settings = with_target(settings, target)  # likewise absent when unknown
     tokenizer = adapter.tokenizer
     fp = fingerprint(prompts, tokenizer, settings)
     stats_path, dataset_path, heldout_path = out_dir / "stats.json", out_dir / "dataset", out_dir / "heldout"

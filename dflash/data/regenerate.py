@@ -46,12 +46,13 @@ def prompt_hash(ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def target_identity(target: dict | None) -> dict | None:
-    """`target` as it reads back from a journal header (JSON), so that comparing the two is exact; None stays None."""
+def with_target(settings: dict, target: dict | None) -> dict:
+    """`settings` plus the target's identity as it reads back from a JSON header (so comparing the two is exact).
+    An unknown target (None) adds nothing, so settings recorded before targets were keep matching."""
     if target is None:
-        return None
+        return settings
     try:
-        return json.loads(json.dumps(target, sort_keys=True))
+        return {**settings, "target": json.loads(json.dumps(target, sort_keys=True))}
     except (TypeError, ValueError) as e:
         raise ValueError(f"target identity must be JSON-serialisable, got {target!r} ({e})") from None
 
@@ -303,8 +304,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(tokenizer)}
-    if target is not None:  # absent when unknown, so the journals written before targets were recorded still match
-        settings["target"] = target_identity(target)
+    settings = with_target(settings, target)
     journal_path = Path(journal_path)
     journal, done_hashes = open_journal(journal_path, settings)
     with journal:  # closed on every exit, a template or engine error included

@@ -30,7 +30,7 @@ from typing import Any
 
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import (JOURNAL_EVERY_S, append_lines, batch_seed, cut_response, hf_generate,
-                                    generation_config, open_journal, read_journal, target_identity)
+                                    generation_config, open_journal, read_journal, with_target)
 from dflash.data.static_decode import StaticGenerator, resolve_engine
 
 logger = logging.getLogger(__name__)
@@ -237,8 +237,7 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
                 "max_new_tokens": max_new_tokens, "min_chars": min_chars, "seed": seed, "engine": engine,
                 "hf_group": batch_size if engine == "hf" else None, "stop_token_ids": stop_ids,
                 "vocab": len(tokenizer)}
-    if target is not None:  # absent when unknown, as in the journals written before targets were recorded
-        settings["target"] = target_identity(target)
+    settings = with_target(settings, target)
     journal_path = Path(journal_path)
     journal, _ = open_journal(journal_path, settings)
     progress = None
