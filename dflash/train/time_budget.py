@@ -7,9 +7,13 @@ steps and plans the total it can afford:
     planned = min(cap, done + the most steps that, with the held-out evaluations they bring, fit the time left)
 
 cap is the epochs / max_steps total, and never fewer than done + 1 are planned. The first step of a run (engine
-warm-up, kernel compilation) is not timed, nor, before the first plan, one later one-off step (a recompilation: on
-an H200 the recipe's second step took 12 s against 0.17 s for the next ones) that took more than ONE_OFF_FACTOR
-times the median of the others; the first plan comes after CALIBRATION_STEPS timed steps, or sooner when they already
+warm-up, kernel compilation) is not timed. Nor are up to ONE_OFFS later steps that took more than ONE_OFF_FACTOR
+times the median of the other steps of the rate window: recompilations. On an H200 the recipe's second step took
+12-17 s against 0.17 s for the next ones, and in session 10 step 74 took 27 s (a new shape); timed, that one step
+held the plan at a third of the steps it could afford until it left the 400-step window. Their excess over the
+median still counts against the budget, as spent; a slow step beyond the first ONE_OFFS is the pace and is timed,
+and so is the step that carries a checkpoint save (a recurring cost). A step is judged once ONE_OFF_BASELINE others
+are in the window. The first plan comes after CALIBRATION_STEPS timed steps, or sooner when the judged steps already
 used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
 after every held-out evaluation, from the rate of the last rate_window steps (evaluations excluded), so a run that
 slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
@@ -31,7 +35,9 @@ from typing import Any
 
 CALIBRATION_STEPS = 20         # steps timed after a run's first step before the first plan
 CALIBRATION_SHARE = 0.05       # ... or fewer, once the timed steps used this share of the budget
-ONE_OFF_FACTOR = 3.0           # before the first plan, a step this many times the others' median is not timed
+ONE_OFF_FACTOR = 3.0           # a step this many times the others' median is a one-off (a recompilation)
+ONE_OFFS = 3                   # one-off steps per run left out of the step rate; later slow steps are the pace
+ONE_OFF_BASELINE = 5           # a step is judged against the median of at least this many other steps
 REPLAN_EVERY = 20              # steps between renewals of the plan
 RATE_WINDOW = 100              # the recent step rate is measured over at least this many steps (rate_window)
 REPLAN_TOLERANCE = 0.02        # a renewed plan replaces the current total when they differ by more than this share
@@ -97,6 +103,7 @@ class TimeBudget:
         self.cap = cap
         self.eval_every = eval_every
         self.evaluates = evaluates
+        self.save_every = save_every
         saved = saved or {}
         self.spent_before_s = float(saved.get("spent_s", 0.0))  # by the earlier calls of a resumed run
         self.planned_steps = min(cap, int(saved.get("planned_steps", cap)))
@@ -106,14 +113,15 @@ class TimeBudget:
         self.step_s: float | None = None  # the rate behind the current plan
         self.stopped = False  # the hard stop ended the plan early
         self._run_s = 0.0  # the latest time given, this run
-        self._evaluations_s = 0.0  # evaluation seconds of this run, left out of the step rate
+        self._evaluations_s = 0.0  # seconds of this run left out of the step rate: evaluations, exclude(), one-offs
         # (step, training seconds) of the latest steps; the window spans whole checkpoint intervals, so it always
         # holds the same share of checkpoint saves and their cost is spread evenly (not in one window out of four)
         self._marks: deque[tuple[int, float]] = deque(maxlen=rate_window(save_every) + 1)
         self._first_mark: tuple[int, float] | None = None
         self._last_step_s = 0.0
         self._next_plan: int | None = None  # the step of the next renewal, once calibrated
-        self._dropped_one_off = False  # one step at most is left out that way: a recurring one is the pace
+        self._one_offs_left = ONE_OFFS
+        self._judged_step = 0  # the steps up to this one were judged one-off or not
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` already spent (a profiled step, the profiler's table) out of the step rate, as evaluations
@@ -133,12 +141,15 @@ class TimeBudget:
         self._marks.append(mark)
         if self._first_mark is None:  # this run's first step: start-up and compilation, not timed
             self._first_mark = mark
-        elif self._next_plan is None:
-            if not self._dropped_one_off:
-                self._dropped_one_off = self._drop_one_off_step()
-            (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
-            if last_step - first_step >= CALIBRATION_STEPS or last_s - first_s >= CALIBRATION_SHARE * self.budget_s:
-                self._next_plan = step
+            self._judged_step = step
+        else:
+            self._leave_out_one_offs()
+            if self._next_plan is None:
+                (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
+                judged = self._judged_step == last_step  # an unjudged slow step must not end the calibration
+                if last_step - first_step >= CALIBRATION_STEPS or (
+                        judged and last_s - first_s >= CALIBRATION_SHARE * self.budget_s):
+                    self._next_plan = step
         news = False
         if self._next_plan is not None and step >= self._next_plan:
             news = self._renew(step, pending_from=step)  # this step's own evaluation, if any, is still to come
@@ -173,21 +184,33 @@ class TimeBudget:
         self._run_s = run_s
         self.elapsed_s = self.spent_before_s + run_s
 
-    def _drop_one_off_step(self) -> bool:
-        """Start the rate window after its slowest step when that step took more than ONE_OFF_FACTOR times the
-        median of the others (a recompilation, not the pace of the steps to come); True when it did. Once, before
-        the first plan only: a slow step that recurs (a checkpoint save, a periodic stall) belongs in the rate."""
+    def _leave_out_one_offs(self) -> None:
+        """Judge the window's steps not judged yet, oldest first, each against the median of the window's other
+        steps once ONE_OFF_BASELINE of them are there: a step over ONE_OFF_FACTOR times that median is a one-off
+        (while ONE_OFFS last) unless it carries a checkpoint save. A one-off's excess over the median leaves the
+        step rate for good: the window's marks from that step on, and the marks to come, are shifted back by it."""
         marks = list(self._marks)
-        seconds = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
-        if len(seconds) < 2:
-            return False
-        slowest = max(range(len(seconds)), key=seconds.__getitem__)
-        others = sorted(seconds[:slowest] + seconds[slowest + 1:])
-        if seconds[slowest] <= ONE_OFF_FACTOR * others[len(others) // 2]:
-            return False
-        for _ in range(slowest + 1):
-            self._marks.popleft()
-        return True
+        if self._one_offs_left == 0:  # every later step is the pace
+            self._judged_step = marks[-1][0]
+            return
+        seconds = {b[0]: b[1] - a[1] for a, b in zip(marks, marks[1:])}  # step -> its seconds
+        if len(seconds) <= ONE_OFF_BASELINE:
+            return
+        for step in sorted(s for s in seconds if s > self._judged_step):
+            self._judged_step = step
+            carries_save = self.save_every > 0 and (step - 1) % self.save_every == 0  # saved after step - 1
+            if self._one_offs_left == 0 or carries_save:
+                continue
+            others = sorted(value for other, value in seconds.items() if other != step)
+            median = others[len(others) // 2]
+            if seconds[step] <= ONE_OFF_FACTOR * median:
+                continue
+            excess = seconds[step] - median
+            seconds[step] = median
+            self._one_offs_left -= 1
+            self._evaluations_s += excess
+            self._marks = deque(((s, t - excess if s >= step else t) for s, t in self._marks),
+                                maxlen=self._marks.maxlen)
 
     def _recent_step_s(self) -> float:
         (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
