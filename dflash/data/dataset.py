@@ -62,7 +62,11 @@ def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> No
     """save_to_disk into a temp folder, then swap it in: `target` is never half-written."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A build killed while saving or between the two renames below left its temp or old copy (a full dataset
+    # each); this build replaces both, so they go.
+    for leftover in sorted(target.parent.glob(f".{target.name}.tmp-*")) + sorted(target.parent.glob(
+            f".{target.name}.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
     bars_were_on = not datasets.utils.are_progress_bars_disabled()
     if not show_progress:
         datasets.utils.disable_progress_bars()
