@@ -339,7 +339,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             if budget is not None:
                 if profiled:  # slower under the profiler than the steps to come: out of the step rate
                     budget.exclude(agreed_seconds(step_ended - step_started, device))
-                news = budget.after_step(step, agreed_seconds(clock() - entered, device))
+                news = budget.after_step(step, agreed_seconds(clock() - entered, device), profiled=profiled)
                 total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
             window_tokens += metrics.pop("tokens")
             tflops = metrics.pop("flops") / (now - step_started) / 1e12

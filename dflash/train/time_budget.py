@@ -8,13 +8,16 @@ steps and plans the total it can afford:
 
 cap is the epochs / max_steps total, and never fewer than done + 1 are planned. The first step of a run (engine
 warm-up, kernel compilation) is not timed. Nor are up to ONE_OFFS later steps that took more than ONE_OFF_FACTOR
-times the median of the other steps of the rate window: recompilations. On an H200 the recipe's second step took
-12-17 s against 0.17 s for the next ones, and in session 10 step 74 took 27 s (a new shape); timed, that one step
-held the plan at a third of the steps it could afford until it left the 400-step window. Their excess over the
-median still counts against the budget, as spent; a slow step beyond the first ONE_OFFS is the pace and is timed,
-and so is the step that carries a checkpoint save (a recurring cost). A step is judged once ONE_OFF_BASELINE others
-are in the window. The first plan comes after CALIBRATION_STEPS timed steps, or sooner when the judged steps already
-used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
+times the median of the other steps of the rate window, with an excess that would move a full window's rate by more
+than REPLAN_TOLERANCE: recompilations. On an H200 the recipe's second step took 12-17 s against 0.17 s for the next
+ones, and in session 10 step 74 took 27 s (a new shape); timed, that one step held the plan at a third of the steps
+it could afford until it left the 400-step window. Their excess over the median still counts against the budget,
+as spent (and the hard stop below takes the last step as timed). A slow step beyond the first ONE_OFFS is the pace
+and is timed, and so is a smaller one (noise must not use up the slots) and the step that carries a checkpoint
+save (a recurring cost). Each step is judged against the window's other steps as it ends; a run's first timed
+steps wait until ONE_OFF_BASELINE others are there. Steps under the profiler (their time exclude()d by the caller)
+are no samples of the pace: neither judged nor counted among the rate's steps. The first plan comes after
+CALIBRATION_STEPS timed steps, or sooner when the judged steps already used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
 after every held-out evaluation, from the rate of the last rate_window steps (evaluations excluded), so a run that
 slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
 REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost the seconds of the shortest one measured;
@@ -122,6 +125,7 @@ class TimeBudget:
         self._next_plan: int | None = None  # the step of the next renewal, once calibrated
         self._one_offs_left = ONE_OFFS
         self._judged_step = 0  # the steps up to this one were judged one-off or not
+        self._unsampled: set[int] = set()  # profiled steps: their time is excluded, they are no sample of the pace
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` already spent (a profiled step, the profiler's table) out of the step rate, as evaluations
@@ -132,13 +136,19 @@ class TimeBudget:
         """What a checkpoint keeps, so that a resumed run goes on with the budget that is left."""
         return {"planned_steps": self.planned_steps, "spent_s": self.elapsed_s, "eval_s": self.eval_s}
 
-    def after_step(self, step: int, run_s: float) -> bool:
+    def after_step(self, step: int, run_s: float, profiled: bool = False) -> bool:
         """Step `step` ended `run_s` seconds after this run's start: time it, renew the plan when due, stop when the
-        next step and the evaluations left would not fit. True when the plan was set or changed (worth a line)."""
+        next step and the evaluations left would not fit. True when the plan was set or changed (worth a line).
+        profiled: the step ran under the profiler and the caller exclude()d its time; it is no sample of the pace,
+        so it is neither judged nor counted among the rate's steps."""
         self._advance(run_s)
         mark = (step, run_s - self._evaluations_s)
+        # As timed, one-off or not: the hard stop must not bet on the next step being fast again (a sudden,
+        # lasting slowdown looks like a one-off at its first step).
         self._last_step_s = mark[1] - self._marks[-1][1] if self._marks else 0.0
         self._marks.append(mark)
+        if profiled:
+            self._unsampled.add(step)
         if self._first_mark is None:  # this run's first step: start-up and compilation, not timed
             self._first_mark = mark
             self._judged_step = step
@@ -193,19 +203,24 @@ class TimeBudget:
         if self._one_offs_left == 0:  # every later step is the pace
             self._judged_step = marks[-1][0]
             return
-        seconds = {b[0]: b[1] - a[1] for a, b in zip(marks, marks[1:])}  # step -> its seconds
+        seconds = {b[0]: b[1] - a[1] for a, b in zip(marks, marks[1:]) if b[0] not in self._unsampled}
         if len(seconds) <= ONE_OFF_BASELINE:
             return
         for step in sorted(s for s in seconds if s > self._judged_step):
             self._judged_step = step
-            carries_save = self.save_every > 0 and (step - 1) % self.save_every == 0  # saved after step - 1
+            # The save after step - 1 is timed in this step. With save_every 1 every step carries one: then the
+            # median carries it too, and steps are judged as usual.
+            carries_save = self.save_every > 1 and (step - 1) % self.save_every == 0
             if self._one_offs_left == 0 or carries_save:
                 continue
             others = sorted(value for other, value in seconds.items() if other != step)
             median = others[len(others) // 2]
-            if seconds[step] <= ONE_OFF_FACTOR * median:
-                continue
             excess = seconds[step] - median
+            # Worth a slot only when it is far above the others and, timed, it would move a full window's rate by
+            # more than REPLAN_TOLERANCE; a smaller one stays in the rate (noise must not use up the slots).
+            window_steps = self._marks.maxlen - 1
+            if seconds[step] <= ONE_OFF_FACTOR * median or excess <= REPLAN_TOLERANCE * median * window_steps:
+                continue
             seconds[step] = median
             self._one_offs_left -= 1
             self._evaluations_s += excess
@@ -214,7 +229,8 @@ class TimeBudget:
 
     def _recent_step_s(self) -> float:
         (first_step, first_s), (last_step, last_s) = self._marks[0], self._marks[-1]
-        return (last_s - first_s) / (last_step - first_step) if last_step > first_step else 0.0
+        steps = last_step - first_step - sum(1 for s in self._unsampled if first_step < s <= last_step)
+        return (last_s - first_s) / steps if steps > 0 else 0.0
 
     def _evaluation_cost(self, count: int) -> float:
         if count == 0 or not self.evaluates:
