@@ -8,6 +8,11 @@ between ways of generating the same computation, so turning them off changes spe
 - the "mix-order" reduction (a norm's weight gradient summed in the kernel of the row reduction) sized its
   workspace from one length and viewed it with another in a later micro-batch ("shape '[1731, 64]' is invalid for
   input of size 1536", 64 anchors x 64 sequences); pytorch issue 186426 reports the same family of failures.
+
+Duck sizing is turned off too: by default dynamo gives sizes that are equal at the first trace one symbol. In the
+recipe the 64 anchor slots shared one with the batch (64 sequences) and the head dim (64, a constant), so the
+slots were fixed at 64 and the first micro-batch with 32 slots recompiled both layer graphs (27 s at step 74 of
+session 10's run); a first batch padded to 1,024 tokens ties its length to the 1,024 queries the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as fx_config
 from torch import nn
 
 # Set on a layer once it is compiled, so that no layer is ever compiled twice.
@@ -23,11 +29,12 @@ TURNED_OFF_TRITON_OPTIONS = ("coalesce_tiling_analysis", "mix_order_reduction")
 
 
 def configure_inductor() -> None:
-    """Turn off the code-generation strategies above (those this torch release has)."""
+    """Turn off the code-generation strategies above (those this torch release has), and duck sizing."""
     triton_options = getattr(inductor_config, "triton", None)
     for option in TURNED_OFF_TRITON_OPTIONS:
         if hasattr(triton_options, option):
             setattr(triton_options, option, False)
+    fx_config.use_duck_shape = False
 
 
 def compile_once(layer: nn.Module, compile_layer: Callable[[nn.Module], None]) -> bool:

@@ -122,6 +122,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, enable_gqa: 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     from torch.nn.attention.flex_attention import flex_attention
 
+    if torch.compiler.is_compiling():
+        # Inside a compiled layer (train.compile) the layer's graph captures flex itself. Reading the lazily built
+        # global below there put a guard on it (None at the first trace, set later): a recompile at step 2.
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
     global _compiled_flex
     if q.is_cuda:
         if _compiled_flex is None:
