@@ -12,7 +12,9 @@ between ways of generating the same computation, so turning them off changes spe
 Duck sizing is turned off too: by default dynamo gives sizes that are equal at the first trace one symbol. In the
 recipe the 64 anchor slots shared one with the batch (64 sequences) and the head dim (64, a constant), so the
 slots were fixed at 64 and the first micro-batch with 32 slots recompiled both layer graphs (27 s at step 74 of
-session 10's run); a first batch padded to 1,024 tokens ties its length to the 1,024 queries the same way.
+session 10's run); a first batch padded to 1,024 tokens ties its length to the 1,024 queries the same way. The
+setting stays off for the rest of the process (dynamo reads it at each trace), also after a target's compiled layers
+are given back; the other compiled code here compiles no more graphs with it off.
 """
 
 from __future__ import annotations
