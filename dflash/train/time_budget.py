@@ -10,8 +10,8 @@ cap is the epochs / max_steps total, and never fewer than done + 1 are planned. 
 warm-up, kernel compilation) is not timed. Nor are up to ONE_OFFS later steps that took more than ONE_OFF_FACTOR
 times the median of the other steps of the rate window, with an excess that would move a full window's rate by more
 than REPLAN_TOLERANCE: recompilations. On an H200 the recipe's second step took 12-17 s against 0.17 s for the next
-ones, and in session 10 step 74 took 27 s (a new shape); timed, that one step held the plan at a third of the steps
-it could afford until it left the 400-step window. Their excess over the median still counts against the budget,
+ones, and in session 10 step 74 took 27 s (a new shape); timed, that one step cut the plan to a third of the steps it
+could afford, and kept it below three quarters until it left the 400-step window. Their excess over the median still counts against the budget,
 as spent (and the hard stop below takes the last step as timed). A slow step beyond the first ONE_OFFS is the pace
 and is timed, and so is a smaller one (noise must not use up the slots) and the step that carries a checkpoint
 save (a recurring cost). Each step is judged against the window's other steps as it ends; a run's first timed
