@@ -124,6 +124,21 @@ def _folder_key(directory: str) -> str | None:
     return None
 
 
+def swap_in_dir(new: str, target: str, aside: str) -> None:
+    """Put the finished folder `new` in the place of folder `target` (same parent), so `target` is never
+    half-written. os.replace cannot overwrite a non-empty folder: the old one goes to `aside` first, comes back if
+    `new` cannot take its place, and is deleted once it has."""
+    if os.path.exists(target):
+        os.replace(target, aside)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        if os.path.exists(aside) and not os.path.exists(target):
+            os.replace(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def read_json(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)

@@ -24,6 +24,7 @@ import datasets
 from dflash.data.chat import encode_conversation, prompt_ids_many
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import read_record, regenerate, scan_journal, with_target
+from dflash.run_files import swap_in_dir
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> No
     """save_to_disk into a temp folder, then swap it in: `target` is never half-written."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    # A build killed while saving or between the two renames below left its temp or old copy (a full dataset
+    # A build killed while saving or in the middle of the swap left its temp or old copy (a full dataset
     # each); this build replaces both, so they go.
     for leftover in sorted(target.parent.glob(f".{target.name}.tmp-*")) + sorted(target.parent.glob(
             f".{target.name}.old-*")):
@@ -75,11 +76,7 @@ def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> No
     finally:
         if bars_were_on:
             datasets.utils.enable_progress_bars()
-    # os.replace cannot overwrite a non-empty folder: move the old one aside first.
-    if target.exists():
-        os.replace(target, old)
-    os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in_dir(str(tmp), str(target), aside=str(old))
 
 
 def heldout_ids(ids: list[str], count: int, seed: int) -> set[str]:

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
+from dflash.run_files import swap_in_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -48,7 +49,6 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
     config["dtype"] = str(dtype).removeprefix("torch.")
     tensors = drafter_tensors(drafter, dtype)
     temp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
-    old = temp + ".old"
     try:
         with open(os.path.join(temp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
@@ -59,15 +59,10 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
         for name in os.listdir(temp):
             os.chmod(os.path.join(temp, name), 0o666 & ~umask)
         os.chmod(temp, 0o777 & ~umask)
-        if os.path.exists(out_dir):
-            os.replace(out_dir, old)
-        os.replace(temp, out_dir)
+        swap_in_dir(temp, out_dir, aside=temp + ".old")  # a failed swap leaves the previous export in place
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
-        if os.path.exists(old) and not os.path.exists(out_dir):
-            os.replace(old, out_dir)  # the new export did not arrive: put the previous one back
         raise
-    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
