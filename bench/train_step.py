@@ -72,7 +72,8 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     """
     from dflash.train.batches import prepare_micro_batch
     from dflash.train.engine import OptimConfig, TrainEngine, init_distributed
-    from dflash.train.loop import TrainSettings, train_step
+    from dflash.config.schema import TrainSettings
+    from dflash.train.loop import train_step
     from dflash.train.step_metrics import step_flops
 
     init_distributed()
@@ -113,7 +114,7 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     settings = TrainSettings(epochs=1, micro_batch_size=batch, grad_accum=1, lr=6e-4, weight_decay=0.0,
                              betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0, grad_clip=1.0,
                              num_anchors=shape["anchors"], gamma=7.0, seed=0, loss_chunk_size=chunk, log_every=1,
-                             save_every=0, zero_stage=2, bf16=bf16, attention="flex" if path == "flex" else "sdpa")
+                             save_every=0, attention="flex" if path == "flex" else "sdpa")
 
     def sync() -> None:
         if device.type == "cuda":

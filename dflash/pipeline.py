@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -19,61 +20,19 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.config import ConfigError, fingerprints, settings_from
 from dflash.run_files import (
     CHECKPOINT_KEY, claim_checkpoint_dir, claim_dir, clear_done, container, fingerprint, mark_done, read_json,
     read_json_or_none, stage_done, write_json, write_text,
 )
 
-STAGES = ("data", "capture", "train", "eval")
+from dflash.config.schema import STAGES  # noqa: E402  (re-exported: the stage order)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(name)
-
-
-# Validation that must happen before any work ----------------------------------------------------------------------
-
-def validate(cfg: DictConfig) -> None:
-    unknown = [s for s in cfg.stages if s not in STAGES]
-    if unknown:
-        raise ValueError(f"unknown stages {unknown}; known stages: {list(STAGES)}")
-    if cfg.target.kind == "hf":
-        path = os.path.expanduser(str(cfg.target.path))
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"target weights not found at {path}: download the checkpoint there or set target.path "
-                f"(or the QWEN36_PATH environment variable for +experiment=qwen36)"
-            )
-    if float(cfg.train.get("kl_weight", 0.0)) > 0 and str(cfg.capture.mode) != "colocated":
-        raise ValueError(f"train.kl_weight={cfg.train.kl_weight} needs the target's logits while training, which "
-                         f"only capture=colocated has (stored features hold none); this run has "
-                         f"capture.mode={cfg.capture.mode}")
-    workers = str(cfg.capture.get("workers", "local"))
-    if workers not in ("local", "external"):
-        raise ValueError(f"capture.workers={workers!r}: expected 'local' (the trainer starts the capture workers) or "
-                         f"'external' (capture nodes run python -m dflash.extract.capture_node)")
-    if workers == "external":
-        c = cfg.capture
-        if str(c.mode) != "online":
-            raise ValueError(f"capture.workers=external is for capture.mode=online, not {c.mode!r}")
-        if c.get("num_workers") is None or not str(c.get("gpus_per_worker", 1)).isdigit():
-            raise ValueError(f"capture.workers=external needs capture.num_workers (all capture nodes together) and "
-                             f"an integer capture.gpus_per_worker; got {c.get('num_workers')} and "
-                             f"{c.get('gpus_per_worker', 1)}")
-    for key in ("max_steps", "max_minutes"):
-        if cfg.train.get(key) is not None and str(cfg.capture.mode) == "online":
-            raise ValueError(f"train.{key}={cfg.train[key]} with capture=online: the capture workers stream whole "
-                             f"epochs, so a run cut short would leave captured features unread; set train.epochs "
-                             f"instead, or use capture=offline or colocated")
-    if str(cfg.capture.dtype) in ("float16", "fp16", "half"):
-        raise ValueError("capture.dtype float16 is not allowed (hidden states overflow); use bfloat16 or float32")
-    from dflash.extract.capture import GROUP_KEYS, group_by_setting
-
-    if group_by_setting(cfg.train) not in GROUP_KEYS:
-        raise ValueError(f"train.group_by={cfg.train.group_by!r}: expected 'tokens' (sample length) or 'work' "
-                         "(length + block_size x anchors trained)")
 
 
 # Target shape and drafter config ---------------------------------------------------------------------------------
@@ -125,6 +84,37 @@ def drafter_config(cfg: DictConfig, shape: dict[str, Any]):
     )
 
 
+def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, Any] | None:
+    """What the commands run: the pipeline over `stages` (default: cfg.stages). A bad setting ends the process
+    with one line naming the key (exit status 2; HYDRA_FULL_ERROR=1 shows the traceback), before any work."""
+    from dflash.train.stop_signal import TrainingStopped
+
+    if stages is not None:
+        cfg.stages = stages
+    try:
+        pipeline = Pipeline(cfg)
+    except ConfigError as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"dflash: error: {error}", file=sys.stderr, flush=True)
+        remove_hydra_only_dir(str(cfg.run_dir))
+        sys.exit(2)
+    try:
+        return pipeline.run()
+    except TrainingStopped as stopped:
+        print(f"[train] {stopped}", flush=True)
+        sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable
+
+
+def remove_hydra_only_dir(run_dir: str) -> None:
+    """Remove a run folder that holds nothing but the log folder Hydra made for this refused command, so a refused
+    run leaves nothing behind. A folder holding anything else is left as it is."""
+    logs = os.path.join(run_dir, "hydra")
+    if os.path.isdir(run_dir) and os.listdir(run_dir) == ["hydra"] and \
+            all(name.endswith(".log") for name in os.listdir(logs)):
+        shutil.rmtree(run_dir)
+
+
 def timed(stage: str, work):
     """work() with its wall time printed: where a run's minutes go is the first question after a long run."""
     started = time.perf_counter()
@@ -141,7 +131,7 @@ TRAINING_LOGS = ("metrics.jsonl", "tensorboard")
 
 class Pipeline:
     def __init__(self, cfg: DictConfig) -> None:
-        validate(cfg)
+        self.settings = settings_from(cfg)  # every setting checked (ConfigError naming the key) before any work
         self.cfg = cfg
         self.run_dir = os.path.abspath(str(cfg.run_dir))
         self.dirs = {stage: os.path.join(self.run_dir, stage) for stage in ("data", "features", "checkpoints",
@@ -211,21 +201,10 @@ class Pipeline:
     # Stages
 
     def target_identity(self) -> dict:
-        """Which target the data stage's answers belong to: its config less the drafter's mask token and the folder
-        a GGUF target is dequantised into (the same weights wherever they are cached)."""
-        return {k: v for k, v in container(self.cfg.target).items() if k not in ("mask_token_id", "cache_dir")}
+        return fingerprints.target_identity(self.settings)
 
     def data_fingerprint(self) -> str:
-        # The mask token only enters the drafter, so it belongs to the train fingerprint, not here. cache_dir stays
-        # in (unlike target_identity), as it always was: leaving it out would redo every finished data stage.
-        target = {k: v for k, v in container(self.cfg.target).items() if k != "mask_token_id"}
-        # Both generation engines give the target's own tokens (equal in fp32): switching them redoes nothing.
-        # Nor do the engine's speed settings (rows per batch included: each prompt samples from its own stream).
-        speed_only = ("engine", "compile_step", "refill", "batch_size")
-        data = {k: v for k, v in container(self.cfg.data).items() if k not in speed_only}
-        if not int((data.get("synthetic") or {}).get("count", 0)):
-            data.pop("synthetic", None)  # off: the same data as before the option existed
-        return fingerprint(data, target)
+        return fingerprints.data_fingerprint(self.settings)
 
     def data(self) -> None:
         from dflash.data.dataset import build_dataset
@@ -272,16 +251,9 @@ class Pipeline:
         return prompts
 
     def capture_fingerprint(self) -> str:
-        taps = {"target_layer_ids": container(self.cfg.drafter.target_layer_ids), "num_taps": self.cfg.drafter.num_taps}
-        # Where capture runs, how it checks itself and how online features travel do not change the features.
-        skip = ("devices", "check_every", "verify_existing", "spool_dir", "budget_bytes", "num_workers",
-                "chunk_items", "stale_after_s", "max_restarts", "timeout_s", "threads", "cache", "cache_dir",
-                "cache_budget_bytes", "gpus_per_worker", "workers", "compile", "pack")
-        capture = {k: v for k, v in container(self.cfg.capture).items() if k not in skip}
-        # What the data stage made, not only what it was asked: a rerun that retried failed prompts has more samples.
         stats = read_json_or_none(os.path.join(self.dirs["data"], "stats.json")) or {}
         made = {k: stats.get(k) for k in ("fingerprint", "samples", "num_tokens")}
-        return fingerprint(self.data_fingerprint(), taps, capture, made)
+        return fingerprints.capture_fingerprint(self.settings, made)
 
     def capture(self) -> None:
         from dflash.data.dataset import load_dataset_dir
@@ -369,28 +341,8 @@ class Pipeline:
                           max_new_tokens=int(budget) if budget is not None else int(self.cfg.data.max_new_tokens))
 
     def train_settings(self):
-        from dflash.train.loop import TrainSettings
-
-        t, ds = self.cfg.train, self.cfg.deepspeed
-        bf16 = torch.cuda.is_available() if ds.bf16 == "auto" else bool(ds.bf16)
-        return TrainSettings(
-            epochs=int(t.epochs), micro_batch_size=int(t.micro_batch_size), grad_accum=int(t.grad_accum),
-            lr=float(t.lr), weight_decay=float(t.weight_decay), betas=tuple(t.betas),
-            warmup_ratio=float(t.warmup_ratio), min_lr_ratio=float(t.min_lr_ratio), grad_clip=float(t.grad_clip),
-            num_anchors=int(t.num_anchors), gamma=float(t.gamma), seed=int(t.seed),
-            loss_chunk_size=int(t.loss_chunk_size), log_every=int(t.log_every), save_every=int(t.save_every),
-            zero_stage=int(ds.zero_stage), bf16=bf16, attention=str(t.get("attention", "auto")),
-            keep_last=int(t.get("keep_last", 0)), peak_tflops=t.get("peak_tflops", "auto"),
-            activation_checkpointing=bool(t.get("activation_checkpointing", False)),
-            compile=bool(t.get("compile", False)),
-            eval_every=int(t.get("eval_every", 0)),
-            loss_weighting=str(t.get("loss_weighting", "exp_decay")), dpace_alpha=float(t.get("dpace_alpha", 0.5)),
-            kl_weight=float(t.get("kl_weight", 0.0)),
-            max_steps=int(t.max_steps) if t.get("max_steps") is not None else None,
-            max_minutes=float(t.max_minutes) if t.get("max_minutes") is not None else None,
-            group_by_length=int(t.get("group_by_length", 0)),
-            profile_steps=None if t.get("profile_steps") is None else str(t.profile_steps),
-        )
+        """The train group's checked settings (dflash/config/schema.py)."""
+        return self.settings.train
 
     def group_by(self) -> str:
         """train.group_by: the key train.group_by_length sorts samples by (capture.grouping_keys)."""
@@ -399,19 +351,7 @@ class Pipeline:
         return group_by_setting(self.cfg.train)
 
     def checkpoint_fingerprint(self) -> str:
-        """What the checkpoints of a run depend on. The rank count is not part of it: a run resumes on another
-        number of ranks (the checkpoints are converted)."""
-        # Settings that change neither the math nor the data are left out, so changing them never retrains.
-        skip = ("log_every", "save_every", "devices", "keep_last", "peak_tflops", "activation_checkpointing",
-                "compile", "profile_steps")
-        from dflash.extract.capture import group_by_setting
-
-        # A setting added later is left out at its neutral value, so runs from before it keep their fingerprint.
-        neutral = {"group_by": group_by_setting({}), "max_minutes": None}
-        train = {k: v for k, v in container(self.cfg.train).items()
-                 if k not in skip and not (k in neutral and v == neutral[k])}
-        return fingerprint(self.capture_fingerprint(), train, container(self.cfg.drafter),
-                           self.cfg.target.mask_token_id, container(self.cfg.deepspeed))
+        return fingerprints.checkpoint_fingerprint(self.settings, self.capture_fingerprint())
 
     def train_fingerprint(self) -> str:
         return fingerprint(self.checkpoint_fingerprint(), self.world_size)
@@ -466,7 +406,8 @@ class Pipeline:
                 store = FeatureStore(self.dirs["features"])
             started = time.perf_counter()
             with self._colocated_target_compiled():
-                state = train(settings, config, store, head, self.dirs["checkpoints"], log, rank=rank,
+                state = train(settings, config, store, head, self.dirs["checkpoints"], log,
+                              deepspeed=self.settings.deepspeed, rank=rank,
                               world_size=world_size, device=self.device, show_progress=self.show_progress,
                               heldout=self._heldout_set(), lengths=lengths)
             if online and rank == 0:
@@ -588,7 +529,7 @@ class Pipeline:
 
         out = self.dirs["eval"]
         folder, drafter_key = self._drafter_to_evaluate()
-        key = fingerprint(drafter_key, container(self.cfg.eval), container(self.cfg.target), folder)
+        key = fingerprints.eval_fingerprint(self.settings, drafter_key, folder)
         summary_path = os.path.join(out, "summary.json")
         if stage_done(out, key) and os.path.exists(summary_path):
             summary = read_json(summary_path)

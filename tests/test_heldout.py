@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash.config.schema import DeepSpeedSettings
 from dflash.data.dataset import build_dataset, fingerprint, heldout_ids, load_dataset_dir, load_heldout_dir
 from dflash.data.prompts import Prompt
 from dflash.eval.metrics import acceptance_metrics
@@ -178,7 +179,7 @@ def test_bad_heldout_inputs_are_refused(tiny_target, make_drafter, tmp_path):
         HeldoutSet(path, max_new_tokens=1)
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         HeldoutSet(str(tmp_path / "missing.safetensors"))
-    with pytest.raises(ValueError, match="eval_every must be >= 0"):
+    with pytest.raises(ValueError, match="train.eval_every=-1: expected an int >= 0"):
         dataclasses.replace(trainer_harness.settings(2, 1), eval_every=-1)
 
 
@@ -257,14 +258,14 @@ def run(out, *, heldout, eval_every, save_every=0, store=None, epochs=2, lr=3e-3
     from dflash.train.engine import init_distributed
 
     rank, world_size, _ = init_distributed()
-    settings = trainer_harness.settings(2 // world_size, 1, zero_stage=zero_stage, epochs=epochs,
-                                        save_every=save_every)
+    settings = trainer_harness.settings(2 // world_size, 1, epochs=epochs, save_every=save_every)
     settings.eval_every, settings.lr = eval_every, lr
     log = MetricsLog(str(out), enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t",
                      config={})
     try:
         state = loop.train(settings, trainer_harness.drafter_config(), store or trainer_harness.synthetic_store(),
-                           trainer_harness.frozen_head(), str(out / "checkpoints"), log, rank=rank,
+                           trainer_harness.frozen_head(), str(out / "checkpoints"), log,
+                           deepspeed=DeepSpeedSettings(zero_stage=zero_stage, bf16=False), rank=rank,
                            world_size=world_size, device=torch.device("cpu"), show_progress=False, heldout=heldout)
     finally:
         log.close()

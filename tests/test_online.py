@@ -21,7 +21,8 @@ from dflash.models.drafter_config import DrafterConfig
 from dflash.models.targets import build_tiny_target
 from dflash.train.batches import BatchPlan
 from dflash.train.engine import init_distributed
-from dflash.train.loop import TrainSettings, train
+from dflash.config.schema import DeepSpeedSettings, TrainSettings
+from dflash.train.loop import train
 from dflash.train.metrics_log import MetricsLog
 from tests.test_capture import make_dataset
 
@@ -199,14 +200,14 @@ def test_online_training_gives_the_offline_losses(tmp_path, dense, offline):
                            block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     settings = TrainSettings(epochs=2, micro_batch_size=2, grad_accum=1, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95),
                              warmup_ratio=0.0, min_lr_ratio=0.1, grad_clip=1.0, num_anchors=4, gamma=4.0, seed=0,
-                             loss_chunk_size=7, log_every=1, save_every=0, zero_stage=2, bf16=False)
+                             loss_chunk_size=7, log_every=1, save_every=0)
 
     def run(store, name: str) -> list[float]:
         init_distributed()  # single-process gloo group, as the trainer tests do
         log = MetricsLog(str(tmp_path / name), enabled=True, tensorboard=False, wandb_mode="disabled",
                          wandb_project="t", config={})
-        train(settings, config, store, (embed, head), str(tmp_path / name / "checkpoints"), log, rank=0,
-              world_size=1, device=torch.device("cpu"), show_progress=False)
+        train(settings, config, store, (embed, head), str(tmp_path / name / "checkpoints"), log,
+              deepspeed=DeepSpeedSettings(zero_stage=2, bf16=False), rank=0, world_size=1, device=torch.device("cpu"), show_progress=False)
         log.close()
         with open(tmp_path / name / "metrics.jsonl", encoding="utf-8") as f:
             return [json.loads(line)["loss"] for line in f]

@@ -247,7 +247,7 @@ def test_malformed_or_empty_prompt_file_is_named(tmp_path, content, message):
 
 
 def test_an_unknown_grouping_key_is_refused_before_any_work(tmp_path):
-    with pytest.raises(ValueError, match="train.group_by='answers': expected 'tokens'"):
+    with pytest.raises(ValueError, match="train.group_by='answers': expected one of 'tokens', 'work'"):
         Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.group_by=answers"]))
     assert not os.listdir(tmp_path)
 

@@ -10,7 +10,8 @@ import time
 import torch
 
 from dflash.models.drafter_config import DrafterConfig
-from dflash.train.loop import TrainSettings, train
+from dflash.config.schema import DeepSpeedSettings, TrainSettings
+from dflash.train.loop import train
 from dflash.train.metrics_log import MetricsLog
 
 HIDDEN, VOCAB, TAPS = 32, 64, 2
@@ -44,12 +45,12 @@ def drafter_config() -> DrafterConfig:
                          layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 
 
-def settings(micro_batch_size: int, grad_accum: int, zero_stage: int = 2, epochs: int = 2, save_every: int = 0,
+def settings(micro_batch_size: int, grad_accum: int, epochs: int = 2, save_every: int = 0,
              keep_last: int = 0) -> TrainSettings:
     return TrainSettings(epochs=epochs, micro_batch_size=micro_batch_size, grad_accum=grad_accum, lr=3e-3,
                          weight_decay=0.0, betas=(0.9, 0.95), warmup_ratio=0.0, min_lr_ratio=0.1, grad_clip=1.0,
                          num_anchors=4, gamma=4.0, seed=0, loss_chunk_size=7, log_every=1, save_every=save_every,
-                         zero_stage=zero_stage, bf16=False, attention="sdpa", keep_last=keep_last)
+                         attention="sdpa", keep_last=keep_last)
 
 
 class SlowStore(list):
@@ -73,8 +74,9 @@ def run(out_dir: str, micro_batch_size: int, grad_accum: int, zero_stage: int = 
     log = MetricsLog(out_dir, enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t",
                      config={})
     store = SlowStore(synthetic_store(), delay) if delay else synthetic_store()
-    state = train(settings(micro_batch_size, grad_accum, zero_stage, epochs, save_every, keep_last), drafter_config(),
-                  store, frozen_head(), os.path.join(out_dir, "checkpoints"), log, rank=rank, world_size=world_size,
+    state = train(settings(micro_batch_size, grad_accum, epochs, save_every, keep_last), drafter_config(),
+                  store, frozen_head(), os.path.join(out_dir, "checkpoints"), log,
+                  deepspeed=DeepSpeedSettings(zero_stage=zero_stage, bf16=False), rank=rank, world_size=world_size,
                   device=torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu"),
                   show_progress=False)
     log.close()

@@ -8,13 +8,12 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config import CONFIG_DIR
-from dflash.pipeline import Pipeline
+from dflash.pipeline import run_command
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    cfg.stages = ["eval"]
-    Pipeline(cfg).run()
+    run_command(cfg, ["eval"])
 
 
 if __name__ == "__main__":

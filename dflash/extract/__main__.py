@@ -17,14 +17,13 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config import CONFIG_DIR
-from dflash.pipeline import Pipeline
+from dflash.pipeline import run_command
 from dflash.train.__main__ import strip_local_rank
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    cfg.stages = ["data", "capture"]
-    Pipeline(cfg).run()
+    run_command(cfg, ["data", "capture"])
 
 
 if __name__ == "__main__":

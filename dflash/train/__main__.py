@@ -18,8 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config import CONFIG_DIR
-from dflash.pipeline import Pipeline
-from dflash.train.stop_signal import TrainingStopped
+from dflash.pipeline import run_command
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -48,11 +47,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        Pipeline(cfg).run()
-    except TrainingStopped as stopped:
-        print(f"[train] {stopped}", flush=True)
-        sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable
+    run_command(cfg)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from tqdm import tqdm
 
+from dflash.config.schema import DeepSpeedSettings, TrainSettings
 from dflash.host_copy import host_to_device
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
@@ -41,54 +41,12 @@ from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
 from dflash.train.step_profile import StepProfiler, in_window, parse_profile_steps
 from dflash.train.stop_signal import StopSignal, TrainingStopped
-from dflash.train.time_budget import TimeBudget, check_max_minutes
+from dflash.train.time_budget import TimeBudget
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.objective import (
-    block_target_hidden, check_kl_weight, check_loss_weighting, loss_normaliser, weighted_block_loss,
+    block_target_hidden, loss_normaliser, weighted_block_loss,
 )
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
-
-
-@dataclass
-class TrainSettings:
-    epochs: int
-    micro_batch_size: int
-    grad_accum: int
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    warmup_ratio: float
-    min_lr_ratio: float
-    grad_clip: float
-    num_anchors: int
-    gamma: float
-    seed: int
-    loss_chunk_size: int
-    log_every: int
-    save_every: int
-    zero_stage: int
-    bf16: bool
-    attention: str = "auto"            # auto | sdpa | flex (auto: flex on CUDA, sdpa elsewhere)
-    keep_last: int = 0                 # complete checkpoints kept (0 = all)
-    peak_tflops: float | str | None = "auto"  # per-rank peak for MFU; auto = measure a bf16 matmul on CUDA
-    activation_checkpointing: bool = False  # recompute each drafter layer in backward (less memory, more compute)
-    compile: bool = False              # torch.compile each drafter layer (fewer, fused kernels; compiles first)
-    eval_every: int = 0                # held-out acceptance every N steps (0: only at the last step)
-    loss_weighting: str = "exp_decay"  # exp_decay | dpace (docs/training.md, "D-PACE loss weighting")
-    dpace_alpha: float = 0.5           # D-PACE confidence smoothing, q~ = alpha + (1 - alpha) q
-    kl_weight: float = 0.0             # loss = (1 - w) CE + w KL(target || drafter); > 0 needs capture=colocated
-    max_steps: int | None = None       # stop after this many optimizer steps (the schedule ends there), None = epochs
-    max_minutes: float | None = None   # wall-time budget: the schedule is sized to end within it (time_budget.py)
-    group_by_length: int = 0           # > 0: global batches of similar-length samples (batches.py), less padding
-    profile_steps: str | None = None   # "START:COUNT": a profiler table of those steps (step_profile.py), rank 0
-
-    def __post_init__(self) -> None:
-        check_loss_weighting(self.loss_weighting, self.dpace_alpha)
-        check_kl_weight(self.kl_weight)
-        parse_profile_steps(self.profile_steps)
-        check_max_minutes(self.max_minutes)
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0 (0 evaluates only at the last step), got {self.eval_every}")
 
 
 # Named ranges of a step, shown as rows of the train.profile_steps tables (host and device time per phase).
@@ -112,8 +70,13 @@ def global_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def build_engine(settings: TrainSettings, drafter_config: DrafterConfig, total_steps: int, world_size: int,
-                 device: torch.device, load_universal: bool = False) -> TrainEngine:
+def resolve_bf16(setting: bool | str, device: torch.device) -> bool:
+    """deepspeed.bf16: auto = bf16 (with fp32 master weights) on CUDA, fp32 elsewhere."""
+    return torch.device(device).type == "cuda" if setting == "auto" else bool(setting)
+
+
+def build_engine(settings: TrainSettings, deepspeed: DeepSpeedSettings, drafter_config: DrafterConfig,
+                 total_steps: int, world_size: int, device: torch.device, load_universal: bool = False) -> TrainEngine:
     drafter = DFlashDraftModel(drafter_config)
     drafter.init_weights(settings.seed)
     if settings.activation_checkpointing:
@@ -123,7 +86,8 @@ def build_engine(settings: TrainSettings, drafter_config: DrafterConfig, total_s
     optim = OptimConfig(
         lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
         warmup_ratio=settings.warmup_ratio, min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip,
-        zero_stage=settings.zero_stage, bf16=settings.bf16, micro_batch_size=settings.micro_batch_size,
+        zero_stage=deepspeed.zero_stage, bf16=resolve_bf16(deepspeed.bf16, device),
+        micro_batch_size=settings.micro_batch_size,
         grad_accum=settings.grad_accum, total_steps=total_steps, load_universal=load_universal,
     )
     return TrainEngine(drafter.to(device), optim, world_size)
@@ -248,15 +212,16 @@ def resolve_peak_tflops(value: float | str | None, device: torch.device) -> floa
 
 
 def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
-          frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *, rank: int,
-          world_size: int, device: torch.device, show_progress: bool = True,
-          heldout: HeldoutSet | None = None, lengths: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+          frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *,
+          deepspeed: DeepSpeedSettings | None = None, rank: int, world_size: int, device: torch.device,
+          show_progress: bool = True, heldout: HeldoutSet | None = None, lengths: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
 
     store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
     frozen_head: the target's (embedding weight, lm_head weight); heldout: evaluated every
     settings.eval_every steps and at the last step, the best weights kept in checkpoint_dir/best.
-    lengths: every sample's token count, needed by settings.group_by_length.
+    lengths: every sample's token count, needed by settings.group_by_length. deepspeed: ZeRO stage and precision
+    (default: ZeRO-2, bf16 on CUDA).
     """
     if heldout is None and settings.eval_every:
         raise ValueError(f"eval_every={settings.eval_every} needs a held-out set (data.heldout > 0)")
@@ -273,7 +238,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             raise ValueError(f"max_steps must be >= 1 or None, got {settings.max_steps}")
         total_steps = min(total_steps, settings.max_steps)
     tag, universal = resume_tag(checkpoint_dir, world_size, rank)
-    engine = build_engine(settings, drafter_config, total_steps, world_size, device, load_universal=universal)
+    engine = build_engine(settings, deepspeed or DeepSpeedSettings(), drafter_config, total_steps, world_size, device,
+                          load_universal=universal)
     attention = resolve_attention(settings.attention, device)
     peak_tflops = resolve_peak_tflops(settings.peak_tflops, device)
     # Data position, anchors and LR all follow from the global step, restored with the optimizer and RNG state.

@@ -1,0 +1,20 @@
+"""The error a bad setting raises: one line that names the key and what it accepts."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+class ConfigError(ValueError):
+    """A setting that cannot run, found before any stage starts. Its message names the key (`train.lr`)."""
+
+
+def require(condition: bool, key: str, value: Any, expected: str) -> None:
+    """ConfigError `key=value: expected ...` unless `condition`."""
+    if not condition:
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def require_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
+    choices = tuple(choices)
+    require(value in choices, key, value, "one of " + ", ".join(repr(c) for c in choices))

