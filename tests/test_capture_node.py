@@ -111,8 +111,8 @@ def test_a_restarted_trainer_frees_the_item_files_of_the_nodes_old_workers(tmp_p
 
 
 @pytest.mark.parametrize("override, message", [
-    ("capture.num_workers=null", "needs capture.num_workers"),
-    ("capture.gpus_per_worker=auto", "an integer capture.gpus_per_worker"),
+    ("capture.num_workers=null", "capture.num_workers=None: expected the number of workers"),
+    ("capture.gpus_per_worker=auto", "capture.gpus_per_worker='auto': expected an int"),
 ])
 def test_external_workers_need_a_worker_count_and_gpus_per_worker(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):

@@ -8,6 +8,7 @@ Layout of the checkpoint folder (shared by all ranks, e.g. a network filesystem 
     latest              the newest complete tag, replaced atomically (temp file + os.replace) after `complete`
     step{N}_universal/  only when resuming on a different number of ranks: DeepSpeed's layout-free "universal"
                         conversion of step{N}, loaded with `checkpoint.load_universal`; deleted at the next save
+    .pruned-step{N}/    a tag being deleted (renamed first, so a kill inside the delete leaves no half-deleted tag)
 
 DeepSpeed's own `latest` is written by rank 0 as soon as rank 0 is done, with a truncating open: a kill at the
 wrong moment leaves it empty or naming a tag that another rank had not finished. So DeepSpeed's is switched off and
@@ -17,6 +18,7 @@ writing step{N} resumes from the previous tag; the half-written folder is delete
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,6 +38,7 @@ from dflash.train.engine import TrainEngine
 COMPLETE = "complete"
 LATEST = "latest"
 LAYOUT = "layout.json"
+PRUNED = ".pruned-"
 UNIVERSAL = "_universal"
 _TAG = re.compile(r"^step(\d+)$")
 _UNIVERSAL_TAG = re.compile(r"^step\d+_universal(\.tmp)?$")
@@ -112,15 +115,30 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
                                                                 "zero_stage": engine.zero_stage}))
         write_text(os.path.join(folder, COMPLETE), f"{step}\n")
         write_text(os.path.join(directory, LATEST), tag)
-        if keep_last > 0:
-            for _, old in complete_tags(directory)[:-keep_last]:
-                shutil.rmtree(os.path.join(directory, old))
-        for name in os.listdir(directory):
-            if _UNIVERSAL_TAG.match(name):
-                shutil.rmtree(os.path.join(directory, name))
-            elif name == "latest_universal":  # written by ds_to_universal next to its output; never read here
-                os.remove(os.path.join(directory, name))
+        prune_checkpoints(directory, keep_last, tag)
     _barrier()
+
+
+def prune_checkpoints(directory: str, keep_last: int, current: str) -> None:
+    """Delete what the newest complete tag `current` makes obsolete (rank 0, after `latest` names it): complete
+    tags beyond the newest `keep_last` (0 keeps all), tags without `complete` (left by a save that was killed; every
+    rank has passed the barrier, so none is being written), universal conversions, and what an earlier prune left.
+
+    A folder is renamed to `.pruned-<name>` (atomic) before it is deleted: a kill inside the delete leaves a
+    `.pruned-*` folder, which no reader takes for a checkpoint and the next prune deletes, never a half-deleted tag.
+    """
+    obsolete = [name for name in os.listdir(directory) if _TAG.match(name) and name != current
+                and not os.path.exists(os.path.join(directory, name, COMPLETE))]
+    if keep_last > 0:
+        obsolete += [old for _, old in complete_tags(directory)[:-keep_last] if old != current]
+    obsolete += [name for name in os.listdir(directory) if _UNIVERSAL_TAG.match(name)]
+    for name in obsolete:
+        os.replace(os.path.join(directory, name), os.path.join(directory, PRUNED + name))
+    for name in os.listdir(directory):
+        if name.startswith(PRUNED):
+            shutil.rmtree(os.path.join(directory, name))
+    with contextlib.suppress(FileNotFoundError):  # written by ds_to_universal beside its output; never read here
+        os.remove(os.path.join(directory, "latest_universal"))
 
 
 def saved_world_size(directory: str, tag: str) -> int | None:
