@@ -85,22 +85,21 @@ def drafter_config(cfg: DictConfig, shape: dict[str, Any]):
 
 
 def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, Any] | None:
-    """What the commands run: the pipeline over `stages` (default: cfg.stages). A bad setting ends the process
-    with one line naming the key (exit status 2; HYDRA_FULL_ERROR=1 shows the traceback), before any work."""
+    """What the commands run: the pipeline over `stages` (default: cfg.stages). A bad setting, or a run folder that
+    holds a drafter of other settings, ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1 shows the
+    traceback) before any work."""
     from dflash.train.stop_signal import TrainingStopped
 
     if stages is not None:
         cfg.stages = stages
     try:
-        pipeline = Pipeline(cfg)
+        return Pipeline(cfg).run()
     except ConfigError as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         remove_hydra_only_dir(str(cfg.run_dir))
         sys.exit(2)
-    try:
-        return pipeline.run()
     except TrainingStopped as stopped:
         print(f"[train] {stopped}", flush=True)
         sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable
@@ -125,8 +124,10 @@ def timed(stage: str, work):
 
 # The pipeline ------------------------------------------------------------------------------------------------------
 
-# What the train stage logs beside its checkpoints, in the run folder (metrics_log.py).
-TRAINING_LOGS = ("metrics.jsonl", "tensorboard")
+# What a training leaves in the run folder beside its checkpoints: its logs (metrics_log.py), exports, curve and the
+# evaluation of its export. They travel with the checkpoints when those are moved aside (overwrite=true) or back.
+SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of the training that wrote them
+TRAINED_OUTPUTS = ("metrics.jsonl", "tensorboard", "export", "export_best", "training_curve.png", "eval")
 
 
 class Pipeline:
@@ -166,19 +167,66 @@ class Pipeline:
                                         tiny=container(t.tiny), cache_dir=t.cache_dir)
         return self._adapter
 
+    def trained_keys(self) -> tuple[str, str | None] | None:
+        """(checkpoint fingerprint, settings fingerprint or None when not recorded) of the drafter trained in
+        run_dir (its export's, else its checkpoints'), or None when nothing was trained there."""
+        from dflash.train.best_checkpoint import read_best
+        from dflash.train.checkpoints import complete_tags
+
+        folder = self.dirs["checkpoints"]
+        marker = read_json_or_none(os.path.join(folder, CHECKPOINT_KEY))
+        checkpoints = marker.get("fingerprint") if isinstance(marker, dict) else "unfingerprinted"
+        settings = (read_json_or_none(os.path.join(folder, SETTINGS_KEY)) or {}).get("fingerprint")
+        export = read_json_or_none(os.path.join(self.dirs["export"], "done.json"))
+        if isinstance(export, dict) and "checkpoint" in export:
+            return export["checkpoint"], settings if export["checkpoint"] == checkpoints else None
+        if not complete_tags(folder) and read_best(folder) is None:
+            return None
+        return checkpoints, settings
+
+    def refuse_other_trained_settings(self) -> None:
+        """ConfigError, before any work, when run_dir holds a drafter trained under other data, capture or train
+        settings: a command is never allowed to move, rewrite or delete a trained run unless it says overwrite=true
+        (the trained drafter is then moved aside, never deleted). Other eval settings are fine."""
+        trained = self.trained_keys()
+        if self.settings.overwrite or trained is None:
+            return
+        # The settings alone when recorded: the data stage may not have (re)made its files yet.
+        if trained[1] == fingerprints.settings_fingerprint(self.settings) or \
+                trained[1] is None and trained[0] == self.checkpoint_fingerprint():
+            return
+        old = None
+        for path in (os.path.join(self.dirs["checkpoints"], "config.yaml"), os.path.join(self.run_dir, "config.yaml")):
+            if os.path.exists(path):
+                old = OmegaConf.to_container(OmegaConf.load(path))
+                break
+        changes = fingerprints.training_changes(old, self.settings) if isinstance(old, dict) else []
+        shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+        parent, name = os.path.split(self.run_dir)
+        free = next(f"{name}-{k}" for k in range(2, 10_000) if not os.path.exists(os.path.join(parent, f"{name}-{k}")))
+        raise ConfigError(
+            f"{self.run_dir} holds a drafter trained with other settings ({shown or 'see its config.yaml'}); nothing "
+            f"was changed. To train these settings beside it, run the same command with name={free} (or another "
+            f"run_dir); to move the trained drafter aside (kept in {self.dirs['checkpoints']}.<its fingerprint>) and "
+            f"train these settings in its place, add overwrite=true")
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
 
     def run(self) -> dict[str, Any] | None:
+        self.refuse_other_trained_settings()
         os.makedirs(self.run_dir, exist_ok=True)
         if self.world_size > 1:
             from dflash.train.engine import init_distributed
 
             init_distributed()
-        if self.rank == 0:
-            write_text(os.path.join(self.run_dir, "config.yaml"), OmegaConf.to_yaml(self.cfg, resolve=True))
         stages = list(self.cfg.stages)
+        if self.rank == 0:
+            for warning in self.settings.ignored():
+                print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
+        if self.rank == 0 and stages != ["eval"]:  # an evaluation records its config in its own folder
+            write_text(os.path.join(self.run_dir, "config.yaml"), OmegaConf.to_yaml(self.cfg, resolve=True))
         if self.rank == 0 and "data" in stages:
             timed("data", self.data)
         if "capture" in stages:
@@ -374,9 +422,16 @@ class Pipeline:
         if rank == 0:
             moved = claim_checkpoint_dir(self.dirs["checkpoints"], self.checkpoint_fingerprint())
             if moved:
-                print(f"[train] checkpoints of other settings moved aside to {moved}")
-            self._carry_training_logs(moved)
+                print(f"[train] the drafter trained with other settings moved aside to {moved} (overwrite=true)")
+            self._carry_trained_outputs(moved)
+            write_text(os.path.join(self.dirs["checkpoints"], "config.yaml"), OmegaConf.to_yaml(self.cfg, resolve=True))
+            write_json(os.path.join(self.dirs["checkpoints"], SETTINGS_KEY),
+                       {"fingerprint": fingerprints.settings_fingerprint(self.settings)})
         self.barrier()
+        if stage_done(out, key):  # these settings' drafter came back with their checkpoints
+            if rank == 0:
+                print(f"[train] restored: {out}")
+            return
         shape = read_json(os.path.join(self.dirs["features"], "target.json"))
         config = drafter_config(self.cfg, shape)
         logging = self.cfg.logging
@@ -426,11 +481,11 @@ class Pipeline:
             mark_done(out, key, checkpoint=self.checkpoint_fingerprint())
             print(f"[train] exported drafter -> {out}")
 
-    def _carry_training_logs(self, moved: str | None) -> None:
-        """The training logs travel with their checkpoints: into the folder the other settings' checkpoints were
-        moved to, and back out of restored ones, so that each run's metrics stay its own (the trainer then drops
-        only the records after the step it resumes from, MetricsLog.resume_from)."""
-        for name in TRAINING_LOGS:
+    def _carry_trained_outputs(self, moved: str | None) -> None:
+        """A training's outputs travel with its checkpoints: into the folder the other settings' checkpoints were
+        moved to, and back out of restored ones, so that each run's exports and metrics stay its own (the trainer
+        then drops only the records after the step it resumes from, MetricsLog.resume_from)."""
+        for name in TRAINED_OUTPUTS:
             current = os.path.join(self.run_dir, name)
             if moved and os.path.exists(current):
                 os.replace(current, os.path.join(moved, name))
@@ -553,6 +608,7 @@ class Pipeline:
                                live_engine=str(e.get("live_engine", "auto")))
             summary["chat_template_kwargs"] = template_kwargs
             write_summary(summary, out)
+            write_text(os.path.join(out, "config.yaml"), OmegaConf.to_yaml(self.cfg, resolve=True))
             mark_done(out, key)
         print(format_table(summary))
         return summary

@@ -65,19 +65,20 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
 
     Checkpoints written under other settings (or before checkpoints carried a fingerprint) would be resumed as if
     they were this run's: a run whose settings changed would load the old final step and export the old weights.
-    They are moved aside (claim_dir); a later run with those settings again moves them back and resumes.
+    They are moved aside (claim_dir), never deleted; a later run with those settings again moves them back and
+    resumes.
     """
-    return claim_dir(directory, key, stage="train", contents="checkpoints")
+    return claim_dir(directory, key, stage="train", contents="checkpoints", keep_moved=True)
 
 
-def claim_dir(directory: str, key: str, *, stage: str, contents: str) -> str | None:
+def claim_dir(directory: str, key: str, *, stage: str, contents: str, keep_moved: bool = False) -> str | None:
     """Make `directory` hold the work of settings fingerprinted `key` only (`contents` of stage `stage`).
 
     Work of other settings (its fingerprint in the folder's marker, else in a done.json; neither: unfingerprinted)
     is moved aside to `<directory>.<old key>`, and a folder moved aside earlier for `key` is moved back, so going
-    back to earlier settings resumes their work. Only one moved-aside folder is kept besides the one being restored:
-    optimizer state is large (~25 GB per 27B-recipe checkpoint) and so are feature stores, and every settings change
-    would add one. Returns where the current folder went, or None when nothing moved.
+    back to earlier settings resumes their work. Unless `keep_moved` (trained work is never deleted), only one
+    moved-aside folder is kept besides the one being restored: feature stores are large and can be captured again,
+    and every settings change would add one. Returns where the current folder went, or None when nothing moved.
     """
     marker = os.path.join(directory, CHECKPOINT_KEY)
     parent, name = os.path.split(os.path.abspath(directory))
@@ -90,7 +91,7 @@ def claim_dir(directory: str, key: str, *, stage: str, contents: str) -> str | N
             return None
         # Only folders this function made: <name>.<16 hex digits of a fingerprint> or <name>.unfingerprinted.
         ours = re.compile(re.escape(name) + r"\.([0-9a-f]{16}|unfingerprinted)")
-        for stale in os.listdir(parent):
+        for stale in [] if keep_moved else os.listdir(parent):
             path = os.path.join(parent, stale)
             if ours.fullmatch(stale) and os.path.isdir(path) and os.path.abspath(path) != os.path.abspath(restore):
                 print(f"[{stage}] deleting {path}, {contents} of settings older than the ones moved aside now")

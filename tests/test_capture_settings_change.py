@@ -60,7 +60,7 @@ def test_a_stage_killed_halfway_is_not_taken_for_the_earlier_settings_work(tmp_p
         Pipeline(compose(run + ["eval.max_new_tokens=12", "stages=[eval]"])).run()
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr("dflash.data.dataset.build_dataset", build_then_die)
-        Pipeline(compose(run + ["data.limit=16", "stages=[data]"])).run()
+        Pipeline(compose(run + ["data.limit=16", "stages=[data]", "overwrite=true"])).run()
     # Back to the first settings: both stages are redone, not served from the killed runs' files.
     summary = Pipeline(compose(run + ["stages=[data,eval]"])).run()
     assert summary["max_new_tokens"] == 16
@@ -81,10 +81,10 @@ def test_going_back_to_earlier_settings_brings_their_training_logs_back(tmp_path
 
     Pipeline(compose(run)).run()
     first = records()
-    Pipeline(compose(run + ["train.lr=0.05"])).run()  # other settings: their own run and log
+    Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()  # other settings: their own run and log
     other = records()
     assert [step for step, _ in other] == [step for step, _ in first] and other != first
-    Pipeline(compose(run)).run()  # back: the first run's checkpoints and its log return together
+    Pipeline(compose(run + ["overwrite=true"])).run()  # back: the first run's checkpoints and log return together
     assert records() == first
     assert os.path.exists(tmp_path / "tensorboard")
 

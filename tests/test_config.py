@@ -211,6 +211,7 @@ BAD = [
     ("stages=[train,export]", "unknown stages ['export']"),
     ("device=tpu", "device='tpu': expected auto, cpu or cuda[:N]"),
     ("target.mask_token_id=-1", "target.mask_token_id=-1"),
+    ("train.eval_every=5", "train.eval_every=5 replays held-out prompts while training; set data.heldout"),
 ]
 
 
@@ -221,6 +222,25 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     assert message in str(error.value)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides,warning", [
+    (["target.path=/does/not/exist"], "target.path='/does/not/exist' is ignored: only target.kind=hf reads it"),
+    (["capture=colocated", "capture.shard_tokens=400"], "capture.shard_tokens=400 is ignored: only capture=offline"),
+    (["capture=colocated", "capture.devices=[0,1]"], "capture.devices=[0, 1] is ignored: capture=colocated runs"),
+    (["eval.seed=3"], "eval.seed=3 is ignored: only eval.mode=live uses it"),
+    (["train.dpace_alpha=0.2"], "train.dpace_alpha=0.2 is ignored: only train.loss_weighting=dpace uses it"),
+    (["train.group_by=work"], "train.group_by='work' is ignored: train.group_by_length is 0"),
+    (["train.heldout_batch_size=4"], "train.heldout_batch_size=4 is ignored: data.heldout is 0"),
+    (["data.source=gsm8k", "data.turns=all"], "data.turns='all' is ignored: only data.source=sharegpt has turns"),
+])
+def test_settings_this_combination_ignores_are_named(overrides, warning):
+    assert warning in " ".join(settings_from(compose(["+experiment=tiny", *overrides])).ignored())
+
+
+def test_the_shipped_experiments_give_no_ignored_settings():
+    for name in ("tiny", "smollm2"):
+        assert settings_from(compose([f"+experiment={name}"])).ignored() == []
 
 
 @pytest.mark.parametrize("override,key", [("train.lerning_rate=1e-3", "train.lerning_rate"),
@@ -253,3 +273,12 @@ def test_yaml_files_hold_no_copy_of_a_schema_default():
             preset = OmegaConf.load(os.path.join(REPO, "conf", group, path))
             repeated = [k for k, v in preset.items() if not OmegaConf.is_missing(defaults, k) and v == defaults[k]]
             assert not repeated, f"conf/{group}/{path} repeats the schema's defaults of {repeated}"
+
+
+def test_the_settings_reference_in_the_docs_is_current():
+    from dflash.config.reference import END, START, reference
+
+    with open(os.path.join(REPO, "docs", "config.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert text[text.index(START):text.index(END) + len(END)] == reference(), \
+        "docs/config.md: paste the output of `python -m dflash.config`"

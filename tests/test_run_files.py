@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dflash.run_files import claim_checkpoint_dir, make_owned_dir, mark_done, remove_owned_dir, stage_done
+from dflash.run_files import claim_checkpoint_dir, claim_dir, make_owned_dir, mark_done, remove_owned_dir, stage_done
 
 
 def test_checkpoints_of_other_settings_are_moved_aside_never_deleted(tmp_path):
@@ -21,23 +21,35 @@ def test_checkpoints_of_other_settings_are_moved_aside_never_deleted(tmp_path):
     assert json.loads((tmp_path / "checkpoints" / "fingerprint.json").read_text()) == {"fingerprint": "bbb"}
 
 
-def test_only_the_latest_moved_aside_checkpoints_are_kept(tmp_path):
+def test_moved_aside_checkpoints_are_all_kept(tmp_path):
     folder = tmp_path / "checkpoints"
-    (tmp_path / "checkpoints.unfingerprinted").mkdir()  # moved aside by an earlier change: now deleted
     (tmp_path / "checkpoints_other").mkdir()  # not ours
-    (tmp_path / "checkpoints.backup").mkdir()  # not ours either, though it starts like ours
     folder.mkdir()
     (folder / "latest").write_text("step2")
     assert claim_checkpoint_dir(str(folder), "ccc") == f"{folder}.unfingerprinted"
-    assert (tmp_path / "checkpoints.unfingerprinted" / "latest").read_text() == "step2"
     (folder / "latest").write_text("step9")
-    assert claim_checkpoint_dir(str(folder), "ddd") == f"{folder}.ccc"
-    assert claim_checkpoint_dir(str(folder), "0123456789abcdef") == f"{folder}.ddd"
+    assert claim_checkpoint_dir(str(folder), "0123456789abcdef") == f"{folder}.ccc"
     (folder / "latest").write_text("step1")
     assert claim_checkpoint_dir(str(folder), "fedcba9876543210") == f"{folder}.0123456789abcdef"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoints", "checkpoints.0123456789abcdef", "checkpoints.backup", "checkpoints.ccc", "checkpoints.ddd",
-        "checkpoints_other"]  # short test keys are not fingerprints: kept
+        "checkpoints", "checkpoints.0123456789abcdef", "checkpoints.ccc", "checkpoints.unfingerprinted",
+        "checkpoints_other"]
+    assert (tmp_path / "checkpoints.unfingerprinted" / "latest").read_text() == "step2"
+
+
+def test_only_the_latest_moved_aside_feature_store_is_kept(tmp_path):
+    folder = tmp_path / "features"
+    (tmp_path / "features.unfingerprinted").mkdir()  # moved aside by an earlier change: now deleted
+    (tmp_path / "features.backup").mkdir()  # not ours, though it starts like ours
+    folder.mkdir()
+    (folder / "manifest.json").write_text("{}")
+    assert claim_dir(str(folder), "0123456789abcdef", stage="capture", contents="features") == \
+        f"{folder}.unfingerprinted"
+    (folder / "manifest.json").write_text("{}")
+    assert claim_dir(str(folder), "fedcba9876543210", stage="capture", contents="features") == \
+        f"{folder}.0123456789abcdef"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["features", "features.0123456789abcdef",
+                                                          "features.backup"]
 
 
 def test_an_unreadable_done_marker_means_the_stage_is_redone(tmp_path):
@@ -69,15 +81,6 @@ def test_a_named_working_folder_is_deleted_only_if_dflash_made_it(tmp_path):
     (inside / "0.safetensors").write_text("x")
     remove_owned_dir(str(inside), str(run_dir))
     assert not inside.exists()
-
-
-def test_an_older_moved_aside_fingerprint_folder_is_deleted_when_another_moves_aside(tmp_path):
-    folder = tmp_path / "checkpoints"
-    for key in ("0123456789abcdef", "fedcba9876543210", "aaaaaaaaaaaaaaaa"):
-        claim_checkpoint_dir(str(folder), key)
-        (folder / "latest").write_text(key)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "checkpoints.fedcba9876543210"]
-    assert (tmp_path / "checkpoints.fedcba9876543210" / "latest").read_text() == "fedcba9876543210"
 
 
 def test_going_back_to_earlier_settings_resumes_their_checkpoints(tmp_path):

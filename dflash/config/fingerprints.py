@@ -46,6 +46,25 @@ def _is_neutral(neutral: Any, value: Any) -> bool:
     return neutral(value) if callable(neutral) else value == neutral
 
 
+def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
+    """`key: old -> new` for each setting that decides the data, capture or train stage and differs between the
+    resolved config `old` (a run folder's config.yaml, as a dict) and `new`."""
+    changes: list[str] = []
+
+    def walk(node: Any, before: Any, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            value, key = getattr(node, f.name), prefix + f.name
+            was = before.get(f.name, "(absent)") if isinstance(before, dict) else "(absent)"
+            if dataclasses.is_dataclass(value):
+                walk(value, was, key + ".")
+            elif set(f.metadata["affects"]) & {"data", "capture", "train"} and _plain(value, "train") != was:
+                if not (was == "(absent)" and "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], value)):
+                    changes.append(f"{key}: {was} -> {_plain(value, 'train')}")
+
+    walk(new, old, "")
+    return changes
+
+
 def target_identity(s: RunSettings) -> dict[str, Any]:
     """Which target wrote the data stage's answers: the target settings that affect the data stage, less the folder
     a GGUF target is dequantised into (the same weights wherever they are cached). Journals record it."""
@@ -73,6 +92,12 @@ def checkpoint_fingerprint(s: RunSettings, capture_key: str) -> str:
     of ranks (the checkpoints are converted)."""
     return fingerprint(capture_key, stage_settings(s.train, "train"), stage_settings(s.drafter, "train"),
                        *stage_settings(s.target, "train").values(), stage_settings(s.deepspeed, "train"))
+
+
+def settings_fingerprint(s: RunSettings) -> str:
+    """The checkpoint fingerprint less what the data stage made: equal for two commands whose data, capture and
+    train settings are equal, whether or not the data stage has finished (a run folder's guard compares it)."""
+    return checkpoint_fingerprint(s, capture_fingerprint(s, {}))
 
 
 def eval_fingerprint(s: RunSettings, drafter_key: str, drafter_dir: str) -> str:

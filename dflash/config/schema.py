@@ -518,6 +518,10 @@ class RunSettings:
     stages: List[str] = setting(affects=(), factory=lambda: list(STAGES), doc="the stages to run, in order")
     device: str = setting("auto", affects=(), doc="auto = cuda when available, else cpu")
     show_progress: bool = setting(True, affects=(), doc="progress bars")
+    overwrite: bool = setting(False, affects=(),
+                              doc="run_dir holds a drafter trained under other data, capture or train settings: "
+                                  "move it aside (kept, never deleted) and train these settings there; without it "
+                                  "such a command is refused")
     target: TargetSettings = setting(MISSING, affects=(), doc="group target")
     drafter: DrafterSettings = setting(affects=(), factory=DrafterSettings, doc="group drafter")
     data: DataSettings = setting(affects=(), factory=DataSettings, doc="group data")
@@ -544,12 +548,49 @@ class RunSettings:
                         f"train.{key}={getattr(self.train, key)} with capture=online: the capture workers stream "
                         f"whole epochs, so a run cut short would leave captured features unread; set train.epochs "
                         f"instead, or use capture=offline or colocated")
+        if self.train.eval_every and not self.data.heldout:
+            raise ConfigError(f"train.eval_every={self.train.eval_every} replays held-out prompts while training; "
+                              f"set data.heldout (how many prompts to keep out of training) or train.eval_every=0")
         if self.target.kind == "hf":
             path = os.path.expanduser(str(self.target.path))
             if not os.path.isdir(path):
                 raise ConfigPathError(
                     f"target.path={self.target.path!r}: no such folder: download the checkpoint there or set "
                     f"target.path (or the QWEN36_PATH environment variable for +experiment=qwen36)")
+
+
+    def ignored(self) -> list[str]:
+        """Settings given (other than their default) that this combination does not use, each named with why."""
+        unused: list[tuple[str, Any, Any, str]] = []  # (key, value, default, why)
+        t, c, e, tr = self.target, self.capture, self.eval, self.train
+        if t.kind != "hf":
+            unused.append(("target.path", t.path, None, f"only target.kind=hf reads it (this target is {t.kind})"))
+        if t.kind != "tiny":
+            unused.append(("target.tiny", t.tiny, None, f"only target.kind=tiny reads it (this target is {t.kind})"))
+        base = CaptureSettings()
+        if c.mode != "offline":
+            for key in ("shard_tokens", "check_every", "verify_existing"):
+                unused.append((f"capture.{key}", getattr(c, key), getattr(base, key),
+                               f"only capture=offline uses it (this run has capture={c.mode})"))
+        if c.mode == "colocated":
+            for key in ("pack", "devices", "gpus_per_worker"):
+                unused.append((f"capture.{key}", getattr(c, key), getattr(base, key),
+                               "capture=colocated runs the target on each trainer rank's own device"))
+        if e.mode == "replay":
+            base_eval = EvalSettings()
+            for key in ("seed", "measure_target", "live_engine"):
+                unused.append((f"eval.{key}", getattr(e, key), getattr(base_eval, key),
+                               "only eval.mode=live uses it"))
+        if tr.loss_weighting != "dpace":
+            unused.append(("train.dpace_alpha", tr.dpace_alpha, 0.5, "only train.loss_weighting=dpace uses it"))
+        if not tr.group_by_length:
+            unused.append(("train.group_by", tr.group_by, "tokens", "train.group_by_length is 0 (no grouping)"))
+        if not self.data.heldout:
+            for key, default in (("heldout_max_new_tokens", None), ("heldout_batch_size", 8)):
+                unused.append((f"train.{key}", getattr(tr, key), default, "data.heldout is 0 (nothing held out)"))
+        if self.data.source != "sharegpt":
+            unused.append(("data.turns", self.data.turns, "first", "only data.source=sharegpt has turns"))
+        return [f"{key}={value!r} is ignored: {why}" for key, value, default, why in unused if value != default]
 
 
 class ConfigPathError(ConfigError, FileNotFoundError):

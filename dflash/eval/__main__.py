@@ -11,7 +11,7 @@ from dflash.config import CONFIG_DIR
 from dflash.pipeline import run_command
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+@hydra.main(config_path=CONFIG_DIR, config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_command(cfg, ["eval"])
 

@@ -21,7 +21,7 @@ from dflash.pipeline import run_command
 from dflash.train.__main__ import strip_local_rank
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+@hydra.main(config_path=CONFIG_DIR, config_name="extract", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_command(cfg, ["data", "capture"])
 

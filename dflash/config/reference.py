@@ -1,0 +1,88 @@
+"""The reference table of every setting (key, type, default, the stages it reruns, what it is), made from the
+schema; docs/config.md holds it, and a test checks that it is current (`python -m dflash.config` prints it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from omegaconf import MISSING
+
+from dflash.config.schema import (
+    STAGES, CaptureSettings, ColocatedCapture, DataSettings, DeepSpeedSettings, DrafterSettings, EvalSettings,
+    LoggingSettings, OfflineCapture, OnlineCapture, PromptSetSettings, RunSettings, SyntheticSettings,
+    TargetSettings, TrainSettings, WandbSettings,
+)
+
+SECTIONS: list[tuple[str, type, type | None]] = [
+    ("(top level)", RunSettings, None),
+    ("target", TargetSettings, None),
+    ("drafter", DrafterSettings, None),
+    ("data", DataSettings, None),
+    ("data.synthetic", SyntheticSettings, None),
+    ("capture (every mode)", CaptureSettings, None),
+    ("capture=offline", OfflineCapture, CaptureSettings),
+    ("capture=online", OnlineCapture, CaptureSettings),
+    ("capture=colocated", ColocatedCapture, CaptureSettings),
+    ("train", TrainSettings, None),
+    ("deepspeed", DeepSpeedSettings, None),
+    ("eval", EvalSettings, None),
+    ("eval.prompt_sets.NAME", PromptSetSettings, None),
+    ("logging", LoggingSettings, None),
+    ("logging.wandb", WandbSettings, None),
+]
+START = "<!-- settings reference: made by `python -m dflash.config`; tests/test_config.py checks it -->"
+END = "<!-- end of settings reference -->"
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is Any:
+        return "any"
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union and len(args) == 1:
+        return _type_name(args[0]) + " or null"
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        return "(group)" if dataclasses.is_dataclass(value) else f"`{value}`"
+    if f.default is MISSING:
+        return "(required)"
+    return "`null`" if f.default is None else f"`{f.default}`"
+
+
+def _reruns(f: dataclasses.Field) -> str:
+    """The stages a change reruns: those the field affects and every stage after the first of them."""
+    affects = f.metadata["affects"]
+    if not affects:
+        return "nothing"
+    first = min(STAGES.index(stage) for stage in affects)
+    return ", ".join(stage for i, stage in enumerate(STAGES) if i >= first or stage in affects)
+
+
+def _group(cls: type) -> bool:
+    return isinstance(cls, type) and dataclasses.is_dataclass(cls)
+
+
+def reference() -> str:
+    lines = [START, ""]
+    for title, cls, base in SECTIONS:
+        inherited = {f.name: f for f in dataclasses.fields(base)} if base else {}
+        rows = []
+        for f in dataclasses.fields(cls):
+            if _group(f.type) or (base and f.name in inherited and f.metadata == inherited[f.name].metadata):
+                continue
+            doc = f.metadata["doc"].replace("|", "\\|")
+            rows.append(f"| `{f.name}` | {_type_name(f.type)} | {_default(f)} | {_reruns(f)} | {doc} |")
+        if not rows:
+            continue
+        lines += [f"**{title}**", "", "| key | type | default | changing it reruns | what it is |", "|---|---|---|---|---|",
+                  *rows, ""]
+    lines.append(END)
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""A trained run is never lost: a command of other data, capture or train settings is refused before any work in a
+run folder that holds a trained drafter, and overwrite=true moves that drafter aside (never deletes it)."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash.config import ConfigError, compose
+from dflash.pipeline import Pipeline
+
+TINY = ["+experiment=tiny", "show_progress=false"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def snapshot(folder) -> dict[str, str]:
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return files
+
+
+def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path):
+    run = TINY + [f"run_dir={tmp_path}"]
+    summary = Pipeline(compose(run)).run()
+    before = snapshot(tmp_path)
+    refused = [
+        ["train.epochs=4", "drafter.target_layer_ids=[0,40]"],  # would fail in capture, after the data stage
+        ["data.limit=16", "stages=[data]"],                      # only the data stage, still the drafter's data
+        ["capture.dtype=bfloat16", "stages=[capture,train]"],
+    ]
+    messages = []
+    for change in refused:
+        with pytest.raises(ConfigError, match="holds a drafter trained with other settings") as error:
+            Pipeline(compose(run + change)).run()
+        messages.append(str(error.value))
+        assert snapshot(tmp_path) == before, change
+    assert "train.epochs: 3 -> 4" in messages[0] and "drafter.target_layer_ids: None -> [0, 40]" in messages[0]
+    assert f"name={os.path.basename(tmp_path)}-2" in messages[0] and "overwrite=true" in messages[0]
+    assert "data.limit: 32 -> 16" in messages[1]
+    # Other eval settings are another look at the same drafter: allowed, into their own folder.
+    Pipeline(compose(run + ["stages=[eval]", f"eval.out_dir={tmp_path.parent / 'other_eval'}"])).run()
+    assert snapshot(tmp_path) == before
+    again = Pipeline(compose(run)).run()  # the good command: everything up to date, the same drafter evaluated
+    assert again["overall"] == summary["overall"]
+    assert snapshot(tmp_path) == before
+
+
+def test_the_command_refuses_with_one_line_naming_what_changed(tmp_path):
+    run_dir = tmp_path / "run"
+    Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[data,capture,train]", "train.epochs=1"])).run()
+    before = snapshot(run_dir)
+    done = subprocess.run([sys.executable, "-m", "dflash.train", *TINY, f"run_dir={run_dir}", "train.epochs=2"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and "train.epochs: 1 -> 2" in done.stderr and "name=run-2" in done.stderr
+    hydra_log = os.path.join("hydra", "__main__.log")  # Hydra's log of the commands run here, made before the check
+    assert {k: v for k, v in snapshot(run_dir).items() if k != hydra_log} == before
+
+
+def test_overwrite_moves_the_trained_drafter_aside_and_going_back_restores_it(tmp_path, monkeypatch):
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train]", "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    first = snapshot(tmp_path / "export")
+    Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
+    assert len(aside) == 1 and snapshot(aside[0] / "export") == first  # moved with its checkpoints, not deleted
+    assert snapshot(tmp_path / "export") != first
+    second = snapshot(tmp_path / "export")
+    with pytest.raises(ValueError, match="target layer id 40"):  # an overwrite that fails before training
+        Pipeline(compose(run + ["train.lr=0.07", "overwrite=true", "drafter.target_layer_ids=[0,40]"])).run()
+    assert snapshot(aside[0] / "export") == first and snapshot(tmp_path / "export") == second
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr("dflash.train.loop.train", must_not_train)
+    Pipeline(compose(run + ["overwrite=true"])).run()  # back: the first drafter returns, nothing retrained
+    assert snapshot(tmp_path / "export") == first
+    assert sum(p.name.startswith("checkpoints.") for p in tmp_path.iterdir()) == 1
