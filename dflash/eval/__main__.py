@@ -2,6 +2,7 @@
 
     python -m dflash.eval +experiment=tiny
     python -m dflash.eval name=my_run eval.max_new_tokens=256 eval.prompt_sets.gsm8k.limit=100
+    python -m dflash.eval --help                 # main keys, groups, examples (conf/hydra/help/eval.yaml)
 """
 
 import hydra

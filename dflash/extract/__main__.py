@@ -2,6 +2,7 @@
 
     python -m dflash.extract +experiment=tiny
     python -m dflash.extract +experiment=qwen36 target.path=/models/Qwen3.6-27B
+    python -m dflash.extract --help           # main keys, groups, examples (conf/hydra/help/extract.yaml)
 
 Several capture processes (offline capture: rank r captures the shards i with i % WORLD_SIZE == r on its own
 device, cuda:LOCAL_RANK or CPU; the data stage runs on rank 0 first; every rank must see the same run_dir):

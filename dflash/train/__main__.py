@@ -4,6 +4,7 @@
     python -m dflash.train +experiment=tiny                 # smoke test, tiny random target, < 1 minute on CPU
     python -m dflash.train +experiment=qwen36 target.path=/models/Qwen3.6-27B
     python -m dflash.train stages=[train,eval] train.epochs=3 name=my_run    # any Hydra override
+    python -m dflash.train --help                           # main keys, groups, examples (conf/hydra/help/)
 
 Several processes (the train stage runs on every rank, the others on rank 0):
     torchrun --nproc_per_node 2 -m dflash.train +experiment=tiny            # CPU (gloo) or 2 GPUs (NCCL)
