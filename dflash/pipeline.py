@@ -10,6 +10,7 @@ at a barrier.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -21,12 +22,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError, fingerprints, settings_from
+from dflash.config.errors import NothingToEvaluate, RunFolderError
 from dflash.run_files import (
     CHECKPOINT_KEY, claim_checkpoint_dir, claim_dir, clear_done, container, fingerprint, mark_done, read_json,
     read_json_or_none, stage_done, write_json, write_text,
 )
-
-from dflash.config.schema import STAGES  # noqa: E402  (re-exported: the stage order)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -65,7 +65,7 @@ def drafter_config(cfg: DictConfig, shape: dict[str, Any]):
     layer_ids = list(d.target_layer_ids) if d.target_layer_ids is not None else \
         default_target_layer_ids(shape["num_layers"], int(d.num_taps))
     mask = cfg.target.mask_token_id
-    pick = lambda key: int(d[key]) if d[key] is not None else shape[key]  # noqa: E731
+    pick = lambda key: int(getattr(d, key)) if getattr(d, key) is not None else shape[key]  # noqa: E731
     return DrafterConfig(
         hidden_size=shape["hidden_size"],
         intermediate_size=pick("intermediate_size"),
@@ -114,6 +114,12 @@ def remove_hydra_only_dir(run_dir: str) -> None:
         shutil.rmtree(run_dir)
 
 
+def prompt_set_specs(e) -> dict[str, dict[str, Any]]:
+    """eval.prompt_sets as the plain {name: {source, limit, ...}} dicts load_prompt_sets reads (null keys left out)."""
+    return {name: {k: v for k, v in dataclasses.asdict(spec).items() if v is not None}
+            for name, spec in e.prompt_sets.items()}
+
+
 def timed(stage: str, work):
     """work() with its wall time printed: where a run's minutes go is the first question after a long run."""
     started = time.perf_counter()
@@ -134,16 +140,16 @@ class Pipeline:
     def __init__(self, cfg: DictConfig) -> None:
         self.settings = settings_from(cfg)  # every setting checked (ConfigError naming the key) before any work
         self.cfg = cfg
-        self.run_dir = os.path.abspath(str(cfg.run_dir))
+        self.run_dir = os.path.abspath(self.settings.run_dir)
         self.dirs = {stage: os.path.join(self.run_dir, stage) for stage in ("data", "features", "checkpoints",
                                                                             "export", "eval")}
-        if cfg.eval.get("out_dir"):  # several evaluations of one run (live, T=1, other sets) side by side
-            self.dirs["eval"] = os.path.abspath(str(cfg.eval.out_dir))
+        if self.settings.eval.out_dir:  # several evaluations of one run (live, T=1, other sets) side by side
+            self.dirs["eval"] = os.path.abspath(self.settings.eval.out_dir)
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = resolve_device(str(cfg.device), self.local_rank)
-        self.show_progress = bool(cfg.show_progress)
+        self.device = resolve_device(self.settings.device, self.local_rank)
+        self.show_progress = self.settings.show_progress
         self._adapter = None
 
     # Shared pieces
@@ -153,18 +159,18 @@ class Pipeline:
         if self._adapter is None:
             from dflash.models.targets import load_target
 
-            t, c = self.cfg.target, self.cfg.capture
+            t, c = self.settings.target, self.settings.capture
             device: str | list[str] = str(self.device)
-            if self.device.type == "cuda" and str(c.mode) != "colocated":
+            if self.device.type == "cuda" and c.mode != "colocated":
                 from dflash.models.targets.placement import rank_devices, resolve_gpus_per_worker
 
                 # A target larger than one GPU: this process takes its g consecutive GPUs (docs/capture.md).
-                g = resolve_gpus_per_worker(c.get("gpus_per_worker", 1), container(t),
+                g = resolve_gpus_per_worker(c.gpus_per_worker, dataclasses.asdict(t),
                                             len(c.devices) if c.devices is not None else 1)
                 if g > 1:
                     device = rank_devices(self.local_rank, g)
-            self._adapter = load_target(str(t.kind), path=t.path, dtype=str(t.dtype), device=device,
-                                        tiny=container(t.tiny), cache_dir=t.cache_dir)
+            self._adapter = load_target(t.kind, path=t.path, dtype=t.dtype, device=device, tiny=t.tiny,
+                                        cache_dir=t.cache_dir)
         return self._adapter
 
     def trained_keys(self) -> tuple[str, str | None] | None:
@@ -204,7 +210,7 @@ class Pipeline:
         shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
         parent, name = os.path.split(self.run_dir)
         free = next(f"{name}-{k}" for k in range(2, 10_000) if not os.path.exists(os.path.join(parent, f"{name}-{k}")))
-        raise ConfigError(
+        raise RunFolderError(
             f"{self.run_dir} holds a drafter trained with other settings ({shown or 'see its config.yaml'}); nothing "
             f"was changed. To train these settings beside it, run the same command with name={free} (or another "
             f"run_dir); to move the trained drafter aside (kept in {self.dirs['checkpoints']}.<its fingerprint>) and "
@@ -221,7 +227,7 @@ class Pipeline:
             from dflash.train.engine import init_distributed
 
             init_distributed()
-        stages = list(self.cfg.stages)
+        stages = list(self.settings.stages)
         if self.rank == 0:
             for warning in self.settings.ignored():
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
@@ -231,7 +237,7 @@ class Pipeline:
             timed("data", self.data)
         if "capture" in stages:
             # Offline capture is split over every rank (after the data stage); the other modes only prepare files.
-            if self.world_size > 1 and str(self.cfg.capture.mode) == "offline":
+            if self.world_size > 1 and self.settings.capture.mode == "offline":
                 self.barrier()
                 timed("capture", self.capture)
             elif self.rank == 0:
@@ -258,23 +264,19 @@ class Pipeline:
         from dflash.data.dataset import build_dataset
         from dflash.data.prompts import load_prompts
 
-        d, out = self.cfg.data, self.dirs["data"]
+        d, out = self.settings.data, self.dirs["data"]
         key = self.data_fingerprint()
         if stage_done(out, key):
             print(f"[data] up to date: {out}")
             return
         os.makedirs(out, exist_ok=True)
-        prompts = load_prompts(str(d.source), path=d.path, limit=d.limit, seed=int(d.seed),
-                               turns=str(d.get("turns", "first")))
-        synthetic = d.get("synthetic") or {}
-        if int(synthetic.get("count", 0)) > 0:
-            prompts = prompts + self._synthetic_prompts(synthetic, out)
-        stats = build_dataset(prompts, self.adapter, out, max_length=int(d.max_length),
-                              max_new_tokens=int(d.max_new_tokens), batch_size=int(d.batch_size),
-                              temperature=float(d.temperature), top_p=float(d.top_p), seed=int(d.seed),
-                              show_progress=self.show_progress, heldout=int(d.get("heldout", 0)),
-                              engine=str(d.get("engine", "auto")), compile_step=bool(d.get("compile_step", False)),
-                              refill=bool(d.get("refill", True)), target=self.target_identity(),
+        prompts = load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed, turns=d.turns)
+        if d.synthetic.count > 0:
+            prompts = prompts + self._synthetic_prompts(d.synthetic, out)
+        stats = build_dataset(prompts, self.adapter, out, max_length=d.max_length, max_new_tokens=d.max_new_tokens,
+                              batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
+                              show_progress=self.show_progress, heldout=d.heldout, engine=d.engine,
+                              compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
                               before_replace=lambda: clear_done(out))
         print(f"[data] {stats}")
         if stats["failed"]:
@@ -288,12 +290,12 @@ class Pipeline:
         """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder."""
         from dflash.data.synthetic import synthesize_prompts
 
-        d = self.cfg.data
+        d = self.settings.data
         prompts, stats = synthesize_prompts(
-            self.adapter, int(s.count), [str(p) for p in s.system_prompts], os.path.join(out, "synthetic.jsonl"),
-            temperature=float(s.temperature), top_p=float(s.top_p), max_new_tokens=int(s.max_new_tokens),
-            min_chars=int(s.min_chars), max_oversample=float(s.max_oversample), keep_system=bool(s.keep_system),
-            batch_size=int(d.batch_size), seed=int(d.seed), engine=str(d.get("engine", "auto")),
+            self.adapter, s.count, list(s.system_prompts), os.path.join(out, "synthetic.jsonl"),
+            temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, min_chars=s.min_chars,
+            max_oversample=s.max_oversample, keep_system=s.keep_system, batch_size=d.batch_size, seed=d.seed,
+            engine=d.engine,
             show_progress=self.show_progress, target=self.target_identity())
         print(f"[data] synthetic prompts: {stats}")
         return prompts
@@ -306,10 +308,9 @@ class Pipeline:
     def capture(self) -> None:
         from dflash.data.dataset import load_dataset_dir
         from dflash.extract.capture import capture_dataset
-        from dflash.extract.store import store_dtype
         from dflash.train.frozen_head import save_frozen_head
 
-        mode = str(self.cfg.capture.mode)
+        mode = self.settings.capture.mode
         if mode not in ("offline", "online", "colocated"):
             raise ValueError(f"capture.mode={mode!r}: expected 'offline' (a feature store), 'online' (capture "
                              "workers stream features to the trainer during the train stage) or 'colocated' (each "
@@ -329,26 +330,24 @@ class Pipeline:
         shape = target_shape(self.adapter)
         config = drafter_config(self.cfg, shape)  # validates taps, mask id and sizes before any work
         dataset = load_dataset_dir(self.dirs["data"])
-        c = self.cfg.capture
+        c = self.settings.capture
         if mode in ("online", "colocated"):
             # Only what the train stage's capture workers and trainer need: the features are made while training.
-            if store_dtype(str(c.dtype)) not in (torch.bfloat16, torch.float32) and mode == "colocated":
-                raise ValueError(f"capture.dtype={c.dtype!r}: colocated features stay in memory, use bfloat16")
             write_json(os.path.join(out, f"{mode}.json"), {
                 "data": self.dirs["data"], "num_samples": len(dataset), "target_layer_ids": config.target_layer_ids,
-                "dtype": str(c.dtype), "batch_tokens": int(c.batch_tokens)})
+                "dtype": c.dtype, "batch_tokens": c.batch_tokens})
             summary = f"{len(dataset)} samples whose features are made during training ({mode} capture)"
         else:
             from dflash.models.targets.compile_target import target_layers_compiled
 
-            with target_layers_compiled(self.adapter, bool(c.get("compile", False))):
+            with target_layers_compiled(self.adapter, c.compile):
                 manifest = capture_dataset(self.adapter, dataset, out, config.target_layer_ids,
-                                           batch_tokens=int(c.batch_tokens), shard_tokens=int(c.shard_tokens),
-                                           dtype=str(c.dtype), check_every=int(c.get("check_every", 1000)),
-                                           verify_existing=bool(c.get("verify_existing", False)),
+                                           batch_tokens=c.batch_tokens, shard_tokens=c.shard_tokens,
+                                           dtype=c.dtype, check_every=c.check_every,
+                                           verify_existing=c.verify_existing,
                                            fingerprint={"key": key}, show_progress=self.show_progress,
                                            rank=self.rank, world_size=self.world_size,
-                                           pack=bool(c.get("pack", False)))
+                                           pack=c.pack)
             summary = f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
         if self.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
             self._adapter = None  # frees this rank's device for training (rank 0 keeps the target for eval)
@@ -374,7 +373,7 @@ class Pipeline:
                 os.remove(path)
             return
         info = write_heldout_features(self.adapter, rows, layer_ids, path,
-                                      batch_size=int(self.cfg.train.get("heldout_batch_size", 8)))
+                                      batch_size=self.settings.train.heldout_batch_size)
         print(f"[capture] held-out: {info['samples']} samples, {info['tokens']} tokens -> {path}")
 
     def _heldout_set(self):
@@ -384,9 +383,9 @@ class Pipeline:
         path = os.path.join(self.dirs["features"], "heldout.safetensors")
         if not os.path.exists(path):
             return None
-        budget = self.cfg.train.get("heldout_max_new_tokens")
-        return HeldoutSet(path, batch_size=int(self.cfg.train.get("heldout_batch_size", 8)),
-                          max_new_tokens=int(budget) if budget is not None else int(self.cfg.data.max_new_tokens))
+        t = self.settings.train
+        return HeldoutSet(path, batch_size=t.heldout_batch_size,
+                          max_new_tokens=t.heldout_max_new_tokens or self.settings.data.max_new_tokens)
 
     def train_settings(self):
         """The train group's checked settings (dflash/config/schema.py)."""
@@ -433,12 +432,12 @@ class Pipeline:
                 print(f"[train] restored: {out}")
             return
         shape = read_json(os.path.join(self.dirs["features"], "target.json"))
-        config = drafter_config(self.cfg, shape)
-        logging = self.cfg.logging
-        log = MetricsLog(self.run_dir, enabled=rank == 0, tensorboard=bool(logging.tensorboard),
+        config = drafter_config(self.settings, shape)
+        logging = self.settings.logging
+        log = MetricsLog(self.run_dir, enabled=rank == 0, tensorboard=logging.tensorboard,
                          wandb_mode=str(logging.wandb.mode), wandb_project=str(logging.wandb.project),
                          config=container(self.cfg))
-        online = str(self.cfg.capture.mode) == "online"
+        online = self.settings.capture.mode == "online"
         pools: list = []  # the capture workers this rank started (online, rank 0): always stopped below
         try:
             head = load_frozen_head(os.path.join(self.dirs["features"], "frozen_head.safetensors"))
@@ -455,7 +454,7 @@ class Pipeline:
 
                 online_capture = OnlineCapture(self.cfg, self.run_dir, self.dirs, self.device, self.barrier)
                 store = online_capture.source(settings, rank, world_size, pools, lengths)
-            elif str(self.cfg.capture.mode) == "colocated":
+            elif self.settings.capture.mode == "colocated":
                 store = self._colocated_source()
             else:
                 store = FeatureStore(self.dirs["features"])
@@ -497,8 +496,8 @@ class Pipeline:
         """capture.compile with colocated capture: the target's layers compiled for training, eager for eval."""
         from dflash.models.targets.compile_target import target_layers_compiled
 
-        c = self.cfg.capture
-        if str(c.mode) != "colocated" or not c.get("compile", False):
+        c = self.settings.capture
+        if c.mode != "colocated" or not c.compile:
             return contextlib.nullcontext()
         return target_layers_compiled(self.adapter)
 
@@ -509,7 +508,7 @@ class Pipeline:
 
         info = read_json(os.path.join(self.dirs["features"], "colocated.json"))
         return ColocatedFeatureSource(self.adapter, load_dataset_dir(info["data"]), info["target_layer_ids"],
-                                      info["dtype"], final_hidden=float(self.cfg.train.get("kl_weight", 0.0)) > 0)
+                                      info["dtype"], final_hidden=self.settings.train.kl_weight > 0)
 
     def _plot_training_curve(self) -> None:
         from dflash.train.curve_plot import plot_training_curve
@@ -543,9 +542,7 @@ class Pipeline:
 
     def eval_drafter_dir(self) -> str:
         """export_best/ (the best held-out tau) when eval.checkpoint is 'best' and training kept one, else export/."""
-        choice = str(self.cfg.eval.get("checkpoint", "best"))
-        if choice not in ("best", "final"):
-            raise ValueError(f"eval.checkpoint={choice!r}: expected 'best' or 'final'")
+        choice = self.settings.eval.checkpoint
         best = os.path.join(self.run_dir, "export_best")
         if choice == "best" and os.path.exists(os.path.join(best, "best.json")):
             return best
@@ -563,11 +560,11 @@ class Pipeline:
             return folder, marker["fingerprint"]
         owner = read_json_or_none(os.path.join(self.dirs["checkpoints"], CHECKPOINT_KEY)) or {}
         best = None
-        if str(self.cfg.eval.get("checkpoint", "best")) == "best" and owner.get("fingerprint") == current:
-            best = self._export_best(drafter_config(self.cfg, read_json(os.path.join(self.dirs["features"],
+        if self.settings.eval.checkpoint == "best" and owner.get("fingerprint") == current:
+            best = self._export_best(drafter_config(self.settings, read_json(os.path.join(self.dirs["features"],
                                                                                      "target.json"))))
         if best is None:
-            raise FileNotFoundError(
+            raise NothingToEvaluate(
                 f"no drafter of these settings to evaluate: the train stage has not finished ({done} is "
                 f"{'missing' if marker is None else 'from other settings'}) and {self.dirs['checkpoints']} holds no "
                 f"best held-out checkpoint of these settings (data.heldout > 0 and eval.checkpoint=best make one); "
@@ -591,21 +588,19 @@ class Pipeline:
         else:
             os.makedirs(out, exist_ok=True)
             clear_done(out)
-            e = self.cfg.eval
+            e = self.settings.eval
             print(f"[eval] drafter {folder}")
             drafter = load_drafter(folder, dtype=self.adapter.dtype, device=str(self.device))
-            template_kwargs = container(e.get("chat_template_kwargs")) or {}
+            template_kwargs = dict(e.chat_template_kwargs)
             timer = PhaseTimer(self.adapter.device)  # summary["timing"]: where the eval's minutes go
             prompt_sets, categories = load_prompt_sets(
-                self.adapter, e.prompt_sets, max_new_tokens=int(e.max_new_tokens), template_kwargs=template_kwargs,
-                batch_size=int(e.get("batch_size", 8)), timer=timer,
+                self.adapter, prompt_set_specs(e), max_new_tokens=e.max_new_tokens, template_kwargs=template_kwargs,
+                batch_size=e.batch_size, timer=timer,
             )
-            summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=int(e.max_new_tokens),
-                               show_progress=self.show_progress, mode=str(e.get("mode", "replay")),
-                               temperature=float(e.get("temperature", 0.0)), seed=int(e.get("seed", 0)),
-                               measure_target=bool(e.get("measure_target", True)), categories=categories,
-                               batch_size=int(e.get("batch_size", 8)), timer=timer,
-                               live_engine=str(e.get("live_engine", "auto")))
+            summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=e.max_new_tokens,
+                               show_progress=self.show_progress, mode=e.mode, temperature=e.temperature,
+                               seed=e.seed, measure_target=e.measure_target, categories=categories,
+                               batch_size=e.batch_size, timer=timer, live_engine=e.live_engine)
             summary["chat_template_kwargs"] = template_kwargs
             write_summary(summary, out)
             write_text(os.path.join(out, "config.yaml"), OmegaConf.to_yaml(self.cfg, resolve=True))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.config import compose
+from dflash.config import ConfigError, compose
 from dflash.pipeline import Pipeline
 
 HELDOUT = ["+experiment=tiny", "show_progress=false", "data.heldout=4", "train.eval_every=5"]
@@ -103,6 +103,9 @@ def test_an_export_or_checkpoints_of_other_settings_are_not_evaluated_as_these(h
     run = tmp_path / "changed"
     shutil.copytree(heldout_run, run)
     overrides = HELDOUT + [f"run_dir={run}", "stages=[eval]", "train.lr=0.01"]
+    with pytest.raises(ConfigError, match="holds a drafter trained with other settings"):  # the run folder's guard
+        Pipeline(compose(overrides)).run()
+    overrides.append("overwrite=true")  # past the guard, the eval stage's own check refuses too
     with pytest.raises(FileNotFoundError, match="from other settings"):
         Pipeline(compose(overrides)).run()
     shutil.rmtree(run / "export")  # a stopped run: only the (old settings') checkpoints are left

@@ -215,7 +215,7 @@ def test_a_non_finite_final_state_is_named(kl_run, monkeypatch):
 
 def test_offline_capture_refuses_kl_before_any_work(tmp_path):
     run_dir = tmp_path / "run"
-    with pytest.raises(ValueError, match="capture.mode=offline"):
+    with pytest.raises(ValueError, match="this run has capture=offline"):
         Pipeline(compose(TINY + [f"run_dir={run_dir}", "capture=offline", "train.kl_weight=0.5"]))
     assert not run_dir.exists()
 

@@ -119,13 +119,14 @@ def test_a_drafter_setting_retrains_without_redoing_data_or_capture(tiny_run, tm
         assert exported["dflash_config"]["mask_token_id"] == 4
 
 
-def test_a_changed_train_setting_trains_afresh_beside_the_old_checkpoints(tiny_run, tmp_path):
+def test_a_changed_train_setting_with_overwrite_trains_afresh_beside_the_old_checkpoints(tiny_run, tmp_path):
     """The old run's checkpoints are not this run's: resuming them would export the old weights as the new run's."""
     run_dir, _ = tiny_run
     for stage in ("data", "features", "checkpoints", "export"):
         subprocess.run(["cp", "-r", os.path.join(run_dir, stage), str(tmp_path / stage)], check=True)
     old_key = json.loads((tmp_path / "checkpoints" / "fingerprint.json").read_text())["fingerprint"]
-    Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.lr=0.05", "stages=[data,capture,train]"])).run()
+    Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.lr=0.05", "overwrite=true",
+                          "stages=[data,capture,train]"])).run()
     new = (tmp_path / "export" / "model.safetensors").read_bytes()
     assert new != (Path(run_dir) / "export" / "model.safetensors").read_bytes()
     assert (tmp_path / f"checkpoints.{old_key}" / "latest").is_file()  # moved aside, not deleted

@@ -9,6 +9,18 @@ class ConfigError(ValueError):
     """A setting that cannot run, found before any stage starts. Its message names the key (`train.lr`)."""
 
 
+class ConfigPathError(ConfigError, FileNotFoundError):
+    """A path a setting names that does not exist."""
+
+
+class RunFolderError(ConfigError):
+    """A run folder whose contents do not fit the command: a drafter of other settings, nothing to evaluate."""
+
+
+class NothingToEvaluate(RunFolderError, FileNotFoundError):
+    """The eval stage finds no drafter of these settings."""
+
+
 def require(condition: bool, key: str, value: Any, expected: str) -> None:
     """ConfigError `key=value: expected ...` unless `condition`."""
     if not condition:

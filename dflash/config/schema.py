@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from dflash.config.errors import ConfigError, require, require_choice
+from dflash.config.errors import ConfigError, ConfigPathError, require, require_choice
 
 STAGES = ("data", "capture", "train", "eval")
 _NO_NEUTRAL = object()
@@ -592,6 +592,3 @@ class RunSettings:
             unused.append(("data.turns", self.data.turns, "first", "only data.source=sharegpt has turns"))
         return [f"{key}={value!r} is ignored: {why}" for key, value, default, why in unused if value != default]
 
-
-class ConfigPathError(ConfigError, FileNotFoundError):
-    """A path a setting names that does not exist."""
