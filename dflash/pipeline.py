@@ -391,12 +391,6 @@ class Pipeline:
         """The train group's checked settings (dflash/config/schema.py)."""
         return self.settings.train
 
-    def group_by(self) -> str:
-        """train.group_by: the key train.group_by_length sorts samples by (capture.grouping_keys)."""
-        from dflash.extract.capture import group_by_setting
-
-        return group_by_setting(self.cfg.train)
-
     def checkpoint_fingerprint(self) -> str:
         return fingerprints.checkpoint_fingerprint(self.settings, self.capture_fingerprint())
 
@@ -445,12 +439,12 @@ class Pipeline:
             lengths = None  # the grouping key of every sample (train.group_by), when batches are grouped
             if settings.group_by_length:  # from the token dataset: reading it costs nothing, unlike a store
                 from dflash.data.dataset import load_dataset_dir
-                from dflash.extract.capture import grouping_keys
+                from dflash.data.batch_plan import grouping_keys
 
-                lengths = tuple(grouping_keys(load_dataset_dir(self.dirs["data"]), self.group_by(),
+                lengths = tuple(grouping_keys(load_dataset_dir(self.dirs["data"]), settings.group_by,
                                               settings.num_anchors, config.block_size).tolist())
             if online:
-                from dflash.extract.online_stage import OnlineCapture
+                from dflash.train.online_capture import OnlineCapture
 
                 online_capture = OnlineCapture(self.cfg, self.run_dir, self.dirs, self.device, self.barrier)
                 store = online_capture.source(settings, rank, world_size, pools, lengths)

@@ -16,7 +16,7 @@ from dflash.config import compose
 from dflash.extract.feature_cache import FeatureCache, cached_epochs
 from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
 from dflash.pipeline import Pipeline
-from dflash.train.batches import BatchPlan
+from dflash.data.batch_plan import BatchPlan
 from dflash.extract.capture import capture_dataset
 from dflash.extract.store import FeatureStore
 from dflash.models.targets import build_tiny_target

@@ -4,7 +4,8 @@ import datasets
 import numpy as np
 import pytest
 
-from dflash.extract.capture import grouping_keys, sample_anchor_positions
+from dflash.data.batch_plan import grouping_keys
+from dflash.data.sample_sizes import sample_anchor_positions
 
 
 def dataset(masks: list[list[int]]) -> datasets.Dataset:
@@ -37,10 +38,10 @@ def test_work_keys_add_the_query_rows_of_the_anchors_a_sample_trains():
 def test_anchor_positions_equal_a_plain_count_over_chunks_of_a_shuffled_dataset(monkeypatch):
     import random
 
-    import dflash.extract.capture as capture
+    import dflash.data.sample_sizes as sample_sizes
 
     rng = random.Random(1)
     masks = [[rng.choice([0, 1, 1]) for _ in range(rng.randrange(0, 9))] for _ in range(300)]
     rows = dataset(masks).shuffle(seed=3)  # an indices mapping over the Arrow table
-    monkeypatch.setattr(capture, "_ANCHOR_CHUNK", 7)  # chunks that end on empty and on one-token rows
+    monkeypatch.setattr(sample_sizes, "_ANCHOR_CHUNK", 7)  # chunks that end on empty and on one-token rows
     assert sample_anchor_positions(rows).tolist() == [brute_force(m) for m in rows["loss_mask"]]

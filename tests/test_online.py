@@ -19,7 +19,7 @@ from dflash.extract.online import CaptureWorker, ItemStream, OnlineFeatureSource
 from dflash.extract.store import FeatureStore
 from dflash.models.drafter_config import DrafterConfig
 from dflash.models.targets import build_tiny_target
-from dflash.train.batches import BatchPlan
+from dflash.data.batch_plan import BatchPlan
 from dflash.train.engine import init_distributed
 from dflash.config.schema import DeepSpeedSettings, TrainSettings
 from dflash.train.loop import train
@@ -100,7 +100,7 @@ import json, sys, time, torch
 torch.set_num_threads(1)
 from dflash.extract import online
 from dflash.models.targets import build_tiny_target
-from dflash.train.batches import BatchPlan
+from dflash.data.batch_plan import BatchPlan
 from dflash.train.engine import init_distributed
 from tests.test_capture import make_dataset
 

@@ -14,7 +14,7 @@ import pytest
 from dflash.extract import online
 from dflash.extract.online import CaptureWorker, ItemStream, OnlineFeatureSource, Spool
 from dflash.models.targets import build_tiny_target
-from dflash.train.batches import BatchPlan
+from dflash.data.batch_plan import BatchPlan
 from tests.test_capture import make_dataset
 
 REPO = Path(__file__).resolve().parents[1]

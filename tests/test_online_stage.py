@@ -12,7 +12,7 @@ import torch
 from dflash.config import compose
 from dflash.extract import feature_cache
 from dflash.extract.feature_cache import DISK_MARGIN_FRACTION, cache_room, cached_epochs
-from dflash.extract.online_stage import OnlineCapture
+from dflash.train.online_capture import OnlineCapture
 from dflash.run_files import CHECKPOINT_KEY, make_owned_dir, read_json, write_json
 
 Usage = namedtuple("Usage", "total used free")

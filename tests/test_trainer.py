@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests import trainer_harness
-from dflash.train.batches import BatchPlan
+from dflash.data.batch_plan import BatchPlan
 
 
 def test_batch_plan_deals_the_same_global_batches_whatever_the_split():

@@ -39,13 +39,12 @@ from dflash.host_copy import host_to_device
 from dflash.extract.store import (
     SCHEMA_VERSION, ShardWriter, file_sha256, read_manifest, shard_name, store_dtype,
 )
+from dflash.data.sample_sizes import sample_lengths
 from dflash.models.targets.base import TargetAdapter
 
 # Relative L2 error allowed between captured features and a plain forward of the same sample: batching and
 # padding change the kernels' summation order (large in bfloat16), a wrong tap or zero states give ~1.
 CROSSCHECK_RTOL = 0.05
-_LENGTH_CHUNK = 65536
-_ANCHOR_CHUNK = 4096
 # safetensors header and alignment of one shard, counted generously.
 _SHARD_OVERHEAD_BYTES = 1 << 16
 
@@ -53,59 +52,6 @@ _SHARD_OVERHEAD_BYTES = 1 << 16
 def _normalised(value: Any) -> Any:
     """JSON round trip, so tuples and lists (or int keys and str keys) compare the way they are stored."""
     return json.loads(json.dumps(value))
-
-
-def sample_lengths(dataset: Any) -> np.ndarray:
-    """Token counts of every row, read from Arrow list lengths without materialising the token lists."""
-    table = dataset.with_format("arrow")
-    lengths = []
-    for start in range(0, len(dataset), _LENGTH_CHUNK):
-        column = table[start:start + _LENGTH_CHUNK]["input_ids"]
-        lengths.append(pc.list_value_length(column).to_numpy(zero_copy_only=False))
-    return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, dtype=np.int64)
-
-
-def sample_anchor_positions(dataset: Any) -> np.ndarray:
-    """Per row, the positions a with loss_mask[a] and loss_mask[a + 1] (the valid anchors of training), counted
-    over the flat Arrow values chunk by chunk."""
-    table = dataset.with_format("arrow")
-    counts = []
-    # Fewer rows per chunk than for lengths: here every token of the chunk becomes a few numpy arrays.
-    for start in range(0, len(dataset), _ANCHOR_CHUNK):
-        column = table[start:start + _ANCHOR_CHUNK]["loss_mask"].combine_chunks()
-        offsets = column.offsets.to_numpy(zero_copy_only=False) - column.offsets[0].as_py()
-        values = column.flatten().to_numpy(zero_copy_only=False).astype(bool)
-        # One entry per flat position (+ one past the end, for empty trailing rows): pairs[i] = pairs before i.
-        pairs = np.concatenate([[0], np.cumsum(values[:-1] & values[1:]), [0]]) if len(values) else np.zeros(2, int)
-        pairs[-1] = pairs[-2]
-        # Pairs (a, a + 1) inside row r: a from offsets[r] to offsets[r + 1] - 2.
-        first, last = offsets[:-1], np.maximum(offsets[1:] - 1, offsets[:-1])
-        counts.append(pairs[last] - pairs[first])
-    return np.concatenate(counts).astype(np.int64) if counts else np.zeros(0, dtype=np.int64)
-
-
-GROUP_KEYS = ("tokens", "work")
-
-
-def group_by_setting(train: Any) -> str:
-    """train.group_by of a train config; "tokens" (what runs before the setting existed grouped by) when absent."""
-    return str(train.get("group_by", GROUP_KEYS[0]))
-
-
-def grouping_keys(dataset: Any, group_by: str, num_anchors: int, block_size: int) -> np.ndarray:
-    """What train.group_by_length sorts samples by (train.group_by).
-
-    "tokens": the token count, so a batch pads its context little. "work": tokens + block_size x the anchors the
-    sample trains (min(valid anchor positions, num_anchors)), the rows a training step spends on it; batches of
-    similar work also drop most padded anchor slots (batches.trim_anchor_padding), which dominate when num_anchors
-    is near the answer length.
-    """
-    if group_by not in GROUP_KEYS:
-        raise ValueError(f"train.group_by must be one of {list(GROUP_KEYS)}, got {group_by!r}")
-    lengths = sample_lengths(dataset)
-    if group_by == "tokens":
-        return lengths
-    return lengths + block_size * np.minimum(sample_anchor_positions(dataset), num_anchors)
 
 
 def plan_shards(lengths: np.ndarray, start: int, shard_tokens: int) -> list[tuple[int, int]]:

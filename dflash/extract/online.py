@@ -39,12 +39,13 @@ import torch
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
-from dflash.extract.capture import bytes_per_token, capture_rows, sample_lengths
+from dflash.extract.capture import bytes_per_token, capture_rows
 from dflash.extract.feature_cache import FeatureCache
 from dflash.extract.fp8 import dequantize_fp8
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
-from dflash.train.batches import BatchPlan
+from dflash.data.batch_plan import BatchPlan
+from dflash.data.sample_sizes import sample_lengths
 
 _POLL_S = 0.02
 # A worker waiting for room polls less and less often, up to this: each poll stats every item of the chunks in

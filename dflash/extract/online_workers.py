@@ -46,10 +46,9 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     import torch
 
     from dflash.data.dataset import load_dataset_dir
-    from dflash.extract.capture import group_by_setting, grouping_keys
+    from dflash.data.batch_plan import BatchPlan, grouping_keys
     from dflash.extract.online import CaptureWorker, ItemStream, Spool
     from dflash.models.targets import load_target
-    from dflash.train.batches import BatchPlan
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
@@ -65,7 +64,7 @@ def run_worker(spec: dict[str, Any], worker: int) -> dict[str, Any]:
     group = int(p.get("group_by_length", 0))
     keys = None
     if group:  # the trainer's keys, from the same dataset (its plan's digest is checked against ours)
-        keys = tuple(grouping_keys(dataset, group_by_setting(p), int(p.get("num_anchors", 0)),
+        keys = tuple(grouping_keys(dataset, p["group_by"], int(p.get("num_anchors", 0)),
                                    int(p.get("block_size", 0))).tolist())
     plan = BatchPlan(p["num_samples"], p["micro_batch_size"], p["world_size"], p["grad_accum"], p["seed"],
                      group_by_length=group, lengths=keys)

@@ -32,7 +32,8 @@ from dflash.host_copy import host_to_device
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
 from dflash.train.activation_checkpointing import apply_activation_checkpointing
-from dflash.train.batches import BatchPlan, batch_to_device, prepare_micro_batch
+from dflash.data.batch_plan import BatchPlan
+from dflash.train.batches import batch_to_device, prepare_micro_batch
 from dflash.train.best_checkpoint import clear_best, read_best, write_best
 from dflash.train.checkpoints import load_checkpoint, resume_tag, save_checkpoint
 from dflash.train.compile_layers import compile_layers

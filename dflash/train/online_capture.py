@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
-from dflash.extract.capture import bytes_per_token, group_by_setting
+from dflash.data.batch_plan import BatchPlan
+from dflash.extract.capture import bytes_per_token
 from dflash.extract.feature_cache import FeatureCache, cache_room, cached_epochs
 from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
 from dflash.extract.online_workers import WorkerPool
@@ -29,7 +30,6 @@ from dflash.run_files import (
     CHECKPOINT_KEY, OWNER_MARKER, container, make_owned_dir, read_json, read_json_or_none, remove_owned_dir,
     write_json,
 )
-from dflash.train.batches import BatchPlan
 from dflash.train.checkpoints import latest_tag
 
 
@@ -131,7 +131,7 @@ class OnlineCapture:
                          "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
                          "group_by_length": plan.group_by_length,
                          # The workers compute the same grouping keys from the dataset (capture.grouping_keys).
-                         "group_by": group_by_setting(self.cfg.train),
+                         "group_by": str(self.cfg.train.group_by),
                          "num_anchors": settings.num_anchors, "block_size": int(self.cfg.drafter.block_size)},
                 "epochs": 1 if use_cache else settings.epochs, "layer_ids": info["target_layer_ids"],
                 "dtype": str(c.dtype),

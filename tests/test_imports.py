@@ -1,0 +1,69 @@
+"""Dependencies point one way: no module imports from a layer above its own (house issue, point 6).
+
+Layers, bottom to top: shared utilities (config, run files, host copies, CUDA graphs, inductor settings); models;
+data; capture (`extract`) and the evaluator side by side, neither importing the other; train (which may use the
+evaluator for held-out acceptance); the pipeline and the commands on top.
+"""
+
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS = {"config": 0, "run_files": 0, "host_copy": 0, "cuda_graphs": 0, "inductor_settings": 0,
+          "models": 1, "data": 2, "extract": 3, "eval": 3, "train": 4, "pipeline": 5}
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "dflash" and len(parts) > 1 else None
+
+
+def imports() -> list[tuple[str, str]]:
+    found = []
+    for root, _, files in os.walk(os.path.join(REPO, "dflash")):
+        for name in files:
+            if not name.endswith(".py") or name == "__main__.py":  # commands sit on top of everything
+                continue
+            path = os.path.join(root, name)
+            module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    found.append((module, node.module))
+                elif isinstance(node, ast.Import):
+                    found += [(module, alias.name) for alias in node.names]
+    return found
+
+
+def test_every_package_has_a_layer():
+    packages = {package_of(m) for m, _ in imports()} - {None}
+    assert packages <= set(LAYERS), f"give {sorted(packages - set(LAYERS))} a layer in tests/test_imports.py"
+
+
+def against_layers(module: str, imported: str) -> bool:
+    """Whether `module` importing `imported` points up, or sideways between two packages of one layer above 0."""
+    source, target = package_of(module), package_of(imported)
+    if source is None or target is None or source == target:
+        return False
+    return LAYERS[target] > LAYERS[source] or (LAYERS[target] == LAYERS[source] and LAYERS[source] > 0)
+
+
+def test_no_module_imports_from_a_layer_above_or_beside_its_own():
+    back = [f"{module} imports {imported}" for module, imported in imports() if against_layers(module, imported)]
+    assert not back, "imports against the layers:\n" + "\n".join(back)
+
+
+@pytest.mark.parametrize("module,imported,wrong", [
+    ("dflash.extract.online", "dflash.train.batches", True),   # capture reaching up into train
+    ("dflash.eval.replay", "dflash.extract.store", True),      # the evaluator and capture side by side
+    ("dflash.models.drafter", "dflash.data.chat", True),
+    ("dflash.train.heldout", "dflash.eval.replay", False),     # train may use the evaluator
+    ("dflash.eval.live", "dflash.data.static_decode", False),
+    ("dflash.pipeline", "dflash.train.loop", False),
+    ("dflash.config.schema", "dflash.run_files", False),
+])
+def test_the_rule(module, imported, wrong):
+    assert against_layers(module, imported) == wrong
