@@ -594,7 +594,8 @@ class Pipeline:
             summary = evaluate(drafter, self.adapter, prompt_sets, max_new_tokens=e.max_new_tokens,
                                show_progress=self.show_progress, mode=e.mode, temperature=e.temperature,
                                seed=e.seed, measure_target=e.measure_target, categories=categories,
-                               batch_size=e.batch_size, timer=timer, live_engine=e.live_engine)
+                               batch_size=e.batch_size, timer=timer, live_engine=e.live_engine,
+                               draft_sampling=e.draft_sampling)
             summary["chat_template_kwargs"] = template_kwargs
             write_summary(summary, out)
             write_text(os.path.join(out, "config.yaml"), OmegaConf.to_yaml(self.cfg, resolve=True))

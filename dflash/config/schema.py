@@ -461,6 +461,10 @@ class EvalSettings:
     mode: str = setting("replay", affects=("eval",), doc="replay (exact greedy replay, batched) | live (real "
                                                           "speculative decoding)")
     temperature: float = setting(0.0, affects=("eval",), doc="live only: > 0 = speculative rejection sampling")
+    draft_sampling: str = setting("sampled", affects=("eval",), neutral="sampled",
+                                  doc="live, T > 0: sampled (each block position drawn from the drafter, accepted "
+                                      "with min(1, p/q)) | greedy (the drafter's argmax, accepted with p(draft): "
+                                      "what vLLM and SGLang do)")
     seed: int = setting(0, affects=("eval",), doc="live sampling seed")
     measure_target: bool = setting(True, affects=("eval",), doc="live: also decode target-only -> speedup")
     live_engine: str = setting("auto", affects=("eval",), doc="live: auto | static | hf")
@@ -475,6 +479,7 @@ class EvalSettings:
         require_choice("eval.checkpoint", self.checkpoint, ("best", "final"))
         require_choice("eval.mode", self.mode, ("replay", "live"))
         require_choice("eval.live_engine", self.live_engine, ENGINES)
+        require_choice("eval.draft_sampling", self.draft_sampling, ("greedy", "sampled"))
         _positive("eval.temperature", self.temperature, allow_zero=True)
         if self.mode == "replay" and self.temperature > 0:
             raise ConfigError(f"eval.temperature={self.temperature}: replay measures greedy acceptance only; use "

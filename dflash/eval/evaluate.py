@@ -1,8 +1,8 @@
 """Evaluate a drafter against its target per prompt set: by exact replay (replay.py) or live decoding (live.py).
 
 Summary schema (summary.json, schema_version 2; docs/eval.md):
-    {"schema_version": 2, "mode": "replay"|"live", "temperature": T, "block_size": B, "max_new_tokens": N,
-     "prompt_sets": {name: metrics}, "overall": metrics}
+    {"schema_version": 2, "mode": "replay"|"live", "temperature": T, "draft_sampling": "sampled"|"greedy",
+     "block_size": B, "max_new_tokens": N, "prompt_sets": {name: metrics}, "overall": metrics}
     (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, "both_turns": {set: metrics}
     pooling a set and its "<set>_turn2" as the method's authors' benchmark pools MT-Bench's turns (it prints the
     mean over responses, our tau_prompt_mean), "live_engine": "hf"|"static" in live mode (the target engine that
@@ -33,6 +33,7 @@ from dflash.eval.metrics import PhaseTimer, acceptance_metrics
 from dflash.eval.plots import plot_committed_histogram, plot_per_position
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.replay import replay
+from dflash.eval.sampling import DRAFT_SAMPLING
 from dflash.models.drafter import DFlashDraftModel
 from dflash.run_files import write_text
 
@@ -124,6 +125,7 @@ def evaluate(
     timer: PhaseTimer | None = None,
     live_engine: str = "auto",
     warm_up: bool = True,
+    draft_sampling: str = "sampled",
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
 
@@ -138,6 +140,9 @@ def evaluate(
     `live_engine` (live mode): the target engine of both decodes, "auto" | "static" | "hf" (live.py).
     `warm_up` (live mode): first decode the first prompt briefly in both modes, untimed and uncounted
     (`_warm_up_live`), so the first timed decode does not pay one-off costs that later ones do not.
+    `draft_sampling` (live mode, T>0): "sampled" (drafts drawn from the drafter's softmax, rejection sampling) or
+    "greedy" (the drafter's argmax, accepted with the target's probability of it: what vLLM and SGLang do);
+    recorded in the summary. T=0 verifies greedily either way.
     """
     if not prompt_sets:
         raise ValueError("prompt_sets is empty")
@@ -145,6 +150,8 @@ def evaluate(
         raise ValueError(f"unknown eval mode {mode!r}; use one of {list(MODES)}")
     if mode == "replay" and temperature != 0:
         raise ValueError(f"replay mode is exact only at temperature 0, got {temperature}; use mode 'live'")
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
     check_compatible(drafter, adapter)
     engine = resolve_engine(live_engine, adapter) if mode == "live" else None
     timer = timer if timer is not None else PhaseTimer(adapter.device)
@@ -170,7 +177,7 @@ def evaluate(
         if first is not None:
             with timer.phase("live_warmup"):
                 _warm_up_live(drafter, adapter, first, max_new_tokens=max_new_tokens, temperature=temperature,
-                              seed=seed, measure_target=measure_target, engine=engine)
+                              seed=seed, measure_target=measure_target, engine=engine, draft_sampling=draft_sampling)
     try:
         for name, prompts in prompt_sets.items():
             if bar is not None:
@@ -186,7 +193,7 @@ def evaluate(
                     traces, extra = _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
                                               temperature=temperature, generator=generator,
                                               measure_target=measure_target, progress=progress, timer=timer,
-                                              engine=engine)
+                                              engine=engine, draft_sampling=draft_sampling)
             per_set[name] = {**acceptance_metrics(traces, block_size), **_finish(extra)}
             if name in categories:
                 groups: dict[str, list] = {}
@@ -202,6 +209,7 @@ def evaluate(
         "schema_version": SCHEMA_VERSION,
         "mode": mode,
         "temperature": temperature,
+        "draft_sampling": draft_sampling,
         "block_size": block_size,
         "max_new_tokens": max_new_tokens,
         "prompt_sets": per_set,
@@ -229,7 +237,8 @@ def _pooled_metrics(names: list[str], traces_of: dict[str, list], extras_of: dic
     return {**acceptance_metrics(traces, block_size), **_finish(pooled)}
 
 
-def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed, measure_target, engine) -> None:
+def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed, measure_target, engine,
+                  draft_sampling) -> None:
     """Decode `prompt` a little in both modes, results dropped: the first timed decode would otherwise pay the
     one-off costs (kernel loading, allocator growth, CUDA graph capture) that the target-only decode after it is
     spared. A generator of its own, so the timed decodes draw the same random numbers with or without it."""
@@ -238,14 +247,14 @@ def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed
     tokens = min(max_new_tokens, 2 * drafter.config.block_size)
     generator = torch.Generator(device=adapter.device).manual_seed(seed) if temperature > 0 else None
     live_decode(drafter, adapter, prompt, max_new_tokens=tokens, stop_token_ids=stop_ids, temperature=temperature,
-                generator=generator, target_engine=engine)
+                generator=generator, target_engine=engine, draft_sampling=draft_sampling)
     if measure_target:
         target_only_decode(adapter, prompt, max_new_tokens=tokens, stop_token_ids=stop_ids, temperature=temperature,
                            generator=generator, target_engine=engine)
 
 
 def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress,
-              timer, engine):
+              timer, engine, draft_sampling):
     """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
     stop_ids = adapter.stop_token_ids()
     traces = []
@@ -256,7 +265,8 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
             extra["lossless_mismatches"] = 0
     for prompt in prompts:
         result = live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
-                             temperature=temperature, generator=generator, target_engine=engine)
+                             temperature=temperature, generator=generator, target_engine=engine,
+                             draft_sampling=draft_sampling)
         traces.append(result.trace)
         extra["speculative_seconds"] += result.seconds
         timer.add("live_speculative", result.seconds)
@@ -341,7 +351,8 @@ def format_table(summary: dict[str, Any]) -> str:
     if "speedup" in summary["overall"]:
         header += f"  {'speedup':>7}"
     mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
-    lines = [f"{mode} acceptance at T={temperature}, block size {summary['block_size']} "
+    drafts = f", {summary.get('draft_sampling', 'sampled')} drafts" if temperature > 0 else ""
+    lines = [f"{mode} acceptance at T={temperature}{drafts}, block size {summary['block_size']} "
              f"(tau = tokens per target forward)", header, "-" * len(header)]
     for name, m in rows:
         lines.append(

@@ -4,7 +4,9 @@ The loop is the reference `dflash_generate` loop (docs/eval.md), run for real, o
 1. prefill the prompt through the target (KV cache + tap features); its next token is the first new token;
 2. step: the drafter drafts [anchor, MASK x (v-1)] from its cached context (features of positions < anchor);
    the target verifies the whole block in ONE cached forward; greedy prefix matching (T=0) or rejection sampling
-   (T>0) decides how many drafts are accepted and the next token;
+   (T>0) decides how many drafts are accepted and the next token. At T>0 `draft_sampling` says how the drafter
+   proposes: "sampled" draws each block position from its softmax independently (accept with min(1, p/q)),
+   "greedy" proposes its argmax (accept with p(draft)), as vLLM and SGLang serve DFlash (sampling.py);
 3. the target cache is rolled back to anchor + accepted (GDN states restored and the accepted tokens re-run,
    target_cache.py), the drafter context is extended with the features of the kept positions;
 4. until a stop token is committed or max_new_tokens tokens exist.
@@ -29,7 +31,8 @@ import torch
 from dflash.data.static_decode import resolve_engine
 from dflash.eval.drafter_cache import CachedDrafter
 from dflash.eval.metrics import PhaseTimer, StepTrace, synchronize
-from dflash.eval.sampling import accept_greedy, accept_sampled, probabilities, sample
+from dflash.eval.sampling import (DRAFT_SAMPLING, accept_greedy, accept_greedy_drafts, accept_sampled, probabilities,
+                                  sample)
 from dflash.eval.static_drafter import StaticDrafter, static_drafter
 from dflash.eval.static_target import StaticTarget, static_target
 from dflash.eval.target_cache import CachedTarget
@@ -48,13 +51,15 @@ class LiveResult:
     engine: str = "hf"
 
 
-def _check(prompt: list[int], max_new_tokens: int, temperature: float) -> None:
+def _check(prompt: list[int], max_new_tokens: int, temperature: float, draft_sampling: str = "sampled") -> None:
     if not prompt:
         raise ValueError("the prompt is an empty token list")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
 
 
 def _target(adapter, layer_ids: list[int], engine: str, length: int, graph_size: int,
@@ -94,16 +99,19 @@ def live_decode(
     restore_linear: bool = True,
     timer: PhaseTimer | None = None,
     target_engine: str = "auto",
+    draft_sampling: str = "sampled",
 ) -> LiveResult:
     """Speculative decoding of one prompt. `restore_linear=False` only exists to show that without the GDN state
     rollback a hybrid target is not lossless (tests; the static engine has nothing to restore);
     `generator` must live on the target's device. `target_engine`: "auto" | "static" | "hf" (module docstring).
+    `draft_sampling` (T>0 only): "sampled" | "greedy", how the drafter proposes (module docstring).
 
     `timer` (optional, for profiling) is charged per step with "live_prefill", "live_draft", "live_verify",
     "live_accept" and "live_rollback"; on CUDA each of those syncs the device, which slows the decode a little, so
     leave it out when measuring the speedup.
     """
-    _check(prompt, max_new_tokens, temperature)
+    _check(prompt, max_new_tokens, temperature, draft_sampling)
+    greedy_drafts = temperature == 0 or draft_sampling == "greedy"
     config = drafter.config
     stops = set(stop_token_ids)
 
@@ -126,7 +134,7 @@ def live_decode(
         size = min(config.block_size, max_length - start)
         with section("live_draft"):
             draft_logits = draft_block_logits(context, adapter, tokens[start], size)
-            if temperature == 0:
+            if greedy_drafts:
                 drafts = draft_logits.argmax(dim=-1)
             else:
                 draft_probs = probabilities(draft_logits, temperature)
@@ -139,6 +147,8 @@ def live_decode(
         with section("live_accept"):
             if temperature == 0:
                 accepted, following = accept_greedy(verify_logits, drafts)
+            elif greedy_drafts:
+                accepted, following = accept_greedy_drafts(probabilities(verify_logits, temperature), drafts, generator)
             else:
                 accepted, following = accept_sampled(probabilities(verify_logits, temperature), draft_probs, drafts,
                                                      generator)

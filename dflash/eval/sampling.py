@@ -1,15 +1,24 @@
-"""Verification rules of speculative decoding: greedy prefix matching (T=0) and rejection sampling (T>0).
+"""Verification rules of speculative decoding: greedy prefix matching (T=0) and, at T>0, rejection sampling of
+sampled drafts or of greedy (argmax) drafts.
 
 Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): draft k was sampled from the drafter's q_k; accept it
 with probability min(1, p_k(d)/q_k(d)) where p_k is the target's distribution at that position given the accepted
 prefix; at the first rejection sample the replacement from normalise(max(0, p_k - q_k)); when every draft is
 accepted sample a bonus token from the target's next distribution. Each committed token is then distributed
 exactly as the target's own sample, so the output distribution is the target's (tests/test_eval_sampling.py).
+
+Greedy drafts (`accept_greedy_drafts`) are the same rule with q_k one-hot at the drafter's argmax: accept with
+probability p_k(d), replace from p_k with d's mass removed, renormalised. It is exact for any deterministic proposal
+and is what vLLM (draft_sample_method "greedy", its default) and SGLang (DFLASH) do at T>0 (docs/eval.md).
 """
 
 from __future__ import annotations
 
 import torch
+
+# How the drafter proposes at T>0 (eval.draft_sampling): "sampled" draws each block position from q_k independently,
+# "greedy" proposes the argmax of q_k (a coherent block; accepted with probability p_k(d)).
+DRAFT_SAMPLING = ("greedy", "sampled")
 
 
 def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -54,6 +63,32 @@ def accept_sampled(
     k = int(rejected[0, 0])
     residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
     # A rejection implies p(d) < q(d), so the residual has positive mass; guard against rounding to zero anyway.
+    total = residual.sum()
+    replacement = residual / total if float(total) > 0 else target_probs[k]
+    return k, int(sample(replacement, generator))
+
+
+def accept_greedy_drafts(
+    target_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """(accepted drafts, next token) for deterministic drafts (the drafter's argmax) at T>0: rejection sampling
+    with q_k one-hot at draft k, so draft k is accepted with probability p_k(d) and, at the first rejection, the
+    replacement is sampled from p_k with d's mass removed; target_probs [n+1, V], drafts [n]. Draws the same random
+    numbers as accept_sampled and gives its result for one-hot draft_probs, without building them."""
+    n = drafts.shape[0]
+    if target_probs.shape[0] != n + 1:
+        raise ValueError(f"need target_probs [{n + 1}, V] for {n} drafts, got {tuple(target_probs.shape)}")
+    device = target_probs.device
+    drafts = drafts.to(device)
+    uniforms = torch.rand(n, generator=generator, device=device)
+    p = target_probs[torch.arange(n, device=device), drafts]
+    rejected = (uniforms >= p).nonzero()
+    if rejected.numel() == 0:
+        return n, int(sample(target_probs[n], generator))
+    k = int(rejected[0, 0])
+    residual = target_probs[k].clone()
+    residual[drafts[k]] = 0
+    # A rejection implies p(d) < 1, so the rest has positive mass; guard against rounding to zero anyway.
     total = residual.sum()
     replacement = residual / total if float(total) > 0 else target_probs[k]
     return k, int(sample(replacement, generator))
