@@ -1,10 +1,14 @@
-"""The analysis notebooks run top to bottom on the outputs of a tiny run (so they never rot), and are stored clean."""
+"""The analysis notebooks run top to bottom from any working directory: on the outputs of a tiny run (so they never
+rot) and with no run at all (one sentence says which command makes one); they are stored clean."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +20,10 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+REPOSITORY = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPOSITORY / "notebooks"
 TINY = ["+experiment=tiny", "show_progress=false"]
+MAKE_A_RUN = "`python -m dflash.train +experiment=tiny` in the repository makes one"
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +43,43 @@ def two_runs(tmp_path_factory):
     return replay_dir, live_dir
 
 
-def execute(name: str, env: dict[str, str], tmp_path) -> str:
-    """Run notebooks/<name> with `env` set for the kernel; returns all its text outputs joined."""
-    with open(os.path.join(NOTEBOOKS, name), encoding="utf-8") as f:
-        notebook = nbformat.read(f, as_version=4)
-    saved = {key: os.environ.get(key) for key in [*env, "MPLBACKEND", "OMP_NUM_THREADS"]}
-    os.environ.update({**env, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"})
-    try:
-        nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
-                                resources={"metadata": {"path": str(tmp_path)}}).execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    texts = []
+def checkout(root: Path, runs: dict[str, str] | None = None) -> Path:
+    """A folder the notebooks take for the repository (pyproject.toml beside dflash/), with `runs` linked under its
+    runs/; returns its notebooks/ folder, where Jupyter starts a notebook's kernel."""
+    (root / "dflash").mkdir(parents=True)
+    (root / "notebooks").mkdir()
+    (root / "pyproject.toml").write_text('[project]\nname = "dflash-trainer"\n', encoding="utf-8")
+    for name, target in (runs or {}).items():
+        (root / "runs").mkdir(exist_ok=True)
+        (root / "runs" / name).symlink_to(target, target_is_directory=True)
+    return root / "notebooks"
+
+
+def kernel_env(env: dict[str, str], cwd: Path) -> dict[str, str]:
+    """os.environ for a kernel started in `cwd` by a shell there: the notebooks' variables only as given, figures
+    drawn inline as Jupyter shows them."""
+    base = {k: v for k, v in os.environ.items() if k not in ("DFLASH_RUN_DIR", "DFLASH_RUN_DIRS")}
+    return {**base, **env, "PWD": str(cwd), "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+            "OMP_NUM_THREADS": "1"}
+
+
+def execute(name: str, env: dict[str, str], cwd: Path):
+    """Run notebooks/<name> with its kernel in `cwd` and `env` set; returns the executed notebook."""
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(cwd)}}).execute(env=kernel_env(env, cwd))
     for cell in notebook.cells:
         for output in cell.get("outputs", []):
             assert output.get("output_type") != "error", output
-            texts.append(output.get("text", ""))
-    return "".join(texts)
+    return notebook
+
+
+def printed(notebook) -> str:
+    return "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
+
+
+def figures(notebook) -> int:
+    return sum("image/png" in output.get("data", {}) for cell in notebook.cells for output in cell.get("outputs", []))
 
 
 def read_summary(run_dir: str) -> dict:
@@ -65,40 +87,87 @@ def read_summary(run_dir: str) -> dict:
         return json.load(f)
 
 
-@pytest.mark.slow
-def test_acceptance_notebook_runs_on_an_eval_output(two_runs, tmp_path):
-    _, live_dir = two_runs
-    text = execute("acceptance.ipynb", {"DFLASH_RUN_DIR": live_dir}, tmp_path)
-    summary = read_summary(live_dir)
-    assert "mode live" in text and "chat template kwargs {'enable_thinking': False}" in text
-    assert summary["chat_template_kwargs"] == {"enable_thinking": False} and summary["mode"] == "live"
+def assert_acceptance_of(run_dir: str, text: str) -> None:
+    summary = read_summary(run_dir)
     for name, metrics in summary["prompt_sets"].items():
         assert f"tau[{name}] = {metrics['tau']:.3f}" in text
     assert f"tau[overall] = {summary['overall']['tau']:.3f}" in text
     assert f"tau[mtbench_both_turns] = {summary['both_turns']['mtbench']['tau']:.3f}" in text
+
+
+@pytest.mark.slow
+def test_acceptance_opens_the_run_evaluated_last_from_the_notebooks_folder(two_runs, tmp_path):
+    replay_dir, live_dir = two_runs  # the live run was evaluated after the replay run
+    notebook = execute("acceptance.ipynb", {}, checkout(tmp_path, {"replay_run": replay_dir, "live_run": live_dir}))
+    text = printed(notebook)
+    assert str(tmp_path / "runs" / "live_run" / "eval" / "summary.json") in text
+    assert "mode live" in text and "chat template kwargs {'enable_thinking': False}" in text
+    assert_acceptance_of(live_dir, text)
+    summary = read_summary(live_dir)
+    assert summary["chat_template_kwargs"] == {"enable_thinking": False} and summary["mode"] == "live"
     categories = summary["categories"]["mtbench"]  # the tiny run evaluates 2 MT-Bench prompts
     assert sum(m["num_prompts"] for m in categories.values()) == 2
     for label, metrics in categories.items():
         assert f"tau[mtbench/{label}] = {metrics['tau']:.3f}" in text
+    assert figures(notebook) >= 4
 
 
 @pytest.mark.slow
-def test_compare_runs_notebook_runs_on_two_runs(two_runs, tmp_path):
+def test_compare_runs_takes_every_run_by_default_and_relative_folders_from_anywhere(two_runs, tmp_path):
     replay_dir, live_dir = two_runs
-    text = execute("compare_runs.ipynb", {"DFLASH_RUN_DIRS": os.pathsep.join([replay_dir, live_dir])}, tmp_path)
-    assert "replay_run: eval yes" in text and "live_run: eval yes" in text
+    by_default = execute("compare_runs.ipynb", {},
+                         checkout(tmp_path / "checkout", {"replay_run": replay_dir, "live_run": live_dir}))
+    # Outside any checkout, folders relative to the repository are found from where dflash is installed.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    relative = os.pathsep.join(os.path.relpath(run, REPOSITORY) for run in (replay_dir, live_dir))
+    given = execute("compare_runs.ipynb", {"DFLASH_RUN_DIRS": relative}, elsewhere)
     with open(os.path.join(replay_dir, "metrics.jsonl"), encoding="utf-8") as f:
         last = json.loads(f.readlines()[-1])
-    assert f"replay_run: last step {last['step']}, loss {last['loss']:.4f}" in text
     summary = read_summary(replay_dir)
-    assert f"{summary['overall']['tau']:.3f}" in text
-    assert "mtbench_both_turns" in text and f"{summary['both_turns']['mtbench']['tau']:.3f}" in text
+    for notebook in (by_default, given):
+        text = printed(notebook)
+        assert "replay_run: eval yes" in text and "live_run: eval yes" in text
+        assert f"replay_run: last step {last['step']}, loss {last['loss']:.4f}" in text
+        assert f"{summary['overall']['tau']:.3f}" in text
+        assert "mtbench_both_turns" in text and f"{summary['both_turns']['mtbench']['tau']:.3f}" in text
+        assert figures(notebook) == 2  # tau per run, the training curves
+
+
+@pytest.mark.slow
+def test_the_readme_command_executes_a_notebook_from_any_folder(two_runs, tmp_path):
+    pytest.importorskip("nbconvert")
+    replay_dir, _ = two_runs
+    # `jupyter nbconvert` starts the kernel in notebooks/; the run is given relative to the repository root.
+    env = kernel_env({"DFLASH_RUN_DIR": os.path.relpath(replay_dir, REPOSITORY)}, tmp_path)
+    done = subprocess.run([sys.executable, "-m", "nbconvert", "--execute", "--to", "html", "--output-dir",
+                           str(tmp_path), str(NOTEBOOKS / "acceptance.ipynb")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (tmp_path / "acceptance.html").read_text(encoding="utf-8")
+    assert_acceptance_of(replay_dir, page)
+
+
+@pytest.mark.parametrize("name", ["acceptance.ipynb", "compare_runs.ipynb"])
+def test_with_no_run_a_notebook_says_which_command_makes_one(name, tmp_path):
+    notebook = execute(name, {}, checkout(tmp_path))
+    lines = printed(notebook).splitlines()
+    assert len(lines) == 1 and f"under {tmp_path / 'runs'}: {MAKE_A_RUN}" in lines[0], lines
+    assert figures(notebook) == 0
+
+
+@pytest.mark.parametrize("name, variable", [("acceptance.ipynb", "DFLASH_RUN_DIR"),
+                                            ("compare_runs.ipynb", "DFLASH_RUN_DIRS")])
+def test_a_run_folder_that_is_not_there_is_named(name, variable, tmp_path):
+    notebook = execute(name, {variable: os.path.join("runs", "gone")}, checkout(tmp_path))
+    text = printed(notebook)
+    assert f"No run folder {os.path.join('runs', 'gone')} here, in $PWD or in {tmp_path}" in text
+    assert MAKE_A_RUN in text and figures(notebook) == 0
 
 
 @pytest.mark.parametrize("name", ["acceptance.ipynb", "compare_runs.ipynb"])
 def test_notebooks_are_stored_without_outputs(name):
-    with open(os.path.join(NOTEBOOKS, name), encoding="utf-8") as f:
-        notebook = nbformat.read(f, as_version=4)
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(notebook)
     for cell in notebook.cells:
         if cell.cell_type == "code":

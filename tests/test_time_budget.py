@@ -455,24 +455,56 @@ def test_held_out_evaluations_are_paid_for_within_the_budget(tmp_path, monkeypat
 
 TWO_RANK_RUN = """
 import dataclasses, json, os, sys
-import torch
+import pytest, torch
+from dflash.train import loop
 from dflash.train.engine import init_distributed
-from dflash.train.loop import train
 from dflash.train.metrics_log import MetricsLog
 from tests import trainer_harness
+from tests.scripted_clock import ScriptedClock, scripted_steps
 
 torch.set_num_threads(1)
-out = sys.argv[1]
+out, pace = sys.argv[1], json.loads(sys.argv[2])
 rank, world_size, _ = init_distributed()
-settings = dataclasses.replace(trainer_harness.settings(1, 1, epochs=500), max_minutes=0.05)  # 3 s, 1,500 steps
-# Rank 1 reads its samples slower and started later: the ranks' clocks disagree, their plans must not.
-store = trainer_harness.SlowStore(trainer_harness.synthetic_store(), 0.002 + 0.01 * rank)
+# Each rank's own scripted clock: rank 1 started later and is slower, so the ranks' clocks disagree.
+step_s, start_s = pace["step_s"][rank], pace["start_s"][rank]
+clock = ScriptedClock()
+scripted_steps(pytest.MonkeyPatch(), clock, lambda k: step_s + (start_s if k == 1 else 0.0))
+plans = []  # every total this rank's schedule followed, in order
+follow_plan = loop.follow_plan
+
+
+def compared(budget, *args):
+    # The plan as the loop follows it, checked against the other rank's at once: ranks that part ways would
+    # otherwise hang in a collective until the timeout.
+    plans.append(follow_plan(budget, *args))
+    both = [None] * world_size
+    torch.distributed.all_gather_object(both, (len(plans), plans[-1]))
+    if len(set(both)) > 1:
+        raise SystemExit(f"the ranks' plans differ (call, planned steps): {both}")
+    return plans[-1]
+
+
+loop.follow_plan = compared
+settings = dataclasses.replace(trainer_harness.settings(1, 1, epochs=500), max_minutes=pace["minutes"])
 log = MetricsLog(out, enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t", config={})
-train(settings, trainer_harness.drafter_config(), store, trainer_harness.frozen_head(),
-      os.path.join(out, "checkpoints"), log, rank=rank, world_size=world_size, device=torch.device("cpu"),
-      show_progress=False)
+loop.train(settings, trainer_harness.drafter_config(), trainer_harness.synthetic_store(), trainer_harness.frozen_head(),
+           os.path.join(out, "checkpoints"), log, rank=rank, world_size=world_size, device=torch.device("cpu"),
+           show_progress=False)
 log.close()
+with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+    json.dump({"plans": plans, "clock": clock.now}, f)
 """
+
+
+def steps_planned_alone(minutes: float, cap: int, step_s: float, start_s: float) -> int:
+    """The steps a single rank trains under the budget when its first step takes start_s more than the others."""
+    budget = TimeBudget(minutes, cap, eval_every=0, evaluates=False)
+    step, run_s = 0, 0.0
+    while step < budget.planned_steps:
+        step += 1
+        run_s += step_s + (start_s if step == 1 else 0.0)
+        budget.after_step(step, run_s)
+    return step
 
 
 @pytest.mark.multiproc
@@ -481,19 +513,31 @@ def test_two_ranks_agree_on_the_plan_and_end_together(tmp_path):
     import socket
     import subprocess
     import sys
+    from pathlib import Path
 
+    # 3 s on scripted clocks, 1,500 steps of epochs: alone, rank 0 (0.02 s steps) would plan 149 steps and rank 1
+    # (0.5 s later to start, 0.03 s steps) 83. Both must follow the slower one's plan, step for step.
+    pace = {"minutes": 0.05, "step_s": [0.02, 0.03], "start_s": [0.0, 0.5]}
+    expected = steps_planned_alone(pace["minutes"], 1500, pace["step_s"][1], pace["start_s"][1])
+    assert expected != steps_planned_alone(pace["minutes"], 1500, pace["step_s"][0], pace["start_s"][0])
     script = tmp_path / "two_rank_run.py"
     script.write_text(TWO_RANK_RUN)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    repository = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": repository, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, str(script), str(tmp_path)], env=env, timeout=300, capture_output=True, text=True)
+                           port, str(script), str(tmp_path), json.dumps(pace)],
+                          env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     last = records[-1]["step"]
-    assert last < 1500 and records[-1]["planned_steps"] == last  # the budget, not the epochs, ended training
+    assert last == expected and records[-1]["planned_steps"] == last  # the budget, not the epochs, ended training
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
+    assert ranks[0]["plans"] == ranks[1]["plans"] and ranks[0]["plans"][-1] == last
+    for rank, ran in enumerate(ranks):  # each rank's clock moved by its own `last` steps: both trained them all
+        assert ran["clock"] == pytest.approx(pace["start_s"][rank] + last * pace["step_s"][rank])
     assert records[-1]["lr"] == pytest.approx(LR * MIN_LR_RATIO)
     assert latest_tag(str(tmp_path / "checkpoints")) == f"step{last}"
