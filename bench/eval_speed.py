@@ -46,7 +46,7 @@ from dflash.eval.metrics import PhaseTimer  # noqa: E402
 from dflash.eval.export import load_drafter  # noqa: E402
 from dflash.models.drafter import DFlashDraftModel  # noqa: E402
 from dflash.models.targets import load_target  # noqa: E402
-from dflash.pipeline import drafter_config, target_shape  # noqa: E402
+from dflash.stages.shapes import drafter_config, target_shape  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -33,7 +33,7 @@ def test_changed_capture_settings_move_the_store_aside_and_back(tmp_path, monkey
     # Stored in bfloat16 instead of float32: other features, so the stage is redone, the old store kept aside.
     changed = Pipeline(compose(TINY + run + ["capture.dtype=bfloat16"]))
     changed.run()
-    assert read_json(str(features / "done.json"))["fingerprint"] == changed.capture_fingerprint() != first_key
+    assert read_json(str(features / "done.json"))["fingerprint"] == changed.capture.fingerprint() != first_key
     assert read_json(str(features / "manifest.json"))["dtype"] == "bfloat16"
     aside = tmp_path / f"features.{first_key}"
     assert read_json(str(aside / "done.json"))["fingerprint"] == first_key
@@ -43,7 +43,7 @@ def test_changed_capture_settings_move_the_store_aside_and_back(tmp_path, monkey
         Pipeline(compose(TINY + run)).run()
     assert read_json(str(features / "done.json"))["fingerprint"] == first_key
     assert read_json(str(features / "manifest.json"))["dtype"] == "float32"
-    assert os.path.isdir(tmp_path / f"features.{changed.capture_fingerprint()}")
+    assert os.path.isdir(tmp_path / f"features.{changed.capture.fingerprint()}")
 
 
 def test_a_stage_killed_halfway_is_not_taken_for_the_earlier_settings_work(tmp_path, monkeypatch):
@@ -92,8 +92,8 @@ def test_going_back_to_earlier_settings_brings_their_training_logs_back(tmp_path
 def test_where_a_gguf_target_is_cached_does_not_change_whose_answers_the_journal_holds(tmp_path):
     here = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path}"]))
     elsewhere = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path}", f"target.cache_dir={tmp_path}"]))
-    assert here.target_identity() == elsewhere.target_identity()
-    assert "mask_token_id" not in here.target_identity() and here.target_identity()["kind"] == "tiny"
+    assert here.data.target_identity() == elsewhere.data.target_identity()
+    assert "mask_token_id" not in here.data.target_identity() and here.data.target_identity()["kind"] == "tiny"
 
 
 @pytest.mark.multiproc

@@ -65,7 +65,7 @@ def test_colocated_refuses_fp8(colocated_run):
 
 def test_a_padded_batch_is_what_collate_makes_of_the_samples(colocated_run):
     pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated"]))
-    source = pipeline._colocated_source()
+    source = pipeline.train.colocated_source()
     picked = [4, 1, 6]
     batch, lengths = source.get_batch(picked)
     assert lengths == [len(source.dataset[i]["input_ids"]) for i in picked]
@@ -79,7 +79,7 @@ def test_a_bad_feature_is_named_after_the_step_not_during_it(colocated_run, monk
     """get_batch queues the check without waiting for the device; verify_features (the loop calls it after each
     step) or the next get_batch raises, naming the sample and tap."""
     pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated"]))
-    source = pipeline._colocated_source()
+    source = pipeline.train.colocated_source()
     real = pipeline.adapter.capture
     monkeypatch.setattr(pipeline.adapter, "capture",
                         lambda *args: real(*args).index_fill(2, torch.tensor([0]), float("nan")))
@@ -114,7 +114,7 @@ def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned copies, events, SDPA kernels)")
 def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(colocated_run, monkeypatch):
     pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "device=cuda:0"]))
-    source = pipeline._colocated_source()
+    source = pipeline.train.colocated_source()
     batch, _ = source.get_batch([4, 1, 6], pin_memory=True)
     assert batch["input_ids"].is_pinned() and batch["hidden"].device.type == "cuda"
     expected = collate(source.get_many([4, 1, 6]))
@@ -161,5 +161,5 @@ def test_capture_compile_trains_the_same_losses_and_leaves_the_target_eager_for_
                                rtol=1e-4, atol=1e-4)
     assert all("forward" not in vars(layer) for layer in run.adapter.decoder_layers())
     # Features do not depend on it, so a run that only turns it on reuses the capture stage.
-    assert run.capture_fingerprint() == Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated",
-                                                                 "train.max_steps=3"])).capture_fingerprint()
+    assert run.capture.fingerprint() == Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated",
+                                                                 "train.max_steps=3"])).capture.fingerprint()

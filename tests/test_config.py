@@ -19,7 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MADE = {"fingerprint": "d", "samples": 7, "num_tokens": 700}
 
 # Fingerprints computed by the hand-kept code before the schema (commit 3e00386): run folders made then keep them.
-# One case moved: qwen36 with capture=online no longer takes the offline shard size, which online capture never used.
+# Two cases moved: qwen36 with capture=online no longer takes the offline shard size, which online capture never used;
+# a live evaluation at T > 0 now proposes the drafter's argmax (eval.draft_sampling=greedy, what serving engines do):
+# another measurement, so another fingerprint (with draft_sampling=sampled it keeps a8abc084df6af5a4).
 GOLDEN = [
     ([], "15acf81feaafbe57", "8e0ab70bba607911", "c3a15bba0e6da0c7", "aa32e96bce02bd1e"),
     (["+experiment=tiny"], "226f545c08a9e29e", "cc8a9ec544f4ca58", "160e8e3701a6ed9e", "cc6f5a9dbc8f9d25"),
@@ -32,7 +34,9 @@ GOLDEN = [
     (["+experiment=tiny", "train.max_minutes=2.5", "train.group_by=work", "data.synthetic.count=4"],
      "1289b376390a4b5c", "ce54f4965056feb3", "02f9957828251239", "cc6f5a9dbc8f9d25"),
     (["+experiment=smollm2", "deepspeed=zero3", "eval.mode=live", "eval.temperature=1.0"], "74e0db4d5c18fafc",
-     "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "a8abc084df6af5a4"),
+     "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "cec404e923ebbe38"),
+    (["+experiment=smollm2", "deepspeed=zero3", "eval.mode=live", "eval.temperature=1.0",
+      "eval.draft_sampling=sampled"], "74e0db4d5c18fafc", "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "a8abc084df6af5a4"),
     (["+experiment=tiny", "+eval.chat_template_kwargs.enable_thinking=false", "drafter.target_layer_ids=[0,1]"],
      "226f545c08a9e29e", "7a5cce3cf2481128", "71ff126fbf0a69e8", "30305e9b324edc1a"),
 ]
@@ -142,8 +146,9 @@ def downstream(affects: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("capture", ["offline", "online", "colocated"])
 def test_changing_a_setting_reruns_exactly_the_stages_it_affects(capture):
-    # Synthetic prompts on and a time budget set: their fields are not at the neutral values that leave them out.
-    base = settings_of(["+experiment=tiny", f"capture={capture}", "data.synthetic.count=4"])
+    # Synthetic prompts on and live sampling: their fields are not at the neutral values that leave them out.
+    base = settings_of(["+experiment=tiny", f"capture={capture}", "data.synthetic.count=4", "eval.mode=live",
+                        "eval.temperature=0.7"])
     before = stage_keys(base)
     tested = 0
     for path, f, affects in leaves(base):
@@ -170,6 +175,12 @@ def test_neutral_values_leave_a_field_out():
     assert "max_minutes" not in train and "group_by" not in train and "lr" in train
     assert "synthetic" not in fingerprints.stage_settings(s.data, "data")
     assert "log_every" not in train  # affects nothing: changing it never retrains
+    evaluation = fingerprints.stage_settings(s.eval, "eval")
+    assert "draft_sampling" not in evaluation  # greedy, but at T=0 it changes nothing
+    live = settings_of(["+experiment=tiny", "eval.mode=live", "eval.temperature=0.7"])
+    assert fingerprints.stage_settings(live.eval, "eval")["draft_sampling"] == "greedy"
+    sampled = settings_of(["+experiment=tiny", "eval.mode=live", "eval.temperature=0.7", "eval.draft_sampling=sampled"])
+    assert "draft_sampling" not in fingerprints.stage_settings(sampled.eval, "eval")  # as before the setting
 
 
 # Bad input: one line naming the key, before any work -----------------------------------------------------------

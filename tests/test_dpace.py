@@ -169,10 +169,10 @@ def test_the_pipeline_passes_the_weighting_and_fingerprints_it(tmp_path):
     tiny = ["+experiment=tiny", f"run_dir={tmp_path}"]
     default = Pipeline(compose(tiny))
     dpace = Pipeline(compose(tiny + ["train.loss_weighting=dpace", "train.dpace_alpha=0.3"]))
-    assert (dpace.train_settings().loss_weighting, dpace.train_settings().dpace_alpha) == ("dpace", 0.3)
-    assert dpace.train_fingerprint() != default.train_fingerprint()
+    assert (dpace.settings.train.loss_weighting, dpace.settings.train.dpace_alpha) == ("dpace", 0.3)
+    assert dpace.train.fingerprint() != default.train.fingerprint()
     with pytest.raises(ValueError, match="expected one of"):
-        Pipeline(compose(tiny + ["train.loss_weighting=focal"])).train_settings()
+        Pipeline(compose(tiny + ["train.loss_weighting=focal"])).settings.train
 
 
 def run_dpace(out_dir: str, micro_batch_size: int, grad_accum: int) -> tuple[list[dict], dict[str, torch.Tensor]]:

@@ -53,16 +53,16 @@ def test_training_curve_keeps_the_last_record_of_a_step(tmp_path):
 
 def test_eval_checkpoint_picks_best_or_final(heldout_run):
     best = Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}"]))
-    assert best.eval_drafter_dir() == str(heldout_run / "export_best")
+    assert best.eval.drafter_dir() == str(heldout_run / "export_best")
     final = Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "eval.checkpoint=final"]))
-    assert final.eval_drafter_dir() == str(heldout_run / "export")
+    assert final.eval.drafter_dir() == str(heldout_run / "export")
     if json.loads((heldout_run / "export_best" / "best.json").read_text())["step"] != 12:
         # Different weights in the two folders whenever the best is not the last step.
         a = load_file(str(heldout_run / "export_best" / "model.safetensors"))
         b = load_file(str(heldout_run / "export" / "model.safetensors"))
         assert any(not torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="eval.checkpoint"):
-        Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "eval.checkpoint=newest"])).eval_drafter_dir()
+        Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "eval.checkpoint=newest"])).eval.drafter_dir()
 
 
 def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(heldout_run, tmp_path):
@@ -84,7 +84,7 @@ def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(h
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same best, exported again
     weights = stopped / "export_best" / "model.safetensors"
     written = weights.stat().st_mtime_ns
-    Pipeline(compose(overrides))._drafter_to_evaluate()  # a rerun finds that best exported already
+    Pipeline(compose(overrides)).eval.drafter_to_evaluate()  # a rerun finds that best exported already
     assert weights.stat().st_mtime_ns == written
 
     shutil.rmtree(stopped / "checkpoints" / "best")

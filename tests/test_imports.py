@@ -1,8 +1,8 @@
 """Dependencies point one way: no module imports from a layer above its own (house issue, point 6).
 
-Layers, bottom to top: shared utilities (config, run files, host copies, CUDA graphs, inductor settings); models;
-data; capture (`extract`) and the evaluator side by side, neither importing the other; train (which may use the
-evaluator for held-out acceptance); the pipeline and the commands on top.
+Layers, bottom to top: shared utilities (config, run files, console, host copies, CUDA graphs, inductor settings);
+models; data; capture (`extract`) and the evaluator side by side, neither importing the other; train (which may use
+the evaluator for held-out acceptance); the stages; the pipeline and the commands on top (docs/architecture.md).
 """
 
 import ast
@@ -11,8 +11,8 @@ import os
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYERS = {"config": 0, "run_files": 0, "host_copy": 0, "cuda_graphs": 0, "inductor_settings": 0,
-          "models": 1, "data": 2, "extract": 3, "eval": 3, "train": 4, "pipeline": 5}
+LAYERS = {"config": 0, "run_files": 0, "host_copy": 0, "cuda_graphs": 0, "inductor_settings": 0, "console": 0,
+          "models": 1, "data": 2, "extract": 3, "eval": 3, "train": 4, "stages": 5, "pipeline": 6}
 
 
 def package_of(module: str) -> str | None:

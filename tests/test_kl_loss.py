@@ -183,7 +183,7 @@ def test_colocated_kl_run_trains(kl_run):
 
 def test_colocated_source_hands_out_padded_final_states(kl_run):
     pipeline = Pipeline(compose(TINY + [f"run_dir={kl_run}", "capture=colocated", "train.kl_weight=0.5"]))
-    source = pipeline._colocated_source()
+    source = pipeline.train.colocated_source()
     assert source.final_hidden
     samples = source.get_many([2, 5])
     batch = collate(samples)
@@ -201,7 +201,7 @@ def test_colocated_source_hands_out_padded_final_states(kl_run):
 
 def test_a_non_finite_final_state_is_named(kl_run, monkeypatch):
     pipeline = Pipeline(compose(TINY + [f"run_dir={kl_run}", "capture=colocated", "train.kl_weight=0.5"]))
-    source = pipeline._colocated_source()
+    source = pipeline.train.colocated_source()
     real = pipeline.adapter.capture_with_final
 
     def broken(*args):
@@ -223,6 +223,6 @@ def test_offline_capture_refuses_kl_before_any_work(tmp_path):
 def test_kl_weight_is_passed_and_fingerprinted(tmp_path):
     tiny = ["+experiment=tiny", f"run_dir={tmp_path}", "capture=colocated"]
     default, kl = Pipeline(compose(tiny)), Pipeline(compose(tiny + ["train.kl_weight=0.5"]))
-    assert (default.train_settings().kl_weight, kl.train_settings().kl_weight) == (0.0, 0.5)
-    assert kl.train_fingerprint() != default.train_fingerprint()
-    assert kl.capture_fingerprint() == default.capture_fingerprint()
+    assert (default.settings.train.kl_weight, kl.settings.train.kl_weight) == (0.0, 0.5)
+    assert kl.train.fingerprint() != default.train.fingerprint()
+    assert kl.capture.fingerprint() == default.capture.fingerprint()

@@ -13,7 +13,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
 from dflash.config import CONFIG_DIR, compose
-from dflash.pipeline import Pipeline, drafter_config
+from dflash.pipeline import Pipeline
+from dflash.stages.shapes import drafter_config
 
 TINY = ["+experiment=tiny", "show_progress=false"]
 STORED_CURVE = os.path.join(os.path.dirname(__file__), "data", "tiny_loss_curve.json")
@@ -139,16 +140,16 @@ def test_capture_and_training_follow_what_the_data_stage_made(tiny_run, tmp_path
     run_dir, _ = tiny_run
     subprocess.run(["cp", "-r", os.path.join(run_dir, "data"), str(tmp_path / "data")], check=True)
     pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path}"]))
-    before = (pipeline.capture_fingerprint(), pipeline.train_fingerprint())
+    before = (pipeline.capture.fingerprint(), pipeline.train.fingerprint())
     stats = json.loads((tmp_path / "data" / "stats.json").read_text())
     (tmp_path / "data" / "stats.json").write_text(json.dumps(dict(stats, samples=stats["samples"] + 1)))
-    after = (pipeline.capture_fingerprint(), pipeline.train_fingerprint())
+    after = (pipeline.capture.fingerprint(), pipeline.train.fingerprint())
     assert before[0] != after[0] and before[1] != after[1]
     # A setting added with a neutral default leaves the fingerprints of runs from before it as they were.
     older = compose(TINY + [f"run_dir={run_dir}"])
     with open_dict(older.train):
         del older.train["group_by"]
-    assert Pipeline(older).train_fingerprint() == Pipeline(compose(TINY + [f"run_dir={run_dir}"])).train_fingerprint()
+    assert Pipeline(older).train.fingerprint() == Pipeline(compose(TINY + [f"run_dir={run_dir}"])).train.fingerprint()
 
 
 @pytest.mark.multiproc
@@ -193,7 +194,7 @@ def test_smollm2_recipe_builds_its_training_settings(tmp_path):
     assert len(prompts) == len(set(prompts)) == 5 and "" in prompts  # one draw set keeps the template's default
     assert cfg.drafter.num_hidden_layers == 5 and cfg.drafter.block_size == 16
     assert str(cfg.capture.mode) == "colocated"
-    settings = Pipeline(cfg).train_settings()
+    settings = Pipeline(cfg).settings.train
     assert (settings.micro_batch_size, settings.num_anchors, settings.gamma) == (64, 64, 7.0)
     assert settings.compile and settings.eval_every == 1000 and settings.max_minutes == 16.5
 
@@ -268,10 +269,10 @@ def test_synthetic_prompts_join_the_data_stage_and_only_then_change_its_fingerpr
     older = compose(base)
     with open_dict(older.data):
         del older.data["synthetic"]
-    assert off.data_fingerprint() == Pipeline(older).data_fingerprint()
+    assert off.data.fingerprint() == Pipeline(older).data.fingerprint()
     on = Pipeline(compose(base + ["data.synthetic.count=3", "data.synthetic.max_new_tokens=24",
                                   "data.synthetic.min_chars=1", "data.synthetic.max_oversample=8"]))
-    assert on.data_fingerprint() != off.data_fingerprint()
+    assert on.data.fingerprint() != off.data.fingerprint()
     on.run()
     assert (tmp_path / "data" / "synthetic.jsonl").is_file()
     sets = list(load_dataset_dir(str(tmp_path / "data"))["prompt_set"])

@@ -357,14 +357,14 @@ def test_online_capture_refuses_a_budget_and_the_setting_reaches_the_trainer(tmp
     with pytest.raises(ValueError, match="train.max_minutes=2.5 with capture=online"):
         Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_minutes=2.5", "capture=online"]))
     pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_minutes=2.5"]))
-    assert pipeline.train_settings().max_minutes == 2.5
+    assert pipeline.settings.train.max_minutes == 2.5
     off = Pipeline(compose(TINY + [f"run_dir={tmp_path}"]))
-    assert off.train_settings().max_minutes is None
+    assert off.settings.train.max_minutes is None
     # Off, the setting is left out of the fingerprint (that of a config from before it); on, it enters.
     from dflash.config.fingerprints import stage_settings
 
     assert "max_minutes" not in stage_settings(off.settings.train, "train")
-    assert pipeline.checkpoint_fingerprint() != off.checkpoint_fingerprint()
+    assert pipeline.train.checkpoint_fingerprint() != off.train.checkpoint_fingerprint()
 
 
 # Real tiny runs on a scripted clock ---------------------------------------------------------------------------------

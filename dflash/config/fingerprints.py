@@ -26,7 +26,7 @@ def stage_settings(node: Any, stage: str) -> dict[str, Any]:
         if stage not in f.metadata["affects"]:
             continue
         value = getattr(node, f.name)
-        if "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], _plain(value, stage)):
+        if "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], _plain(value, stage), node):
             continue
         taken[f.name] = _plain(value, stage)
     return taken
@@ -42,8 +42,9 @@ def _plain(value: Any, stage: str) -> Any:
     return value
 
 
-def _is_neutral(neutral: Any, value: Any) -> bool:
-    return neutral(value) if callable(neutral) else value == neutral
+def _is_neutral(neutral: Any, value: Any, group: Any) -> bool:
+    """A callable `neutral` is asked with the value and the settings group that holds it."""
+    return neutral(value, group) if callable(neutral) else value == neutral
 
 
 def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
@@ -58,7 +59,8 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
             if dataclasses.is_dataclass(value):
                 walk(value, was, key + ".")
             elif set(f.metadata["affects"]) & {"data", "capture", "train"} and _plain(value, "train") != was:
-                if not (was == "(absent)" and "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], value)):
+                neutral = "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], value, node)
+                if not (was == "(absent)" and neutral):  # a setting added since, at its neutral value
                     changes.append(f"{key}: {was} -> {_plain(value, 'train')}")
 
     walk(new, old, "")

@@ -82,7 +82,7 @@ def reference() -> str:
             rows.append(f"| `{f.name}` | {_type_name(f.type)} | {_default(f)} | {_reruns(f)} | {doc} |")
         if not rows:
             continue
-        lines += [f"**{title}**", "", "| key | type | default | changing it reruns | what it is |", "|---|---|---|---|---|",
-                  *rows, ""]
+        lines += [f"**{title}**", "", "| key | type | default | changing it reruns | what it is |",
+                  "|---|---|---|---|---|", *rows, ""]
     lines.append(END)
     return "\n".join(lines)

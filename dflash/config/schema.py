@@ -9,8 +9,8 @@ config becomes these objects (`settings_from`), and raise ConfigError naming the
 Every field declares `affects`: the stages whose fingerprint takes it directly ("data", "capture", "train",
 "eval"; a stage's fingerprint also holds its input stage's, so a field that affects "data" reruns everything after
 it). `affects=()` marks a setting of speed, place or reporting only: changing it reruns nothing. `neutral` marks a
-value at which a field is left out of the fingerprints: a field added after runs were fingerprinted, so that those
-runs keep their fingerprints (dflash/config/fingerprints.py).
+value at which a field is left out of the fingerprints (or a predicate of the value and its group): a field added
+after runs were fingerprinted, so that those runs keep their fingerprints (dflash/config/fingerprints.py).
 """
 
 import math
@@ -176,7 +176,7 @@ class SyntheticSettings:
         require(self.max_oversample >= 1, "data.synthetic.max_oversample", self.max_oversample, "a number >= 1")
 
 
-def _synthetic_off(value: Any) -> bool:
+def _synthetic_off(value: Any, group: Any) -> bool:
     return not value["count"]
 
 
@@ -445,6 +445,12 @@ class PromptSetSettings:
                                                    doc="turns=2: the first answer's token budget")
 
 
+def _sampled_or_unused(value: Any, group: Any) -> bool:
+    """eval.draft_sampling stays out of the fingerprint at T=0, where it changes nothing, and at `sampled`, what
+    every evaluation did before the setting existed."""
+    return value == "sampled" or not group.temperature
+
+
 def _default_prompt_sets() -> dict[str, PromptSetSettings]:
     return {"humaneval": PromptSetSettings(source="humaneval", limit=8),
             "mtbench": PromptSetSettings(source="mtbench", limit=8, turns=2),
@@ -461,10 +467,10 @@ class EvalSettings:
     mode: str = setting("replay", affects=("eval",), doc="replay (exact greedy replay, batched) | live (real "
                                                           "speculative decoding)")
     temperature: float = setting(0.0, affects=("eval",), doc="live only: > 0 = speculative rejection sampling")
-    draft_sampling: str = setting("sampled", affects=("eval",), neutral="sampled",
-                                  doc="live, T > 0: sampled (each block position drawn from the drafter, accepted "
-                                      "with min(1, p/q)) | greedy (the drafter's argmax, accepted with p(draft): "
-                                      "what vLLM and SGLang do)")
+    draft_sampling: str = setting("greedy", affects=("eval",), neutral=_sampled_or_unused,
+                                  doc="live, T > 0: greedy (the drafter's argmax, accepted with p(draft): what vLLM "
+                                      "and SGLang do) | sampled (each block position drawn from the drafter, "
+                                      "accepted with min(1, p/q))")
     seed: int = setting(0, affects=("eval",), doc="live sampling seed")
     measure_target: bool = setting(True, affects=("eval",), doc="live: also decode target-only -> speedup")
     live_engine: str = setting("auto", affects=("eval",), doc="live: auto | static | hf")

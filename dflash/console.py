@@ -1,0 +1,46 @@
+"""A command's console output, copied as it is printed to a log file in the run folder."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+
+class Tee:
+    """A text stream that writes to the console stream it replaces and to a log file."""
+
+    def __init__(self, console: TextIO, log: TextIO) -> None:
+        self.console, self.log = console, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return self.console.write(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.console.flush()
+
+    def isatty(self) -> bool:  # progress bars draw as they would on the console itself
+        return self.console.isatty()
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+    def __getattr__(self, name: str):
+        return getattr(self.console, name)
+
+
+@contextlib.contextmanager
+def console_copied_to(path: str) -> Iterator[None]:
+    """Inside, everything this process prints to stdout and stderr also goes to `path` (appended)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a", encoding="utf-8", buffering=1) as log:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err

@@ -1,0 +1,2 @@
+"""The stages of a run (data, capture, train with its export, eval), each with its inputs, outputs and
+fingerprint, and what they share (context.py); dflash/pipeline.py runs them."""

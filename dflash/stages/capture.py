@@ -1,0 +1,114 @@
+"""The capture stage: the frozen target's hidden states at the drafter's taps, in `features/`.
+
+Offline, a sharded feature store captured by every rank (each its share of the shards). Online and colocated, the
+features are made while training; this stage only writes what the train stage needs. In every mode it also writes
+the held-out samples' features, the target's frozen embedding and lm_head, and the target's shape (target.json),
+which the later stages read instead of loading the target again.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dflash.config import fingerprints
+from dflash.run_files import claim_dir, mark_done, read_json_or_none, stage_done, write_json
+from dflash.stages.context import RunContext
+from dflash.stages.data import DataStage
+from dflash.stages.shapes import drafter_config, target_shape
+
+
+class CaptureStage:
+    name = "capture"
+
+    def __init__(self, run: RunContext, data: DataStage) -> None:
+        self.context, self.data = run, data
+        self.out = run.dirs["features"]
+
+    @property
+    def every_rank(self) -> bool:
+        """Offline capture is split over every rank; the other modes only prepare files, on rank 0."""
+        return self.context.settings.capture.mode == "offline" and self.context.world_size > 1
+
+    def describe(self) -> str:
+        s = self.context.settings
+        taps = s.drafter.target_layer_ids or f"{s.drafter.num_taps} spread"
+        where = {"offline": "into a feature store", "online": "streamed to the trainer while training",
+                 "colocated": "made by each trainer rank while training"}[s.capture.mode]
+        return f"the target's hidden states at layers {taps}, {where} ({s.capture.dtype})"
+
+    def fingerprint(self) -> str:
+        """The capture settings and what the data stage made (its stats.json), not only what it was asked."""
+        stats = read_json_or_none(os.path.join(self.data.out, "stats.json")) or {}
+        made = {k: stats.get(k) for k in ("fingerprint", "samples", "num_tokens")}
+        return fingerprints.capture_fingerprint(self.context.settings, made)
+
+    def run(self) -> None:
+        from dflash.data.dataset import load_dataset_dir
+        from dflash.train.frozen_head import save_frozen_head
+
+        run, out, key = self.context, self.out, self.fingerprint()
+        mode = run.settings.capture.mode
+        if run.rank == 0 and not stage_done(out, key):
+            # Features of other settings would be refused by the store: moved aside, not lost; those of these
+            # settings come back from where an earlier change moved them.
+            moved = claim_dir(out, key, stage="capture", contents="features")
+            if moved:
+                print(f"[capture] features of other settings moved aside to {moved}")
+        if mode == "offline":
+            run.barrier()  # every rank captures offline (only rank 0 gets here otherwise): wait for the claim
+        if stage_done(out, key):
+            print(f"[capture] up to date: {out}")
+            return
+        shape = target_shape(run.target)
+        config = drafter_config(run.settings, shape)  # checks taps, mask id and sizes before any work
+        dataset = load_dataset_dir(self.data.out)
+        if mode in ("online", "colocated"):
+            summary = self.describe_streamed(mode, len(dataset), config.target_layer_ids)
+        else:
+            summary = self.capture_store(dataset, config.target_layer_ids, key)
+        if run.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
+            run.release_target()  # frees this rank's device for training (rank 0 keeps the target for eval)
+            return
+        self.capture_heldout(config.target_layer_ids)
+        save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(),
+                         os.path.join(out, "frozen_head.safetensors"))
+        write_json(os.path.join(out, "target.json"), shape)
+        print(f"[capture] {summary} -> {out}")
+        mark_done(out, key)
+
+    def describe_streamed(self, mode: str, num_samples: int, layer_ids: list[int]) -> str:
+        """online.json / colocated.json: what the train stage's capture workers and trainer need."""
+        c = self.context.settings.capture
+        write_json(os.path.join(self.out, f"{mode}.json"), {
+            "data": self.data.out, "num_samples": num_samples, "target_layer_ids": layer_ids,
+            "dtype": c.dtype, "batch_tokens": c.batch_tokens})
+        return f"{num_samples} samples whose features are made during training ({mode} capture)"
+
+    def capture_store(self, dataset, layer_ids: list[int], key: str) -> str:
+        """This rank's shards of the offline feature store."""
+        from dflash.extract.capture import capture_dataset
+        from dflash.models.targets.compile_target import target_layers_compiled
+
+        run, c = self.context, self.context.settings.capture
+        with target_layers_compiled(run.target, c.compile):
+            manifest = capture_dataset(run.target, dataset, self.out, layer_ids, batch_tokens=c.batch_tokens,
+                                       shard_tokens=c.shard_tokens, dtype=c.dtype, check_every=c.check_every,
+                                       verify_existing=c.verify_existing, fingerprint={"key": key},
+                                       show_progress=run.show_progress, rank=run.rank, world_size=run.world_size,
+                                       pack=c.pack)
+        return f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
+
+    def capture_heldout(self, layer_ids: list[int]) -> None:
+        """The held-out samples' target features and greedy tokens, for the acceptance replay during training."""
+        from dflash.data.dataset import load_heldout_dir
+        from dflash.train.heldout import write_heldout_features
+
+        path = os.path.join(self.out, "heldout.safetensors")
+        rows = load_heldout_dir(self.data.out)
+        if rows is None:
+            if os.path.exists(path):
+                os.remove(path)
+            return
+        info = write_heldout_features(self.context.target, rows, layer_ids, path,
+                                      batch_size=self.context.settings.train.heldout_batch_size)
+        print(f"[capture] held-out: {info['samples']} samples, {info['tokens']} tokens -> {path}")

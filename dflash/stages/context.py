@@ -1,0 +1,75 @@
+"""What every stage of one run shares: its checked settings, its folders, this process's rank and device, and the
+target model, loaded once when a stage first needs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.config import settings_from
+from dflash.config.schema import RunSettings
+
+# The folders of a run, each a stage's output (docs/outputs.md).
+FOLDERS = ("data", "features", "checkpoints", "export", "eval")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(name)
+
+
+class RunContext:
+    """One process's view of a run. `cfg` is the composed config as Hydra made it (dumped beside the outputs and
+    logged); `settings` is the same, checked and typed (dflash/config/schema.py)."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.settings: RunSettings = settings_from(cfg)  # every setting checked before any work
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(self.settings.run_dir)
+        self.dirs = {folder: os.path.join(self.run_dir, folder) for folder in FOLDERS}
+        if self.settings.eval.out_dir:  # several evaluations of one run (live, T=1, other sets) side by side
+            self.dirs["eval"] = os.path.abspath(self.settings.eval.out_dir)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = resolve_device(self.settings.device, self.local_rank)
+        self.show_progress = self.settings.show_progress
+        self._target = None
+
+    @property
+    def target(self):
+        """The frozen target (a TargetAdapter), loaded on first use: on this rank's device, or over this process's
+        consecutive GPUs when it is larger than one (capture.gpus_per_worker, docs/capture.md)."""
+        if self._target is None:
+            from dflash.models.targets import load_target
+
+            t, c = self.settings.target, self.settings.capture
+            device: str | list[str] = str(self.device)
+            if self.device.type == "cuda" and c.mode != "colocated":
+                from dflash.models.targets.placement import rank_devices, resolve_gpus_per_worker
+
+                g = resolve_gpus_per_worker(c.gpus_per_worker, dataclasses.asdict(t),
+                                            len(c.devices) if c.devices is not None else 1)
+                if g > 1:
+                    device = rank_devices(self.local_rank, g)
+            self._target = load_target(t.kind, path=t.path, dtype=t.dtype, device=device, tiny=t.tiny,
+                                       cache_dir=t.cache_dir)
+        return self._target
+
+    def release_target(self) -> None:
+        """Free this process's copy of the target (its device memory goes to training)."""
+        self._target = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def config_yaml(self) -> str:
+        return OmegaConf.to_yaml(self.cfg, resolve=True)

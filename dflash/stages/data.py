@@ -1,0 +1,75 @@
+"""The data stage: prompts -> the target's chat template -> answers the target writes -> a token dataset with an
+answer-only loss mask (dflash/data/), in `data/`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dflash.config import fingerprints
+from dflash.run_files import clear_done, mark_done, stage_done
+from dflash.stages.context import RunContext
+
+
+class DataStage:
+    name = "data"
+    every_rank = False  # rank 0 writes the dataset; the other ranks read it after the next barrier
+
+    def __init__(self, run: RunContext) -> None:
+        self.context = run
+        self.out = run.dirs["data"]
+
+    def fingerprint(self) -> str:
+        return fingerprints.data_fingerprint(self.context.settings)
+
+    def describe(self) -> str:
+        s = self.context.settings
+        d, kind = s.data, s.target.kind
+        prompts = f"{d.limit} {d.source} prompts" if d.limit else f"every {d.source} prompt"
+        if d.synthetic.count:
+            prompts += f" and {d.synthetic.count} the target writes itself"
+        answers = "greedily" if d.temperature == 0 else f"sampled at T={d.temperature}"
+        return f"{prompts}, answered {answers} by the {kind} target (up to {d.max_new_tokens} new tokens)"
+
+    def target_identity(self) -> dict[str, Any]:
+        return fingerprints.target_identity(self.context.settings)
+
+    def run(self) -> None:
+        from dflash.data.dataset import build_dataset
+        from dflash.data.prompts import load_prompts
+
+        run, d, out = self.context, self.context.settings.data, self.out
+        key = self.fingerprint()
+        if stage_done(out, key):
+            print(f"[data] up to date: {out}")
+            return
+        os.makedirs(out, exist_ok=True)
+        prompts = load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed, turns=d.turns)
+        if d.synthetic.count > 0:
+            prompts = prompts + self.synthetic_prompts()
+        stats = build_dataset(prompts, run.target, out, max_length=d.max_length, max_new_tokens=d.max_new_tokens,
+                              batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
+                              show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
+                              compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
+                              before_replace=lambda: clear_done(out))
+        print(f"[data] {stats}")
+        if stats["failed"]:
+            # Not marked done: the next run of this stage retries them (the rest comes from the journal).
+            print(f"[data] {stats['failed']} prompt(s) failed (errors above and in stats.json); the stages go on "
+                  "without them, and running the data stage again retries them")
+            return
+        mark_done(out, key, stats=stats)
+
+    def synthetic_prompts(self) -> list:
+        """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder."""
+        from dflash.data.synthetic import synthesize_prompts
+
+        run, d = self.context, self.context.settings.data
+        s = d.synthetic
+        prompts, stats = synthesize_prompts(
+            run.target, s.count, list(s.system_prompts), os.path.join(self.out, "synthetic.jsonl"),
+            temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, min_chars=s.min_chars,
+            max_oversample=s.max_oversample, keep_system=s.keep_system, batch_size=d.batch_size, seed=d.seed,
+            engine=d.engine, show_progress=run.show_progress, target=self.target_identity())
+        print(f"[data] synthetic prompts: {stats}")
+        return prompts

@@ -1,0 +1,115 @@
+"""The eval stage: acceptance of the exported drafter per prompt set (dflash/eval/), in `eval/` or eval.out_dir."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from dflash.config import fingerprints
+from dflash.config.errors import NothingToEvaluate
+from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, mark_done, read_json, read_json_or_none, \
+    stage_done, write_text
+from dflash.stages.context import RunContext
+from dflash.stages.export import export_best
+from dflash.stages.shapes import drafter_config
+from dflash.stages.train import TrainStage
+
+
+def prompt_set_specs(eval_settings) -> dict[str, dict[str, Any]]:
+    """eval.prompt_sets as the plain {name: {source, limit, ...}} dicts load_prompt_sets reads (null keys left out)."""
+    return {name: {k: v for k, v in dataclasses.asdict(spec).items() if v is not None}
+            for name, spec in eval_settings.prompt_sets.items()}
+
+
+class EvalStage:
+    name = "eval"
+    every_rank = False
+
+    def __init__(self, run: RunContext, train: TrainStage) -> None:
+        self.context, self.train = run, train
+        self.out = run.dirs["eval"]
+
+    def describe(self) -> str:
+        e = self.context.settings.eval
+        if e.mode == "replay":
+            how = "exact greedy replay"
+        elif not e.temperature:
+            how = "live greedy decoding"
+        else:
+            how = f"live sampling at T={e.temperature} ({e.draft_sampling} drafts)"
+        sets = ", ".join(f"{name} ({spec.limit or 'all'})" for name, spec in e.prompt_sets.items())
+        return f"acceptance by {how} on {sets}, {e.max_new_tokens} new tokens per prompt"
+
+    def drafter_dir(self) -> str:
+        """export_best/ (the best held-out tau) when eval.checkpoint is 'best' and training kept one, else export/."""
+        best = os.path.join(self.context.run_dir, "export_best")
+        if self.context.settings.eval.checkpoint == "best" and os.path.exists(os.path.join(best, "best.json")):
+            return best
+        return self.train.out
+
+    def drafter_to_evaluate(self) -> tuple[str, str]:
+        """(folder, fingerprint) of the drafter to measure. A run whose training stopped early (a time limit, a
+        signal) has no export of its settings yet; with eval.checkpoint=best its best held-out checkpoint so far
+        is exported and measured, so a stopped run can be evaluated without resuming it."""
+        run = self.context
+        folder, done = self.drafter_dir(), os.path.join(self.train.out, "done.json")
+        current = self.train.checkpoint_fingerprint()
+        marker = read_json_or_none(done)
+        # A marker without the field predates it and is trusted as before.
+        if marker is not None and marker.get("checkpoint", current) == current:
+            return folder, marker["fingerprint"]
+        owner = read_json_or_none(os.path.join(self.train.checkpoints, CHECKPOINT_KEY)) or {}
+        best = None
+        if run.settings.eval.checkpoint == "best" and owner.get("fingerprint") == current:
+            shape = read_json(os.path.join(self.train.capture.out, "target.json"))
+            best = export_best(run.run_dir, self.train.checkpoints, drafter_config(run.settings, shape))
+        if best is None:
+            raise NothingToEvaluate(
+                f"no drafter of these settings to evaluate: the train stage has not finished ({done} is "
+                f"{'missing' if marker is None else 'from other settings'}) and {self.train.checkpoints} holds no "
+                f"best held-out checkpoint of these settings (data.heldout > 0 and eval.checkpoint=best make one); "
+                f"rerun training, which resumes from its last checkpoint")
+        print(f"[eval] training has not finished: evaluating its best held-out checkpoint so far "
+              f"(step {best['step']}, held-out tau {best['tau']:.3f})")
+        return os.path.join(run.run_dir, "export_best"), fingerprint(current, best)
+
+    def run(self) -> dict[str, Any]:
+        from dflash.eval.evaluate import format_table
+
+        folder, drafter_key = self.drafter_to_evaluate()
+        key = fingerprints.eval_fingerprint(self.context.settings, drafter_key, folder)
+        summary_path = os.path.join(self.out, "summary.json")
+        if stage_done(self.out, key) and os.path.exists(summary_path):
+            summary = read_json(summary_path)
+        else:
+            summary = self.evaluate(folder)
+            mark_done(self.out, key)
+        print(format_table(summary))
+        return summary
+
+    def evaluate(self, folder: str) -> dict[str, Any]:
+        """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml."""
+        from dflash.eval.evaluate import evaluate, load_prompt_sets, write_summary
+        from dflash.eval.export import load_drafter
+        from dflash.eval.metrics import PhaseTimer
+
+        run, e = self.context, self.context.settings.eval
+        os.makedirs(self.out, exist_ok=True)
+        clear_done(self.out)
+        print(f"[eval] drafter {folder}")
+        target = run.target
+        drafter = load_drafter(folder, dtype=target.dtype, device=str(run.device))
+        template_kwargs = dict(e.chat_template_kwargs)
+        timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
+        prompt_sets, categories = load_prompt_sets(
+            target, prompt_set_specs(e), max_new_tokens=e.max_new_tokens, template_kwargs=template_kwargs,
+            batch_size=e.batch_size, timer=timer)
+        summary = evaluate(drafter, target, prompt_sets, max_new_tokens=e.max_new_tokens,
+                           show_progress=run.show_progress, mode=e.mode, temperature=e.temperature, seed=e.seed,
+                           measure_target=e.measure_target, categories=categories, batch_size=e.batch_size,
+                           timer=timer, live_engine=e.live_engine, draft_sampling=e.draft_sampling)
+        summary["chat_template_kwargs"] = template_kwargs
+        write_summary(summary, self.out)
+        write_text(os.path.join(self.out, "config.yaml"), run.config_yaml())
+        return summary

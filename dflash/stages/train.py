@@ -1,0 +1,181 @@
+"""The train stage: the drafter trained under DeepSpeed on every rank from the capture stage's features, its
+checkpoints in `checkpoints/`, then exported (dflash/stages/export.py).
+
+Its checkpoints belong to one set of settings (their fingerprint in checkpoints/fingerprint.json). Checkpoints of
+other settings reach this stage only with overwrite=true (dflash/stages/guard.py): they are moved aside with what
+their training left in the run folder, never deleted, and come back when those settings return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from dflash.config import fingerprints
+from dflash.run_files import claim_checkpoint_dir, container, fingerprint, mark_done, read_json, stage_done, \
+    write_json, write_text
+from dflash.stages.capture import CaptureStage
+from dflash.stages.context import RunContext
+from dflash.stages.export import export_best, export_state, plot_training_curve
+from dflash.stages.shapes import drafter_config
+
+SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of the training that wrote them
+# What a training leaves in the run folder beside its checkpoints: its logs (metrics_log.py), exports, curve and the
+# evaluation of its export. They travel with the checkpoints when those are moved aside (overwrite=true) or back.
+TRAINED_OUTPUTS = ("metrics.jsonl", "tensorboard", "export", "export_best", "training_curve.png", "eval")
+
+
+class TrainStage:
+    name = "train"
+    every_rank = True
+
+    def __init__(self, run: RunContext, capture: CaptureStage) -> None:
+        self.context, self.capture = run, capture
+        self.checkpoints, self.out = run.dirs["checkpoints"], run.dirs["export"]
+
+    def describe(self) -> str:
+        s = self.context.settings
+        t, d = s.train, s.drafter
+        length = f"{t.max_minutes} minutes" if t.max_minutes else f"{t.epochs} epochs" + (
+            f" (at most {t.max_steps} steps)" if t.max_steps else "")
+        batch = f"{t.micro_batch_size} sequences x {self.context.world_size} rank(s) x {t.grad_accum}"
+        return (f"a {d.num_hidden_layers}-layer drafter (block {d.block_size}) for {length}, {batch} per step, "
+                f"{t.num_anchors} anchors each, lr {t.lr}, ZeRO-{s.deepspeed.zero_stage}")
+
+    def checkpoint_fingerprint(self) -> str:
+        """What the checkpoints depend on: not the rank count (a run resumes on another, converting them)."""
+        return fingerprints.checkpoint_fingerprint(self.context.settings, self.capture.fingerprint())
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.checkpoint_fingerprint(), self.context.world_size)
+
+    def run(self) -> None:
+        from dflash.train.engine import init_distributed
+
+        run, key = self.context, self.fingerprint()
+        if stage_done(self.out, key):
+            if run.rank == 0:
+                print(f"[train] up to date: {self.out}")
+            return
+        rank, _, _ = init_distributed()
+        if rank == 0:
+            self.claim_checkpoints()
+        run.barrier()
+        if stage_done(self.out, key):  # these settings' drafter came back with their checkpoints
+            if rank == 0:
+                print(f"[train] restored: {self.out}")
+            return
+        config = drafter_config(run.settings, read_json(os.path.join(self.capture.out, "target.json")))
+        state = self.train(config, rank, run.world_size)
+        if rank == 0:
+            export_state(state, config, self.out)
+            export_best(run.run_dir, self.checkpoints, config)
+            plot_training_curve(run.run_dir)
+            # The settings of the checkpoints behind this export: the eval stage checks them (world size aside).
+            mark_done(self.out, key, checkpoint=self.checkpoint_fingerprint())
+            print(f"[train] exported drafter -> {self.out}")
+
+    def claim_checkpoints(self) -> None:
+        """checkpoints/ made this training's (rank 0): those of other settings moved aside with their outputs."""
+        run = self.context
+        moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
+        if moved:
+            print(f"[train] the drafter trained with other settings moved aside to {moved} (overwrite=true)")
+        self.carry_trained_outputs(moved)
+        write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
+        write_json(os.path.join(self.checkpoints, SETTINGS_KEY),
+                   {"fingerprint": fingerprints.settings_fingerprint(run.settings)})
+
+    def carry_trained_outputs(self, moved: str | None) -> None:
+        """A training's outputs travel with its checkpoints: into the folder the other settings' checkpoints were
+        moved to, and back out of restored ones, so that each run's exports and metrics stay its own (the trainer
+        then drops only the records after the step it resumes from, MetricsLog.resume_from)."""
+        for name in TRAINED_OUTPUTS:
+            current = os.path.join(self.context.run_dir, name)
+            if moved and os.path.exists(current):
+                os.replace(current, os.path.join(moved, name))
+            restored = os.path.join(self.checkpoints, name)
+            if os.path.exists(restored) and not os.path.exists(current):
+                os.replace(restored, current)
+
+    def train(self, config, rank: int, world_size: int) -> dict:
+        """The training loop on this rank, fed by the capture mode's feature source; the final state dict."""
+        from dflash.train.frozen_head import load_frozen_head
+        from dflash.train.loop import train
+        from dflash.train.metrics_log import MetricsLog
+
+        run, settings = self.context, self.context.settings
+        logging = settings.logging
+        log = MetricsLog(run.run_dir, enabled=rank == 0, tensorboard=logging.tensorboard,
+                         wandb_mode=logging.wandb.mode, wandb_project=logging.wandb.project,
+                         config=container(run.cfg))
+        pools: list = []  # the capture workers this rank started (online, rank 0): always stopped below
+        try:
+            head = load_frozen_head(os.path.join(self.capture.out, "frozen_head.safetensors"))
+            lengths = self.grouping_keys(config.block_size)
+            online = None
+            if settings.capture.mode == "online":
+                from dflash.train.online_capture import OnlineCapture
+
+                online = OnlineCapture(run.cfg, run.run_dir, run.dirs, run.device, run.barrier)
+                store = online.source(settings.train, rank, world_size, pools, lengths)
+            elif settings.capture.mode == "colocated":
+                store = self.colocated_source()
+            else:
+                from dflash.extract.store import FeatureStore
+
+                store = FeatureStore(self.capture.out)
+            started = time.perf_counter()
+            with self.colocated_target_compiled():
+                state = train(settings.train, config, store, head, self.checkpoints, log,
+                              deepspeed=settings.deepspeed, rank=rank, world_size=world_size, device=run.device,
+                              show_progress=run.show_progress, heldout=self.heldout_set(), lengths=lengths)
+            if online is not None and rank == 0:
+                online.finish(store, pools[0] if pools else None, time.perf_counter() - started, world_size)
+        finally:
+            for pool in pools:
+                pool.kill()
+            log.close()
+        return state
+
+    def grouping_keys(self, block_size: int) -> tuple[int, ...] | None:
+        """Every sample's grouping key (train.group_by) when batches are grouped, from the token dataset (reading
+        it costs nothing, unlike a feature store); else None."""
+        t = self.context.settings.train
+        if not t.group_by_length:
+            return None
+        from dflash.data.batch_plan import grouping_keys
+        from dflash.data.dataset import load_dataset_dir
+
+        dataset = load_dataset_dir(self.capture.data.out)
+        return tuple(grouping_keys(dataset, t.group_by, t.num_anchors, block_size).tolist())
+
+    def heldout_set(self):
+        """The HeldoutSet of the capture stage, or None when the data stage held nothing out."""
+        from dflash.train.heldout import HeldoutSet
+
+        path = os.path.join(self.capture.out, "heldout.safetensors")
+        if not os.path.exists(path):
+            return None
+        settings = self.context.settings
+        return HeldoutSet(path, batch_size=settings.train.heldout_batch_size,
+                          max_new_tokens=settings.train.heldout_max_new_tokens or settings.data.max_new_tokens)
+
+    def colocated_target_compiled(self):
+        """capture.compile with colocated capture: the target's layers compiled for training, eager for eval."""
+        from dflash.models.targets.compile_target import target_layers_compiled
+
+        c = self.context.settings.capture
+        if c.mode != "colocated" or not c.compile:
+            return contextlib.nullcontext()
+        return target_layers_compiled(self.context.target)
+
+    def colocated_source(self):
+        """This rank's ColocatedFeatureSource: the target on this rank's device makes each micro-batch's features."""
+        from dflash.data.dataset import load_dataset_dir
+        from dflash.extract.colocated import ColocatedFeatureSource
+
+        info = read_json(os.path.join(self.capture.out, "colocated.json"))
+        return ColocatedFeatureSource(self.context.target, load_dataset_dir(info["data"]), info["target_layer_ids"],
+                                      info["dtype"], final_hidden=self.context.settings.train.kl_weight > 0)
