@@ -108,3 +108,22 @@ def test_load_errors_name_the_problem(tmp_path):
     os.remove(weights)
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_drafter(out)
+
+
+def test_a_non_finite_drafter_is_never_exported_nor_loaded(tmp_path):
+    from dflash.eval.export import NonFiniteWeights
+
+    drafter = small_drafter()
+    out = export_zlab(drafter, str(tmp_path / "export"), dtype=torch.float32)
+    before = open(os.path.join(out, "model.safetensors"), "rb").read()
+    with torch.no_grad():
+        drafter.fc.weight[0, :3] = float("nan")
+        drafter.norm.weight[1] = float("inf")
+    with pytest.raises(NonFiniteWeights, match=r"2 tensor\(s\).*fc.weight \(3 of .*norm.weight \(1 of"):
+        export_zlab(drafter, out, dtype=torch.float32)
+    assert open(os.path.join(out, "model.safetensors"), "rb").read() == before  # the good export stays
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    tensors["fc.weight"][0, 0] = float("nan")  # corrupted on disk, or written by another tool
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with pytest.raises(NonFiniteWeights, match=f"drafter weights in {out}: 1 tensor"):
+        load_drafter(out)

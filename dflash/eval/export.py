@@ -35,6 +35,19 @@ def drafter_tensors(drafter: DFlashDraftModel, dtype: torch.dtype) -> dict[str, 
     return {name: tensor.detach().to(device="cpu", dtype=dtype).contiguous() for name, tensor in state.items()}
 
 
+class NonFiniteWeights(ValueError):
+    """A drafter with NaN or infinite weights: never exported, never evaluated."""
+
+
+def refuse_non_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """NonFiniteWeights naming the tensors of `where` that hold NaN or infinite values (and how many)."""
+    bad = [f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()})" for name, t in sorted(tensors.items())
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteWeights(f"{where}: {len(bad)} tensor(s) hold NaN or infinite values: {_head(bad)}; the "
+                               f"training that made them diverged (see its loss and grad_norm in metrics.jsonl)")
+
+
 def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
     """Write out_dir/config.json and out_dir/model.safetensors; an existing out_dir is replaced as a whole.
 
@@ -48,6 +61,7 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
     config = drafter.config.to_zlab()
     config["dtype"] = str(dtype).removeprefix("torch.")
     tensors = drafter_tensors(drafter, dtype)
+    refuse_non_finite(tensors, f"the drafter to export to {out_dir}")
     temp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
     try:
         with open(os.path.join(temp, CONFIG_NAME), "w") as f:
@@ -126,6 +140,7 @@ def load_drafter(path: str, dtype: torch.dtype = torch.float32, device: str | to
              if tensors[n].shape != t.shape]
     if wrong:
         raise ValueError(f"drafter weights in {path} have wrong shapes for its config.json: {wrong[:10]}")
+    refuse_non_finite(tensors, f"drafter weights in {path}")
     drafter.load_state_dict(tensors)
     drafter.to(device=device, dtype=dtype)
     return drafter.eval()
