@@ -21,23 +21,16 @@ from typing import Any
 
 import datasets
 
-from dflash.data.chat import encode_conversation, prompt_ids_many
+from dflash.data.encode import COLUMNS, Encoded, Rows, encode_answers
+from dflash.data.encode import FEATURES  # noqa: F401 - the dataset's schema, where readers look for it
+from dflash.data.journal import scan_journal, with_target
 from dflash.data.prompts import Prompt
-from dflash.data.regenerate import read_record, regenerate, scan_journal, with_target
+from dflash.data.regenerate import regenerate
 from dflash.run_files import swap_in_dir
 
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-COLUMNS = ("id", "input_ids", "loss_mask", "prompt_set")
-FEATURES = datasets.Features({
-    "id": datasets.Value("string"),
-    "input_ids": datasets.Sequence(datasets.Value("int32")),
-    # 0/1 flags: int8 keeps the mask a quarter of the ids' size on disk.
-    "loss_mask": datasets.Sequence(datasets.Value("int8")),
-    "prompt_set": datasets.Value("string"),
-})
-ENCODE_CHUNK = 10_000  # samples per in-memory Arrow chunk (bounds the Python-list memory while encoding)
 
 
 def fingerprint(prompts: list[Prompt], tokenizer: Any, settings: dict) -> str:
@@ -89,23 +82,6 @@ def heldout_ids(ids: list[str], count: int, seed: int) -> set[str]:
     return set(ranked[:count])
 
 
-def _encode_record(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], record: dict, max_length: int,
-                   journal_path: Path) -> tuple[list[int], list[int]]:
-    """encode_conversation of a journal record, checked against what the generation saw."""
-    input_ids, loss_mask = encode_conversation(tokenizer, prompt.messages, record["response_ids"], prompt_tokens)
-    # A record with a prompt_hash matches its prompt: regenerate answered again every prompt whose tokens changed.
-    # A record from before prompt hashes can only be checked by its length.
-    if "prompt_hash" not in record and len(prompt_tokens) != record["prompt_len"]:
-        raise ValueError(f"prompt {prompt.id!r} encodes to {len(prompt_tokens)} tokens but its journaled answer "
-                         f"was generated from {record['prompt_len']}: the prompt's messages or the chat template "
-                         f"changed since; delete {journal_path} (it predates prompt hashes, which would have "
-                         f"answered the changed prompt again)")
-    if len(input_ids) > max_length:
-        raise ValueError(f"prompt {prompt.id!r}: {len(input_ids)} tokens > max_length {max_length} "
-                         f"in {journal_path}")
-    return input_ids, loss_mask
-
-
 def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf",
@@ -126,89 +102,134 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
         raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "top_p": top_p, "seed": seed}
-    if heldout:  # absent at 0, so a build without a held-out set keeps the fingerprint it always had
-        settings["heldout"] = heldout
-    settings = with_target(settings, target)  # likewise absent when unknown
-    tokenizer = adapter.tokenizer
-    fp = fingerprint(prompts, tokenizer, settings)
-    stats_path, dataset_path, heldout_path = out_dir / "stats.json", out_dir / "dataset", out_dir / "heldout"
-    if stats_path.exists() and dataset_path.exists() and (heldout_path.exists() or not heldout):
-        previous = json.loads(stats_path.read_text(encoding="utf-8"))
-        # A build with failed prompts is redone: they are retried (the journal keeps everything that finished).
-        if previous.get("fingerprint") == fp and not previous.get("failed"):
-            logger.info("%s is up to date (fingerprint %s); not rebuilding", dataset_path, fp[:12])
-            return previous
+    settings = _settings(max_length, max_new_tokens, temperature, top_p, seed, heldout, target)
+    fp = fingerprint(prompts, adapter.tokenizer, settings)
+    previous = _finished_build(out_dir, fp, heldout)
+    if previous is not None:
+        logger.info("%s is up to date (fingerprint %s); not rebuilding", out_dir / "dataset", fp[:12])
+        return previous
     journal_path = out_dir / "journal.jsonl"
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
                      compile_step=compile_step, refill=refill, target=target)
     _, index = scan_journal(journal_path)
-    done_ids = [p.id for p in prompts if p.id in index and index[p.id][0] == "done"]
-    if heldout and heldout >= len(done_ids):
-        raise ValueError(f"heldout={heldout} prompts, but only {len(done_ids)} were regenerated: no training "
-                         f"sample would be left (journal: {journal_path})")
-    held = heldout_ids(done_ids, heldout, seed)
-    encode_started = time.perf_counter()
-
-    chunks, rows = [], {c: [] for c in COLUMNS}
-    held_rows = {c: [] for c in COLUMNS}
-    samples = dropped = num_tokens = num_response_tokens = held_tokens = 0
     finished = [p for p in prompts if p.id in index and index[p.id][0] == "done"]
-    with open(journal_path, "rb") as journal:
-        for first in range(0, len(finished), ENCODE_CHUNK):
-            batch = finished[first : first + ENCODE_CHUNK]
-            for p, prompt_tokens in zip(batch, prompt_ids_many(tokenizer, [p.messages for p in batch])):
-                record = read_record(journal, index[p.id][1])
-                input_ids, loss_mask = _encode_record(tokenizer, p, prompt_tokens, record, max_length, journal_path)
-                if not any(loss_mask):
-                    dropped += 1
-                    continue
-                if p.id in held:
-                    for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
-                        held_rows[column].append(value)
-                    held_tokens += len(input_ids)
-                    continue
-                for column, value in zip(COLUMNS, (p.id, input_ids, loss_mask, p.prompt_set)):
-                    rows[column].append(value)
-                samples += 1
-                num_tokens += len(input_ids)
-                num_response_tokens += sum(loss_mask)
-            if len(rows["id"]) >= ENCODE_CHUNK:
-                chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
-                rows = {c: [] for c in COLUMNS}
-    if samples == 0:
+    held = _choose_heldout(finished, heldout, seed, journal_path)
+    encode_started = time.perf_counter()
+    encoded = encode_answers(finished, index, journal_path, adapter.tokenizer, max_length, held)
+    if encoded.train.samples == 0:
         # datasets cannot load back an empty saved dataset; an empty training set is an error anyway.
         raise ValueError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long, "
-                         f"{gen['failed']} failed and {dropped} had no response token (journal: {journal_path})")
-    if rows["id"]:
-        chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
-    ds = datasets.concatenate_datasets(chunks) if len(chunks) > 1 else chunks[0]
+                         f"{gen['failed']} failed and {encoded.dropped} had no response token "
+                         f"(journal: {journal_path})")
+    ds = encoded.train.dataset()
     encode_s = time.perf_counter() - encode_started
     if before_replace is not None:
         before_replace()
     # A stale stats.json next to a replaced dataset would claim the wrong fingerprint.
-    stats_path.unlink(missing_ok=True)
-    _save_dataset(ds, dataset_path, show_progress)
-    if held_rows["id"]:
-        _save_dataset(datasets.Dataset.from_dict(held_rows, features=FEATURES), heldout_path, show_progress)
-    else:  # a held-out set left by an earlier build with other settings is not this build's
-        shutil.rmtree(heldout_path, ignore_errors=True)
+    (out_dir / "stats.json").unlink(missing_ok=True)
+    _save_splits(out_dir, ds, encoded.heldout, show_progress)
+    stats = _stats(fp, settings, gen, encoded, encode_s, heldout)
+    _write_json(out_dir / "stats.json", stats)
+    return stats
 
+
+def _settings(max_length: int, max_new_tokens: int, temperature: float, top_p: float, seed: int, heldout: int,
+              target: dict | None) -> dict:
+    """What the dataset depends on besides the prompts and the tokenizer (the fingerprint's settings)."""
+    settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "top_p": top_p, "seed": seed}
+    if heldout:  # absent at 0, so a build without a held-out set keeps the fingerprint it always had
+        settings["heldout"] = heldout
+    return with_target(settings, target)  # likewise absent when unknown
+
+
+def _finished_build(out_dir: Path, fp: str, heldout: int) -> dict | None:
+    """The stats of a finished build in out_dir with fingerprint `fp` and no failed prompt, else None."""
+    stats_path, held_path = out_dir / "stats.json", out_dir / "heldout"
+    if not stats_path.exists() or not (out_dir / "dataset").exists() or (heldout and not held_path.exists()):
+        return None
+    previous = json.loads(stats_path.read_text(encoding="utf-8"))
+    # A build with failed prompts is redone: they are retried (the journal keeps everything that finished).
+    if previous.get("fingerprint") == fp and not previous.get("failed"):
+        return previous
+    return None
+
+
+def _choose_heldout(finished: list[Prompt], heldout: int, seed: int, journal_path: Path) -> set[str]:
+    """The ids of the `heldout` done prompts kept out of training (heldout_ids)."""
+    done_ids = [p.id for p in finished]
+    if heldout and heldout >= len(done_ids):
+        raise ValueError(f"heldout={heldout} prompts, but only {len(done_ids)} were regenerated: no training "
+                         f"sample would be left (journal: {journal_path})")
+    return heldout_ids(done_ids, heldout, seed)
+
+
+def _save_splits(out_dir: Path, train: datasets.Dataset, held: Rows, show_progress: bool) -> None:
+    """Swap in out_dir/dataset and out_dir/heldout (removed when this build holds nothing out)."""
+    _save_dataset(train, out_dir / "dataset", show_progress)
+    if held.samples:
+        _save_dataset(held.dataset(), out_dir / "heldout", show_progress)
+    else:  # a held-out set left by an earlier build with other settings is not this build's
+        shutil.rmtree(out_dir / "heldout", ignore_errors=True)
+
+
+def _stats(fp: str, settings: dict, gen: dict, encoded: Encoded, encode_s: float, heldout: int) -> dict:
+    """stats.json: the regeneration's counts and timings, and what was written."""
     stats = {"schema_version": SCHEMA_VERSION, "fingerprint": fp, "settings": settings,
              "total": gen["total"], "done": gen["done"], "skipped": gen["skipped"], "failed": gen["failed"],
              "stale": gen["stale"], "errors": gen["errors"], "engine": gen["engine"],
              "generated_tokens": gen["generated_tokens"],
              "generate_tokens_per_s": gen["generate_tokens_per_s"], "generate_seconds": gen["generate_seconds"],
-             "template_seconds": gen["template_seconds"], "encode_seconds": round(encode_s, 3), "samples": samples, "dropped_no_loss": dropped,
-             "num_tokens": num_tokens, "num_response_tokens": num_response_tokens}
+             "template_seconds": gen["template_seconds"], "encode_seconds": round(encode_s, 3),
+             "samples": encoded.train.samples, "dropped_no_loss": encoded.dropped,
+             "num_tokens": encoded.train.num_tokens, "num_response_tokens": encoded.train.num_response_tokens}
     if heldout:
-        stats.update(heldout=len(held_rows["id"]), heldout_num_tokens=held_tokens)
+        stats.update(heldout=encoded.heldout.samples, heldout_num_tokens=encoded.heldout.num_tokens)
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
     assert stats["samples"] + stats.get("heldout", 0) + stats["dropped_no_loss"] == stats["done"], stats
-    _write_json(stats_path, stats)
     return stats
+
+
+def format_stats(stats: dict) -> str:
+    """The data stage's stats (build_dataset's, or a stats.json) as a short table for a person to read: the
+    prompts' counts, what was written, the answers' tokens per second and the time; lines without a trailing
+    newline. The full dict stays in stats.json."""
+    prompts = (f"total {stats['total']:,} | done {stats['done']:,} | skipped {stats['skipped']:,} (too long) | "
+               f"failed {stats['failed']:,}")
+    if stats.get("stale"):
+        prompts += f" | stale {stats['stale']:,} (prompt changed: answered again)"
+    rows = [("prompts", prompts)]
+    if "heldout" in stats:
+        rows.append(("held out", f"{stats['heldout']:,} ({stats['heldout_num_tokens']:,} tokens)"))
+    dropped = f", {stats['dropped_no_loss']:,} dropped (no answer token)" if stats.get("dropped_no_loss") else ""
+    rows.append(("samples", f"{stats['samples']:,} ({stats['num_tokens']:,} tokens, "
+                            f"{stats['num_response_tokens']:,} in answers){dropped}"))
+    rows.append(("answers", _answers(stats)))
+    rows.append(("time", _times(stats)))
+    if stats.get("errors"):
+        first = stats["errors"][0]
+        message = (first["error"].splitlines() or [""])[0]
+        rows.append(("first error", f"{first['id']}: {message[:80]} (all in stats.json)"))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _answers(stats: dict) -> str:
+    """Tokens generated by this build and their rate (none when every answer came from the journal)."""
+    tokens, rate = stats.get("generated_tokens"), stats.get("generate_tokens_per_s")
+    if not tokens:
+        return "none generated: every answer was in the journal"
+    engine = f" ({stats['engine']} engine)" if stats.get("engine") else ""
+    return f"{tokens:,} tokens generated" + (f" at {rate:,.1f} tok/s" if rate else "") + engine
+
+
+def _times(stats: dict) -> str:
+    """The build's time in all and per step (the steps a stats.json records)."""
+    steps = {name: stats.get(f"{name}_seconds") for name in ("template", "generate", "encode")}
+    known = {name: seconds for name, seconds in steps.items() if seconds is not None}
+    detail = ", ".join(f"{name} {seconds:,.1f} s" for name, seconds in known.items())
+    return f"{sum(known.values()):,.1f} s ({detail})" if known else "not recorded"
 
 
 def load_dataset_dir(out_dir: str | Path) -> datasets.Dataset:

@@ -3,7 +3,7 @@
 The target is given its own chat template up to the start of a user turn (after a system message that steers the
 topic, e.g. "You are a Python programming assistant.") and samples the user turn; the non-degenerate ones become
 prompts that the data stage answers greedily as usual. Generation runs on the data stage's engines
-(regenerate.py / static_decode.py); nothing here decodes tokens itself.
+(generation.py / static_decode.py); nothing here decodes tokens itself.
 
 Draw k of system prompt i has the id "syn-<i>-<k>" and its own seed; a kept draw's prompt id adds a digest of
 its text ("syn-<i>-<k>-<sha1[:8]>"). The static engine samples each draw from its
@@ -28,9 +28,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from dflash.data.generation import batch_seed, cut_response, generation_config, hf_generate
+from dflash.data.journal import JOURNAL_EVERY_S, append_lines, open_journal, read_journal, with_target
+from dflash.data.progress import GenerationProgress
 from dflash.data.prompts import Prompt
-from dflash.data.regenerate import (JOURNAL_EVERY_S, append_lines, batch_seed, cut_response, hf_generate,
-                                    generation_config, open_journal, read_journal, with_target)
 from dflash.data.static_decode import StaticGenerator, resolve_engine
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class _Drawer:
     """Samples user turns with the data stage's engines and journals each draw as it finishes."""
 
     def __init__(self, adapter: Any, engine: str, prefix_ids: list[list[int]], journal: Any, records: dict,
-                 settings: dict, batch_size: int, progress: Any) -> None:
+                 settings: dict, batch_size: int, progress: GenerationProgress) -> None:
         self.adapter, self.engine, self.prefix_ids = adapter, engine, prefix_ids
         self.journal, self.records, self.progress = journal, records, progress
         self.settings, self.batch_size = settings, batch_size
@@ -149,6 +150,8 @@ class _Drawer:
         started = self.flushed = time.perf_counter()
         if self.engine == "static" and self.static is None:
             self.static = StaticGenerator(self.adapter)
+        drawn = missing if self.engine == "static" else self._hf_draws(missing)
+        self.progress.expect({f"syn-{i}-{k}": self.settings["max_new_tokens"] for i, k in drawn})
         try:
             results = self._static(missing) if self.engine == "static" else self._hf(missing)
             for (i, k), seed, tokens in results:
@@ -173,13 +176,24 @@ class _Drawer:
         size = self.batch_size
         config = generation_config(self.settings["max_new_tokens"], self.stop_ids, self.pad_id,
                                     self.settings["temperature"], self.settings["top_p"])
-        for i, group in sorted({(i, k // size) for i, k in missing}):
+        for i, group in self._hf_groups(missing):
             ids = [f"syn-{i}-{k}" for k in range(group * size, (group + 1) * size)]
             seed = batch_seed(self.settings["seed"], ids)
-            outputs = hf_generate(self.adapter, [self.prefix_ids[i]] * size, config, self.pad_id, seed)
+            outputs = hf_generate(self.adapter, [self.prefix_ids[i]] * size, config, self.pad_id, seed,
+                                  self.progress.streamer(ids, self.stop_ids))
             for k, tokens in enumerate(outputs, start=group * size):
                 if f"syn-{i}-{k}" not in self.records:
                     yield (i, k), seed, tokens
+
+    def _hf_groups(self, missing: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(system index, group) of the hf groups that hold the `missing` draws."""
+        return sorted({(i, k // self.batch_size) for i, k in missing})
+
+    def _hf_draws(self, missing: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The draws that _hf journals for `missing`: every draw of their groups not journaled yet."""
+        size = self.batch_size
+        return [(i, k) for i, group in self._hf_groups(missing) for k in range(group * size, (group + 1) * size)
+                if f"syn-{i}-{k}" not in self.records]
 
     def _record(self, i: int, k: int, seed: int, tokens: list[int]) -> None:
         tokens, _ = cut_response(tokens, set(self.stop_ids), self.settings["max_new_tokens"])
@@ -189,14 +203,13 @@ class _Drawer:
         self.records[record["id"]] = record
         self.lines.append(record)
         self.new_tokens += len(tokens)
+        self.progress.end(record["id"], len(tokens))
         # Journal every batch's worth of draws, or every few seconds: a killed run loses little.
         if len(self.lines) >= self.batch_size or time.perf_counter() - self.flushed > JOURNAL_EVERY_S:
             self._write()
 
     def _write(self) -> None:
         append_lines(self.journal, self.lines)
-        if self.progress is not None:
-            self.progress.update(len(self.lines))
         self.lines.clear()
         self.flushed = time.perf_counter()
 
@@ -240,13 +253,10 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     settings = with_target(settings, target)
     journal_path = Path(journal_path)
     journal, _ = open_journal(journal_path, settings)
-    progress = None
     with journal:
         _, records = read_journal(journal_path)
         journaled = set(records)
-        if show_progress:
-            from tqdm.auto import tqdm
-            progress = tqdm(desc="synthesize prompts", unit="draw")
+        progress = GenerationProgress("synthesize prompts", "draws", show_progress)
         drawer = _Drawer(adapter, engine, prefix_ids, journal, records, settings, batch_size, progress)
         quota = quotas(count, len(system_prompts))
         caps = [max(q, math.ceil(q * max_oversample)) for q in quota]
@@ -263,8 +273,7 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
                     break
                 wants = grown
         finally:
-            if progress is not None:
-                progress.close()
+            progress.close()
 
     prompts = []
     for i, chosen in enumerate(kept):

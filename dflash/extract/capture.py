@@ -7,8 +7,8 @@ length and grouped into right-padded batches of at most `batch_tokens` padded to
 Either way the target runs its decoder layers only (no LM head) and stops after the deepest tap, and the features
 are copied back to their place in the shard. Every batch is checked (one row per token, finite values,
 non-zero variance per tap and sample), and one sample in `check_every` is compared with a plain single-sequence
-`output_hidden_states` forward, because capture paths have silently produced wrong or all-zero states before
-(notes section 8). Before any work the disk the run will take is printed, and the run refuses to start when the
+`output_hidden_states` forward (feature_checks.py), because a capture path can silently produce wrong or all-zero
+states (notes section 8). Before any work the disk the run will take is printed, and the run refuses to start when the
 folder's file system has less free space. The manifest is rewritten after every shard, so an interrupted run
 (even by SIGKILL) resumes at the first missing shard.
 
@@ -21,7 +21,6 @@ whose sidecars exist, with any number of ranks.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
@@ -34,17 +33,20 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from dflash.extract.feature_checks import (  # noqa: F401 - feature_flags: callers import the checks from here
+    check_features, crosscheck_sample, feature_flags, packed_feature_flags, raise_on_bad_features,
+)
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
 from dflash.host_copy import host_to_device
+from dflash.extract.sidecars import (
+    read_sidecar, remove_sidecars, shard_intact, sidecar_entries, sidecar_path, write_sidecar,
+)
 from dflash.extract.store import (
     SCHEMA_VERSION, ShardWriter, file_sha256, read_manifest, shard_name, store_dtype,
 )
 from dflash.data.sample_sizes import sample_lengths
 from dflash.models.targets.base import TargetAdapter
 
-# Relative L2 error allowed between captured features and a plain forward of the same sample: batching and
-# padding change the kernels' summation order (large in bfloat16), a wrong tap or zero states give ~1.
-CROSSCHECK_RTOL = 0.05
 # safetensors header and alignment of one shard, counted generously.
 _SHARD_OVERHEAD_BYTES = 1 << 16
 
@@ -100,108 +102,6 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def check_features(features: torch.Tensor, lengths: list[int], ids: list[str], layer_ids: list[int]) -> None:
-    """Raise ValueError naming the sample and tap on a shape mismatch, a non-finite value or zero variance."""
-    raise_on_bad_features(feature_flags(features, lengths, layer_ids).cpu(), ids, layer_ids)
-
-
-def feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """[b, taps, 2] float on the features' device: (all finite, variance) of each sample's real rows per tap.
-
-    Nothing here waits for the device: the caller decides when to look (raise_on_bad_features), so a colocated
-    trainer can launch its step before the target's forward has finished. The shape is checked at once.
-    """
-    b, t, width = features.shape
-    if b != len(lengths) or t < max(lengths) or width % len(layer_ids):
-        raise ValueError(
-            f"captured features have shape {tuple(features.shape)} for {len(lengths)} samples of up to "
-            f"{max(lengths)} tokens and {len(layer_ids)} taps (one row per token expected)"
-        )
-    sizes = host_to_device(torch.tensor(lengths), features.device)
-    sample = torch.arange(b, device=features.device).repeat_interleave(t)
-    real = (torch.arange(t, device=features.device)[None, :] < sizes[:, None]).flatten()
-    return _sample_flags(features.reshape(b * t, width), sample, real, sizes, len(layer_ids))
-
-
-def packed_feature_flags(features: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """feature_flags of a packed row: `features` [T, K*H] holds samples of `lengths` end to end; returns
-    [samples, taps, 2] (all finite, variance) on the features' device, without waiting for it."""
-    t, width = features.shape
-    if t != sum(lengths) or width % len(layer_ids):
-        raise ValueError(
-            f"captured features have shape {tuple(features.shape)} for {len(lengths)} packed samples of "
-            f"{sum(lengths)} tokens and {len(layer_ids)} taps (one row per token expected)"
-        )
-    sizes = host_to_device(torch.tensor(lengths), features.device)
-    # Sample index of every token; output_size spares a device-to-host read of the total.
-    sample = torch.repeat_interleave(torch.arange(len(lengths), device=features.device), sizes, output_size=t)
-    return _sample_flags(features, sample, None, sizes, len(layer_ids))
-
-
-def _sample_flags(rows: torch.Tensor, sample: torch.Tensor, real: torch.Tensor | None, sizes: torch.Tensor,
-                  num_taps: int) -> torch.Tensor:
-    """[samples, taps, 2]: (all finite, variance) per sample and tap of `rows` [N, K*H], where row i belongs to
-    sample `sample[i]` and counts only where `real[i]` (None: every row); `sizes` [samples] counts the real rows."""
-    hidden = rows.shape[1] // num_taps
-    count = sizes.float() * hidden
-
-    def per_sample(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(sizes), device=rows.device).index_add_(0, sample, values)
-
-    finite, var = [], []
-    for k in range(num_taps):
-        # One tap at a time keeps the float32 temporaries at 1/K of the rows.
-        x = rows[:, k * hidden:(k + 1) * hidden].float()
-        bad = (~torch.isfinite(x)).any(dim=1)
-        if real is not None:  # padding: neither checked nor counted
-            bad &= real
-            x = torch.where(real[:, None], x, 0.0)
-        finite.append(per_sample(bad.float()) == 0)
-        mean = per_sample(x.sum(dim=1)) / count
-        spread = (x - mean[sample, None]).pow(2).sum(dim=1)
-        var.append(per_sample(spread if real is None else torch.where(real, spread, 0.0)) / count)
-    return torch.stack([torch.stack(finite, dim=1).float(), torch.stack(var, dim=1)], dim=2)
-
-
-def raise_on_bad_features(flags: torch.Tensor, ids: list[str], layer_ids: list[int]) -> None:
-    """ValueError naming the first sample and tap whose flags (feature_flags, on the CPU) show a problem."""
-    # One test for the whole batch (per-element indexing would be ~5 operators per sample, tap and flag); the
-    # first bad flag in (sample, tap, flag) order is the one named. `not > 0` also catches NaN.
-    bad = ~(flags > 0)
-    if not bool(bad.any()):
-        return
-    first = int(bad.flatten().nonzero()[0])
-    row, rest = divmod(first, flags.shape[1] * flags.shape[2])
-    k, which = divmod(rest, flags.shape[2])
-    if which == 0:
-        raise ValueError(f"sample {ids[row]!r}: tap {layer_ids[k]} has non-finite hidden states")
-    raise ValueError(f"sample {ids[row]!r}: tap {layer_ids[k]} has zero variance (all-constant states)")
-
-
-def crosscheck_sample(
-    adapter: TargetAdapter, input_ids: list[int], features: torch.Tensor, layer_ids: list[int], sample_id: str
-) -> None:
-    """Compare one sample's captured features [T, K*H] with HF `output_hidden_states[L+1]` of a plain forward.
-
-    Taps on the last layer are skipped: HF's last hidden state is taken after the final norm.
-    """
-    hidden = adapter.hidden_size
-    ids = torch.tensor([input_ids], device=adapter.device)
-    with torch.no_grad():
-        states = adapter.text_model()(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-    for k, layer_id in enumerate(layer_ids):
-        if layer_id >= adapter.num_layers - 1:
-            continue
-        ref = states[layer_id + 1][0].float()
-        got = features[:, k * hidden:(k + 1) * hidden].to(ref.device).float()
-        error = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-        if not error <= CROSSCHECK_RTOL:
-            raise ValueError(
-                f"sample {sample_id!r}: tap {layer_id} differs from output_hidden_states[{layer_id + 1}] of a plain "
-                f"forward (relative error {error:.3g} > {CROSSCHECK_RTOL}): the capture hooks are wrong"
-            )
-
-
 def _check_resumable(manifest: dict[str, Any], expected: dict[str, Any], out_dir: Path) -> None:
     for key, value in expected.items():
         if manifest.get(key) != value:
@@ -226,6 +126,22 @@ def capture_rows(
     loss_mask, offsets, and scales for fp8). Sample `first_sample + j` is crosschecked when divisible by
     `check_every` (0: never). pack: samples laid end to end (capture_packed) instead of padded batches."""
     sample_ids = [str(i) for i in rows["id"].to_pylist()]
+    lengths = _checked_lengths(rows, sample_ids)
+    flat_ids = torch.from_numpy(pc.list_flatten(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64))
+    flat_mask = torch.from_numpy(pc.list_flatten(rows["loss_mask"]).to_numpy(zero_copy_only=False).astype(np.uint8))
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.from_numpy(np.cumsum(lengths))
+    num_tokens = int(offsets[-1])
+    hidden = torch.empty(num_tokens, len(layer_ids) * adapter.hidden_size, dtype=dtype)
+    scales = torch.empty(num_tokens, len(layer_ids), dtype=torch.float32) if dtype == FP8_DTYPE else None
+    capture = _capture_packed_rows if pack else _capture_padded_rows
+    capture(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids, batch_tokens, check_every,
+            progress, hidden, scales)
+    return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
+
+
+def _checked_lengths(rows: Any, sample_ids: list[str]) -> np.ndarray:
+    """Each row's token count; ValueError for a row without tokens or with a loss mask of another length."""
     lengths = pc.list_value_length(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
     mask_lengths = pc.list_value_length(rows["loss_mask"]).to_numpy(zero_copy_only=False).astype(np.int64)
     for j in range(len(sample_ids)):
@@ -235,19 +151,17 @@ def capture_rows(
             )
         if lengths[j] == 0:
             raise ValueError(f"sample {sample_ids[j]!r} has no tokens")
-    flat_ids = torch.from_numpy(pc.list_flatten(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64))
-    flat_mask = torch.from_numpy(pc.list_flatten(rows["loss_mask"]).to_numpy(zero_copy_only=False).astype(np.uint8))
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.from_numpy(np.cumsum(lengths))
-    num_tokens = int(offsets[-1])
-    hidden = torch.empty(num_tokens, len(layer_ids) * adapter.hidden_size, dtype=dtype)
-    scales = torch.empty(num_tokens, len(layer_ids), dtype=torch.float32) if dtype == FP8_DTYPE else None
-    if pack:
-        _capture_packed_rows(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids,
-                             batch_tokens, check_every, progress, hidden, scales)
-        return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
-    pad_id = adapter.tokenizer.pad_token_id
+    return lengths
 
+
+def _capture_padded_rows(
+    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
+    sample_ids: list[str], first_sample: int, layer_ids: list[int], batch_tokens: int, check_every: int,
+    progress: tqdm, hidden: torch.Tensor, scales: torch.Tensor | None,
+) -> None:
+    """capture_rows' padded path: samples sorted by length into right-padded batches (length_batches), each through
+    TargetAdapter.capture, each sample's features copied back to its place in hidden."""
+    pad_id = adapter.tokenizer.pad_token_id
     for batch in length_batches(lengths.tolist(), batch_tokens):
         batch_lengths = [int(lengths[j]) for j in batch]
         width = max(batch_lengths)
@@ -265,18 +179,24 @@ def capture_rows(
                     adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features[row, :lengths[j]],
                     layer_ids, sample_ids[j],
                 )
-        if scales is not None:
-            q, batch_scales = quantize_fp8(features.flatten(0, 1), len(layer_ids))
-            features = q.view(features.shape).cpu()
-            batch_scales = batch_scales.view(*features.shape[:2], -1).cpu()
-            for row, j in enumerate(batch):
-                scales[offsets[j]:offsets[j + 1]] = batch_scales[row, :lengths[j]]
-        else:
-            features = features.to(dtype).cpu()
-        for row, j in enumerate(batch):
-            hidden[offsets[j]:offsets[j + 1]] = features[row, :lengths[j]]
+        _store_batch(features, batch, lengths, offsets, len(layer_ids), hidden, scales)
         progress.update(sum(batch_lengths))
-    return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
+
+
+def _store_batch(features: torch.Tensor, batch: list[int], lengths: np.ndarray, offsets: torch.Tensor,
+                 num_taps: int, hidden: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Copy a padded batch's features [b, T, K*H] (row r: sample batch[r]) into hidden without the padding, in the
+    stored dtype (fp8: quantised, the scales into `scales`)."""
+    if scales is not None:
+        q, batch_scales = quantize_fp8(features.flatten(0, 1), num_taps)
+        features = q.view(features.shape).cpu()
+        batch_scales = batch_scales.view(*features.shape[:2], -1).cpu()
+        for row, j in enumerate(batch):
+            scales[offsets[j]:offsets[j + 1]] = batch_scales[row, :lengths[j]]
+    else:
+        features = features.to(hidden.dtype).cpu()
+    for row, j in enumerate(batch):
+        hidden[offsets[j]:offsets[j + 1]] = features[row, :lengths[j]]
 
 
 def _shard_arrays(hidden: torch.Tensor, flat_ids: torch.Tensor, flat_mask: torch.Tensor, offsets: torch.Tensor,
@@ -380,58 +300,6 @@ def _needed_bytes(lengths: np.ndarray, work: list[tuple[int, int, int]], width: 
         len(work) * _SHARD_OVERHEAD_BYTES
 
 
-# Sidecars: shard entries of a multi-process capture, until rank 0 lists them in the manifest -------------------
-
-def _sidecar(out_dir: Path, index: int) -> Path:
-    return out_dir / shard_name(index).replace(".safetensors", ".json")
-
-
-def write_sidecar(out_dir: Path, index: int, entry: dict[str, Any]) -> None:
-    """Record shard `index`'s manifest entry next to it (atomically), once the shard itself is in place."""
-    path = _sidecar(out_dir, index)
-    # ShardWriter's temp-name pattern, so a killed writer's leftover is removed at the next start.
-    tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(entry, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def remove_sidecars(out_dir: Path) -> None:
-    for path in sorted(out_dir.glob("shard-*.json")):
-        path.unlink()
-
-
-def _shard_intact(out_dir: Path, entry: dict[str, Any], verify: bool) -> bool:
-    """Whether an entry's shard exists (with `verify`: and has the entry's sha256); says what is wrong if not."""
-    path = out_dir / entry["file"]
-    if not path.is_file():
-        print(f"[capture] feature shard {path} is missing: recapturing it")
-        return False
-    if verify:
-        actual = file_sha256(path)
-        if actual != entry["sha256"]:
-            print(f"[capture] feature shard {path} is corrupt (sha256 {actual}, recorded {entry['sha256']}): "
-                  "recapturing it")
-            return False
-    return True
-
-
-def read_sidecar(out_dir: Path, index: int, first: int, end: int, verify: bool) -> dict[str, Any] | None:
-    """Shard `index`'s entry when its sidecar exists, covers samples first..end-1 and its shard is intact."""
-    path = _sidecar(out_dir, index)
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        entry = json.load(f)
-    # A sidecar planned with another shard_tokens covers other samples: its shard is recaptured.
-    if (entry.get("file"), entry.get("first_sample"), entry.get("num_samples")) != (shard_name(index), first,
-                                                                                   end - first):
-        return None
-    return entry if _shard_intact(out_dir, entry, verify) else None
-
-
 def _append_finished(manifest: dict[str, Any], finished: dict[int, dict[str, Any]], num_samples: int) -> bool:
     """Move the entries of `finished` (by shard index) that continue the manifest's shard list into it; True when
     any moved."""
@@ -510,6 +378,31 @@ def capture_dataset(
     out_dir = Path(out_dir)
     layer_ids = adapter.check_layer_ids(layer_ids)
     torch_dtype = store_dtype(dtype)
+    _check_arguments(dataset, check_every, batch_tokens, shard_tokens, rank, world_size)
+    expected = {
+        "schema_version": SCHEMA_VERSION,
+        "target_layer_ids": layer_ids,
+        "hidden_size": adapter.hidden_size,
+        "dtype": dtype,
+        "fingerprint": _normalised(fingerprint),
+    }
+    manifest = _existing_manifest(out_dir, expected, len(dataset))
+    fresh = _new_manifest(expected, adapter, len(dataset))
+    if world_size > 1:
+        return _capture_ranks(
+            adapter, dataset, out_dir, manifest, fresh, layer_ids, batch_tokens=batch_tokens,
+            shard_tokens=shard_tokens, dtype=torch_dtype, check_every=check_every, verify_existing=verify_existing,
+            show_progress=show_progress, rank=rank, world_size=world_size, pack=pack,
+        )
+    return _capture_alone(
+        adapter, dataset, out_dir, manifest, fresh, layer_ids, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
+        dtype=torch_dtype, check_every=check_every, verify_existing=verify_existing, show_progress=show_progress,
+        pack=pack,
+    )
+
+
+def _check_arguments(dataset: Any, check_every: int, batch_tokens: int, shard_tokens: int, rank: int,
+                     world_size: int) -> None:
     if check_every < 0:
         raise ValueError(f"check_every must be >= 0 (0 disables the re-forward check), got {check_every}")
     if batch_tokens < 1 or shard_tokens < 1:
@@ -524,78 +417,79 @@ def capture_dataset(
     for column in ("id", "input_ids", "loss_mask"):
         if column not in dataset.column_names:
             raise ValueError(f"dataset has no {column!r} column (columns: {dataset.column_names})")
-    expected = {
-        "schema_version": SCHEMA_VERSION,
-        "target_layer_ids": layer_ids,
-        "hidden_size": adapter.hidden_size,
-        "dtype": dtype,
-        "fingerprint": _normalised(fingerprint),
-    }
 
+
+def _existing_manifest(out_dir: Path, expected: dict[str, Any], num_samples: int) -> dict[str, Any] | None:
+    """The manifest of the store in out_dir (None when there is none); ValueError when it is not this capture's."""
     manifest = read_manifest(out_dir)
     if manifest is not None:
         _check_resumable(manifest, expected, out_dir)
-        if manifest.get("expected_num_samples") != len(dataset):
+        if manifest.get("expected_num_samples") != num_samples:
             raise ValueError(
                 f"feature store {out_dir} was captured from a dataset of {manifest.get('expected_num_samples')} "
-                f"samples, this one has {len(dataset)}: use a new output folder or delete {out_dir}"
+                f"samples, this one has {num_samples}: use a new output folder or delete {out_dir}"
             )
-    if world_size > 1:
-        return _capture_ranks(
-            adapter, dataset, out_dir, manifest, _new_manifest(expected, adapter, len(dataset)), layer_ids,
-            batch_tokens=batch_tokens, shard_tokens=shard_tokens, dtype=torch_dtype, check_every=check_every,
-            verify_existing=verify_existing, show_progress=show_progress, rank=rank, world_size=world_size,
-            pack=pack,
-        )
-    fresh = manifest is None
-    if manifest is not None:
-        if verify_existing:
-            _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, torch_dtype, check_every,
-                           pack)
-        if manifest["complete"]:
-            return manifest
-        _check_listed_shards(out_dir, manifest)
-    else:
-        manifest = _new_manifest(expected, adapter, len(dataset))
+    return manifest
 
-    writer = ShardWriter(out_dir)
+
+def _clean_leftovers(writer: ShardWriter, out_dir: Path, fresh: bool) -> None:
+    """Remove the temp files of interrupted writers and, for a new store, the sidecars an older one left."""
     for path in writer.remove_stale_temps():
         print(f"[capture] removed {path.name}, left by an interrupted writer")
     if fresh:
         remove_sidecars(out_dir)  # left by an older store in this folder: not this run's shards
+
+
+def _save_manifest(writer: ShardWriter, manifest: dict[str, Any], out_dir: Path) -> None:
+    """Write the manifest; once it is complete it lists every shard, so the sidecars go."""
+    writer.write_manifest(manifest)
+    if manifest["complete"]:
+        remove_sidecars(out_dir)
+
+
+def _capture_alone(
+    adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any] | None, fresh: dict[str, Any],
+    layer_ids: list[int], *, batch_tokens: int, shard_tokens: int, dtype: torch.dtype, check_every: int,
+    verify_existing: bool, show_progress: bool, pack: bool,
+) -> dict[str, Any]:
+    """capture_dataset in one process: `manifest` is the store's (None if new), `fresh` a new one.
+
+    Keeps the shards the manifest lists (hashed first with `verify_existing`, missing or corrupt ones recaptured)
+    and those a multi-process run of this store finished (sidecars), then captures the rest in order, writing the
+    manifest after every shard.
+    """
+    if manifest is not None:
+        if verify_existing:
+            _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, dtype, check_every, pack)
+        if manifest["complete"]:
+            return manifest
+        _check_listed_shards(out_dir, manifest)
+    writer = ShardWriter(out_dir)
+    _clean_leftovers(writer, out_dir, fresh=manifest is None)
+    if manifest is None:
+        manifest = fresh
     lengths = sample_lengths(dataset)
     done = int(manifest["num_samples"])
     plan = list(enumerate(plan_shards(lengths, done, shard_tokens), start=len(manifest["shards"])))
     # Shards that a multi-process run of this store finished (each with a sidecar) are kept.
-    finished = {}
-    for index, (first, end) in plan:
-        entry = read_sidecar(out_dir, index, first, end, verify_existing)
-        if entry is not None:
-            finished[index] = entry
+    finished = sidecar_entries(out_dir, plan, verify_existing)
     work = [(index, first, end) for index, (first, end) in plan if index not in finished]
-    check_disk(out_dir, _needed_bytes(lengths, work, len(layer_ids) * adapter.hidden_size, len(layer_ids),
-                                      torch_dtype))
-    table = dataset.with_format("arrow")
+    check_disk(out_dir, _needed_bytes(lengths, work, len(layer_ids) * adapter.hidden_size, len(layer_ids), dtype))
     progress = tqdm(
         total=int(lengths.sum()), initial=int(lengths[:done].sum()) + sum(e["num_tokens"] for e in finished.values()),
         unit="tok", desc="capture", disable=not show_progress,
     )
 
-    def save() -> None:
-        writer.write_manifest(manifest)
-        if manifest["complete"]:
-            remove_sidecars(out_dir)
-
     def record(index: int, entry: dict[str, Any]) -> None:
         finished[index] = entry
         _append_finished(manifest, finished, len(dataset))
-        save()
+        _save_manifest(writer, manifest, out_dir)
 
     if _append_finished(manifest, finished, len(dataset)):
-        save()
+        _save_manifest(writer, manifest, out_dir)
     try:
-        _capture_shards(adapter, table, work, writer, record, layer_ids, batch_tokens, torch_dtype, check_every,
-                        progress, pack)
+        _capture_shards(adapter, dataset.with_format("arrow"), work, writer, record, layer_ids, batch_tokens, dtype,
+                        check_every, progress, pack)
     finally:
         progress.close()
     return manifest
@@ -624,25 +518,15 @@ def _capture_ranks(
     plan = [(entry["first_sample"], entry["first_sample"] + entry["num_samples"]) for entry in listed]
     plan += plan_shards(lengths, int(manifest["num_samples"]) if manifest is not None else 0, shard_tokens)
     if rank == 0:
-        for path in writer.remove_stale_temps():
-            print(f"[capture] removed {path.name}, left by an interrupted writer")
+        _clean_leftovers(writer, out_dir, fresh=manifest is None)
         if manifest is None:
-            remove_sidecars(out_dir)  # left by an older store in this folder: not this run's shards
             writer.write_manifest(fresh)  # records the fingerprint, so a rerun with other settings is refused
         unfinished = [(index, first, end) for index, (first, end) in enumerate(plan)
-                      if index >= len(listed) and not _sidecar(out_dir, index).is_file()]
+                      if index >= len(listed) and not sidecar_path(out_dir, index).is_file()]
         check_disk(out_dir, _needed_bytes(lengths, unfinished, len(layer_ids) * adapter.hidden_size,
                                           len(layer_ids), dtype))
     dist.barrier()  # stale temps and sidecars are gone before any rank looks for its finished shards
-    work = []
-    for index, (first, end) in enumerate(plan):
-        if index % world_size != rank:
-            continue
-        entry = read_sidecar(out_dir, index, first, end, verify_existing)
-        if entry is None and index < len(listed) and _shard_intact(out_dir, listed[index], verify_existing):
-            entry = listed[index]
-        if entry is None:
-            work.append((index, first, end))
+    work = _rank_work(out_dir, plan, listed, rank, world_size, verify_existing)
     print(f"[capture] rank {rank} of {world_size}: {len(work)} of {len(plan)} shards to capture")
     progress = tqdm(total=sum(int(lengths[first:end].sum()) for _, first, end in work), unit="tok",
                     desc=f"capture (rank 0 of {world_size})", disable=not show_progress or rank != 0)
@@ -655,20 +539,42 @@ def _capture_ranks(
     dist.barrier()  # every rank's shards and sidecars are on disk
     if rank == 0:
         header = manifest if manifest is not None else fresh
-        entries = []
-        for index, (first, end) in enumerate(plan):
-            entry = read_sidecar(out_dir, index, first, end, verify=False)
-            if entry is None and index < len(listed):
-                entry = listed[index]
-            if entry is None or not (out_dir / entry["file"]).is_file():
-                raise RuntimeError(f"feature shard {out_dir / shard_name(index)} (samples {first}..{end - 1}) was "
-                                   f"not written by rank {index % world_size}")
-            entries.append(entry)
-        header["shards"] = entries
-        header["num_samples"] = sum(entry["num_samples"] for entry in entries)
-        header["num_tokens"] = sum(entry["num_tokens"] for entry in entries)
-        header["complete"] = header["num_samples"] == len(dataset)
-        writer.write_manifest(header)
-        remove_sidecars(out_dir)
+        _write_gathered_manifest(writer, out_dir, header, plan, listed, len(dataset), world_size)
     dist.barrier()  # the manifest is in place before any rank reads it
     return read_manifest(out_dir)
+
+
+def _rank_work(out_dir: Path, plan: list[tuple[int, int]], listed: list[dict[str, Any]], rank: int, world_size: int,
+               verify: bool) -> list[tuple[int, int, int]]:
+    """[(index, first, end)] of this rank's planned shards that neither a sidecar nor the manifest shows intact."""
+    work = []
+    for index, (first, end) in enumerate(plan):
+        if index % world_size != rank:
+            continue
+        entry = read_sidecar(out_dir, index, first, end, verify)
+        if entry is None and index < len(listed) and shard_intact(out_dir, listed[index], verify):
+            entry = listed[index]
+        if entry is None:
+            work.append((index, first, end))
+    return work
+
+
+def _write_gathered_manifest(writer: ShardWriter, out_dir: Path, header: dict[str, Any], plan: list[tuple[int, int]],
+                             listed: list[dict[str, Any]], num_samples: int, world_size: int) -> None:
+    """Rank 0, once every rank is done: the manifest of every planned shard (from its sidecar, else the old
+    manifest's entry), in order; then the sidecars go. RuntimeError naming a shard that no rank wrote."""
+    entries = []
+    for index, (first, end) in enumerate(plan):
+        entry = read_sidecar(out_dir, index, first, end, verify=False)
+        if entry is None and index < len(listed):
+            entry = listed[index]
+        if entry is None or not (out_dir / entry["file"]).is_file():
+            raise RuntimeError(f"feature shard {out_dir / shard_name(index)} (samples {first}..{end - 1}) was "
+                               f"not written by rank {index % world_size}")
+        entries.append(entry)
+    header["shards"] = entries
+    header["num_samples"] = sum(entry["num_samples"] for entry in entries)
+    header["num_tokens"] = sum(entry["num_tokens"] for entry in entries)
+    header["complete"] = header["num_samples"] == num_samples
+    writer.write_manifest(header)
+    remove_sidecars(out_dir)

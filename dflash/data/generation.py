@@ -1,0 +1,66 @@
+"""Plain model.generate for the data stage: neutral settings, seeded sampling, responses cut at the first stop."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+
+def batch_seed(seed: int, ids: list[str]) -> int:
+    """A sampling seed that depends only on the run seed and the prompts in the batch."""
+    digest = hashlib.sha256(json.dumps([seed, ids]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def generation_config(max_new_tokens: int, stop_ids: list[int], pad_id: int, temperature: float,
+                      top_p: float) -> GenerationConfig:
+    """Plain greedy (temperature 0) or temperature + top-p sampling.
+
+    Every knob a checkpoint's generation_config.json could set (and generate() would inherit, since it only
+    fills unset values) is pinned to neutral: the responses must be the target's own distribution.
+    """
+    neutral = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0}
+    if temperature > 0:
+        neutral.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, min_p=0.0, typical_p=1.0,
+                       epsilon_cutoff=0.0, eta_cutoff=0.0)
+    else:
+        neutral.update(do_sample=False)
+    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                            use_cache=True, **neutral)
+
+
+def cut_response(tokens: list[int], stop_ids: set[int], budget: int) -> tuple[list[int], str]:
+    """Response up to and including the first stop token, at most `budget` tokens."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            tokens = tokens[: i + 1]
+            break
+    if len(tokens) > budget:
+        tokens = tokens[:budget]
+    return tokens, ("stop" if tokens and tokens[-1] in stop_ids else "length")
+
+
+def hf_generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pad_id: int, seed: int,
+                streamer: BaseStreamer | None = None) -> list[list[int]]:
+    """New tokens for each left-padded prompt of the batch (one call of model.generate); `streamer` sees every
+    step's tokens (for a progress bar)."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    device = torch.device(adapter.device)
+    # Passed only when given: generate's callers (and stand-ins for it) need not know the keyword otherwise.
+    extra = {} if streamer is None else {"streamer": streamer}
+    # Sampling draws from the global RNG inside generate: seed it per batch and restore it afterwards.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+        torch.manual_seed(seed)
+        out = adapter.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                     generation_config=config, **extra)
+    return out[:, width:].tolist()

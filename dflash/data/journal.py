@@ -1,0 +1,143 @@
+"""The data stage's journals: append-only JSON lines that make generation resumable.
+
+A journal starts with a header {"header": {...settings}}; every other line is a record with an "id" and a
+"status", and the latest line of an id is its state. A run checks the header against its own settings before
+appending, so answers made under other settings are never mixed in. Records are written in groups and fsynced
+(`JournalBuffer`), so a hard kill loses at most the last unwritten group; a partial last line is dropped when
+the journal is opened again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+JOURNAL_EVERY_S = 30.0  # the static engine streams every prompt in one call: write what finished this often
+
+Index = dict[str, tuple[str, int, str | None]]  # id -> (status, byte offset of its latest line, prompt_hash)
+
+
+def with_target(settings: dict, target: dict | None) -> dict:
+    """`settings` plus the target's identity as it reads back from a JSON header (so comparing the two is exact).
+    An unknown target (None) adds nothing, so settings recorded before targets were keep matching."""
+    if target is None:
+        return settings
+    try:
+        return {**settings, "target": json.loads(json.dumps(target, sort_keys=True))}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"target identity must be JSON-serialisable, got {target!r} ({e})") from None
+
+
+def _scan(path: Path) -> tuple[dict | None, Index, int]:
+    """scan_journal, plus the byte length of the complete lines (where a partial last line starts)."""
+    header, index, offset = None, {}, 0
+    if not path.exists():
+        return header, index, offset
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # the partial line of an interrupted write
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: malformed journal line ({e.msg})") from None
+                if "header" in record:
+                    header = record["header"]
+                else:
+                    index[record["id"]] = (record["status"], offset, record.get("prompt_hash"))
+            offset += len(line)
+    return header, index, offset
+
+
+def scan_journal(path: str | Path) -> tuple[dict | None, Index]:
+    """(header settings or None, {id: (status, byte offset of its latest line, its prompt_hash or None)}); a partial
+    last line is ignored.
+
+    Streams the file and keeps no responses, so a journal of millions of long responses fits in memory.
+    """
+    header, index, _ = _scan(Path(path))
+    return header, index
+
+
+def read_record(f: Any, offset: int) -> dict:
+    """The journal record at `offset` of the journal opened in binary mode as `f`."""
+    f.seek(offset)
+    return json.loads(f.readline())
+
+
+def read_journal(path: str | Path) -> tuple[dict | None, dict[str, dict]]:
+    """(header settings or None, {id: latest record}): the whole journal in memory, for inspection."""
+    header, index = scan_journal(path)
+    if not index:
+        return header, {}
+    with open(path, "rb") as f:
+        return header, {pid: read_record(f, offset) for pid, (_, offset, _) in index.items()}
+
+
+def _differences(header: dict, settings: dict, prefix: str = "") -> list[str]:
+    """What differs between a journal's header and the settings now: `key: then -> now`, nested keys dotted."""
+    parts = []
+    for key in sorted(set(header) | set(settings)):
+        then = header[key] if key in header else "not recorded"
+        now = settings[key] if key in settings else "not given"
+        if isinstance(then, dict) and isinstance(now, dict):
+            parts += _differences(then, now, f"{prefix}{key}.")
+        elif then != now:
+            parts.append(f"{prefix}{key}: {then!r} -> {now!r}")
+    return parts
+
+
+def open_journal(path: Path, settings: dict) -> tuple[Any, dict[str, str | None]]:
+    """Open the journal for appending after dropping a partial tail; check it was made with `settings`.
+
+    Returns the open file and {id: prompt_hash (None in records from before hashes)} of the ids already done.
+    """
+    header, index, complete = _scan(path)
+    if header is not None and header != settings:
+        raise ValueError(f"{path} was written with other settings ({'; '.join(_differences(header, settings))}). "
+                         f"Delete it or use another output folder.")
+    if path.exists() and path.stat().st_size > complete:
+        # Appending after a partial line would glue the next record onto it: cut it off first.
+        logger.warning("%s: dropping a partial last line (%d bytes) from an interrupted run", path,
+                       path.stat().st_size - complete)
+        with open(path, "r+b") as f:
+            f.truncate(complete)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a", encoding="utf-8")
+    if header is None:
+        f.write(json.dumps({"header": settings}) + "\n")
+    return f, {pid: digest for pid, (status, _, digest) in index.items() if status == "done"}
+
+
+def append_lines(f: Any, records: list[dict]) -> None:
+    """Append `records` as JSON lines to the journal opened as `f`, and make them durable (flush + fsync)."""
+    f.write("".join(json.dumps(r) + "\n" for r in records))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+class JournalBuffer:
+    """Records waiting to be appended to an open journal: written once `every` have gathered or JOURNAL_EVERY_S
+    have passed since the last write, so a killed run loses little and the journal is not fsynced per record."""
+
+    def __init__(self, journal: Any, every: int) -> None:
+        self.journal, self.every = journal, every
+        self.lines: list[dict] = []
+        self.written = time.perf_counter()
+
+    def add(self, record: dict) -> None:
+        self.lines.append(record)
+        if len(self.lines) >= self.every or time.perf_counter() - self.written > JOURNAL_EVERY_S:
+            self.write()
+
+    def write(self) -> None:
+        """Append what is waiting and fsync the journal (also when nothing is waiting)."""
+        append_lines(self.journal, self.lines)
+        self.lines.clear()
+        self.written = time.perf_counter()
