@@ -16,7 +16,8 @@ class Tee:
         self.console, self.log = console, log
 
     def write(self, text: str) -> int:
-        self.log.write(text)
+        if "\r" not in text:  # a progress bar redrawing itself: the console shows it, the log keeps the lines
+            self.log.write(text)
         return self.console.write(text)
 
     def flush(self) -> None:

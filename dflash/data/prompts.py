@@ -223,7 +223,9 @@ def _load_sharegpt(path: Path, name: str, all_turns: bool = False) -> list[Promp
         if isinstance(record, dict):
             prompts += _sharegpt_prompts(record, name, all_turns)
     if incomplete:
-        logger.info("%s: file is truncated; kept the complete records before the cut", path)
+        # The ShareGPT file the package ships is cut off mid-record (../shared/assets.md): expected, so not shown
+        # on the console unless asked.
+        logger.debug("%s: file is truncated; kept the complete records before the cut", path)
     if not prompts:
         raise ValueError(f"{path}: no usable ShareGPT conversations")
     return prompts

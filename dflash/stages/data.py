@@ -4,6 +4,7 @@ answer-only loss mask (dflash/data/), in `data/`."""
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Any
 
 from dflash.config import fingerprints
@@ -35,7 +36,7 @@ class DataStage:
         return fingerprints.target_identity(self.context.settings)
 
     def run(self) -> None:
-        from dflash.data.dataset import build_dataset
+        from dflash.data.dataset import build_dataset, format_stats
         from dflash.data.prompts import load_prompts
 
         run, d, out = self.context, self.context.settings.data, self.out
@@ -52,7 +53,7 @@ class DataStage:
                               show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
                               compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
                               before_replace=lambda: clear_done(out))
-        print(f"[data] {stats}")
+        print(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
             print(f"[data] {stats['failed']} prompt(s) failed (errors above and in stats.json); the stages go on "
