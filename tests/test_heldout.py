@@ -22,7 +22,7 @@ from dflash.data.prompts import Prompt
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import DrafterProposer, greedy_continuations, replay, target_pass
 from dflash.models.drafter import DFlashDraftModel
-from dflash.train import loop
+from dflash.train import heldout_tracker, loop
 from dflash.train.best_checkpoint import best_state_dict, read_best, write_best
 from dflash.train.heldout import HeldoutSet, save_heldout_set, write_heldout_features
 from dflash.train.metrics_log import MetricsLog
@@ -277,7 +277,7 @@ def run(out, *, heldout, eval_every, save_every=0, store=None, epochs=2, lr=3e-3
 
 def test_loop_logs_heldout_metrics_and_writes_best_only_on_improvement(tmp_path, monkeypatch):
     writes = []
-    monkeypatch.setattr(loop, "write_best", lambda directory, state, info: writes.append(dict(info)))
+    monkeypatch.setattr(heldout_tracker, "write_best", lambda directory, state, info: writes.append(dict(info)))
     heldout = ScriptedHeldout([1.5, 1.5, 1.8])  # steps 5, 10 (eval_every) and 12 (the last)
     _, records = run(tmp_path, heldout=heldout, eval_every=5, epochs=4)
     assert [r["step"] for r in records] == list(range(1, 13))

@@ -126,3 +126,11 @@ def test_expected_acceptance_length_and_flop_formula():
     expected = (6 * drafter_layers * queries + 4 * config.vocab_size * config.hidden_size * queries
                 + 6 * (config.num_taps * config.hidden_size**2 + config.num_hidden_layers * kv) * context)
     assert step_flops(config, queries, context) == expected
+
+
+def test_a_checkpoint_of_another_global_batch_is_refused(tmp_path, one_thread):
+    """The data position is counted in global batches: a resume with another global batch size would train other
+    samples, so it stops with the setting to change."""
+    trainer_harness.run(str(tmp_path), micro_batch_size=2, grad_accum=1, epochs=1, save_every=1)
+    with pytest.raises(ValueError, match="global batch of 2 samples, this run has 4 .*global batch is 2"):
+        trainer_harness.run(str(tmp_path), micro_batch_size=2, grad_accum=2, epochs=2, save_every=1)

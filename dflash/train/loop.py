@@ -1,26 +1,21 @@
-"""The drafter training loop: read it top to bottom.
+"""The drafter training loop: `train` reads top to bottom; the bookkeeping around the steps is in components.
 
 Each optimizer step: take this rank's micro-batches of the global batch, count the loss weight of the WHOLE global
 batch (all micro-batches, all ranks), then run forward/backward per micro-batch with the loss divided by that
 global count. The gradient is then that of one big batch, whatever the split into ranks and accumulation steps
 (the engine averages over ranks and accumulation steps, so the loss is scaled back up by both).
 
-With a held-out set, every `eval_every` steps and at the last step the drafter's greedy acceptance is replayed on
-it (dflash/train/heldout.py), logged as heldout/*, and the weights with the best tau so far are kept in
-checkpoints/best/ (dflash/train/best_checkpoint.py). The evaluation draws no random numbers, so it changes nothing
-in training, and it runs before the step's checkpoint, so a resumed run has seen every evaluation it restores.
-
-With settings.max_minutes, a TimeBudget (dflash/train/time_budget.py) is told when each step and evaluation ends and
-plans the total of steps that fits; the LR schedule, the last step and its evaluation and checkpoint follow the plan.
+Around the steps, each in its own file: the time budget (budget_pace.py feeding time_budget.py, whose plan the LR
+schedule and the progress bar follow), held-out evaluation and the best checkpoint (heldout_tracker.py), the
+metrics record of a step (step_records.py), the checkpoint policy (checkpoint_policy.py), the profiler
+(step_profile.py) and the stop signal (stop_signal.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,26 +23,27 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from dflash.config.schema import DeepSpeedSettings, TrainSettings
+from dflash.data.batch_plan import BatchPlan
 from dflash.host_copy import host_to_device
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
 from dflash.train.activation_checkpointing import apply_activation_checkpointing
-from dflash.data.batch_plan import BatchPlan
 from dflash.train.batches import batch_to_device, prepare_micro_batch
-from dflash.train.best_checkpoint import clear_best, read_best, write_best
-from dflash.train.checkpoints import load_checkpoint, resume_tag, save_checkpoint
+from dflash.train.budget_pace import BudgetPace
+from dflash.train.checkpoint_policy import CheckpointPolicy
+from dflash.train.checkpoints import resume_tag
 from dflash.train.compile_layers import compile_layers
 from dflash.train.engine import OptimConfig, TrainEngine
 from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
-from dflash.train.step_profile import StepProfiler, in_window, parse_profile_steps
+from dflash.train.heldout_tracker import HeldoutTracker, check_heldout
+from dflash.train.metrics_log import MetricsLog
+from dflash.train.objective import block_target_hidden, loss_normaliser, weighted_block_loss
+from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
+from dflash.train.step_profile import StepProfiler, profile_path
+from dflash.train.step_records import StepRecords
 from dflash.train.stop_signal import StopSignal, TrainingStopped
 from dflash.train.time_budget import TimeBudget
-from dflash.train.metrics_log import MetricsLog
-from dflash.train.objective import (
-    block_target_hidden, loss_normaliser, weighted_block_loss,
-)
-from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
 
 
 # Named ranges of a step, shown as rows of the train.profile_steps tables (host and device time per phase).
@@ -76,8 +72,10 @@ def resolve_bf16(setting: bool | str, device: torch.device) -> bool:
     return torch.device(device).type == "cuda" if setting == "auto" else bool(setting)
 
 
-def build_engine(settings: TrainSettings, deepspeed: DeepSpeedSettings, drafter_config: DrafterConfig,
+def build_engine(settings: TrainSettings, deepspeed: DeepSpeedSettings | None, drafter_config: DrafterConfig,
                  total_steps: int, world_size: int, device: torch.device, load_universal: bool = False) -> TrainEngine:
+    """The drafter, initialised from settings.seed, wrapped in DeepSpeed (default: ZeRO-2, bf16 on CUDA)."""
+    deepspeed = deepspeed or DeepSpeedSettings()
     drafter = DFlashDraftModel(drafter_config)
     drafter.init_weights(settings.seed)
     if settings.activation_checkpointing:
@@ -162,38 +160,12 @@ def step_metrics(engine: TrainEngine, totals: torch.Tensor, total_weight: torch.
     return metrics
 
 
-def evaluate_heldout(engine: TrainEngine, heldout: HeldoutSet, frozen_head: tuple[torch.Tensor, torch.Tensor],
-                     rank: int) -> tuple[dict[str, float] | None, dict[str, torch.Tensor] | None]:
-    """Rank 0: (held-out metrics of the current weights, their consolidated state if it was gathered); elsewhere
-    (None, None). Collective under ZeRO-3, so every rank must call it."""
-    if engine.zero_stage == 3:
-        # ZeRO-3 forward hooks gather and re-shard parameters collectively, so rank 0 alone cannot run the
-        # trained module: every rank joins the consolidation and rank 0 replays a plain copy.
-        state = engine.consolidated_state_dict()
-        if rank != 0:
-            return None, None
-        with torch.device("meta"):  # no initialisation: draws nothing from the RNG that training uses
-            drafter = DFlashDraftModel(engine.config)
-        drafter.load_state_dict(state, assign=True)
-        return heldout.evaluate(drafter.to(engine.device), frozen_head), state
-    if rank != 0:
-        return None, None
-    return heldout.evaluate(engine.module, frozen_head), None
-
-
-def agreed_seconds(seconds: float, device: torch.device) -> float:
-    """`seconds` as measured on this rank, the largest over all ranks, so every rank plans the same steps."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        seconds = value.item()
-    return seconds
-
-
-def follow_plan(budget: TimeBudget, engine: TrainEngine, progress: tqdm, total_steps: int, news: bool,
+def follow_plan(budget: TimeBudget | None, engine: TrainEngine, progress: tqdm, total_steps: int, news: bool,
                 rank: int) -> int:
-    """The total of steps the budget now plans: the LR schedule and the progress bar follow it, and a line says so
-    when the plan was set or changed."""
+    """The total of steps the budget now plans (total_steps without a budget): the LR schedule and the progress bar
+    follow it, and a line says so when the plan was set or changed."""
+    if budget is None:
+        return total_steps
     if news and rank == 0:
         print(budget.describe(total_steps), flush=True)
     if budget.planned_steps != total_steps:
@@ -212,151 +184,107 @@ def resolve_peak_tflops(value: float | str | None, device: torch.device) -> floa
     return float(value)
 
 
-def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
-          frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *,
-          deepspeed: DeepSpeedSettings | None = None, rank: int, world_size: int, device: torch.device,
-          show_progress: bool = True, heldout: HeldoutSet | None = None, lengths: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
-    """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
-
-    store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
-    frozen_head: the target's (embedding weight, lm_head weight); heldout: evaluated every
-    settings.eval_every steps and at the last step, the best weights kept in checkpoint_dir/best.
-    lengths: every sample's token count, needed by settings.group_by_length. deepspeed: ZeRO stage and precision
-    (default: ZeRO-2, bf16 on CUDA).
-    """
-    if heldout is None and settings.eval_every:
-        raise ValueError(f"eval_every={settings.eval_every} needs a held-out set (data.heldout > 0)")
-    if heldout is not None:
-        heldout.check(drafter_config)
-    entered = clock()
-    embed_weight, lm_head = (w.to(device) for w in frozen_head)
-    plan = BatchPlan(len(store), settings.micro_batch_size, world_size, settings.grad_accum, settings.seed,
+def plan_batches(settings: TrainSettings, num_samples: int, world_size: int,
+                 lengths: Sequence[int] | None) -> BatchPlan:
+    """Every epoch's global batches (dflash/data/batch_plan.py), grouped by length when settings ask for it."""
+    return BatchPlan(num_samples, settings.micro_batch_size, world_size, settings.grad_accum, settings.seed,
                      group_by_length=settings.group_by_length,
                      lengths=tuple(lengths) if settings.group_by_length and lengths is not None else None)
+
+
+def count_steps(settings: TrainSettings, plan: BatchPlan) -> int:
+    """The optimizer steps of settings.epochs, capped at settings.max_steps."""
     total_steps = plan.steps_per_epoch * settings.epochs
     if settings.max_steps is not None:
         if settings.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or None, got {settings.max_steps}")
         total_steps = min(total_steps, settings.max_steps)
+    return total_steps
+
+
+def prepare_batches(store: Sequence[dict[str, torch.Tensor]], plan: BatchPlan, step: int, settings: TrainSettings,
+                    block_size: int, rank: int, device: torch.device) -> list[dict]:
+    """This rank's micro-batches of the step after `step` steps (features, anchors, labels, loss weights)."""
+    epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
+    with record_function(PHASE_BATCHES):
+        return [
+            prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed, num_anchors=settings.num_anchors,
+                                block_size=block_size, gamma=settings.gamma,
+                                pin_memory=torch.device(device).type == "cuda")
+            for slots in plan.micro_batches(epoch, step_in_epoch, rank)
+        ]
+
+
+def check_features(store: Sequence[dict[str, torch.Tensor]]) -> None:
+    """Colocated capture: this step's feature checks, read after the step's sync (other sources have none)."""
+    verify_features = getattr(store, "verify_features", None)
+    if verify_features is not None:
+        with record_function(PHASE_CHECKS):
+            verify_features()
+
+
+def show_step(progress: tqdm, metrics: dict[str, float]) -> None:
+    """One step more on the progress bar, with its loss, accuracy and estimated acceptance length."""
+    progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
+                         tau=f"{metrics['accept_len_est']:.2f}")
+    progress.update(1)
+
+
+def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
+          frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *,
+          deepspeed: DeepSpeedSettings | None = None, rank: int, world_size: int, device: torch.device,
+          show_progress: bool = True, heldout: HeldoutSet | None = None,
+          lengths: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
+
+    store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
+    frozen_head: the target's (embedding, lm_head) weights; heldout: replayed every settings.eval_every steps and at
+    the last step, the best weights kept in checkpoint_dir/best; lengths: every sample's token count, needed by
+    settings.group_by_length; deepspeed: ZeRO stage and precision (default: ZeRO-2, bf16 on CUDA)."""
+    check_heldout(heldout, settings.eval_every, drafter_config)
+    entered = clock()
+    embed_weight, lm_head = (w.to(device) for w in frozen_head)
+    plan = plan_batches(settings, len(store), world_size, lengths)
+    total_steps = count_steps(settings, plan)
     tag, universal = resume_tag(checkpoint_dir, world_size, rank)
-    engine = build_engine(settings, deepspeed or DeepSpeedSettings(), drafter_config, total_steps, world_size, device,
-                          load_universal=universal)
+    engine = build_engine(settings, deepspeed, drafter_config, total_steps, world_size, device, universal)
     attention = resolve_attention(settings.attention, device)
     peak_tflops = resolve_peak_tflops(settings.peak_tflops, device)
-    # Data position, anchors and LR all follow from the global step, restored with the optimizer and RNG state.
-    state = {"global_step": 0} if tag is None else load_checkpoint(engine, checkpoint_dir, tag, rank=rank)
+    checkpoints = CheckpointPolicy(checkpoint_dir, settings, plan.global_batch_size, rank)
+    state = checkpoints.restore(engine, tag)  # data position, anchors and LR all follow from the global step
     step = state["global_step"]
     log.resume_from(step)  # records of steps after the checkpoint (or of an earlier run) are not this run's
-    saved_batch = state.get("global_batch_size", plan.global_batch_size)
-    if saved_batch != plan.global_batch_size:
-        raise ValueError(
-            f"checkpoint {tag} was trained with a global batch of {saved_batch} samples, this run has "
-            f"{plan.global_batch_size} (micro_batch_size x ranks x grad_accum): the data position would not match; "
-            f"set train.grad_accum so the global batch is {saved_batch}"
-        )
-    budget = None
-    if settings.max_minutes is not None:  # the schedule ends within the budget (dflash/train/time_budget.py)
-        budget = TimeBudget(settings.max_minutes, total_steps, eval_every=settings.eval_every,
-                            evaluates=heldout is not None, save_every=settings.save_every,
-                            saved=state.get("time_budget"))
-    best: dict[str, Any] | None = None
-    if rank == 0:
-        if tag is None:
-            clear_best(checkpoint_dir)  # a best left by an earlier run in this folder is not this run's
-        else:
-            best = read_best(checkpoint_dir)
+    pace = BudgetPace(settings, total_steps, evaluates=heldout is not None, saved=state.get("time_budget"),
+                      entered=entered, device=device, clock=clock)
+    evaluation = HeldoutTracker(heldout, settings.eval_every, checkpoint_dir, (embed_weight, lm_head),
+                                resumed=tag is not None, rank=rank, world_size=world_size, clock=clock)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
-    if budget is not None:  # a resumed run goes on with its saved plan
-        total_steps = follow_plan(budget, engine, progress, total_steps, budget.planned_steps != total_steps, rank)
-    profile_window = parse_profile_steps(settings.profile_steps)
-    profiler = StepProfiler(settings.profile_steps, os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)),
-                                                                 "train_profile.txt"), device, enabled=rank == 0)
-    first_step = True
-    # Since the last log line, for step_s and tokens_per_s: each log line reports its own window, so the first
-    # steps' compilation weighs only on the first line.
-    window_started, window_step, window_eval_s, window_tokens = clock(), step, 0.0, 0.0
-    verify_features = getattr(store, "verify_features", None)
-    # A SIGTERM / SIGUSR1 (a scheduler's warning) finishes the step, saves it on every rank, and stops.
-    with StopSignal() as stop, contextlib.ExitStack() as cleanup:
+    total_steps = follow_plan(pace.budget, engine, progress, total_steps, pace.resumed_plan(total_steps), rank)
+    profiler = StepProfiler(settings.profile_steps, profile_path(checkpoint_dir), device, enabled=rank == 0)
+    records = StepRecords(log, engine, first_step=step, log_every=settings.log_every,
+                          steps_per_epoch=plan.steps_per_epoch, peak_tflops=peak_tflops, world_size=world_size,
+                          budgeted=pace.budget is not None, entered=entered, announce=rank == 0, clock=clock)
+    with StopSignal() as stop, contextlib.ExitStack() as cleanup:  # a SIGTERM: finish the step, save it, stop
         cleanup.callback(lambda: profiler.close(step))  # however the loop ends, the profiler stops here
         while step < total_steps:
             profiler.before_step(step + 1)
-            step_started = clock()
-            epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-            with record_function(PHASE_BATCHES):
-                micro_batches = [
-                    prepare_micro_batch(store, slots, epoch=epoch, seed=settings.seed,
-                                        num_anchors=settings.num_anchors, block_size=drafter_config.block_size,
-                                        gamma=settings.gamma, pin_memory=torch.device(device).type == "cuda")
-                    for slots in plan.micro_batches(epoch, step_in_epoch, rank)
-                ]
+            started = clock()
+            micro_batches = prepare_batches(store, plan, step, settings, drafter_config.block_size, rank, device)
             metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
-            if verify_features is not None:
-                with record_function(PHASE_CHECKS):
-                    verify_features()  # colocated capture: this step's feature checks, read after the step's sync
-            if first_step and rank == 0:
-                # Where a (re)start spends its time: engine build + checkpoint load, then the first step's kernel
-                # compilation (flex attention), both paid again by every resumed call.
-                print(f"[train] ready after {step_started - entered:.1f} s (engine, checkpoint); first step "
-                      f"{clock() - step_started:.1f} s", flush=True)
-            first_step = False
+            check_features(store)
             step += 1
-            now = step_ended = clock()
-            profiled = in_window(profile_window, step)  # the same on every rank: from the settings
-            if budget is not None:
-                if profiled:  # slower under the profiler than the steps to come: out of the step rate
-                    budget.exclude(agreed_seconds(step_ended - step_started, device))
-                news = budget.after_step(step, agreed_seconds(clock() - entered, device), profiled=profiled)
-                total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
-            window_tokens += metrics.pop("tokens")
-            tflops = metrics.pop("flops") / (now - step_started) / 1e12
-            metrics.update(lr=engine.lr(), epoch=epoch + step_in_epoch / plan.steps_per_epoch, tflops=tflops)
-            if peak_tflops is not None:
-                metrics["mfu"] = tflops / (peak_tflops * world_size)
-            grad_norm = engine.grad_norm()
-            if grad_norm is not None:
-                metrics["grad_norm"] = grad_norm
-            evaluate_now = heldout is not None and (
-                step == total_steps or (settings.eval_every and step % settings.eval_every == 0))
-            if evaluate_now:
-                eval_started = clock()
-                held, gathered = evaluate_heldout(engine, heldout, (embed_weight, lm_head), rank)
-                if held is not None:
-                    metrics.update({f"heldout/{key}": value for key, value in held.items()})
-                    if best is None or held["tau"] > best["tau"]:
-                        best = {"step": step, "tau": held["tau"], "acceptance_rate": held["acceptance_rate"]}
-                        weights = gathered if gathered is not None else engine.consolidated_state_dict()
-                        write_best(checkpoint_dir, weights, best)
-                if world_size > 1:
-                    dist.barrier()
-                metrics["heldout/seconds"] = clock() - eval_started
-                window_eval_s += metrics["heldout/seconds"]  # kept out of step_s and tokens/s
-                if budget is not None:
-                    news = budget.after_evaluation(step, agreed_seconds(clock() - entered, device))
-                    total_steps = follow_plan(budget, engine, progress, total_steps, news, rank)
-            if budget is not None:
-                metrics.update(lr=engine.lr(), planned_steps=total_steps)  # the LR after any change of plan
-            if step % settings.log_every == 0 or step == total_steps or evaluate_now:
-                now = clock()
-                training_s = now - window_started - window_eval_s
-                metrics["step_s"] = training_s / (step - window_step)
-                metrics["tokens_per_s"] = window_tokens / training_s
-                window_started, window_step, window_eval_s, window_tokens = now, step, 0.0, 0.0
-                log.log(step, metrics)
-            progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
-                                 tau=f"{metrics['accept_len_est']:.2f}")
-            progress.update(1)
-            table_started = clock()
-            profiler.after_step(step)  # the last profiled step writes its table here (rank 0)
-            if budget is not None and profiled:  # so is the table; ranks agree on the seconds, their plans stay equal
-                budget.exclude(agreed_seconds(clock() - table_started, device))
-            # A signal in the last step stops too: the caller asked to stop now, not after export and eval.
-            stopping = stop.requested(device)
-            if stopping or step == total_steps or (settings.save_every and step % settings.save_every == 0):
-                client_state = {"global_step": step, "global_batch_size": plan.global_batch_size}
-                if budget is not None:
-                    client_state["time_budget"] = budget.state()
-                save_checkpoint(engine, checkpoint_dir, step, client_state, rank=rank, keep_last=settings.keep_last)
+            records.add_step(metrics, step, started)
+            news = pace.after_step(step, started, profiler.profiles(step))
+            total_steps = follow_plan(pace.budget, engine, progress, total_steps, news, rank)
+            if evaluation.due(step, total_steps):
+                metrics.update(evaluation.run(engine, step))
+                total_steps = follow_plan(pace.budget, engine, progress, total_steps, pace.after_evaluation(step), rank)
+            records.write(step, metrics, total_steps)
+            show_step(progress, metrics)
+            with pace.left_out(profiler.profiles(step)):
+                profiler.after_step(step)  # the last profiled step writes its table here (rank 0)
+            stopping = stop.requested(device)  # in the last step too: stop now, not after export and eval
+            checkpoints.save_if_due(engine, step, total_steps, stopping, pace.budget)
             if stopping:
                 progress.close()
                 raise TrainingStopped(step, stop.received or "a signal on another rank")

@@ -9,6 +9,7 @@ written next to the checkpoints folder as train_profile.txt.
 from __future__ import annotations
 
 import bisect
+import os
 from collections import Counter
 
 import torch
@@ -21,6 +22,11 @@ from dflash.run_files import write_text
 # colocated target forward inside the batches phase.
 PHASE_PREFIX = "dflash: "
 MOST_CALLED = 8  # operators listed per phase
+
+
+def profile_path(checkpoint_dir: str) -> str:
+    """Where the table goes: train_profile.txt next to the checkpoints folder (in the run folder)."""
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), "train_profile.txt")
 
 
 def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
@@ -42,17 +48,23 @@ def in_window(window: tuple[int, int] | None, step: int) -> bool:
 
 
 class StepProfiler:
-    """Profiles optimizer steps start .. start + count - 1 of one process; a no-op without a spec or off rank 0."""
+    """Profiles optimizer steps start .. start + count - 1 of one process; records nothing without a spec or when not
+    enabled (off rank 0)."""
 
     def __init__(self, spec: str | None, path: str, device: torch.device, enabled: bool = True) -> None:
-        self.window = parse_profile_steps(spec) if enabled else None
+        self.window = parse_profile_steps(spec)  # on every rank: profiles() answers the same everywhere
+        self.enabled = enabled
         self.path, self.device = path, torch.device(device)
         self._profile: profile | None = None
         self._first = 0
 
+    def profiles(self, step: int) -> bool:
+        """Whether step `step` (1-based) is in the window, on every rank (a profiled step is slower than the rest)."""
+        return in_window(self.window, step)
+
     def before_step(self, step: int) -> None:
         """Call with the number of the step about to run (1-based); a run resumed inside the window starts there."""
-        if self.window is None or self._profile is not None:
+        if not self.enabled or self.window is None or self._profile is not None:
             return
         if in_window(self.window, step):
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])

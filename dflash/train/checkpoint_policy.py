@@ -1,0 +1,53 @@
+"""When the training loop saves a checkpoint, what the checkpoint's client state holds, and what a resume checks.
+
+The data position, the anchors and the LR all follow from the global step, so the client state holds that step, the
+global batch size it was counted in, and the time budget's state under train.max_minutes (dflash/train/time_budget.py).
+The files themselves are dflash/train/checkpoints.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.config.schema import TrainSettings
+from dflash.train.checkpoints import load_checkpoint, save_checkpoint
+from dflash.train.engine import TrainEngine
+from dflash.train.time_budget import TimeBudget
+
+
+class CheckpointPolicy:
+    """Saves at every settings.save_every-th step (0: never), at the last step and when a stop signal was received
+    (then every rank saves, also in the last step: the caller asked to stop now, not after export and eval), keeping
+    the newest settings.keep_last complete tags (0: all)."""
+
+    def __init__(self, checkpoint_dir: str, settings: TrainSettings, global_batch_size: int, rank: int) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.save_every, self.keep_last = settings.save_every, settings.keep_last
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+
+    def restore(self, engine: TrainEngine, tag: str | None) -> dict[str, Any]:
+        """Load `tag` into the engine (weights, optimizer, LR and RNG state) and return its client state; without a
+        tag, the state of step 0. A checkpoint counted in another global batch size is refused: its data position
+        would not match."""
+        if tag is None:
+            return {"global_step": 0}
+        state = load_checkpoint(engine, self.checkpoint_dir, tag, rank=self.rank)
+        saved_batch = state.get("global_batch_size", self.global_batch_size)
+        if saved_batch != self.global_batch_size:
+            raise ValueError(
+                f"checkpoint {tag} was trained with a global batch of {saved_batch} samples, this run has "
+                f"{self.global_batch_size} (micro_batch_size x ranks x grad_accum): the data position would not "
+                f"match; set train.grad_accum so the global batch is {saved_batch}"
+            )
+        return state
+
+    def save_if_due(self, engine: TrainEngine, step: int, last_step: int, stopping: bool,
+                    budget: TimeBudget | None) -> None:
+        """Save step `step` on every rank when it is due (the ranks agree on `stopping` and `last_step`)."""
+        if not (stopping or step == last_step or (self.save_every and step % self.save_every == 0)):
+            return
+        client_state = {"global_step": step, "global_batch_size": self.global_batch_size}
+        if budget is not None:
+            client_state["time_budget"] = budget.state()
+        save_checkpoint(engine, self.checkpoint_dir, step, client_state, rank=self.rank, keep_last=self.keep_last)
