@@ -2,7 +2,8 @@
 
 The loop talks to `TrainEngine` (backward / step / save / load / consolidated_state_dict) and never to DeepSpeed.
 On a machine without CUDA, DeepSpeed runs on its CPU accelerator with gloo (set before the import, as DeepSpeed
-picks its accelerator when first imported).
+picks its accelerator when first imported). What DeepSpeed prints below a warning goes to the run's log file, not the
+console (dflash/train/third_party_output.py; DFLASH_VERBOSE=1 shows it).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log
+
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+quiet_deepspeed_logger()  # DeepSpeed's INFO lines (its import's too) go to the run's log file, not the console
 
 import deepspeed  # noqa: E402  (must follow the accelerator choice above)
 
@@ -61,7 +65,8 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        with to_run_log():  # on CPU DeepSpeed probes and builds its ops here, printing a line per compiler call
+            deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
         # Released at exit rather than after the run: DeepSpeed caches groups, so a process that trains twice
         # (tests, notebooks) must keep this one.
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
@@ -129,10 +134,11 @@ class TrainEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.total_steps, config.min_lr_ratio)
         )
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
-            config=deepspeed_config(config, world_size), dist_init_required=False,
-        )
+        with to_run_log():
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
+                config=deepspeed_config(config, world_size), dist_init_required=False,
+            )
         self.zero_stage = config.zero_stage
 
     @property

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from dflash.train.third_party_output import verbose
+
 
 class MetricsLog:
     """Writes on rank 0 only; every other rank gets a log that accepts and drops records."""
@@ -25,8 +27,10 @@ class MetricsLog:
         if wandb_mode != "disabled":
             import wandb
 
+            # Silent: no banner, no end-of-run sparklines and summary on the console (DFLASH_VERBOSE=1 shows them);
+            # its log is run_dir/wandb/*/logs/debug.log, every figure is in metrics.jsonl.
             self._wandb = wandb.init(project=wandb_project, dir=run_dir, mode=wandb_mode, config=config,
-                                     reinit="finish_previous")
+                                     reinit="finish_previous", settings=wandb.Settings(silent=not verbose()))
 
     def resume_from(self, step: int) -> None:
         """Training (re)starts after `step` (0: from scratch): drop the records of later steps, which a killed run

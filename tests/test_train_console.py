@@ -1,0 +1,137 @@
+"""Third-party chatter (DeepSpeed, its op builder's compiler calls, wandb's banner and summary) stays off the console:
+it goes to the run's log file, warnings still reach the console, and DFLASH_VERBOSE=1 shows everything."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash.train import third_party_output
+from dflash.train.metrics_log import MetricsLog
+from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log
+
+# Lines a tiny CPU run printed before: the op builder's probe, DeepSpeed's op build, wandb's banner and summary.
+CHATTER = ["gcc ", "-laio", "built successfully", "ds_accelerator", "[compilers", "wandb:", "Run history",
+           "Run summary"]
+
+
+class CopiedConsole(io.StringIO):
+    """A console whose output is also copied to a run log (as dflash/console.py's stream does), kept as `log`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return super().write(text)
+
+
+@contextlib.contextmanager
+def copied_console():
+    """Inside, stdout is copied to a run log and the root logger has a console handler on it, as under Hydra."""
+    stdout, previous = CopiedConsole(), sys.stdout
+    handler = logging.StreamHandler(stdout)
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)  # as Hydra's job logging does
+    root.addHandler(handler)
+    sys.stdout = stdout  # set in the test itself: pytest sets its own capture back before the test runs
+    try:
+        yield stdout
+    finally:
+        sys.stdout = previous
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def not_verbose(monkeypatch):
+    monkeypatch.delenv(third_party_output.VERBOSE_ENV, raising=False)
+
+
+def test_third_party_prints_and_info_records_go_to_the_run_log_only():
+    with copied_console() as console:
+        with to_run_log():
+            print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+            logging.getLogger("compilers.C.base").info("gcc test.o -laio -o a.out")
+            logging.getLogger("compilers.C.base").warning("a compiler warning the user must see")
+        print("[train] our own line")
+    on_console = console.getvalue()
+    assert "built successfully" not in on_console and "-laio" not in on_console
+    assert "a compiler warning the user must see" in on_console and "[train] our own line" in on_console
+    logged = console.log.getvalue()
+    assert "built successfully" in logged and "gcc test.o -laio" in logged and "[train] our own line" in logged
+
+
+def test_verbose_leaves_everything_on_the_console(monkeypatch):
+    monkeypatch.setenv(third_party_output.VERBOSE_ENV, "1")
+    with copied_console() as console, to_run_log():
+        print("built successfully")
+        logging.getLogger("compilers.C.base").info("gcc -laio")
+    assert "built successfully" in console.getvalue() and "gcc -laio" in console.getvalue()
+
+
+def test_deepspeeds_own_logger_keeps_its_warnings_on_the_console():
+    quiet_deepspeed_logger()
+    quiet_deepspeed_logger()  # once is enough: no second filter
+    logger = logging.getLogger("DeepSpeed")
+    assert sum(isinstance(f, third_party_output.BelowWarningToRunLog) for f in logger.filters) == 1
+    level = logger.level
+    logger.setLevel(logging.INFO)  # DeepSpeed's level in older releases (now WARNING: its INFO lines not even made)
+    with copied_console() as console:
+        own = logging.StreamHandler(console)  # DeepSpeed prints through a handler of its own, not the root's
+        logger.addHandler(own)
+        try:
+            logger.info("Setting ds_accelerator to cpu (override)")
+            logger.warning("a DeepSpeed warning")
+        finally:
+            logger.removeHandler(own)
+            logger.setLevel(level)
+    assert "ds_accelerator" not in console.getvalue() and "ds_accelerator" in console.log.getvalue()
+    assert "a DeepSpeed warning" in console.getvalue()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_wandb_starts_silent_unless_verbose(tmp_path, monkeypatch, verbose):
+    wandb = pytest.importorskip("wandb")
+    started = {}
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: started.update(kwargs))
+    if verbose:
+        monkeypatch.setenv(third_party_output.VERBOSE_ENV, "1")
+    MetricsLog(str(tmp_path), enabled=True, tensorboard=False, wandb_mode="offline", wandb_project="t", config={})
+    assert started["settings"].silent is not verbose
+
+
+@pytest.mark.slow
+def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
+    """The real command, wandb on (offline): the console holds the stages' own lines and none of the chatter, which
+    the run's log file has (on a machine where DeepSpeed's op probe runs the compiler)."""
+    repository = str(Path(__file__).resolve().parent.parent)
+    env = {key: value for key, value in os.environ.items() if key != third_party_output.VERBOSE_ENV}
+    with socket.socket() as sock:  # the default port (from the process id) can collide with a concurrent run
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env.update(PYTHONPATH=repository, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_PORT=port)
+    done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", f"run_dir={tmp_path}",
+                           "stages=[data,capture,train]", "train.max_steps=2", "logging.wandb.mode=offline",
+                           "show_progress=false"], env=env, cwd=repository, timeout=600, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert "[train] exported drafter" in console
+    assert [line for line in console.splitlines() if any(marker in line for marker in CHATTER)] == []
+    assert glob.glob(str(tmp_path / "wandb" / "offline-run-*")), "wandb did not run"
+    if shutil.which("gcc"):
+        logged = "".join(Path(path).read_text(encoding="utf-8") for path in glob.glob(str(tmp_path / "logs" / "*")))
+        assert "-laio" in logged and "built successfully" in logged
