@@ -251,12 +251,15 @@ def _capture_packed_rows(
 
 def _repair_shards(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any], layer_ids: list[int],
-    batch_tokens: int, dtype: torch.dtype, check_every: int, pack: bool,
+    batch_tokens: int, dtype: torch.dtype, check_every: int, pack: bool, verify: bool = True,
 ) -> None:
-    """Hash every shard listed in the manifest; recapture (same samples, same name) each missing or corrupt one."""
+    """Recapture (same samples, same name) each shard listed in the manifest that is missing or, with `verify`,
+    whose sha256 differs from the manifest's."""
     writer, table = ShardWriter(out_dir), dataset.with_format("arrow")
     for index, entry in enumerate(manifest["shards"]):
         path = out_dir / entry["file"]
+        if path.is_file() and not verify:
+            continue
         actual = file_sha256(path) if path.is_file() else None
         if actual == entry["sha256"]:
             continue
@@ -282,13 +285,15 @@ def _new_manifest(expected: dict[str, Any], adapter: TargetAdapter, num_samples:
     }
 
 
-def _check_listed_shards(out_dir: Path, manifest: dict[str, Any]) -> None:
-    for entry in manifest["shards"]:
-        if not (out_dir / entry["file"]).is_file():
-            raise FileNotFoundError(
-                f"feature shard {out_dir / entry['file']} listed in the manifest is missing: rerun with "
-                f"verify_existing=True (capture.verify_existing=true) to recapture it, or delete {out_dir}"
-            )
+def missing_shards(out_dir: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's entries whose shard file is not there."""
+    return [entry for entry in manifest["shards"] if not (out_dir / entry["file"]).is_file()]
+
+
+def corrupt_shards(out_dir: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's entries whose shard is missing or whose sha256 differs (reads every shard)."""
+    return [entry for entry in manifest["shards"] if not (out_dir / entry["file"]).is_file()
+            or file_sha256(out_dir / entry["file"]) != entry["sha256"]]
 
 
 def _needed_bytes(lengths: np.ndarray, work: list[tuple[int, int, int]], width: int, num_taps: int,
@@ -458,12 +463,11 @@ def _capture_alone(
     and those a multi-process run of this store finished (sidecars), then captures the rest in order, writing the
     manifest after every shard.
     """
-    if manifest is not None:
-        if verify_existing:
-            _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, dtype, check_every, pack)
+    if manifest is not None:  # listed shards that are missing (with verify_existing: or corrupt) are recaptured
+        _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, dtype, check_every, pack,
+                       verify=verify_existing)
         if manifest["complete"]:
             return manifest
-        _check_listed_shards(out_dir, manifest)
     writer = ShardWriter(out_dir)
     _clean_leftovers(writer, out_dir, fresh=manifest is None)
     if manifest is None:
@@ -507,10 +511,9 @@ def _capture_ranks(
     `verify_existing`), captures the others and writes a sidecar after each. Rank 0 then writes the manifest of
     every shard, in order, and removes the sidecars.
     """
-    if manifest is not None and not verify_existing:
-        if manifest["complete"]:
-            return manifest
-        _check_listed_shards(out_dir, manifest)
+    if manifest is not None and not verify_existing and manifest["complete"] and \
+            not missing_shards(out_dir, manifest):
+        return manifest  # else the ranks recapture the missing (or, verifying, corrupt) shards below
     dist.barrier()  # every rank has read the old manifest before rank 0 writes one
     writer = ShardWriter(out_dir)
     lengths = sample_lengths(dataset)

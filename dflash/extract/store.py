@@ -14,6 +14,7 @@ checked the first time a reader opens it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import os
@@ -190,15 +191,20 @@ class FeatureStore:
         if index not in self._open:
             entry = self.manifest["shards"][index]
             path = self.path / entry["file"]
+            first, count = entry["first_sample"], entry["num_samples"]
             if not path.is_file():
-                raise FileNotFoundError(f"feature shard missing: {path}")
+                raise FileNotFoundError(f"feature shard missing: {path} (samples {first}..{first + count - 1}); "
+                                        f"rerun the same command: its capture stage recaptures it")
             if self.verify:
                 actual = file_sha256(path)
                 if actual != entry["sha256"]:
+                    # Set aside, so that the capture stage finds it missing and recaptures it on the next run.
+                    with contextlib.suppress(FileNotFoundError):  # another rank set it aside first
+                        os.replace(path, path.with_name(path.name + ".corrupt"))
                     raise ValueError(
                         f"feature shard {path} is corrupt: sha256 {actual} does not match the manifest's "
-                        f"{entry['sha256']}; recapture it (delete the shard and its manifest entry, or the store)"
-                    )
+                        f"{entry['sha256']} (samples {first}..{first + count - 1}); it is set aside as "
+                        f"{path.name}.corrupt: rerun the same command, its capture stage recaptures it")
             self._open[index] = _OpenShard(path)
         return self._open[index]
 

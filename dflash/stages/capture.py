@@ -9,9 +9,11 @@ which the later stages read instead of loading the target again.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from dflash.config import fingerprints
-from dflash.run_files import claim_dir, mark_done, read_json_or_none, stage_done, write_json
+from dflash.run_files import claim_dir, clear_done, mark_done, read_json_or_none, stage_done, write_json
 from dflash.stages.context import RunContext
 from dflash.stages.data import DataStage
 from dflash.stages.shapes import drafter_config, target_shape
@@ -48,6 +50,8 @@ class CaptureStage:
 
         run, out, key = self.context, self.out, self.fingerprint()
         mode = run.settings.capture.mode
+        if run.rank == 0 and mode == "offline" and stage_done(out, key):
+            self.check_store()
         if run.rank == 0 and not stage_done(out, key):
             # Features of other settings would be refused by the store: moved aside, not lost; those of these
             # settings come back from where an earlier change moved them.
@@ -75,6 +79,24 @@ class CaptureStage:
         write_json(os.path.join(out, "target.json"), shape)
         print(f"[capture] {summary} -> {out}")
         mark_done(out, key)
+
+    def check_store(self) -> None:
+        """A finished store whose listed shards are not all there (with capture.verify_existing: or not all intact)
+        is not up to date: its done marker goes, and capture_dataset recaptures those shards (rank 0)."""
+        from dflash.extract.capture import corrupt_shards, missing_shards
+        from dflash.extract.store import read_manifest
+
+        manifest = read_manifest(self.out)
+        if manifest is None:
+            return
+        check = corrupt_shards if self.context.settings.capture.verify_existing else missing_shards
+        bad = check(Path(self.out), manifest)
+        if bad:
+            named = ", ".join(f"{e['file']} (samples {e['first_sample']}..{e['first_sample'] + e['num_samples'] - 1})"
+                              for e in bad[:5])
+            print(f"[capture] {len(bad)} feature shard(s) missing or corrupt: {named}; recapturing them",
+                  file=sys.stderr, flush=True)
+            clear_done(self.out)
 
     def describe_streamed(self, mode: str, num_samples: int, layer_ids: list[int]) -> str:
         """online.json / colocated.json: what the train stage's capture workers and trainer need."""
