@@ -4,6 +4,8 @@ Layout of the checkpoint folder (shared by all ranks, e.g. a network filesystem 
     step{N}/            one DeepSpeed tag: model, optimizer and scheduler shards, client state (global step)
     step{N}/rng_rank{r}.safetensors   the CPU (and CUDA) RNG state of rank r
     step{N}/layout.json the world size and ZeRO stage that wrote the shards
+    step{N}/checksums.json  sha256 of every file of the tag, written before `complete`; a resume verifies the tag
+                        and falls back to the newest older tag that verifies, naming the corrupt one
     step{N}/complete    written by rank 0 after EVERY rank finished writing step{N} (a barrier in between)
     latest              the newest complete tag, replaced atomically (temp file + os.replace) after `complete`
     step{N}_universal/  only when resuming on a different number of ranks: DeepSpeed's layout-free "universal"
@@ -32,12 +34,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from dflash.extract.store import file_sha256
 from dflash.run_files import write_text
 from dflash.train.engine import TrainEngine
 
 COMPLETE = "complete"
 LATEST = "latest"
 LAYOUT = "layout.json"
+CHECKSUMS = "checksums.json"  # sha256 of every file of the tag, written before `complete`
 PRUNED = ".pruned-"
 UNIVERSAL = "_universal"
 _TAG = re.compile(r"^step(\d+)$")
@@ -113,6 +117,7 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         write_text(os.path.join(folder, LAYOUT), json.dumps({"world_size": world_size,
                                                                 "zero_stage": engine.zero_stage}))
+        write_text(os.path.join(folder, CHECKSUMS), json.dumps(folder_checksums(folder), indent=1))
         write_text(os.path.join(folder, COMPLETE), f"{step}\n")
         write_text(os.path.join(directory, LATEST), tag)
         prune_checkpoints(directory, keep_last, tag)
@@ -139,6 +144,56 @@ def prune_checkpoints(directory: str, keep_last: int, current: str) -> None:
             shutil.rmtree(os.path.join(directory, name))
     with contextlib.suppress(FileNotFoundError):  # written by ds_to_universal beside its output; never read here
         os.remove(os.path.join(directory, "latest_universal"))
+
+
+def folder_checksums(folder: str) -> dict[str, str]:
+    """sha256 of every file under `folder` (paths relative to it), checksums.json and `complete` aside."""
+    sums = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if relative not in (CHECKSUMS, COMPLETE):
+                sums[relative] = file_sha256(path)
+    return dict(sorted(sums.items()))
+
+
+def tag_problem(directory: str, tag: str) -> str | None:
+    """What is wrong with complete tag `tag`: a file missing, of another sha256 than when it was saved, or extra;
+    None when it verifies (or predates checksums.json, so cannot be checked)."""
+    path = os.path.join(directory, tag, CHECKSUMS)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    now = folder_checksums(os.path.join(directory, tag))
+    for name, digest in saved.items():
+        if name not in now:
+            return f"{name} is missing"
+        if now[name] != digest:
+            return f"{name} differs from when it was saved (sha256 {now[name][:12]}..., saved {digest[:12]}...)"
+    return None
+
+
+def verified_latest_tag(directory: str) -> str | None:
+    """The newest complete tag whose files verify, starting from the one `latest` names; a corrupt tag is named in
+    a warning and the one before it is tried. ValueError naming each tag when none verifies; None when there is
+    no checkpoint."""
+    tag = latest_tag(directory)
+    if tag is None:
+        return None
+    candidates = [tag] + [t for _, t in reversed(complete_tags(directory)) if t != tag]
+    problems = []
+    for candidate in candidates:
+        problem = tag_problem(directory, candidate)
+        if problem is None:
+            if problems:
+                print(f"[train] warning: {'; '.join(problems)}; resuming from {candidate} instead", file=sys.stderr,
+                      flush=True)
+            return candidate
+        problems.append(f"checkpoint {os.path.join(directory, candidate)} is corrupt: {problem}")
+    raise ValueError(f"no checkpoint in {directory} verifies: {'; '.join(problems)}. Move the folder aside to train "
+                     f"from the start, or restore its files")
 
 
 def saved_world_size(directory: str, tag: str) -> int | None:
@@ -181,7 +236,7 @@ def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, 
     # it cached before the folder changed (say, moved aside by claim_checkpoint_dir), and ranks that resumed
     # different steps would train apart without an error.
     def read() -> tuple[str | None, int | None]:
-        tag = latest_tag(directory)
+        tag = verified_latest_tag(directory)
         return tag, None if tag is None else saved_world_size(directory, tag)
 
     tag, saved = _from_rank0(read)
