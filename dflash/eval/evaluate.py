@@ -21,6 +21,7 @@ timer), "generate", "target_pass", "draft", "accept" (replay), "live_warmup", "l
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -144,14 +145,7 @@ def evaluate(
     "greedy" (the drafter's argmax, accepted with the target's probability of it: what vLLM and SGLang do);
     recorded in the summary. T=0 verifies greedily either way.
     """
-    if not prompt_sets:
-        raise ValueError("prompt_sets is empty")
-    if mode not in MODES:
-        raise ValueError(f"unknown eval mode {mode!r}; use one of {list(MODES)}")
-    if mode == "replay" and temperature != 0:
-        raise ValueError(f"replay mode is exact only at temperature 0, got {temperature}; use mode 'live'")
-    if draft_sampling not in DRAFT_SAMPLING:
-        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
+    _check_arguments(prompt_sets, mode, temperature, draft_sampling, categories or {})
     check_compatible(drafter, adapter)
     engine = resolve_engine(live_engine, adapter) if mode == "live" else None
     timer = timer if timer is not None else PhaseTimer(adapter.device)
@@ -162,71 +156,95 @@ def evaluate(
         from tqdm import tqdm
 
         bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), desc=f"eval ({mode})", unit="prompt")
-    progress = bar.update if bar is not None else None
     generator = torch.Generator(device=adapter.device).manual_seed(seed) if mode == "live" else None
-    categories = categories or {}
-    for name, labels in categories.items():
-        if name not in prompt_sets or len(labels) != len(prompt_sets[name]):
-            raise ValueError(f"categories[{name!r}] must label each of the prompts of prompt set {name!r}")
-    per_set: dict[str, Any] = {}
-    per_category: dict[str, Any] = {}
-    traces_of: dict[str, list] = {}
-    extras_of: dict[str, dict[str, Any]] = {}
+    measure = functools.partial(
+        _measure_set, drafter, adapter, mode=mode, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        temperature=temperature, generator=generator, measure_target=measure_target,
+        progress=bar.update if bar is not None else None, timer=timer, engine=engine, draft_sampling=draft_sampling)
     if mode == "live" and warm_up:
         first = next((prompts[0] for prompts in prompt_sets.values() if prompts), None)
         if first is not None:
             with timer.phase("live_warmup"):
                 _warm_up_live(drafter, adapter, first, max_new_tokens=max_new_tokens, temperature=temperature,
                               seed=seed, measure_target=measure_target, engine=engine, draft_sampling=draft_sampling)
+    traces_of: dict[str, list] = {}
+    extras_of: dict[str, dict[str, Any]] = {}
     try:
         for name, prompts in prompt_sets.items():
             if bar is not None:
                 bar.set_postfix_str(name)
             with timer.for_prompt_set(name):
-                if mode == "replay":
-                    with torch.inference_mode():
-                        results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
-                                         batch_size=batch_size, progress=progress, timer=timer)
-                    traces = [r.trace for r in results]
-                    extra = {"greedy_mismatches": sum(r.greedy_mismatches for r in results)}
-                else:
-                    traces, extra = _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
-                                              temperature=temperature, generator=generator,
-                                              measure_target=measure_target, progress=progress, timer=timer,
-                                              engine=engine, draft_sampling=draft_sampling)
-            per_set[name] = {**acceptance_metrics(traces, block_size), **_finish(extra)}
-            if name in categories:
-                groups: dict[str, list] = {}
-                for label, trace in zip(categories[name], traces):
-                    groups.setdefault(label, []).append(trace)
-                per_category[name] = {label: acceptance_metrics(group, block_size)
-                                      for label, group in sorted(groups.items())}
-            traces_of[name], extras_of[name] = traces, extra
+                traces_of[name], extras_of[name] = measure(prompts)
     finally:
         if bar is not None:
             bar.close()
-    summary = {
-        "schema_version": SCHEMA_VERSION,
-        "mode": mode,
-        "temperature": temperature,
-        "draft_sampling": draft_sampling,
-        "block_size": block_size,
-        "max_new_tokens": max_new_tokens,
-        "prompt_sets": per_set,
-        "overall": _pooled_metrics(list(traces_of), traces_of, extras_of, block_size),
-    }
+    summary = _summary(traces_of, extras_of, block_size, mode=mode, temperature=temperature,
+                       draft_sampling=draft_sampling, max_new_tokens=max_new_tokens)
+    if engine is not None:
+        summary["live_engine"] = engine
+    if categories:
+        summary["categories"] = _category_metrics(categories, traces_of, block_size)
+    summary["timing"] = timer.summary()
+    return summary
+
+
+def _check_arguments(prompt_sets: dict[str, list], mode: str, temperature: float, draft_sampling: str,
+                     categories: dict[str, list[str]]) -> None:
+    if not prompt_sets:
+        raise ValueError("prompt_sets is empty")
+    if mode not in MODES:
+        raise ValueError(f"unknown eval mode {mode!r}; use one of {list(MODES)}")
+    if mode == "replay" and temperature != 0:
+        raise ValueError(f"replay mode is exact only at temperature 0, got {temperature}; use mode 'live'")
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
+    for name, labels in categories.items():
+        if name not in prompt_sets or len(labels) != len(prompt_sets[name]):
+            raise ValueError(f"categories[{name!r}] must label each of the prompts of prompt set {name!r}")
+
+
+def _measure_set(drafter: DFlashDraftModel, adapter, prompts: list[list[int]], *, mode: str, max_new_tokens: int,
+                 batch_size: int, temperature: float, generator: torch.Generator | None, measure_target: bool,
+                 progress, timer: PhaseTimer, engine: str | None, draft_sampling: str) -> tuple[list, dict[str, Any]]:
+    """(step traces, extra counts) of one prompt set: by replay, or by live decoding."""
+    if mode == "replay":
+        with torch.inference_mode():
+            results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             progress=progress, timer=timer)
+        return [r.trace for r in results], {"greedy_mismatches": sum(r.greedy_mismatches for r in results)}
+    return _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                     generator=generator, measure_target=measure_target, progress=progress, timer=timer,
+                     engine=engine, draft_sampling=draft_sampling)
+
+
+def _summary(traces_of: dict[str, list], extras_of: dict[str, dict[str, Any]], block_size: int,
+             **header: Any) -> dict[str, Any]:
+    """summary.json's measures: per prompt set, overall, and MT-Bench's turns pooled."""
+    per_set = {name: {**acceptance_metrics(traces, block_size), **_finish(extras_of[name])}
+               for name, traces in traces_of.items()}
+    summary = {"schema_version": SCHEMA_VERSION, "mode": header["mode"], "temperature": header["temperature"],
+               "draft_sampling": header["draft_sampling"], "block_size": block_size,
+               "max_new_tokens": header["max_new_tokens"], "prompt_sets": per_set,
+               "overall": _pooled_metrics(list(traces_of), traces_of, extras_of, block_size)}
     # Every turn of a multi-turn benchmark, pooled as the method's authors' benchmark pools them (it prints the
     # mean over responses of each response's tau: tau_prompt_mean here).
     both_turns = {name: _pooled_metrics([name, name + TURN2_SUFFIX], traces_of, extras_of, block_size)
                   for name in traces_of if name + TURN2_SUFFIX in traces_of}
     if both_turns:
         summary["both_turns"] = both_turns
-    if engine is not None:
-        summary["live_engine"] = engine
-    if per_category:
-        summary["categories"] = per_category
-    summary["timing"] = timer.summary()
     return summary
+
+
+def _category_metrics(categories: dict[str, list[str]], traces_of: dict[str, list],
+                      block_size: int) -> dict[str, dict[str, Any]]:
+    """{prompt set: {label: acceptance metrics}} of the prompt sets whose prompts carry labels."""
+    per_category = {}
+    for name, labels in categories.items():
+        groups: dict[str, list] = {}
+        for label, trace in zip(labels, traces_of[name]):
+            groups.setdefault(label, []).append(trace)
+        per_category[name] = {label: acceptance_metrics(group, block_size) for label, group in sorted(groups.items())}
+    return per_category
 
 
 def _pooled_metrics(names: list[str], traces_of: dict[str, list], extras_of: dict[str, dict[str, Any]],
