@@ -134,28 +134,15 @@ def live_decode(
         size = min(config.block_size, max_length - start)
         with section("live_draft"):
             draft_logits = draft_block_logits(context, adapter, tokens[start], size)
-            if greedy_drafts:
-                drafts = draft_logits.argmax(dim=-1)
-            else:
-                draft_probs = probabilities(draft_logits, temperature)
-                drafts = sample(draft_probs, generator)
+            drafts, draft_probs = _propose(draft_logits, greedy_drafts, temperature, generator)
         with section("live_verify"):
             # The block stays on the device: no host round trip (a sync) between drafting and verifying, so the
             # host queues the verify while the device still drafts.
             block = torch.cat([drafts.new_full((1,), tokens[start]), drafts]).to(adapter.device)
             verify_logits, verify_features = target.verify(block)
         with section("live_accept"):
-            if temperature == 0:
-                accepted, following = accept_greedy(verify_logits, drafts)
-            elif greedy_drafts:
-                accepted, following = accept_greedy_drafts(probabilities(verify_logits, temperature), drafts, generator)
-            else:
-                accepted, following = accept_sampled(probabilities(verify_logits, temperature), draft_probs, drafts,
-                                                     generator)
-        new = (drafts[:accepted].tolist() + [following])[: max_length - start - 1]
-        stopped = next((i for i, t in enumerate(new) if t in stops), None)
-        if stopped is not None:
-            new = new[: stopped + 1]
+            accepted, following = _accept(verify_logits, drafts, draft_probs, temperature, generator)
+        new, stopped = _committed(drafts[:accepted].tolist() + [following], max_length - start - 1, stops)
         committed = len(new)
         # Same bookkeeping as the replay: drafts past the stop token could never have been committed.
         trace.add(committed, min(accepted, committed), size - 1 if stopped is None else min(size - 1, committed))
@@ -168,6 +155,36 @@ def live_decode(
         start += committed
     synchronize(adapter.device)
     return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)
+
+
+def _propose(draft_logits: torch.Tensor, greedy: bool, temperature: float,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(drafts, their distributions or None): the drafter's argmax (T=0, or greedy drafts at T>0, verified as
+    deterministic proposals), else one sample per block position."""
+    if greedy:
+        return draft_logits.argmax(dim=-1), None
+    draft_probs = probabilities(draft_logits, temperature)
+    return sample(draft_probs, generator), draft_probs
+
+
+def _accept(verify_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, temperature: float,
+            generator: torch.Generator | None) -> tuple[int, int]:
+    """(accepted drafts, the token that follows them): greedy prefix matching at T=0, else the sampling rule of
+    how the drafts were proposed (sampling.py)."""
+    if temperature == 0:
+        return accept_greedy(verify_logits, drafts)
+    target_probs = probabilities(verify_logits, temperature)
+    if draft_probs is None:
+        return accept_greedy_drafts(target_probs, drafts, generator)
+    return accept_sampled(target_probs, draft_probs, drafts, generator)
+
+
+def _committed(new: list[int], room: int, stops: set[int]) -> tuple[list[int], int | None]:
+    """The tokens a step commits (at most `room`, up to and including a stop token) and where the stop token is
+    among them (None when there is none)."""
+    new = new[:room]
+    stopped = next((i for i, t in enumerate(new) if t in stops), None)
+    return (new if stopped is None else new[: stopped + 1]), stopped
 
 
 @torch.inference_mode()
