@@ -76,82 +76,15 @@ class OnlineCapture:
         """This rank's OnlineFeatureSource; rank 0 first empties the spool and starts the capture workers (appended
         to `pools` as soon as they run, so the caller stops them whatever happens next). `lengths`: every sample's
         token count when settings.group_by_length (the trainer's plan is built from the same)."""
-        c, t = self.cfg.capture, self.cfg.target
+        c = self.cfg.capture
         info = read_json(os.path.join(self.dirs["features"], "online.json"))
         plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
                          settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
         stream = ItemStream(plan, epochs=settings.epochs)
-        devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
-        # GPUs per capture worker: > 1 places a target too large for one GPU layer-wise across them.
-        if self.external:  # the capture nodes' GPUs are theirs to count; validate() asked for an int
-            g = int(c.get("gpus_per_worker", 1))
-        else:
-            g = resolve_gpus_per_worker(c.get("gpus_per_worker", 1), container(t), len(devices)) if devices else 1
-        num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) // g if devices else 1
-        spool_dir, log_dir = self.spool_dir, os.path.join(self.run_dir, "capture_logs")
-        external = self.external
-        cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
+        devices, g, num_workers = self.worker_layout()
+        log_dir = os.path.join(self.run_dir, "capture_logs")
         if rank == 0:
-            # Consumed items are gone, so every start streams afresh from the step training resumes at.
-            session = uuid.uuid4().hex[:12]
-            if external:
-                # Workers of an earlier start may still be writing into their session folder until their capture
-                # node sees this start's spec: leave it (finish() removes it) and stream through a new one.
-                owned_or_new(spool_dir, self.run_dir)
-                make_owned_dir(spool_dir)
-                spool_dir = os.path.join(spool_dir, f"session-{session}")
-                for stale in (self.done_path, os.path.join(log_dir, "spec.json")):
-                    if os.path.exists(stale):
-                        os.remove(stale)
-            else:
-                remove_owned_dir(spool_dir, self.run_dir)
-            make_owned_dir(spool_dir)
-            shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
-            os.makedirs(log_dir, exist_ok=True)
-            key = self.checkpoint_key
-            resume_step = self.resume_step()
-            if resume_step:
-                use_cache, cache_dir = self.resumed_feature_cache(log_dir, key, cache_dir)
-            else:
-                use_cache = self.decide_feature_cache(info, cache_dir, spool_dir)
-            write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir, "checkpoint": key})
-            spool = Spool(spool_dir, num_workers)
-            spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)
-            first = resume_step * plan.global_batch_size
-            if first:
-                for r in range(world_size):  # items before `first` count as consumed: the workers skip them
-                    spool.set_cursor(r, first)
-            spec = {
-                "target": {"kind": str(t.kind), "path": t.path, "dtype": str(t.dtype), "tiny": container(t.tiny),
-                           "cache_dir": t.cache_dir},
-                "device": ([f"cuda:{j}" for j in range(g)] if g > 1 else "cuda:0") if devices else str(self.device),
-                "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
-                "session": session, "gpus_per_worker": g,
-                "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
-                         "world_size": world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
-                         "group_by_length": plan.group_by_length,
-                         # The workers compute the same grouping keys from the dataset (capture.grouping_keys).
-                         "group_by": str(self.cfg.train.group_by),
-                         "num_anchors": settings.num_anchors, "block_size": int(self.cfg.drafter.block_size)},
-                "epochs": 1 if use_cache else settings.epochs, "layer_ids": info["target_layer_ids"],
-                "dtype": str(c.dtype),
-                "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),
-                "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
-                "compile": bool(c.get("compile", False)), "pack": bool(c.get("pack", False)),
-            }
-            spec_path = os.path.join(log_dir, "spec.json")
-            write_json(spec_path, spec)
-            if external:
-                print(f"[online] waiting for {num_workers} external capture worker(s): start them on the capture "
-                      f"node(s) with `python -m dflash.extract.capture_node {spec_path}` (docs/capture.md); "
-                      f"spool {spool_dir}")
-            else:
-                pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices,
-                                  max_restarts=int(c.max_restarts), gpus_per_worker=g)
-                pools.append(pool)
-                pool.start()
-                print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool "
-                      f"{spool_dir} (budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
+            self.start_session(settings, info, plan, stream, devices, g, num_workers, log_dir, pools)
         self.barrier()
         spool_dir = read_json(os.path.join(log_dir, "spec.json"))["spool"]
         cache = None
@@ -160,6 +93,91 @@ class OnlineCapture:
             cache = FeatureCache(decided["dir"])
         return OnlineFeatureSource(Spool(spool_dir, num_workers), stream, rank, timeout_s=float(c.timeout_s),
                                    hopeless=pools[0].failed if pools else None, cache=cache)
+
+    def worker_layout(self) -> tuple[list[int] | None, int, int]:
+        """(capture GPUs or None off CUDA, GPUs per worker, number of workers). More than one GPU per worker places
+        a target too large for one GPU layer-wise across them."""
+        c = self.cfg.capture
+        devices = [int(d) for d in c.devices] if c.devices is not None and self.device.type == "cuda" else None
+        if self.external:  # the capture nodes' GPUs are theirs to count; the schema asked for an int
+            g = int(c.get("gpus_per_worker", 1))
+        else:
+            g = resolve_gpus_per_worker(c.get("gpus_per_worker", 1), container(self.cfg.target),
+                                        len(devices)) if devices else 1
+        num_workers = int(c.num_workers) if c.num_workers is not None else len(devices) // g if devices else 1
+        return devices, g, num_workers
+
+    def start_session(self, settings, info: dict, plan: BatchPlan, stream: ItemStream, devices: list[int] | None,
+                      g: int, num_workers: int, log_dir: str, pools: list) -> None:
+        """Rank 0: a fresh spool, the feature cache decided, the workers' spec written and (local workers) the
+        workers started. Consumed items are gone, so every start streams afresh from the step training resumes
+        at."""
+        c = self.cfg.capture
+        spool_dir, session = self.spool_dir, uuid.uuid4().hex[:12]
+        cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
+        if self.external:
+            # Workers of an earlier start may still be writing into their session folder until their capture
+            # node sees this start's spec: leave it (finish() removes it) and stream through a new one.
+            owned_or_new(spool_dir, self.run_dir)
+            make_owned_dir(spool_dir)
+            spool_dir = os.path.join(spool_dir, f"session-{session}")
+            for stale in (self.done_path, os.path.join(log_dir, "spec.json")):
+                if os.path.exists(stale):
+                    os.remove(stale)
+        else:
+            remove_owned_dir(spool_dir, self.run_dir)
+        make_owned_dir(spool_dir)
+        shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
+        os.makedirs(log_dir, exist_ok=True)
+        key, resume_step = self.checkpoint_key, self.resume_step()
+        if resume_step:
+            use_cache, cache_dir = self.resumed_feature_cache(log_dir, key, cache_dir)
+        else:
+            use_cache = self.decide_feature_cache(info, cache_dir, spool_dir)
+        write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir, "checkpoint": key})
+        spool = Spool(spool_dir, num_workers)
+        spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)
+        first = resume_step * plan.global_batch_size
+        if first:
+            for r in range(plan.world_size):  # items before `first` count as consumed: the workers skip them
+                spool.set_cursor(r, first)
+        spec = self.worker_spec(settings, info, plan, devices, g, num_workers, spool_dir, log_dir, session,
+                                epochs=1 if use_cache else settings.epochs)
+        spec_path = os.path.join(log_dir, "spec.json")
+        write_json(spec_path, spec)
+        if self.external:
+            print(f"[online] waiting for {num_workers} external capture worker(s): start them on the capture "
+                  f"node(s) with `python -m dflash.extract.capture_node {spec_path}` (docs/capture.md); "
+                  f"spool {spool_dir}")
+            return
+        pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices, max_restarts=int(c.max_restarts),
+                          gpus_per_worker=g)
+        pools.append(pool)
+        pool.start()
+        print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool "
+              f"{spool_dir} (budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
+
+    def worker_spec(self, settings, info: dict, plan: BatchPlan, devices: list[int] | None, g: int,
+                    num_workers: int, spool_dir: str, log_dir: str, session: str, *, epochs: int) -> dict:
+        """What a capture worker process reads (online_workers.run_worker): target, data, plan and spool."""
+        c, t = self.cfg.capture, self.cfg.target
+        return {
+            "target": {"kind": str(t.kind), "path": t.path, "dtype": str(t.dtype), "tiny": container(t.tiny),
+                       "cache_dir": t.cache_dir},
+            "device": ([f"cuda:{j}" for j in range(g)] if g > 1 else "cuda:0") if devices else str(self.device),
+            "data": info["data"], "spool": spool_dir, "log_dir": log_dir, "num_workers": num_workers,
+            "session": session, "gpus_per_worker": g,
+            "plan": {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
+                     "world_size": plan.world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
+                     "group_by_length": plan.group_by_length,
+                     # The workers compute the same grouping keys from the dataset (batch_plan.grouping_keys).
+                     "group_by": str(self.cfg.train.group_by),
+                     "num_anchors": settings.num_anchors, "block_size": int(self.cfg.drafter.block_size)},
+            "epochs": epochs, "layer_ids": info["target_layer_ids"], "dtype": str(c.dtype),
+            "batch_tokens": int(c.batch_tokens), "budget_bytes": int(c.budget_bytes),
+            "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
+            "compile": bool(c.get("compile", False)), "pack": bool(c.get("pack", False)),
+        }
 
     def resumed_feature_cache(self, log_dir: str, key: str | None, cache_dir: str) -> tuple[bool, str]:
         """(cache on, its folder) of a resumed run: the epochs already passed decided it. With the cache off then,
