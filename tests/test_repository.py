@@ -38,3 +38,15 @@ def test_no_trust_remote_code_and_no_unsafe_torch_load():
         assert "trust_remote_code=True" not in text, path
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, (path, call)
+
+
+def test_no_function_in_the_package_is_longer_than_a_screen():
+    """Functions over 80 lines are split into steps with names (house issue, point 7)."""
+    import ast
+
+    long = []
+    for path in (ROOT / "dflash").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not long, "\n".join(long)
