@@ -34,14 +34,23 @@ class Tee:
         return getattr(self.console, name)
 
 
+_current_log: TextIO | None = None
+
+
+def run_log() -> TextIO | None:
+    """The log file the console is being copied to (console_copied_to), or None outside one."""
+    return _current_log
+
+
 @contextlib.contextmanager
 def console_copied_to(path: str) -> Iterator[None]:
     """Inside, everything this process prints to stdout and stderr also goes to `path` (appended)."""
+    global _current_log
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a", encoding="utf-8", buffering=1) as log:
-        out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
+        out, err, outer = sys.stdout, sys.stderr, _current_log
+        sys.stdout, sys.stderr, _current_log = Tee(out, log), Tee(err, log), log
         try:
             yield
         finally:
-            sys.stdout, sys.stderr = out, err
+            sys.stdout, sys.stderr, _current_log = out, err, outer

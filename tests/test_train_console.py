@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash import console
 from dflash.train import third_party_output
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log
@@ -26,7 +27,7 @@ CHATTER = ["gcc ", "-laio", "built successfully", "ds_accelerator", "[compilers"
 
 
 class CopiedConsole(io.StringIO):
-    """A console whose output is also copied to a run log (as dflash/console.py's stream does), kept as `log`."""
+    """A console whose output is also copied to a run log (as dflash/console.py's stream does)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,10 +48,12 @@ def copied_console():
     root.setLevel(logging.INFO)  # as Hydra's job logging does
     root.addHandler(handler)
     sys.stdout = stdout  # set in the test itself: pytest sets its own capture back before the test runs
+    outer, console._current_log = console._current_log, stdout.log  # what console_copied_to sets
     try:
         yield stdout
     finally:
         sys.stdout = previous
+        console._current_log = outer
         root.removeHandler(handler)
         root.setLevel(level)
 

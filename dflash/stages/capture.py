@@ -33,10 +33,11 @@ class CaptureStage:
 
     def describe(self) -> str:
         s = self.context.settings
-        taps = s.drafter.target_layer_ids or f"{s.drafter.num_taps} spread"
+        taps = f"layers {s.drafter.target_layer_ids}" if s.drafter.target_layer_ids else \
+            f"{s.drafter.num_taps} layers spread over its depth"
         where = {"offline": "into a feature store", "online": "streamed to the trainer while training",
                  "colocated": "made by each trainer rank while training"}[s.capture.mode]
-        return f"the target's hidden states at layers {taps}, {where} ({s.capture.dtype})"
+        return f"the target's hidden states at {taps}, {where} ({s.capture.dtype})"
 
     def fingerprint(self) -> str:
         """The capture settings and what the data stage made (its stats.json), not only what it was asked."""

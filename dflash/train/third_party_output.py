@@ -16,9 +16,10 @@ import contextlib
 import io
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from typing import TextIO
+
+from dflash import console
 
 VERBOSE_ENV = "DFLASH_VERBOSE"
 DEEPSPEED_LOGGER = "DeepSpeed"
@@ -31,9 +32,8 @@ def verbose() -> bool:
 
 
 def run_log() -> TextIO | None:
-    """The run's log file while the console is copied to one (dflash/console.py's stream keeps it as `log`)."""
-    log = getattr(sys.stdout, "log", None)
-    return log if callable(getattr(log, "write", None)) else None
+    """The run's log file while the console is copied to one (dflash/console.py)."""
+    return console.run_log()
 
 
 class BelowWarningToRunLog(logging.Filter):
