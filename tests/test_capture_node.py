@@ -120,6 +120,7 @@ def test_external_workers_need_a_worker_count_and_gpus_per_worker(tmp_path, over
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_capture_nodes_stream_the_features_of_the_offline_run(tmp_path):
     run_dir = tmp_path / "run"
     Pipeline(compose(EXTERNAL + [f"run_dir={run_dir}", "stages=[data]"])).run()
@@ -153,6 +154,7 @@ def test_two_capture_nodes_stream_the_features_of_the_offline_run(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_capture_nodes_follow_a_trainer_that_was_killed_and_started_again(tmp_path):
     run_dir = tmp_path / "run"
     Pipeline(compose(EXTERNAL + [f"run_dir={run_dir}", "stages=[data]"])).run()

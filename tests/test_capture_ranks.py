@@ -66,6 +66,7 @@ def two_ranks(one_rank, tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_rank_capture_writes_the_one_process_store(one_rank, two_ranks):
     run_dir, stdout = two_ranks
     num_shards = len(read_manifest(one_rank / "features")["shards"])
@@ -107,6 +108,7 @@ def test_killed_two_rank_capture_resumes_on_one_rank(one_rank, two_ranks, tmp_pa
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_ranks_resume_a_partial_store_and_repair_a_corrupt_shard(one_rank, tmp_path):
     """A 1-process capture killed after shards 0 and 1 (shard 1 since corrupted) plus a sidecar shard 3, resumed by
     2 ranks with verify_existing: each rank hashes its own listed shards, keeps the intact ones and captures the

@@ -46,6 +46,7 @@ def test_changed_capture_settings_move_the_store_aside_and_back(tmp_path, monkey
     assert os.path.isdir(tmp_path / f"features.{changed.capture.fingerprint()}")
 
 
+@pytest.mark.slow
 def test_a_stage_killed_halfway_is_not_taken_for_the_earlier_settings_work(tmp_path, monkeypatch):
     run = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}"]
     Pipeline(compose(run)).run()
@@ -97,6 +98,7 @@ def test_where_a_gguf_target_is_cached_does_not_change_whose_answers_the_journal
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_ranks_run_colocated_capture_and_training_in_one_launch(tmp_path):
     # Only rank 0 enters the capture stage with colocated capture: a barrier inside it would pair with the other
     # ranks' next one and hang the launch.

@@ -147,6 +147,7 @@ def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(colocated
         source.verify_features()
 
 
+@pytest.mark.slow
 def test_capture_compile_trains_the_same_losses_and_leaves_the_target_eager_for_eval(colocated_run, tmp_path,
                                                                                       one_thread):
     from torch._dynamo.utils import counters

@@ -22,6 +22,7 @@ def loss_and_grads(model: DFlashDraftModel, batch: dict) -> tuple[float, list[to
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_loss_and_gradients(one_thread):
     config = trainer_harness.drafter_config()  # one sliding + one full layer
     eager = DFlashDraftModel(config)

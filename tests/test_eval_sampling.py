@@ -96,6 +96,7 @@ def test_accept_greedy_and_sampled_edge_cases():
 
 
 @pytest.mark.parametrize("draft_sampling", ["sampled", "greedy"])
+@pytest.mark.slow
 def test_live_sampling_matches_target_sampling_on_a_tiny_target(draft_sampling, make_drafter):
     """End to end through live_decode: the distribution of the first token that comes out of a verify step (the
     second new token) equals the target's, computed exactly from the target's logits, with sampled and with

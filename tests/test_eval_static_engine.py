@@ -257,6 +257,7 @@ def test_engine_selection(tiny_target, make_drafter):
         target_only_decode(dense, prompt, max_new_tokens=2, stop_token_ids=[], target_engine="fast")
 
 
+@pytest.mark.slow
 def test_real_smollm2_static_live_is_lossless(make_drafter):
     try:
         smollm2.gguf_path()

@@ -65,6 +65,7 @@ def test_the_cache_is_used_when_it_fits():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_workers_capture_one_epoch_and_later_epochs_come_from_the_cache(tmp_path, offline):
     worker = start_worker(tmp_path / "spool", 0, "", epochs=1)  # the workers' stream: the first epoch only
     try:
@@ -85,6 +86,7 @@ def test_workers_capture_one_epoch_and_later_epochs_come_from_the_cache(tmp_path
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_pipeline_with_and_without_the_cache_trains_the_offline_losses(tmp_path, data_dir):
     stored = json.loads(STORED_CURVE.read_text())["loss"]
     for mode in ("true", "false"):
@@ -105,6 +107,7 @@ def test_pipeline_with_and_without_the_cache_trains_the_offline_losses(tmp_path,
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_cache_decision_it_started_with(tmp_path, data_dir):
     # Started with the cache off: a restart that turned it on would look for first-epoch features never kept.
     run_dir = new_run(tmp_path, data_dir)

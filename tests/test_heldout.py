@@ -351,6 +351,7 @@ def test_best_checkpoint_replacement_is_atomic(tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.slow
 def test_two_ranks_evaluate_like_one(tmp_path, zero_stage):
     """Rank 0 evaluates while the other rank waits (ZeRO-2), or every rank joins the consolidation (ZeRO-3): the
     held-out taus and the best equal those of one process on the same global batches."""

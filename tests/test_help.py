@@ -28,6 +28,7 @@ def pages(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.slow
 def test_each_command_prints_a_short_page_of_its_own(pages, name):
     page = pages[name]
     assert len(page.splitlines()) < 45

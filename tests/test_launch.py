@@ -20,6 +20,7 @@ def one_node(*overrides: str, dry_run: bool = False) -> subprocess.CompletedProc
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_one_node_script_captures_with_one_process_per_capture_worker(tmp_path):
     run_dir = tmp_path / "run"
     # Four (fake) capture GPUs, two per worker: two capture processes.
@@ -37,6 +38,7 @@ def commands(done: subprocess.CompletedProcess) -> list[str]:
     return [line for line in done.stdout.splitlines() if line.startswith("+ env ")]
 
 
+@pytest.mark.slow
 def test_dry_run_gives_each_capture_worker_its_gpus():
     data, capture, train, evaluate = commands(one_node("capture.devices=[0,1,2,3]", "capture.gpus_per_worker=2",
                                                        "train.devices=[4,5,6,7]", dry_run=True))

@@ -150,6 +150,7 @@ def start_worker(spool: Path, worker: int, stall: str, epochs: int = 2, world: i
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_sigkilled_worker_loses_no_sample_and_duplicates_none(tmp_path, offline):
     spool_dir, stall = tmp_path / "spool", tmp_path / "stalled"
     # Worker 1 starts alone, so it owns the first chunks; it stalls after 3 items, in the middle of chunk 1.
@@ -192,6 +193,7 @@ def test_sigkilled_worker_loses_no_sample_and_duplicates_none(tmp_path, offline)
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_online_training_gives_the_offline_losses(tmp_path, dense, offline):
     embed, head = dense.embed_tokens().weight.detach(), dense.lm_head_weight().detach()
     config = DrafterConfig(hidden_size=dense.hidden_size, intermediate_size=96, num_hidden_layers=2,

@@ -70,6 +70,7 @@ def online_run(tmp_path_factory, data_dir) -> tuple[Path, str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_online_run_trains_the_offline_losses_and_leaves_nothing_behind(online_run):
     run_dir, printed = online_run
     stored = json.loads(STORED_CURVE.read_text())["loss"]
@@ -116,6 +117,7 @@ def test_workers_exit_when_their_trainer_is_sigkilled(online_run, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_workers_one_killed_lose_no_sample(tmp_path, data_dir, monkeypatch):
     import dflash.train.loop as loop
 
@@ -168,6 +170,7 @@ def test_a_failing_trainer_stops_its_workers(tmp_path, data_dir, monkeypatch):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_workers_that_keep_dying_stop_the_trainer_with_their_error(tmp_path, data_dir):
     run_dir = new_run(tmp_path, data_dir)
     # A budget too small for one chunk: every worker life fails at start-up with a clear message.
@@ -179,6 +182,7 @@ def test_workers_that_keep_dying_stop_the_trainer_with_their_error(tmp_path, dat
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("group_by", ["tokens", "work"])
+@pytest.mark.slow
 def test_length_grouped_batches_train_the_same_online_colocated_and_offline(tmp_path, data_dir, group_by):
     # The online workers compute the grouping keys themselves: any difference from the trainer's would deal
     # other batches (their plan digests are compared) or train other losses.

@@ -153,6 +153,7 @@ def test_capture_and_training_follow_what_the_data_stage_made(tiny_run, tmp_path
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_rank_pipeline_trains_from_the_same_features(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     two = tmp_path / "two"

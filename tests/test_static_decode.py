@@ -177,6 +177,7 @@ def test_compiled_step_gives_the_same_tokens():
     assert got == expected
 
 
+@pytest.mark.slow
 def test_real_smollm2_matches_hf_greedy():
     try:
         smollm2.gguf_path()

@@ -77,6 +77,7 @@ def test_quotas_spread_evenly():
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
+@pytest.mark.slow
 def test_spread_determinism_and_resume_after_a_crash(tiny, tmp_path, engine):
     journal = tmp_path / "one_go.jsonl"
     prompts, stats = synthesize_prompts(tiny, 7, SYSTEMS, journal, engine=engine, **SYN)

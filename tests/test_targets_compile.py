@@ -35,6 +35,7 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.slow
 def test_compiled_layers_capture_the_eager_features(one_thread, family):
     target = load_target("tiny", tiny={"family": family, "seed": 0, "tokenizer": "builtin", **TINY[family]})
     taps = [0, 1]

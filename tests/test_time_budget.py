@@ -508,6 +508,7 @@ def steps_planned_alone(minutes: float, cap: int, step_s: float, start_s: float)
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_ranks_agree_on_the_plan_and_end_together(tmp_path):
     import os
     import socket

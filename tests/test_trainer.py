@@ -124,6 +124,7 @@ def assert_same_training(result, one_process):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.slow
 def test_two_process_zero_matches_one_process_and_resumes_on_one(tmp_path, zero_stage, one_process):
     """ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, gathered for the final state dict); then the
     2-rank checkpoint of step 2 resumes on 1 rank (through a universal checkpoint) to the same end."""
@@ -145,6 +146,7 @@ def test_two_process_zero_matches_one_process_and_resumes_on_one(tmp_path, zero_
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_nodes_on_localhost_match_one_process(tmp_path, one_process):
     """Two torchrun invocations as node 0 and node 1 (one rank each) meeting at the same master."""
     port = str(free_port())

@@ -68,6 +68,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, one_thr
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_sigterm_saves_the_step_in_flight_and_resumes_to_the_same_weights(tmp_path, one_thread):
     """No periodic checkpoints at all: the one written on SIGTERM alone must make the resume exact."""
     run = dict(micro_batch_size=2, grad_accum=1, epochs=4)
