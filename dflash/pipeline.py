@@ -113,8 +113,9 @@ def closing_block(pipeline: Pipeline, summary: dict[str, Any] | None, log: str) 
     row("console log", shown(log))
     if summary is not None and run.device.type == "cpu" and summary["overall"]["tau"] < 1.5:
         lines.append("  This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau near "
-                     "1 is expected). A real drafter: `python -m dflash.train +experiment=smollm2` on one GPU "
-                     "(about 25 minutes on an H200, tau ~3.1, docs/results.md).")
+                     "1 is expected). A real drafter: the same `python -m dflash.train` on a machine with a GPU "
+                     "(+experiment=smollm2_quick, about 10 minutes), or the full recipe +experiment=smollm2 (about 25 "
+                     "minutes on an H200, tau ~3.1, docs/results.md).")
     elif summary is not None and settings.eval.mode == "replay":
         row("next: real decoding", f"python -m dflash.eval {' '.join(command_overrides(settings))} eval.mode=live "
                                    f"eval.out_dir={os.path.join(here, 'eval_live')}")

@@ -194,7 +194,7 @@ def test_two_gpus_over_nccl_match_one_gpu(tmp_path, zero_stage):
 
 
 def test_entry_accepts_the_deepspeed_local_rank_argument():
-    from dflash.train.__main__ import strip_local_rank
+    from dflash.config.command_line import strip_local_rank
 
     env = {key: value for key, value in os.environ.items() if key != "LOCAL_RANK"}
     # --cfg job: Hydra composes and prints the config, then exits: the argument got past Hydra's parser.

@@ -5,10 +5,13 @@
     python -m dflash.eval --help                 # main keys, groups, examples (conf/hydra/help/eval.yaml)
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 from dflash.config import CONFIG_DIR
+from dflash.config.command_line import command_arguments
 from dflash.pipeline import run_command
 
 
@@ -18,4 +21,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *command_arguments(sys.argv[1:])]
     main()

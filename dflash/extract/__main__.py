@@ -18,8 +18,8 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config import CONFIG_DIR
+from dflash.config.command_line import command_arguments
 from dflash.pipeline import run_command
-from dflash.train.__main__ import strip_local_rank
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="extract", version_base="1.3")
@@ -28,5 +28,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *strip_local_rank(sys.argv[1:])]
+    sys.argv = [sys.argv[0], *command_arguments(sys.argv[1:])]
     main()

@@ -1,0 +1,67 @@
+"""The command line of `python -m dflash.train`, `dflash.extract` and `dflash.eval` before Hydra reads it.
+
+Two rewrites, both visible: the `--local_rank=N` the deepspeed launcher appends (Hydra rejects it) moves into the
+LOCAL_RANK environment variable, and a command that names no experiment, target or device on a machine with a GPU
+runs the GPU default (`+experiment=smollm2_quick`, a real drafter in about 10 minutes) instead of the CPU demo,
+saying so on stderr. All three commands rewrite alike, so `python -m dflash.eval` finds the run that
+`python -m dflash.train` made on the same machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+GPU_DEFAULT = "+experiment=smollm2_quick"
+# Keys whose presence means the user chose what to run: the GPU default would override their choice.
+CHOOSING_KEYS = ("experiment", "target", "device")
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Remove the `--local_rank=N` / `--local_rank N` the deepspeed launcher adds (Hydra rejects it) into LOCAL_RANK.
+
+    The launcher also exports LOCAL_RANK; an existing value wins, as torch.distributed reads the environment.
+    """
+    kept, index = [], 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            value = arg.split("=", 1)[1]
+        elif arg in ("--local_rank", "--local-rank") and index + 1 < len(argv):
+            value = argv[index + 1]
+            index += 1
+        else:
+            kept.append(arg)
+            index += 1
+            continue
+        if not value.isdigit():
+            raise ValueError(f"--local_rank must be a non-negative integer, got {value!r}")
+        os.environ.setdefault("LOCAL_RANK", value)
+        index += 1
+    return kept
+
+
+def _override_key(arg: str) -> str:
+    """The config key an override sets: `+experiment=x` -> experiment, `~target` -> target, `a.b=1` -> a."""
+    return arg.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+
+
+def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
+    """`argv` plus the GPU default when the machine has a GPU and no override chooses an experiment, target or
+    device; otherwise `argv` unchanged."""
+    if not has_gpu or any(_override_key(arg) in CHOOSING_KEYS for arg in argv if not arg.startswith("-")):
+        return argv
+    return [*argv, GPU_DEFAULT]
+
+
+def command_arguments(argv: list[str]) -> list[str]:
+    """The Hydra arguments of one of the three commands: `argv` without the launcher's --local_rank, with the GPU
+    default when it applies (announced once per machine, by local rank 0)."""
+    import torch
+
+    kept = strip_local_rank(argv)
+    arguments = with_gpu_default(kept, torch.cuda.is_available())
+    if arguments != kept and os.environ.get("LOCAL_RANK", "0") == "0" and "--help" not in kept:
+        print(f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
+              f"minutes); device=cpu runs the CPU demo", file=sys.stderr)
+    return arguments

@@ -1,0 +1,30 @@
+"""The command line before Hydra: the GPU default experiment and what keeps a user's own choice."""
+
+import pytest
+
+from dflash.config import compose, settings_from
+from dflash.config.command_line import GPU_DEFAULT, with_gpu_default
+
+
+@pytest.mark.parametrize("argv", [[], ["train.lr=1e-3"], ["name=mine", "show_progress=false"], ["--cfg", "job"]])
+def test_a_gpu_machine_runs_the_gpu_default_when_nothing_chooses(argv):
+    assert with_gpu_default(argv, has_gpu=True) == [*argv, GPU_DEFAULT]
+
+
+@pytest.mark.parametrize("argv", [["+experiment=tiny"], ["++experiment=smollm2"], ["target=qwen36"],
+                                  ["target.path=/models/x"], ["device=cpu"], ["device=cuda:1", "train.lr=1e-3"]])
+def test_a_users_experiment_target_or_device_is_kept(argv):
+    assert with_gpu_default(argv, has_gpu=True) == argv
+
+
+def test_a_cpu_machine_runs_the_demo():
+    assert with_gpu_default([], has_gpu=False) == []
+
+
+def test_the_gpu_default_is_the_smollm2_recipe_scaled_down():
+    demo, quick, full = (settings_from(compose(overrides)) for overrides in
+                         ([], [GPU_DEFAULT], ["+experiment=smollm2"]))
+    assert quick.name == "smollm2_quick" != demo.name  # its own run folder: the CPU demo's run is never touched
+    assert quick.target == full.target and quick.drafter == full.drafter and quick.capture == full.capture
+    assert quick.train.max_minutes < full.train.max_minutes
+    assert quick.data.limit < 24000 and quick.data.synthetic.count < full.data.synthetic.count
