@@ -1,4 +1,8 @@
-"""Small files of a run folder: JSON written atomically, and the done-markers that let a rerun skip a stage.
+"""Files of a run folder: atomic writes, JSON, and the done-markers that let a rerun skip a stage.
+
+Every file the project writes goes through `atomic_path` / `atomic_write`: written under a temporary name in the
+same folder, fsynced, renamed over the destination, and the folder fsynced, so a reader (or a run resumed after a
+crash or a power loss) finds the old file or the whole new one, never a part.
 
 A stage's folder holds `done.json` with the fingerprint of what decided its output; a stage whose marker matches
 the current fingerprint is finished and is skipped.
@@ -12,6 +16,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -42,15 +47,56 @@ def mark_done(folder: str, key: str, **info: Any) -> None:
     write_json(os.path.join(folder, "done.json"), {"fingerprint": key, **info})
 
 
+def temp_path(path: str | os.PathLike, tag: str | None = None) -> str:
+    """The temporary name `path` is written under: `.<name>.tmp-<tag>` in the same folder (the rename then stays on
+    one file system), hidden, and unique to its writer: `tag` is the process id unless the caller names the writer
+    (the online spool: its writer's id, so that a takeover removes a dead writer's leftovers only)."""
+    folder, name = os.path.split(os.fspath(path))
+    return os.path.join(folder, f".{name}.tmp-{os.getpid() if tag is None else tag}")
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, tag: str | None = None, durable: bool = True) -> Iterator[str]:
+    """Inside, write the new file at the temporary path yielded; on leaving, it replaces `path` whole (an error
+    inside removes it and leaves `path` as it was).
+
+    durable: the file's data is fsynced before the rename and the folder's entry after it, so that after a power
+    loss `path` is the old file or the whole new one. Off only for the online spool's items and cursors, which a
+    restart rebuilds from scratch and which move at the trainer's feature rate.
+    """
+    tmp = temp_path(path, tag)
+    try:
+        yield tmp
+        if durable:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    if durable:
+        fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, tag: str | None = None,
+                 durable: bool = True) -> None:
+    """Write `data` (text as UTF-8) to `path` through atomic_path."""
+    with atomic_path(path, tag=tag, durable=durable) as tmp, open(tmp, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
 def write_text(path: str, text: str) -> None:
-    """Write `text` to `path` atomically: a reader sees the old file or the whole new one, also after a crash.
-    The temporary name carries the process id, so two processes writing the same file never share it."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `text` to `path` atomically: a reader sees the old file or the whole new one, also after a crash."""
+    atomic_write(path, text)
 
 
 def write_json(path: str, value: Any) -> None:
@@ -183,3 +229,53 @@ def remove_owned_dir(path: str, run_dir: str | None = None) -> None:
         raise ValueError(f"{path} holds files that dflash did not write (no {OWNER_MARKER}); it would be emptied "
                          "here: name a new or empty folder for it")
     shutil.rmtree(path)
+
+
+CHECKSUMS = "checksums.json"  # in a folder of weights: the sha256 of each of its files, written before it is complete
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_checksums(folder: str) -> dict[str, str]:
+    """sha256 of every file under `folder` (paths relative to it), checksums.json aside."""
+    sums = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if relative != CHECKSUMS:
+                sums[relative] = file_sha256(path)
+    return dict(sorted(sums.items()))
+
+
+def write_checksums(folder: str) -> None:
+    """`folder`/checksums.json: the sha256 of each file it holds now (written last, before the folder is complete,
+    so that a reader can verify it with checksum_problem)."""
+    write_text(os.path.join(folder, CHECKSUMS), json.dumps(folder_checksums(folder), indent=1))
+
+
+def checksum_problem(folder: str) -> str | None:
+    """What differs in `folder` from its checksums.json: a listed file missing, or of another sha256 than when it
+    was written; None when every listed file matches, or when the folder has no checksums.json (written before
+    folders carried one, so it cannot be checked)."""
+    path = os.path.join(folder, CHECKSUMS)
+    if not os.path.exists(path):
+        return None
+    try:
+        saved = read_json(path)
+    except ValueError:
+        return f"{CHECKSUMS} is unreadable"
+    for name, digest in saved.items():
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        actual = file_sha256(file)
+        if actual != digest:
+            return f"{name} differs from when it was saved (sha256 {actual[:12]}..., saved {digest[:12]}...)"
+    return None

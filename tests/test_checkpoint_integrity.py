@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from dflash.train.checkpoints import CHECKSUMS, complete_tags, tag_problem, verified_latest_tag
+from dflash.run_files import CHECKSUMS
+from dflash.train.checkpoints import complete_tags, tag_problem, verified_latest_tag
 from tests import trainer_harness
 
 

@@ -205,7 +205,7 @@ def test_summary_files_are_synced_to_disk(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", record)
     write_summary(summary, str(tmp_path))
-    names = {os.path.basename(path).split(".tmp")[0] for path in synced}
+    names = {os.path.basename(path).split(".tmp")[0].lstrip(".") for path in synced}
     assert {"summary.json", "summary.csv"} <= names
     assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".png")) == ["summary.csv", "summary.json"]
 

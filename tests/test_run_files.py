@@ -5,7 +5,10 @@ import os
 
 import pytest
 
-from dflash.run_files import claim_checkpoint_dir, claim_dir, make_owned_dir, mark_done, remove_owned_dir, stage_done
+from dflash.run_files import (
+    atomic_path, atomic_write, claim_checkpoint_dir, claim_dir, make_owned_dir, mark_done, remove_owned_dir, stage_done,
+    temp_path,
+)
 
 
 def test_checkpoints_of_other_settings_are_moved_aside_never_deleted(tmp_path):
@@ -94,3 +97,38 @@ def test_going_back_to_earlier_settings_resumes_their_checkpoints(tmp_path):
     assert (folder / "latest").read_text() == "step7 of A"  # restored, not deleted
     assert claim_checkpoint_dir(str(folder), a) is None
     assert (tmp_path / f"checkpoints.{b}" / "latest").read_text() == "step3 of B"
+
+
+def test_atomic_write_syncs_the_file_and_its_folder_and_leaves_no_temp(tmp_path, monkeypatch):
+    synced, fsync = [], os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    path = tmp_path / "out.json"
+    atomic_write(path, "old")
+    atomic_write(path, b"new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["out.json"]
+    temp = temp_path(path)
+    assert os.path.dirname(temp) == str(tmp_path) and os.path.basename(temp) == f".out.json.tmp-{os.getpid()}"
+    assert synced == [temp, str(tmp_path)] * 2  # the file before its rename, the folder after
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="killed"), atomic_path(path) as temp:
+        with open(temp, "wb") as f:
+            f.write(b"half")
+        raise RuntimeError("killed mid-write")
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["weights.bin"]
+
+
+def test_a_transient_write_names_its_writer_and_skips_fsync(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "fsync", lambda fd: pytest.fail("a transient file is not synced"))
+    path = tmp_path / "i000000000007.safetensors"
+    assert temp_path(path, tag="w3") == str(tmp_path / ".i000000000007.safetensors.tmp-w3")
+    atomic_write(path, b"item", tag="w3", durable=False)
+    assert path.read_bytes() == b"item" and os.listdir(tmp_path) == [path.name]

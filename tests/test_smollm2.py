@@ -13,6 +13,7 @@ from dflash.extract.capture import capture_dataset
 from dflash.extract.store import FeatureStore
 from dflash.models.targets import build_tiny_target, load_target
 from dflash.models.targets import smollm2
+from dflash.run_files import file_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def target(cache_dir):
 def test_conversion_is_cached_and_reloads_fast(target, cache_dir):
     folder = smollm2.cache_path(cache_dir)
     source = json.loads((folder / smollm2.SOURCE_FILE).read_text())
-    assert source["gguf_sha256"] == smollm2._sha256(smollm2.gguf_path())
+    assert source["gguf_sha256"] == file_sha256(smollm2.gguf_path())
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     start = time.perf_counter()
     again = load_target("smollm2", cache_dir=cache_dir)

@@ -26,7 +26,7 @@ from dflash.data.encode import FEATURES  # noqa: F401 - the dataset's schema, wh
 from dflash.data.journal import scan_journal, with_target
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import regenerate
-from dflash.run_files import swap_in_dir
+from dflash.run_files import atomic_write, swap_in_dir
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,7 @@ def fingerprint(prompts: list[Prompt], tokenizer: Any, settings: dict) -> str:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> None:

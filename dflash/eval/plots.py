@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from dflash.run_files import atomic_path
 
 
 def plot_per_position(summary: dict[str, Any], path: str) -> str:
@@ -76,8 +77,6 @@ def plot_committed_histogram(summary: dict[str, Any], path: str) -> str:
 def save_figure(figure, path: str) -> str:
     """Write `figure` as a PNG through a temporary file, so a reader never sees half an image; returns `path`."""
     figure.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    temp = os.path.join(directory, f".{os.path.basename(path)}.tmp.png")
-    figure.savefig(temp, format="png")
-    os.replace(temp, path)
+    with atomic_path(path) as temp:
+        figure.savefig(temp, format="png")
     return path

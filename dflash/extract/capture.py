@@ -38,11 +38,12 @@ from dflash.extract.feature_checks import (  # noqa: F401 - feature_flags: calle
 )
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
 from dflash.host_copy import host_to_device
+from dflash.run_files import file_sha256
 from dflash.extract.sidecars import (
     read_sidecar, remove_sidecars, shard_intact, sidecar_entries, sidecar_path, write_sidecar,
 )
 from dflash.extract.store import (
-    SCHEMA_VERSION, ShardWriter, file_sha256, read_manifest, shard_name, store_dtype,
+    SCHEMA_VERSION, ShardWriter, read_manifest, shard_name, store_dtype,
 )
 from dflash.data.sample_sizes import sample_lengths
 from dflash.models.targets.base import TargetAdapter

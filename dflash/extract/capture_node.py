@@ -25,7 +25,7 @@ from typing import Any
 
 from dflash.extract.online import share_dir
 from dflash.extract.online_workers import WorkerPool
-from dflash.run_files import read_json_or_none
+from dflash.run_files import atomic_write, read_json_or_none
 
 POLL_S = 1.0
 
@@ -43,9 +43,7 @@ def node_spec(spec: dict[str, Any], spec_path: Path, node: int, devices: list[in
     gpus = int(spec["gpus_per_worker"])
     local = dict(spec, device=([f"cuda:{j}" for j in range(gpus)] if gpus > 1 else "cuda:0") if devices else "cpu")
     path = spec_path.with_name(f"spec-node{node}.json")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(local) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(local) + "\n")
     return path
 
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash.run_files import atomic_write
+
 _PARENT_POLL_S = 1.0
 _STOP_GRACE_S = 10.0
 
@@ -89,9 +91,7 @@ def main(argv: list[str]) -> None:
     stats = run_worker(spec, worker)
     out = Path(spec["log_dir"]) / "stats" / f"w{worker}-{os.getpid()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(stats) + "\n")
-    os.replace(tmp, out)
+    atomic_write(out, json.dumps(stats) + "\n")
 
 
 class WorkerPool:

@@ -7,11 +7,11 @@ keeps the shards whose sidecars exist and are intact.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from dflash.extract.store import file_sha256, shard_name
+from dflash.extract.store import shard_name
+from dflash.run_files import atomic_write, file_sha256
 
 
 def sidecar_path(out_dir: Path, index: int) -> Path:
@@ -21,14 +21,8 @@ def sidecar_path(out_dir: Path, index: int) -> Path:
 
 def write_sidecar(out_dir: Path, index: int, entry: dict[str, Any]) -> None:
     """Record shard `index`'s manifest entry next to it (atomically), once the shard itself is in place."""
-    path = sidecar_path(out_dir, index)
-    # ShardWriter's temp-name pattern, so a killed writer's leftover is removed at the next start.
-    tmp = out_dir / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(entry, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # atomic_write's temp names are those ShardWriter removes at the next start when a writer was killed.
+    atomic_write(sidecar_path(out_dir, index), json.dumps(entry))
 
 
 def remove_sidecars(out_dir: Path) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash.extract.fp8 import FP8_DTYPE, dequantize_fp8
+from dflash.run_files import file_sha256
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -39,14 +39,6 @@ def store_dtype(name: str) -> torch.dtype:
     if name not in STORE_DTYPES:
         raise ValueError(f"unknown feature dtype {name!r}; use one of {sorted(STORE_DTYPES)}")
     return STORE_DTYPES[name]
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def shard_name(index: int) -> str:

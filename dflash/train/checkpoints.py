@@ -34,14 +34,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from dflash.extract.store import file_sha256
-from dflash.run_files import write_text
+from dflash.run_files import checksum_problem, write_checksums, write_text
 from dflash.train.engine import TrainEngine
 
 COMPLETE = "complete"
 LATEST = "latest"
 LAYOUT = "layout.json"
-CHECKSUMS = "checksums.json"  # sha256 of every file of the tag, written before `complete`
 PRUNED = ".pruned-"
 UNIVERSAL = "_universal"
 _TAG = re.compile(r"^step(\d+)$")
@@ -117,7 +115,7 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         write_text(os.path.join(folder, LAYOUT), json.dumps({"world_size": world_size,
                                                                 "zero_stage": engine.zero_stage}))
-        write_text(os.path.join(folder, CHECKSUMS), json.dumps(folder_checksums(folder), indent=1))
+        write_checksums(folder)  # before `complete`, so every complete tag has them
         write_text(os.path.join(folder, COMPLETE), f"{step}\n")
         write_text(os.path.join(directory, LATEST), tag)
         prune_checkpoints(directory, keep_last, tag)
@@ -146,33 +144,10 @@ def prune_checkpoints(directory: str, keep_last: int, current: str) -> None:
         os.remove(os.path.join(directory, "latest_universal"))
 
 
-def folder_checksums(folder: str) -> dict[str, str]:
-    """sha256 of every file under `folder` (paths relative to it), checksums.json and `complete` aside."""
-    sums = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(root, name)
-            relative = os.path.relpath(path, folder)
-            if relative not in (CHECKSUMS, COMPLETE):
-                sums[relative] = file_sha256(path)
-    return dict(sorted(sums.items()))
-
-
 def tag_problem(directory: str, tag: str) -> str | None:
-    """What is wrong with complete tag `tag`: a file missing, of another sha256 than when it was saved, or extra;
-    None when it verifies (or predates checksums.json, so cannot be checked)."""
-    path = os.path.join(directory, tag, CHECKSUMS)
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
-    now = folder_checksums(os.path.join(directory, tag))
-    for name, digest in saved.items():
-        if name not in now:
-            return f"{name} is missing"
-        if now[name] != digest:
-            return f"{name} differs from when it was saved (sha256 {now[name][:12]}..., saved {digest[:12]}...)"
-    return None
+    """What is wrong with complete tag `tag`: a file missing or of another sha256 than when it was saved; None
+    when it verifies (or predates checksums.json, so cannot be checked)."""
+    return checksum_problem(os.path.join(directory, tag))
 
 
 def verified_latest_tag(directory: str) -> str | None:

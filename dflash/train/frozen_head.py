@@ -7,13 +7,14 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.run_files import atomic_path
+
 
 def save_frozen_head(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, path: str) -> None:
-    tmp = f"{path}.tmp"
     tensors = {"embed_tokens": embed_weight.detach().cpu().contiguous(),
                "lm_head": lm_head_weight.detach().cpu().clone().contiguous()}
-    save_file(tensors, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp)
 
 
 def load_frozen_head(path: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

