@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.data.generation import batch_seed, cut_response, generation_config, hf_generate
-from dflash.data.journal import JOURNAL_EVERY_S, append_lines, open_journal, read_journal, with_target
+from dflash.data.journal import JournalBuffer, open_journal, read_journal, with_target
 from dflash.data.progress import GenerationProgress
 from dflash.data.prompts import Prompt
 from dflash.data.static_decode import StaticGenerator, resolve_engine
@@ -135,19 +135,19 @@ class _Drawer:
     def __init__(self, adapter: Any, engine: str, prefix_ids: list[list[int]], journal: Any, records: dict,
                  settings: dict, batch_size: int, progress: GenerationProgress) -> None:
         self.adapter, self.engine, self.prefix_ids = adapter, engine, prefix_ids
-        self.journal, self.records, self.progress = journal, records, progress
+        self.records, self.progress = records, progress
         self.settings, self.batch_size = settings, batch_size
         self.stop_ids = settings["stop_token_ids"]
         tokenizer = adapter.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.static: StaticGenerator | None = None
-        self.lines: list[dict] = []
-        self.flushed = time.perf_counter()
+        # Journal every batch's worth of draws, or every few seconds: a killed run loses little.
+        self.buffer = JournalBuffer(journal, every=batch_size)
         self.new_tokens, self.seconds = 0, 0.0
 
     def draw(self, missing: list[tuple[int, int]]) -> None:
         """Draw every (system index, k) in `missing` and journal them."""
-        started = self.flushed = time.perf_counter()
+        started = time.perf_counter()
         if self.engine == "static" and self.static is None:
             self.static = StaticGenerator(self.adapter)
         drawn = missing if self.engine == "static" else self._hf_draws(missing)
@@ -157,7 +157,7 @@ class _Drawer:
             for (i, k), seed, tokens in results:
                 self._record(i, k, seed, tokens)
         finally:
-            self._write()
+            self.buffer.write()
             self.seconds += time.perf_counter() - started
 
     def _static(self, missing: list[tuple[int, int]]):
@@ -201,17 +201,9 @@ class _Drawer:
         record = {"id": f"syn-{i}-{k}", "status": "done", "system": i, "k": k, "seed": seed, "text": text,
                   "tokens": len(tokens), "finish": finish, "verdict": verdict}
         self.records[record["id"]] = record
-        self.lines.append(record)
+        self.buffer.add(record)
         self.new_tokens += len(tokens)
         self.progress.end(record["id"], len(tokens))
-        # Journal every batch's worth of draws, or every few seconds: a killed run loses little.
-        if len(self.lines) >= self.batch_size or time.perf_counter() - self.flushed > JOURNAL_EVERY_S:
-            self._write()
-
-    def _write(self) -> None:
-        append_lines(self.journal, self.lines)
-        self.lines.clear()
-        self.flushed = time.perf_counter()
 
 
 def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], journal_path: str | Path, *,
