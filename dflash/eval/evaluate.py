@@ -6,7 +6,8 @@ Summary schema (summary.json, schema_version 2; docs/eval.md):
     (+ "categories": {set: {category: metrics}} for labelled sets such as MT-Bench, "both_turns": {set: metrics}
     pooling a set and its "<set>_turn2" as the method's authors' benchmark pools MT-Bench's turns (it prints the
     mean over responses, our tau_prompt_mean), "live_engine": "hf"|"static" in live mode (the target engine that
-    ran, live.py), and "chat_template_kwargs" when the pipeline writes it)
+    ran, live.py), "estimate": what was estimated, in replay mode at T > 0 (replay_estimate.py: the metrics are
+    expectations, num_steps and the counts fractional), and "chat_template_kwargs" when the pipeline writes it)
 where metrics = acceptance_metrics(...) (tau, tau_prompt_mean, acceptance_rate, per_position,
 committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_drafted) plus, in replay mode,
 greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
@@ -24,16 +25,19 @@ import csv
 import functools
 import io
 import json
+import math
 import os
 from typing import Any
 
 import torch
 
 from dflash.data.static_decode import resolve_engine
+from dflash.eval.expected_acceptance import ExpectedTrace, expected_metrics
 from dflash.eval.metrics import PhaseTimer, acceptance_metrics
 from dflash.eval.plots import plot_committed_histogram, plot_per_position
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.replay import replay
+from dflash.eval.replay_estimate import replay_estimate
 from dflash.eval.sampling import DRAFT_SAMPLING
 from dflash.models.drafter import DFlashDraftModel
 from dflash.run_files import write_text
@@ -130,7 +134,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
 
-    mode "replay": greedy (T=0) by exact replay over the target's continuation (replay.py), batched.
+    mode "replay": greedy (T=0) by exact replay over the target's continuation (replay.py), batched; at T > 0
+    the expected acceptance along the target's continuations sampled at T with `seed` (replay_estimate.py), an
+    estimate without sampling noise in the acceptance, named in summary["estimate"].
     mode "live": real speculative decoding with KV caches, one prompt at a time (live.py), at `temperature`
     (rejection sampling when > 0); with `measure_target` every prompt is also decoded target-only in the same
     process, which gives tokens/s of both and the speedup, and at T=0 `lossless_mismatches` (prompts whose
@@ -141,7 +147,7 @@ def evaluate(
     `live_engine` (live mode): the target engine of both decodes, "auto" | "static" | "hf" (live.py).
     `warm_up` (live mode): first decode the first prompt briefly in both modes, untimed and uncounted
     (`_warm_up_live`), so the first timed decode does not pay one-off costs that later ones do not.
-    `draft_sampling` (live mode, T>0): "sampled" (drafts drawn from the drafter's softmax, rejection sampling) or
+    `draft_sampling` (T>0): "sampled" (drafts drawn from the drafter's softmax, rejection sampling) or
     "greedy" (the drafter's argmax, accepted with the target's probability of it: what vLLM and SGLang do);
     recorded in the summary. T=0 verifies greedily either way.
     """
@@ -160,7 +166,8 @@ def evaluate(
     measure = functools.partial(
         _measure_set, drafter, adapter, mode=mode, max_new_tokens=max_new_tokens, batch_size=batch_size,
         temperature=temperature, generator=generator, measure_target=measure_target,
-        progress=bar.update if bar is not None else None, timer=timer, engine=engine, draft_sampling=draft_sampling)
+        progress=bar.update if bar is not None else None, timer=timer, engine=engine, draft_sampling=draft_sampling,
+        seed=seed)
     if mode == "live" and warm_up:
         first = next((prompts[0] for prompts in prompt_sets.values() if prompts), None)
         if first is not None:
@@ -194,8 +201,8 @@ def _check_arguments(prompt_sets: dict[str, list], mode: str, temperature: float
         raise ValueError("prompt_sets is empty")
     if mode not in MODES:
         raise ValueError(f"unknown eval mode {mode!r}; use one of {list(MODES)}")
-    if mode == "replay" and temperature != 0:
-        raise ValueError(f"replay mode is exact only at temperature 0, got {temperature}; use mode 'live'")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature}")
     if draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
     for name, labels in categories.items():
@@ -205,8 +212,14 @@ def _check_arguments(prompt_sets: dict[str, list], mode: str, temperature: float
 
 def _measure_set(drafter: DFlashDraftModel, adapter, prompts: list[list[int]], *, mode: str, max_new_tokens: int,
                  batch_size: int, temperature: float, generator: torch.Generator | None, measure_target: bool,
-                 progress, timer: PhaseTimer, engine: str | None, draft_sampling: str) -> tuple[list, dict[str, Any]]:
-    """(step traces, extra counts) of one prompt set: by replay, or by live decoding."""
+                 progress, timer: PhaseTimer, engine: str | None, draft_sampling: str,
+                 seed: int) -> tuple[list, dict[str, Any]]:
+    """(step traces, extra counts) of one prompt set: by replay (expected traces at T > 0), or by live decoding."""
+    if mode == "replay" and temperature > 0:
+        traces = replay_estimate(drafter, adapter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 draft_sampling=draft_sampling, seed=seed, batch_size=batch_size, progress=progress,
+                                 timer=timer)
+        return traces, {}
     if mode == "replay":
         with torch.inference_mode():
             results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
@@ -220,12 +233,16 @@ def _measure_set(drafter: DFlashDraftModel, adapter, prompts: list[list[int]], *
 def _summary(traces_of: dict[str, list], extras_of: dict[str, dict[str, Any]], block_size: int,
              **header: Any) -> dict[str, Any]:
     """summary.json's measures: per prompt set, overall, and MT-Bench's turns pooled."""
-    per_set = {name: {**acceptance_metrics(traces, block_size), **_finish(extras_of[name])}
+    per_set = {name: {**_metrics(traces, block_size), **_finish(extras_of[name])}
                for name, traces in traces_of.items()}
     summary = {"schema_version": SCHEMA_VERSION, "mode": header["mode"], "temperature": header["temperature"],
                "draft_sampling": header["draft_sampling"], "block_size": block_size,
                "max_new_tokens": header["max_new_tokens"], "prompt_sets": per_set,
                "overall": _pooled_metrics(list(traces_of), traces_of, extras_of, block_size)}
+    if header["mode"] == "replay" and header["temperature"] > 0:
+        summary["estimate"] = (f"expected acceptance at T={header['temperature']} ({header['draft_sampling']} "
+                               f"drafts) along the target's continuations sampled at T, not a sampled decode: "
+                               f"num_steps and the counts are expectations (docs/eval.md)")
     # Every turn of a multi-turn benchmark, pooled as the method's authors' benchmark pools them (it prints the
     # mean over responses of each response's tau: tau_prompt_mean here).
     both_turns = {name: _pooled_metrics([name, name + TURN2_SUFFIX], traces_of, extras_of, block_size)
@@ -243,7 +260,7 @@ def _category_metrics(categories: dict[str, list[str]], traces_of: dict[str, lis
         groups: dict[str, list] = {}
         for label, trace in zip(labels, traces_of[name]):
             groups.setdefault(label, []).append(trace)
-        per_category[name] = {label: acceptance_metrics(group, block_size) for label, group in sorted(groups.items())}
+        per_category[name] = {label: _metrics(group, block_size) for label, group in sorted(groups.items())}
     return per_category
 
 
@@ -252,7 +269,14 @@ def _pooled_metrics(names: list[str], traces_of: dict[str, list], extras_of: dic
     """Acceptance metrics and summed timings of the prompt sets `names` taken as one."""
     traces = [trace for name in names for trace in traces_of[name]]
     pooled = {key: sum(extras_of[name][key] for name in names) for key in extras_of[names[0]]}
-    return {**acceptance_metrics(traces, block_size), **_finish(pooled)}
+    return {**_metrics(traces, block_size), **_finish(pooled)}
+
+
+def _metrics(traces: list, block_size: int) -> dict[str, Any]:
+    """acceptance_metrics of step traces, or expected_metrics of expected ones (replay at T > 0)."""
+    if traces and isinstance(traces[0], ExpectedTrace):
+        return expected_metrics(traces, block_size)
+    return acceptance_metrics(traces, block_size)
 
 
 def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed, measure_target, engine,
@@ -370,12 +394,14 @@ def format_table(summary: dict[str, Any]) -> str:
         header += f"  {'speedup':>7}"
     mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
     drafts = f", {summary.get('draft_sampling', 'sampled')} drafts" if temperature > 0 else ""
-    lines = [f"{mode} acceptance at T={temperature}{drafts}, block size {summary['block_size']} "
+    kind = f"{mode} estimate of the acceptance" if "estimate" in summary else f"{mode} acceptance"
+    lines = [f"{kind} at T={temperature}{drafts}, block size {summary['block_size']} "
              f"(tau = tokens per target forward)", header, "-" * len(header)]
     for name, m in rows:
+        steps = number(m["num_steps"], 1) if isinstance(m["num_steps"], float) else m["num_steps"]  # expected
         lines.append(
             f"{name:<{width}}  {number(m['tau'], 2):>6}  {number(m['acceptance_rate'], 3):>8}  "
-            f"{m['num_prompts']:>7}  {m['num_steps']:>7}  {m['num_tokens']:>7}"
+            f"{m['num_prompts']:>7}  {steps:>7}  {m['num_tokens']:>7}"
             + (f"  {number(m['speedup'], 2):>7}" if "speedup" in m else "")
         )
     if summary.get("timing", {}).get("seconds"):

@@ -55,7 +55,8 @@ def _chunks(items: list, size: int) -> Iterator[list]:
         yield items[i : i + size]
 
 
-def _pad_id(adapter, stop_ids: list[int]) -> int:
+def pad_id(adapter, stop_ids: list[int]) -> int:
+    """The id that pads batches: the tokenizer's pad token, else the first stop id, else 0."""
     pad = getattr(adapter.tokenizer, "pad_token_id", None)
     if pad is not None:
         return int(pad)
@@ -100,7 +101,7 @@ def _generate_greedy(
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    pad = _pad_id(adapter, stop_token_ids)
+    pad = pad_id(adapter, stop_token_ids)
     if resolve_engine(engine, adapter) == "static":
         return static_generate(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
                                pad_id=pad, batch_size=batch_size)
@@ -144,7 +145,7 @@ def target_pass(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One batched target forward (right padding): per sequence, features [T, K*H] and greedy next tokens [T]."""
     width = max(len(s) for s in sequences)
-    pad = _pad_id(adapter, adapter.stop_token_ids())
+    pad = pad_id(adapter, adapter.stop_token_ids())
     ids = torch.tensor([list(s) + [pad] * (width - len(s)) for s in sequences], device=adapter.device)
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=adapter.device)
     logits, features = adapter.forward_with_features(ids, mask, layer_ids)

@@ -32,7 +32,9 @@ class EvalStage:
 
     def describe(self) -> str:
         e = self.context.settings.eval
-        if e.mode == "replay":
+        if e.mode == "replay" and e.temperature:
+            how = f"the expected acceptance at T={e.temperature} ({e.draft_sampling} drafts, an estimate)"
+        elif e.mode == "replay":
             how = "exact greedy replay"
         elif not e.temperature:
             how = "live greedy decoding"

@@ -1,0 +1,219 @@
+"""The T > 0 acceptance estimate (dflash/eval/expected_acceptance.py): its walk equals the replay where acceptance
+is certain, and on a tiny target it agrees with live rejection sampling averaged over seeds."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.eval import live
+from dflash.eval.expected_acceptance import (block_survival, expected_metrics, expected_traces, head_logits,
+                                             walk_expected)
+from dflash.eval.live import live_decode
+from dflash.eval.metrics import acceptance_metrics
+from dflash.eval.replay import replay, replay_steps
+from dflash.eval.replay_estimate import replay_estimate, sampled_continuations, target_pass_with_final
+
+TEXTS = ["Hi", "What is two plus two?", "Write a haiku about the sea, please."]
+
+
+def prompts_for(adapter):
+    return [adapter.chat_ids([{"role": "user", "content": t}]) for t in TEXTS]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_walk_with_certain_acceptance_is_the_replay(seed):
+    """Survivals of 0 and 1 make the expected walk the replay's walk: same steps, counts and histogram."""
+    rng = random.Random(seed)
+    block_size, prompt_len, max_new_tokens = 5, 3, 23
+    length = prompt_len + rng.randint(2, max_new_tokens)
+    sequence = [rng.randrange(50) for _ in range(length)]
+    accept = {t: rng.random() < 0.7 for t in range(length)}  # drafts predicting position t match
+
+    def propose(rows, starts, sizes):
+        drafts = torch.full((len(rows), max(sizes) - 1), -5)
+        for i, start in enumerate(starts):
+            for k in range(1, sizes[i]):
+                if start + k < length and accept[start + k]:
+                    drafts[i, k - 1] = sequence[start + k]
+        return drafts
+
+    greedy = torch.tensor(sequence[1:] + [0])
+    trace = replay_steps([sequence], [greedy], [prompt_len], propose, block_size=block_size,
+                         max_new_tokens=max_new_tokens)[0]
+    survival = np.zeros((length - 1 - prompt_len, block_size))
+    for i in range(length - 1 - prompt_len):
+        start, alive = prompt_len + i, 1.0
+        survival[i, 0] = 1.0
+        for k in range(1, block_size):
+            alive *= float(start + k < length and accept[start + k])
+            survival[i, k] = alive
+    expected = walk_expected(survival, prompt_len, length - 1, prompt_len + max_new_tokens, block_size)
+    metrics, replayed = expected_metrics([expected], block_size), acceptance_metrics([trace], block_size)
+    for key, value in replayed.items():
+        if isinstance(value, list):
+            assert metrics[key] == pytest.approx(value), key
+        else:
+            assert metrics[key] == pytest.approx(value), key
+
+
+def test_survival_rules_on_a_hand_example():
+    """Greedy drafts on a greedy pass: the product of p(d) up to the first draft off the pass; sampled drafts on a
+    pass sampled at T: min(1, q/p) of the stored tokens times sum min(p, q)."""
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.1, 0.8, 0.1]])
+    q = torch.tensor([[0.2, 0.7, 0.1], [0.6, 0.2, 0.2], [0.3, 0.3, 0.4]])
+    target, draft = p.log()[None], q.log()[None]
+    stored = torch.tensor([[1, 0, 1]])
+    # Drafts (argmax q) are 1, 0, 2: they agree with the pass at positions 1 and 2, not 3.
+    greedy = block_survival(draft, target, stored, temperature=1.0, path_temperature=0.0, draft_sampling="greedy")
+    assert greedy[0].tolist() == pytest.approx([0.3, 0.3 * 0.6, 0.3 * 0.6 * 0.1])
+    unbiased = block_survival(draft, target, stored, temperature=1.0, path_temperature=1.0, draft_sampling="greedy")
+    assert unbiased[0].tolist() == pytest.approx([0.3, 0.6, 0.1])
+    sampled = block_survival(draft, target, stored, temperature=1.0, path_temperature=1.0, draft_sampling="sampled")
+    beta = torch.minimum(p, q).sum(-1).tolist()
+    kept = torch.minimum(torch.ones(3), q[[0, 1, 2], stored[0]] / p[[0, 1, 2], stored[0]]).tolist()
+    assert sampled[0].tolist() == pytest.approx([beta[0], kept[0] * beta[1], kept[0] * kept[1] * beta[2]])
+
+
+def test_near_zero_temperature_on_the_greedy_pass_is_the_greedy_replay(tiny_target, make_drafter):
+    """At T -> 0 along the greedy continuation, the estimate of a real drafter is its greedy replay."""
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, block_size=4, std=0.2)
+    prompts, stop_ids = prompts_for(adapter), adapter.stop_token_ids()
+    replayed = replay(drafter, adapter, prompts, max_new_tokens=16, stop_token_ids=stop_ids, batch_size=3)
+    sequences = [list(p) + r.continuation for p, r in zip(prompts, replayed)]
+    from dflash.eval.replay import DrafterProposer
+
+    features, finals = target_pass_with_final(adapter, sequences, drafter.config.target_layer_ids)
+    proposer = DrafterProposer(drafter, adapter, sequences, features)
+    head = adapter.lm_head_weight()
+    traces = expected_traces(head_logits(proposer.hidden, head), head, finals, sequences, [len(p) for p in prompts],
+                             block_size=4, max_new_tokens=16, temperature=1e-4, path_temperature=0.0,
+                             draft_sampling="greedy")
+    metrics, exact = expected_metrics(traces, 4), acceptance_metrics([r.trace for r in replayed], 4)
+    for key in ("tau", "acceptance_rate", "num_steps", "num_accepted", "num_drafted"):
+        assert metrics[key] == pytest.approx(exact[key], abs=1e-6), key
+
+
+class _Rollout:
+    """An oracle drafter that depends only on the prefix up to the anchor, as a DFlash drafter does: its logits at
+    block position k are the target's own logits along the target's greedy rollout from the anchor."""
+
+    def __init__(self, adapter, temperature):
+        self.adapter, self.memo = adapter, {}
+
+    def logits(self, prefix: list[int], size: int) -> torch.Tensor:
+        key = (tuple(prefix), size)
+        if key not in self.memo:
+            tokens, rows = list(prefix), []
+            with torch.no_grad():
+                for _ in range(size - 1):
+                    row = self.adapter.model(torch.tensor([tokens])).logits[0, -1].float()
+                    rows.append(row)
+                    tokens.append(int(row.argmax()))
+            self.memo[key] = torch.stack(rows)
+        return self.memo[key]
+
+
+class _TrackedTarget:
+    """A live decode's cached target that also keeps the tokens in its cache, so the oracle sees the prefix."""
+
+    def __init__(self, target):
+        self.target, self.tokens = target, []
+
+    def forward(self, tokens, **kwargs):
+        self.tokens += list(tokens)
+        return self.target.forward(tokens, **kwargs)
+
+    def verify(self, block):
+        self.tokens += block.tolist()
+        return self.target.verify(block)
+
+    def rollback(self, length):
+        self.tokens = self.tokens[:length]
+        return self.target.rollback(length)
+
+
+def _live_tau(adapter, drafter, prompts, rollout, monkeypatch, *, temperature, draft_sampling, seed, max_new_tokens):
+    tracked = []
+    original = live._target
+
+    def target(*args, **kwargs):
+        made, engine = original(*args, **kwargs)
+        tracked.append(_TrackedTarget(made))
+        return tracked[-1], engine
+
+    def draft(context, adapter_, anchor, size):
+        return rollout.logits(tracked[-1].tokens[: context.length] + [anchor], size)
+
+    monkeypatch.setattr(live, "_target", target)
+    monkeypatch.setattr(live, "draft_block_logits", draft)
+    generator = torch.Generator().manual_seed(seed)
+    traces = [live_decode(drafter, adapter, p, max_new_tokens=max_new_tokens, stop_token_ids=[],
+                          temperature=temperature, generator=generator, target_engine="hf",
+                          draft_sampling=draft_sampling).trace for p in prompts]
+    return acceptance_metrics(traces, drafter.config.block_size)["tau"]
+
+
+def _estimated_tau(adapter, drafter, prompts, rollout, *, temperature, draft_sampling, seed, max_new_tokens):
+    continuations = sampled_continuations(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[],
+                                          temperature=temperature, seed=seed, engine="hf")
+    sequences = [list(p) + c for p, c in zip(prompts, continuations)]
+    _, finals = target_pass_with_final(adapter, sequences, drafter.config.target_layer_ids)
+
+    def draft_logits(rows, starts, sizes):
+        out = torch.zeros(len(rows), max(sizes) - 1, adapter.vocab_size)
+        for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
+            out[i, : size - 1] = rollout.logits(sequences[row][: start + 1], size)
+        return out
+
+    traces = expected_traces(draft_logits, adapter.lm_head_weight(), finals, sequences, [len(p) for p in prompts],
+                             block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
+                             temperature=temperature, path_temperature=temperature, draft_sampling=draft_sampling)
+    return expected_metrics(traces, drafter.config.block_size)["tau"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sampled"])
+def test_estimate_agrees_with_live_rejection_sampling(draft_sampling, tiny_target, make_drafter, monkeypatch):
+    """Over 16 seeds, the mean estimated tau (each seed: the target's own sampled continuations) and the mean live
+    tau (each seed: rejection sampling) agree within 4 standard errors of their difference, from the seeds' spread.
+    T = 0.05 makes the tiny random target's next-token distribution peaked enough (max p ~0.6) for blocks to be
+    accepted in part."""
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, block_size=4)
+    prompts, temperature, max_new_tokens, seeds = prompts_for(adapter), 0.05, 16, range(16)
+    rollout = _Rollout(adapter, temperature)
+    settings = dict(temperature=temperature, draft_sampling=draft_sampling, max_new_tokens=max_new_tokens)
+    lives = [_live_tau(adapter, drafter, prompts, rollout, monkeypatch, seed=s, **settings) for s in seeds]
+    estimates = [_estimated_tau(adapter, drafter, prompts, rollout, seed=s, **settings) for s in seeds]
+    error = math.sqrt(np.var(lives, ddof=1) / len(lives) + np.var(estimates, ddof=1) / len(estimates))
+    print(f"live {np.mean(lives):.3f} +- {np.std(lives, ddof=1):.3f}, estimate {np.mean(estimates):.3f} +- "
+          f"{np.std(estimates, ddof=1):.3f}, standard error of the difference {error:.3f}")
+    assert np.mean(lives) > 1.3  # blocks are accepted in part: the comparison means something
+    assert abs(np.mean(lives) - np.mean(estimates)) < 4 * error
+
+
+def test_replay_at_a_temperature_writes_the_estimate(tiny_target, make_drafter, tmp_path):
+    """evaluate(mode=replay, T > 0) gives the estimate, named in the summary; the same seed, the same figures."""
+    from dflash.eval.evaluate import evaluate, format_table, write_summary
+
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, block_size=4, std=0.2)
+    sets = {"a": prompts_for(adapter)[:2], "b": prompts_for(adapter)[2:]}
+    settings = dict(max_new_tokens=10, show_progress=False, temperature=0.05, draft_sampling="greedy", seed=3)
+    summary = evaluate(drafter, adapter, sets, categories={"a": ["math", "writing"]}, **settings)
+    assert "T=0.05" in summary["estimate"] and summary["mode"] == "replay"
+    overall = summary["overall"]
+    assert 1.0 <= overall["tau"] <= 4.0 and overall["num_tokens"] == sum(
+        summary["prompt_sets"][n]["num_tokens"] for n in ("a", "b"))
+    assert overall["num_steps"] == pytest.approx(overall["num_tokens"] / overall["tau"])
+    assert sum(overall["committed_histogram"]) == pytest.approx(overall["num_steps"])
+    assert evaluate(drafter, adapter, sets, **settings)["overall"]["tau"] == pytest.approx(overall["tau"])
+    assert "replay estimate of the acceptance at T=0.05" in format_table(summary)
+    write_summary(summary, str(tmp_path))
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1].startswith("a,")
