@@ -148,7 +148,8 @@ def timed(stage: str, work):
 def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, Any] | None:
     """What the commands run: the pipeline over `stages` (default: cfg.stages). A bad setting, or a run folder that
     holds a drafter of other settings, ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1 shows the
-    traceback) before any work."""
+    traceback) before any work; so does training that diverged (exit status 1)."""
+    from dflash.train.divergence import TrainingDiverged
     from dflash.train.stop_signal import TrainingStopped
 
     if stages is not None:
@@ -161,6 +162,11 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         remove_hydra_only_dir(str(cfg.run_dir))
         sys.exit(2)
+    except TrainingDiverged as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"dflash: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except TrainingStopped as stopped:
         print(f"[train] {stopped}", flush=True)
         sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable

@@ -373,6 +373,9 @@ class TrainSettings:
     attention: str = setting("auto", affects=("train",),
                              doc="auto = flex (block-sparse FlexAttention) on CUDA, sdpa (dense mask) elsewhere")
     keep_last: int = setting(3, affects=(), doc="complete checkpoints kept (0 = all)")
+    max_nonfinite_steps: int = setting(10, affects=(),
+                                       doc="steps in a row with a NaN or infinite loss or gradient norm (their "
+                                           "updates skipped) that stop training")
     peak_tflops: Any = setting("auto", affects=(), doc="per-GPU peak for MFU; auto = measure a bf16 matmul")
     compile: bool = setting(False, affects=(), doc="torch.compile each drafter layer")
     activation_checkpointing: bool = setting(False, affects=(), doc="recompute drafter layers in backward")
@@ -386,7 +389,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         for key in ("epochs", "micro_batch_size", "grad_accum", "num_anchors", "loss_chunk_size", "log_every",
-                    "heldout_batch_size"):
+                    "heldout_batch_size", "max_nonfinite_steps"):
             require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "an int >= 1")
         for key in ("group_by_length", "save_every", "keep_last", "eval_every"):
             require(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "an int >= 0")

@@ -42,11 +42,12 @@ class CheckpointPolicy:
             )
         return state
 
-    def save_if_due(self, engine: TrainEngine, step: int, last_step: int, stopping: bool,
-                    budget: TimeBudget | None) -> None:
-        """Save step `step` on every rank when it is due (the ranks agree on `stopping` and `last_step`)."""
-        if not (stopping or step == last_step or (self.save_every and step % self.save_every == 0)):
-            return
+    def due(self, step: int, last_step: int, stopping: bool) -> bool:
+        """Whether step `step` is saved (the ranks agree on `stopping` and `last_step`)."""
+        return stopping or step == last_step or bool(self.save_every and step % self.save_every == 0)
+
+    def save(self, engine: TrainEngine, step: int, budget: TimeBudget | None) -> None:
+        """Save step `step` on every rank."""
         client_state = {"global_step": step, "global_batch_size": self.global_batch_size}
         if budget is not None:
             client_state["time_budget"] = budget.state()

@@ -190,6 +190,14 @@ class TrainEngine:
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
+    def weights_finite(self) -> bool:
+        """Whether every weight is finite, agreed by all ranks (under ZeRO-3 each rank checks its own partition)."""
+        weights = [getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()]
+        finite = torch.stack([torch.isfinite(w).all() for w in weights]).all().float()  # one wait for the device
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite)
+
     def save(self, directory: str, tag: str, client_state: dict[str, Any]) -> None:
         """Write tag `tag` on every rank; `latest` is left to dflash.train.checkpoints (written atomically)."""
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)

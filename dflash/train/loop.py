@@ -7,8 +7,8 @@ global count. The gradient is then that of one big batch, whatever the split int
 
 Around the steps, each in its own file: the time budget (budget_pace.py feeding time_budget.py, whose plan the LR
 schedule and the progress bar follow), held-out evaluation and the best checkpoint (heldout_tracker.py), the
-metrics record of a step (step_records.py), the checkpoint policy (checkpoint_policy.py), the profiler
-(step_profile.py) and the stop signal (stop_signal.py).
+metrics record of a step (step_records.py), the checkpoint policy (checkpoint_policy.py), the stop on non-finite
+steps or weights (divergence.py), the profiler (step_profile.py) and the stop signal (stop_signal.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dflash.train.budget_pace import BudgetPace
 from dflash.train.checkpoint_policy import CheckpointPolicy
 from dflash.train.checkpoints import resume_tag
 from dflash.train.compile_layers import compile_layers
+from dflash.train.divergence import DivergenceGuard
 from dflash.train.engine import OptimConfig, TrainEngine
 from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
@@ -251,6 +252,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
     attention = resolve_attention(settings.attention, device)
     peak_tflops = resolve_peak_tflops(settings.peak_tflops, device)
     checkpoints = CheckpointPolicy(checkpoint_dir, settings, plan.global_batch_size, rank)
+    divergence = DivergenceGuard(settings.max_nonfinite_steps, checkpoint_dir, rank)
     state = checkpoints.restore(engine, tag)  # data position, anchors and LR all follow from the global step
     step = state["global_step"]
     log.resume_from(step)  # records of steps after the checkpoint (or of an earlier run) are not this run's
@@ -274,9 +276,11 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             check_features(store)
             step += 1
             records.add_step(metrics, step, started)
+            divergence.after_step(engine, step, metrics)  # stops after train.max_nonfinite_steps in a row
             news = pace.after_step(step, started, profiler.profiles(step))
             total_steps = follow_plan(pace.budget, engine, progress, total_steps, news, rank)
             if evaluation.due(step, total_steps):
+                divergence.check_weights(engine, step)  # no best checkpoint with a non-finite weight
                 metrics.update(evaluation.run(engine, step))
                 total_steps = follow_plan(pace.budget, engine, progress, total_steps, pace.after_evaluation(step), rank)
             records.write(step, metrics, total_steps)
@@ -284,7 +288,9 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             with pace.left_out(profiler.profiles(step)):
                 profiler.after_step(step)  # the last profiled step writes its table here (rank 0)
             stopping = stop.requested(device)  # in the last step too: stop now, not after export and eval
-            checkpoints.save_if_due(engine, step, total_steps, stopping, pace.budget)
+            if checkpoints.due(step, total_steps, stopping):
+                divergence.check_weights(engine, step)  # no checkpoint with a non-finite weight
+                checkpoints.save(engine, step, pace.budget)
             if stopping:
                 progress.close()
                 raise TrainingStopped(step, stop.received or "a signal on another rank")
