@@ -83,7 +83,7 @@ def draft_block_logits(context: CachedDrafter | StaticDrafter, adapter, anchor: 
     block[0] = anchor
     hidden = context.hidden(adapter.embed_tokens()(block))[1:]
     head = adapter.lm_head_weight()
-    return hidden.to(device=head.device, dtype=head.dtype) @ head.T
+    return adapter.logit_transform(hidden.to(device=head.device, dtype=head.dtype) @ head.T)
 
 
 @torch.inference_mode()

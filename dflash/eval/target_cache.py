@@ -24,10 +24,16 @@ import torch
 
 
 def new_cache(model: torch.nn.Module) -> Any:
-    """An empty HF DynamicCache laid out for `model` (attention and linear-attention layers as the config says)."""
+    """An empty HF DynamicCache laid out for `model` (attention and linear-attention layers as the config says),
+    with every sliding-window attention layer keeping all its positions (a plain DynamicLayer)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
-    return DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    # A sliding layer drops positions past its window, so a rollback could not slice it by absolute length; kept
+    # whole, the layer's attention mask (built from the positions, not the cache) still applies the window.
+    cache.layers = [DynamicLayer() if hasattr(layer, "sliding_window") else layer for layer in cache.layers]
+    return cache
 
 
 def is_linear_layer(layer: Any) -> bool:

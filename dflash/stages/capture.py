@@ -76,7 +76,7 @@ class CaptureStage:
             return
         self.capture_heldout(config.target_layer_ids)
         save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(),
-                         os.path.join(out, "frozen_head.safetensors"))
+                         os.path.join(out, "frozen_head.safetensors"), run.target.logit_transform)
         write_json(os.path.join(out, "target.json"), shape)
         print(f"[capture] {summary} -> {out}")
         mark_done(out, key)

@@ -101,7 +101,7 @@ class TrainStage:
 
     def train(self, config, rank: int, world_size: int) -> dict:
         """The training loop on this rank, fed by the capture mode's feature source; the final state dict."""
-        from dflash.train.frozen_head import load_frozen_head
+        from dflash.train.frozen_head import load_frozen_head, load_logit_transform
         from dflash.train.loop import train
         from dflash.train.metrics_log import MetricsLog
 
@@ -112,7 +112,8 @@ class TrainStage:
                          config=container(run.cfg))
         pools: list = []  # the capture workers this rank started (online, rank 0): always stopped below
         try:
-            head = load_frozen_head(os.path.join(self.capture.out, "frozen_head.safetensors"))
+            head_file = os.path.join(self.capture.out, "frozen_head.safetensors")
+            head = load_frozen_head(head_file)
             lengths = self.grouping_keys(config.block_size)
             online = None
             if settings.capture.mode == "online":
@@ -130,7 +131,8 @@ class TrainStage:
             with self.colocated_target_compiled():
                 state = train(settings.train, config, store, head, self.checkpoints, log,
                               deepspeed=settings.deepspeed, rank=rank, world_size=world_size, device=run.device,
-                              show_progress=run.show_progress, heldout=self.heldout_set(), lengths=lengths)
+                              show_progress=run.show_progress, heldout=self.heldout_set(), lengths=lengths,
+                              logit_transform=load_logit_transform(head_file))
             if online is not None and rank == 0:
                 online.finish(store, pools[0] if pools else None, time.perf_counter() - started, world_size)
         finally:

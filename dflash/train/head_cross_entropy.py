@@ -9,6 +9,10 @@ not depend on how the term is weighted later, so each chunk of logits is made on
 the accuracy and that gradient, and dropped. Backward only scales the stored [positions, hidden] gradient by each
 position's incoming weight.
 
+A target with a final logit transform t (dflash/models/targets/logit_transform.py: Gemma's soft cap, Granite's or
+Cohere's scale) has logits z = t(h W^T) and distributions softmax(z); the gradient above is then taken through t:
+d CE_i / d h_i = ((q_i - onehot(y_i)) * t'(x_i)) W, with t' computed from z itself.
+
 Against autograd over checkpointed chunks (forward, then a second forward and a backward per chunk in backward),
 this makes the [chunk, vocab] logits and the logits-sized matmul once instead of twice, and walks the float32
 logits far fewer times; the large-vocab CE is most of a small drafter's step.
@@ -25,6 +29,8 @@ from __future__ import annotations
 import warnings
 
 import torch
+
+from dflash.models.targets.logit_transform import LogitTransform
 
 _compiled_ce_chunk = None
 
@@ -72,7 +78,7 @@ def compiled_ce_chunk():
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                target_hidden: torch.Tensor | None, kl_weight: float, fused: bool):
+                target_hidden: torch.Tensor | None, kl_weight: float, fused: bool, transform: LogitTransform):
         rows = hidden.shape[0]
         head = weight.to(hidden.dtype)
         terms = torch.empty(rows, dtype=torch.float32, device=hidden.device)
@@ -83,6 +89,12 @@ class _HeadLoss(torch.autograd.Function):
             end = min(start + chunk_size, rows)
             h, y = hidden[start:end], labels[start:end]
             logits = h @ head.t()
+            # A transform runs in float32 (a cap's tanh in bf16 would round the logits), with its slope t'(x) kept
+            # for the gradient; the identity (most targets) makes nothing extra.
+            slope = None
+            if not transform.identity:
+                logits = transform(logits.float())
+                slope = transform.derivative(logits)
             if fused:
                 # A one-row chunk (rows one more than a multiple of chunk_size) would recompile the dynamic graph,
                 # which specialises sizes 0 and 1: ~1.4 s, once in ~4,096 steps of the recipe. Eager is the same math.
@@ -91,8 +103,10 @@ class _HeadLoss(torch.autograd.Function):
                 del logits
                 terms[start:end] = ce[start:end]
                 if grad is not None:
+                    if slope is not None:
+                        grad_logits = (grad_logits * slope).to(head.dtype)
                     grad[start:end] = grad_logits @ head
-                del grad_logits  # before the next chunk's logits: one chunk's buffers at a time
+                del grad_logits, slope  # before the next chunk's logits: one chunk's buffers at a time
                 continue
             correct[start:end] = logits.argmax(-1) == y
             # log_softmax(dtype=float32) of bf16 logits makes this same float32 copy inside, but keeps the bf16
@@ -105,7 +119,8 @@ class _HeadLoss(torch.autograd.Function):
             p = None
             if kl_weight > 0:
                 target = target_hidden[start:end]
-                log_p = torch.log_softmax(target @ weight.to(target.dtype).t(), dim=-1, dtype=torch.float32)
+                log_p = torch.log_softmax(transform(target @ weight.to(target.dtype).t()), dim=-1,
+                                          dtype=torch.float32)
                 p = log_p.exp()
                 # p log p is 0 where p underflows to 0 (log p may be -inf there).
                 neg_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1)
@@ -121,11 +136,13 @@ class _HeadLoss(torch.autograd.Function):
                 if p is not None:
                     q.sub_(p, alpha=kl_weight)
                 q.scatter_add_(1, y[:, None], torch.full_like(q[:, :1], -(1.0 - kl_weight)))
+                if slope is not None:
+                    q.mul_(slope)
                 grad[start:end] = q.to(hidden.dtype) @ head
                 del q
             # Freed before the next chunk's logits are made: held over, this chunk's float32 [chunk, vocab] buffer
             # would sit next to all of the next chunk's (4 GB more at 4096 x 248k).
-            del log_q, p
+            del log_q, p, slope
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(ce, correct)
         return terms, ce, correct
@@ -134,21 +151,23 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_terms: torch.Tensor, grad_ce: torch.Tensor | None, grad_correct: torch.Tensor | None):
         (grad,) = ctx.saved_tensors
         if grad is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         scaled = (grad.float() * grad_terms[:, None].float()).to(grad.dtype)
-        return scaled, None, None, None, None, None, None
+        return scaled, None, None, None, None, None, None, None
 
 
 def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
               target_hidden: torch.Tensor | None = None, kl_weight: float = 0.0,
-              fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              fused: bool | None = None,
+              transform: LogitTransform | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss terms through the frozen head, the CE alone, and whether the drafter's argmax is the label.
 
     hidden: [rows, H] (differentiable); weight: [V, H], frozen (a weight that requires grad is refused: its
     gradient is never made); labels: [rows] long. kl_weight > 0 mixes in KL(p || q) with p = softmax(target_hidden
     @ weight^T), target_hidden [rows, H] the target's final hidden states: terms = (1 - kl_weight) CE + kl_weight
     KL. At most `chunk_size` rows of logits exist at a time. fused: the compiled CE chunk (module doc); None = on
-    CUDA without KL. Returns (terms [rows] float32 with a gradient to hidden, ce [rows] float32 without one,
+    CUDA without KL. transform: the target's final logit transform, applied to both heads' logits (None: the
+    identity). Returns (terms [rows] float32 with a gradient to hidden, ce [rows] float32 without one,
     correct [rows] bool).
     """
     if weight.requires_grad:
@@ -168,7 +187,7 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     if fused and kl_weight > 0:
         raise ValueError(f"the fused head loss computes CE only; kl_weight={kl_weight} needs fused=False")
     return _HeadLoss.apply(hidden, weight, labels, chunk_size, target_hidden if kl_weight > 0 else None,
-                           float(kl_weight), bool(fused))
+                           float(kl_weight), bool(fused), transform or LogitTransform())
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

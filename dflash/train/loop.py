@@ -27,6 +27,7 @@ from dflash.data.batch_plan import BatchPlan
 from dflash.host_copy import host_to_device
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
+from dflash.models.targets.logit_transform import LogitTransform
 from dflash.train.activation_checkpointing import apply_activation_checkpointing
 from dflash.train.batches import batch_to_device, prepare_micro_batch
 from dflash.train.budget_pace import BudgetPace
@@ -94,12 +95,14 @@ def build_engine(settings: TrainSettings, deepspeed: DeepSpeedSettings | None, d
 
 
 def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.Tensor, micro_batches: list[dict],
-               settings: TrainSettings, world_size: int, attention: str = "sdpa") -> dict[str, float]:
+               settings: TrainSettings, world_size: int, attention: str = "sdpa",
+               logit_transform: LogitTransform | None = None) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches; returns the step's global loss, accuracies, FLOPs.
 
     The denominator is counted before any forward: the exp-decay weight sum, or for D-PACE (whose weights exist
     only after the forward) the number of valid anchors, so the split into ranks and micro-batches never matters.
     With settings.kl_weight > 0 every micro-batch must hold "target_final" [b, T, H] (colocated capture).
+    logit_transform: the target's final logit transform, which the loss applies to the head's logits.
     """
     device = engine.device
     local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting) for batch in micro_batches)
@@ -126,7 +129,7 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
             loss_sum, _, correct, counted = weighted_block_loss(
                 hidden, lm_head, batch["labels"], batch["weights"], settings.loss_chunk_size,
                 settings.loss_weighting, settings.dpace_alpha, settings.kl_weight, target_hidden,
-                rows=batch.get("loss_rows"),
+                rows=batch.get("loss_rows"), transform=logit_transform,
             )
             # `0 * hidden.sum()` keeps every parameter in the graph when a micro-batch holds only placeholders.
             scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
@@ -235,13 +238,15 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
           frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *,
           deepspeed: DeepSpeedSettings | None = None, rank: int, world_size: int, device: torch.device,
           show_progress: bool = True, heldout: HeldoutSet | None = None,
-          lengths: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+          lengths: Sequence[int] | None = None,
+          logit_transform: LogitTransform | None = None) -> dict[str, torch.Tensor]:
     """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
 
     store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
     frozen_head: the target's (embedding, lm_head) weights; heldout: replayed every settings.eval_every steps and at
     the last step, the best weights kept in checkpoint_dir/best; lengths: every sample's token count, needed by
-    settings.group_by_length; deepspeed: ZeRO stage and precision (default: ZeRO-2, bf16 on CUDA)."""
+    settings.group_by_length; deepspeed: ZeRO stage and precision (default: ZeRO-2, bf16 on CUDA); logit_transform:
+    the target's final logit transform (load_logit_transform of the frozen head file)."""
     check_heldout(heldout, settings.eval_every, drafter_config)
     entered = clock()
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
@@ -272,7 +277,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
             profiler.before_step(step + 1)
             started = clock()
             micro_batches = prepare_batches(store, plan, step, settings, drafter_config.block_size, rank, device)
-            metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention)
+            metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention,
+                                 logit_transform)
             check_features(store)
             step += 1
             records.add_step(metrics, step, started)

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from dflash.models.targets.logit_transform import LogitTransform
 from dflash.train.head_cross_entropy import head_loss
 
 
@@ -197,6 +198,7 @@ def weighted_block_loss(
     kl_weight: float = 0.0,
     target_hidden: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sum of weighted CE over block positions, computed in chunks so [positions, vocab] logits never coexist.
 
@@ -209,7 +211,7 @@ def weighted_block_loss(
     position's loss is then (1 - kl_weight) CE + kl_weight KL(p || q), weighted the same way (D-PACE weights still
     come from the drafter's label probability), with both heads' logits made chunk by chunk. rows:
     loss_rows(weights) of these exact weights, when known before the weights reached the device (not checked
-    against them). Returns (loss_sum, weight_sum of the weights used, per-position correct counts [B],
+    against them). transform: the target's final logit transform (head_loss). Returns (loss_sum, weight_sum of the weights used, per-position correct counts [B],
     per-position counts [B]) where the counts cover positions with non-zero weight.
     """
     check_loss_weighting(weighting, dpace_alpha)
@@ -228,7 +230,7 @@ def weighted_block_loss(
     counts = (weights.reshape(-1, block_size) != 0).sum(dim=0).float()
     correct_sum = torch.zeros(block_size, device=hidden.device)
     terms, ce, correct = head_loss(flat_hidden[rows], lm_head_weight, flat_labels[rows], chunk_size,
-                                   flat_target[rows] if kl_weight > 0 else None, kl_weight)
+                                   flat_target[rows] if kl_weight > 0 else None, kl_weight, transform=transform)
     correct_sum.index_add_(0, offsets, correct.detach().float())
     if weighting == "exp_decay":
         position_weights = flat_weights[rows]

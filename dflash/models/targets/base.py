@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dflash.host_copy import host_to_device
+from dflash.models.targets.logit_transform import logit_transform_of
 from dflash.models.targets.packed_attention import packed_attention
 
 # Names of end-of-turn tokens used by common chat templates; the ones present in a tokenizer stop generation.
@@ -73,6 +74,8 @@ class TargetAdapter:
         self.hidden_size: int = int(text_config.hidden_size)
         self.vocab_size: int = int(self.embed_tokens().weight.shape[0])
         self.config = text_config
+        # What the model does to hidden @ lm_head^T: the drafter's logits, sharing the head, get the same.
+        self.logit_transform = logit_transform_of(text_config)
         layers = self.decoder_layers()
         if len(layers) < self.num_layers:
             raise ValueError(
@@ -89,6 +92,10 @@ class TargetAdapter:
     def decoder_layers(self) -> nn.ModuleList:
         """The decoder layers, in order; tap id L hooks `decoder_layers()[L]`."""
         return self.text_model().layers
+
+    def final_norm(self) -> nn.Module:
+        """The text model's last norm: its output is the LM head's input."""
+        return self.text_model().norm
 
     @classmethod
     def layout_of(cls, model: nn.Module) -> TargetAdapter:
@@ -239,7 +246,7 @@ class TargetAdapter:
         store: dict[int, torch.Tensor] = {}
         final: list[torch.Tensor] = []
         handles = self._install_hooks(ids, store, stop_at=None)
-        handles.append(self.text_model().norm.register_forward_hook(lambda _module, _args, out: final.append(out)))
+        handles.append(self.final_norm().register_forward_hook(lambda _module, _args, out: final.append(out)))
         try:
             self._run_decoder(input_ids, attention_mask)
         finally:

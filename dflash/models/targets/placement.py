@@ -104,10 +104,10 @@ def module_bytes(module: nn.Module) -> int:
 
 def _layout(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     """The decoder layers and the final norm of `model`, found by its family's adapter."""
-    from dflash.models.targets.registry import adapter_class
+    from dflash.models.targets.registry import adapter_for
 
-    shell = adapter_class(model.config.model_type).layout_of(model)
-    return shell.decoder_layers(), shell.text_model().norm
+    shell = adapter_for(model).layout_of(model)
+    return shell.decoder_layers(), shell.final_norm()
 
 
 def device_map_for(model: nn.Module, devices: Devices) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """Random-weight tiny targets for tests and CPU runs, with a tokenizer that needs no download.
 
 Families: "llama" (dense, SmolLM-like, tied embeddings), "qwen3" (dense), "qwen3_5" (Qwen3.5/3.6 text: GDN hybrid
-with full attention every 4th layer, notes section 7), "qwen3_5_moe" and "qwen3_next" (GDN hybrids with MoE).
+with full attention every 4th layer, notes section 7), "qwen3_5_moe" and "qwen3_next" (GDN hybrids with MoE), and
+families the generic adapter takes: gemma2 and gemma3_text (final-logit soft-capping, sliding windows), granite
+(logits scaling), cohere (logit scale), phi3, olmo2, stablelm, glm4, gpt_oss (sinks, sliding windows, MoE) and
+deepseek_v3 (MLA, MoE).
 The tokenizer is the cached SmolLM2 tokenizer when present ("auto"), or a built-in byte-level ChatML tokenizer
 ("builtin", always available and deterministic: tests use it).
 """
@@ -38,6 +41,20 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", {**_DENSE, **_GDN}),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {**_DENSE, **_GDN, **_MOE}),
     "qwen3_next": ("Qwen3NextConfig", {**_DENSE, **_GDN, **_MOE}),
+    "gemma2": ("Gemma2Config", {**_DENSE, "sliding_window": 8}),
+    "gemma3_text": ("Gemma3TextConfig", {**_DENSE, "sliding_window": 8, "final_logit_softcapping": 30.0}),
+    "granite": ("GraniteConfig", {**_DENSE, "logits_scaling": 4.0}),
+    "cohere": ("CohereConfig", {**_DENSE, "logit_scale": 0.5}),
+    "phi3": ("Phi3Config", {**_DENSE, "tie_word_embeddings": False}),
+    "olmo2": ("Olmo2Config", dict(_DENSE)),
+    "stablelm": ("StableLmConfig", dict(_DENSE)),
+    "glm4": ("Glm4Config", dict(_DENSE)),
+    "gpt_oss": ("GptOssConfig", {**_DENSE, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek_v3": ("DeepseekV3Config", {**_DENSE, "num_key_value_heads": 4, "n_routed_experts": 4,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "kv_lora_rank": 16,
+                                         "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                                         "v_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1,
+                                         "topk_group": 1}),
 }
 
 

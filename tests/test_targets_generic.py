@@ -1,0 +1,113 @@
+"""Targets without a registry line: the generic adapter on tiny random models of several transformers families
+(capture == hidden_states[L+1], the final state, the logits with the family's own transform, live decoding
+lossless in fp32), and the refusal of families whose layers keep recurrent state, before any weight is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from dflash.eval.live import live_decode
+from dflash.models.targets import UnsupportedTarget, adapter_for, build_tiny_target, wrap_model
+from dflash.models.targets import generic
+from dflash.models.targets.generic import GenericTargetAdapter
+from dflash.models.targets.logit_transform import LogitTransform
+from dflash.models.targets.tiny import build_builtin_tokenizer
+
+GENERIC = ["gemma2", "gemma3_text", "granite", "cohere", "phi3", "olmo2", "stablelm", "glm4", "gpt_oss",
+           "deepseek_v3"]
+# Transforms strong enough to matter on random weights (the defaults barely touch logits near 0).
+STRONG = {"gemma2": {"final_logit_softcapping": 0.5}, "gemma3_text": {"final_logit_softcapping": 0.5},
+          "granite": {"logits_scaling": 8.0}, "cohere": {"logit_scale": 4.0}}
+_SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Families whose layers keep recurrent or convolution state, and no adapter that restores it.
+STATEFUL = {
+    "mamba": ("MambaConfig", {}),
+    "jamba": ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2)),
+    "falcon_h1": ("FalconH1Config", {}),
+    "bamba": ("BambaConfig", {}),
+    "lfm2": ("Lfm2Config", dict(layer_types=["conv", "full_attention", "conv", "full_attention"])),
+}
+
+
+def tiny(family: str, **overrides):
+    return build_tiny_target(family, seed=0, tokenizer="builtin", **{**STRONG.get(family, {}), **overrides})
+
+
+def chat(adapter, text="Write a haiku about the sea, please, and then explain it."):
+    return torch.tensor([adapter.chat_ids([{"role": "user", "content": text}])])
+
+
+@pytest.mark.parametrize("family", GENERIC)
+def test_capture_final_state_and_logits_equal_hf(family):
+    adapter = tiny(family)
+    assert type(adapter) is GenericTargetAdapter and adapter.num_layers == 8
+    ids = chat(adapter)
+    assert ids.shape[1] > 16  # longer than the sliding windows (8) of gemma2, gemma3_text and gpt_oss
+    taps = [0, 3, 6]
+    with torch.no_grad():
+        out = adapter.model(input_ids=ids, output_hidden_states=True)
+    features = adapter.capture(ids, None, taps)
+    expected = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=0, atol=0)
+    features, final = adapter.capture_with_final(ids, None, taps)
+    torch.testing.assert_close(final, out.hidden_states[-1], rtol=0, atol=0)
+    logits = adapter.logit_transform(final @ adapter.lm_head_weight().T)
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    raw = final @ adapter.lm_head_weight().T
+    assert (family in STRONG) == (not torch.allclose(raw, out.logits, atol=1e-3))
+
+
+def test_logit_transforms_read_from_the_configs():
+    assert tiny("gemma2").logit_transform == LogitTransform(softcap=0.5)
+    assert tiny("granite").logit_transform == LogitTransform(scale=1 / 8)
+    assert tiny("cohere").logit_transform == LogitTransform(scale=4.0)
+    assert tiny("phi3").logit_transform.identity and not tiny("phi3").model.config.tie_word_embeddings
+    assert LogitTransform.from_metadata(LogitTransform(0.25, 30.0).metadata()) == LogitTransform(0.25, 30.0)
+    assert LogitTransform().metadata() == {} and LogitTransform.from_metadata(None).identity
+
+
+def test_a_target_whose_logits_differ_from_its_transform_is_refused(monkeypatch):
+    monkeypatch.setattr("dflash.models.targets.base.logit_transform_of", lambda config: LogitTransform())
+    with pytest.raises(UnsupportedTarget, match=r"'gemma2' \(Gemma2ForCausalLM\) makes its logits in a way"):
+        tiny("gemma2")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "deepseek_v3", "granite"])
+def test_live_decoding_is_lossless(family, make_drafter):
+    adapter = tiny(family)
+    drafter = make_drafter(adapter, block_size=5)
+    prompt = chat(adapter, "What is two plus two?")[0].tolist()
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(20):
+            tokens.append(int(adapter.model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[])
+    assert result.continuation == tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("family", sorted(STATEFUL))
+def test_stateful_families_are_refused_by_name_before_loading(family):
+    config_name, extra = STATEFUL[family]
+    config = getattr(transformers, config_name)(**{**_SMALL, **extra})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedTarget, match=rf"target '{family}' \(.*\) keeps recurrent state in its layers "
+                                                r"\(.+\), which speculative decoding must restore"):
+        adapter_for(model)
+    assert "\n" not in generic.unsupported_reason(model)
+
+
+def test_the_refusal_names_what_is_missing():
+    config = transformers.LlamaConfig(**_SMALL)
+    model = AutoModelForCausalLM.from_config(config)
+    model.model.norm = None
+    model.config.model_type = "llama_variant"
+    with pytest.raises(UnsupportedTarget, match=r"'llama_variant' \(LlamaForCausalLM\): LlamaModel has no final "
+                                                r"norm"):
+        wrap_model(model, build_builtin_tokenizer())
+    model.model.layers = model.model.layers[:2]
+    assert "has no list of 4 decoder layers" in generic.unsupported_reason(model)
