@@ -11,10 +11,10 @@ import torch
 
 from dflash.config import compose
 from dflash.data.dataset import load_dataset_dir
+from dflash.data.feature_source import collate
 from dflash.extract.colocated import ColocatedFeatureSource
 from dflash.extract.store import FeatureStore
 from dflash.pipeline import Pipeline
-from dflash.train.batches import collate
 
 TINY = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]"]
 STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"

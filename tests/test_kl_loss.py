@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from dflash.config import compose
 from dflash.data.dataset import load_dataset_dir
+from dflash.data.feature_source import collate
 from dflash.extract.colocated import ColocatedFeatureSource
 from dflash.pipeline import Pipeline
-from dflash.train.batches import collate
 from dflash.train.engine import init_distributed
 from dflash.train.loop import train
 from dflash.train.metrics_log import MetricsLog

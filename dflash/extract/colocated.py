@@ -6,9 +6,9 @@ between processes. The features are exactly what offline capture would store: th
 over right-padded rows, the same self-check of every batch, the same cast to the feature dtype.
 Larger targets belong on their own GPUs: capture.mode=online.
 
-The trainer takes a micro-batch already padded (`get_batch`), and the self-check of its features is read after
-the training step rather than inside it (`verify_features`): reading it at once would make the host wait for the
-target's forward before it could launch the drafter's, leaving the GPU idle while it does.
+The trainer takes a micro-batch already padded (`micro_batch`: one target forward), and the self-check of its
+features is read after the training step rather than inside it (`verify_features`): reading it at once would make
+the host wait for the target's forward before it could launch the drafter's, leaving the GPU idle while it does.
 
 With `final_hidden=True` the forward also runs the rest of the decoder (never the LM head) and each sample gets
 "target_final" [T, H], the target's final normed hidden state in its own dtype: the drafter's KL loss makes the
@@ -25,19 +25,20 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
+from dflash.data.feature_source import FeatureSource, Sample
 from dflash.extract.capture import feature_flags, raise_on_bad_features
 from dflash.host_copy import host_to_device
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
 
 
-class ColocatedFeatureSource:
+class ColocatedFeatureSource(FeatureSource):
     """Samples {"input_ids", "loss_mask", "hidden"} (+ "target_final" when final_hidden) of a token dataset, the
     features computed on access.
 
-    `get_batch` captures a micro-batch in one padded target forward and returns it padded, the hidden states on
-    the target's device; its check is pending until `verify_features` (or the next `get_batch`). `get_many` and
-    indexing return checked single samples.
+    `micro_batch` (`get_batch`) captures a micro-batch in one padded target forward and returns it padded, the
+    hidden states on the target's device; its check is pending until `verify_features` (or the next batch).
+    `get_many` and indexing return checked single samples.
     """
 
     def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str = "bfloat16",
@@ -62,6 +63,9 @@ class ColocatedFeatureSource:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.get_many([index])[0]
+
+    def micro_batch(self, indices: list[int], pin_memory: bool = False) -> Sample:
+        return self.get_batch(indices, pin_memory)[0]
 
     def get_many(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         batch, lengths = self.get_batch(indices)

@@ -2,9 +2,10 @@
 
 Online capture runs the target for every sample of every epoch, because stored features can take terabytes. When
 the disk does hold one epoch, capturing it once is enough: each trainer rank writes the samples it reads in the
-first epoch into a shared folder, one safetensors file per sample (the spool item's tensors, unchanged), and
-every later epoch reads them back while the capture workers have already stopped. A file is written under a
-temporary name and renamed, so a reader never sees half of one; a killed run keeps what it wrote.
+first epoch into a shared folder, one file per sample (the spool item as it came, in the one format of captured
+samples, sample_format.py), and every later epoch reads them back while the capture workers have already stopped.
+A file is written atomically (run_files.atomic_write), so a reader never sees half of one; a killed run keeps what
+it wrote.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+
+from dflash.extract.sample_format import encode, load
+from dflash.run_files import atomic_write
 
 
 # Left free on the cache's disk for what else the run writes there: checkpoints (optimizer state included), logs.
@@ -39,9 +42,7 @@ class FeatureCache:
         file = self.file(index)
         if file.is_file():
             return
-        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(save({name: t.contiguous() for name, t in tensors.items()}))
-        os.replace(tmp, file)
+        atomic_write(file, encode({name: t.contiguous() for name, t in tensors.items()}))
 
     def get(self, index: int) -> dict[str, torch.Tensor]:
         file = self.file(index)
@@ -50,7 +51,7 @@ class FeatureCache:
                 f"feature cache {self.path} has no sample {index}: the first epoch did not write it (a cache from "
                 "another run?). Delete the cache folder and the run's checkpoints, then train again"
             )
-        return load_file(str(file))
+        return load(file)
 
 
 def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, free_bytes: int) -> bool:

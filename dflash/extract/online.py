@@ -5,8 +5,8 @@ slot of every global batch of every epoch, placeholders included, is one *item* 
 item is read by exactly one rank, in increasing g on that rank. So both sides enumerate the same item stream:
 
 * capture workers claim *chunks* of consecutive items, capture them (length-bucketed batches, the offline path)
-  and write one file per item, `data/w{share}/i{g:012d}.safetensors`, with the offline shard schema (hidden,
-  input_ids, loss_mask, offsets; scales for fp8), written under a temp name and renamed into place;
+  and write one file per item, `data/w{share}/i{g:012d}.safetensors`, a one-sample file of the format every
+  captured sample has on disk (sample_format.py), written under a temp name and renamed into place;
 * trainer rank r (`OnlineFeatureSource`) waits for its next item's file, reads it, records the item in its cursor
   file `ranks/r{r}` (atomically) and deletes the file.
 
@@ -36,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from dflash.extract.capture import bytes_per_token, capture_rows
+from dflash.data.feature_source import FeatureSource, Sample
 from dflash.extract.feature_cache import FeatureCache
-from dflash.extract.fp8 import dequantize_fp8
+from dflash.extract.sample_format import decode_single, encode, load, sample_tensors
 from dflash.extract.store import store_dtype
+from dflash.run_files import atomic_write
 from dflash.models.targets.base import TargetAdapter
 from dflash.data.batch_plan import BatchPlan
 from dflash.data.sample_sizes import sample_lengths
@@ -168,10 +169,7 @@ class Spool:
         return int(file.read_text()) if file.is_file() else -1
 
     def set_cursor(self, rank: int, g: int) -> None:
-        file = self.path / "ranks" / f"r{rank}"
-        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-        tmp.write_text(str(g))
-        os.replace(tmp, file)
+        atomic_write(self.path / "ranks" / f"r{rank}", str(g), durable=False)
 
     def remove_item(self, g: int) -> None:
         """Delete every share's copy of item g (two exist when a stalled worker and its taker both wrote it)."""
@@ -228,13 +226,10 @@ class Spool:
 
 
 def _write_item(spool: Spool, share: int, g: int, tensors: dict[str, torch.Tensor], writer: int) -> None:
-    path = spool.item_path(share, g)
-    # The temp name carries the writer's id so that a takeover removes only a dead writer's leftovers.
-    tmp = path.with_name(f".{path.name}.tmp-w{writer}")
-    # Serialise in memory and write our own temp file: save_file may write through a temp file of its own
-    # (`.tmpXXXXXX`), which a SIGKILL would leave in the share, unnamed by writer and never removed.
-    tmp.write_bytes(save(tensors))
-    os.replace(tmp, path)
+    # The temp name carries the writer's id so that a takeover removes only a dead writer's leftovers. Serialised
+    # in memory (encode): save_file may write through a temp file of its own (`.tmpXXXXXX`), which a SIGKILL would
+    # leave in the share, unnamed by writer and never removed.
+    atomic_write(spool.item_path(share, g), encode(tensors), tag=f"w{writer}", durable=False)
 
 
 class CaptureWorker:
@@ -307,14 +302,10 @@ class CaptureWorker:
         offsets = arrays["offsets"]
         for j, g in enumerate(todo):
             start, end = int(offsets[j]), int(offsets[j + 1])
-            tensors = {
-                "hidden": arrays["hidden"][start:end].contiguous(),
-                "input_ids": arrays["input_ids"][start:end].to(torch.int32).contiguous(),
-                "loss_mask": arrays["loss_mask"][start:end].to(torch.uint8).contiguous(),
-                "offsets": torch.tensor([0, end - start], dtype=torch.int64),
-            }
-            if "scales" in arrays:
-                tensors["scales"] = arrays["scales"][start:end].contiguous()
+            scales = arrays["scales"][start:end] if "scales" in arrays else None
+            tensors = sample_tensors(arrays["hidden"][start:end], arrays["input_ids"][start:end],
+                                     arrays["loss_mask"][start:end], torch.tensor([0, end - start]), scales,
+                                     what=f"item {g}")
             claim = self.spool.claim(chunk)
             if claim is None or claim[:2] != (generation, self.worker):
                 return  # taken over: the new owner writes the rest
@@ -427,11 +418,12 @@ class CaptureWorker:
         return None
 
 
-class OnlineFeatureSource:
-    """The trainer side: a Sequence-like store whose `[index]` returns this rank's next item from the spool.
+class OnlineFeatureSource(FeatureSource):
+    """The trainer side: a FeatureSource whose `[index]` returns this rank's next item from the spool.
 
     Reads must come in the order of the BatchPlan the stream was built from (the training loop's order); a
-    different index raises ValueError. Each read blocks until the item's file exists (at most `timeout_s`);
+    different index raises ValueError. A resumed run starts at the step it resumes at: the session sets every
+    rank's cursor there before the workers start (train/online_capture.py), and the source starts at its cursor. Each read blocks until the item's file exists (at most `timeout_s`);
     `hopeless`, when given, is polled while waiting and returns a reason to stop waiting (RuntimeError) or None.
     With a `cache` (feature_cache.py) the workers capture the first epoch only: its items are kept in the cache as
     they are read, and the items of later epochs are read from there.
@@ -458,7 +450,7 @@ class OnlineFeatureSource:
             g += 1
         return g
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> Sample:
         g = self._next
         if g >= self.stream.num_items:
             raise IndexError(f"rank {self.rank} has read all {self.stream.epochs} epochs of the online stream")
@@ -486,7 +478,7 @@ class OnlineFeatureSource:
                 )
             time.sleep(_POLL_S)
         self.wait_s += time.monotonic() - started
-        tensors = load_file(str(path))
+        tensors = load(path)
         if self.cache is not None:
             self.cache.put(expected, tensors)  # before the cursor moves: a consumed item is always cached
         self.spool.set_cursor(self.rank, g + 1)
@@ -494,11 +486,7 @@ class OnlineFeatureSource:
         self._next = self._advance(g + 1)
         return self._sample(tensors)
 
-    def _sample(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _sample(self, tensors: dict[str, torch.Tensor]) -> Sample:
         self.tokens_read += int(tensors["input_ids"].numel())
-        hidden = tensors["hidden"]
-        if "scales" in tensors:
-            hidden = dequantize_fp8(hidden, tensors["scales"])
-        return {"input_ids": tensors["input_ids"].long(), "loss_mask": tensors["loss_mask"].long(),
-                "hidden": hidden}
+        return decode_single(tensors)
 

@@ -3,12 +3,10 @@
 Layout of a store folder:
     manifest.json            schema_version, target_layer_ids, hidden_size, dtype, num_samples, num_tokens,
                              complete, fingerprint, shards: [{file, sha256, first_sample, num_samples, num_tokens}]
-    shard-00000.safetensors  "hidden" [tokens, K*H] (bf16, fp32 or fp8 e4m3), "input_ids" [tokens] int32,
-                             "loss_mask" [tokens] uint8, "offsets" [n+1] int64 (sample j: offsets[j]:offsets[j+1]),
-                             fp8 stores only: "scales" [tokens, K] float32 (one per token and tap, see fp8.py)
-Sample i of the store is row i of the dataset it was captured from. Shards and the manifest are written to a
-temporary name and moved into place with os.replace, so a file that exists is complete; a shard's sha256 is
-checked the first time a reader opens it.
+    shard-00000.safetensors  many samples in the one file format of captured samples (sample_format.py)
+Sample i of the store is row i of the dataset it was captured from. Shards and the manifest are written atomically
+(run_files.atomic_path), so a file that exists is complete; a shard's sha256 is checked the first time a reader
+opens it.
 """
 
 from __future__ import annotations
@@ -24,10 +22,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash.extract.fp8 import FP8_DTYPE, dequantize_fp8
-from dflash.run_files import file_sha256
+from dflash.data.feature_source import FeatureSource, Sample
+from dflash.extract.fp8 import FP8_DTYPE
+from dflash.extract.sample_format import METADATA, SCHEMA_VERSION, decode, sample_tensors
+from dflash.run_files import atomic_path, atomic_write, file_sha256
 
-SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": FP8_DTYPE}
 
@@ -55,17 +54,14 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
 
 
 class ShardWriter:
-    """Writes shards and the manifest of one store folder atomically (temp file + os.replace)."""
+    """Writes shards and the manifest of one store folder atomically (run_files.atomic_path)."""
 
     def __init__(self, out_dir: str | Path) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
-    def _tmp(self, name: str) -> Path:
-        return self.out_dir / f".{name}.tmp-{os.getpid()}"
-
     def remove_stale_temps(self) -> list[Path]:
-        """Delete temporary files left by a writer that was killed mid-write; returns them.
+        """Delete temporary files (run_files.temp_path) left by a writer killed mid-write; returns them.
 
         Only one capture writes a store folder at a time, so every temp file found at start-up is stale.
         """
@@ -88,46 +84,22 @@ class ShardWriter:
 
         `scales` [tokens, K] goes with fp8 `hidden` only.
         """
-        num_tokens = int(offsets[-1])
-        if hidden.shape[0] != num_tokens or input_ids.shape[0] != num_tokens or loss_mask.shape[0] != num_tokens:
-            raise ValueError(
-                f"shard {index}: hidden has {hidden.shape[0]} rows, input_ids {input_ids.shape[0]}, loss_mask "
-                f"{loss_mask.shape[0]}, but the offsets cover {num_tokens} tokens (one row per token expected)"
-            )
         name = shard_name(index)
-        tmp = self._tmp(name)
-        tensors = {
-            "hidden": hidden.contiguous(),
-            "input_ids": input_ids.to(torch.int32).contiguous(),
-            "loss_mask": loss_mask.to(torch.uint8).contiguous(),
-            "offsets": offsets.to(torch.int64).contiguous(),
-        }
-        if (scales is not None) != (hidden.dtype == FP8_DTYPE):
-            raise ValueError(f"shard {index}: fp8 features need per-token scales, other dtypes none")
-        if scales is not None:
-            if scales.shape[0] != num_tokens:
-                raise ValueError(f"shard {index}: {scales.shape[0]} scale rows for {num_tokens} tokens")
-            tensors["scales"] = scales.to(torch.float32).contiguous()
-        # One metadata key only: safetensors orders several keys arbitrarily, and shards should be byte-reproducible.
-        save_file(tensors, str(tmp), metadata={"schema_version": str(SCHEMA_VERSION)})
-        sha = file_sha256(tmp)
-        os.replace(tmp, self.out_dir / name)
+        tensors = sample_tensors(hidden, input_ids, loss_mask, offsets, scales, what=f"shard {index}")
+        with atomic_path(self.out_dir / name) as tmp:
+            # Written from the tensors, not through encode(): a shard can be larger than the memory to spare.
+            save_file(tensors, tmp, metadata=METADATA)
+            sha = file_sha256(tmp)
         return {
             "file": name,
             "sha256": sha,
             "first_sample": int(first_sample),
             "num_samples": int(offsets.shape[0] - 1),
-            "num_tokens": num_tokens,
+            "num_tokens": int(offsets[-1]),
         }
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
-        tmp = self._tmp(MANIFEST_NAME)
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out_dir / MANIFEST_NAME)
+        atomic_write(self.out_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
 
 class _OpenShard:
@@ -142,10 +114,12 @@ class _OpenShard:
         self.scales = self.handle.get_tensor("scales") if "scales" in self.handle.keys() else None
 
 
-class FeatureStore:
-    """Reader: `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": LongTensor[T], "hidden": Tensor[T, K*H]}.
+class FeatureStore(FeatureSource):
+    """The offline FeatureSource: `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": LongTensor[T],
+    "hidden": Tensor[T, K*H]}, in any order.
 
-    `hidden` comes in the stored dtype; fp8 stores are dequantised to bfloat16 on read.
+    `hidden` comes in the stored dtype; fp8 stores are dequantised to bfloat16 on read. A shard's sha256 is checked
+    when it is first opened, so there is no deferred check (`verify_features` does nothing).
     """
 
     def __init__(self, path: str | Path, *, verify: bool = True, allow_partial: bool = False) -> None:
@@ -209,17 +183,11 @@ class FeatureStore:
         j = i - self._first[shard_index]
         return shard_index, int(shard.offsets[j]), int(shard.offsets[j + 1])
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> Sample:
         shard_index, start, end = self.locate(int(i))
         shard = self._open[shard_index]
-        hidden = shard.hidden[start:end]
-        if shard.scales is not None:
-            hidden = dequantize_fp8(hidden, shard.scales[start:end])
-        return {
-            "input_ids": shard.input_ids[start:end].long(),
-            "loss_mask": shard.loss_mask[start:end].long(),
-            "hidden": hidden,
-        }
+        return decode(shard.input_ids[start:end], shard.loss_mask[start:end], shard.hidden[start:end],
+                      None if shard.scales is None else shard.scales[start:end])
 
     def lengths(self) -> list[int]:
         """Token count of every sample, in order (opens every shard)."""

@@ -1,36 +1,17 @@
-"""How a micro-batch of the plan's samples (dflash/data/batch_plan.py) is padded and prepared for a step.
+"""How a micro-batch of the plan's samples (dflash/data/batch_plan.py) is read from its FeatureSource and prepared
+for a step.
 
 Anchors are drawn from a generator seeded by (seed, epoch, sample), independent of placement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from dflash.data.feature_source import FeatureSource, Sample, as_feature_source
 from dflash.train.objective import block_targets, loss_rows, sample_anchors
-
-
-def collate(samples: list[dict[str, torch.Tensor]], pin_memory: bool = False) -> dict[str, torch.Tensor]:
-    """Right-pad input_ids / loss_mask / hidden (and target_final when the samples have it) to the longest sample.
-
-    Padding has loss_mask 0. The hidden states stay on the device they come from (a colocated target's GPU, or the
-    CPU). pin_memory (CUDA only): the padded CPU tensors are allocated in page-locked memory, so the copy to the
-    GPU is one asynchronous DMA instead of a staged pageable copy, and costs no second host copy.
-    """
-    longest = max(s["input_ids"].shape[0] for s in samples)
-    batch = len(samples)
-    input_ids = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
-    loss_mask = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
-    padded = {"input_ids": input_ids, "loss_mask": loss_mask}
-    for key in ["hidden"] + (["target_final"] if "target_final" in samples[0] else []):
-        first = samples[0][key]
-        padded[key] = torch.zeros(batch, longest, first.shape[-1], dtype=first.dtype, device=first.device,
-                                  pin_memory=pin_memory and first.device.type == "cpu")
-    for row, sample in enumerate(samples):
-        length = sample["input_ids"].shape[0]
-        for key, tensor in padded.items():
-            tensor[row, :length] = sample[key]
-    return padded
 
 
 def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generator:
@@ -57,24 +38,17 @@ def trim_anchor_padding(anchors: torch.Tensor, valid: torch.Tensor) -> tuple[tor
 
 
 def prepare_micro_batch(
-    store, slots: list[tuple[int, bool]], *, epoch: int, seed: int, num_anchors: int, block_size: int, gamma: float,
-    pin_memory: bool = False,
+    source: FeatureSource | Sequence[Sample], slots: list[tuple[int, bool]], *, epoch: int, seed: int,
+    num_anchors: int, block_size: int, gamma: float, pin_memory: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Collated tensors plus anchors, labels and loss weights (zeroed for placeholder samples).
+    """The source's padded micro-batch plus anchors, labels and loss weights (zeroed for placeholder samples).
 
-    A store whose samples hold "target_final" (colocated capture with final_hidden=True) passes it on, padded, for
-    the KL loss; train_step gathers its rows per block position.
-
-    A store with `get_batch` (colocated capture) hands out the micro-batch already padded: one target forward.
-    pin_memory (only when training on CUDA): every CPU tensor of the batch is page-locked, so train_step's copies
-    to the GPU are asynchronous (batch_to_device).
+    A source whose samples hold "target_final" (colocated capture with final_hidden=True) passes it on, padded, for
+    the KL loss; train_step gathers its rows per block position. pin_memory (only when training on CUDA): every
+    CPU tensor of the batch is page-locked, so train_step's copies to the GPU are asynchronous (batch_to_device).
     """
     indices = [index for index, _ in slots]
-    get_batch = getattr(store, "get_batch", None)
-    if get_batch is not None:
-        batch, _ = get_batch(indices, pin_memory)
-    else:
-        batch = collate([store[index] for index in indices], pin_memory)
+    batch = as_feature_source(source).micro_batch(indices, pin_memory)
     generators = [anchor_generator(seed, epoch, index) for index, _ in slots]
     anchors, valid = sample_anchors(batch["loss_mask"], num_anchors, generators)
     anchors, valid = trim_anchor_padding(anchors, valid)

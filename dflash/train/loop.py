@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from dflash.config.schema import DeepSpeedSettings, TrainSettings
 from dflash.data.batch_plan import BatchPlan
+from dflash.data.feature_source import FeatureSource, Sample, as_feature_source
 from dflash.host_copy import host_to_device
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
@@ -206,7 +207,7 @@ def count_steps(settings: TrainSettings, plan: BatchPlan) -> int:
     return total_steps
 
 
-def prepare_batches(store: Sequence[dict[str, torch.Tensor]], plan: BatchPlan, step: int, settings: TrainSettings,
+def prepare_batches(store: FeatureSource | Sequence[Sample], plan: BatchPlan, step: int, settings: TrainSettings,
                     block_size: int, rank: int, device: torch.device) -> list[dict]:
     """This rank's micro-batches of the step after `step` steps (features, anchors, labels, loss weights)."""
     epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
@@ -219,12 +220,11 @@ def prepare_batches(store: Sequence[dict[str, torch.Tensor]], plan: BatchPlan, s
         ]
 
 
-def check_features(store: Sequence[dict[str, torch.Tensor]]) -> None:
-    """Colocated capture: this step's feature checks, read after the step's sync (other sources have none)."""
-    verify_features = getattr(store, "verify_features", None)
-    if verify_features is not None:
-        with record_function(PHASE_CHECKS):
-            verify_features()
+def check_features(store: FeatureSource | Sequence[Sample]) -> None:
+    """The source's deferred feature checks of this step, read after the step's sync (colocated capture defers
+    them; the other sources check as they read and have none pending)."""
+    with record_function(PHASE_CHECKS):
+        as_feature_source(store).verify_features()
 
 
 def show_step(progress: tqdm, metrics: dict[str, float]) -> None:
@@ -234,7 +234,7 @@ def show_step(progress: tqdm, metrics: dict[str, float]) -> None:
     progress.update(1)
 
 
-def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequence[dict[str, torch.Tensor]],
+def train(settings: TrainSettings, drafter_config: DrafterConfig, store: FeatureSource | Sequence[Sample],
           frozen_head: tuple[torch.Tensor, torch.Tensor], checkpoint_dir: str, log: MetricsLog, *,
           deepspeed: DeepSpeedSettings | None = None, rank: int, world_size: int, device: torch.device,
           show_progress: bool = True, heldout: HeldoutSet | None = None,
@@ -242,7 +242,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Sequenc
           logit_transform: LogitTransform | None = None) -> dict[str, torch.Tensor]:
     """Train to the end (resuming from the latest checkpoint) and return the drafter's state dict on CPU.
 
-    store: samples {"input_ids", "loss_mask", "hidden"} (a FeatureStore, or any sequence of such dicts);
+    store: the capture mode's FeatureSource (dflash/data/feature_source.py), or a list of samples in memory;
     frozen_head: the target's (embedding, lm_head) weights; heldout: replayed every settings.eval_every steps and at
     the last step, the best weights kept in checkpoint_dir/best; lengths: every sample's token count, needed by
     settings.group_by_length; deepspeed: ZeRO stage and precision (default: ZeRO-2, bf16 on CUDA); logit_transform:

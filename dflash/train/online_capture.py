@@ -72,7 +72,8 @@ class OnlineCapture:
         """Written after training: tells the capture nodes' supervisors that this session is over."""
         return os.path.join(self.run_dir, "capture_logs", "done.json")
 
-    def source(self, settings, rank: int, world_size: int, pools: list, lengths: tuple[int, ...] | None = None):
+    def source(self, settings, rank: int, world_size: int, pools: list,
+               lengths: tuple[int, ...] | None = None) -> OnlineFeatureSource:
         """This rank's OnlineFeatureSource; rank 0 first empties the spool and starts the capture workers (appended
         to `pools` as soon as they run, so the caller stops them whatever happens next). `lengths`: every sample's
         token count when settings.group_by_length (the trainer's plan is built from the same)."""
@@ -239,7 +240,7 @@ class OnlineCapture:
             raise ValueError(f"checkpoint tag {tag!r} in {self.dirs['checkpoints']} does not name a step")
         return int(match.group(1))
 
-    def finish(self, source, pool, train_s: float, world_size: int) -> None:
+    def finish(self, source: OnlineFeatureSource, pool, train_s: float, world_size: int) -> None:
         """Join the capture workers, remove the (now empty) spool and report both throughputs and the device
         split that would balance them (rank 0)."""
         c = self.cfg.capture
