@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dflash.config.errors import CorruptFile
 from dflash.eval.export import export_zlab, load_drafter
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
@@ -45,7 +46,7 @@ def test_round_trip_float32_is_identical(tmp_path):
     # Exporting again over an existing folder replaces it and leaves no temporary folders behind.
     export_zlab(drafter, out, dtype=torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["export"]
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["checksums.json", "config.json", "model.safetensors"]
 
 
 def test_bfloat16_export_rounds_weights_only(tmp_path):
@@ -93,6 +94,7 @@ def test_load_errors_name_the_problem(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_drafter(str(tmp_path / "empty"))
     out = export_zlab(small_drafter(), str(tmp_path / "export"))
+    os.remove(os.path.join(out, "checksums.json"))  # as a folder written by another tool
     weights = os.path.join(out, "model.safetensors")
     tensors = load_file(weights)
     fc = tensors.pop("fc.weight")
@@ -125,5 +127,8 @@ def test_a_non_finite_drafter_is_never_exported_nor_loaded(tmp_path):
     tensors = load_file(os.path.join(out, "model.safetensors"))
     tensors["fc.weight"][0, 0] = float("nan")  # corrupted on disk, or written by another tool
     save_file(tensors, os.path.join(out, "model.safetensors"))
+    with pytest.raises(CorruptFile, match=f"drafter folder {out} is corrupt: model.safetensors differs"):
+        load_drafter(out)
+    os.remove(os.path.join(out, "checksums.json"))  # written by another tool: no checksums
     with pytest.raises(NonFiniteWeights, match=f"drafter weights in {out}: 1 tensor"):
         load_drafter(out)

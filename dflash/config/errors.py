@@ -21,6 +21,11 @@ class NothingToEvaluate(RunFolderError, FileNotFoundError):
     """The eval stage finds no drafter of these settings."""
 
 
+class CorruptFile(RunFolderError):
+    """A file of a folder of weights differs from its checksums.json; the message names the folder, the file, and
+    what to do."""
+
+
 def require(condition: bool, key: str, value: Any, expected: str) -> None:
     """ConfigError `key=value: expected ...` unless `condition`."""
     if not condition:

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
-from dflash.run_files import swap_in_dir
+from dflash.config.errors import CorruptFile
+from dflash.run_files import checksum_problem, swap_in_dir, write_checksums
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -49,7 +50,8 @@ def refuse_non_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
 
 
 def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Write out_dir/config.json and out_dir/model.safetensors; an existing out_dir is replaced as a whole.
+    """Write out_dir/config.json, out_dir/model.safetensors and their checksums.json; an existing out_dir is
+    replaced as a whole.
 
     Written into a temporary sibling folder first, then moved into place, so out_dir is never half-written; if
     the move fails, the previous export stays at out_dir. The folder and files get the usual modes (0o777 / 0o666
@@ -68,6 +70,7 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
             json.dump(config, f, indent=2)
             f.write("\n")
         save_file(tensors, os.path.join(temp, WEIGHTS_NAME), metadata={"format": "pt"})
+        write_checksums(temp)  # verified by load_drafter
         # mkdtemp makes the folder 0o700 and safetensors may write 0o600: only their owner could read them.
         umask = process_umask()
         for name in os.listdir(temp):
@@ -113,10 +116,14 @@ def _head(names: list[str], count: int = 10) -> str:
 
 
 def load_drafter(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDraftModel:
-    """Build a DFlashDraftModel from a z-lab drafter folder (config.json + safetensors)."""
+    """Build a DFlashDraftModel from a z-lab drafter folder (config.json + safetensors). CorruptFile when a file
+    differs from the folder's checksums.json (an export of ours; a folder without one is loaded unchecked)."""
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"drafter folder not found: {path}")
+    problem = checksum_problem(path)
+    if problem is not None:
+        raise CorruptFile(f"drafter folder {path} is corrupt: {problem}")
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no {CONFIG_NAME} in drafter folder {path}")

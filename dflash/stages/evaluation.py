@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.config.errors import NothingToEvaluate
+from dflash.config.errors import CorruptFile, NothingToEvaluate
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, mark_done, read_json, read_json_or_none, \
     stage_done, write_text
 from dflash.stages.context import RunContext
@@ -101,7 +101,11 @@ class EvalStage:
         clear_done(self.out)
         print(f"[eval] drafter {folder}")
         target = run.target
-        drafter = load_drafter(folder, dtype=target.dtype, device=str(run.device))
+        try:
+            drafter = load_drafter(folder, dtype=target.dtype, device=str(run.device))
+        except CorruptFile as error:
+            raise CorruptFile(f"{error}; the train stage exports it again from the checkpoints: rerun training with "
+                              f"the same settings (python -m dflash.train ...)") from None
         template_kwargs = dict(e.chat_template_kwargs)
         timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
         prompt_sets, categories = load_prompt_sets(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from typing import Any
 
 import torch
 
-from dflash.run_files import read_json_or_none, write_json
+from dflash.run_files import checksum_problem, read_json_or_none, write_json
 
 
 def export_state(state: dict[str, torch.Tensor], config, folder: str) -> None:
@@ -24,13 +25,18 @@ def export_state(state: dict[str, torch.Tensor], config, folder: str) -> None:
 
 def export_best(run_dir: str, checkpoints: str, config) -> dict[str, Any] | None:
     """export_best/: the checkpoint with the best held-out tau (removed when there is none); returns its best.json
-    (step, tau, acceptance rate), or None."""
+    (step, tau, acceptance rate), or None. An export of this best whose files differ from its checksums.json is
+    named and exported again."""
     from dflash.train.best_checkpoint import best_state_dict, read_best
 
     folder = os.path.join(run_dir, "export_best")
     exported = read_json_or_none(os.path.join(folder, "best.json"))  # written last: the export is whole
     if exported is not None and exported == read_best(checkpoints):
-        return exported  # this best checkpoint is exported already (an eval of a stopped run, rerun)
+        problem = checksum_problem(folder)
+        if problem is None:
+            return exported  # this best checkpoint is exported already (an eval of a stopped run, rerun)
+        print(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from {checkpoints}",
+              file=sys.stderr, flush=True)
     best = best_state_dict(checkpoints)
     if best is None:
         shutil.rmtree(folder, ignore_errors=True)

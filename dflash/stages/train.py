@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 
 from dflash.config import fingerprints
-from dflash.run_files import claim_checkpoint_dir, container, fingerprint, mark_done, read_json, stage_done, \
-    write_json, write_text
+from dflash.run_files import checksum_problem, claim_checkpoint_dir, container, fingerprint, mark_done, read_json, \
+    stage_done, write_json, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.export import export_best, export_state, plot_training_curve
@@ -54,7 +55,8 @@ class TrainStage:
         from dflash.train.engine import init_distributed
 
         run, key = self.context, self.fingerprint()
-        if stage_done(self.out, key):
+        done = stage_done(self.out, key)
+        if done and self.exports_intact():
             if run.rank == 0:
                 print(f"[train] up to date: {self.out}")
             return
@@ -62,7 +64,7 @@ class TrainStage:
         if rank == 0:
             self.claim_checkpoints()
         run.barrier()
-        if stage_done(self.out, key):  # these settings' drafter came back with their checkpoints
+        if not done and stage_done(self.out, key):  # these settings' drafter came back with their checkpoints
             if rank == 0:
                 print(f"[train] restored: {self.out}")
             return
@@ -75,6 +77,18 @@ class TrainStage:
             # The settings of the checkpoints behind this export: the eval stage checks them (world size aside).
             mark_done(self.out, key, checkpoint=self.checkpoint_fingerprint())
             print(f"[train] exported drafter -> {self.out}")
+
+    def exports_intact(self) -> bool:
+        """Whether export/ and export_best/ hold the files they were written with (their checksums.json). A corrupt
+        one is named, and the stage runs again: training resumes at its last checkpoint and exports from it."""
+        for folder in (self.out, os.path.join(self.context.run_dir, "export_best")):
+            problem = checksum_problem(folder)
+            if problem is not None:
+                if self.context.rank == 0:
+                    print(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from "
+                          f"{self.checkpoints}", file=sys.stderr, flush=True)
+                return False
+        return True
 
     def claim_checkpoints(self) -> None:
         """checkpoints/ made this training's (rank 0): those of other settings moved aside with their outputs."""

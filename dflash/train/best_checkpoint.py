@@ -2,6 +2,7 @@
 
 checkpoint_dir/best/model.safetensors   the drafter's consolidated weights at the best evaluation
 checkpoint_dir/best/best.json           {"step", "tau", "acceptance_rate"} of that evaluation
+checkpoint_dir/best/checksums.json      the sha256 of both, verified by whatever reads the weights, and on resume
 
 best/ is replaced whole: the new one is written into best.tmp/, the old best/ is renamed to best.old/, best.tmp/
 to best/, and best.old/ is deleted. A kill between the two renames leaves only best.old/, which readers then take,
@@ -18,6 +19,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.config.errors import CorruptFile
+from dflash.run_files import checksum_problem, write_checksums
+
 BEST = "best"
 WEIGHTS = "model.safetensors"
 INFO = "best.json"
@@ -32,10 +36,25 @@ def _folder(checkpoint_dir: str) -> str | None:
     return None
 
 
-def read_best(checkpoint_dir: str) -> dict[str, Any] | None:
-    """best.json of the best checkpoint in `checkpoint_dir`, or None when none was written."""
+def read_best(checkpoint_dir: str, *, verify: bool = False) -> dict[str, Any] | None:
+    """best.json of the best checkpoint in `checkpoint_dir`, or None when none was written; with `verify`, after
+    checking its files against checksums.json (CorruptFile naming the file)."""
     folder = _folder(checkpoint_dir)
-    return None if folder is None else _read_info(folder)
+    if folder is None:
+        return None
+    if verify:
+        _verify(folder)
+    return _read_info(folder)
+
+
+def _verify(folder: str) -> None:
+    """CorruptFile unless `folder`'s files match its checksums.json (a folder written before them is trusted)."""
+    problem = checksum_problem(folder)
+    if problem is not None:
+        raise CorruptFile(
+            f"the best checkpoint {folder} is corrupt: {problem}. Its weights cannot be made again from the "
+            f"checkpoints: move the folder aside (mv {folder} {folder}.corrupt) and rerun; the best is then chosen "
+            f"among the held-out evaluations still to come, and export/ holds the final drafter")
 
 
 def _read_info(folder: str) -> dict[str, Any]:
@@ -51,6 +70,7 @@ def write_best(checkpoint_dir: str, state_dict: dict[str, torch.Tensor], info: d
     save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, os.path.join(tmp, WEIGHTS))
     with open(os.path.join(tmp, INFO), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
+    write_checksums(tmp)  # before the folder takes best/'s place
     if os.path.isdir(best):
         shutil.rmtree(old, ignore_errors=True)  # older than best/, left by a kill while it was being deleted
         os.replace(best, old)
@@ -65,8 +85,10 @@ def clear_best(checkpoint_dir: str) -> None:
 
 
 def best_state_dict(checkpoint_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """(drafter weights, best.json) of the best checkpoint in `checkpoint_dir`, or None when none was written."""
+    """(drafter weights, best.json) of the best checkpoint in `checkpoint_dir`, or None when none was written;
+    CorruptFile when its files differ from its checksums.json."""
     folder = _folder(checkpoint_dir)
     if folder is None:
         return None
+    _verify(folder)
     return load_file(os.path.join(folder, WEIGHTS)), _read_info(folder)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from dflash.run_files import checksum_problem, write_checksums, write_text
+from dflash.train.best_checkpoint import read_best
 from dflash.train.engine import TrainEngine
 
 COMPLETE = "complete"
@@ -201,7 +202,8 @@ def _from_rank0(read: Callable[[], Any]) -> Any:
 
 
 def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, bool]:
-    """(tag to load or None, whether it is a universal checkpoint) for a run with `world_size` ranks.
+    """(tag to load or None, whether it is a universal checkpoint) for a run with `world_size` ranks: the newest
+    tag that verifies (verified_latest_tag); a resume also verifies the best checkpoint it carries on with.
 
     Saved by the same number of ranks: the tag itself. Saved by another number: ZeRO shards cannot be loaded as
     they are, so rank 0 converts the tag with DeepSpeed's ds_to_universal (into a temporary folder, renamed when
@@ -212,6 +214,8 @@ def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, 
     # different steps would train apart without an error.
     def read() -> tuple[str | None, int | None]:
         tag = verified_latest_tag(directory)
+        if tag is not None:
+            read_best(directory, verify=True)  # the best checkpoint it resumes with (CorruptFile on every rank)
         return tag, None if tag is None else saved_world_size(directory, tag)
 
     tag, saved = _from_rank0(read)
