@@ -386,6 +386,10 @@ class TrainSettings:
                                                     doc="generation budget the held-out replay assumes; null: "
                                                         "data.max_new_tokens")
     heldout_batch_size: int = setting(8, affects=("train",), doc="held-out samples replayed together")
+    best_by: str = setting("tau", affects=("train",), neutral="tau",
+                           doc="the held-out figure that picks the best checkpoint (export_best/): tau (greedy "
+                               "replay) | tau_T<x>, the expected tau at temperature x with greedy drafts, e.g. "
+                               "tau_T1 (docs/eval.md)")
 
     def __post_init__(self) -> None:
         for key in ("epochs", "micro_batch_size", "grad_accum", "num_anchors", "loss_chunk_size", "log_every",
@@ -411,6 +415,7 @@ class TrainSettings:
         if self.max_minutes is not None:
             _positive("train.max_minutes", self.max_minutes)
         _optional_positive("train.heldout_max_new_tokens", self.heldout_max_new_tokens)
+        best_by_temperature(self.best_by)
         if self.peak_tflops is not None and self.peak_tflops != "auto":
             require(isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0, "train.peak_tflops",
                     self.peak_tflops, "auto, null or a number of TFLOP/s > 0")
@@ -418,6 +423,20 @@ class TrainSettings:
             parts = str(self.profile_steps).split(":")
             ok = len(parts) == 2 and all(p.strip().isdigit() and int(p) >= 1 for p in parts)
             require(ok, "train.profile_steps", self.profile_steps, "START:COUNT with both >= 1, e.g. 100:5")
+
+
+def best_by_temperature(best_by: str) -> float:
+    """The temperature train.best_by names: 0 for tau (the greedy replay), x > 0 for tau_T<x>; ConfigError else."""
+    if best_by == "tau":
+        return 0.0
+    text = best_by[len("tau_T"):] if isinstance(best_by, str) and best_by.startswith("tau_T") else ""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    require(math.isfinite(value) and value > 0, "train.best_by", best_by,
+            "tau (greedy replay) or tau_T<x> with a temperature x > 0, e.g. tau_T1")
+    return value
 
 
 # deepspeed, eval, logging ------------------------------------------------------------------------------------------
@@ -469,12 +488,13 @@ class EvalSettings:
                                                               "export/")
     mode: str = setting("replay", affects=("eval",), doc="replay (exact greedy replay, batched) | live (real "
                                                           "speculative decoding)")
-    temperature: float = setting(0.0, affects=("eval",), doc="live only: > 0 = speculative rejection sampling")
+    temperature: float = setting(0.0, affects=("eval",), doc="> 0: live = speculative rejection sampling, replay = "
+                                                              "the expected acceptance at T (an estimate)")
     draft_sampling: str = setting("greedy", affects=("eval",), neutral=_sampled_or_unused,
-                                  doc="live, T > 0: greedy (the drafter's argmax, accepted with p(draft): what vLLM "
+                                  doc="T > 0: greedy (the drafter's argmax, accepted with p(draft): what vLLM "
                                       "and SGLang do) | sampled (each block position drawn from the drafter, "
                                       "accepted with min(1, p/q))")
-    seed: int = setting(0, affects=("eval",), doc="live sampling seed")
+    seed: int = setting(0, affects=("eval",), doc="live sampling seed; replay at T > 0: the sampled continuations'")
     measure_target: bool = setting(True, affects=("eval",), doc="live: also decode target-only -> speedup")
     live_engine: str = setting("auto", affects=("eval",), doc="live: auto | static | hf")
     chat_template_kwargs: Dict[str, Any] = setting(affects=("eval",), factory=dict,
@@ -490,9 +510,6 @@ class EvalSettings:
         require_choice("eval.live_engine", self.live_engine, ENGINES)
         require_choice("eval.draft_sampling", self.draft_sampling, ("greedy", "sampled"))
         _positive("eval.temperature", self.temperature, allow_zero=True)
-        if self.mode == "replay" and self.temperature > 0:
-            raise ConfigError(f"eval.temperature={self.temperature}: replay measures greedy acceptance only; use "
-                              "eval.mode=live to measure sampling")
         require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "an int >= 1")
         require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "an int >= 1")
         require(len(self.prompt_sets) >= 1, "eval.prompt_sets", self.prompt_sets, "at least one prompt set")
@@ -562,6 +579,9 @@ class RunSettings:
                         f"train.{key}={getattr(self.train, key)} with capture=online: the capture workers stream "
                         f"whole epochs, so a run cut short would leave captured features unread; set train.epochs "
                         f"instead, or use capture=offline or colocated")
+        if self.train.best_by != "tau" and not self.data.heldout:
+            raise ConfigError(f"train.best_by={self.train.best_by} picks the best checkpoint by held-out acceptance; "
+                              f"set data.heldout (how many prompts to keep out of training) or train.best_by=tau")
         if self.train.eval_every and not self.data.heldout:
             raise ConfigError(f"train.eval_every={self.train.eval_every} replays held-out prompts while training; "
                               f"set data.heldout (how many prompts to keep out of training) or train.eval_every=0")
@@ -592,7 +612,8 @@ class RunSettings:
                                "capture=colocated runs the target on each trainer rank's own device"))
         if e.mode == "replay":
             base_eval = EvalSettings()
-            for key in ("seed", "measure_target", "live_engine"):
+            # The seed also draws replay's continuations at T > 0 (the estimate).
+            for key in ("measure_target", "live_engine") + (() if e.temperature else ("seed",)):
                 unused.append((f"eval.{key}", getattr(e, key), getattr(base_eval, key),
                                "only eval.mode=live uses it"))
         if tr.loss_weighting != "dpace":
