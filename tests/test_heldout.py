@@ -21,6 +21,7 @@ from dflash.data.dataset import build_dataset, fingerprint, heldout_ids, load_da
 from dflash.data.prompts import Prompt
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import DrafterProposer, greedy_continuations, replay, target_pass
+from dflash.eval.replay_estimate import target_pass_with_final
 from dflash.models.drafter import DFlashDraftModel
 from dflash.train import heldout_tracker, loop
 from dflash.train.best_checkpoint import best_state_dict, read_best, write_best
@@ -131,6 +132,8 @@ def test_heldout_replay_equals_the_evaluator_replay(family, tiny_target, make_dr
     begin, end = held.offsets[2], held.offsets[3]
     stored = load_file(path)
     assert torch.equal(stored["features"][begin:end], features[0]) and torch.equal(held.greedy[begin:end], greedy[0])
+    _, finals = target_pass_with_final(adapter, sequences[2:], drafter.target_layer_ids)
+    assert torch.equal(stored["final"][begin:end], finals[0])
 
     # The spine: the same drafts at the same anchors, so the same tau, as dflash.eval.replay.replay().
     evaluator_calls, heldout_calls = [], []
@@ -146,6 +149,10 @@ def test_heldout_replay_equals_the_evaluator_replay(family, tiny_target, make_dr
     assert [metrics[f"acc_pos{k}"] for k in (1, 2, 3)] == expected["per_position"]
     assert metrics["samples"] == 4 and metrics["greedy_mismatches"] == 0
     assert sum(r.trace.num_steps for r in results) == expected["num_steps"] > 8
+    # The estimate at T -> 0 along these greedy passes, from the stored final states, is the greedy replay.
+    cold = held.evaluate(drafter, (adapter.embed_tokens().weight, adapter.lm_head_weight()), 1e-4)
+    assert cold["tau"] == metrics["tau"] and cold["tau_T0.0001"] == pytest.approx(metrics["tau"], abs=1e-6)
+    assert cold["acceptance_rate_T0.0001"] == pytest.approx(metrics["acceptance_rate"], abs=1e-6)
 
 
 def test_a_shorter_budget_cuts_the_responses(tiny_target, make_drafter, tmp_path):
@@ -211,13 +218,15 @@ def learnable_store(num_samples: int, seed: int) -> list[dict[str, torch.Tensor]
     return samples
 
 
-def synthetic_heldout(path: str, num_samples: int = 3) -> HeldoutSet:
-    """A held-out file for the trainer harness's drafter: the stored tokens are their own greedy path."""
+def synthetic_heldout(path: str, num_samples: int = 3, finals: bool = False) -> HeldoutSet:
+    """A held-out file for the trainer harness's drafter: the stored tokens are their own greedy path. `finals`:
+    with final hidden states whose logits (through the harness's lm_head) favour each next stored token."""
     samples = learnable_store(num_samples, seed=9)
     sequences = [s["input_ids"].tolist() for s in samples]
     greedy = [torch.cat([s["input_ids"][1:], s["input_ids"][:1]]) for s in samples]
+    states = [trainer_harness.frozen_head()[1][g] * 2.0 for g in greedy] if finals else None
     save_heldout_set(path, sequences, greedy, [s["hidden"] for s in samples], [4] * num_samples,
-                     trainer_harness.drafter_config().target_layer_ids)
+                     trainer_harness.drafter_config().target_layer_ids, states)
     return HeldoutSet(path)
 
 
@@ -228,15 +237,18 @@ class ScriptedHeldout:
         self.taus = list(taus)
         self.calls = 0
 
-    def check(self, config):
+    def check(self, config, temperature=0.0):
         pass
 
-    def evaluate(self, drafter, frozen_head):
+    def evaluate(self, drafter, frozen_head, temperature=0.0):
         assert isinstance(drafter, DFlashDraftModel)
         assert frozen_head[0].shape == (trainer_harness.VOCAB, trainer_harness.HIDDEN)
         tau = self.taus[self.calls]
         self.calls += 1
-        return {"tau": tau, "acceptance_rate": tau / 4, "acc_pos1": 0.5, "samples": 3, "greedy_mismatches": 0}
+        figures = {"tau": tau, "acceptance_rate": tau / 4, "acc_pos1": 0.5, "samples": 3, "greedy_mismatches": 0}
+        if temperature > 0:  # a figure that orders the steps the other way round
+            figures[f"tau_T{temperature:g}"] = 5.0 - tau
+        return figures
 
 
 class FailingStore(list):
@@ -253,13 +265,13 @@ class FailingStore(list):
         return super().__getitem__(index)
 
 
-def run(out, *, heldout, eval_every, save_every=0, store=None, epochs=2, lr=3e-3, zero_stage=2):
+def run(out, *, heldout, eval_every, save_every=0, store=None, epochs=2, lr=3e-3, zero_stage=2, best_by="tau"):
     """Train the harness drafter (a global batch of 2 on 1 or 2 ranks); (final state, rank 0's metric records)."""
     from dflash.train.engine import init_distributed
 
     rank, world_size, _ = init_distributed()
     settings = trainer_harness.settings(2 // world_size, 1, epochs=epochs, save_every=save_every)
-    settings.eval_every, settings.lr = eval_every, lr
+    settings.eval_every, settings.lr, settings.best_by = eval_every, lr, best_by
     log = MetricsLog(str(out), enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t",
                      config={})
     try:
@@ -333,6 +345,41 @@ def test_a_resumed_run_keeps_a_better_best_and_a_fresh_run_starts_over(tmp_path)
     write_best(other, state, {"step": 9, "tau": 7.0, "acceptance_rate": 1.0})
     run(tmp_path / "fresh", heldout=ScriptedHeldout([1.1] * 6), eval_every=1)
     assert read_best(other) == {"step": 1, "tau": 1.1, "acceptance_rate": 1.1 / 4}
+
+
+def test_best_by_names_the_figure_that_picks_the_best(tmp_path, monkeypatch):
+    """train.best_by=tau_T1 keeps the weights of the best expected tau at T=1, not of the best greedy tau; the
+    record gets the figure and best.json names it."""
+    writes = []
+    monkeypatch.setattr(heldout_tracker, "write_best", lambda directory, state, info: writes.append(dict(info)))
+    _, records = run(tmp_path / "tau", heldout=ScriptedHeldout([1.5, 1.9, 1.2]), eval_every=1, epochs=1)
+    assert [w["step"] for w in writes] == [1, 2] and "heldout/tau_T1" not in records[0]
+    writes.clear()
+    _, records = run(tmp_path / "t1", heldout=ScriptedHeldout([1.5, 1.9, 1.2]), eval_every=1, epochs=1,
+                     best_by="tau_T1")
+    assert [r["heldout/tau_T1"] for r in records] == [3.5, 3.1, 3.8]
+    assert [(w["step"], w["best_by"], w["tau_T1"], w["tau"]) for w in writes] == [(1, "tau_T1", 3.5, 1.5),
+                                                                                 (3, "tau_T1", 3.8, 1.2)]
+
+
+def test_best_by_a_temperature_on_real_heldout_replays(tmp_path):
+    """With the estimate read from stored final states: the best step is the one of the highest heldout/tau_T0.5,
+    its weights give that figure again, and a file without final states is refused before training."""
+    held = synthetic_heldout(str(tmp_path / "heldout.safetensors"), finals=True)
+    _, records = run(tmp_path / "run", heldout=held, eval_every=1, store=learnable_store(6, 0), epochs=4, lr=3e-2,
+                     best_by="tau_T0.5")
+    estimates = [r["heldout/tau_T0.5"] for r in records]
+    best = read_best(str(tmp_path / "run" / "checkpoints"))
+    assert best["best_by"] == "tau_T0.5" and best["tau_T0.5"] == max(estimates)
+    assert best["step"] == 1 + estimates.index(max(estimates)) and len(set(estimates)) > 1, estimates
+    weights, _ = best_state_dict(str(tmp_path / "run" / "checkpoints"))
+    drafter = DFlashDraftModel(trainer_harness.drafter_config())
+    drafter.load_state_dict(weights)
+    assert held.evaluate(drafter, trainer_harness.frozen_head(), 0.5)["tau_T0.5"] == best["tau_T0.5"]
+    without = synthetic_heldout(str(tmp_path / "old.safetensors"))
+    with pytest.raises(ValueError, match="without the target's final hidden states, which the expected tau at T=0.5"):
+        run(tmp_path / "old", heldout=without, eval_every=1, best_by="tau_T0.5")
+    assert not (tmp_path / "old" / "checkpoints").exists()
 
 
 def test_best_checkpoint_replacement_is_atomic(tmp_path):

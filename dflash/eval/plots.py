@@ -43,6 +43,8 @@ def per_position_title(summary: dict[str, Any]) -> str:
     """The per-position plot's title: how the summary was measured (greedy replay, live at some temperature)."""
     mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
     sampling = "greedy" if temperature == 0 else f"T={temperature}"
+    if "estimate" in summary:  # replay at T > 0: expected acceptance, not a sampled decode
+        sampling = f"estimate at {sampling}"
     return f"Acceptance per position, {mode} {sampling} (block size {summary['block_size']})"
 
 

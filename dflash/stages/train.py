@@ -176,7 +176,8 @@ class TrainStage:
             return None
         settings = self.context.settings
         return HeldoutSet(path, batch_size=settings.train.heldout_batch_size,
-                          max_new_tokens=settings.train.heldout_max_new_tokens or settings.data.max_new_tokens)
+                          max_new_tokens=settings.train.heldout_max_new_tokens or settings.data.max_new_tokens,
+                          path_temperature=settings.data.temperature)
 
     def colocated_target_compiled(self):
         """capture.compile with colocated capture: the target's layers compiled for training, eager for eval."""

@@ -5,17 +5,22 @@ prompt: the replay of dflash/eval/replay.py needs no generation, only the target
 along prompt + response. `write_heldout_features` computes them once (one target forward per batch, at the capture
 stage) into one safetensors file; `HeldoutSet.evaluate` then replays a drafter over them with the very
 `replay_steps` and `DrafterProposer` of the evaluator, using the frozen embedding and lm_head the trainer already
-holds, so a training run never loads the target. The result is the evaluator's replay tau on these prompts.
+holds, so a training run never loads the target. The result is the evaluator's replay tau on these prompts; with a
+temperature T > 0 also the expected acceptance at T along the same passes (dflash/eval/expected_acceptance.py),
+read from the target's final hidden states, without sampling noise.
 
 File layout (safetensors; metadata: schema_version, target_layer_ids, num_samples):
     tokens [N] int64       every sample's prompt + response, concatenated
     greedy [N] int64       the target's greedy next token after each position (argmax of its logits)
     features [N, K*H]      the target features of each position (taps in target_layer_ids order)
+    final [N, H]           the target's final normed hidden state at each position (the lm_head's input); files
+                           written before it existed lack it, and only the estimate at T > 0 needs it
     offsets [S+1] int64    sample i is rows offsets[i]:offsets[i+1]
     prompt_lens [S] int64  the first response position of each sample (from its loss mask)
 
 With data regenerated at T>0 the responses are sampled, not greedy: `greedy_mismatches` then counts the positions
-where the response leaves the greedy path, and tau is no longer the T=0 acceptance of real decoding.
+where the response leaves the greedy path, and tau is no longer the T=0 acceptance of real decoding; the estimate
+at T then weighs the stored tokens by how they were drawn (`path_temperature`, docs/eval.md).
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash.eval.expected_acceptance import expected_metrics, expected_traces, head_logits
 from dflash.eval.metrics import acceptance_metrics
-from dflash.eval.replay import DrafterProposer, replay_steps, target_pass
+from dflash.eval.replay import DrafterProposer, replay_steps
+from dflash.eval.replay_estimate import target_pass_with_final
 
 SCHEMA_VERSION = 1
 
@@ -48,8 +55,9 @@ def _prompt_len(sample_id: str, loss_mask: Sequence[int]) -> int:
 
 
 def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.Tensor],
-                     features: list[torch.Tensor], prompt_lens: list[int], layer_ids: list[int]) -> None:
-    """Write one held-out file (layout in the module docstring) atomically."""
+                     features: list[torch.Tensor], prompt_lens: list[int], layer_ids: list[int],
+                     finals: list[torch.Tensor] | None = None) -> None:
+    """Write one held-out file (layout in the module docstring) atomically; `finals` None leaves out "final"."""
     if not sequences:
         raise ValueError("a held-out set needs at least one sample")
     lengths = [len(s) for s in sequences]
@@ -61,6 +69,8 @@ def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.T
         "offsets": offsets,
         "prompt_lens": torch.tensor(prompt_lens, dtype=torch.long),
     }
+    if finals is not None:
+        tensors["final"] = torch.cat([f.cpu() for f in finals]).contiguous()
     metadata = {"schema_version": str(SCHEMA_VERSION), "target_layer_ids": json.dumps(list(layer_ids)),
                 "num_samples": str(len(sequences))}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -85,13 +95,24 @@ def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[i
     sequences = [list(map(int, row["input_ids"])) for row in rows]
     prompt_lens = [_prompt_len(row["id"], row["loss_mask"]) for row in rows]
     features: list[torch.Tensor] = []
-    greedy: list[torch.Tensor] = []
+    finals: list[torch.Tensor] = []
     for start in range(0, count, batch_size):
-        batch_features, batch_greedy = target_pass(adapter, sequences[start : start + batch_size], layer_ids)
+        batch_features, batch_finals = target_pass_with_final(adapter, sequences[start : start + batch_size],
+                                                              layer_ids)
         features += [f.cpu() for f in batch_features]
-        greedy += [g.cpu() for g in batch_greedy]
-    save_heldout_set(path, sequences, greedy, features, prompt_lens, layer_ids)
+        finals += [f.cpu() for f in batch_finals]
+    head = adapter.lm_head_weight()
+    greedy = [greedy_tokens(f, head) for f in finals]
+    save_heldout_set(path, sequences, greedy, features, prompt_lens, layer_ids, finals)
     return {"samples": count, "tokens": sum(len(s) for s in sequences)}
+
+
+@torch.inference_mode()
+def greedy_tokens(finals: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """The target's greedy next token [T] after each position: argmax of final hidden states [T, H] @ head^T, rows
+    at a time (the logits of a long sequence at a 262k vocabulary would not fit at once)."""
+    return torch.cat([(finals[i : i + rows].to(device=head.device, dtype=head.dtype) @ head.T).argmax(-1).cpu()
+                      for i in range(0, finals.shape[0], rows)])
 
 
 class _FrozenHead:
@@ -109,14 +130,22 @@ class _FrozenHead:
         return self._lm_head
 
 
+def estimate_key(temperature: float) -> str:
+    """The held-out figure of the expected tau at `temperature` (> 0), e.g. tau_T1 or tau_T0.7."""
+    return f"tau_T{temperature:g}"
+
+
 class HeldoutSet:
     """A held-out file, ready to replay drafters over.
 
     max_new_tokens: the generation budget the replay assumes (blocks shrink near it, as in real decoding); each
     response is cut to it. None: the longest stored response. batch_size: samples replayed together.
+    path_temperature: the temperature the stored responses were drawn at (data.temperature; 0 = greedy), which the
+    estimate at T > 0 weighs the stored tokens by (dflash/eval/expected_acceptance.py).
     """
 
-    def __init__(self, path: str, *, max_new_tokens: int | None = None, batch_size: int = 8) -> None:
+    def __init__(self, path: str, *, max_new_tokens: int | None = None, batch_size: int = 8,
+                 path_temperature: float = 0.0) -> None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"held-out features file {path} is missing: run the capture stage with a "
                                     "held-out set (data.heldout > 0)")
@@ -125,8 +154,7 @@ class HeldoutSet:
                              f"speculative step), got {max_new_tokens}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.path = path
-        self.batch_size = batch_size
+        self.path, self.batch_size, self.path_temperature = path, batch_size, path_temperature
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
             if metadata.get("schema_version") != str(SCHEMA_VERSION):
@@ -138,6 +166,7 @@ class HeldoutSet:
             self.offsets = f.get_tensor("offsets").tolist()
             self.prompt_lens = f.get_tensor("prompt_lens").tolist()
             self.feature_size = f.get_slice("features").get_shape()[-1]
+            self.has_final = "final" in f.keys()
         responses = [self.offsets[i + 1] - self.offsets[i] - p for i, p in enumerate(self.prompt_lens)]
         if max(responses) < 2:
             raise ValueError(f"{path}: no held-out response is longer than one token, so there is nothing to draft")
@@ -146,53 +175,85 @@ class HeldoutSet:
     def __len__(self) -> int:
         return len(self.prompt_lens)
 
-    def check(self, config: Any) -> None:
-        """ValueError unless a drafter with DrafterConfig `config` reads these features."""
+    def check(self, config: Any, temperature: float = 0.0) -> None:
+        """ValueError unless a drafter with DrafterConfig `config` reads these features (and, for the estimate at
+        `temperature` > 0, the file holds the target's final hidden states)."""
         if list(config.target_layer_ids) != self.layer_ids:
             raise ValueError(f"{self.path} holds features of target layers {self.layer_ids}, the drafter reads "
                              f"{list(config.target_layer_ids)}: rerun the capture stage")
         if config.num_taps * config.hidden_size != self.feature_size:
             raise ValueError(f"{self.path} holds features of size {self.feature_size}, the drafter expects "
                              f"{config.num_taps} taps x hidden {config.hidden_size}")
+        if temperature > 0 and not self.has_final:
+            raise ValueError(f"{self.path} was written without the target's final hidden states, which the "
+                             f"expected tau at T={temperature:g} reads: rerun the capture stage")
 
-    def evaluate(self, drafter: nn.Module, frozen_head: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    def evaluate(self, drafter: nn.Module, frozen_head: tuple[torch.Tensor, torch.Tensor],
+                 temperature: float = 0.0) -> dict[str, float]:
         """Replay greedy speculative decoding of `drafter` over every sample; the evaluator's metrics.
 
         frozen_head: the target's (embedding weight, lm_head weight). Returns tau, acceptance_rate,
-        acc_pos{k} (positions that were drafted at least once), samples and greedy_mismatches.
+        acc_pos{k} (positions that were drafted at least once), samples and greedy_mismatches; with `temperature`
+        > 0 also tau_T<x> and acceptance_rate_T<x>, the expected acceptance at that temperature with greedy drafts
+        (the serving engines' rule) along the same passes, from the stored final hidden states.
         """
         config = drafter.config
-        self.check(config)
+        self.check(config, temperature)
         head = _FrozenHead(*frozen_head)
         device = next(drafter.parameters()).device
-        traces, mismatches = [], 0
+        traces, expected, mismatches = [], [], 0
         was_training = drafter.training
         drafter.eval()
         try:
             with safe_open(self.path, framework="pt") as f:
                 stored = f.get_slice("features")
+                finals = f.get_slice("final") if temperature > 0 else None
                 for first in range(0, len(self), self.batch_size):
-                    chunk = range(first, min(first + self.batch_size, len(self)))
-                    sequences, greedy, features, prompt_lens = [], [], [], []
-                    for i in chunk:
-                        begin, prompt_len = self.offsets[i], self.prompt_lens[i]
-                        end = min(self.offsets[i + 1], begin + prompt_len + self.max_new_tokens)
-                        tokens = self.tokens[begin:end]
-                        sequences.append(tokens.tolist())
-                        greedy.append(self.greedy[begin:end])
-                        features.append(stored[begin:end].to(device))
-                        prompt_lens.append(prompt_len)
-                        # greedy[t] predicts token t+1: where the stored response leaves the target's greedy path.
-                        mismatches += int((self.greedy[begin + prompt_len - 1 : end - 1] != tokens[prompt_len:]).sum())
+                    sequences, greedy, features, prompt_lens, chunk_finals, chunk_mismatches = self._chunk(
+                        range(first, min(first + self.batch_size, len(self))), stored, finals, device)
+                    mismatches += chunk_mismatches
                     propose = DrafterProposer(drafter, head, sequences, features)
                     traces += replay_steps(sequences, greedy, prompt_lens, propose, block_size=config.block_size,
                                            max_new_tokens=self.max_new_tokens)
+                    if temperature > 0:
+                        lm_head = head.lm_head_weight()
+                        expected += expected_traces(
+                            head_logits(propose.hidden, lm_head), lm_head, chunk_finals, sequences, prompt_lens,
+                            block_size=config.block_size, max_new_tokens=self.max_new_tokens,
+                            temperature=temperature, path_temperature=self.path_temperature, draft_sampling="greedy")
         finally:
             drafter.train(was_training)
-        metrics = acceptance_metrics(traces, config.block_size)
-        result = {"tau": metrics["tau"], "acceptance_rate": metrics["acceptance_rate"]}
-        for k, value in enumerate(metrics["per_position"], start=1):
-            if value is not None:
-                result[f"acc_pos{k}"] = value
+        result = _figures(acceptance_metrics(traces, config.block_size))
         result.update(samples=len(self), greedy_mismatches=mismatches)
+        if temperature > 0:
+            estimate = expected_metrics(expected, config.block_size)
+            result[estimate_key(temperature)] = estimate["tau"]
+            result[f"acceptance_rate_T{temperature:g}"] = estimate["acceptance_rate"]
         return result
+
+    def _chunk(self, samples: range, stored: Any, finals: Any, device: torch.device) -> tuple:
+        """(sequences, greedy, features, prompt_lens, final states or None, greedy mismatches) of `samples`, each
+        response cut to max_new_tokens."""
+        sequences, greedy, features, prompt_lens, chunk_finals, mismatches = [], [], [], [], [], 0
+        for i in samples:
+            begin, prompt_len = self.offsets[i], self.prompt_lens[i]
+            end = min(self.offsets[i + 1], begin + prompt_len + self.max_new_tokens)
+            tokens = self.tokens[begin:end]
+            sequences.append(tokens.tolist())
+            greedy.append(self.greedy[begin:end])
+            features.append(stored[begin:end].to(device))
+            if finals is not None:
+                chunk_finals.append(finals[begin:end].to(device))
+            prompt_lens.append(prompt_len)
+            # greedy[t] predicts token t+1: where the stored response leaves the target's greedy path.
+            mismatches += int((self.greedy[begin + prompt_len - 1 : end - 1] != tokens[prompt_len:]).sum())
+        return sequences, greedy, features, prompt_lens, (chunk_finals if finals is not None else None), mismatches
+
+
+def _figures(metrics: dict[str, Any]) -> dict[str, float]:
+    """tau, acceptance_rate and acc_pos{k} (positions drafted at least once) of acceptance metrics."""
+    result = {"tau": metrics["tau"], "acceptance_rate": metrics["acceptance_rate"]}
+    for k, value in enumerate(metrics["per_position"], start=1):
+        if value is not None:
+            result[f"acc_pos{k}"] = value
+    return result

@@ -247,7 +247,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     the last step, the best weights kept in checkpoint_dir/best; lengths: every sample's token count, needed by
     settings.group_by_length; deepspeed: ZeRO stage and precision (default: ZeRO-2, bf16 on CUDA); logit_transform:
     the target's final logit transform (load_logit_transform of the frozen head file)."""
-    check_heldout(heldout, settings.eval_every, drafter_config)
+    check_heldout(heldout, settings.eval_every, drafter_config, settings.best_by)
     entered = clock()
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
     plan = plan_batches(settings, len(store), world_size, lengths)
@@ -264,7 +264,8 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     pace = BudgetPace(settings, total_steps, evaluates=heldout is not None, saved=state.get("time_budget"),
                       entered=entered, device=device, clock=clock)
     evaluation = HeldoutTracker(heldout, settings.eval_every, checkpoint_dir, (embed_weight, lm_head),
-                                resumed=tag is not None, rank=rank, world_size=world_size, clock=clock)
+                                resumed=tag is not None, rank=rank, world_size=world_size, clock=clock,
+                                best_by=settings.best_by)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
     total_steps = follow_plan(pace.budget, engine, progress, total_steps, pace.resumed_plan(total_steps), rank)
     profiler = StepProfiler(settings.profile_steps, profile_path(checkpoint_dir), device, enabled=rank == 0)
