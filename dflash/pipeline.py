@@ -21,7 +21,7 @@ from dflash.config import ConfigError
 from dflash.console import console_copied_to
 from dflash.run_files import read_json_or_none, write_text
 from dflash.stages.capture import CaptureStage
-from dflash.stages.context import RunContext
+from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
 from dflash.stages.guard import refuse_other_trained_settings
@@ -49,6 +49,7 @@ class Pipeline:
         the run prints is also written to <run_dir>/logs/."""
         run = self.context
         refuse_other_trained_settings(self.train)
+        refuse_unusable_target(self.settings.target)
         os.makedirs(run.run_dir, exist_ok=True)
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")

@@ -45,7 +45,7 @@ GOLDEN = [
 def settings_of(overrides: list[str], monkeypatch=None) -> RunSettings:
     cfg = compose(overrides + ["run_dir=/nonexistent/run"])
     if monkeypatch is not None:  # the qwen36 target folder need not exist to fingerprint its settings
-        monkeypatch.setattr(schema.os.path, "isdir", lambda path: True)
+        monkeypatch.setattr(schema, "target_path_problem", lambda path: None)
     return settings_from(cfg)
 
 

@@ -1,15 +1,19 @@
-"""The fault campaign of issue 24 on the tiny pipeline: nothing corrupt is trusted.
+"""The fault campaign of issue 24 on the tiny pipeline: nothing corrupt is trusted, no kill loses work.
 
 One uninterrupted run is the reference; a run interrupted after its step-4 checkpoint (and its first held-out
 evaluation, which wrote checkpoints/best) is the state each fault is applied to: a checkpoint's model states or
 optimizer states flipped, a model-states file cut to half, NaN optimizer states under matching checksums, a feature
 shard flipped, checkpoints/best flipped; and the exports of the finished run flipped. Each time the same command names the bad file and falls back, repairs it or
 stops naming it; where it goes on, the run ends with the reference's losses and exported weights, byte for byte.
+The same end is asked of a run SIGKILLed during capture, inside a step, inside a checkpoint save and inside pruning.
 """
 
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +23,7 @@ from dflash.train.checkpoint_policy import CheckpointPolicy
 from tests.test_checkpoint_integrity import flip, model_states
 from tests.test_divergence import poison_optimizer_state
 from tests.test_store_repair import TINY, flip as flip_shard, sha
+from tests.test_trainer_checkpoints import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -57,11 +62,7 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def interrupted(reference):
     """The reference's data and features, trained again and stopped right after the step-4 checkpoint."""
-    run_dir = reference.parent / "interrupted"
-    shutil.copytree(reference, run_dir)
-    for name in TRAINED:
-        path = run_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    run_dir = untrained(reference, reference.parent / "interrupted")
     save = CheckpointPolicy.save
 
     def save_then_stop(self, engine, step, budget):
@@ -74,6 +75,15 @@ def interrupted(reference):
         Pipeline(config(run_dir)).run()
     assert sorted(os.listdir(run_dir / "checkpoints"))[:3] == ["best", "config.yaml", "fingerprint.json"]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step4"
+    return run_dir
+
+
+def untrained(reference, run_dir, keep_features=True):
+    """A copy of the reference with nothing trained (and without features unless `keep_features`)."""
+    shutil.copytree(reference, run_dir)
+    for name in TRAINED + (() if keep_features else ("features",)):
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
     return run_dir
 
 
@@ -155,3 +165,65 @@ def test_a_corrupt_export_is_named_by_the_evaluator_and_exported_again(reference
     for folder in ("export", "export_best"):
         assert f"{run_dir / folder} is corrupt: model.safetensors differs" in err
     assert_same_drafter(run_dir, reference)
+
+
+def kill_at(point, run_dir):
+    """Run the pipeline in this process, which SIGKILLs itself at `point` (the child of test_a_sigkill_...)."""
+    from dflash.extract.store import ShardWriter
+    from dflash.train import checkpoints
+    from dflash.train.engine import TrainEngine
+
+    def die(*_):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def after(cls, name, when):
+        real = getattr(cls, name)
+
+        def wrapped(self, *args, **kwargs):
+            result = real(self, *args, **kwargs)
+            if when(*args):
+                die()
+            return result
+        setattr(cls, name, wrapped)
+
+    steps = []
+    if point == "capture":  # the third shard written, the manifest not yet told
+        after(ShardWriter, "write_shard", lambda index, *_: index == 2)
+    elif point == "step":  # step 7's backward done, its optimizer step not
+        after(TrainEngine, "backward", lambda *_: steps.append(1) or len(steps) == 7)
+    elif point == "checkpoint save":  # DeepSpeed's files of step 6 written; its RNG, checksums, `complete` not
+        after(TrainEngine, "save", lambda directory, tag, *_: tag == "step6")
+    elif point == "pruning":  # step 2 renamed to .pruned-step2 and one of its files deleted (keep_last=3)
+        rmtree = shutil.rmtree
+
+        def rmtree_dies(path, *args, **kwargs):
+            if os.path.basename(path).startswith(checkpoints.PRUNED):
+                os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+                die()
+            rmtree(path, *args, **kwargs)
+        shutil.rmtree = rmtree_dies
+    Pipeline(config(run_dir)).run()
+
+
+def leftovers(run_dir):
+    """Temporary files, half-deleted or incomplete checkpoint folders: what no finished run holds."""
+    found = [str(path) for path in run_dir.rglob("*") if ".tmp" in path.name or ".pruned-" in path.name]
+    checkpoints = run_dir / "checkpoints"
+    found += [name for name in os.listdir(checkpoints)
+              if name.startswith("step") and not (checkpoints / name / "complete").exists()]
+    return found
+
+
+@pytest.mark.parametrize("point", ["capture", "step", "checkpoint save", "pruning"])
+def test_a_sigkill_at_each_point_then_the_same_command_ends_as_the_reference(reference, tmp_path, point):
+    run_dir = untrained(reference, tmp_path / "run", keep_features=point != "capture")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    child = subprocess.run([sys.executable, "-c", "import sys; from tests.test_fault_campaign import kill_at; "
+                            "from pathlib import Path; kill_at(sys.argv[1], Path(sys.argv[2]))", point, str(run_dir)],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    Pipeline(config(run_dir)).run()
+    assert_same_drafter(run_dir, reference)
+    for shard in json.loads((reference / "features" / "manifest.json").read_text())["shards"]:
+        assert sha(run_dir / "features" / shard["file"]) == shard["sha256"]
+    assert leftovers(run_dir) == []

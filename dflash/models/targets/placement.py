@@ -189,12 +189,14 @@ def target_bytes(target: dict[str, Any], dtype: torch.dtype = torch.bfloat16) ->
     """Weight bytes of a target config (`conf/target/*.yaml` as a dict) in `dtype`, without loading weights."""
     kind = str(target["kind"])
     if kind == "hf":
-        from transformers import AutoConfig
+        from dflash.config.target_path import target_path_problem
+        from dflash.models.targets.preflight import checkpoint_config
 
         path = os.path.expanduser(str(target["path"]))
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"no config.json in target checkpoint folder {path}")
-        return module_bytes(empty_model(AutoConfig.from_pretrained(path), dtype))
+        problem = target_path_problem(path)
+        if problem is not None:
+            raise FileNotFoundError(f"target path {path}: {problem}")
+        return module_bytes(empty_model(checkpoint_config(path, target.get("cache_dir")), dtype))
     if kind == "tiny":
         from dflash.models.targets.tiny import build_tiny_target
 

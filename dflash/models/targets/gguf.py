@@ -1,0 +1,81 @@
+"""A GGUF file as a target: dequantised once by transformers' GGUF loader into an HF checkpoint folder, cached.
+
+transformers dequantises a GGUF (`gguf_file=`) into float weights, but `save_pretrained` refuses a GGUF-loaded
+model, so the conversion rebuilds the model from its config (without `quantization_config`), copies the state dict
+and saves float32 safetensors and the tokenizer; later loads read that folder in well under a second. float32
+keeps the dequantised values exact (Q4 values need more mantissa than bfloat16 has). A GGUF given by path is
+cached under <cache_dir>/gguf/<name>-<key>, the key made from the file's path, size and modification time, so an
+edited or replaced file is converted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dflash.run_files import file_sha256
+
+DEFAULT_CACHE_DIR = "~/.cache/dflash"
+# Written last into a converted folder: its presence means the conversion is complete.
+SOURCE_FILE = "dflash_source.json"
+
+
+def is_converted(folder: Path) -> bool:
+    return (folder / SOURCE_FILE).is_file()
+
+
+def cached_folder(source: str | os.PathLike, cache_dir: str | None = None) -> Path:
+    """Where the GGUF file `source` is (or will be) converted: <cache_dir>/gguf/<name>-<key>."""
+    real = os.path.realpath(os.path.expanduser(source))
+    stat = os.stat(real)
+    key = hashlib.sha256(f"{real}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    name = Path(real).name[: -len(".gguf")]
+    return Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)) / "gguf" / f"{name}-{key}"
+
+
+def convert_gguf_file(source: Path, target: Path) -> Path:
+    """Dequantise the GGUF file `source` once into the HF checkpoint folder `target`; returns `target`."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if is_converted(target):
+        return target
+    gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source_info = {"gguf": str(source), "gguf_sha256": file_sha256(source),
+                       "transformers_version": transformers.__version__, "dtype": "float32"}
+        (tmp / SOURCE_FILE).write_text(json.dumps(source_info, indent=2) + "\n")
+        if target.exists() and not is_converted(target):
+            # A folder without the completion marker is an interrupted conversion of this code: replace it.
+            shutil.rmtree(target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process (e.g. another rank) finished the same conversion first.
+            if not is_converted(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

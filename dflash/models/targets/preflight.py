@@ -1,0 +1,49 @@
+"""A target checked before any stage runs: its config read (a folder's config.json, a GGUF file's metadata) and
+its family matched to an adapter on a meta-device model, so no weight is read and a target that cannot work is
+refused in one line before the data stage spends minutes on it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config.target_path import is_gguf_path
+from dflash.models.targets.gguf import cached_folder, is_converted
+
+
+def checkpoint_config(path: str, cache_dir: str | None = None) -> Any:
+    """The HF config of a checkpoint folder or of a GGUF file (its converted folder when there is one)."""
+    from transformers import AutoConfig
+
+    path = os.path.expanduser(path)
+    if not is_gguf_path(path):
+        return AutoConfig.from_pretrained(path)
+    converted = cached_folder(path, cache_dir)
+    if is_converted(converted):
+        return AutoConfig.from_pretrained(converted)
+    source = Path(path).resolve()
+    return AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+
+
+def target_problem(path: str, cache_dir: str | None = None) -> str | None:
+    """Why the checkpoint at `path` cannot be a target (one line naming its family and what is missing), or None."""
+    from dflash.models.targets.placement import empty_model
+    from dflash.models.targets.registry import UnsupportedTarget, adapter_for
+
+    try:
+        config = checkpoint_config(path, cache_dir)
+    except (OSError, ValueError, KeyError) as error:
+        return f"its config cannot be read: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    try:
+        model = empty_model(config, torch.bfloat16)
+    except (ValueError, KeyError) as error:
+        return f"transformers cannot build a causal LM of model_type {getattr(config, 'model_type', '?')!r}: " \
+               f"{str(error).splitlines()[0]}"
+    try:
+        adapter_for(model)
+    except UnsupportedTarget as error:
+        return str(error)
+    return None

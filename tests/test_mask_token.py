@@ -1,0 +1,74 @@
+"""The MASK token: chosen among the tokenizer's special tokens clear of the chat template and the data, or a given
+one checked (vocabulary before any stage, template and data at capture), and what the export records."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+
+from dflash.config import ConfigError, compose
+from dflash.data.token_ids import token_ids_in
+from dflash.models.targets.mask_token import choose_mask_token, mask_token_problem, template_ids
+from dflash.models.targets.tiny import build_builtin_tokenizer, build_tiny_target
+from dflash.pipeline import Pipeline
+from tests.test_target_hf import TINY, hf_folder
+
+
+def tokenizer_with(*extra):
+    tokenizer = build_builtin_tokenizer()
+    tokenizer.add_tokens(list(extra), special_tokens=True)
+    return tokenizer
+
+
+def test_a_mask_named_token_comes_first_and_the_data_is_checked():
+    tokenizer = tokenizer_with("<|reserved_0|>", "<tool>")
+    assert choose_mask_token(tokenizer, 320, set()) == (3, "'<|mask|>', a mask token of the tokenizer")
+    reserved = tokenizer.convert_tokens_to_ids("<|reserved_0|>")
+    assert choose_mask_token(tokenizer, 320, {3}) == (reserved, "'<|reserved_0|>', a reserved special token")
+    tool = tokenizer.convert_tokens_to_ids("<tool>")
+    assert choose_mask_token(tokenizer, 320, {3, reserved}) == (tool, "'<tool>', a special token")
+
+
+def test_template_tokens_and_the_tokenizers_own_are_never_chosen():
+    tokenizer = build_builtin_tokenizer()
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert {start, end} <= template_ids(tokenizer)
+    # <|mask|> taken by the data: <|im_start|> (bos, template) and <|endoftext|> (pad) are not candidates, so the
+    # first embedding row past the tokenizer (260) is.
+    assert choose_mask_token(tokenizer, 320, {3}) == (260, "a row of the embedding table past the tokenizer's "
+                                                           "last id")
+    with pytest.raises(ValueError, match="no free mask token"):
+        choose_mask_token(tokenizer, len(tokenizer), {3})
+
+
+def test_a_given_mask_token_is_checked():
+    tokenizer = build_builtin_tokenizer()
+    assert mask_token_problem(3, tokenizer, 320) is None
+    assert mask_token_problem(320, tokenizer, 320) == "outside the target's vocabulary (0..319)"
+    assert mask_token_problem(1, tokenizer, 320) == "'<|im_start|>' is produced by the chat template"
+    letter = tokenizer.convert_tokens_to_ids("d")
+    assert mask_token_problem(letter, tokenizer, 320, {letter}) == "'d' occurs in the training data"
+
+
+def test_token_ids_of_a_dataset():
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [3, 4, 700]], "loss_mask": [[0, 1, 1]] * 2})
+    assert token_ids_in(dataset) == {1, 2, 3, 4, 700} and token_ids_in(None) == set()
+
+
+def test_a_mask_token_outside_the_vocabulary_is_refused_before_any_stage(tmp_path):
+    folder = hf_folder(tmp_path, "phi3")
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"target.mask_token_id=248070: outside the vocabulary of .* \(0..319\)"):
+        Pipeline(compose(TINY + ["target=hf", f"target.path={folder}", "target.mask_token_id=248070",
+                                 f"run_dir={run_dir}"])).run()
+    assert not (run_dir / "data").exists()
+
+
+@pytest.mark.slow
+def test_a_mask_token_the_data_produces_is_refused_at_capture(tmp_path):
+    letter = build_tiny_target("llama", tokenizer="builtin").tokenizer.convert_tokens_to_ids("d")
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=rf"target.mask_token_id={letter}: 'd' occurs in the training data"):
+        Pipeline(compose(TINY + [f"target.mask_token_id={letter}", f"run_dir={run_dir}", "data.limit=4",
+                                 "stages=[data,capture]"])).run()
+    assert not (run_dir / "features" / "done.json").exists()

@@ -1,0 +1,105 @@
+"""`target=hf target.path=<folder or .gguf>`: what is refused before any stage (one line each), a GGUF file
+converted once and cached, and the whole pipeline on an HF folder of a family no other pipeline test uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from dflash.config import ConfigError, compose
+from dflash.config.errors import ConfigPathError
+from dflash.models.targets import gguf, load_target, smollm2
+from dflash.models.targets.preflight import checkpoint_config
+from dflash.models.targets.tiny import build_builtin_tokenizer, build_tiny_target
+from dflash.pipeline import Pipeline
+
+TINY = ["+experiment=tiny", "show_progress=false"]
+
+
+def hf_folder(tmp_path, family="gemma2", **overrides):
+    """A tiny random checkpoint of `family` saved as a user's HF folder (weights, config, tokenizer)."""
+    adapter = build_tiny_target(family, seed=0, tokenizer="builtin", **overrides)
+    folder = tmp_path / family
+    adapter.model.save_pretrained(folder)
+    adapter.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("path,problem", [
+    (None, r"target.path=None: expected a Hugging Face checkpoint folder or a .gguf file \(kind=hf\)"),
+    ("/nonexistent/model", "no such folder"),
+    ("/nonexistent/model.gguf", "no such GGUF file"),
+])
+def test_missing_paths_are_refused_in_one_line(path, problem):
+    with pytest.raises(ConfigError, match=problem) as refused:
+        Pipeline(compose(TINY + ["target=hf"] + ([f"target.path={path}"] if path else [])))
+    assert "\n" not in str(refused.value)
+
+
+def test_unreadable_files_are_refused_in_one_line(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ConfigPathError, match=r"not a GGUF file \(it starts with b'PK\\x03\\x04', not b'GGUF'\)"):
+        Pipeline(compose(TINY + ["target=hf", f"target.path={fake}"]))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ConfigPathError, match="a folder without config.json"):
+        Pipeline(compose(TINY + ["target=hf", f"target.path={tmp_path / 'folder'}"]))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    with pytest.raises(ConfigPathError, match="a file, but not a .gguf one"):
+        Pipeline(compose(TINY + ["target=hf", f"target.path={notes}"]))
+
+
+def test_a_stateful_family_is_refused_before_any_stage(tmp_path):
+    folder = tmp_path / "jamba"
+    transformers.JambaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                             expert_layer_period=2, num_experts=2).save_pretrained(folder)
+    build_builtin_tokenizer().save_pretrained(folder)
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "dflash.train", *TINY, "target=hf", f"target.path={folder}",
+               f"run_dir={run_dir}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 2, done.stderr
+    error = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
+    assert len(error) == 1 and "target 'jamba' (JambaForCausalLM) keeps recurrent state" in error[0], done.stderr
+    assert not os.path.exists(run_dir / "data")  # refused before the data stage
+
+
+def test_an_hf_folder_loads_through_the_generic_adapter(tmp_path):
+    folder = hf_folder(tmp_path, "olmo2")
+    adapter = load_target("hf", path=str(folder))
+    assert type(adapter).__name__ == "GenericTargetAdapter" and adapter.model_type == "olmo2"
+    assert checkpoint_config(str(folder)).model_type == "olmo2"
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_converted_once_and_cached(tmp_path):
+    source = smollm2.gguf_path()
+    cache = str(tmp_path / "cache")
+    assert checkpoint_config(str(source), cache).model_type == "llama"  # from the GGUF's metadata
+    adapter = load_target("hf", path=str(source), cache_dir=cache)
+    folder = gguf.cached_folder(source, cache)
+    assert gguf.is_converted(folder) and adapter.num_layers == 30 and adapter.vocab_size == 49152
+    info = json.loads((folder / gguf.SOURCE_FILE).read_text())
+    assert info["gguf"] == str(source.resolve()) and info["dtype"] == "float32"
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    load_target("hf", path=str(source), cache_dir=cache)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # read from the cache, not converted again
+    assert checkpoint_config(str(source), cache).model_type == "llama"
+
+
+@pytest.mark.slow
+def test_every_stage_runs_on_an_hf_folder_with_no_mask_token_given(tmp_path):
+    folder = hf_folder(tmp_path, "gemma2", final_logit_softcapping=2.0)
+    run_dir = tmp_path / "run"
+    summary = Pipeline(compose(TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}"])).run()
+    assert 1.0 <= summary["overall"]["tau"] <= 4.0
+    exported = json.loads((run_dir / "export" / "config.json").read_text())
+    assert exported["dflash_config"]["mask_token_id"] == 3  # <|mask|> of the built-in tokenizer, chosen
