@@ -207,6 +207,9 @@ class DataSettings:
     compile_step: bool = setting(False, affects=(), doc="static engine: also torch.compile the decode step")
     synthetic: SyntheticSettings = setting(affects=("data",), factory=SyntheticSettings, neutral=_synthetic_off,
                                            doc="prompts the target writes itself")
+    eval_overlap_ngram: int = setting(13, affects=("data",), neutral=13,
+                                      doc="training prompts sharing this many consecutive words with a prompt of "
+                                          "eval.prompt_sets are dropped (counts in data/stats.json); 0 = no check")
 
     def __post_init__(self) -> None:
         require_choice("data.source", self.source, PROMPT_SOURCES)
@@ -225,6 +228,8 @@ class DataSettings:
         _positive("data.temperature", self.temperature, allow_zero=True)
         _fraction("data.top_p", self.top_p, open_low=True)
         require(self.heldout >= 0, "data.heldout", self.heldout, "an int >= 0")
+        require(self.eval_overlap_ngram >= 0, "data.eval_overlap_ngram", self.eval_overlap_ngram,
+                "an int >= 0 (0: no check)")
         require_choice("data.engine", self.engine, ENGINES)
 
 
@@ -630,4 +635,3 @@ class RunSettings:
         if self.data.source != "sharegpt":
             unused.append(("data.turns", self.data.turns, "first", "only data.source=sharegpt has turns"))
         return [f"{key}={value!r} is ignored: {why}" for key, value, default, why in unused if value != default]
-

@@ -203,6 +203,8 @@ def format_stats(stats: dict) -> str:
     dropped = f", {stats['dropped_no_loss']:,} dropped (no answer token)" if stats.get("dropped_no_loss") else ""
     rows.append(("samples", f"{stats['samples']:,} ({stats['num_tokens']:,} tokens, "
                             f"{stats['num_response_tokens']:,} in answers){dropped}"))
+    if "eval_overlap" in stats:
+        rows.append(("eval overlap", _overlap(stats["eval_overlap"])))
     rows.append(("answers", _answers(stats)))
     rows.append(("time", _times(stats)))
     if stats.get("errors"):
@@ -211,6 +213,14 @@ def format_stats(stats: dict) -> str:
         rows.append(("first error", f"{first['id']}: {message[:80]} (all in stats.json)"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _overlap(report: dict) -> str:
+    """The eval-overlap check of the data stage (dflash/data/eval_overlap.py) in one line."""
+    dropped, checked = sum(report["dropped"].values()), sum(report["checked"].values())
+    sets = ", ".join(report.get("eval_sets", {}))
+    return (f"{dropped:,} of {checked:,} training prompts dropped: they share {report['ngram']} words in a row "
+            f"with a prompt of {sets or 'the eval sets'}")
 
 
 def _answers(stats: dict) -> str:

@@ -8,7 +8,7 @@ import textwrap
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.run_files import clear_done, mark_done, stage_done
+from dflash.run_files import clear_done, mark_done, stage_done, write_json
 from dflash.stages.context import RunContext
 
 
@@ -48,11 +48,15 @@ class DataStage:
         prompts = load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed, turns=d.turns)
         if d.synthetic.count > 0:
             prompts = prompts + self.synthetic_prompts()
+        prompts, overlap = self.drop_eval_overlaps(prompts)
         stats = build_dataset(prompts, run.target, out, max_length=d.max_length, max_new_tokens=d.max_new_tokens,
                               batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
                               show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
                               compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
                               before_replace=lambda: clear_done(out))
+        if overlap is not None:  # what the check found goes with the dataset's stats (format_stats shows it)
+            stats["eval_overlap"] = overlap
+            write_json(os.path.join(out, "stats.json"), stats)
         print(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
@@ -74,3 +78,21 @@ class DataStage:
             engine=d.engine, show_progress=run.show_progress, target=self.target_identity())
         print(f"[data] synthetic prompts: {stats}")
         return prompts
+
+    def drop_eval_overlaps(self, prompts: list) -> tuple[list, dict | None]:
+        """data.eval_overlap_ngram > 0: the training prompts (the target-written ones included) that share no word
+        n-gram with an evaluation prompt (dflash/data/eval_overlap.py), and what was dropped; else (prompts, None).
+        The evaluation prompts: every prompt of the sets eval.prompt_sets names, not only the evaluated subset."""
+        from dflash.data.eval_overlap import EvalIndex, drop_eval_overlaps
+        from dflash.data.prompts import load_prompts
+
+        settings = self.context.settings
+        n = settings.data.eval_overlap_ngram
+        if not n:
+            return prompts, None
+        specs = settings.eval.prompt_sets
+        eval_prompts = [p for name, spec in specs.items()
+                        for p in load_prompts(spec.source, path=spec.path, name=name)]
+        kept, report = drop_eval_overlaps(prompts, EvalIndex(eval_prompts, n))
+        report["eval_sets"] = {name: sum(p.prompt_set == name for p in eval_prompts) for name in specs}
+        return kept, report

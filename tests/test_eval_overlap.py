@@ -1,0 +1,65 @@
+"""Training prompts that overlap the evaluation prompts are dropped by the data stage (dflash/data/eval_overlap.py):
+by hand, and a GSM8K question planted in the training prompts of the tiny pipeline does not reach its dataset."""
+
+from __future__ import annotations
+
+import json
+
+from dflash.config import compose
+from dflash.data.dataset import format_stats, load_dataset_dir
+from dflash.data.eval_overlap import EvalIndex, drop_eval_overlaps, words
+from dflash.data.prompts import Prompt, load_prompts
+from dflash.pipeline import Pipeline
+from dflash.run_files import read_json
+
+QUESTION = ("A farmer has 17 sheep and buys 5 more every week for the next 9 weeks, then sells half of the flock at "
+            "the market; how many sheep does the farmer keep?")
+
+
+def user(prompt_id: str, text: str, system: str | None = None, prompt_set: str = "train") -> Prompt:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return Prompt(prompt_id, messages, prompt_set)
+
+
+def test_overlap_by_hand():
+    """13 shared words in a row drop a prompt whatever the case, punctuation or surrounding text; 12 do not; a short
+    eval question counts when whole; the eval template shared by many eval prompts does not count."""
+    template = "Answer with a number on the last line of your reply, after working it out step by step please."
+    evals = [user("q", QUESTION + "\n\n" + template, prompt_set="math"), user("short", "Name three rivers of Europe "
+                                                                                      "and the seas they reach.")]
+    evals += [user(f"other{i}", f"Question {i} about apples. " + template) for i in range(6)]
+    index = EvalIndex(evals, n=13)
+    shared = words(QUESTION)
+    planted = " ".join(shared[4:17]).upper() + "!!"  # 13 words of the question, another case and punctuation
+    prompts = [user("a", "Hello there. " + planted + " Thanks."),
+               user("b", "Hello there. " + " ".join(shared[4:16])),                # 12 words only
+               user("c", "Please: name three rivers of Europe, and the seas they reach?"),
+               user("d", "Tell me a story. " + template),                           # the eval template only
+               user("e", "Be brief.", system="You copy this: " + QUESTION, prompt_set="synthetic")]
+    kept, report = drop_eval_overlaps(prompts, index)
+    assert [p.id for p in kept] == ["b", "d"]
+    assert report["checked"] == {"train": 4, "synthetic": 1} and report["dropped"] == {"train": 2, "synthetic": 1}
+    assert [(e["prompt"], e["eval"]) for e in report["examples"]] == [("a", "math/q"), ("c", "train/short"),
+                                                                      ("e", "math/q")]
+
+
+def test_a_planted_eval_prompt_is_dropped_by_the_data_stage(tmp_path):
+    """The tiny pipeline's data stage with a GSM8K question of the eval set planted among its training prompts:
+    it is dropped, counted in stats.json and the console table, and is not in the dataset; the others are."""
+    gsm8k = load_prompts("gsm8k")[7]
+    question = gsm8k.messages[-1]["content"].split("\n\n")[0]  # the question without the eval's instruction
+    rows = [{"id": f"p{i}", "conversations": [{"from": "human", "value": f"Write one sentence about topic {i}."}]}
+            for i in range(5)]
+    rows.insert(2, {"id": "planted", "conversations": [{"from": "human", "value": "Help me: " + question}]})
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", "stages=[data]", f"run_dir={run_dir}",
+                      "data.source=file", f"data.path={path}", "data.limit=null"])).run()
+    stats = read_json(str(run_dir / "data" / "stats.json"))
+    overlap = stats["eval_overlap"]
+    assert overlap["dropped"] == {"prompts": 1} and overlap["checked"] == {"prompts": 6}
+    assert overlap["examples"] == [{"prompt": "planted", "set": "prompts", "eval": f"gsm8k/{gsm8k.id}"}]
+    assert overlap["eval_sets"]["gsm8k"] > 2  # the whole set, not only the evaluated subset
+    assert "1 of 6 training prompts dropped" in format_stats(stats)
+    assert sorted(load_dataset_dir(str(run_dir / "data"))["id"]) == [f"p{i}" for i in range(5)]
