@@ -79,7 +79,12 @@ class TargetSettings:
                                              doc="kind=tiny: {family, seed, tokenizer, config overrides...}")
     mask_token_id: Optional[int] = setting(None, affects=("train", "eval"),
                                            doc="the MASK token of the drafter's blocks: a token id that never occurs "
-                                               "in text; null: the last id of the vocabulary")
+                                               "in text; null: chosen at capture among the tokenizer's special "
+                                               "tokens that the chat template and the data never produce")
+    chat_template: Optional[str] = setting(None, affects=("data", "eval"), neutral=None,
+                                           doc="a Jinja chat template file for the prompts instead of the "
+                                               "tokenizer's own; null: the tokenizer's, or for a base model "
+                                               "without one a plain User:/Assistant: format")
 
     def __post_init__(self) -> None:
         require_choice("target.kind", self.kind, TARGET_KINDS)
@@ -92,6 +97,9 @@ class TargetSettings:
                     "{family: ..., seed: ...} (kind=tiny)")
         if self.mask_token_id is not None:
             _positive("target.mask_token_id", self.mask_token_id, allow_zero=True)
+        if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)):
+            raise ConfigPathError(f"target.chat_template={self.chat_template!r}: no such file (a Jinja chat "
+                                  "template)")
 
 
 # drafter -----------------------------------------------------------------------------------------------------------
@@ -635,3 +643,4 @@ class RunSettings:
         if self.data.source != "sharegpt":
             unused.append(("data.turns", self.data.turns, "first", "only data.source=sharegpt has turns"))
         return [f"{key}={value!r} is ignored: {why}" for key, value, default, why in unused if value != default]
+

@@ -58,7 +58,7 @@ class RunContext:
                 if g > 1:
                     device = rank_devices(self.local_rank, g)
             self._target = load_target(t.kind, path=t.path, dtype=t.dtype, device=device, tiny=t.tiny,
-                                       cache_dir=t.cache_dir)
+                                       cache_dir=t.cache_dir, chat_template=t.chat_template)
         return self._target
 
     def release_target(self) -> None:

