@@ -1,8 +1,15 @@
-"""A command's console output, copied as it is printed to a log file in the run folder."""
+"""A command's console output, copied as it is printed to a log file in the run folder, and the package's messages.
+
+dflash's modules report through `logging` (`logging.getLogger(__name__)`, under the "dflash" logger): the records
+are written as their bare message to the current stdout (warnings and errors to stderr), so the console copy below
+keeps them in the run's log file, and records below WARNING are shown by rank 0 only (RankZero). Progress bars,
+the stage headers and a run's closing block are printed as they are.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -44,13 +51,56 @@ def run_log() -> TextIO | None:
 
 @contextlib.contextmanager
 def console_copied_to(path: str) -> Iterator[None]:
-    """Inside, everything this process prints to stdout and stderr also goes to `path` (appended)."""
+    """Inside, everything this process prints to stdout and stderr also goes to `path` (appended), and so do the
+    package's log records; they reach the console through PACKAGE_LOGGER's own handler only (a handler Hydra puts
+    on the root logger would show them a second time, uncopied)."""
     global _current_log
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    package = logging.getLogger(PACKAGE_LOGGER)
     with open(path, "a", encoding="utf-8", buffering=1) as log:
-        out, err, outer = sys.stdout, sys.stderr, _current_log
+        out, err, outer, propagate = sys.stdout, sys.stderr, _current_log, package.propagate
         sys.stdout, sys.stderr, _current_log = Tee(out, log), Tee(err, log), log
+        package.propagate = False
         try:
             yield
         finally:
             sys.stdout, sys.stderr, _current_log = out, err, outer
+            package.propagate = propagate
+
+
+PACKAGE_LOGGER = "dflash"
+# `logger.info(..., extra=EVERY_RANK)`: a message about this rank's own work, shown by every rank.
+EVERY_RANK = {"every_rank": True}
+
+
+class RankZero(logging.Filter):
+    """Passes warnings and errors from every rank, other records from rank 0 only (the launcher's RANK), unless
+    they are marked EVERY_RANK."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or getattr(record, "every_rank", False) or \
+            os.environ.get("RANK", "0") == "0"
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """Writes a record's message to the stdout of the moment (warnings and errors: stderr), so that a console being
+    copied (console_copied_to) or captured (tests) receives it as it receives what is printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.addFilter(RankZero())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        super().emit(record)
+
+
+def show_package_messages() -> None:
+    """Give PACKAGE_LOGGER its ConsoleHandler (once) at level INFO: the package's messages reach the console in
+    every process, whoever configured logging or none."""
+    package = logging.getLogger(PACKAGE_LOGGER)
+    if not any(isinstance(handler, ConsoleHandler) for handler in package.handlers):
+        package.addHandler(ConsoleHandler())
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)

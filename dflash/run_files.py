@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -20,6 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+logger = logging.getLogger(__name__)
 
 
 def fingerprint(*parts: Any) -> str:
@@ -140,7 +143,7 @@ def claim_dir(directory: str, key: str, *, stage: str, contents: str, keep_moved
         for stale in [] if keep_moved else os.listdir(parent):
             path = os.path.join(parent, stale)
             if ours.fullmatch(stale) and os.path.isdir(path) and os.path.abspath(path) != os.path.abspath(restore):
-                print(f"[{stage}] deleting {path}, {contents} of settings older than the ones moved aside now")
+                logger.info(f"[{stage}] deleting {path}, {contents} of settings older than the ones moved aside now")
                 shutil.rmtree(path)
         moved = f"{directory}.{old or 'unfingerprinted'}"
         os.replace(directory, moved)
@@ -148,12 +151,12 @@ def claim_dir(directory: str, key: str, *, stage: str, contents: str, keep_moved
         os.rmdir(directory)
     if os.path.isdir(restore):
         os.replace(restore, directory)  # these settings ran before: their work resumes
-        print(f"[{stage}] {contents} of these settings restored from {restore}")
+        logger.info(f"[{stage}] {contents} of these settings restored from {restore}")
         return moved
     os.makedirs(directory, exist_ok=True)
     write_json(marker, {"fingerprint": key})
     if moved:
-        print(f"[{stage}] no {contents} of these settings: the stage starts afresh")
+        logger.info(f"[{stage}] no {contents} of these settings: the stage starts afresh")
     return moved
 
 

@@ -1,8 +1,9 @@
 """The console copy of a command (dflash/console.py)."""
 
+import logging
 import sys
 
-from dflash.console import console_copied_to
+from dflash.console import EVERY_RANK, console_copied_to
 
 
 def test_what_is_printed_reaches_the_console_and_the_log(tmp_path, capsys):
@@ -15,3 +16,32 @@ def test_what_is_printed_reaches_the_console_and_the_log(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "[data] stage took 1.0 s" in captured.out and "dflash: warning: x" in captured.err
     assert path.read_text() == "[data] stage took 1.0 s\ndflash: warning: x\n"
+
+
+def test_package_messages_reach_the_console_and_the_log_once(tmp_path, capsys):
+    hydra_like = logging.StreamHandler(sys.stdout)  # Hydra's console handler on the root logger
+    logging.getLogger().addHandler(hydra_like)
+    try:
+        path = tmp_path / "logs" / "run.log"
+        with console_copied_to(str(path)):
+            logging.getLogger("dflash.stages.capture").info("[capture] up to date: features")
+            logging.getLogger("dflash.extract.online").warning("[capture] warning: a small spool")
+    finally:
+        logging.getLogger().removeHandler(hydra_like)
+    captured = capsys.readouterr()
+    assert captured.out == "[capture] up to date: features\n"
+    assert captured.err == "[capture] warning: a small spool\n"
+    assert path.read_text() == "[capture] up to date: features\n[capture] warning: a small spool\n"
+
+
+def test_other_ranks_show_only_warnings_and_their_own_work(capsys, monkeypatch):
+    log = logging.getLogger("dflash.extract.capture")
+    monkeypatch.setenv("RANK", "1")
+    log.info("[capture] up to date: features")
+    log.info("[capture] rank 1 of 2: 3 of 6 shards to capture", extra=EVERY_RANK)
+    log.warning("[capture] 1 feature shard(s) missing")
+    monkeypatch.setenv("RANK", "0")
+    log.info("[capture] held-out: 4 samples")
+    captured = capsys.readouterr()
+    assert captured.out == "[capture] rank 1 of 2: 3 of 6 shards to capture\n[capture] held-out: 4 samples\n"
+    assert captured.err == "[capture] 1 feature shard(s) missing\n"

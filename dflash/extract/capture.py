@@ -21,6 +21,7 @@ whose sidecars exist, with any number of ranks.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
@@ -47,6 +48,9 @@ from dflash.extract.store import (
 )
 from dflash.data.sample_sizes import sample_lengths
 from dflash.models.targets.base import TargetAdapter
+from dflash.console import EVERY_RANK
+
+logger = logging.getLogger(__name__)
 
 # safetensors header and alignment of one shard, counted generously.
 _SHARD_OVERHEAD_BYTES = 1 << 16
@@ -80,8 +84,8 @@ def bytes_per_token(width: int, num_taps: int, dtype: torch.dtype) -> int:
 def check_disk(out_dir: Path, needed: int) -> None:
     """Print the bytes a capture will write into `out_dir`; raise OSError when its file system has less free."""
     free = shutil.disk_usage(out_dir).free
-    print(f"[capture] the feature store will take {needed / 2**30:.2f} GiB more in {out_dir} "
-          f"({free / 2**30:.2f} GiB free)")
+    logger.info(f"[capture] the feature store will take {needed / 2**30:.2f} GiB more in {out_dir} "
+                f"({free / 2**30:.2f} GiB free)")
     if needed > free:
         raise OSError(
             f"not enough disk for the feature store in {out_dir}: it needs {needed} bytes "
@@ -266,7 +270,8 @@ def _repair_shards(
             continue
         first, end = entry["first_sample"], entry["first_sample"] + entry["num_samples"]
         problem = "missing" if actual is None else f"corrupt (sha256 {actual}, manifest {entry['sha256']})"
-        print(f"[capture] feature shard {path} is {problem}: recapturing samples {first}..{end - 1}")
+        logger.info(f"[capture] feature shard {path} is {problem}: recapturing samples {first}..{end - 1}",
+                    extra=EVERY_RANK)
         arrays = capture_rows(adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every,
                                 tqdm(disable=True), pack)
         manifest["shards"][index] = writer.write_shard(index, first_sample=first, **arrays)
@@ -441,7 +446,7 @@ def _existing_manifest(out_dir: Path, expected: dict[str, Any], num_samples: int
 def _clean_leftovers(writer: ShardWriter, out_dir: Path, fresh: bool) -> None:
     """Remove the temp files of interrupted writers and, for a new store, the sidecars an older one left."""
     for path in writer.remove_stale_temps():
-        print(f"[capture] removed {path.name}, left by an interrupted writer")
+        logger.info(f"[capture] removed {path.name}, left by an interrupted writer")
     if fresh:
         remove_sidecars(out_dir)  # left by an older store in this folder: not this run's shards
 
@@ -531,7 +536,8 @@ def _capture_ranks(
                                           len(layer_ids), dtype))
     dist.barrier()  # stale temps and sidecars are gone before any rank looks for its finished shards
     work = _rank_work(out_dir, plan, listed, rank, world_size, verify_existing)
-    print(f"[capture] rank {rank} of {world_size}: {len(work)} of {len(plan)} shards to capture")
+    logger.info(f"[capture] rank {rank} of {world_size}: {len(work)} of {len(plan)} shards to capture",
+                extra=EVERY_RANK)
     progress = tqdm(total=sum(int(lengths[first:end].sum()) for _, first, end in work), unit="tok",
                     desc=f"capture (rank 0 of {world_size})", disable=not show_progress or rank != 0)
     try:

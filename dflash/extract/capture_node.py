@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -23,9 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash.console import EVERY_RANK
 from dflash.extract.online import share_dir
 from dflash.extract.online_workers import WorkerPool
 from dflash.run_files import atomic_write, read_json_or_none
+
+# By name: run as `python -m`, this module is "__main__", outside the package logger that shows its messages.
+logger = logging.getLogger("dflash.extract.capture_node")
 
 POLL_S = 1.0
 
@@ -61,15 +66,17 @@ def supervise(spec_path: Path, node: int, nodes: int, devices: list[int] | None,
             done = read_json_or_none(done_path)
             if session is not None and done is not None and done.get("session") == session:
                 pool.join(timeout_s=float(spec["stale_after_s"]) + 60.0 if spec else 120.0)
-                print(f"[capture-node {node}] session {session} done", flush=True)
+                logger.info(f"[capture-node {node}] session {session} done", extra=EVERY_RANK)
                 return 0
             if spec is not None and spec.get("session") != session:
                 if done is not None and done.get("session") == spec.get("session"):
                     # Started (or requeued) after the trainer finished: there is nothing left to capture.
-                    print(f"[capture-node {node}] session {spec['session']} is already done", flush=True)
+                    logger.info(f"[capture-node {node}] session {spec['session']} is already done",
+                                extra=EVERY_RANK)
                     return 0
                 if pool is not None:
-                    print(f"[capture-node {node}] the trainer restarted: session {spec['session']}", flush=True)
+                    logger.info(f"[capture-node {node}] the trainer restarted: session {spec['session']}",
+                                extra=EVERY_RANK)
                     pool.kill()
                     remove_shares(*running)
                 first, count = node_share(int(spec["num_workers"]), node, nodes)
@@ -83,13 +90,13 @@ def supervise(spec_path: Path, node: int, nodes: int, devices: list[int] | None,
                 pool.start()
                 session = spec["session"]
                 running = (spec["spool"], first, count)
-                print(f"[capture-node {node}] session {session}: workers {first}..{first + count - 1} on "
-                      f"{devices or 'cpu'}", flush=True)
+                logger.info(f"[capture-node {node}] session {session}: workers {first}..{first + count - 1} on "
+                            f"{devices or 'cpu'}", extra=EVERY_RANK)
             if pool is not None and pool.failed():
-                print(f"[capture-node {node}] {pool.failed()}", file=sys.stderr, flush=True)
+                logger.warning(f"[capture-node {node}] {pool.failed()}")
                 return 1
             if session is None and time.monotonic() - waiting_since > wait_s:
-                print(f"[capture-node {node}] no spec at {spec_path} after {wait_s:.0f} s", file=sys.stderr)
+                logger.warning(f"[capture-node {node}] no spec at {spec_path} after {wait_s:.0f} s")
                 return 1
             time.sleep(poll_s)
     finally:

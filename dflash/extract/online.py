@@ -26,6 +26,7 @@ share's copy, so no orphan file is left holding budget.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -47,6 +48,8 @@ from dflash.run_files import atomic_write
 from dflash.models.targets.base import TargetAdapter
 from dflash.data.batch_plan import BatchPlan
 from dflash.data.sample_sizes import sample_lengths
+
+logger = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 # A worker waiting for room polls less and less often, up to this: each poll stats every item of the chunks in
@@ -270,9 +273,9 @@ class CaptureWorker:
         # Every claim keeps room in its share for the lower chunks other workers still owe (so a dead worker's
         # chunk can always be taken over): with fewer than num_workers chunks per share, workers mostly take turns.
         if worker == 0 and sizes and self.share_budget < spool.num_workers * max(sizes):
-            print(f"[capture] warning: one worker's spool share ({self.share_budget} bytes) holds fewer than "
-                  f"{spool.num_workers} chunks of up to {max(sizes)} bytes, so the capture workers will often run "
-                  "one after another: raise capture.budget_bytes or lower capture.chunk_items", flush=True)
+            logger.info(f"[capture] warning: one worker's spool share ({self.share_budget} bytes) holds fewer "
+                        f"than {spool.num_workers} chunks of up to {max(sizes)} bytes, so the capture workers will "
+                        "often run one after another: raise capture.budget_bytes or lower capture.chunk_items")
 
     def chunk_items_of(self, chunk: int) -> range:
         return range(chunk * self.chunk_items, min((chunk + 1) * self.chunk_items, self.stream.num_items))
@@ -423,8 +426,9 @@ class OnlineFeatureSource(FeatureSource):
 
     Reads must come in the order of the BatchPlan the stream was built from (the training loop's order); a
     different index raises ValueError. A resumed run starts at the step it resumes at: the session sets every
-    rank's cursor there before the workers start (train/online_capture.py), and the source starts at its cursor. Each read blocks until the item's file exists (at most `timeout_s`);
-    `hopeless`, when given, is polled while waiting and returns a reason to stop waiting (RuntimeError) or None.
+    rank's cursor there before the workers start (train/online_capture.py), and the source starts at its cursor.
+    Each read blocks until the item's file exists (at most `timeout_s`); `hopeless`, when given, is polled while
+    waiting and returns a reason to stop waiting (RuntimeError) or None.
     With a `cache` (feature_cache.py) the workers capture the first epoch only: its items are kept in the cache as
     they are read, and the items of later epochs are read from there.
     """

@@ -11,6 +11,7 @@ its parent (the trainer, PARENT_PID) disappears, so a killed trainer leaves no c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,7 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash.console import EVERY_RANK
 from dflash.run_files import atomic_write
+
+logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 1.0
 _STOP_GRACE_S = 10.0
@@ -182,8 +186,8 @@ class WorkerPool:
             wid = self.first_worker + worker
             if self.restarts[worker] < self.max_restarts:
                 self.restarts[worker] += 1
-                print(f"[online] capture worker {wid} exited with code {process.returncode}: restart "
-                      f"{self.restarts[worker]}/{self.max_restarts}", flush=True)
+                logger.info(f"[online] capture worker {wid} exited with code {process.returncode}: restart "
+                            f"{self.restarts[worker]}/{self.max_restarts}", extra=EVERY_RANK)
                 self._start(worker)
             else:
                 self.processes[worker] = None
@@ -218,14 +222,14 @@ class WorkerPool:
                 except subprocess.TimeoutExpired:
                     # Training has read every item, so the worker has nothing left to give (a restarted one may
                     # still be loading its target): stop it rather than fail a finished stage.
-                    print(f"[online] capture worker {wid} still ran {timeout_s:.0f} s after training ended; "
-                          f"stopped (no sample was missing). Log: {self.log_dir}/w{wid}.log", flush=True)
+                    logger.info(f"[online] capture worker {wid} still ran {timeout_s:.0f} s after training ended; "
+                                f"stopped (no sample was missing). Log: {self.log_dir}/w{wid}.log", extra=EVERY_RANK)
                     _stop_processes([process])
                     continue
                 if code != 0:
-                    print(f"[online] capture worker {wid} exited with code {code}; training had read every item, "
-                          f"so no sample was lost. Last lines of {self.log_dir}/w{wid}.log:\n"
-                          f"{self._log_tail(worker)}", flush=True)
+                    logger.info(f"[online] capture worker {wid} exited with code {code}; training had read every "
+                                f"item, so no sample was lost. Last lines of {self.log_dir}/w{wid}.log:\n"
+                                f"{self._log_tail(worker)}", extra=EVERY_RANK)
 
     def kill(self) -> None:
         """Stop every worker still running: SIGTERM, then SIGKILL after a grace period."""

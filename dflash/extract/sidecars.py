@@ -7,11 +7,15 @@ keeps the shards whose sidecars exist and are intact.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from dflash.extract.store import shard_name
 from dflash.run_files import atomic_write, file_sha256
+from dflash.console import EVERY_RANK
+
+logger = logging.getLogger(__name__)
 
 
 def sidecar_path(out_dir: Path, index: int) -> Path:
@@ -35,13 +39,13 @@ def shard_intact(out_dir: Path, entry: dict[str, Any], verify: bool) -> bool:
     """Whether an entry's shard exists (with `verify`: and has the entry's sha256); says what is wrong if not."""
     path = out_dir / entry["file"]
     if not path.is_file():
-        print(f"[capture] feature shard {path} is missing: recapturing it")
+        logger.info(f"[capture] feature shard {path} is missing: recapturing it", extra=EVERY_RANK)
         return False
     if verify:
         actual = file_sha256(path)
         if actual != entry["sha256"]:
-            print(f"[capture] feature shard {path} is corrupt (sha256 {actual}, recorded {entry['sha256']}): "
-                  "recapturing it")
+            logger.info(f"[capture] feature shard {path} is corrupt (sha256 {actual}, recorded {entry['sha256']}): "
+                        "recapturing it", extra=EVERY_RANK)
             return False
     return True
 

@@ -8,8 +8,8 @@ which the later stages read instead of loading the target again.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from pathlib import Path
 
 from dflash.config import fingerprints
@@ -17,6 +17,8 @@ from dflash.run_files import claim_dir, clear_done, mark_done, read_json_or_none
 from dflash.stages.context import RunContext
 from dflash.stages.data import DataStage
 from dflash.stages.shapes import drafter_config, mask_token_for, target_shape
+
+logger = logging.getLogger(__name__)
 
 
 class CaptureStage:
@@ -58,11 +60,11 @@ class CaptureStage:
             # settings come back from where an earlier change moved them.
             moved = claim_dir(out, key, stage="capture", contents="features")
             if moved:
-                print(f"[capture] features of other settings moved aside to {moved}")
+                logger.info(f"[capture] features of other settings moved aside to {moved}")
         if mode == "offline":
             run.barrier()  # every rank captures offline (only rank 0 gets here otherwise): wait for the claim
         if stage_done(out, key):
-            print(f"[capture] up to date: {out}")
+            logger.info(f"[capture] up to date: {out}")
             return
         shape = target_shape(run.target)
         dataset = load_dataset_dir(self.data.out)
@@ -79,7 +81,7 @@ class CaptureStage:
         save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(),
                          os.path.join(out, "frozen_head.safetensors"), run.target.logit_transform)
         write_json(os.path.join(out, "target.json"), shape)
-        print(f"[capture] {summary} -> {out}")
+        logger.info(f"[capture] {summary} -> {out}")
         mark_done(out, key)
 
     def mask_token(self, dataset) -> int:
@@ -90,7 +92,7 @@ class CaptureStage:
         used = token_ids_in(dataset) | token_ids_in(load_heldout_dir(self.data.out))
         token_id, line = mask_token_for(self.context.settings, self.context.target, used)
         if self.context.rank == 0:
-            print(f"[capture] {line}", flush=True)
+            logger.info(f"[capture] {line}")
         return token_id
 
     def check_store(self) -> None:
@@ -107,8 +109,7 @@ class CaptureStage:
         if bad:
             named = ", ".join(f"{e['file']} (samples {e['first_sample']}..{e['first_sample'] + e['num_samples'] - 1})"
                               for e in bad[:5])
-            print(f"[capture] {len(bad)} feature shard(s) missing or corrupt: {named}; recapturing them",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"[capture] {len(bad)} feature shard(s) missing or corrupt: {named}; recapturing them")
             clear_done(self.out)
 
     def describe_streamed(self, mode: str, num_samples: int, layer_ids: list[int]) -> str:
@@ -146,4 +147,4 @@ class CaptureStage:
             return
         info = write_heldout_features(self.context.target, rows, layer_ids, path,
                                       batch_size=self.context.settings.train.heldout_batch_size)
-        print(f"[capture] held-out: {info['samples']} samples, {info['tokens']} tokens -> {path}")
+        logger.info(f"[capture] held-out: {info['samples']} samples, {info['tokens']} tokens -> {path}")

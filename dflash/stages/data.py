@@ -3,6 +3,7 @@ answer-only loss mask (dflash/data/), in `data/`."""
 
 from __future__ import annotations
 
+import logging
 import os
 import textwrap
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from dflash.config import fingerprints
 from dflash.run_files import clear_done, mark_done, stage_done, write_json
 from dflash.stages.context import RunContext
+
+logger = logging.getLogger(__name__)
 
 
 class DataStage:
@@ -42,7 +45,7 @@ class DataStage:
         run, d, out = self.context, self.context.settings.data, self.out
         key = self.fingerprint()
         if stage_done(out, key):
-            print(f"[data] up to date: {out}")
+            logger.info(f"[data] up to date: {out}")
             return
         os.makedirs(out, exist_ok=True)
         prompts = load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed, turns=d.turns)
@@ -57,11 +60,11 @@ class DataStage:
         if overlap is not None:  # what the check found goes with the dataset's stats (format_stats shows it)
             stats["eval_overlap"] = overlap
             write_json(os.path.join(out, "stats.json"), stats)
-        print(textwrap.indent(format_stats(stats), "[data] "))
+        logger.info(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
-            print(f"[data] {stats['failed']} prompt(s) failed (errors above and in stats.json); the stages go on "
-                  "without them, and running the data stage again retries them")
+            logger.info(f"[data] {stats['failed']} prompt(s) failed (errors above and in stats.json); the stages go on "
+                        "without them, and running the data stage again retries them")
             return
         mark_done(out, key, stats=stats)
 
@@ -76,7 +79,7 @@ class DataStage:
             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, min_chars=s.min_chars,
             max_oversample=s.max_oversample, keep_system=s.keep_system, batch_size=d.batch_size, seed=d.seed,
             engine=d.engine, show_progress=run.show_progress, target=self.target_identity())
-        print(f"[data] synthetic prompts: {stats}")
+        logger.info(f"[data] synthetic prompts: {stats}")
         return prompts
 
     def drop_eval_overlaps(self, prompts: list) -> tuple[list, dict | None]:

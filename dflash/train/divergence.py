@@ -1,4 +1,4 @@
-"""Training that diverges stops before anything non-finite is kept (issue 24: no non-finite drafter, ever).
+"""Training that diverges stops before anything non-finite is kept: no drafter with a non-finite weight, ever.
 
 A step whose loss or gradient norm is NaN or infinite is a non-finite step. Under ZeRO 1-3 DeepSpeed's overflow
 check skips its update, so the weights stay as they were; a few in a row (bf16 can give some in a run's first

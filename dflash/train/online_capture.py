@@ -9,6 +9,7 @@ balance them.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -31,6 +32,8 @@ from dflash.run_files import (
     write_json,
 )
 from dflash.train.checkpoints import latest_tag
+
+logger = logging.getLogger(__name__)
 
 
 def owned_or_new(path: str, run_dir: str) -> None:
@@ -147,16 +150,16 @@ class OnlineCapture:
         spec_path = os.path.join(log_dir, "spec.json")
         write_json(spec_path, spec)
         if self.external:
-            print(f"[online] waiting for {num_workers} external capture worker(s): start them on the capture "
-                  f"node(s) with `python -m dflash.extract.capture_node {spec_path}` (docs/capture.md); "
-                  f"spool {spool_dir}")
+            logger.info(f"[online] waiting for {num_workers} external capture worker(s): start them on the capture "
+                        f"node(s) with `python -m dflash.extract.capture_node {spec_path}` (docs/capture.md); "
+                        f"spool {spool_dir}")
             return
         pool = WorkerPool(spec_path, num_workers, log_dir, devices=devices, max_restarts=int(c.max_restarts),
                           gpus_per_worker=g)
         pools.append(pool)
         pool.start()
-        print(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool "
-              f"{spool_dir} (budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
+        logger.info(f"[online] {num_workers} capture worker(s) on {devices or spec['device']} -> spool "
+                    f"{spool_dir} (budget {int(c.budget_bytes) / 2**30:.2f} GiB); logs in {log_dir}")
 
     def worker_spec(self, settings, info: dict, plan: BatchPlan, devices: list[int] | None, g: int,
                     num_workers: int, spool_dir: str, log_dir: str, session: str, *, epochs: int) -> dict:
@@ -190,10 +193,10 @@ class OnlineCapture:
         if previous is None or key is None or previous.get("checkpoint") != key:
             if previous is not None and previous["cache"]:  # another run's features: no resume will read them
                 remove_owned_dir(previous["dir"], self.run_dir)
-            print("[online] feature cache off: no cache decision was recorded for the checkpoints resumed here")
+            logger.info("[online] feature cache off: no cache decision was recorded for the checkpoints resumed here")
             return False, cache_dir
         use_cache = bool(previous["cache"])
-        print(f"[online] feature cache {'on' if use_cache else 'off'}, as when this run started")
+        logger.info(f"[online] feature cache {'on' if use_cache else 'off'}, as when this run started")
         return use_cache, previous["dir"] if use_cache else cache_dir
 
     def decide_feature_cache(self, info: dict, cache_dir: str, spool_dir: str) -> bool:
@@ -214,8 +217,8 @@ class OnlineCapture:
         mode = ("true" if mode else "false") if isinstance(mode, bool) else str(mode)  # YAML reads true as a bool
         room = cache_room(cache_dir, spool_dir, int(c.budget_bytes))
         use = cached_epochs(mode, needed, None if budget is None else int(budget), room)
-        print(f"[online] feature cache {'on' if use else 'off'}: one epoch is {needed / 2**30:.2f} GiB"
-              + (f" -> {cache_dir}; the workers capture the first epoch only" if use else ""))
+        logger.info(f"[online] feature cache {'on' if use else 'off'}: one epoch is {needed / 2**30:.2f} GiB"
+                    + (f" -> {cache_dir}; the workers capture the first epoch only" if use else ""))
         return use
 
     @staticmethod
@@ -264,7 +267,7 @@ class OnlineCapture:
         capture_s = sum(s["capture_s"] for s in stats)
         if capture_s <= 0 or source.tokens_read == 0:
             # A start that resumed at the last step (killed while exporting, say) streamed nothing to measure.
-            print("[online] nothing was captured in this start: no throughput to report")
+            logger.info("[online] nothing was captured in this start: no throughput to report")
             return
         # Worker-seconds measure one worker, which holds pool.gpus_per_worker GPUs: the rate per device divides.
         gpus = int(spec["gpus_per_worker"])
@@ -279,8 +282,8 @@ class OnlineCapture:
                   "capture_devices": capture_devices, "trainer_ranks": world_size,
                   "balanced_capture_fraction": share, "balanced_split": [balanced, total - balanced]}
         write_json(os.path.join(self.run_dir, "capture_logs", "throughput.json"), report)
-        print(f"[online] capture {capture_rate:,.0f} tok/s per capture device ({capture_devices}), trainer "
-              f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of {train_s:.1f} s "
-              f"for features)")
-        print(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
-              f"{balanced}:{total - balanced} of these {total} devices")
+        logger.info(f"[online] capture {capture_rate:,.0f} tok/s per capture device ({capture_devices}), trainer "
+                    f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of "
+                    f"{train_s:.1f} s for features)")
+        logger.info(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
+                    f"{balanced}:{total - balanced} of these {total} devices")

@@ -9,6 +9,7 @@ written next to the checkpoints folder as train_profile.txt.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 from collections import Counter
 
@@ -17,6 +18,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dflash.run_files import write_text
+
+logger = logging.getLogger(__name__)
 
 # dflash's own profiler ranges (record_function) start with this: the step's phases (loop.PHASE_*) and the
 # colocated target forward inside the batches phase.
@@ -94,7 +97,7 @@ class StepProfiler:
                 f"operators by {'GPU' if self.device.type == 'cuda' else 'host'} time of their own:\n"
                 + averages.table(sort_by=key, row_limit=80, max_name_column_width=90))
         write_text(self.path, text)
-        print(f"[train] profile of steps {first}..{last_step} -> {self.path}", flush=True)
+        logger.info(f"[train] profile of steps {first}..{last_step} -> {self.path}")
 
 
 def self_time_key(device: torch.device) -> str:

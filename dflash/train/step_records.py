@@ -10,10 +10,13 @@ step (docs/training.md, "Logs").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from dflash.train.engine import TrainEngine
 from dflash.train.metrics_log import MetricsLog
+
+logger = logging.getLogger(__name__)
 
 
 class StepRecords:
@@ -38,8 +41,8 @@ class StepRecords:
         if step == self.first_step + 1 and self.announce:
             # Where a (re)start spends its time: engine build + checkpoint load, then the first step's kernel
             # compilation (flex attention), both paid again by every resumed call.
-            print(f"[train] ready after {started - self.entered:.1f} s (engine, checkpoint); first step "
-                  f"{now - started:.1f} s", flush=True)
+            logger.info(f"[train] ready after {started - self.entered:.1f} s (engine, checkpoint); first step "
+                        f"{now - started:.1f} s")
         self.window_tokens += metrics.pop("tokens")
         tflops = metrics.pop("flops") / (now - started) / 1e12
         epoch, step_in_epoch = divmod(step - 1, self.steps_per_epoch)
