@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -14,6 +15,8 @@ from dflash.stages.context import RunContext
 from dflash.stages.export import export_best
 from dflash.stages.shapes import drafter_config
 from dflash.stages.train import TrainStage
+
+logger = logging.getLogger(__name__)
 
 
 def prompt_set_specs(eval_settings) -> dict[str, dict[str, Any]]:
@@ -72,8 +75,8 @@ class EvalStage:
                 f"{'missing' if marker is None else 'from other settings'}) and {self.train.checkpoints} holds no "
                 f"best held-out checkpoint of these settings (data.heldout > 0 and eval.checkpoint=best make one); "
                 f"rerun training, which resumes from its last checkpoint")
-        print(f"[eval] training has not finished: evaluating its best held-out checkpoint so far "
-              f"(step {best['step']}, held-out tau {best['tau']:.3f})")
+        logger.info(f"[eval] training has not finished: evaluating its best held-out checkpoint so far "
+                    f"(step {best['step']}, held-out tau {best['tau']:.3f})")
         return os.path.join(run.run_dir, "export_best"), fingerprint(current, best)
 
     def run(self) -> dict[str, Any]:
@@ -99,7 +102,7 @@ class EvalStage:
         run, e = self.context, self.context.settings.eval
         os.makedirs(self.out, exist_ok=True)
         clear_done(self.out)
-        print(f"[eval] drafter {folder}")
+        logger.info(f"[eval] drafter {folder}")
         target = run.target
         try:
             drafter = load_drafter(folder, dtype=target.dtype, device=str(run.device))

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
-import sys
 from typing import Any
 
 import torch
 
 from dflash.run_files import checksum_problem, read_json_or_none, write_json
+
+logger = logging.getLogger(__name__)
 
 
 def export_state(state: dict[str, torch.Tensor], config, folder: str) -> None:
@@ -35,15 +37,14 @@ def export_best(run_dir: str, checkpoints: str, config) -> dict[str, Any] | None
         problem = checksum_problem(folder)
         if problem is None:
             return exported  # this best checkpoint is exported already (an eval of a stopped run, rerun)
-        print(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from {checkpoints}",
-              file=sys.stderr, flush=True)
+        logger.warning(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from {checkpoints}")
     best = best_state_dict(checkpoints)
     if best is None:
         shutil.rmtree(folder, ignore_errors=True)
         return None
     export_state(best[0], config, folder)
     write_json(os.path.join(folder, "best.json"), best[1])
-    print(f"[train] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
+    logger.info(f"[train] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
     return best[1]
 
 
@@ -53,4 +54,4 @@ def plot_training_curve(run_dir: str) -> None:
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         path = plot(metrics, os.path.join(run_dir, "training_curve.png"))
-        print(f"[train] training curve -> {path}")
+        logger.info(f"[train] training curve -> {path}")

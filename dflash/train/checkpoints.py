@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,9 +35,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from dflash.run_files import checksum_problem, write_checksums, write_text
+from dflash.run_files import atomic_path, checksum_problem, write_checksums, write_text
 from dflash.train.best_checkpoint import read_best
 from dflash.train.engine import TrainEngine
+
+logger = logging.getLogger(__name__)
 
 COMPLETE = "complete"
 LATEST = "latest"
@@ -109,8 +112,8 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
     engine.save(directory, tag, client_state)
     os.makedirs(folder, exist_ok=True)
     rng_path = os.path.join(folder, f"rng_rank{rank}.safetensors")
-    save_file(rng_state(), f"{rng_path}.tmp")
-    os.replace(f"{rng_path}.tmp", rng_path)
+    with atomic_path(rng_path) as tmp:
+        save_file(rng_state(), tmp)
     _barrier()
     if rank == 0:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -164,8 +167,7 @@ def verified_latest_tag(directory: str) -> str | None:
         problem = tag_problem(directory, candidate)
         if problem is None:
             if problems:
-                print(f"[train] warning: {'; '.join(problems)}; resuming from {candidate} instead", file=sys.stderr,
-                      flush=True)
+                logger.warning(f"[train] warning: {'; '.join(problems)}; resuming from {candidate} instead")
             return candidate
         problems.append(f"checkpoint {os.path.join(directory, candidate)} is corrupt: {problem}")
     raise ValueError(f"no checkpoint in {directory} verifies: {'; '.join(problems)}. Move the folder aside to train "

@@ -14,6 +14,7 @@ steps or weights (divergence.py), the profiler (step_profile.py) and the stop si
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 
@@ -47,6 +48,8 @@ from dflash.train.step_profile import StepProfiler, profile_path
 from dflash.train.step_records import StepRecords
 from dflash.train.stop_signal import StopSignal, TrainingStopped
 from dflash.train.time_budget import TimeBudget
+
+logger = logging.getLogger(__name__)
 
 
 # Named ranges of a step, shown as rows of the train.profile_steps tables (host and device time per phase).
@@ -172,7 +175,7 @@ def follow_plan(budget: TimeBudget | None, engine: TrainEngine, progress: tqdm, 
     if budget is None:
         return total_steps
     if news and rank == 0:
-        print(budget.describe(total_steps), flush=True)
+        logger.info(budget.describe(total_steps))
     if budget.planned_steps != total_steps:
         engine.set_total_steps(budget.planned_steps)
         progress.total = budget.planned_steps
