@@ -217,3 +217,33 @@ def test_replay_at_a_temperature_writes_the_estimate(tiny_target, make_drafter, 
     assert "replay estimate of the acceptance at T=0.05" in format_table(summary)
     write_summary(summary, str(tmp_path))
     assert (tmp_path / "summary.csv").read_text().splitlines()[1].startswith("a,")
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sampled"])
+def test_the_logit_transform_reaches_both_distributions(draft_sampling):
+    """A target whose logit transform doubles its logits (a scale of 2, dflash/models/targets/logit_transform.py)
+    shares its head with the drafter: the estimate at T equals the one without the transform at T/2, where the
+    target's p, the drafter's q and the pass's own temperature all sharpen alike."""
+    from dflash.models.targets.logit_transform import LogitTransform
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, hidden, block_size = 11, 5, 4
+    head = torch.randn(vocab, hidden, generator=generator)
+    sequences = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (9, 12)]
+    finals = [torch.randn(len(s), hidden, generator=generator) for s in sequences]
+    drafter_out = {(r, s): torch.randn(block_size, hidden, generator=generator)
+                   for r, seq in enumerate(sequences) for s in range(len(seq))}
+
+    def hidden_of(rows, starts, sizes):
+        return torch.stack([drafter_out[(r, s)] for r, s in zip(rows, starts)])
+
+    def estimate(transform, temperature):
+        traces = expected_traces(head_logits(hidden_of, head, transform), head, finals, sequences, [3, 4],
+                                 block_size=block_size, max_new_tokens=10, temperature=temperature,
+                                 path_temperature=temperature, draft_sampling=draft_sampling, transform=transform)
+        return expected_metrics(traces, block_size)
+
+    doubled, halved = estimate(LogitTransform(scale=2.0), 1.0), estimate(None, 0.5)
+    assert doubled["tau"] == pytest.approx(halved["tau"]) and doubled["per_position"] == pytest.approx(
+        halved["per_position"])
+    assert estimate(None, 1.0)["tau"] != pytest.approx(doubled["tau"])

@@ -153,6 +153,18 @@ def test_heldout_replay_equals_the_evaluator_replay(family, tiny_target, make_dr
     cold = held.evaluate(drafter, (adapter.embed_tokens().weight, adapter.lm_head_weight()), 1e-4)
     assert cold["tau"] == metrics["tau"] and cold["tau_T0.0001"] == pytest.approx(metrics["tau"], abs=1e-6)
     assert cold["acceptance_rate_T0.0001"] == pytest.approx(metrics["acceptance_rate"], abs=1e-6)
+    assert held.logit_transform.identity  # the tiny target has none; one that has one is stored (below)
+
+
+def test_the_heldout_file_keeps_the_targets_logit_transform(tmp_path):
+    from dflash.models.targets.logit_transform import LogitTransform
+
+    transform = LogitTransform(scale=0.5, softcap=30.0)
+    samples = learnable_store(2, seed=1)
+    save_heldout_set(str(tmp_path / "h.safetensors"), [s["input_ids"].tolist() for s in samples],
+                     [s["input_ids"] for s in samples], [s["hidden"] for s in samples], [4, 4], [0, 2],
+                     logit_transform=transform)
+    assert HeldoutSet(str(tmp_path / "h.safetensors")).logit_transform == transform
 
 
 def test_a_shorter_budget_cuts_the_responses(tiny_target, make_drafter, tmp_path):

@@ -3,8 +3,8 @@
 A DFlash block's drafts are predicted in parallel, so the drafter's distribution q_k at block position k depends
 only on the context up to the anchor, never on the drafts before it. Along a stored pass s (prompt + a
 continuation) the target's distribution p_k = softmax(z_k / T) at block position k is known wherever the drafts
-before k equal the stored tokens (z_k: the target's logits after the stored prefix, read as final hidden state @
-lm_head^T, as the KL loss reads them). At an anchor the survival S_k = P(drafts 1..k accepted) is estimated by
+before k equal the stored tokens (z_k: the target's logits after the stored prefix, read as its logit transform of
+final hidden state @ lm_head^T, as the loss reads them; the drafter's logits go through the same transform). At an anchor the survival S_k = P(drafts 1..k accepted) is estimated by
 
     S_k = prod_{j<k} f_j * beta_k,   beta_k = P(draft k accepted | drafts < k accepted, prefix),
                                      f_j = P(draft j accepted and equal to s_j) / r(s_j)
@@ -145,28 +145,35 @@ def expected_metrics(traces: list[ExpectedTrace], block_size: int) -> dict[str, 
     }
 
 
+# The target's logit transform (dflash/models/targets/logit_transform.py): raw head logits -> logits; None: none.
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
 # draft_logits(rows, starts, sizes) -> the drafter's logits [n, max size - 1, V] at block positions 1.. of blocks of
 # `sizes` tokens anchored at `starts` of sequences `rows` (positions past a row's size are ignored).
 DraftLogits = Callable[[list[int], list[int], list[int]], torch.Tensor]
 
 
-def head_logits(hidden: Callable[[list[int], list[int], list[int]], torch.Tensor], head: torch.Tensor) -> DraftLogits:
+def head_logits(hidden: Callable[[list[int], list[int], list[int]], torch.Tensor], head: torch.Tensor,
+                transform: Transform | None = None) -> DraftLogits:
     """DraftLogits of a drafter whose block output is hidden(rows, starts, sizes) [n, max size, H]
-    (DrafterProposer.hidden), read through the target's lm_head weight `head` [V, H]."""
+    (DrafterProposer.hidden), read through the target's lm_head weight `head` [V, H] and logit `transform`."""
     def logits(rows: list[int], starts: list[int], sizes: list[int]) -> torch.Tensor:
         out = hidden(rows, starts, sizes)[:, 1:]
-        return out.to(device=head.device, dtype=head.dtype) @ head.T
+        raw = out.to(device=head.device, dtype=head.dtype) @ head.T
+        return raw if transform is None else transform(raw)
     return logits
 
 
 def expected_traces(draft_logits: DraftLogits, head: torch.Tensor, finals: list[torch.Tensor],
                     sequences: list[list[int]], prompt_lens: list[int], *, block_size: int, max_new_tokens: int,
-                    temperature: float, path_temperature: float, draft_sampling: str) -> list[ExpectedTrace]:
+                    temperature: float, path_temperature: float, draft_sampling: str,
+                    transform: Transform | None = None) -> list[ExpectedTrace]:
     """One ExpectedTrace per stored pass: every position of each continuation is drafted from as an anchor, in
     chunks of anchors whose [anchors, B-1, V] logits stay under CHUNK_ELEMENTS, then the steps are walked.
 
     head: the target's lm_head weight [V, H]; finals[i]: the target's final hidden states [len, H] along
-    sequences[i] (prompt + continuation); path_temperature: what the continuation was drawn at (0: greedy).
+    sequences[i] (prompt + continuation); path_temperature: what the continuation was drawn at (0: greedy);
+    transform: the target's logit transform, applied to its logits here (draft_logits apply it to the drafter's).
     """
     check_rule(temperature, draft_sampling)
     anchors = [(row, start) for row, (s, p) in enumerate(zip(sequences, prompt_lens)) for start in range(p, len(s) - 1)]
@@ -176,7 +183,7 @@ def expected_traces(draft_logits: DraftLogits, head: torch.Tensor, finals: list[
         chunk = anchors[first : first + per_chunk]
         rows, starts = [r for r, _ in chunk], [s for _, s in chunk]
         sizes = [min(block_size, prompt_lens[r] + max_new_tokens - s) for r, s in chunk]
-        values = _chunk_survival(draft_logits(rows, starts, sizes), head, finals, sequences, rows, starts,
+        values = _chunk_survival(draft_logits(rows, starts, sizes), head, finals, sequences, rows, starts, transform,
                                  temperature=temperature, path_temperature=path_temperature,
                                  draft_sampling=draft_sampling)
         for (row, start), value in zip(chunk, values):
@@ -187,7 +194,8 @@ def expected_traces(draft_logits: DraftLogits, head: torch.Tensor, finals: list[
 
 
 def _chunk_survival(draft_logits: torch.Tensor, head: torch.Tensor, finals: list[torch.Tensor],
-                    sequences: list[list[int]], rows: list[int], starts: list[int], **rule: Any) -> np.ndarray:
+                    sequences: list[list[int]], rows: list[int], starts: list[int], transform: Transform | None,
+                    **rule: Any) -> np.ndarray:
     """S_1..S_K [n, K] of the blocks anchored at `starts` of `rows` (positions past a pass's end are zeroed)."""
     n, width = draft_logits.shape[:2]
     device = head.device
@@ -200,5 +208,7 @@ def _chunk_survival(draft_logits: torch.Tensor, head: torch.Tensor, finals: list
     states = torch.stack([finals[r][position[i].to(finals[r].device)].to(device) for i, r in enumerate(rows)])
     stored = torch.stack([torch.tensor(sequences[r])[position[i] + 1] for i, r in enumerate(rows)])
     target_logits = states.to(head.dtype) @ head.T
+    if transform is not None:
+        target_logits = transform(target_logits)
     survival = block_survival(draft_logits.to(device), target_logits, stored, **rule).cpu().double()
     return (survival * inside.to(survival.dtype)).numpy().reshape(n, width)

@@ -3,7 +3,7 @@
 Each prompt is continued once by the target, sampled at T (seeded: every drafter evaluated with the same seed is
 measured on the same continuations), the same text distribution a live decode at T commits. One target pass over
 prompt + continuation gives the features the drafter reads and the final hidden states the target's p_T comes
-from; every continuation position is then drafted from as an anchor and the steps are walked in expectation. No
+from (through its lm_head and logit transform, as the drafter's q); every continuation position is then drafted from as an anchor and the steps are walked in expectation. No
 acceptance is sampled, so two drafters differ only by what they propose.
 """
 
@@ -78,11 +78,12 @@ def replay_estimate(drafter: DFlashDraftModel, adapter, prompts: list[list[int]]
             features, finals = target_pass_with_final(adapter, sequences, config.target_layer_ids)
         with timer.phase("estimate"):
             proposer = DrafterProposer(drafter, adapter, sequences, features)
-            head = adapter.lm_head_weight()
-            traces += expected_traces(head_logits(proposer.hidden, head), head, finals, sequences,
+            head, transform = adapter.lm_head_weight(), getattr(adapter, "logit_transform", None)
+            traces += expected_traces(head_logits(proposer.hidden, head, transform), head, finals, sequences,
                                       [len(p) for p in chunk], block_size=config.block_size,
                                       max_new_tokens=max_new_tokens, temperature=temperature,
-                                      path_temperature=temperature, draft_sampling=draft_sampling)
+                                      path_temperature=temperature, draft_sampling=draft_sampling,
+                                      transform=transform)
         if progress is not None:
             progress(len(chunk))
     return traces

@@ -9,7 +9,8 @@ holds, so a training run never loads the target. The result is the evaluator's r
 temperature T > 0 also the expected acceptance at T along the same passes (dflash/eval/expected_acceptance.py),
 read from the target's final hidden states, without sampling noise.
 
-File layout (safetensors; metadata: schema_version, target_layer_ids, num_samples):
+File layout (safetensors; metadata: schema_version, target_layer_ids, num_samples, and the target's logit transform
+when it has one, dflash/models/targets/logit_transform.py):
     tokens [N] int64       every sample's prompt + response, concatenated
     greedy [N] int64       the target's greedy next token after each position (argmax of its logits)
     features [N, K*H]      the target features of each position (taps in target_layer_ids order)
@@ -39,6 +40,7 @@ from dflash.eval.expected_acceptance import expected_metrics, expected_traces, h
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import DrafterProposer, replay_steps
 from dflash.eval.replay_estimate import target_pass_with_final
+from dflash.models.targets.logit_transform import LogitTransform
 
 SCHEMA_VERSION = 1
 
@@ -56,7 +58,8 @@ def _prompt_len(sample_id: str, loss_mask: Sequence[int]) -> int:
 
 def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.Tensor],
                      features: list[torch.Tensor], prompt_lens: list[int], layer_ids: list[int],
-                     finals: list[torch.Tensor] | None = None) -> None:
+                     finals: list[torch.Tensor] | None = None,
+                     logit_transform: LogitTransform | None = None) -> None:
     """Write one held-out file (layout in the module docstring) atomically; `finals` None leaves out "final"."""
     if not sequences:
         raise ValueError("a held-out set needs at least one sample")
@@ -72,7 +75,7 @@ def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.T
     if finals is not None:
         tensors["final"] = torch.cat([f.cpu() for f in finals]).contiguous()
     metadata = {"schema_version": str(SCHEMA_VERSION), "target_layer_ids": json.dumps(list(layer_ids)),
-                "num_samples": str(len(sequences))}
+                "num_samples": str(len(sequences)), **(logit_transform or LogitTransform()).metadata()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(tensors, tmp, metadata=metadata)
@@ -103,7 +106,8 @@ def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[i
         finals += [f.cpu() for f in batch_finals]
     head = adapter.lm_head_weight()
     greedy = [greedy_tokens(f, head) for f in finals]
-    save_heldout_set(path, sequences, greedy, features, prompt_lens, layer_ids, finals)
+    save_heldout_set(path, sequences, greedy, features, prompt_lens, layer_ids, finals,
+                     getattr(adapter, "logit_transform", None))
     return {"samples": count, "tokens": sum(len(s) for s in sequences)}
 
 
@@ -161,6 +165,7 @@ class HeldoutSet:
                 raise ValueError(f"{path}: held-out schema version {metadata.get('schema_version')!r}, expected "
                                  f"{SCHEMA_VERSION}; rerun the capture stage")
             self.layer_ids: list[int] = json.loads(metadata["target_layer_ids"])
+            self.logit_transform = LogitTransform.from_metadata(metadata)
             self.tokens = f.get_tensor("tokens")
             self.greedy = f.get_tensor("greedy")
             self.offsets = f.get_tensor("offsets").tolist()
@@ -217,10 +222,12 @@ class HeldoutSet:
                                            max_new_tokens=self.max_new_tokens)
                     if temperature > 0:
                         lm_head = head.lm_head_weight()
+                        transform = None if self.logit_transform.identity else self.logit_transform
                         expected += expected_traces(
-                            head_logits(propose.hidden, lm_head), lm_head, chunk_finals, sequences, prompt_lens,
-                            block_size=config.block_size, max_new_tokens=self.max_new_tokens,
-                            temperature=temperature, path_temperature=self.path_temperature, draft_sampling="greedy")
+                            head_logits(propose.hidden, lm_head, transform), lm_head, chunk_finals, sequences,
+                            prompt_lens, block_size=config.block_size, max_new_tokens=self.max_new_tokens,
+                            temperature=temperature, path_temperature=self.path_temperature, draft_sampling="greedy",
+                            transform=transform)
         finally:
             drafter.train(was_training)
         result = _figures(acceptance_metrics(traces, config.block_size))
