@@ -67,6 +67,15 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """Flush every file under `folder`, and the folders themselves, to the disk: a folder written whole and then
+    renamed into place (swap_in_dir) is then complete after a power loss, as an atomic_path file is."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, tag: str | None = None, durable: bool = True) -> Iterator[str]:
     """Inside, write the new file at the temporary path yielded; on leaving, it replaces `path` whole (an error
@@ -176,8 +185,10 @@ def _folder_key(directory: str) -> str | None:
 
 def swap_in_dir(new: str, target: str, aside: str) -> None:
     """Put the finished folder `new` in the place of folder `target` (same parent), so `target` is never
-    half-written. os.replace cannot overwrite a non-empty folder: the old one goes to `aside` first, comes back if
-    `new` cannot take its place, and is deleted once it has."""
+    half-written, also after a power loss (`new` is fsynced first, and the parent folder after the rename).
+    os.replace cannot overwrite a non-empty folder: the old one goes to `aside` first, comes back if `new` cannot
+    take its place, and is deleted once it has."""
+    fsync_tree(new)
     if os.path.exists(target):
         os.replace(target, aside)
     try:
@@ -186,6 +197,7 @@ def swap_in_dir(new: str, target: str, aside: str) -> None:
         if os.path.exists(aside) and not os.path.exists(target):
             os.replace(aside, target)
         raise
+    fsync_path(os.path.dirname(os.path.abspath(target)))
     shutil.rmtree(aside, ignore_errors=True)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from dflash.run_files import (
     atomic_path, atomic_write, claim_checkpoint_dir, claim_dir, make_owned_dir, mark_done, remove_owned_dir, stage_done,
-    temp_path,
+    swap_in_dir, temp_path,
 )
 
 
@@ -132,3 +132,23 @@ def test_a_transient_write_names_its_writer_and_skips_fsync(tmp_path, monkeypatc
     assert temp_path(path, tag="w3") == str(tmp_path / ".i000000000007.safetensors.tmp-w3")
     atomic_write(path, b"item", tag="w3", durable=False)
     assert path.read_bytes() == b"item" and os.listdir(tmp_path) == [path.name]
+
+
+def test_a_folder_swapped_in_is_synced_file_by_file_and_its_parent_after(tmp_path, monkeypatch):
+    new, target = tmp_path / "new", tmp_path / "export"
+    (new / "sub").mkdir(parents=True)
+    (new / "config.json").write_text("{}")
+    (new / "sub" / "weights.bin").write_bytes(b"w")
+    target.mkdir()
+    (target / "old.json").write_text("old")
+    synced, fsync = [], os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    swap_in_dir(str(new), str(target), aside=str(tmp_path / "export.old"))
+    assert sorted(os.listdir(target)) == ["config.json", "sub"] and sorted(os.listdir(tmp_path)) == ["export"]
+    assert set(synced[:-1]) == {str(new / "config.json"), str(new / "sub" / "weights.bin"), str(new / "sub"), str(new)}
+    assert synced[-1] == str(tmp_path)
