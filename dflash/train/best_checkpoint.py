@@ -1,4 +1,4 @@
-"""The best checkpoint by held-out acceptance (issue 4: chosen by measured acceptance length, not by loss).
+"""The best checkpoint by held-out acceptance: chosen by the measured acceptance length, not by the loss.
 
 checkpoint_dir/best/model.safetensors   the drafter's consolidated weights at the best evaluation
 checkpoint_dir/best/best.json           {"step", "tau", "acceptance_rate"} of that evaluation
