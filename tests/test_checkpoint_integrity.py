@@ -1,4 +1,4 @@
-"""Nothing corrupt is trusted (issue 24): checkpoints carry checksums, a corrupt latest tag is named and the run
+"""Nothing corrupt is trusted: checkpoints carry checksums, a corrupt latest tag is named and the run
 resumes from the newest tag that verifies, ending with the weights of an uninterrupted run."""
 
 import os

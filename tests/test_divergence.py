@@ -1,4 +1,4 @@
-"""No non-finite drafter, ever (issue 24): non-finite steps are skipped a bounded number of times in a row, then
+"""No non-finite drafter, ever: non-finite steps are skipped a bounded number of times in a row, then
 training stops naming the step and the newest checkpoint; non-finite weights are never saved."""
 
 import json

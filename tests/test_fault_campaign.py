@@ -1,4 +1,4 @@
-"""The fault campaign of issue 24 on the tiny pipeline: nothing corrupt is trusted, no kill loses work.
+"""A fault campaign on the tiny pipeline: nothing corrupt is trusted, no kill loses work.
 
 One uninterrupted run is the reference; a run interrupted after its step-4 checkpoint (and its first held-out
 evaluation, which wrote checkpoints/best) is the state each fault is applied to: a checkpoint's model states or

@@ -1,4 +1,4 @@
-"""The feature store repairs itself (issue 24): a shard found missing or corrupt is recaptured by the next run of
+"""The feature store repairs itself: a shard found missing or corrupt is recaptured by the next run of
 the same command, with a warning naming it, and the run ends as an uninterrupted one."""
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Folders of weights carry checksums (issue 24): export/ and checkpoints/best/ are verified by what loads them; a
+"""Folders of weights carry checksums: export/ and checkpoints/best/ are verified by what loads them; a
 mismatch names the folder and the file; folders written before checksums.json load as before."""
 
 import json
