@@ -156,6 +156,38 @@ def test_heldout_replay_equals_the_evaluator_replay(family, tiny_target, make_dr
     assert held.logit_transform.identity  # the tiny target has none; one that has one is stored (below)
 
 
+def test_heldout_passes_sampled_at_the_temperature_give_the_evaluators_estimate(tiny_target, make_drafter, tmp_path):
+    """write_sampled_heldout continues the held-out prompts at T like replay at T does (same seed and batches): the
+    held-out estimate on those passes equals the evaluator's replay estimate, and a HeldoutSet whose estimate comes
+    from them keeps its own greedy tau."""
+    from dflash.eval.expected_acceptance import expected_metrics
+    from dflash.eval.replay_estimate import replay_estimate
+    from dflash.train.heldout import sampled_path, write_sampled_heldout
+
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, std=0.2, block_size=4)
+    prompts, max_new_tokens, temperature = chat_prompts(adapter), 12, 0.05
+    continuations = greedy_continuations(adapter, prompts, max_new_tokens=max_new_tokens,
+                                         stop_token_ids=adapter.stop_token_ids(), batch_size=2)
+    rows = heldout_rows(adapter, prompts, continuations)
+    path = str(tmp_path / "heldout.safetensors")
+    write_heldout_features(adapter, rows, drafter.target_layer_ids, path, batch_size=2)
+    write_sampled_heldout(adapter, rows, drafter.target_layer_ids, sampled_path(path, temperature),
+                          temperature=temperature, seed=5, max_new_tokens=max_new_tokens, batch_size=2)
+    assert sampled_path(path, temperature).endswith("heldout_T0.05.safetensors")
+    sampled = HeldoutSet(sampled_path(path, temperature), max_new_tokens=max_new_tokens, batch_size=2)
+    assert sampled.path_temperature == temperature and sampled.prompt_lens == [len(p) for p in prompts]
+    held = HeldoutSet(path, max_new_tokens=max_new_tokens, batch_size=2, estimate_from=sampled)
+    head = (adapter.embed_tokens().weight, adapter.lm_head_weight())
+    figures = held.evaluate(drafter, head, temperature)
+    expected = expected_metrics(replay_estimate(drafter, adapter, prompts, max_new_tokens=max_new_tokens,
+                                                temperature=temperature, draft_sampling="greedy", seed=5,
+                                                batch_size=2), 4)
+    assert figures["tau_T0.05"] == pytest.approx(expected["tau"], rel=1e-6)
+    assert figures["acceptance_rate_T0.05"] == pytest.approx(expected["acceptance_rate"], rel=1e-6)
+    assert figures["tau"] == held.evaluate(drafter, head)["tau"]
+
+
 def test_the_heldout_file_keeps_the_targets_logit_transform(tmp_path):
     from dflash.models.targets.logit_transform import LogitTransform
 

@@ -38,6 +38,24 @@ def test_heldout_prompts_are_replayed_during_training_and_the_best_is_exported(h
     assert (heldout_run / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_the_exported_best_follows_best_by(tmp_path):
+    """train.best_by=tau_T1: capture continues the held-out prompts at T=1, every held-out evaluation records the
+    estimate there, and export_best/ holds the step with the highest one."""
+    Pipeline(compose(HELDOUT + [f"run_dir={tmp_path}", "train.best_by=tau_T1", "stages=[data,capture,train]"])).run()
+    assert (tmp_path / "features" / "heldout_T1.safetensors").exists()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "heldout/tau_T1" in r]
+    assert evaluated and all("heldout/tau" in r for r in evaluated)
+    best = json.loads((tmp_path / "export_best" / "best.json").read_text())
+    assert best["best_by"] == "tau_T1" and best["tau_T1"] == max(r["heldout/tau_T1"] for r in evaluated)
+    assert best["step"] == min(r["step"] for r in evaluated if r["heldout/tau_T1"] == best["tau_T1"])
+    # Another temperature on the same (up-to-date) capture: only the passes it needs are added.
+    Pipeline(compose(HELDOUT + [f"run_dir={tmp_path}", "train.best_by=tau_T0.5", "stages=[data,capture]",
+                              "overwrite=true"])).run()
+    assert (tmp_path / "features" / "heldout_T0.5.safetensors").exists()
+
+
 def test_training_curve_keeps_the_last_record_of_a_step(tmp_path):
     from dflash.train.curve_plot import read_metrics
 

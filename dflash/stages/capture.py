@@ -65,6 +65,8 @@ class CaptureStage:
             run.barrier()  # every rank captures offline (only rank 0 gets here otherwise): wait for the claim
         if stage_done(out, key):
             logger.info(f"[capture] up to date: {out}")
+            if run.rank == 0:
+                self.ensure_sampled_heldout()
             return
         shape = target_shape(run.target)
         dataset = load_dataset_dir(self.data.out)
@@ -148,3 +150,34 @@ class CaptureStage:
         info = write_heldout_features(self.context.target, rows, layer_ids, path,
                                       batch_size=self.context.settings.train.heldout_batch_size)
         logger.info(f"[capture] held-out: {info['samples']} samples, {info['tokens']} tokens -> {path}")
+        self.capture_sampled_heldout(rows, layer_ids, path)
+
+    def capture_sampled_heldout(self, rows, layer_ids: list[int], path: str) -> None:
+        """train.best_by=tau_T<x>: the held-out prompts continued by the target sampled at x, beside `path`: the
+        passes on which the held-out estimate at x is unbiased (write_sampled_heldout, docs/eval.md)."""
+        from dflash.config.schema import best_by_temperature
+        from dflash.train.heldout import sampled_path, write_sampled_heldout
+
+        s = self.context.settings
+        temperature = best_by_temperature(s.train.best_by)
+        if not temperature:
+            return
+        target = sampled_path(path, temperature)
+        info = write_sampled_heldout(self.context.target, rows, layer_ids, target, temperature=temperature,
+                                     seed=s.data.seed, max_new_tokens=s.train.heldout_max_new_tokens
+                                     or s.data.max_new_tokens, batch_size=s.train.heldout_batch_size)
+        logger.info(f"[capture] held-out continued at T={temperature:g}: {info['samples']} samples, "
+                    f"{info['tokens']} tokens -> {target}")
+
+    def ensure_sampled_heldout(self) -> None:
+        """An up-to-date capture whose held-out set lacks the passes train.best_by's temperature needs (best_by
+        changed since it ran) gets them; the target is loaded only then."""
+        from dflash.config.schema import best_by_temperature
+        from dflash.data.dataset import load_heldout_dir
+        from dflash.train.heldout import HeldoutSet, sampled_path
+
+        temperature = best_by_temperature(self.context.settings.train.best_by)
+        path = os.path.join(self.out, "heldout.safetensors")
+        if not temperature or not os.path.exists(path) or os.path.exists(sampled_path(path, temperature)):
+            return
+        self.capture_sampled_heldout(load_heldout_dir(self.data.out), HeldoutSet(path).layer_ids, path)

@@ -169,15 +169,20 @@ class TrainStage:
 
     def heldout_set(self):
         """The HeldoutSet of the capture stage, or None when the data stage held nothing out."""
-        from dflash.train.heldout import HeldoutSet
+        from dflash.config.schema import best_by_temperature
+        from dflash.train.heldout import HeldoutSet, sampled_path
 
         path = os.path.join(self.capture.out, "heldout.safetensors")
         if not os.path.exists(path):
             return None
         settings = self.context.settings
-        return HeldoutSet(path, batch_size=settings.train.heldout_batch_size,
-                          max_new_tokens=settings.train.heldout_max_new_tokens or settings.data.max_new_tokens,
-                          path_temperature=settings.data.temperature)
+        sizes = dict(batch_size=settings.train.heldout_batch_size,
+                     max_new_tokens=settings.train.heldout_max_new_tokens or settings.data.max_new_tokens)
+        # train.best_by=tau_T<x>: the estimate runs on the held-out prompts continued at x (capture writes them).
+        temperature = best_by_temperature(settings.train.best_by)
+        sampled = sampled_path(path, temperature) if temperature else None
+        estimate_from = HeldoutSet(sampled, **sizes) if sampled and os.path.exists(sampled) else None
+        return HeldoutSet(path, path_temperature=settings.data.temperature, estimate_from=estimate_from, **sizes)
 
     def colocated_target_compiled(self):
         """capture.compile with colocated capture: the target's layers compiled for training, eager for eval."""

@@ -9,8 +9,8 @@ holds, so a training run never loads the target. The result is the evaluator's r
 temperature T > 0 also the expected acceptance at T along the same passes (dflash/eval/expected_acceptance.py),
 read from the target's final hidden states, without sampling noise.
 
-File layout (safetensors; metadata: schema_version, target_layer_ids, num_samples, and the target's logit transform
-when it has one, dflash/models/targets/logit_transform.py):
+File layout (safetensors; metadata: schema_version, target_layer_ids, num_samples, the target's logit transform
+when it has one (dflash/models/targets/logit_transform.py), path_temperature when the continuations were sampled):
     tokens [N] int64       every sample's prompt + response, concatenated
     greedy [N] int64       the target's greedy next token after each position (argmax of its logits)
     features [N, K*H]      the target features of each position (taps in target_layer_ids order)
@@ -39,7 +39,7 @@ from torch import nn
 from dflash.eval.expected_acceptance import expected_metrics, expected_traces, head_logits
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import DrafterProposer, replay_steps
-from dflash.eval.replay_estimate import target_pass_with_final
+from dflash.eval.replay_estimate import sampled_continuations, target_pass_with_final
 from dflash.models.targets.logit_transform import LogitTransform
 
 SCHEMA_VERSION = 1
@@ -58,9 +58,10 @@ def _prompt_len(sample_id: str, loss_mask: Sequence[int]) -> int:
 
 def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.Tensor],
                      features: list[torch.Tensor], prompt_lens: list[int], layer_ids: list[int],
-                     finals: list[torch.Tensor] | None = None,
-                     logit_transform: LogitTransform | None = None) -> None:
-    """Write one held-out file (layout in the module docstring) atomically; `finals` None leaves out "final"."""
+                     finals: list[torch.Tensor] | None = None, logit_transform: LogitTransform | None = None,
+                     path_temperature: float = 0.0) -> None:
+    """Write one held-out file (layout in the module docstring) atomically; `finals` None leaves out "final";
+    path_temperature > 0: the continuations were sampled at it (recorded in the metadata)."""
     if not sequences:
         raise ValueError("a held-out set needs at least one sample")
     lengths = [len(s) for s in sequences]
@@ -76,6 +77,8 @@ def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.T
         tensors["final"] = torch.cat([f.cpu() for f in finals]).contiguous()
     metadata = {"schema_version": str(SCHEMA_VERSION), "target_layer_ids": json.dumps(list(layer_ids)),
                 "num_samples": str(len(sequences)), **(logit_transform or LogitTransform()).metadata()}
+    if path_temperature > 0:
+        metadata["path_temperature"] = repr(float(path_temperature))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(tensors, tmp, metadata=metadata)
@@ -88,18 +91,50 @@ def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[i
 
     heldout_dataset: rows {"id", "input_ids", "loss_mask"} (load_heldout_dir); the first `max_samples` are used.
     """
+    rows = _rows(heldout_dataset, max_samples, batch_size)
+    sequences = [list(map(int, row["input_ids"])) for row in rows]
+    prompt_lens = [_prompt_len(row["id"], row["loss_mask"]) for row in rows]
+    _write_passes(adapter, sequences, prompt_lens, layer_ids, path, batch_size)
+    return {"samples": len(rows), "tokens": sum(len(s) for s in sequences)}
+
+
+def write_sampled_heldout(adapter: Any, heldout_dataset: Any, layer_ids: list[int], path: str, *, temperature: float,
+                          seed: int, max_new_tokens: int, batch_size: int = 8) -> dict[str, int]:
+    """The held-out prompts continued by the target itself sampled at `temperature` (seeded), and their target
+    pass, saved like write_heldout_features' file with `path_temperature` in its metadata: the passes on which the
+    estimate at that temperature is unbiased (docs/eval.md), whatever temperature the data was answered at."""
+    rows = _rows(heldout_dataset, None, batch_size)
+    prompts = [list(map(int, row["input_ids"]))[: _prompt_len(row["id"], row["loss_mask"])] for row in rows]
+    continuations = sampled_continuations(adapter, prompts, max_new_tokens=max_new_tokens,
+                                          stop_token_ids=adapter.stop_token_ids(), temperature=temperature, seed=seed,
+                                          batch_size=batch_size)
+    sequences = [p + c for p, c in zip(prompts, continuations)]
+    _write_passes(adapter, sequences, [len(p) for p in prompts], layer_ids, path, batch_size, temperature)
+    return {"samples": len(rows), "tokens": sum(len(s) for s in sequences)}
+
+
+def sampled_path(path: str, temperature: float) -> str:
+    """Where the held-out passes sampled at `temperature` go, beside the held-out file `path`."""
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}_T{temperature:g}{suffix}"
+
+
+def _rows(heldout_dataset: Any, max_samples: int | None, batch_size: int) -> list:
     count = len(heldout_dataset) if max_samples is None else min(max_samples, len(heldout_dataset))
     if count < 1:
         raise ValueError(f"no held-out samples to write (dataset of {len(heldout_dataset)}, max_samples "
                          f"{max_samples})")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    rows = [heldout_dataset[i] for i in range(count)]
-    sequences = [list(map(int, row["input_ids"])) for row in rows]
-    prompt_lens = [_prompt_len(row["id"], row["loss_mask"]) for row in rows]
+    return [heldout_dataset[i] for i in range(count)]
+
+
+def _write_passes(adapter: Any, sequences: list[list[int]], prompt_lens: list[int], layer_ids: list[int], path: str,
+                  batch_size: int, path_temperature: float = 0.0) -> None:
+    """One target pass over each sequence, batch by batch, saved as a held-out file."""
     features: list[torch.Tensor] = []
     finals: list[torch.Tensor] = []
-    for start in range(0, count, batch_size):
+    for start in range(0, len(sequences), batch_size):
         batch_features, batch_finals = target_pass_with_final(adapter, sequences[start : start + batch_size],
                                                               layer_ids)
         features += [f.cpu() for f in batch_features]
@@ -107,8 +142,7 @@ def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[i
     head = adapter.lm_head_weight()
     greedy = [greedy_tokens(f, head) for f in finals]
     save_heldout_set(path, sequences, greedy, features, prompt_lens, layer_ids, finals,
-                     getattr(adapter, "logit_transform", None))
-    return {"samples": count, "tokens": sum(len(s) for s in sequences)}
+                     getattr(adapter, "logit_transform", None), path_temperature)
 
 
 @torch.inference_mode()
@@ -145,11 +179,13 @@ class HeldoutSet:
     max_new_tokens: the generation budget the replay assumes (blocks shrink near it, as in real decoding); each
     response is cut to it. None: the longest stored response. batch_size: samples replayed together.
     path_temperature: the temperature the stored responses were drawn at (data.temperature; 0 = greedy), which the
-    estimate at T > 0 weighs the stored tokens by (dflash/eval/expected_acceptance.py).
+    estimate at T > 0 weighs the stored tokens by (dflash/eval/expected_acceptance.py); a file's own
+    path_temperature metadata (write_sampled_heldout) takes precedence. estimate_from: another held-out set (the
+    same prompts continued at the estimate's temperature) whose passes the estimate is computed on instead.
     """
 
     def __init__(self, path: str, *, max_new_tokens: int | None = None, batch_size: int = 8,
-                 path_temperature: float = 0.0) -> None:
+                 path_temperature: float = 0.0, estimate_from: HeldoutSet | None = None) -> None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"held-out features file {path} is missing: run the capture stage with a "
                                     "held-out set (data.heldout > 0)")
@@ -158,7 +194,7 @@ class HeldoutSet:
                              f"speculative step), got {max_new_tokens}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.path, self.batch_size, self.path_temperature = path, batch_size, path_temperature
+        self.path, self.batch_size, self.estimate_from = path, batch_size, estimate_from
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
             if metadata.get("schema_version") != str(SCHEMA_VERSION):
@@ -166,6 +202,7 @@ class HeldoutSet:
                                  f"{SCHEMA_VERSION}; rerun the capture stage")
             self.layer_ids: list[int] = json.loads(metadata["target_layer_ids"])
             self.logit_transform = LogitTransform.from_metadata(metadata)
+            self.path_temperature = float(metadata.get("path_temperature", path_temperature))
             self.tokens = f.get_tensor("tokens")
             self.greedy = f.get_tensor("greedy")
             self.offsets = f.get_tensor("offsets").tolist()
@@ -189,7 +226,9 @@ class HeldoutSet:
         if config.num_taps * config.hidden_size != self.feature_size:
             raise ValueError(f"{self.path} holds features of size {self.feature_size}, the drafter expects "
                              f"{config.num_taps} taps x hidden {config.hidden_size}")
-        if temperature > 0 and not self.has_final:
+        if temperature > 0 and self.estimate_from is not None:
+            self.estimate_from.check(config, temperature)
+        elif temperature > 0 and not self.has_final:
             raise ValueError(f"{self.path} was written without the target's final hidden states, which the "
                              f"expected tau at T={temperature:g} reads: rerun the capture stage")
 
@@ -202,6 +241,12 @@ class HeldoutSet:
         > 0 also tau_T<x> and acceptance_rate_T<x>, the expected acceptance at that temperature with greedy drafts
         (the serving engines' rule) along the same passes, from the stored final hidden states.
         """
+        if temperature > 0 and self.estimate_from is not None:
+            result = self.evaluate(drafter, frozen_head)
+            estimate = self.estimate_from.evaluate(drafter, frozen_head, temperature)
+            for key in (estimate_key(temperature), f"acceptance_rate_T{temperature:g}"):
+                result[key] = estimate[key]
+            return result
         config = drafter.config
         self.check(config, temperature)
         head = _FrozenHead(*frozen_head)
