@@ -156,7 +156,7 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     if stages is not None:
         cfg.stages = stages
     try:
-        return Pipeline(cfg).run()
+        return run_role(cfg)
     except ConfigError as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -171,6 +171,31 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     except TrainingStopped as stopped:
         print(f"[train] {stopped}", flush=True)
         sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable
+
+
+def run_role(cfg: DictConfig) -> dict[str, Any] | None:
+    """The pipeline, or this process's role in a job whose last ranks capture for the others (capture=online,
+    capture.transport=ranks, dflash/extract/rank_link.py)."""
+    from dflash.config import settings_from
+
+    c = settings_from(cfg).capture
+    if c.mode != "online" or c.transport != "ranks":
+        return Pipeline(cfg).run()
+    from dflash.extract.rank_link import open_link
+
+    link = open_link(c.ranks, str(cfg.device), c.timeout_s)
+    if link.is_capture:
+        from dflash.stages.capture_role import serve_capture
+
+        serve_capture(cfg, link)
+        return None
+    pipeline = Pipeline(cfg)
+    pipeline.train.link = link
+    try:
+        return pipeline.run()
+    finally:
+        if link.rank == 0 and not link.announced():
+            link.announce(None)  # no training in this start (stages, up to date, or failed): the capture ranks exit
 
 
 def remove_hydra_only_dir(run_dir: str) -> None:

@@ -34,6 +34,7 @@ class TrainStage:
     def __init__(self, run: RunContext, capture: CaptureStage) -> None:
         self.context, self.capture = run, capture
         self.checkpoints, self.out = run.dirs["checkpoints"], run.dirs["export"]
+        self.link = None  # this trainer rank's link to the capture ranks (capture.transport=ranks), set by run_role
 
     def describe(self) -> str:
         s = self.context.settings
@@ -129,8 +130,14 @@ class TrainStage:
             head_file = os.path.join(self.capture.out, "frozen_head.safetensors")
             head = load_frozen_head(head_file)
             lengths = self.grouping_keys(config.block_size)
-            online = None
-            if settings.capture.mode == "online":
+            online = linked = None
+            if settings.capture.mode == "online" and self.link is not None:
+                from dflash.train.rank_capture import RankCapture
+
+                linked = RankCapture(self.link, settings.capture, self.capture.out, self.checkpoints, run.run_dir)
+                store = linked.source(settings.train, rank, world_size, lengths, config.block_size,
+                                      settings.train.group_by)
+            elif settings.capture.mode == "online":
                 from dflash.train.online_capture import OnlineCapture
 
                 online = OnlineCapture(run.cfg, run.run_dir, run.dirs, run.device, run.barrier)
@@ -147,6 +154,8 @@ class TrainStage:
                               deepspeed=settings.deepspeed, rank=rank, world_size=world_size, device=run.device,
                               show_progress=run.show_progress, heldout=self.heldout_set(), lengths=lengths,
                               logit_transform=load_logit_transform(head_file))
+            if linked is not None:
+                linked.finish(store, time.perf_counter() - started, rank, world_size)
             if online is not None and rank == 0:
                 online.finish(store, pools[0] if pools else None, time.perf_counter() - started, world_size)
         finally:

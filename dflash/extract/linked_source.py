@@ -1,0 +1,120 @@
+"""The trainer side of capture=online over the job's process group: a FeatureSource whose micro-batches arrive
+from the capture ranks (rank_link.py, rank_stream.py).
+
+Back-pressure is the protocol's: a capture rank sends a unit only after the trainer rank it belongs to sent it a
+credit naming that unit, and a trainer rank holds `in_flight` credits: the first `in_flight` units of its stream
+at the start, then one more each time it takes a unit. So at most `in_flight` micro-batches per trainer rank are
+made and not yet taken, and a trainer never receives a unit it did not ask for. Per (capture rank, trainer rank)
+pair everything goes in increasing unit order: credits, headers and tensors, so every message is matched by the
+receive posted for it.
+
+`close` ends the stream early or on time: it takes (and drops) the units it gave credits for and sends each capture
+rank a stop credit (-1), so no send or receive is left pending on either side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from dflash.data.feature_source import FeatureSource, Sample, collate
+from dflash.extract.rank_link import RankLink
+from dflash.extract.rank_stream import UnitHeader, UnitStream, header_length
+
+CREDIT, HEADER, DATA = 1, 2, 3  # tags
+STOP = -1
+
+
+def waited(work, what: str, peer: int, link: RankLink) -> None:
+    """Wait for a point-to-point operation; a hang ends in TimeoutError and a peer that is gone in RuntimeError,
+    each naming the peer's job rank and role."""
+    try:
+        work.wait()
+    except RuntimeError as error:
+        role = "capture" if peer >= link.trainers else "trainer"
+        if "imed out" in str(error):
+            raise TimeoutError(f"online capture, rank {link.rank}: {what} from {role} rank {peer} did not come within "
+                               f"capture.timeout_s={link.timeout_s:g} s: is rank {peer} hung?") from error
+        raise RuntimeError(f"online capture, rank {link.rank}: {what} with {role} rank {peer} failed (rank {peer} "
+                           f"is gone?): {error}") from error
+
+
+class LinkedFeatureSource(FeatureSource):
+    """This trainer rank's micro-batches from `first_step` on, received from the capture ranks in plan order."""
+
+    def __init__(self, link: RankLink, stream: UnitStream, rank: int, first_step: int, in_flight: int) -> None:
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+        self.link, self.stream, self.rank = link, stream, rank
+        self.units = iter(stream.trainer_units(rank, first_step))
+        # (unit, header buffer, its receive, the credit's send), in unit order
+        self.credited: deque[tuple[int, torch.Tensor, object, object]] = deque()
+        self.closed = False
+        # Throughput counters: real tokens received and seconds spent waiting for them.
+        self.tokens_read, self.wait_s = 0, 0.0
+        for _ in range(in_flight):
+            self._credit_next()
+
+    def __len__(self) -> int:
+        return self.stream.plan.num_samples
+
+    def __getitem__(self, index: int) -> Sample:
+        raise TypeError("the online stream hands out whole micro-batches in plan order (micro_batch), not samples")
+
+    def _producer(self, u: int) -> int:
+        return self.link.capture_rank(u % self.link.captures)
+
+    def _credit_next(self) -> None:
+        u = next(self.units, None)
+        if u is None:
+            return
+        producer = self._producer(u)
+        header = torch.empty(header_length(self.stream.plan.micro_batch_size), dtype=torch.int64)
+        receive = self.link.control.recv([header], producer, HEADER)  # posted before the credit that asks for it
+        credit = self.link.control.send([torch.tensor([u], dtype=torch.int64)], producer, CREDIT)
+        self.credited.append((u, header, receive, credit))
+
+    def _take(self) -> tuple[UnitHeader, list[torch.Tensor]]:
+        """The next credited unit's header and tensors."""
+        u, header, receive, credit = self.credited.popleft()
+        producer = self._producer(u)
+        waited(receive, f"the header of micro-batch {u}", producer, self.link)
+        waited(credit, f"the credit of micro-batch {u}", producer, self.link)  # taken: it was answered
+        unit = UnitHeader.parse(header)
+        if unit.unit != u:
+            raise RuntimeError(f"online capture, rank {self.link.rank}: capture rank {producer} sent micro-batch "
+                               f"{unit.unit} where {u} was due")
+        tensors = unit.empty_tensors(self.link.device)
+        for tensor in tensors:
+            waited(self.link.data.recv([tensor], producer, DATA), f"the features of micro-batch {u}", producer,
+                   self.link)
+        return unit, tensors
+
+    def micro_batch(self, indices: Sequence[int], pin_memory: bool = False) -> Sample:
+        if not self.credited:
+            raise IndexError(f"trainer rank {self.rank} has read every micro-batch of the online stream")
+        started = time.monotonic()
+        unit, tensors = self._take()
+        self.wait_s += time.monotonic() - started
+        if list(indices) != unit.indices:
+            raise ValueError(f"online rank {self.rank}: micro-batch {unit.unit} holds samples {unit.indices}, the "
+                             f"trainer asked for {list(indices)}: the trainer's batch plan (samples, micro batch, "
+                             "world size, grad accum, seed, epochs) differs from the capture ranks'")
+        self._credit_next()
+        self.tokens_read += unit.tokens
+        return collate(unit.samples(tensors), pin_memory)
+
+    def close(self) -> None:
+        """Take and drop the credited units, then tell every capture rank this rank needs no more."""
+        if self.closed:
+            return
+        self.closed = True
+        while self.credited:
+            self._take()
+        stop = torch.tensor([STOP], dtype=torch.int64)
+        peers = [self.link.capture_rank(capture) for capture in range(self.link.captures)]
+        for peer, send in [(peer, self.link.control.send([stop], peer, CREDIT)) for peer in peers]:
+            waited(send, "the stop", peer, self.link)

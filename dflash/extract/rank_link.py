@@ -1,0 +1,122 @@
+"""One launch, two roles (capture=online, capture.transport=ranks): in one torchrun job of N ranks the last
+`capture.ranks` capture and the first N - capture.ranks train.
+
+The trainer ranks keep their job ranks 0..T-1 and make the default process group among themselves (WORLD_SIZE is
+set to T before any of them reads it), so DeepSpeed's data-parallel group, the checkpoints' barriers and every
+collective of the trainer see the trainer ranks only, as in a job without capture ranks. Capture ranks join no
+default group. Every rank of the job also opens two point-to-point groups over the whole job, made from the
+launcher's store (a fresh one for each restart of the job):
+  control  gloo on the CPU: trainer -> capture receive credits, capture -> trainer unit headers (small tensors);
+  data     NCCL between GPUs, gloo on the CPU: the features, capture -> trainer only, in unit order per pair.
+Credits and headers go on a group of their own because NCCL matches a pair's messages in the order they were
+posted whatever their tag, so a credit posted ahead would hold back the features behind it.
+
+The launcher's store also carries two small records: the start (trainer rank 0 tells the capture ranks what to
+stream and from which step, or that there is nothing to stream) and each capture rank's throughput counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dflash.config import ConfigError
+
+START_KEY = "dflash/online/start"
+_START_POLL_S = 1.0
+
+
+@dataclass
+class RankLink:
+    """This process's place in the job and its point-to-point groups."""
+
+    rank: int  # in the job
+    world_size: int  # of the job
+    trainers: int
+    store: dist.Store
+    control: dist.ProcessGroup
+    data: dist.ProcessGroup
+    device: torch.device  # where features are received (trainer) or sent from (capture)
+    timeout_s: float
+
+    @property
+    def captures(self) -> int:
+        return self.world_size - self.trainers
+
+    @property
+    def is_capture(self) -> bool:
+        return self.rank >= self.trainers
+
+    @property
+    def capture_index(self) -> int:
+        """This capture rank's number among the capture ranks (0..captures-1)."""
+        return self.rank - self.trainers
+
+    def capture_rank(self, capture: int) -> int:
+        """The job rank of capture rank number `capture`."""
+        return self.trainers + capture
+
+    def announce(self, start: dict | None) -> None:
+        """Trainer rank 0: what the capture ranks stream (None: nothing, they exit)."""
+        self.store.set(START_KEY, json.dumps(start))
+
+    def announced(self) -> bool:
+        return self.store.check([START_KEY])
+
+    def wait_start(self) -> dict | None:
+        """Capture ranks: the start trainer rank 0 announced. Waits as long as the trainers' data and capture
+        stages take; a trainer that fails ends the job, and this rank with it."""
+        while not self.announced():
+            time.sleep(_START_POLL_S)
+        return json.loads(self.store.get(START_KEY))
+
+    def post_stats(self, stats: dict) -> None:
+        self.store.set(f"dflash/online/stats/{self.capture_index}", json.dumps(stats))
+
+    def capture_stats(self) -> list[dict]:
+        """Every capture rank's counters (trainer rank 0, after training; each posts them once it is done)."""
+        keys = [f"dflash/online/stats/{c}" for c in range(self.captures)]
+        self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        return [json.loads(self.store.get(key)) for key in keys]
+
+
+def open_link(capture_ranks: int, device_name: str, timeout_s: float) -> RankLink:
+    """Split this torchrun job into trainer and capture ranks (module docstring). ConfigError when the job has
+    no room for both roles."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= capture_ranks:
+        raise ConfigError(
+            f"capture=online with capture.transport=ranks runs capture.ranks={capture_ranks} capture rank(s) and at "
+            f"least one trainer rank in one job, but this job has {world_size} process(es): launch "
+            f"{capture_ranks + 1} or more, e.g. torchrun --nproc_per_node {capture_ranks + 1} -m dflash.train ...")
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    trainers = world_size - capture_ranks
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if device_name == "auto" and torch.cuda.is_available() \
+        else torch.device("cpu" if device_name == "auto" else device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("dflash/control", store), rank, world_size, timeout)
+    data = _data_group(dist.PrefixStore("dflash/data", store), rank, world_size, device, timeout) \
+        if device.type == "cuda" else control
+    link = RankLink(rank, world_size, trainers, store, control, data, device, timeout_s)
+    if not link.is_capture:
+        os.environ["WORLD_SIZE"] = str(trainers)  # what the pipeline, DeepSpeed and the console read
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
+            "dflash/trainers", store), rank=rank, world_size=trainers, timeout=timedelta(minutes=240))
+    return link
+
+
+def _data_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
+                timeout: timedelta) -> dist.ProcessGroup:
+    """NCCL between the GPUs of the job (features never leave the GPU memory of either side)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)

@@ -1,0 +1,105 @@
+"""The train stage's side of capture=online over the job's process group (capture.transport=ranks).
+
+Trainer rank 0 announces the stream to the capture ranks: the dataset, the taps, the batch plan and the step
+training resumes at (the newest checkpoint that verifies, as the loop resumes), so the capture ranks start where
+the trainers do and no sample is lost or used twice across a restart. Every trainer rank then reads its
+micro-batches through a LinkedFeatureSource. After training, `finish` closes the stream and, on rank 0, reports
+the capture and trainer throughputs and the device split that would balance them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from dflash.data.batch_plan import BatchPlan
+from dflash.extract.linked_source import LinkedFeatureSource
+from dflash.extract.rank_link import RankLink
+from dflash.extract.rank_stream import UnitStream
+from dflash.run_files import read_json, write_json
+from dflash.train.checkpoints import verified_latest_tag
+
+logger = logging.getLogger(__name__)
+
+
+def resume_step(checkpoint_dir: str) -> int:
+    """The global step training resumes at: that of the newest checkpoint that verifies (0 without one)."""
+    tag = verified_latest_tag(checkpoint_dir)
+    if tag is None:
+        return 0
+    match = re.fullmatch(r"step(\d+)", tag)
+    if match is None:
+        raise ValueError(f"checkpoint tag {tag!r} in {checkpoint_dir} does not name a step")
+    return int(match.group(1))
+
+
+def plan_record(plan: BatchPlan, group_by: str, num_anchors: int, block_size: int) -> dict:
+    """What a capture rank needs to build the trainers' plan (it computes the grouping keys from the dataset)."""
+    return {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
+            "world_size": plan.world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
+            "group_by_length": plan.group_by_length, "lengths_digest": plan.lengths_digest, "group_by": group_by,
+            "num_anchors": num_anchors, "block_size": block_size}
+
+
+class RankCapture:
+    """`features`: the capture stage's folder (online.json); `capture`: the capture settings."""
+
+    def __init__(self, link: RankLink, capture, features: str, checkpoint_dir: str, run_dir: str) -> None:
+        self.link, self.capture, self.features = link, capture, features
+        self.checkpoint_dir, self.run_dir = checkpoint_dir, run_dir
+
+    def source(self, settings, rank: int, world_size: int, lengths: tuple[int, ...] | None,
+               block_size: int, group_by: str) -> LinkedFeatureSource:
+        """This trainer rank's source; rank 0 first announces the stream (every rank reads the announcement)."""
+        info = read_json(os.path.join(self.features, "online.json"))
+        plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
+                         settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
+        if rank == 0:
+            c = self.capture
+            self.link.announce({
+                "data": info["data"], "layer_ids": info["target_layer_ids"], "dtype": str(c.dtype),
+                "batch_tokens": int(c.batch_tokens), "pack": bool(c.pack), "in_flight": int(c.in_flight),
+                "epochs": settings.epochs, "first_step": resume_step(self.checkpoint_dir),
+                "plan": plan_record(plan, group_by, settings.num_anchors, block_size)})
+        start = self.link.wait_start()
+        stream = UnitStream(plan, settings.epochs)
+        logger.info(f"[online] {self.link.captures} capture rank(s) stream to {world_size} trainer rank(s) from step "
+                    f"{start['first_step']} ({int(self.capture.in_flight)} micro-batches in flight per trainer rank)")
+        return LinkedFeatureSource(self.link, stream, rank, start["first_step"], int(self.capture.in_flight))
+
+    def finish(self, source: LinkedFeatureSource, train_s: float, rank: int, world_size: int) -> None:
+        """Close this rank's stream; rank 0 reports both throughputs and the balanced split."""
+        source.close()
+        if rank != 0:
+            return
+        stats = self.link.capture_stats()
+        capture_tokens = sum(s["tokens"] for s in stats)
+        capture_s = sum(s["capture_s"] for s in stats)
+        if capture_s <= 0 or source.tokens_read == 0:
+            logger.info("[online] nothing was captured in this start: no throughput to report")
+            return
+        capture_rate = capture_tokens / capture_s  # per capture rank, one GPU each
+        trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
+        report = split_advice(capture_rate, trainer_rate, self.link.captures, world_size)
+        report.update({"capture_tokens": capture_tokens, "trainer_wait_s": source.wait_s, "train_s": train_s,
+                       "capture_credit_wait_s": sum(s["credit_wait_s"] for s in stats)})
+        os.makedirs(os.path.join(self.run_dir, "capture_logs"), exist_ok=True)
+        write_json(os.path.join(self.run_dir, "capture_logs", "throughput.json"), report)
+        logger.info(f"[online] capture {capture_rate:,.0f} tok/s per capture rank ({self.link.captures}), trainer "
+                    f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of "
+                    f"{train_s:.1f} s for features)")
+        share, (capture_devices, trainer_devices) = report["balanced_capture_fraction"], report["balanced_split"]
+        logger.info(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
+                    f"{capture_devices}:{trainer_devices} of these {capture_devices + trainer_devices} devices")
+
+
+def split_advice(capture_rate: float, trainer_rate: float, capture_devices: int, trainer_ranks: int) -> dict:
+    """The capture:trainer device split that balances the two rates (tokens/s per device): capture devices x
+    capture rate = trainer devices x trainer rate, rounded within the devices in use (at least one each)."""
+    total = capture_devices + trainer_ranks
+    share = trainer_rate / (trainer_rate + capture_rate)
+    balanced = min(max(round(total * share), 1), total - 1) if total > 1 else 1
+    return {"capture_tokens_per_s_per_device": capture_rate, "trainer_tokens_per_s_per_rank": trainer_rate,
+            "capture_devices": capture_devices, "trainer_ranks": trainer_ranks, "balanced_capture_fraction": share,
+            "balanced_split": [balanced, total - balanced]}

@@ -1,0 +1,151 @@
+"""capture=online over the job's process group, the protocol alone: micro-batch units in the BatchPlan's order, their
+wire form, and capture ranks sending them to trainer ranks over gloo (CPU) with credits, early stops and a hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dflash.data.batch_plan import BatchPlan
+from dflash.extract.fp8 import quantize_fp8
+from dflash.extract.rank_stream import UnitHeader, UnitStream, encode_unit
+from dflash.extract.sample_format import decode_single, sample_tensors
+
+LENGTHS = [5 + (7 * i) % 11 for i in range(13)]
+WIDTH = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stored_sample(index: int, fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Sample `index`'s stored tensors: features that name the sample, so a misrouted one cannot pass."""
+    length = LENGTHS[index]
+    generator = torch.Generator().manual_seed(index)
+    hidden = torch.randn(length, WIDTH, generator=generator) + index
+    ids = torch.arange(length, dtype=torch.int64) + 100 * index
+    mask = (torch.arange(length) % 3 != 0).long()
+    scales = None
+    if fp8:
+        hidden, scales = quantize_fp8(hidden, 2)
+    return sample_tensors(hidden, ids, mask, torch.tensor([0, length]), scales)
+
+
+def test_units_deal_the_batch_plan_and_split_between_capture_and_trainer_ranks():
+    plan = BatchPlan(len(LENGTHS), micro_batch_size=2, world_size=3, grad_accum=2, seed=5)
+    stream = UnitStream(plan, epochs=2)
+    for step in range(2 * plan.steps_per_epoch):
+        epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+        for rank in range(3):
+            mine = list(stream.trainer_units(rank, step))[:plan.grad_accum]
+            expected = [[i for i, _ in micro] for micro in plan.micro_batches(epoch, in_epoch, rank)]
+            assert [stream.indices(u) for u in mine] == expected
+    for first_step in (0, 3):
+        every = sorted(u for c in range(2) for u in stream.capture_units(c, 2, first_step))
+        assert every == list(range(stream.first_unit(first_step), stream.num_units))
+        assert sorted(u for r in range(3) for u in stream.trainer_units(r, first_step)) == every
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_unit_travels_as_a_header_and_its_tensors(fp8):
+    indices = [4, 1, 4]
+    stored = [stored_sample(i, fp8) for i in indices]
+    header, *tensors = encode_unit(17, indices, stored)
+    unit = UnitHeader.parse(header)
+    assert (unit.unit, unit.indices, unit.lengths) == (17, indices, [LENGTHS[i] for i in indices])
+    received = unit.empty_tensors(torch.device("cpu"))
+    assert [(t.shape, t.dtype) for t in received] == [(t.shape, t.dtype) for t in tensors]
+    for buffer, tensor in zip(received, tensors, strict=True):
+        buffer.copy_(tensor)
+    for got, want in zip(unit.samples(received), stored, strict=True):
+        for key, value in decode_single(want).items():
+            assert torch.equal(got[key], value), key
+
+
+def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, results) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    from dflash.extract.capture_sender import CaptureSender
+    from dflash.extract.linked_source import LinkedFeatureSource
+    from dflash.extract.rank_link import open_link
+
+    torch.set_num_threads(1)
+    link = open_link(captures, "cpu", spec["timeout_s"])
+    plan = BatchPlan(len(LENGTHS), spec["micro_batch_size"], link.trainers, spec["grad_accum"], seed=3)
+    stream = UnitStream(plan, spec["epochs"])
+    try:
+        if link.is_capture:
+            if link.capture_index == spec.get("hang"):
+                time.sleep(spec["timeout_s"] * 3)
+                return
+            sender = CaptureSender(link, stream, spec["first_step"], lambda ids: [stored_sample(i) for i in ids],
+                                   LENGTHS, batch_tokens=spec["batch_tokens"], in_flight=spec["in_flight"])
+            sender.run()
+            results[rank] = sender.units_sent
+            return
+        source = LinkedFeatureSource(link, stream, rank, spec["first_step"], spec["in_flight"])
+        read = []
+        for step in range(spec["first_step"], spec.get("stop_at", spec["epochs"] * plan.steps_per_epoch)):
+            epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+            for micro in plan.micro_batches(epoch, in_epoch, rank):
+                indices = [i for i, _ in micro]
+                batch = source.micro_batch(indices)
+                expected = torch.stack([torch.nn.functional.pad(decode_single(stored_sample(i))["hidden"],
+                                                                (0, 0, 0, batch["hidden"].shape[1] - LENGTHS[i]))
+                                        for i in indices])
+                assert torch.equal(batch["hidden"], expected)
+                read.append(indices)
+        source.close()
+        results[rank] = read
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        results[rank] = f"{type(error).__name__}: {error}"
+
+
+def run_roles(captures: int, trainers: int, **spec) -> dict:
+    spec = {"micro_batch_size": 2, "grad_accum": 2, "epochs": 2, "first_step": 0, "in_flight": 1,
+            "batch_tokens": 30, "timeout_s": 30.0, **spec}
+    world_size, port = captures + trainers, free_port()
+    results = mp.Manager().dict()
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_role, args=(r, world_size, port, captures, spec, results))
+                 for r in range(world_size)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    return dict(results)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_capture_ranks_feed_two_trainer_ranks_every_micro_batch_once_from_the_resumed_step():
+    results = run_roles(2, 2, first_step=2)
+    plan = BatchPlan(len(LENGTHS), 2, 2, 2, seed=3)
+    for rank in range(2):
+        expected = [[i for i, _ in micro] for step in range(2, 2 * plan.steps_per_epoch)
+                    for micro in plan.micro_batches(*divmod(step, plan.steps_per_epoch), rank)]
+        assert results[rank] == expected
+    assert results[2] + results[3] == 2 * (2 * plan.steps_per_epoch - 2) * 2  # units sent, none twice
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_trainers_that_stop_early_end_the_stream_cleanly():
+    results = run_roles(1, 2, stop_at=2, in_flight=3)
+    assert all(isinstance(results[r], list) and len(results[r]) == 4 for r in range(2)), results
+    assert isinstance(results[2], int)  # the capture rank ended without an error
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_hung_capture_rank_ends_in_a_timeout_naming_it():
+    results = run_roles(1, 1, hang=0, timeout_s=3.0)
+    assert "TimeoutError" in results[0] and "capture rank 1" in results[0], results
