@@ -5,13 +5,13 @@ The trainer ranks keep their job ranks 0..T-1 and make the default process group
 set to T before any of them reads it), so DeepSpeed's data-parallel group, the checkpoints' barriers and every
 collective of the trainer see the trainer ranks only, as in a job without capture ranks. Capture ranks join no
 default group. Every rank of the job also opens two point-to-point groups over the whole job, made from the
-launcher's store (a fresh one for each restart of the job):
+launcher's store:
   control  gloo on the CPU: trainer -> capture receive credits, capture -> trainer unit headers (small tensors);
   data     NCCL between GPUs, gloo on the CPU: the features, capture -> trainer only, in unit order per pair.
 Credits and headers go on a group of their own because NCCL matches a pair's messages in the order they were
 posted whatever their tag, so a credit posted ahead would hold back the features behind it.
 
-The launcher's store also carries two small records: the start (trainer rank 0 tells the capture ranks what to
+The launcher's store (under a prefix of the start: torchrun keeps it across restarts) also carries two small records: the start (trainer rank 0 tells the capture ranks what to
 stream and from which step, or that there is nothing to stream) and each capture rank's throughput counters.
 """
 
@@ -96,6 +96,9 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float) -> RankLin
             f"least one trainer rank in one job, but this job has {world_size} process(es): launch "
             f"{capture_ranks + 1} or more, e.g. torchrun --nproc_per_node {capture_ranks + 1} -m dflash.train ...")
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    # torchrun keeps its store across the restarts of a job: each start uses keys of its own, or the groups would
+    # meet the addresses of the ranks of an earlier start.
+    store = dist.PrefixStore(f"dflash/start{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     trainers = world_size - capture_ranks
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if device_name == "auto" and torch.cuda.is_available() \

@@ -1,0 +1,76 @@
+"""capture=online over the job's own process group in the pipeline (capture.transport=ranks): one torchrun job on
+CPU (gloo) whose last ranks capture for the others, on the tiny target. The losses equal the stored offline curve
+with 1 or 2 capture ranks and 1 or 2 trainer ranks (2 trainer ranks of 2 samples keep the global batch of 4), and a
+job whose capture rank or trainer rank is SIGKILLed mid-run is restarted by torchrun (--max-restarts 1) and resumes
+from its last checkpoint to the same losses: no micro-batch lost or used twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.config import compose
+from dflash.pipeline import Pipeline
+from tests.test_rank_stream import free_port
+
+ONLINE = ["+experiment=tiny", "show_progress=false", "capture=online", "capture.transport=ranks"]
+STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"
+CHILD = Path(__file__).parent / "online_ranks_child.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """The tiny data stage, built once and copied into every run of this file (its fingerprint is path-free)."""
+    run_dir = tmp_path_factory.mktemp("online-ranks-data")
+    Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "stages=[data]"])).run()
+    return run_dir / "data"
+
+
+def run_job(run_dir: Path, data_dir: Path, captures: int, trainers: int, point: str = "none",
+            extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    run_dir.mkdir()
+    shutil.copytree(data_dir, run_dir / "data")
+    overrides = ONLINE + [f"run_dir={run_dir}", "stages=[data,capture,train]", f"capture.ranks={captures}",
+                          f"train.micro_batch_size={4 // trainers}", *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(captures + trainers),
+               "--master_port", str(free_port()), "--max-restarts", "1", str(CHILD), point, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+
+
+def assert_offline_losses(run_dir: Path, job: subprocess.CompletedProcess) -> None:
+    assert job.returncode == 0, job.stderr[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stored = json.loads(STORED_CURVE.read_text())["loss"]
+    assert [r["step"] for r in records] == list(range(1, len(stored) + 1))
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(stored), rtol=2e-4,
+                               atol=2e-4)
+
+
+@pytest.mark.parametrize("captures,trainers", [(1, 1), (2, 2)])
+def test_capture_ranks_feed_trainer_ranks_the_offline_losses(tmp_path, data_dir, captures, trainers):
+    run_dir = tmp_path / "run"
+    job = run_job(run_dir, data_dir, captures, trainers)
+    assert_offline_losses(run_dir, job)
+    throughput = json.loads((run_dir / "capture_logs" / "throughput.json").read_text())
+    assert throughput["capture_devices"] == captures and throughput["trainer_ranks"] == trainers
+    assert sum(throughput["balanced_split"]) == captures + trainers
+    assert not (run_dir / "features" / "manifest.json").exists() and not (run_dir / "spool").exists()
+
+
+@pytest.mark.parametrize("point,captures,trainers", [("capture", 2, 1), ("trainer", 1, 2)])
+def test_a_sigkilled_rank_restarts_the_job_which_resumes_exactly(tmp_path, data_dir, point, captures, trainers):
+    run_dir = tmp_path / "run"
+    job = run_job(run_dir, data_dir, captures, trainers, point, extra=("train.save_every=2",))
+    killed = {"capture": trainers, "trainer": 0}[point]  # the first capture rank's job rank, or trainer rank 0
+    assert (run_dir / f"killed-{killed}").exists(), job.stderr[-4000:]
+    assert_offline_losses(run_dir, job)
