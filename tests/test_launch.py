@@ -53,6 +53,15 @@ def test_dry_run_gives_each_capture_worker_its_gpus():
     assert evaluate.startswith("+ env CUDA_VISIBLE_DEVICES=2 python")
 
 
+@pytest.mark.slow
+def test_dry_run_of_online_capture_over_ranks_is_one_job_of_trainer_then_capture_gpus():
+    _, _, train, _ = commands(one_node("capture=online", "capture.transport=ranks", "capture.devices=[0,1]",
+                                       "train.devices=[2,3,4]", dry_run=True))
+    assert train.startswith("+ env CUDA_VISIBLE_DEVICES=2,3,4,0,1 torchrun --standalone --nproc_per_node 5 "
+                            "--max-restarts 3 ")
+    assert "capture.ranks=2" in train and "stages=[train]" in train
+
+
 def test_gpus_per_worker_must_divide_the_capture_gpus():
     done = one_node("capture.devices=[0,1,2]", "capture.gpus_per_worker=2", dry_run=True)
     assert done.returncode != 0 and "does not divide the 3 capture GPU" in done.stderr
