@@ -30,10 +30,10 @@ class SlowHeldout:
     def __init__(self, clock: ScriptedClock, seconds: float) -> None:
         self.clock, self.seconds, self.steps = clock, seconds, 0
 
-    def check(self, config) -> None:
+    def check(self, config, temperature: float = 0.0) -> None:
         pass
 
-    def evaluate(self, drafter, frozen_head) -> dict[str, float]:
+    def evaluate(self, drafter, frozen_head, temperature: float = 0.0) -> dict[str, float]:
         self.clock.now += self.seconds
         self.steps += 1
         return {"tau": 1.0, "acceptance_rate": 0.0}
