@@ -149,3 +149,18 @@ def test_trainers_that_stop_early_end_the_stream_cleanly():
 def test_a_hung_capture_rank_ends_in_a_timeout_naming_it():
     results = run_roles(1, 1, hang=0, timeout_s=3.0)
     assert "TimeoutError" in results[0] and "capture rank 1" in results[0], results
+
+
+def test_a_job_without_room_for_both_roles_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from dflash.config import compose
+    from dflash.pipeline import run_command
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose(["+experiment=tiny", "capture=online", "capture.transport=ranks", "capture.ranks=2",
+                   f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as exited:
+        run_command(cfg)
+    assert exited.value.code == 2
+    assert "capture.ranks=2 capture rank(s) and at least one trainer rank in one job, but this job has 2 process(es)" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

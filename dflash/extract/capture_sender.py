@@ -128,7 +128,7 @@ class CaptureSender:
             raise RuntimeError(f"online capture, rank {self.link.rank}: trainer rank {trainer} asked for micro-batch "
                                f"{credit} where {u} was due: the trainer's batch plan differs from this rank's")
         header, *tensors = encode_unit(u, indices, samples)
-        tensors = [t.to(self.link.device) for t in tensors]
+        tensors = [t.to(self.link.wire) for t in tensors]
         works = [self.link.control.send([header], trainer, HEADER)]
         works += [self.link.data.send([t], trainer, DATA) for t in tensors]
         sends = self.sent[trainer]

@@ -87,7 +87,7 @@ class LinkedFeatureSource(FeatureSource):
         if unit.unit != u:
             raise RuntimeError(f"online capture, rank {self.link.rank}: capture rank {producer} sent micro-batch "
                                f"{unit.unit} where {u} was due")
-        tensors = unit.empty_tensors(self.link.device)
+        tensors = unit.empty_tensors(self.link.wire)
         for tensor in tensors:
             waited(self.link.data.recv([tensor], producer, DATA), f"the features of micro-batch {u}", producer,
                    self.link)

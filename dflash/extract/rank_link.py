@@ -7,7 +7,8 @@ collective of the trainer see the trainer ranks only, as in a job without captur
 default group. Every rank of the job also opens two point-to-point groups over the whole job, made from the
 launcher's store:
   control  gloo on the CPU: trainer -> capture receive credits, capture -> trainer unit headers (small tensors);
-  data     NCCL between GPUs, gloo on the CPU: the features, capture -> trainer only, in unit order per pair.
+  data     NCCL between GPUs (device=auto: one GPU per rank), else gloo through the CPU: the features, capture ->
+           trainer only, in unit order per pair.
 Credits and headers go on a group of their own because NCCL matches a pair's messages in the order they were
 posted whatever their tag, so a credit posted ahead would hold back the features behind it.
 
@@ -42,7 +43,8 @@ class RankLink:
     store: dist.Store
     control: dist.ProcessGroup
     data: dist.ProcessGroup
-    device: torch.device  # where features are received (trainer) or sent from (capture)
+    device: torch.device  # this rank's device
+    wire: torch.device  # where features travel from and to: the GPU under NCCL, else the CPU
     timeout_s: float
 
     @property
@@ -107,9 +109,12 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float) -> RankLin
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     control = dist.ProcessGroupGloo(dist.PrefixStore("dflash/control", store), rank, world_size, timeout)
-    data = _data_group(dist.PrefixStore("dflash/data", store), rank, world_size, device, timeout) \
-        if device.type == "cuda" else control
-    link = RankLink(rank, world_size, trainers, store, control, data, device, timeout_s)
+    # NCCL needs one rank per GPU: with device=auto each rank has its own (cuda:LOCAL_RANK); a device named for
+    # every rank may be one GPU shared by a capture rank and a trainer rank, whose features then go by gloo.
+    nccl = device.type == "cuda" and device_name == "auto"
+    data = _data_group(dist.PrefixStore("dflash/data", store), rank, world_size, timeout) if nccl else control
+    link = RankLink(rank, world_size, trainers, store, control, data, device,
+                    device if nccl else torch.device("cpu"), timeout_s)
     if not link.is_capture:
         os.environ["WORLD_SIZE"] = str(trainers)  # what the pipeline, DeepSpeed and the console read
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
@@ -117,8 +122,7 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float) -> RankLin
     return link
 
 
-def _data_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
-                timeout: timedelta) -> dist.ProcessGroup:
+def _data_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
     """NCCL between the GPUs of the job (features never leave the GPU memory of either side)."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
