@@ -45,7 +45,11 @@ def plan_record(plan: BatchPlan, group_by: str, num_anchors: int, block_size: in
 class RankCapture:
     """`features`: the capture stage's folder (online.json); `capture`: the capture settings."""
 
-    def __init__(self, link: RankLink, capture, features: str, checkpoint_dir: str, run_dir: str) -> None:
+    def __init__(self, link: RankLink | None, capture, features: str, checkpoint_dir: str, run_dir: str) -> None:
+        if link is None:
+            raise RuntimeError("capture.transport=ranks: this process was started without capture ranks; run the "
+                               "command under torchrun (python -m dflash.train, dflash.pipeline.run_command), not "
+                               "Pipeline(...).run()")
         self.link, self.capture, self.features = link, capture, features
         self.checkpoint_dir, self.run_dir = checkpoint_dir, run_dir
 
