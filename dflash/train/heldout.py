@@ -41,6 +41,7 @@ from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import DrafterProposer, replay_steps
 from dflash.eval.replay_estimate import sampled_continuations, target_pass_with_final
 from dflash.models.targets.logit_transform import LogitTransform
+from dflash.run_files import atomic_path
 
 SCHEMA_VERSION = 1
 
@@ -80,9 +81,8 @@ def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.T
     if path_temperature > 0:
         metadata["path_temperature"] = repr(float(path_temperature))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
 
 
 def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[int], path: str, *,

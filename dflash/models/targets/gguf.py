@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.run_files import file_sha256
+from dflash.run_files import file_sha256, fsync_tree
 
 DEFAULT_CACHE_DIR = "~/.cache/dflash"
 # Written last into a converted folder: its presence means the conversion is complete.
@@ -66,6 +66,7 @@ def convert_gguf_file(source: Path, target: Path) -> Path:
         source_info = {"gguf": str(source), "gguf_sha256": file_sha256(source),
                        "transformers_version": transformers.__version__, "dtype": "float32"}
         (tmp / SOURCE_FILE).write_text(json.dumps(source_info, indent=2) + "\n")
+        fsync_tree(tmp)
         if target.exists() and not is_converted(target):
             # A folder without the completion marker is an interrupted conversion of this code: replace it.
             shutil.rmtree(target)
