@@ -91,7 +91,7 @@ def test_missing_hf_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-checkpoint"):
         load_target("hf", str(missing))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="a folder without config.json"):
         load_target("hf", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="needs path"):
         load_target("hf")

@@ -9,8 +9,8 @@ their training left in the run folder, never deleted, and come back when those s
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import sys
 import time
 
 from dflash.config import fingerprints
@@ -20,6 +20,8 @@ from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.export import export_best, export_state, plot_training_curve
 from dflash.stages.shapes import drafter_config
+
+logger = logging.getLogger(__name__)
 
 SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of the training that wrote them
 # What a training leaves in the run folder beside its checkpoints: its logs (metrics_log.py), exports, curve and the
@@ -59,7 +61,7 @@ class TrainStage:
         done = stage_done(self.out, key)
         if done and self.exports_intact():
             if run.rank == 0:
-                print(f"[train] up to date: {self.out}")
+                logger.info(f"[train] up to date: {self.out}")
             return
         rank, _, _ = init_distributed()
         if rank == 0:
@@ -67,7 +69,7 @@ class TrainStage:
         run.barrier()
         if not done and stage_done(self.out, key):  # these settings' drafter came back with their checkpoints
             if rank == 0:
-                print(f"[train] restored: {self.out}")
+                logger.info(f"[train] restored: {self.out}")
             return
         config = drafter_config(run.settings, read_json(os.path.join(self.capture.out, "target.json")))
         state = self.train(config, rank, run.world_size)
@@ -77,7 +79,7 @@ class TrainStage:
             plot_training_curve(run.run_dir)
             # The settings of the checkpoints behind this export: the eval stage checks them (world size aside).
             mark_done(self.out, key, checkpoint=self.checkpoint_fingerprint())
-            print(f"[train] exported drafter -> {self.out}")
+            logger.info(f"[train] exported drafter -> {self.out}")
 
     def exports_intact(self) -> bool:
         """Whether export/ and export_best/ hold the files they were written with (their checksums.json). A corrupt
@@ -86,8 +88,8 @@ class TrainStage:
             problem = checksum_problem(folder)
             if problem is not None:
                 if self.context.rank == 0:
-                    print(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from "
-                          f"{self.checkpoints}", file=sys.stderr, flush=True)
+                    logger.warning(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from "
+                                   f"{self.checkpoints}")
                 return False
         return True
 
@@ -96,7 +98,7 @@ class TrainStage:
         run = self.context
         moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
         if moved:
-            print(f"[train] the drafter trained with other settings moved aside to {moved} (overwrite=true)")
+            logger.info(f"[train] the drafter trained with other settings moved aside to {moved} (overwrite=true)")
         self.carry_trained_outputs(moved)
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
         write_json(os.path.join(self.checkpoints, SETTINGS_KEY),

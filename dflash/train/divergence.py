@@ -13,12 +13,14 @@ best checkpoint or export ever holds a non-finite weight, and the error names th
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import sys
 
 from dflash.train.checkpoints import complete_tags
 from dflash.train.engine import TrainEngine
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
@@ -50,8 +52,8 @@ class DivergenceGuard:
             raise self.diverged(step, f"{self.in_a_row} steps in a row had a non-finite loss or gradient norm "
                                       f"({shown} at step {step}; train.max_nonfinite_steps={self.limit})")
         if self.rank == 0:
-            print(f"[train] warning: step {step}: {shown}; its update was skipped ({self.in_a_row} such step(s) in "
-                  f"a row, training stops at {self.limit}: train.max_nonfinite_steps)", file=sys.stderr, flush=True)
+            logger.warning(f"[train] warning: step {step}: {shown}; its update was skipped ({self.in_a_row} such "
+                           f"step(s) in a row, training stops at {self.limit}: train.max_nonfinite_steps)")
 
     def check_weights(self, engine: TrainEngine, step: int) -> None:
         """TrainingDiverged unless every weight is finite after step `step` (every rank must call it)."""

@@ -11,6 +11,7 @@ printed at load.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from dflash.models.targets.base import TargetAdapter
 from dflash.models.targets.gdn_kernels import (
     check_conv_choice, conv_choice, describe_gdn_kernels, route_causal_conv1d,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class HybridTargetAdapter(TargetAdapter):
@@ -54,8 +57,8 @@ class HybridTargetAdapter(TargetAdapter):
 
     def _print_kernels(self) -> dict[str, str]:
         kernels = self.gdn_kernels()
-        print(f"[target] {self.model_type} GDN kernels: conv {kernels.get('conv')}, "
-              f"chunk {kernels.get('chunk')}", flush=True)
+        logger.info(f"[target] {self.model_type} GDN kernels: conv {kernels.get('conv')}, "
+                    f"chunk {kernels.get('chunk')}")
         return kernels
 
     def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **packing: Any) -> None:

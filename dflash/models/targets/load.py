@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ from dflash.config.target_path import is_gguf_path, target_path_problem
 from dflash.models.targets.gguf import cached_folder, convert_gguf_file
 from dflash.models.targets.placement import check_available, describe, device_map_for, empty_model, parse_devices
 from dflash.models.targets.registry import wrap_model
+
+logger = logging.getLogger(__name__)
 
 TARGET_KINDS = ("smollm2", "hf", "tiny")
 
@@ -41,7 +44,7 @@ def load_target(
     adapter = _load(kind, path, dtype, device, tiny, cache_dir)
     line = set_chat_template(adapter.tokenizer, chat_template, adapter.model_type)
     if line is not None:
-        print(line, flush=True)
+        logger.info(line)
     return adapter
 
 
@@ -87,7 +90,7 @@ def _load_placed(kind: str, path: str | None, dtype: str, devices: list[str], ti
         device_map = device_map_for(adapter.model, devices)
         # force_hooks: a map whose entries are all "cpu" still runs through accelerate's hooks, as on GPUs.
         dispatch_model(adapter.model, device_map=device_map, main_device=devices[0], force_hooks=True)
-    print(f"[target] {adapter.model_type} placed layer-wise: {describe(device_map)}", flush=True)
+    logger.info(f"[target] {adapter.model_type} placed layer-wise: {describe(device_map)}")
     return adapter
 
 
