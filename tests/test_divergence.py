@@ -88,11 +88,10 @@ def test_the_command_ends_with_one_line_and_exit_status_1(monkeypatch, capsys):
 
     from dflash import pipeline
 
-    def diverge(self):
+    def diverge(cfg):
         raise TrainingDiverged("training diverged at step 3: the drafter's weights hold NaN or infinite values")
 
-    monkeypatch.setattr(pipeline.Pipeline, "__init__", lambda self, cfg: None)
-    monkeypatch.setattr(pipeline.Pipeline, "run", diverge)
+    monkeypatch.setattr(pipeline, "run_role", diverge)
     with pytest.raises(SystemExit) as stopped:
         pipeline.run_command(OmegaConf.create({"run_dir": "unused"}))
     assert stopped.value.code == 1
