@@ -64,3 +64,28 @@ def test_a_base_model_regenerates_its_answers_in_the_plain_format(tmp_path, caps
     first = load_dataset_dir(run_dir / "data")[0]
     prompt = [i for i, m in zip(first["input_ids"], first["loss_mask"]) if not m]
     assert tokenizer.decode(prompt).startswith("User: ") and tokenizer.decode(prompt).endswith("\n\nAssistant:")
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_template_options_reach_regeneration(tmp_path):
+    from dflash.data.dataset import build_dataset
+    from dflash.data.prompts import Prompt
+
+    adapter = load_target("tiny", tiny={"family": "llama", "seed": 0, "tokenizer": "builtin"})
+    adapter.tokenizer.chat_template = THINKING
+    prompts = [Prompt(f"q{i}", [{"role": "user", "content": f"Question {i}"}], "test") for i in range(3)]
+    options = dict(max_length=160, max_new_tokens=4, batch_size=3, show_progress=False)
+    plain = build_dataset(prompts, adapter, tmp_path / "plain", **options)
+    off = build_dataset(prompts, adapter, tmp_path / "off", template_kwargs={"enable_thinking": False}, **options)
+    assert plain["fingerprint"] != off["fingerprint"]
+    for folder, marked in (("plain", False), ("off", True)):
+        row = load_dataset_dir(tmp_path / folder)[0]
+        prompt = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if not m]
+        assert adapter.tokenizer.decode(prompt).endswith("assistant\n<think></think>") == marked
+    # Without options a build keeps the fingerprint it had before the setting existed.
+    again = build_dataset(prompts, adapter, tmp_path / "plain", template_kwargs={}, **options)
+    assert again["fingerprint"] == plain["fingerprint"]

@@ -215,6 +215,11 @@ class DataSettings:
     compile_step: bool = setting(False, affects=(), doc="static engine: also torch.compile the decode step")
     synthetic: SyntheticSettings = setting(affects=("data",), factory=SyntheticSettings, neutral=_synthetic_off,
                                            doc="prompts the target writes itself")
+    chat_template_kwargs: Dict[str, Any] = setting(affects=("data",), factory=dict, neutral={},
+                                                   doc="the chat template's options for the prompts the target "
+                                                       "answers, e.g. +data.chat_template_kwargs.enable_thinking="
+                                                       "false; serve and evaluate (eval.chat_template_kwargs) with "
+                                                       "the same")
     eval_overlap_ngram: int = setting(13, affects=("data",), neutral=13,
                                       doc="training prompts sharing this many consecutive words with a prompt of "
                                           "eval.prompt_sets are dropped (counts in data/stats.json); 0 = no check")

@@ -15,12 +15,13 @@ def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return prompt_ids_many(tokenizer, [messages])[0]
 
 
-def prompt_ids_many(tokenizer: Any, conversations: list[list[dict]]) -> list[list[int]]:
+def prompt_ids_many(tokenizer: Any, conversations: list[list[dict]],
+                    template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """prompt_ids of many conversations: each rendered by the chat template, then all tokenised in one batch call.
 
     That is what `apply_chat_template(tokenize=True)` does one conversation at a time (render, then tokenise
     without adding special tokens); batching lets a fast tokenizer use every core, which matters for the tens of
-    thousands of multi-turn prompts of a data stage.
+    thousands of multi-turn prompts of a data stage. template_kwargs: the template's options (enable_thinking...).
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
@@ -29,7 +30,8 @@ def prompt_ids_many(tokenizer: Any, conversations: list[list[dict]]) -> list[lis
             raise ValueError(f"messages must end with a user turn, got roles {[m.get('role') for m in messages]}")
     if not conversations:
         return []
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+             for m in conversations]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     result = []
     for ids in encoded:

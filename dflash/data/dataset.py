@@ -84,7 +84,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf",
                   compile_step: bool = False, refill: bool = True, target: dict | None = None,
-                  before_replace: Callable[[], None] | None = None) -> dict:
+                  before_replace: Callable[[], None] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
 
     heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
@@ -95,12 +96,15 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     header: answers of another target are never reused (regenerate). None: unknown, left out of both.
     before_replace: called once the new build is ready, right before it replaces the folder's dataset (the caller
     withdraws its own "done" marker there); a build refused or failing earlier leaves the folder as it was.
+    template_kwargs: the chat template's options for the prompts (enable_thinking...), part of the fingerprint.
     """
     if heldout < 0 or (heldout and heldout >= len(prompts)):
         raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = _settings(max_length, max_new_tokens, temperature, top_p, seed, heldout, target)
+    if template_kwargs:  # absent when there are none, so builds without them keep their fingerprints
+        settings["chat_template_kwargs"] = dict(template_kwargs)
     fp = fingerprint(prompts, adapter.tokenizer, settings)
     previous = _finished_build(out_dir, fp, heldout)
     if previous is not None:
@@ -109,12 +113,12 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     journal_path = out_dir / "journal.jsonl"
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
-                     compile_step=compile_step, refill=refill, target=target)
+                     compile_step=compile_step, refill=refill, target=target, template_kwargs=template_kwargs)
     _, index = scan_journal(journal_path)
     finished = [p for p in prompts if p.id in index and index[p.id][0] == "done"]
     held = _choose_heldout(finished, heldout, seed, journal_path)
     encode_started = time.perf_counter()
-    encoded = encode_answers(finished, index, journal_path, adapter.tokenizer, max_length, held)
+    encoded = encode_answers(finished, index, journal_path, adapter.tokenizer, max_length, held, template_kwargs)
     if encoded.train.samples == 0:
         # datasets cannot load back an empty saved dataset; an empty training set is an error anyway.
         raise ValueError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long, "

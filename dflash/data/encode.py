@@ -66,14 +66,15 @@ class Encoded:
 
 
 def encode_answers(finished: list[Prompt], index: Index, journal_path: Path, tokenizer: Any, max_length: int,
-                   held: set[str]) -> Encoded:
+                   held: set[str], template_kwargs: dict[str, Any] | None = None) -> Encoded:
     """Rows of the `finished` prompts (done in the journal, `index` from scan_journal), in their order; the ids in
     `held` go to the held-out rows. Reads one record at a time, templates ENCODE_CHUNK prompts at a time."""
     encoded = Encoded()
     with open(journal_path, "rb") as journal:
         for first in range(0, len(finished), ENCODE_CHUNK):
             batch = finished[first : first + ENCODE_CHUNK]
-            for p, prompt_tokens in zip(batch, prompt_ids_many(tokenizer, [p.messages for p in batch])):
+            conversations = [p.messages for p in batch]
+            for p, prompt_tokens in zip(batch, prompt_ids_many(tokenizer, conversations, template_kwargs)):
                 record = read_record(journal, index[p.id][1])
                 input_ids, loss_mask = encode_record(tokenizer, p, prompt_tokens, record, max_length, journal_path)
                 if not any(loss_mask):

@@ -124,13 +124,15 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, show_progress: bool = True, engine: str = "hf", compile_step: bool = False,
-               refill: bool = True, *, target: dict | None = None) -> dict:
+               refill: bool = True, *, target: dict | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> dict:
     """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", "stale", ...}.
 
     Prompts already done in the journal are not generated again, unless their templated tokens changed since
     (counted as "stale" and answered again). target: the target's identity (a JSON-able dict, e.g. its config),
     recorded in the journal header; a journal written for another target, or without a recorded target while one
     is given now, is refused like other settings. None (unknown) matches only a journal that records none.
+    template_kwargs: the chat template's options for the prompts (enable_thinking...).
     A prompt whose templated length + 1 exceeds max_length is skipped (no room for a response); a batch whose
     generation raises is retried prompt by prompt and the prompts that still raise are counted as failed with
     their error. Responses are cut so that prompt + response <= max_length. Greedy when temperature == 0.
@@ -152,7 +154,7 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     journal, done_hashes = open_journal(Path(journal_path), with_target(settings, target))
     with journal:  # closed on every exit, a template or engine error included
         static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
-        work = _sort_out(prompts, adapter.tokenizer, done_hashes, max_length)
+        work = _sort_out(prompts, adapter.tokenizer, done_hashes, max_length, template_kwargs)
         _mark_stale(journal, work.stale)
         _warn_skipped(work.skipped, max_length)
         arguments = (work.pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id, temperature, top_p, seed)
@@ -198,11 +200,12 @@ class _Work:
     template_seconds: float = 0.0
 
 
-def _sort_out(prompts: list[Prompt], tokenizer: Any, done_hashes: dict[str, str | None], max_length: int) -> _Work:
+def _sort_out(prompts: list[Prompt], tokenizer: Any, done_hashes: dict[str, str | None], max_length: int,
+              template_kwargs: dict[str, Any] | None = None) -> _Work:
     """Template every prompt and sort it out: reused, skipped or pending (longest first), stale ones noted."""
     work = _Work()
     started = time.perf_counter()
-    for p, ids_p in zip(prompts, prompt_ids_many(tokenizer, [p.messages for p in prompts])):
+    for p, ids_p in zip(prompts, prompt_ids_many(tokenizer, [p.messages for p in prompts], template_kwargs)):
         if p.id in done_hashes:
             # A record from before hashes (None) is checked by its length when the dataset is encoded.
             if done_hashes[p.id] in (None, prompt_hash(ids_p)):

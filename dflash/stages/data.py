@@ -56,7 +56,8 @@ class DataStage:
                               batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
                               show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
                               compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
-                              before_replace=lambda: clear_done(out))
+                              before_replace=lambda: clear_done(out),
+                              template_kwargs=dict(d.chat_template_kwargs))
         if overlap is not None:  # what the check found goes with the dataset's stats (format_stats shows it)
             stats["eval_overlap"] = overlap
             write_json(os.path.join(out, "stats.json"), stats)
