@@ -111,3 +111,17 @@ def test_the_refusal_names_what_is_missing():
         wrap_model(model, build_builtin_tokenizer())
     model.model.layers = model.model.layers[:2]
     assert "has no list of 4 decoder layers" in generic.unsupported_reason(model)
+
+
+@pytest.mark.parametrize("family", GENERIC)
+def test_packed_capture_equals_each_sequence_alone(family):
+    """Sinks (gpt_oss) and soft-capped attention scores (gemma2) are beyond the packed kernels, and StableLM's
+    layers do not pass the row's offsets on to attention: such targets are captured as a padded batch
+    (packing_problem), the others packed; both equal each sequence captured alone."""
+    adapter = tiny(family)
+    texts = ["Hi", "A much longer question about the sea, the sky and the wind.", "What is 2 + 2?"]
+    sequences = [adapter.chat_ids([{"role": "user", "content": t}]) for t in texts]
+    packed = adapter.capture_packed(torch.tensor(sum(sequences, [])), [len(s) for s in sequences], [1, 5])
+    alone = torch.cat([adapter.capture(torch.tensor([s]), None, [1, 5])[0] for s in sequences])
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert (adapter.packing_problem() is not None) == (family in ("gemma2", "gpt_oss", "stablelm"))

@@ -18,7 +18,7 @@ from torch import nn
 
 from dflash.host_copy import host_to_device
 from dflash.models.targets.logit_transform import logit_transform_of
-from dflash.models.targets.packed_attention import packed_attention
+from dflash.models.targets.packed_attention import OffsetsNotPassed, packed_attention
 
 # Names of end-of-turn tokens used by common chat templates; the ones present in a tokenizer stop generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -206,7 +206,8 @@ class TargetAdapter:
         Every sequence starts at position 0 and sees only itself: its attention runs packed_attention_forward
         (FlashAttention's variable-length kernel on CUDA) and the GDN layers of a hybrid restart their conv and
         recurrent states at each sequence (fla's kernels read the offsets; the torch references run per sequence).
-        Features equal those of each sequence captured alone, up to the kernels' rounding.
+        Features equal those of each sequence captured alone, up to the kernels' rounding. A target whose attention
+        the packed kernels cannot repeat (packing_problem) is captured as one right-padded batch instead.
         """
         ids = self.check_layer_ids(layer_ids)
         if input_ids.dim() != 1:
@@ -214,6 +215,8 @@ class TargetAdapter:
         if not lengths or min(lengths) < 1 or sum(lengths) != input_ids.numel():
             raise ValueError(f"packed lengths must be positive and sum to the row's {input_ids.numel()} tokens, "
                              f"got {len(lengths)} lengths summing to {sum(lengths)}")
+        if self.packing_problem() is not None:
+            return self._capture_padded(input_ids, lengths, ids)
         sizes = torch.tensor(lengths, dtype=torch.int64)
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = sizes.cumsum(0)
@@ -228,10 +231,38 @@ class TargetAdapter:
                                   cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
         except _StopForward:
             pass
+        except OffsetsNotPassed:
+            self.unpacked_reason = "its decoder layers do not pass the packing offsets on to their attention"
         finally:
             for handle in handles:
                 handle.remove()
+        if self.unpacked_reason is not None:
+            return self._capture_padded(input_ids, lengths, ids)
         return self._concat(ids, store)[0]
+
+    # Set when a packed forward found that the layers drop the offsets (capture_packed): padded from then on.
+    unpacked_reason: str | None = None
+
+    def packing_problem(self) -> str | None:
+        """Why packed capture would not equal a plain forward on this target (attention sinks, soft-capped
+        attention logits: packed_attention_forward has neither; layers that drop the offsets), or None."""
+        if self.unpacked_reason is not None:
+            return self.unpacked_reason
+        softcap = getattr(self.config, "attn_logit_softcapping", None)
+        if softcap:
+            return f"its attention soft-caps its logits (attn_logit_softcapping={softcap})"
+        if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.decoder_layers().modules()):
+            return "its attention has sinks"
+        return None
+
+    def _capture_padded(self, input_ids: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
+        """capture_packed's result [T, K*H] from one right-padded batch of the sequences."""
+        rows = list(torch.split(input_ids, lengths))
+        batch = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+        sizes = torch.tensor(lengths, device=batch.device)
+        mask = torch.arange(batch.shape[1], device=batch.device)[None] < sizes[:, None]
+        features = self.capture(batch, mask.long(), layer_ids)
+        return features[mask.to(features.device)]
 
     def capture_with_final(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]

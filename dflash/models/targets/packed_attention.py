@@ -39,6 +39,13 @@ FLASH_DTYPES = (torch.bfloat16, torch.float16)
 # reading it from cu_seqlens would make the host wait for the device in every attention layer. A context variable
 # rather than a layer argument, so compiled layers neither specialise on it nor recompile for each row.
 _max_length: ContextVar[int | None] = ContextVar("dflash_packed_max_length", default=None)
+# True inside packed_attention(): a call without offsets there is a layer that did not pass them on.
+_packing: ContextVar[bool] = ContextVar("dflash_packing", default=False)
+
+
+class OffsetsNotPassed(ValueError):
+    """A decoder layer of the target called its attention without the packed row's offsets (it does not pass its
+    keyword arguments on, as StableLM's layers do): the row would attend across its sequences."""
 
 
 def sequence_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
@@ -92,12 +99,18 @@ def packed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q [1, Hq, T, D], k/v [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None and _packing.get():
+        raise OffsetsNotPassed(f"{type(module).__name__} was called without the packed row's offsets")
     if cu_seqlens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"a packed forward takes one row of sequences laid end to end, got a batch of "
                          f"{query.shape[0]} rows")
+    unsupported = [name for name in ("s_aux", "softcap") if kwargs.get(name) is not None]
+    if unsupported:  # attention sinks, soft-capped scores: a packed forward would silently differ
+        raise ValueError(f"packed attention cannot apply {unsupported} of {type(module).__name__}; capture this "
+                         "target unpacked (TargetAdapter.packing_problem)")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     # [1, heads, T, D] -> [T, heads, D]: a view, with the head dim still contiguous as the kernels need.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
@@ -128,7 +141,7 @@ def packed_attention(model: nn.Module, max_length: int | None = None) -> Iterato
     config had is restored after it (also when the forward raises)."""
     configs = _configs(model)
     before = [config._attn_implementation for config in configs]
-    token = _max_length.set(max_length)
+    token, packing = _max_length.set(max_length), _packing.set(True)
     try:
         for config in configs:
             # The internal attribute: the public setter would also rewrite sub-configs (a VLM's vision tower).
@@ -138,3 +151,4 @@ def packed_attention(model: nn.Module, max_length: int | None = None) -> Iterato
         for config, implementation in zip(configs, before):
             config._attn_implementation_internal = implementation
         _max_length.reset(token)
+        _packing.reset(packing)
