@@ -50,7 +50,7 @@ class LinkedFeatureSource(FeatureSource):
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
         self.link, self.stream, self.rank = link, stream, rank
         self.units = iter(stream.trainer_units(rank, first_step))
-        # (unit, header buffer, its receive, the credit's send), in unit order
+        # (unit, header buffer, its receive, (the credit's send, its tensor)), in unit order
         self.credited: deque[tuple[int, torch.Tensor, object, object]] = deque()
         self.closed = False
         # Throughput counters: real tokens received and seconds spent waiting for them.
@@ -74,15 +74,15 @@ class LinkedFeatureSource(FeatureSource):
         producer = self._producer(u)
         header = torch.empty(header_length(self.stream.plan.micro_batch_size), dtype=torch.int64)
         receive = self.link.control.recv([header], producer, HEADER)  # posted before the credit that asks for it
-        credit = self.link.control.send([torch.tensor([u], dtype=torch.int64)], producer, CREDIT)
-        self.credited.append((u, header, receive, credit))
+        value = torch.tensor([u], dtype=torch.int64)  # held until its send is done
+        self.credited.append((u, header, receive, (self.link.control.send([value], producer, CREDIT), value)))
 
     def _take(self) -> tuple[UnitHeader, list[torch.Tensor]]:
         """The next credited unit's header and tensors."""
         u, header, receive, credit = self.credited.popleft()
         producer = self._producer(u)
         waited(receive, f"the header of micro-batch {u}", producer, self.link)
-        waited(credit, f"the credit of micro-batch {u}", producer, self.link)  # taken: it was answered
+        waited(credit[0], f"the credit of micro-batch {u}", producer, self.link)  # taken: it was answered
         unit = UnitHeader.parse(header)
         if unit.unit != u:
             raise RuntimeError(f"online capture, rank {self.link.rank}: capture rank {producer} sent micro-batch "
