@@ -34,7 +34,7 @@ def test_each_command_prints_a_short_page_of_its_own(pages, name):
     assert len(page.splitlines()) < 45
     assert page.startswith(f"python -m dflash.{name}: ")  # what the command does
     assert f"Usage: python -m dflash.{name} " in page
-    assert "capture: colocated, offline, online" in page and "experiment: qwen36, smollm2, tiny" in page
+    assert "capture: colocated, offline, online" in page and "experiment: qwen36, smollm2, smollm2_quick, tiny" in page
     examples = page.split("== Examples ==")[1].split("==")[0]
     assert sum(f"-m dflash.{name} " in line for line in examples.splitlines()) >= 3
     assert "python -m dflash.config" in page and "docs/config.md" in page and "--cfg job" in page
