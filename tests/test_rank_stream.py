@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash.data.batch_plan import BatchPlan
+from dflash.data.feature_source import collate
 from dflash.extract.fp8 import quantize_fp8
 from dflash.extract.rank_stream import UnitHeader, UnitStream, encode_unit
 from dflash.extract.sample_format import decode_single, sample_tensors
@@ -55,19 +56,24 @@ def test_units_deal_the_batch_plan_and_split_between_capture_and_trainer_ranks()
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_unit_travels_as_a_header_and_its_tensors(fp8):
+def test_a_unit_travels_as_a_header_and_its_tensors_into_the_padded_micro_batch(fp8):
     indices = [4, 1, 4]
     stored = [stored_sample(i, fp8) for i in indices]
     header, *tensors = encode_unit(17, indices, stored)
     unit = UnitHeader.parse(header)
     assert (unit.unit, unit.indices, unit.lengths) == (17, indices, [LENGTHS[i] for i in indices])
-    received = unit.empty_tensors(torch.device("cpu"))
-    assert [(t.shape, t.dtype) for t in received] == [(t.shape, t.dtype) for t in tensors]
-    for buffer, tensor in zip(received, tensors, strict=True):
+    sent = iter(tensors)
+
+    def recv(buffer):
+        tensor = next(sent)
+        assert (buffer.shape, buffer.dtype) == (tensor.shape, tensor.dtype)
         buffer.copy_(tensor)
-    for got, want in zip(unit.samples(received), stored, strict=True):
-        for key, value in decode_single(want).items():
-            assert torch.equal(got[key], value), key
+    batch = unit.receive(recv, torch.device("cpu"))
+    assert next(sent, None) is None
+    expected = collate([decode_single(s) for s in stored])
+    assert batch.keys() == expected.keys()
+    for key, value in expected.items():
+        assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
 
 
 def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, results) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dflash.data.feature_source import FeatureSource, Sample, collate
+from dflash.data.feature_source import FeatureSource, Sample
 from dflash.extract.rank_link import RankLink
 from dflash.extract.rank_stream import UnitHeader, UnitStream, header_length
 
@@ -77,8 +77,8 @@ class LinkedFeatureSource(FeatureSource):
         value = torch.tensor([u], dtype=torch.int64)  # held until its send is done
         self.credited.append((u, header, receive, (self.link.control.send([value], producer, CREDIT), value)))
 
-    def _take(self) -> tuple[UnitHeader, list[torch.Tensor]]:
-        """The next credited unit's header and tensors."""
+    def _take(self, pin_memory: bool = False) -> tuple[UnitHeader, Sample]:
+        """The next credited unit's header and padded micro-batch."""
         u, header, receive, credit = self.credited.popleft()
         producer = self._producer(u)
         waited(receive, f"the header of micro-batch {u}", producer, self.link)
@@ -87,17 +87,17 @@ class LinkedFeatureSource(FeatureSource):
         if unit.unit != u:
             raise RuntimeError(f"online capture, rank {self.link.rank}: capture rank {producer} sent micro-batch "
                                f"{unit.unit} where {u} was due")
-        tensors = unit.empty_tensors(self.link.wire)
-        for tensor in tensors:
-            waited(self.link.data.recv([tensor], producer, DATA), f"the features of micro-batch {u}", producer,
+
+        def recv(buffer: torch.Tensor) -> None:
+            waited(self.link.data.recv([buffer], producer, DATA), f"the features of micro-batch {u}", producer,
                    self.link)
-        return unit, tensors
+        return unit, unit.receive(recv, self.link.wire, pin_memory)
 
     def micro_batch(self, indices: Sequence[int], pin_memory: bool = False) -> Sample:
         if not self.credited:
             raise IndexError(f"trainer rank {self.rank} has read every micro-batch of the online stream")
         started = time.monotonic()
-        unit, tensors = self._take()
+        unit, batch = self._take(pin_memory)
         self.wait_s += time.monotonic() - started
         if list(indices) != unit.indices:
             raise ValueError(f"online rank {self.rank}: micro-batch {unit.unit} holds samples {unit.indices}, the "
@@ -105,7 +105,7 @@ class LinkedFeatureSource(FeatureSource):
                              "world size, grad accum, seed, epochs) differs from the capture ranks'")
         self._credit_next()
         self.tokens_read += unit.tokens
-        return collate(unit.samples(tensors), pin_memory)
+        return batch
 
     def close(self) -> None:
         """Take and drop the credited units, then tell every capture rank this rank needs no more."""

@@ -8,20 +8,22 @@ in increasing u, each from capture rank u % C.
 
 A unit's header is one int64 tensor of fixed length (both sides know it from the micro batch size):
     [u, tokens, width, dtype code, scale columns, index_0 .. index_{B-1}, length_0 .. length_{B-1}]
-then come its tensors: `tokens` int32 [2, tokens] (input_ids and loss_mask of the samples laid end to end),
-`hidden` [tokens, width] (float32, bfloat16, or fp8 sent as its bytes) and, for fp8 only, `scales` float32
+then come its tensors: `tokens` int32 [2, tokens] (input_ids and loss_mask of the samples laid end to end), each
+sample's `hidden` [length, width] (float32, bfloat16, or fp8 sent as its bytes; one message each, so the trainer
+receives it straight into its row of the padded micro-batch) and, for fp8 only, `scales` float32
 [tokens, scale columns].
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from dflash.data.batch_plan import BatchPlan
-from dflash.data.feature_source import Sample
+from dflash.data.feature_source import Sample, collate
 from dflash.extract.fp8 import FP8_DTYPE
 from dflash.extract.sample_format import decode
 
@@ -85,17 +87,16 @@ def header_length(micro_batch_size: int) -> int:
 
 
 def encode_unit(u: int, indices: list[int], samples: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """[header, tokens, hidden(, scales)] of unit u from its samples' stored tensors (sample_format.sample_tensors:
-    hidden, input_ids, loss_mask and scales for fp8), in the order of `indices`."""
-    hidden = torch.cat([s["hidden"] for s in samples])
+    """[header, tokens, hidden of each sample(, scales)] of unit u from its samples' stored tensors
+    (sample_format.sample_tensors: hidden, input_ids, loss_mask and scales for fp8), in the order of `indices`."""
+    hidden = [s["hidden"].view(torch.uint8) if s["hidden"].dtype == FP8_DTYPE else s["hidden"] for s in samples]
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     ids = torch.cat([s["input_ids"] for s in samples]).to(torch.int32)
     mask = torch.cat([s["loss_mask"] for s in samples]).to(torch.int32)
     scales = torch.cat([s["scales"] for s in samples]) if "scales" in samples[0] else None
-    header = torch.tensor([u, hidden.shape[0], hidden.shape[1], DTYPE_CODES[hidden.dtype],
+    header = torch.tensor([u, sum(lengths), hidden[0].shape[1], DTYPE_CODES[samples[0]["hidden"].dtype],
                            0 if scales is None else scales.shape[1], *indices, *lengths], dtype=torch.int64)
-    payload = [header, torch.stack([ids, mask]), hidden.view(torch.uint8) if hidden.dtype == FP8_DTYPE else hidden]
-    return payload + ([scales.contiguous()] if scales is not None else [])
+    return [header, torch.stack([ids, mask]), *hidden] + ([scales.contiguous()] if scales is not None else [])
 
 
 @dataclass(frozen=True)
@@ -115,25 +116,31 @@ class UnitHeader:
         return cls(values[0], values[1], values[2], CODE_DTYPES[values[3]], values[4], values[_FIXED:_FIXED + size],
                    values[_FIXED + size:])
 
-    def empty_tensors(self, device: torch.device) -> list[torch.Tensor]:
-        """The buffers its tensors are received into, in the order they are sent."""
-        hidden_dtype = torch.uint8 if self.dtype == FP8_DTYPE else self.dtype
-        tensors = [torch.empty(2, self.tokens, dtype=torch.int32, device=device),
-                   torch.empty(self.tokens, self.width, dtype=hidden_dtype, device=device)]
-        if self.scale_columns:
-            tensors.append(torch.empty(self.tokens, self.scale_columns, dtype=torch.float32, device=device))
-        return tensors
-
-    def samples(self, tensors: list[torch.Tensor]) -> list[Sample]:
-        """The unit's samples from its received tensors (fp8 dequantised to bfloat16, as every source gives it)."""
-        tokens, hidden = tensors[0], tensors[1]
+    def receive(self, recv: Callable[[torch.Tensor], None], device: torch.device, pin_memory: bool = False) -> Sample:
+        """The unit's micro-batch, padded as `collate` pads it, its tensors received in the order they are sent by
+        `recv(buffer)`: each sample's features straight into its row of the padded batch (fp8: received, then
+        dequantised to bfloat16 and padded, as every source gives it). pin_memory: CPU tensors page-locked."""
+        tokens = torch.empty(2, self.tokens, dtype=torch.int32, device=device)
+        recv(tokens)
         if self.dtype == FP8_DTYPE:
-            hidden = hidden.view(FP8_DTYPE)
-        scales = tensors[2] if self.scale_columns else None
-        samples, start = [], 0
-        for length in self.lengths:
-            end = start + length
-            samples.append(decode(tokens[0, start:end], tokens[1, start:end], hidden[start:end],
-                                  None if scales is None else scales[start:end]))
-            start = end
-        return samples
+            hidden = [torch.empty(n, self.width, dtype=torch.uint8, device=device) for n in self.lengths]
+            for buffer in hidden:
+                recv(buffer)
+            scales = torch.empty(self.tokens, self.scale_columns, dtype=torch.float32, device=device)
+            recv(scales)
+            starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
+            samples = [decode(tokens[0, a:a + n], tokens[1, a:a + n], h.view(FP8_DTYPE), scales[a:a + n])
+                       for a, n, h in zip(starts, self.lengths, hidden, strict=True)]
+            return collate(samples, pin_memory)
+        batch, longest = len(self.lengths), max(self.lengths)
+        padded = torch.empty(batch, longest, self.width, dtype=self.dtype, device=device,
+                             pin_memory=pin_memory and device.type == "cpu")
+        ids = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
+        mask = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
+        tokens, start = tokens.cpu(), 0
+        for row, length in enumerate(self.lengths):
+            recv(padded[row, :length])  # a row's first `length` positions are contiguous
+            padded[row, length:] = 0
+            ids[row, :length], mask[row, :length] = tokens[0, start:start + length], tokens[1, start:start + length]
+            start += length
+        return {"input_ids": ids, "loss_mask": mask, "hidden": padded}
