@@ -65,6 +65,10 @@ def test_capture_ranks_feed_trainer_ranks_the_offline_losses(tmp_path, data_dir,
     assert throughput["capture_devices"] == captures and throughput["trainer_ranks"] == trainers
     assert sum(throughput["balanced_split"]) == captures + trainers
     assert not (run_dir / "features" / "manifest.json").exists() and not (run_dir / "spool").exists()
+    # A capture rank's lines reach the console once and its own log file in the run folder.
+    sent = [line for line in job.stdout.splitlines() if "sent" in line and "micro-batches" in line]
+    assert len(sent) == captures, job.stdout[-3000:]
+    assert len(list((run_dir / "logs").glob("*-capture-rank*.log"))) == captures
 
 
 @pytest.mark.parametrize("point,captures,trainers", [("capture", 2, 1), ("trainer", 1, 2)])

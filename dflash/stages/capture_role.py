@@ -6,10 +6,12 @@ micro-batches it names (dflash/extract/capture_sender.py), then post this rank's
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 from omegaconf import DictConfig
 
-from dflash.console import EVERY_RANK
+from dflash.console import EVERY_RANK, console_copied_to
 from dflash.extract.rank_link import RankLink
 from dflash.stages.context import RunContext
 
@@ -17,14 +19,21 @@ logger = logging.getLogger(__name__)
 
 
 def serve_capture(cfg: DictConfig, link: RankLink) -> None:
-    """Run this capture rank until its stream is sent (or there is none to send)."""
+    """Run this capture rank until its stream is sent (or there is none to send), its console copied to
+    <run_dir>/logs/<time>-capture-rank<R>.log as a trainer rank's is (and its messages shown once)."""
+    context = RunContext(cfg)
+    started = time.strftime("%Y%m%d-%H%M%S")
+    with console_copied_to(os.path.join(context.run_dir, "logs", f"{started}-capture-rank{link.rank}.log")):
+        _stream(context, link)
+
+
+def _stream(context: RunContext, link: RankLink) -> None:
     from dflash.data.batch_plan import BatchPlan, grouping_keys
     from dflash.data.dataset import load_dataset_dir
     from dflash.data.sample_sizes import sample_lengths
     from dflash.extract.capture_sender import CaptureSender, target_producer
     from dflash.extract.rank_stream import UnitStream
 
-    context = RunContext(cfg)
     target = context.target  # loaded while the trainers prepare the data
     start = link.wait_start()
     if start is None:
