@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from dflash.config.errors import ConfigError
 from dflash.run_files import atomic_path, checksum_problem, fsync_path, fsync_tree, write_checksums, write_text
 from dflash.train.best_checkpoint import read_best
 from dflash.train.engine import TrainEngine
@@ -186,7 +187,9 @@ def saved_world_size(directory: str, tag: str) -> int | None:
 def _from_rank0(read: Callable[[], Any]) -> Any:
     """What `read()` gives on rank 0, on every rank (a picklable object; a plain call on a single process).
 
-    An exception on rank 0 is raised on every rank, so the others do not wait in a collective until it times out.
+    An exception on rank 0 is raised on every rank, so the others do not wait in a collective until it times out:
+    a ConfigError (a corrupt file named, with what to do) as itself, so that the command ends with its one line on
+    every rank; anything else as a ValueError naming it.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return read()
@@ -194,11 +197,15 @@ def _from_rank0(read: Callable[[], Any]) -> Any:
     if dist.get_rank() == 0:
         try:
             box = [("ok", read())]
+        except ConfigError as error:
+            box = [("error", error)]
         except Exception as error:  # noqa: BLE001 (re-raised below, on every rank)
             box = [("error", f"{type(error).__name__}: {error}")]
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "error":
+        if isinstance(value, ConfigError):
+            raise value
         raise ValueError(f"rank 0 could not read the checkpoint folder: {value}")
     return value
 
