@@ -97,7 +97,9 @@ def test_a_gguf_file_is_converted_once_and_cached(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [("gemma2", {"final_logit_softcapping": 2.0}), ("gpt_oss", {}),
-                                              ("deepseek_v3", {}), ("granite", {"logits_scaling": 8.0})])
+                                              ("deepseek_v3", {}), ("granite", {"logits_scaling": 8.0}),
+                                              ("gemma3_text", {}), ("phi3", {}), ("olmo2", {}), ("glm4", {}),
+                                              ("cohere", {}), ("stablelm", {})])
 def test_every_stage_runs_on_an_hf_folder_with_no_mask_token_given(tmp_path, family, overrides):
     folder = hf_folder(tmp_path, family, **overrides)
     run_dir = tmp_path / "run"
