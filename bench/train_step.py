@@ -2,12 +2,17 @@
 
     python bench/train_step.py                  # one GPU: flex path and the SDPA reference, ~5 minutes
     python bench/train_step.py --tiny           # scaled-down shape on CPU, checks the script works
+    torchrun --nproc_per_node 4 bench/train_step.py --only flex --zero-stage 3   # one path on 4 data-parallel ranks
 
 Each path runs in its own subprocess (so peak memory is its own) through the real trainer: the DeepSpeed engine
-(ZeRO-2, bf16, one rank), `train_step` of dflash.train.loop, random weights and random target features.
+(ZeRO-2 unless --zero-stage, bf16, one rank unless under torchrun), `train_step` of dflash.train.loop, random
+weights and random target features.
   flex:      FlexAttention with the block-sparse BlockMask, chunked lm_head + CE (the trainer's CUDA default)
   sdpa_full: the straightforward reference: dense boolean mask through SDPA, the whole [positions, vocab] logits
              in one chunk (reported as not fitting if it runs out of memory)
+Under torchrun, `--only PATH` runs that path on every rank (each on cuda:LOCAL_RANK, the same random batch on each,
+data parallel through DeepSpeed with --zero-stage) and every rank prints its own RESULT line with its rank and the
+world size (bench/multi_gpu.py's trainer scaling reads them).
 TFLOP/s use the formula of dflash/train/step_metrics.py (6 x layer params x query positions + 4 x vocab x hidden x
 query positions + 6 x (fc + context k/v params) x context positions); MFU divides by a bf16 8192^3 matmul measured
 at the start of the same run. On CPU FlexAttention has no backward in torch, so --tiny runs the SDPA paths only.
@@ -64,7 +69,7 @@ def matmul_tflops(device: torch.device) -> float | None:
 
 def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: int, loss_chunk: int,
              activation_checkpointing: bool = False, batch: int = 1, compile: bool = False,
-             profile: str | None = None) -> dict:
+             profile: str | None = None, zero_stage: int = 2) -> dict:
     """Build the engine and time `steps` training steps after `warmup` ones (this process only).
 
     batch: sequences per step. compile: torch.compile each drafter layer (train.compile). profile: write the
@@ -76,7 +81,7 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     from dflash.train.loop import train_step
     from dflash.train.step_metrics import step_flops
 
-    init_distributed()
+    rank, world_size, _ = init_distributed()
     config = drafter_config(shape)
     bf16 = device.type == "cuda"
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -95,8 +100,9 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
         compile_layers(drafter)
     total = warmup + steps
     optim = OptimConfig(lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0,
-                        grad_clip=1.0, zero_stage=2, bf16=bf16, micro_batch_size=1, grad_accum=1, total_steps=total)
-    engine = TrainEngine(drafter, optim, world_size=1)
+                        grad_clip=1.0, zero_stage=zero_stage, bf16=bf16, micro_batch_size=1, grad_accum=1,
+                        total_steps=total)
+    engine = TrainEngine(drafter, optim, world_size=world_size)
     generator = torch.Generator().manual_seed(0)
     embed = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
     lm_head = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
@@ -145,7 +151,8 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     result = {"path": path, "step_ms": round(step_s * 1e3, 2), "tflops": float(f"{flops / step_s / 1e12:.4g}"),
               "step_tflop": float(f"{flops / 1e12:.4g}"), "first_loss": round(first_loss, 5),
               "last_loss": round(loss, 5), "steps_timed": steps,
-              "activation_checkpointing": activation_checkpointing, "batch": batch, "compile": compile}
+              "activation_checkpointing": activation_checkpointing, "batch": batch, "compile": compile,
+              "zero_stage": zero_stage, "rank": rank, "world_size": world_size}
     if device.type == "cuda":
         result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         result["resident_gib"] = round(resident / 2**30, 2)
@@ -169,17 +176,22 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=None, help="anchors per sequence (default: the shape's)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (train.compile)")
     parser.add_argument("--profile", default=None, help="write each path's torch.profiler table to PROFILE.PATH.txt")
-    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # internal: run one path, print its JSON
+    parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2, help="DeepSpeed ZeRO stage")
+    parser.add_argument("--only", default=None,
+                        help="run this one path in this process (under torchrun: on every rank), print RESULT JSON")
     args = parser.parse_args()
     shape = dict(TINY if args.tiny else SMOLLM2 if args.shape == "smollm2" else FULL)
     shape.update({k: v for k, v in (("seq", args.seq), ("anchors", args.anchors)) if v is not None})
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:  # a torchrun rank: its own GPU
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     steps = args.steps or (3 if args.tiny else 10)
     warmup = args.warmup or (1 if args.tiny else 3)
     if args.only:
         result = run_path(args.only, shape, device, steps, warmup, args.loss_chunk, args.activation_checkpointing,
                           batch=args.batch, compile=args.compile,
-                          profile=f"{args.profile}.{args.only}.txt" if args.profile else None)
+                          profile=f"{args.profile}.{args.only}.txt" if args.profile else None,
+                          zero_stage=args.zero_stage)
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -202,7 +214,8 @@ def main() -> None:
             continue
         command = [sys.executable, os.path.abspath(__file__), "--only", path, "--steps", str(steps),
                    "--warmup", str(warmup), "--loss-chunk", str(args.loss_chunk), "--shape", args.shape,
-                   "--batch", str(args.batch), "--seq", str(shape["seq"]), "--anchors", str(shape["anchors"])]
+                   "--batch", str(args.batch), "--zero-stage", str(args.zero_stage), "--seq", str(shape["seq"]),
+                   "--anchors", str(shape["anchors"])]
         for flag, on in (("--tiny", args.tiny), ("--activation-checkpointing", args.activation_checkpointing),
                          ("--compile", args.compile)):
             command += [flag] if on else []
