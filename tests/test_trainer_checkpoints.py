@@ -135,3 +135,11 @@ def test_a_checkpoint_of_another_global_batch_is_refused(tmp_path, one_thread):
     trainer_harness.run(str(tmp_path), micro_batch_size=2, grad_accum=1, epochs=1, save_every=1)
     with pytest.raises(ValueError, match="global batch of 2 samples, this run has 4 .*global batch is 2"):
         trainer_harness.run(str(tmp_path), micro_batch_size=2, grad_accum=2, epochs=2, save_every=1)
+
+
+def test_the_resume_step_is_read_from_the_tag():
+    from dflash.train.checkpoints import resume_step_of
+
+    assert resume_step_of("ckpt", None) == 0 and resume_step_of("ckpt", "step12") == 12
+    with pytest.raises(ValueError, match="does not name a step"):
+        resume_step_of("ckpt", "step12_universal")

@@ -60,6 +60,16 @@ def tag_for(step: int) -> str:
     return f"step{step}"
 
 
+def resume_step_of(directory: str, tag: str | None) -> int:
+    """The global step a run resumes at from checkpoint `tag` of `directory` (0 for None)."""
+    if tag is None:
+        return 0
+    match = _TAG.match(tag)
+    if match is None:
+        raise ValueError(f"checkpoint tag {tag!r} in {directory} does not name a step")
+    return int(match.group(1))
+
+
 def rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():

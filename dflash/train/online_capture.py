@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
@@ -31,7 +30,7 @@ from dflash.run_files import (
     CHECKPOINT_KEY, OWNER_MARKER, container, make_owned_dir, read_json, read_json_or_none, remove_owned_dir,
     write_json,
 )
-from dflash.train.checkpoints import latest_tag
+from dflash.train.checkpoints import latest_tag, resume_step_of
 
 logger = logging.getLogger(__name__)
 
@@ -235,13 +234,7 @@ class OnlineCapture:
 
     def resume_step(self) -> int:
         """The global step training resumes at (0 without a checkpoint)."""
-        tag = latest_tag(self.dirs["checkpoints"])
-        if tag is None:
-            return 0
-        match = re.fullmatch(r"step(\d+)", tag)
-        if match is None:
-            raise ValueError(f"checkpoint tag {tag!r} in {self.dirs['checkpoints']} does not name a step")
-        return int(match.group(1))
+        return resume_step_of(self.dirs["checkpoints"], latest_tag(self.dirs["checkpoints"]))
 
     def finish(self, source: OnlineFeatureSource, pool, train_s: float, world_size: int) -> None:
         """Join the capture workers, remove the (now empty) spool and report both throughputs and the device

@@ -11,27 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
 from dflash.data.batch_plan import BatchPlan
 from dflash.extract.linked_source import LinkedFeatureSource
 from dflash.extract.rank_link import RankLink
 from dflash.extract.rank_stream import UnitStream
 from dflash.run_files import read_json, write_json
-from dflash.train.checkpoints import verified_latest_tag
+from dflash.train.checkpoints import resume_step_of, verified_latest_tag
 
 logger = logging.getLogger(__name__)
 
 
 def resume_step(checkpoint_dir: str) -> int:
     """The global step training resumes at: that of the newest checkpoint that verifies (0 without one)."""
-    tag = verified_latest_tag(checkpoint_dir)
-    if tag is None:
-        return 0
-    match = re.fullmatch(r"step(\d+)", tag)
-    if match is None:
-        raise ValueError(f"checkpoint tag {tag!r} in {checkpoint_dir} does not name a step")
-    return int(match.group(1))
+    return resume_step_of(checkpoint_dir, verified_latest_tag(checkpoint_dir))
 
 
 def plan_record(plan: BatchPlan, group_by: str, num_anchors: int, block_size: int) -> dict:
