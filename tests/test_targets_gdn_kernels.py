@@ -130,7 +130,7 @@ def test_packed_rows_run_the_torch_references_one_sequence_at_a_time():
     weight, bias = torch.randn(8, 4, generator=g), torch.randn(8, generator=g)
     # The module globals may be routers already (any GDN model loaded in this process routes them).
     transformers_conv_fn = gdn_kernels._torch_conv(modeling_qwen3_5.causal_conv1d_fn)
-    torch_conv = inspect.unwrap(transformers_conv_fn)
+    torch_conv = gdn_kernels.torch_reference(transformers_conv_fn)
     router = gdn_kernels._router(transformers_conv_fn)
     got = router(x, weight, bias, activation="silu", cu_seq_lens_q=offsets)
     expected = torch.cat([torch_conv(x[:, :, a:b], weight, bias, activation="silu") for a, b in segments], dim=2)
@@ -140,7 +140,7 @@ def test_packed_rows_run_the_torch_references_one_sequence_at_a_time():
     q, k = (torch.randn(1, 13, 2, 16, generator=g) for _ in range(2))
     v = torch.randn(1, 13, 2, 16, generator=g)
     gate, beta = -torch.rand(1, 13, 2, generator=g), torch.rand(1, 13, 2, generator=g)
-    reference = inspect.unwrap(gdn_kernels._kernel(modeling_qwen3_5.torch_chunk_gated_delta_rule))
+    reference = gdn_kernels.torch_reference(gdn_kernels._kernel(modeling_qwen3_5.torch_chunk_gated_delta_rule))
     chunk = gdn_kernels._device_router(reference)
     out, state = chunk(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=False,
                        use_qk_l2norm_in_kernel=True, cu_seqlens=offsets)
@@ -271,7 +271,7 @@ def test_a_cpu_cached_decode_never_enters_the_conv_update_package(monkeypatch, i
     namespace = modeling_namespace(plain)
     for name in (CONV_GLOBAL, *DEVICE_ROUTED_GLOBALS):  # put transformers' kernels back after the test
         monkeypatch.setitem(namespace, name, namespace[name])
-    torch_update = inspect.unwrap(namespace[UPDATE_GLOBAL])
+    torch_update = gdn_kernels.torch_reference(namespace[UPDATE_GLOBAL])
 
     @functools.wraps(torch_update)
     def package(*args, **kwargs):

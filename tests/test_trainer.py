@@ -103,6 +103,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PROCESS_THAT_TRAINS_THEN_STARTS_ANOTHER = """
+import os, subprocess, sys
+from dflash.train.engine import init_distributed
+init_distributed()
+assert "MASTER_PORT" not in os.environ, "the single process's rendezvous address leaked into the environment"
+child = "from dflash.train.engine import init_distributed; print(init_distributed())"
+done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+assert done.returncode == 0, done.stderr[-2000:]
+print(done.stdout.strip().splitlines()[-1])
+"""
+
+
+def test_a_single_process_leaves_its_rendezvous_to_itself():
+    """A plain process meets only itself at a port the OS picks, and keeps that address out of the environment:
+    a process it starts later (a capture worker, a second run from a notebook) does a rendezvous of its own instead
+    of inheriting an address this one already listens on."""
+    env = {key: value for key, value in launcher_env().items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", PROCESS_THAT_TRAINS_THEN_STARTS_ANOTHER], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "(0, 1, 0)"
+
+
 def launcher_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 

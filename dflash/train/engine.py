@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,19 +55,34 @@ class OptimConfig:
             raise ValueError(f"training would run {self.total_steps} optimizer steps; check epochs and data size")
 
 
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
     """Join (or create, for a plain single process) the process group. Returns (rank, world_size, local_rank)."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if not dist.is_initialized():
+        # A plain single process meets only itself, at a port the OS picks. The address stays out of the
+        # environment afterwards: a process started later from this one (a capture worker, a second run from a
+        # notebook or a test) would inherit it and fail to listen where this process's store already does.
+        own_rendezvous = {} if "MASTER_PORT" in os.environ else {"MASTER_ADDR": "127.0.0.1",
+                                                                  "MASTER_PORT": str(free_local_port())}
+        os.environ.update(own_rendezvous)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        with to_run_log():  # on CPU DeepSpeed probes and builds its ops here, printing a line per compiler call
-            deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            with to_run_log():  # on CPU DeepSpeed probes and builds its ops here, printing a line per compiler call
+                deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        finally:
+            for key in own_rendezvous:
+                os.environ.pop(key, None)
         # Released at exit rather than after the run: DeepSpeed caches groups, so a process that trains twice
         # (tests, notebooks) must keep this one.
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())

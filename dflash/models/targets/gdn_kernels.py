@@ -1,9 +1,11 @@
 """Which kernels the Gated DeltaNet (GDN) layers of a hybrid target run, and the choice of their causal conv1d.
 
-transformers (5.17 .. 5.24) gives every GDN layer two kernels through globals of its modeling module:
+transformers (5.17 and later) gives every GDN layer two kernels through globals of its modeling module:
 `torch_chunk_gated_delta_rule` (flash-linear-attention's chunked kernel when `fla` is installed, else a torch
 reference) and `causal_conv1d_fn` (the `causal_conv1d` package when installed, else a torch reference built on
-F.conv1d). The causal-conv1d package often has no wheel for the machine, while flash-linear-attention ships a Triton
+F.conv1d). From 5.25 each global is a `kernels` function layer (an nn.Module whose forward calls the function;
+`function_of` looks through it), and its fallback wrapper already sends inputs on other devices to the torch
+reference, but raises on a packed row there. The causal-conv1d package often has no wheel for the machine, while flash-linear-attention ships a Triton
 causal conv1d of its own.
 
 The conv is chosen on every call, from the input's device: `route_causal_conv1d` puts a router in front of the
@@ -71,11 +73,29 @@ def _namespace(layer: nn.Module) -> dict[str, Any]:
     return vars(sys.modules[type(layer).__module__])
 
 
+def function_of(kernel: Any) -> Any:
+    """The function behind a transformers kernel global: what a `kernels` function layer (transformers >= 5.25
+    makes each global one, an nn.Module whose forward calls the function) calls; `kernel` itself otherwise."""
+    if not isinstance(kernel, nn.Module):
+        return kernel
+    try:
+        return inspect.getclosurevars(type(kernel).forward).nonlocals.get("func", kernel)
+    except TypeError:  # a forward that is not a plain Python function
+        return kernel
+
+
+def torch_reference(kernel: Any) -> Any:
+    """transformers' own torch code behind a kernel global: its function layer and fallback wrapper looked
+    through (the wrapper keeps the torch function as `__wrapped__`)."""
+    return inspect.unwrap(function_of(kernel))
+
+
 def implementation_name(function: Any) -> str:
-    """`module.name` of the kernel behind a transformers kernel global (its fallback wrapper looked through),
-    marked "(torch reference)" when it is transformers' own torch code."""
+    """`module.name` of the kernel behind a transformers kernel global (its function layer and fallback wrapper
+    looked through), marked "(torch reference)" when it is transformers' own torch code."""
     if function is None:
         return "none"
+    function = function_of(function)
     try:
         inner = inspect.getclosurevars(function).nonlocals.get("implementation", function)
     except TypeError:  # not a plain Python function (a kernels-hub layer, a C extension)
@@ -185,7 +205,7 @@ def choose_causal_conv1d(device: torch.device, torch_conv: Callable, conv: str =
         raise RuntimeError(f"conv 'fla' needs flash-linear-attention installed and the input on a CUDA device; "
                            f"got an input on {device}, fla installed: {fla_installed()}")
     # Off CUDA transformers' torch code itself: its wrapper would pick the causal-conv1d package (CUDA-only).
-    return torch_conv if on_cuda else inspect.unwrap(torch_conv)
+    return torch_conv if on_cuda else torch_reference(torch_conv)
 
 
 def _router(torch_conv: Callable) -> Callable:
@@ -218,7 +238,7 @@ def _is_routed(layer: nn.Module) -> bool:
 def _device_router(kernel: Callable) -> Callable:
     """`kernel` for CUDA inputs, its torch reference (what it wraps) for inputs on any other device. The input is
     the first argument (`query` of a gated-delta-rule kernel, `hidden_states` of the conv update)."""
-    reference = inspect.unwrap(kernel)
+    reference = torch_reference(kernel)
     kernel_packs = not implementation_name(kernel).endswith("(torch reference)")  # fla's kernels read cu_seqlens
 
     @torch.compiler.disable  # as the conv router: the graph of a compiled layer breaks here
@@ -303,7 +323,7 @@ def describe_gdn_kernels(model: nn.Module, conv: str = "auto") -> dict[str, str]
         chunk_global = namespace.get(CHUNK_GLOBAL)
         kernel = _kernel(chunk_global)
         on_reference = hasattr(chunk_global, _KERNEL_ATTR) and layer.conv1d.weight.device.type != FLA_DEVICE_TYPE
-        chunk = implementation_name(inspect.unwrap(kernel) if on_reference else kernel)
+        chunk = implementation_name(torch_reference(kernel) if on_reference else kernel)
         convs += [name] if name not in convs else []
         chunks += [chunk] if chunk not in chunks else []
     return {"conv": " + ".join(convs), "chunk": " + ".join(chunks)} if convs else {}
