@@ -7,7 +7,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,12 +24,6 @@ EXTERNAL = ["+experiment=tiny", "show_progress=false", "capture=online", "captur
             "stages=[data,capture,train]"]
 STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_node_share_splits_worker_ids_evenly_or_says_why_not():
@@ -159,9 +152,7 @@ def test_capture_nodes_follow_a_trainer_that_was_killed_and_started_again(tmp_pa
     run_dir = tmp_path / "run"
     Pipeline(compose(EXTERNAL + [f"run_dir={run_dir}", "stages=[data]"])).run()
     spec = run_dir / "capture_logs" / "spec.json"
-    # A port of its own: this pytest process may hold a process group on the inherited MASTER_PORT.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0",
-           "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0"}
     with open(tmp_path / "node.log", "wb") as log:
         node = subprocess.Popen([sys.executable, "-m", "dflash.extract.capture_node", str(spec), "--wait-s", "300"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -1,12 +1,12 @@
 """Drafting from cached context keys/values: the live decoder's growing context and the replay's batched blocks.
 
-`DFlashDraftModel.forward` projects the whole context through fc, hidden_norm and every layer's k/v projections on
-each call: O(context) work per drafted block. Verified positions never change, so their keys (after k_norm and
-RoPE at their absolute positions) and values can be computed once per position (`context_keys_values`) and each
-drafted block only runs its own tokens through the layers (`block_hidden`). The block part repeats the drafter's
-own attention math with its own modules; `tests/test_eval_live.py` and `tests/test_eval.py` check that the result
-equals `DFlashDraftModel.forward` on the full context (full and sliding layers, context longer than the window,
-left-padded batches).
+`DFlashDraftModel.forward` on target features projects the whole context through fc, hidden_norm and every layer's
+k/v projections on each call: O(context) work per drafted block. Verified positions never change, so their keys
+(after k_norm and RoPE at their absolute positions) and values are computed once per position
+(`DFlashDraftModel.context_keys_values`) and each drafted block runs only its own tokens through the same forward
+(`block_hidden`, which adds the masks of padded and windowed keys). `tests/test_eval_live.py` and
+`tests/test_eval.py` check that the result equals the forward on target features (full and sliding layers, context
+longer than the window, left-padded batches).
 - `CachedDrafter`: one live sequence; `extend` appends the positions verified since the last step.
 - `DrafterProposer` (replay.py): many stored sequences; keys/values of all their positions are computed once and
   each step gathers the context of its rows.
@@ -15,9 +15,8 @@ left-padded batches).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dflash.models.drafter import DFlashDraftModel, apply_rotary, sliding_mask_from_positions
+from dflash.models.drafter import DFlashDraftModel, sliding_mask_from_positions
 
 # Per drafter layer: (keys [b, kv_heads, n, head_dim] after k_norm + RoPE, values [b, kv_heads, n, head_dim]).
 KeysValues = list[tuple[torch.Tensor, torch.Tensor]]
@@ -27,18 +26,28 @@ KeysValues = list[tuple[torch.Tensor, torch.Tensor]]
 def context_keys_values(drafter: DFlashDraftModel, features: torch.Tensor, positions: torch.Tensor) -> KeysValues:
     """Every layer's context keys/values of target features [b, n, K*H] at absolute positions [b, n]."""
     check_features(drafter.config, features, batched=True)
-    dtype = drafter.fc.weight.dtype
-    context = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.device, dtype)))
-    cos, sin = drafter.rotary_emb(positions, dtype)
-    return [_keys_values(layer.self_attn, context, cos, sin) for layer in drafter.layers]
+    return drafter.context_keys_values(features.to(drafter.fc.weight.device), positions)
 
 
-def _keys_values(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One drafter layer's keys (k_norm, then RoPE) and values [b, kv_heads, n, head_dim] of inputs x [b, n, H]."""
-    batch, n, _ = x.shape
-    k = attn.k_norm(attn.k_proj(x).view(batch, n, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-    v = attn.v_proj(x).view(batch, n, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    return apply_rotary(k, cos, sin), v
+def block_masks(drafter: DFlashDraftModel, block_positions: torch.Tensor, context_positions: torch.Tensor,
+                context_valid: torch.Tensor | None, block_valid: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """The drafter's attention masks (by layer type, [b, 1, S, C + S], True = visible) for blocks at positions
+    [b, S] after cached context columns at positions [b, C]: padding columns (valid False) hidden from every layer,
+    and the sliding layers' window by position."""
+    full = None
+    if context_valid is not None or block_valid is not None:
+        device = context_positions.device
+        if context_valid is None:
+            context_valid = torch.ones(context_positions.shape, dtype=torch.bool, device=device)
+        if block_valid is None:
+            block_valid = torch.ones(block_positions.shape, dtype=torch.bool, device=device)
+        full = torch.cat([context_valid, block_valid], dim=1)[:, None, None, :]
+    masks = {"full_attention": full}
+    if drafter.config.sliding_window is not None:
+        key_positions = torch.cat([context_positions, block_positions], dim=1)
+        sliding = sliding_mask_from_positions(block_positions, key_positions, drafter.config.sliding_window)
+        masks["sliding_attention"] = sliding if full is None else sliding & full
+    return masks
 
 
 @torch.inference_mode()
@@ -57,37 +66,9 @@ def block_hidden(
     [b, C]; context_valid [b, C] and block_valid [b, S] (None = all valid) mask out padding columns as keys in
     every layer (a padded block position still gets an output, which means nothing).
     """
-    dtype = drafter.fc.weight.dtype
-    hidden = noise_embedding.to(drafter.fc.weight.device, dtype)
-    batch, size, _ = hidden.shape
-    cos, sin = drafter.rotary_emb(block_positions, dtype)
-    full = None
-    if context_valid is not None or block_valid is not None:
-        device = context_positions.device
-        if context_valid is None:
-            context_valid = torch.ones(context_positions.shape, dtype=torch.bool, device=device)
-        if block_valid is None:
-            block_valid = torch.ones(batch, size, dtype=torch.bool, device=device)
-        full = torch.cat([context_valid, block_valid], dim=1)[:, None, None, :]
-    sliding = None
-    if drafter.config.sliding_window is not None:
-        key_positions = torch.cat([context_positions, block_positions], dim=1)
-        sliding = sliding_mask_from_positions(block_positions, key_positions, drafter.config.sliding_window)
-        if full is not None:
-            sliding = sliding & full
-    for layer, (context_keys, context_values) in zip(drafter.layers, context):
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = attn.q_norm(attn.q_proj(x).view(batch, size, attn.num_heads, attn.head_dim)).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k, v = _keys_values(attn, x, cos, sin)
-        k = torch.cat([context_keys, k], dim=2)
-        v = torch.cat([context_values, v], dim=2)
-        mask = sliding if attn.layer_type == "sliding_attention" else full
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, size, attn.num_heads * attn.head_dim))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return drafter.norm(hidden)
+    masks = block_masks(drafter, block_positions, context_positions, context_valid, block_valid)
+    return drafter(block_positions, noise_embedding.to(drafter.fc.weight.device), attention_mask=masks,
+                   context_keys_values=context)
 
 
 def check_features(config, features: torch.Tensor, batched: bool = False) -> None:

@@ -152,23 +152,36 @@ class DFlashAttention(nn.Module):
         self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def keys_values(self, x: torch.Tensor,
+                    rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys (k_norm, then RoPE) and values [batch, kv_heads, n, head_dim] of inputs x [batch, n,
+        hidden] at the positions of rotary (cos, sin [batch, n, head_dim])."""
+        batch, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, *rotary), v
+
     def forward(
         self,
         hidden_states: torch.Tensor,
-        context: torch.Tensor,
+        context: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         rotary: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        """context: the projected target context [batch, C, hidden], with rotary over the C context positions and
+        then the block's; or this layer's keys/values of it computed before (`keys_values`), with rotary over the
+        block's positions only."""
         batch, num_queries, _ = hidden_states.shape
-        num_context = context.shape[1]
-        q = self.q_norm(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim))
-        kv_input = torch.cat([context, hidden_states], dim=1)
-        k = self.k_norm(self.k_proj(kv_input).view(batch, num_context + num_queries, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(kv_input).view(batch, num_context + num_queries, self.num_kv_heads, self.head_dim)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rotary
-        q = apply_rotary(q, cos[:, num_context:], sin[:, num_context:])
-        k = apply_rotary(k, cos, sin)
+        if isinstance(context, torch.Tensor):
+            num_context = context.shape[1]
+            k, v = self.keys_values(torch.cat([context, hidden_states], dim=1), rotary)
+        else:
+            num_context = 0
+            block_keys, block_values = self.keys_values(hidden_states, rotary)
+            k, v = torch.cat([context[0], block_keys], dim=2), torch.cat([context[1], block_values], dim=2)
+        q = self.q_norm(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos[:, num_context:], sin[:, num_context:])
         out = attend(q, k, v, mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_queries, self.num_heads * self.head_dim))
 
@@ -184,7 +197,7 @@ class DFlashDecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        context: torch.Tensor,
+        context: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         rotary: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -227,32 +240,61 @@ class DFlashDraftModel(nn.Module):
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
+    def context_keys_values(self, target_hidden: torch.Tensor,
+                            position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys/values [batch, kv_heads, C, head_dim] of target features [batch, C, taps * hidden]
+        at positions [batch, C]: what `forward` computes from `target_hidden` on every call, kept by decoders whose
+        verified context only grows (`context_keys_values=` of forward)."""
+        self._check_features(target_hidden)
+        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        rotary = self.rotary_emb(position_ids, context.dtype)
+        return [layer.self_attn.keys_values(context, rotary) for layer in self.layers]
+
     def forward(
         self,
         position_ids: torch.Tensor,
         noise_embedding: torch.Tensor,
-        target_hidden: torch.Tensor,
+        target_hidden: torch.Tensor | None = None,
         attention_mask: dict[str, torch.Tensor] | None = None,
+        context_keys_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Block hidden states after the final norm.
 
-        position_ids: [batch, context + queries] (context positions, then block positions);
-        noise_embedding: [batch, queries, hidden] = target embedding of [anchor, MASK, ...] per block;
-        target_hidden: [batch, context, taps * hidden] = concatenated target features.
+        noise_embedding: [batch, queries, hidden] = target embedding of [anchor, MASK, ...] per block. The context
+        comes as one of
+        - target_hidden: [batch, context, taps * hidden] = concatenated target features, with position_ids
+          [batch, context + queries] (context positions, then block positions);
+        - context_keys_values: every layer's keys/values of the context (`context_keys_values`), with position_ids
+          [batch, queries] (the block's; the context's are in its keys). attention_mask is then needed for sliding
+          layers, since the keys' positions are not known here.
         """
+        if (target_hidden is None) == (context_keys_values is None):
+            raise ValueError("give the context as exactly one of target_hidden and context_keys_values")
+        hidden_states = noise_embedding.to(self.fc.weight.dtype)
+        rotary = self.rotary_emb(position_ids, hidden_states.dtype)
+        if context_keys_values is not None:
+            if len(context_keys_values) != len(self.layers):
+                raise ValueError(f"context_keys_values has {len(context_keys_values)} layers, the drafter "
+                                 f"{len(self.layers)}")
+            if attention_mask is None and self.config.sliding_window is not None:
+                raise ValueError("a cached context needs attention_mask for the sliding layers")
+            contexts = context_keys_values
+        else:
+            self._check_features(target_hidden)
+            context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+            contexts = [context] * len(self.layers)
+        masks = attention_mask if attention_mask is not None else self._inference_masks(position_ids, hidden_states)
+        for layer, layer_context in zip(self.layers, contexts):
+            hidden_states = layer(hidden_states, layer_context, rotary, masks.get(layer.self_attn.layer_type))
+        return self.norm(hidden_states)
+
+    def _check_features(self, target_hidden: torch.Tensor) -> None:
         expected = self.config.num_taps * self.config.hidden_size
         if target_hidden.shape[-1] != expected:
             raise ValueError(
                 f"target_hidden has feature size {target_hidden.shape[-1]}, expected {expected} "
                 f"({self.config.num_taps} taps x hidden {self.config.hidden_size})"
             )
-        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
-        hidden_states = noise_embedding.to(self.fc.weight.dtype)
-        rotary = self.rotary_emb(position_ids, hidden_states.dtype)
-        masks = attention_mask if attention_mask is not None else self._inference_masks(position_ids, hidden_states)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, context, rotary, masks.get(layer.self_attn.layer_type))
-        return self.norm(hidden_states)
 
     def _inference_masks(self, position_ids: torch.Tensor, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         masks: dict[str, torch.Tensor] = {}

@@ -68,11 +68,15 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     if not dist.is_initialized():
-        # A plain single process meets only itself, at a port the OS picks. The address stays out of the
-        # environment afterwards: a process started later from this one (a capture worker, a second run from a
-        # notebook or a test) would inherit it and fail to listen where this process's store already does.
-        own_rendezvous = {} if "MASTER_PORT" in os.environ else {"MASTER_ADDR": "127.0.0.1",
-                                                                  "MASTER_PORT": str(free_local_port())}
+        # A plain single process meets only itself, at a port the OS picks where no launcher gave one. What is
+        # filled in here leaves the environment afterwards: a process started later from this one (a capture
+        # worker, a second run from a notebook or a test) would inherit the address and fail to listen where this
+        # process's store already does.
+        own_rendezvous = {}
+        if "MASTER_ADDR" not in os.environ:
+            own_rendezvous["MASTER_ADDR"] = "127.0.0.1"
+        if "MASTER_PORT" not in os.environ:
+            own_rendezvous["MASTER_PORT"] = str(free_local_port())
         os.environ.update(own_rendezvous)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         try:
