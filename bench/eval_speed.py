@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.config import compose  # noqa: E402
 from dflash.data.prompts import load_prompts  # noqa: E402
-from dflash.data.static_decode import resolve_engine  # noqa: E402
+from dflash.inference.static_decode import resolve_engine  # noqa: E402
 from dflash.eval import live  # noqa: E402
 from dflash.eval.evaluate import evaluate  # noqa: E402
 from dflash.eval.metrics import PhaseTimer  # noqa: E402

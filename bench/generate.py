@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.data.chat import prompt_ids_many  # noqa: E402
 from dflash.data.prompts import load_prompts  # noqa: E402
-from dflash.data.static_decode import StaticGenerator  # noqa: E402
+from dflash.inference.static_decode import StaticGenerator  # noqa: E402
 from dflash.eval.replay import greedy_continuations  # noqa: E402
 from dflash.models.targets import load_target, resolve_dtype, wrap_model  # noqa: E402
 from dflash.models.targets import smollm2  # noqa: E402

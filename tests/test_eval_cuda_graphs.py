@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.eval.drafter_cache import CachedDrafter
+from dflash.inference.drafter_cache import CachedDrafter
 from dflash.eval.live import live_decode, target_only_decode
-from dflash.eval.static_drafter import StaticDrafter
-from dflash.eval.static_target import StaticTarget
+from dflash.inference.static_drafter import StaticDrafter
+from dflash.inference.static_target import StaticTarget
 from dflash.models.targets import build_tiny_target
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash.eval import live
-from dflash.eval.drafter_cache import CachedDrafter, context_keys_values
+from dflash.inference.drafter_cache import CachedDrafter, context_keys_values
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.metrics import PhaseTimer
 from dflash.eval.replay import replay
@@ -221,7 +221,7 @@ def test_mtbench_categories_of_the_packaged_questions():
 
 
 def test_target_cache_rollback_bounds_and_state_restore(tiny_target):
-    from dflash.eval.target_cache import CachedTarget, snapshot_linear_states
+    from dflash.inference.target_cache import CachedTarget, snapshot_linear_states
 
     adapter = tiny_target("qwen3_5")
     prompt = prompts_for(adapter)[0]

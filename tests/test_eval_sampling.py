@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.eval.live import live_decode, target_only_decode
-from dflash.eval.sampling import accept_greedy, accept_greedy_drafts, accept_sampled, probabilities, sample
+from dflash.inference.sampling import accept_greedy, accept_greedy_drafts, accept_sampled, probabilities, sample
 
 VOCAB = 4
 

@@ -12,14 +12,15 @@ import weakref
 import pytest
 import torch
 
-from dflash.eval import live, static_objects as static_objects_module
-from dflash.eval import static_drafter as static_drafter_module, static_target as static_target_module
-from dflash.eval.drafter_cache import CachedDrafter
-from dflash.eval.static_objects import _KEPT_PER_MODEL
+from dflash.eval import live
+from dflash.inference import static_objects as static_objects_module
+from dflash.inference import static_drafter as static_drafter_module, static_target as static_target_module
+from dflash.inference.drafter_cache import CachedDrafter
+from dflash.inference.static_objects import _KEPT_PER_MODEL
 from dflash.eval.live import live_decode, target_only_decode
-from dflash.eval.static_drafter import StaticDrafter, static_drafter
-from dflash.eval.static_target import StaticTarget, static_target
-from dflash.eval.target_cache import CachedTarget
+from dflash.inference.static_drafter import StaticDrafter, static_drafter
+from dflash.inference.static_target import StaticTarget, static_target
+from dflash.inference.target_cache import CachedTarget
 from dflash.models.targets import build_tiny_target, load_target, smollm2
 from tests.test_eval_live import oracle, own_greedy
 

@@ -1,8 +1,9 @@
 """Dependencies point one way: no module imports from a layer above its own (house issue, point 6).
 
-Layers, bottom to top: shared utilities (config, run files, console, host copies, CUDA graphs, inductor settings);
-models; data; capture (`extract`) and the evaluator side by side, neither importing the other; train (which may use
-the evaluator for held-out acceptance); the stages; the pipeline and the commands on top (docs/architecture.md).
+Layers, bottom to top: shared utilities (config, run files, console, host copies, inductor settings); models; the
+inference engines (KV caches, static decoding, CUDA graphs, verification rules); data; capture (`extract`) and the
+evaluator side by side, neither importing the other; train (which may use the evaluator for held-out acceptance);
+the stages; the pipeline and the commands on top (docs/architecture.md).
 """
 
 import ast
@@ -11,8 +12,8 @@ import os
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYERS = {"config": 0, "run_files": 0, "host_copy": 0, "cuda_graphs": 0, "inductor_settings": 0, "console": 0,
-          "models": 1, "data": 2, "extract": 3, "eval": 3, "train": 4, "stages": 5, "pipeline": 6}
+LAYERS = {"config": 0, "run_files": 0, "host_copy": 0, "inductor_settings": 0, "console": 0,
+          "models": 1, "inference": 2, "data": 3, "extract": 4, "eval": 4, "train": 5, "stages": 6, "pipeline": 7}
 
 
 def package_of(module: str) -> str | None:
@@ -61,8 +62,10 @@ def test_no_module_imports_from_a_layer_above_or_beside_its_own():
     ("dflash.eval.replay", "dflash.extract.store", True),      # the evaluator and capture side by side
     ("dflash.models.drafter", "dflash.data.chat", True),
     ("dflash.train.heldout", "dflash.eval.replay", False),     # train may use the evaluator
-    ("dflash.eval.live", "dflash.data.static_decode", False),
+    ("dflash.eval.live", "dflash.inference.static_decode", False),
     ("dflash.pipeline", "dflash.train.loop", False),
+    ("dflash.inference.static_decode", "dflash.data.chat", True),  # the engines sit below the data stage
+    ("dflash.data.regenerate", "dflash.inference.static_decode", False),
     ("dflash.config.schema", "dflash.run_files", False),
 ])
 def test_the_rule(module, imported, wrong):

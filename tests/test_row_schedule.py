@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dflash.data.row_schedule import ScheduleStats, run_schedule
+from dflash.inference.row_schedule import ScheduleStats, run_schedule
 
 
 class FakeRows:

@@ -10,7 +10,7 @@ import torch
 
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import read_journal, regenerate
-from dflash.data.static_decode import (
+from dflash.inference.static_decode import (
     StaticGenerator, resolve_engine, sample_tokens, static_generate, supports_static_decode,
 )
 from dflash.eval.replay import greedy_continuations

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash.data.chat import prompt_ids_many
-from dflash.data.generation import batch_seed, cut_response, generation_config, hf_generate
+from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
 from dflash.data.journal import JournalBuffer, append_lines, open_journal, with_target
 from dflash.data.journal import read_journal  # noqa: F401 - callers read the answer journal back from here
 from dflash.data.progress import GenerationProgress
 from dflash.data.prompts import Prompt
-from dflash.data.static_decode import StaticGenerator, resolve_engine
+from dflash.inference.static_decode import StaticGenerator, resolve_engine
 
 logger = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash.data.generation import batch_seed, cut_response, generation_config, hf_generate
+from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
 from dflash.data.journal import JournalBuffer, open_journal, read_journal, with_target
 from dflash.data.progress import GenerationProgress
 from dflash.data.prompts import Prompt
-from dflash.data.static_decode import StaticGenerator, resolve_engine
+from dflash.inference.static_decode import StaticGenerator, resolve_engine
 
 logger = logging.getLogger(__name__)
 

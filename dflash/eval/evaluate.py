@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from dflash.data.static_decode import resolve_engine
+from dflash.inference.static_decode import resolve_engine
 from dflash.eval.expected_acceptance import ExpectedTrace, expected_metrics
 from dflash.eval.metrics import PhaseTimer, acceptance_metrics
 from dflash.eval.plots import plot_committed_histogram, plot_per_position
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.replay import replay
 from dflash.eval.replay_estimate import replay_estimate
-from dflash.eval.sampling import DRAFT_SAMPLING
+from dflash.inference.sampling import DRAFT_SAMPLING
 from dflash.models.drafter import DFlashDraftModel
 from dflash.run_files import write_text
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.eval.sampling import DRAFT_SAMPLING
+from dflash.inference.sampling import DRAFT_SAMPLING
 
 # Elements of one [anchors, block positions, vocab] float32 tensor per chunk: bounds memory at 262k vocabularies.
 CHUNK_ELEMENTS = 1 << 25

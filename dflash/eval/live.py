@@ -28,14 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.data.static_decode import resolve_engine
-from dflash.eval.drafter_cache import CachedDrafter
+from dflash.inference.static_decode import resolve_engine
+from dflash.inference.drafter_cache import CachedDrafter
 from dflash.eval.metrics import PhaseTimer, StepTrace, synchronize
-from dflash.eval.sampling import (DRAFT_SAMPLING, accept_greedy, accept_greedy_drafts, accept_sampled, probabilities,
+from dflash.inference.sampling import (DRAFT_SAMPLING, accept_greedy, accept_greedy_drafts, accept_sampled, probabilities,
                                   sample)
-from dflash.eval.static_drafter import StaticDrafter, static_drafter
-from dflash.eval.static_target import StaticTarget, static_target
-from dflash.eval.target_cache import CachedTarget
+from dflash.inference.static_drafter import StaticDrafter, static_drafter
+from dflash.inference.static_target import StaticTarget, static_target
+from dflash.inference.target_cache import CachedTarget
 from dflash.models.drafter import DFlashDraftModel
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.eval.drafter_cache import KeysValues, block_hidden, context_keys_values
+from dflash.inference.drafter_cache import KeysValues, block_hidden, context_keys_values
 from dflash.eval.metrics import PhaseTimer, StepTrace
 from dflash.models.drafter import DFlashDraftModel
 
@@ -75,7 +75,7 @@ def greedy_continuations(
 ) -> list[list[int]]:
     """The target's greedy continuation of each prompt, ending with the first stop token or at max_new_tokens.
 
-    engine: "hf" (model.generate), "static" (dflash.data.static_decode) or "auto" (static on a CUDA target it
+    engine: "hf" (model.generate), "static" (dflash.inference.static_decode) or "auto" (static on a CUDA target it
     supports, else hf). A prompt answered before under the same settings is not generated again.
     """
     answered = _ANSWERED.setdefault(adapter.model, {})
@@ -97,7 +97,7 @@ def _generate_greedy(
 ) -> list[list[int]]:
     from transformers import GenerationConfig
 
-    from dflash.data.static_decode import resolve_engine, static_generate
+    from dflash.inference.static_decode import resolve_engine, static_generate
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

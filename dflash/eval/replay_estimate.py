@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from dflash.data.generation import batch_seed, cut_response, generation_config, hf_generate
-from dflash.data.static_decode import resolve_engine, static_generate
+from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
+from dflash.inference.static_decode import resolve_engine, static_generate
 from dflash.eval.expected_acceptance import ExpectedTrace, check_rule, expected_traces, head_logits
 from dflash.eval.metrics import PhaseTimer
 from dflash.eval.replay import DrafterProposer, pad_id

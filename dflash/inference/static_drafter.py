@@ -14,12 +14,12 @@ import weakref
 
 import torch
 
-from dflash.data.row_schedule import round_up
-from dflash.data.static_decode import LENGTH_QUANTUM
-from dflash.eval.drafter_cache import block_hidden, check_context, check_features, context_keys_values
-from dflash.cuda_graphs import capture_graphs, replay
-from dflash.eval.static_objects import kept_object
-from dflash.eval.static_target import CAPACITY_QUANTUM
+from dflash.inference.row_schedule import round_up
+from dflash.inference.static_decode import LENGTH_QUANTUM
+from dflash.inference.drafter_cache import block_hidden, check_context, check_features, context_keys_values
+from dflash.inference.cuda_graphs import capture_graphs, replay
+from dflash.inference.static_objects import kept_object
+from dflash.inference.static_target import CAPACITY_QUANTUM
 from dflash.models.drafter import DFlashDraftModel
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.cuda_graphs import capture_graphs
-from dflash.data.row_schedule import ScheduleStats, round_up, run_schedule
+from dflash.inference.cuda_graphs import capture_graphs
+from dflash.inference.row_schedule import ScheduleStats, round_up, run_schedule
 
 ENGINES = ("hf", "static", "auto")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -130,7 +130,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 @dataclass(frozen=True)
 class TargetLayout:
-    """The target's modules and attention shape, read once (also used by eval/static_target.py)."""
+    """The target's modules and attention shape, read once (also used by inference/static_target.py)."""
 
     embed: nn.Module
     layers: nn.ModuleList

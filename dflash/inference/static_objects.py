@@ -1,7 +1,7 @@
 """The static live engine's objects (static_target.py, static_drafter.py) kept per model across prompts.
 
 Both sides of static live decoding run fixed-shape steps over preallocated buffers, each shape captured once as a
-CUDA graph (dflash/cuda_graphs.py); the object holding the buffers and graphs is kept per model so a new prompt
+CUDA graph (dflash/inference/cuda_graphs.py); the object holding the buffers and graphs is kept per model so a new prompt
 does not capture again.
 """
 

@@ -3,7 +3,7 @@
 CachedTarget (target_cache.py) drives the HF model over a DynamicCache: each forward re-dispatches hundreds of
 small kernels from Python, so on a GPU a small target is launch-bound and the measured speedup says more about
 Python than about the drafter. StaticTarget runs the target's own HF submodules under the attention math of
-static decoding (data/static_decode.py, TargetLayout) over one preallocated KV row. On CUDA the fixed-shape
+static decoding (inference/static_decode.py, TargetLayout) over one preallocated KV row. On CUDA the fixed-shape
 forwards (1 token for target-only decoding, block_size tokens for a verify) replay CUDA graphs, one per (tokens,
 attention span), all captured when the StaticTarget is built; a prefill (any length) and other sizes run eagerly.
 
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash.data.row_schedule import round_up
-from dflash.data.static_decode import LENGTH_QUANTUM, TargetLayout, unsupported_reason
-from dflash.cuda_graphs import capture_graphs, replay
-from dflash.eval.static_objects import kept_object
-from dflash.eval.target_cache import check_rollback, token_ids
+from dflash.inference.row_schedule import round_up
+from dflash.inference.static_decode import LENGTH_QUANTUM, TargetLayout, unsupported_reason
+from dflash.inference.cuda_graphs import capture_graphs, replay
+from dflash.inference.static_objects import kept_object
+from dflash.inference.target_cache import check_rollback, token_ids
 
 # Cache lengths are rounded up to this, so prompts of similar lengths share one StaticTarget and its graphs.
 CAPACITY_QUANTUM = 1024

@@ -1,5 +1,5 @@
-"""CUDA graphs of fixed-shape steps over static buffers: the static generation engine (data/static_decode.py) and
-static live decoding (eval/static_target.py, eval/static_drafter.py) capture theirs here.
+"""CUDA graphs of fixed-shape steps over static buffers: the static generation engine (inference/static_decode.py) and
+static live decoding (inference/static_target.py, inference/static_drafter.py) capture theirs here.
 """
 
 from __future__ import annotations
