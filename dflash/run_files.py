@@ -129,6 +129,12 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
     return claim_dir(directory, key, stage="train", contents="checkpoints", keep_moved=True)
 
 
+def claimed_key(directory: str) -> str | None:
+    """The fingerprint of the settings whose work `directory` holds (its claim_dir marker), or None."""
+    marker = read_json_or_none(os.path.join(directory, CHECKPOINT_KEY))
+    return marker.get("fingerprint") if isinstance(marker, dict) else None
+
+
 def claim_dir(directory: str, key: str, *, stage: str, contents: str, keep_moved: bool = False) -> str | None:
     """Make `directory` hold the work of settings fingerprinted `key` only (`contents` of stage `stage`).
 

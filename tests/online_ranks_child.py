@@ -3,8 +3,9 @@ the rank named by `point` SIGKILLs itself mid-run (after writing a marker, so th
 
     python -m torch.distributed.run --nproc_per_node N --max-restarts 1 tests/online_ranks_child.py POINT OVERRIDES...
 
-POINT: none | capture (the first capture rank, after sending its 6th micro-batch) | trainer (trainer rank 0, after
-the backward of its 7th micro-batch).
+POINT: none | capture (the first capture rank, after sending its 2nd micro-batch: inside the first epoch, the only one
+captured when the feature cache is on) | trainer (trainer rank 0, after the backward of its 7th micro-batch: in the
+second epoch, read from the feature cache when it is on).
 """
 
 import os
@@ -38,7 +39,7 @@ def arm(point: str) -> None:
 
     calls = []
     if point == "capture":
-        die_after(CaptureSender, "_send", lambda sender: sender.link.capture_index == 0 and sender.units_sent == 6)
+        die_after(CaptureSender, "_send", lambda sender: sender.link.capture_index == 0 and sender.units_sent == 2)
     elif point == "trainer":
         die_after(TrainEngine, "backward", lambda _: os.environ["RANK"] == "0" and len(calls.append(1) or calls) == 7)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,11 +57,17 @@ def assert_offline_losses(run_dir: Path, job: subprocess.CompletedProcess) -> No
                                atol=2e-4)
 
 
-@pytest.mark.parametrize("captures,trainers", [(1, 1), (2, 2)])
-def test_capture_ranks_feed_trainer_ranks_the_offline_losses(tmp_path, data_dir, captures, trainers):
+@pytest.mark.parametrize("captures,trainers,cache", [(1, 1, "false"), (2, 2, "true")])
+def test_capture_ranks_feed_trainer_ranks_the_offline_losses(tmp_path, data_dir, captures, trainers, cache):
+    """With capture.cache=true the capture ranks make the first of the 3 epochs only; the trainer ranks keep its
+    samples and read the later epochs back (the same losses)."""
     run_dir = tmp_path / "run"
-    job = run_job(run_dir, data_dir, captures, trainers)
+    job = run_job(run_dir, data_dir, captures, trainers, extra=(f"capture.cache={cache}",))
     assert_offline_losses(run_dir, job)
+    steps = len(json.loads(STORED_CURVE.read_text())["loss"])
+    sent = sum(int(n) for n in re.findall(r"sent (\d+) micro-batches", job.stdout))
+    assert sent == steps * trainers // (3 if cache == "true" else 1), job.stdout[-3000:]
+    assert json.loads((run_dir / "capture_logs" / "cache.json").read_text())["cache"] == (cache == "true")
     throughput = json.loads((run_dir / "capture_logs" / "throughput.json").read_text())
     assert throughput["capture_devices"] == captures and throughput["trainer_ranks"] == trainers
     assert sum(throughput["balanced_split"]) == captures + trainers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections import namedtuple
 from types import SimpleNamespace
@@ -12,6 +14,7 @@ import torch
 from dflash.config import compose
 from dflash.extract import feature_cache
 from dflash.extract.feature_cache import DISK_MARGIN_FRACTION, cache_room, cached_epochs
+from dflash.train.feature_cache_choice import choose_feature_cache
 from dflash.train.online_capture import OnlineCapture
 from dflash.run_files import CHECKPOINT_KEY, make_owned_dir, read_json, write_json
 
@@ -49,12 +52,15 @@ def test_a_resumed_run_uses_only_the_cache_decision_made_for_its_checkpoints(tmp
     kept = tmp_path / "kept"
     make_owned_dir(str(kept))
     put_json(str(log_dir / "cache.json"), {"cache": True, "dir": str(kept), "checkpoint": "aaaa"})
-    assert capture.resumed_feature_cache(str(log_dir), "aaaa", "unused") == (True, str(kept))
+    resume = functools.partial(choose_feature_cache, SimpleNamespace(cache_dir=None), run_dir=str(run_dir), info={},
+                               hidden_size=64, resume_step=3)
+    assert resume(checkpoint_key="aaaa") == {"cache": True, "dir": str(kept), "checkpoint": "aaaa"}
     # Checkpoints of other settings restored: the recorded cache is another run's, not read and not kept.
-    assert capture.resumed_feature_cache(str(log_dir), "bbbb", "fresh") == (False, "fresh")
-    assert not kept.exists()
+    fresh = {"cache": False, "dir": str(run_dir / "feature_cache"), "checkpoint": "bbbb"}
+    assert resume(checkpoint_key="bbbb") == fresh and not kept.exists()
+    assert json.loads((log_dir / "cache.json").read_text()) == fresh  # what the next restart reads
     put_json(str(log_dir / "cache.json"), {"cache": True, "dir": str(kept)})  # recorded before the fingerprint
-    assert capture.resumed_feature_cache(str(log_dir), "aaaa", "fresh") == (False, "fresh")
+    assert resume(checkpoint_key="aaaa")["cache"] is False
 
 
 def online_capture(tmp_path, *overrides: str) -> OnlineCapture:

@@ -71,11 +71,11 @@ def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, fre
     return mode == "true" or (mode == "auto" and fits)
 
 
-def cache_room(cache_dir: str, spool_dir: str, spool_budget_bytes: int) -> int:
+def cache_room(cache_dir: str, spool_dir: str | None = None, spool_budget_bytes: int = 0) -> int:
     """Bytes the cache may fill on its disk: the free space less DISK_MARGIN_FRACTION of the disk, and less the
-    spool's budget when the spool is on the same file system (it fills while the first epoch is cached)."""
+    spool's budget when there is a spool on the same file system (it fills while the first epoch is cached)."""
     usage = shutil.disk_usage(cache_dir)
     room = usage.free - int(DISK_MARGIN_FRACTION * usage.total)
-    if os.stat(cache_dir).st_dev == os.stat(spool_dir).st_dev:
+    if spool_dir is not None and os.stat(cache_dir).st_dev == os.stat(spool_dir).st_dev:
         room -= int(spool_budget_bytes)
     return max(room, 0)

@@ -8,6 +8,9 @@ made and not yet taken, and a trainer never receives a unit it did not ask for. 
 pair everything goes in increasing unit order: credits, headers and tensors, so every message is matched by the
 receive posted for it.
 
+With a feature cache (capture.cache) the capture ranks make the first epoch only: this rank keeps each sample it
+receives there, and reads the micro-batches of later epochs back from it.
+
 `close` ends the stream early or on time: it takes (and drops) the units it gave credits for and sends each capture
 rank a stop credit (-1), so no send or receive is left pending on either side.
 """
@@ -20,9 +23,11 @@ from collections.abc import Sequence
 
 import torch
 
-from dflash.data.feature_source import FeatureSource, Sample
+from dflash.data.feature_source import FeatureSource, Sample, collate
+from dflash.extract.feature_cache import FeatureCache
 from dflash.extract.rank_link import RankLink
 from dflash.extract.rank_stream import UnitHeader, UnitStream, header_length
+from dflash.extract.sample_format import decode_single
 
 CREDIT, HEADER, DATA = 1, 2, 3  # tags
 STOP = -1
@@ -45,11 +50,17 @@ def waited(work, what: str, peer: int, link: RankLink) -> None:
 class LinkedFeatureSource(FeatureSource):
     """This trainer rank's micro-batches from `first_step` on, received from the capture ranks in plan order."""
 
-    def __init__(self, link: RankLink, stream: UnitStream, rank: int, first_step: int, in_flight: int) -> None:
+    def __init__(self, link: RankLink, stream: UnitStream, rank: int, first_step: int, in_flight: int,
+                 cache: FeatureCache | None = None) -> None:
         if in_flight < 1:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-        self.link, self.stream, self.rank = link, stream, rank
-        self.units = iter(stream.trainer_units(rank, first_step))
+        self.link, self.stream, self.rank, self.cache = link, stream, rank, cache
+        # With a cache the capture ranks make the first epoch only (its samples are kept as they arrive); the units
+        # of later epochs are read back from the cache. Either way units go in increasing order.
+        captured = UnitStream(stream.plan, 1).num_units if cache is not None else stream.num_units
+        units = stream.trainer_units(rank, first_step)
+        self.units = iter(u for u in units if u < captured)
+        self.cached_units = iter(u for u in units if u >= captured)
         # (unit, header buffer, its receive, (the credit's send, its tensor)), in unit order
         self.credited: deque[tuple[int, torch.Tensor, object, object]] = deque()
         self.closed = False
@@ -91,21 +102,35 @@ class LinkedFeatureSource(FeatureSource):
         def recv(buffer: torch.Tensor) -> None:
             waited(self.link.data.recv([buffer], producer, DATA), f"the features of micro-batch {u}", producer,
                    self.link)
-        return unit, unit.receive(recv, self.link.wire, pin_memory)
+        keep = self.cache.put if self.cache is not None else None
+        return unit, unit.receive(recv, self.link.wire, pin_memory, keep)
 
     def micro_batch(self, indices: Sequence[int], pin_memory: bool = False) -> Sample:
         if not self.credited:
-            raise IndexError(f"trainer rank {self.rank} has read every micro-batch of the online stream")
+            return self._cached(indices, pin_memory)
         started = time.monotonic()
         unit, batch = self._take(pin_memory)
         self.wait_s += time.monotonic() - started
-        if list(indices) != unit.indices:
-            raise ValueError(f"online rank {self.rank}: micro-batch {unit.unit} holds samples {unit.indices}, the "
-                             f"trainer asked for {list(indices)}: the trainer's batch plan (samples, micro batch, "
-                             "world size, grad accum, seed, epochs) differs from the capture ranks'")
+        self._check(unit.unit, unit.indices, indices)
         self._credit_next()
         self.tokens_read += unit.tokens
         return batch
+
+    def _cached(self, indices: Sequence[int], pin_memory: bool) -> Sample:
+        """The next unit of a later epoch, from the feature cache."""
+        u = next(self.cached_units, None)
+        if u is None:
+            raise IndexError(f"trainer rank {self.rank} has read every micro-batch of the online stream")
+        self._check(u, self.stream.indices(u), indices)
+        samples = [decode_single(self.cache.get(i)) for i in indices]
+        self.tokens_read += sum(int(sample["input_ids"].shape[0]) for sample in samples)
+        return collate(samples, pin_memory)
+
+    def _check(self, u: int, holds: list[int], indices: Sequence[int]) -> None:
+        if list(indices) != holds:
+            raise ValueError(f"online rank {self.rank}: micro-batch {u} holds samples {holds}, the trainer asked for "
+                             f"{list(indices)}: the trainer's batch plan (samples, micro batch, world size, grad "
+                             "accum, seed, epochs) differs from the capture ranks'")
 
     def close(self) -> None:
         """Take and drop the credited units, then tell every capture rank this rank needs no more."""

@@ -25,7 +25,7 @@ import torch
 from dflash.data.batch_plan import BatchPlan
 from dflash.data.feature_source import Sample, collate
 from dflash.extract.fp8 import FP8_DTYPE
-from dflash.extract.sample_format import decode
+from dflash.extract.sample_format import decode, sample_tensors
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, FP8_DTYPE: 2}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -116,31 +116,46 @@ class UnitHeader:
         return cls(values[0], values[1], values[2], CODE_DTYPES[values[3]], values[4], values[_FIXED:_FIXED + size],
                    values[_FIXED + size:])
 
-    def receive(self, recv: Callable[[torch.Tensor], None], device: torch.device, pin_memory: bool = False) -> Sample:
+    def receive(self, recv: Callable[[torch.Tensor], None], device: torch.device, pin_memory: bool = False,
+                keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> Sample:
         """The unit's micro-batch, padded as `collate` pads it, its tensors received in the order they are sent by
         `recv(buffer)`: each sample's features straight into its row of the padded batch (fp8: received, then
-        dequantised to bfloat16 and padded, as every source gives it). pin_memory: CPU tensors page-locked."""
+        dequantised to bfloat16 and padded, as every source gives it). pin_memory: CPU tensors page-locked.
+        keep(index, tensors), when given, gets each sample's stored tensors (sample_format.sample_tensors, on the
+        CPU) as they came, fp8 still fp8."""
         tokens = torch.empty(2, self.tokens, dtype=torch.int32, device=device)
         recv(tokens)
+        starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
         if self.dtype == FP8_DTYPE:
             hidden = [torch.empty(n, self.width, dtype=torch.uint8, device=device) for n in self.lengths]
             for buffer in hidden:
                 recv(buffer)
             scales = torch.empty(self.tokens, self.scale_columns, dtype=torch.float32, device=device)
             recv(scales)
-            starts = [sum(self.lengths[:j]) for j in range(len(self.lengths))]
-            samples = [decode(tokens[0, a:a + n], tokens[1, a:a + n], h.view(FP8_DTYPE), scales[a:a + n])
-                       for a, n, h in zip(starts, self.lengths, hidden, strict=True)]
+            rows = [(h.view(FP8_DTYPE), scales[a:a + n]) for a, n, h in zip(starts, self.lengths, hidden, strict=True)]
+            self._keep(keep, tokens, starts, rows)
+            samples = [decode(tokens[0, a:a + n], tokens[1, a:a + n], h, row_scales)
+                       for a, n, (h, row_scales) in zip(starts, self.lengths, rows, strict=True)]
             return collate(samples, pin_memory)
         batch, longest = len(self.lengths), max(self.lengths)
         padded = torch.empty(batch, longest, self.width, dtype=self.dtype, device=device,
                              pin_memory=pin_memory and device.type == "cpu")
         ids = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
         mask = torch.zeros(batch, longest, dtype=torch.long, pin_memory=pin_memory)
-        tokens, start = tokens.cpu(), 0
-        for row, length in enumerate(self.lengths):
+        tokens = tokens.cpu()
+        for row, (start, length) in enumerate(zip(starts, self.lengths, strict=True)):
             recv(padded[row, :length])  # a row's first `length` positions are contiguous
             padded[row, length:] = 0
             ids[row, :length], mask[row, :length] = tokens[0, start:start + length], tokens[1, start:start + length]
-            start += length
+        self._keep(keep, tokens, starts, [(padded[row, :n], None) for row, n in enumerate(self.lengths)])
         return {"input_ids": ids, "loss_mask": mask, "hidden": padded}
+
+    def _keep(self, keep: Callable[[int, dict[str, torch.Tensor]], None] | None, tokens: torch.Tensor,
+              starts: list[int], rows: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        if keep is None:
+            return
+        tokens = tokens.cpu()
+        for index, start, length, (hidden, scales) in zip(self.indices, starts, self.lengths, rows, strict=True):
+            keep(index, sample_tensors(hidden.cpu(), tokens[0, start:start + length], tokens[1, start:start + length],
+                                       torch.tensor([0, length]), None if scales is None else scales.cpu(),
+                                       what=f"sample {index} of micro-batch {self.unit}"))

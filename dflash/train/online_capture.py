@@ -20,17 +20,15 @@ import torch
 from omegaconf import DictConfig
 
 from dflash.data.batch_plan import BatchPlan
-from dflash.extract.capture import bytes_per_token
-from dflash.extract.feature_cache import FeatureCache, cache_room, cached_epochs
+from dflash.extract.feature_cache import FeatureCache
 from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
 from dflash.extract.online_workers import WorkerPool
-from dflash.extract.store import store_dtype
 from dflash.models.targets.placement import resolve_gpus_per_worker
 from dflash.run_files import (
-    CHECKPOINT_KEY, OWNER_MARKER, container, make_owned_dir, read_json, read_json_or_none, remove_owned_dir,
-    write_json,
+    OWNER_MARKER, claimed_key, container, make_owned_dir, read_json, remove_owned_dir, write_json,
 )
 from dflash.train.checkpoints import latest_tag, resume_step_of
+from dflash.train.feature_cache_choice import choose_feature_cache
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +55,7 @@ class OnlineCapture:
     def checkpoint_key(self) -> str | None:
         if self._checkpoint_key is not None:
             return self._checkpoint_key
-        marker = read_json_or_none(os.path.join(self.dirs["checkpoints"], CHECKPOINT_KEY))
-        return marker.get("fingerprint") if isinstance(marker, dict) else None
+        return claimed_key(self.dirs["checkpoints"])
 
     @property
     def spool_dir(self) -> str:
@@ -117,7 +114,6 @@ class OnlineCapture:
         at."""
         c = self.cfg.capture
         spool_dir, session = self.spool_dir, uuid.uuid4().hex[:12]
-        cache_dir = os.path.abspath(str(c.get("cache_dir") or os.path.join(self.run_dir, "feature_cache")))
         if self.external:
             # Workers of an earlier start may still be writing into their session folder until their capture
             # node sees this start's spec: leave it (finish() removes it) and stream through a new one.
@@ -132,12 +128,11 @@ class OnlineCapture:
         make_owned_dir(spool_dir)
         shutil.rmtree(os.path.join(log_dir, "stats"), ignore_errors=True)
         os.makedirs(log_dir, exist_ok=True)
-        key, resume_step = self.checkpoint_key, self.resume_step()
-        if resume_step:
-            use_cache, cache_dir = self.resumed_feature_cache(log_dir, key, cache_dir)
-        else:
-            use_cache = self.decide_feature_cache(info, cache_dir, spool_dir)
-        write_json(os.path.join(log_dir, "cache.json"), {"cache": use_cache, "dir": cache_dir, "checkpoint": key})
+        resume_step = self.resume_step()
+        hidden_size = int(read_json(os.path.join(self.dirs["features"], "target.json"))["hidden_size"])
+        use_cache = choose_feature_cache(c, run_dir=self.run_dir, info=info, hidden_size=hidden_size,
+                                         checkpoint_key=self.checkpoint_key, resume_step=resume_step,
+                                         spool=(spool_dir, int(c.budget_bytes)))["cache"]
         spool = Spool(spool_dir, num_workers)
         spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)
         first = resume_step * plan.global_batch_size
@@ -181,44 +176,6 @@ class OnlineCapture:
             "chunk_items": int(c.chunk_items), "stale_after_s": float(c.stale_after_s), "threads": c.threads,
             "compile": bool(c.get("compile", False)), "pack": bool(c.get("pack", False)),
         }
-
-    def resumed_feature_cache(self, log_dir: str, key: str | None, cache_dir: str) -> tuple[bool, str]:
-        """(cache on, its folder) of a resumed run: the epochs already passed decided it. With the cache off then,
-        later epochs have nothing cached for the samples read before the restart; with it on, the workers captured
-        the first epoch only. A decision recorded for other checkpoints (settings changed, then changed back: the
-        old checkpoints are restored while cache.json and the cache are another run's) is not used: cache off,
-        every epoch captured, which is right whatever the cache holds."""
-        previous = read_json_or_none(os.path.join(log_dir, "cache.json"))
-        if previous is None or key is None or previous.get("checkpoint") != key:
-            if previous is not None and previous["cache"]:  # another run's features: no resume will read them
-                remove_owned_dir(previous["dir"], self.run_dir)
-            logger.info("[online] feature cache off: no cache decision was recorded for the checkpoints resumed here")
-            return False, cache_dir
-        use_cache = bool(previous["cache"])
-        logger.info(f"[online] feature cache {'on' if use_cache else 'off'}, as when this run started")
-        return use_cache, previous["dir"] if use_cache else cache_dir
-
-    def decide_feature_cache(self, info: dict, cache_dir: str, spool_dir: str) -> bool:
-        """capture.cache: keep the first epoch's features for the later ones when the disk holds them (rank 0).
-
-        Decided when a run starts (no checkpoint), from an empty cache: what a folder holds from an earlier run is
-        not this run's. A resumed run keeps its decision and its cache (source), since the epochs it already passed
-        will not be captured again.
-        """
-        c = self.cfg.capture
-        remove_owned_dir(cache_dir, self.run_dir)
-        make_owned_dir(cache_dir)
-        shape = read_json(os.path.join(self.dirs["features"], "target.json"))
-        taps = len(info["target_layer_ids"])
-        tokens = int(read_json(os.path.join(self.dirs["data"], "stats.json"))["num_tokens"])
-        needed = tokens * bytes_per_token(taps * int(shape["hidden_size"]), taps, store_dtype(str(c.dtype)))
-        budget, mode = c.get("cache_budget_bytes"), c.get("cache", "false")
-        mode = ("true" if mode else "false") if isinstance(mode, bool) else str(mode)  # YAML reads true as a bool
-        room = cache_room(cache_dir, spool_dir, int(c.budget_bytes))
-        use = cached_epochs(mode, needed, None if budget is None else int(budget), room)
-        logger.info(f"[online] feature cache {'on' if use else 'off'}: one epoch is {needed / 2**30:.2f} GiB"
-                    + (f" -> {cache_dir}; the workers capture the first epoch only" if use else ""))
-        return use
 
     @staticmethod
     def _external_stats(log_dir: str, num_workers: int, wait_s: float) -> list[dict]:

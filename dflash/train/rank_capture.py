@@ -3,8 +3,10 @@
 Trainer rank 0 announces the stream to the capture ranks: the dataset, the taps, the batch plan and the step
 training resumes at (the newest checkpoint that verifies, as the loop resumes), so the capture ranks start where
 the trainers do and no sample is lost or used twice across a restart. Every trainer rank then reads its
-micro-batches through a LinkedFeatureSource. After training, `finish` closes the stream and, on rank 0, reports
-the capture and trainer throughputs and the device split that would balance them.
+micro-batches through a LinkedFeatureSource. Rank 0 also decides, when a run starts, whether the first epoch's
+features are kept for the later ones (capture.cache, feature_cache_choice.py): then the capture ranks make one
+epoch. After training, `finish` closes the stream and, on rank 0, reports the capture and trainer throughputs and
+the device split that would balance them.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import logging
 import os
 
 from dflash.data.batch_plan import BatchPlan
+from dflash.extract.feature_cache import FeatureCache
 from dflash.extract.linked_source import LinkedFeatureSource
 from dflash.extract.rank_link import RankLink
 from dflash.extract.rank_stream import UnitStream
-from dflash.run_files import read_json, write_json
+from dflash.run_files import claimed_key, read_json, write_json
 from dflash.train.checkpoints import resume_step_of, verified_latest_tag
+from dflash.train.feature_cache_choice import choose_feature_cache
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +57,22 @@ class RankCapture:
         plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
                          settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
         if rank == 0:
-            c = self.capture
+            c, first_step = self.capture, resume_step(self.checkpoint_dir)
+            hidden_size = int(read_json(os.path.join(self.features, "target.json"))["hidden_size"])
+            cache = choose_feature_cache(c, run_dir=self.run_dir, info=info, hidden_size=hidden_size,
+                                         checkpoint_key=claimed_key(self.checkpoint_dir), resume_step=first_step)
             self.link.announce({
                 "data": info["data"], "layer_ids": info["target_layer_ids"], "dtype": str(c.dtype),
                 "batch_tokens": int(c.batch_tokens), "pack": bool(c.pack), "in_flight": int(c.in_flight),
-                "epochs": settings.epochs, "first_step": resume_step(self.checkpoint_dir),
+                "epochs": 1 if cache["cache"] else settings.epochs, "first_step": first_step, "cache": cache,
                 "plan": plan_record(plan, group_by, settings.num_anchors, block_size)})
         start = self.link.wait_start()
         stream = UnitStream(plan, settings.epochs)
+        cache = FeatureCache(start["cache"]["dir"]) if start["cache"]["cache"] else None
         logger.info(f"[online] {self.link.captures} capture rank(s) stream to {world_size} trainer rank(s) from step "
-                    f"{start['first_step']} ({int(self.capture.in_flight)} micro-batches in flight per trainer rank)")
-        return LinkedFeatureSource(self.link, stream, rank, start["first_step"], int(self.capture.in_flight))
+                    f"{start['first_step']} ({int(self.capture.in_flight)} micro-batches in flight per trainer rank"
+                    + ("; the first epoch only, later ones from the feature cache)" if cache is not None else ")"))
+        return LinkedFeatureSource(self.link, stream, rank, start["first_step"], int(self.capture.in_flight), cache)
 
     def finish(self, source: LinkedFeatureSource, train_s: float, rank: int, world_size: int) -> None:
         """Close this rank's stream; rank 0 reports both throughputs and the balanced split."""
