@@ -14,6 +14,7 @@ import torch
 from dflash.config import compose
 from dflash.extract import feature_cache
 from dflash.extract.feature_cache import DISK_MARGIN_FRACTION, cache_room, cached_epochs
+from dflash.train.capture_split import split_advice
 from dflash.train.feature_cache_choice import choose_feature_cache
 from dflash.train.online_capture import OnlineCapture
 from dflash.run_files import CHECKPOINT_KEY, make_owned_dir, read_json, write_json
@@ -99,3 +100,14 @@ def test_an_external_spool_folder_of_someone_elses_files_is_refused(tmp_path):
     with pytest.raises(ValueError, match="did not write"):
         capture.source(SETTINGS, 0, 1, [])
     assert (foreign / "notes.txt").is_file()
+
+
+@pytest.mark.parametrize("capture_rate,trainer_rate,devices,split", [
+    (1000.0, 500.0, (2, 6), [3, 5]),   # capture twice as fast per device: a third of the devices capture
+    (100.0, 900.0, (4, 4), [7, 1]),    # a slow target: every device but one trainer captures
+    (900.0, 100.0, (1, 1), [1, 1]),    # at least one of each
+])
+def test_the_balanced_split_evens_out_the_two_rates(capture_rate, trainer_rate, devices, split):
+    report = split_advice(capture_rate, trainer_rate, *devices)
+    assert report["balanced_split"] == split and sum(split) == sum(devices)
+    assert report["balanced_capture_fraction"] == pytest.approx(trainer_rate / (capture_rate + trainer_rate))

@@ -27,6 +27,7 @@ from dflash.models.targets.placement import resolve_gpus_per_worker
 from dflash.run_files import (
     OWNER_MARKER, claimed_key, container, make_owned_dir, read_json, remove_owned_dir, write_json,
 )
+from dflash.train.capture_split import log_split, split_advice
 from dflash.train.checkpoints import latest_tag, resume_step_of
 from dflash.train.feature_cache_choice import choose_feature_cache
 
@@ -224,16 +225,10 @@ class OnlineCapture:
         capture_rate = capture_tokens / capture_s / gpus
         trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
         capture_devices = int(spec["num_workers"]) * gpus
-        total = capture_devices + world_size
-        share = trainer_rate / (trainer_rate + capture_rate)  # capture devices x capture rate = trainers x rate
-        balanced = min(max(round(total * share), 1), total - 1) if total > 1 else 1
-        report = {"capture_tokens_per_s_per_device": capture_rate, "trainer_tokens_per_s_per_rank": trainer_rate,
-                  "capture_tokens": capture_tokens, "trainer_wait_s": source.wait_s, "train_s": train_s,
-                  "capture_devices": capture_devices, "trainer_ranks": world_size,
-                  "balanced_capture_fraction": share, "balanced_split": [balanced, total - balanced]}
+        report = split_advice(capture_rate, trainer_rate, capture_devices, world_size)
+        report.update({"capture_tokens": capture_tokens, "trainer_wait_s": source.wait_s, "train_s": train_s})
         write_json(os.path.join(self.run_dir, "capture_logs", "throughput.json"), report)
         logger.info(f"[online] capture {capture_rate:,.0f} tok/s per capture device ({capture_devices}), trainer "
                     f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of "
                     f"{train_s:.1f} s for features)")
-        logger.info(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
-                    f"{balanced}:{total - balanced} of these {total} devices")
+        log_split(report)

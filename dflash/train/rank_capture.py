@@ -21,6 +21,7 @@ from dflash.extract.rank_link import RankLink
 from dflash.extract.rank_stream import UnitStream
 from dflash.run_files import claimed_key, read_json, write_json
 from dflash.train.checkpoints import resume_step_of, verified_latest_tag
+from dflash.train.capture_split import log_split, split_advice
 from dflash.train.feature_cache_choice import choose_feature_cache
 
 logger = logging.getLogger(__name__)
@@ -95,17 +96,4 @@ class RankCapture:
         logger.info(f"[online] capture {capture_rate:,.0f} tok/s per capture rank ({self.link.captures}), trainer "
                     f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of "
                     f"{train_s:.1f} s for features)")
-        share, (capture_devices, trainer_devices) = report["balanced_capture_fraction"], report["balanced_split"]
-        logger.info(f"[online] balanced capture:trainer device split: {share:.2f}:{1 - share:.2f}, i.e. "
-                    f"{capture_devices}:{trainer_devices} of these {capture_devices + trainer_devices} devices")
-
-
-def split_advice(capture_rate: float, trainer_rate: float, capture_devices: int, trainer_ranks: int) -> dict:
-    """The capture:trainer device split that balances the two rates (tokens/s per device): capture devices x
-    capture rate = trainer devices x trainer rate, rounded within the devices in use (at least one each)."""
-    total = capture_devices + trainer_ranks
-    share = trainer_rate / (trainer_rate + capture_rate)
-    balanced = min(max(round(total * share), 1), total - 1) if total > 1 else 1
-    return {"capture_tokens_per_s_per_device": capture_rate, "trainer_tokens_per_s_per_rank": trainer_rate,
-            "capture_devices": capture_devices, "trainer_ranks": trainer_ranks, "balanced_capture_fraction": share,
-            "balanced_split": [balanced, total - balanced]}
+        log_split(report)
