@@ -54,7 +54,7 @@ def test_a_resumed_run_uses_only_the_cache_decision_made_for_its_checkpoints(tmp
     make_owned_dir(str(kept))
     put_json(str(log_dir / "cache.json"), {"cache": True, "dir": str(kept), "checkpoint": "aaaa"})
     resume = functools.partial(choose_feature_cache, SimpleNamespace(cache_dir=None), run_dir=str(run_dir), info={},
-                               hidden_size=64, resume_step=3)
+                               hidden_size=64, epochs=3, resume_step=3)
     assert resume(checkpoint_key="aaaa") == {"cache": True, "dir": str(kept), "checkpoint": "aaaa"}
     # Checkpoints of other settings restored: the recorded cache is another run's, not read and not kept.
     fresh = {"cache": False, "dir": str(run_dir / "feature_cache"), "checkpoint": "bbbb"}
@@ -62,6 +62,17 @@ def test_a_resumed_run_uses_only_the_cache_decision_made_for_its_checkpoints(tmp
     assert json.loads((log_dir / "cache.json").read_text()) == fresh  # what the next restart reads
     put_json(str(log_dir / "cache.json"), {"cache": True, "dir": str(kept)})  # recorded before the fingerprint
     assert resume(checkpoint_key="aaaa")["cache"] is False
+
+
+def test_one_epoch_keeps_no_cache_whatever_capture_cache_says(tmp_path):
+    """Nothing would read a one-epoch cache back: off, without estimating or touching the disk (capture.cache=true
+    with an epoch too large for the disk is no error either)."""
+    settings = SimpleNamespace(cache="true", cache_dir=None, cache_budget_bytes=1, dtype="bfloat16")
+    decided = choose_feature_cache(settings, run_dir=str(tmp_path), info={}, hidden_size=64, epochs=1,
+                                   checkpoint_key="aaaa", resume_step=0)
+    assert decided == {"cache": False, "dir": str(tmp_path / "feature_cache"), "checkpoint": "aaaa"}
+    assert not (tmp_path / "feature_cache").exists()
+    assert read_json(str(tmp_path / "capture_logs" / "cache.json")) == decided
 
 
 def online_capture(tmp_path, *overrides: str) -> OnlineCapture:

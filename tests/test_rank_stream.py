@@ -80,6 +80,7 @@ def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, resu
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     from dflash.extract.capture_sender import CaptureSender
+    from dflash.extract.feature_cache import FeatureCache
     from dflash.extract.linked_source import LinkedFeatureSource
     from dflash.extract.rank_link import open_link
 
@@ -87,20 +88,31 @@ def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, resu
     link = open_link(captures, "cpu", spec["timeout_s"])
     plan = BatchPlan(len(LENGTHS), spec["micro_batch_size"], link.trainers, spec["grad_accum"], seed=3)
     stream = UnitStream(plan, spec["epochs"])
+    cache = FeatureCache(spec["cache_dir"]) if spec.get("cache_dir") else None
     try:
         if link.is_capture:
             if link.capture_index == spec.get("hang"):
                 time.sleep(spec["timeout_s"] * 3)
                 return
-            sender = CaptureSender(link, stream, spec["first_step"], lambda ids: [stored_sample(i) for i in ids],
+            captured = UnitStream(plan, 1) if cache is not None else stream  # with a cache: the first epoch only
+            sender = CaptureSender(link, captured, spec["first_step"], lambda ids: [stored_sample(i) for i in ids],
                                    LENGTHS, batch_tokens=spec["batch_tokens"], in_flight=spec["in_flight"])
             sender.run()
+            results[f"done-{rank}"] = True
             results[rank] = sender.units_sent
             return
-        source = LinkedFeatureSource(link, stream, rank, spec["first_step"], spec["in_flight"])
+        source = LinkedFeatureSource(link, stream, rank, spec["first_step"], spec["in_flight"], cache)
         read = []
         for step in range(spec["first_step"], spec.get("stop_at", spec["epochs"] * plan.steps_per_epoch)):
             epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+            if cache is not None and epoch > 0 and f"captures-done-{rank}" not in results:
+                # The capture ranks must be done once the captured epoch is taken, not wait for this rank's stop
+                # until it finishes reading the cached epochs (longer than their receive timeout in a real run).
+                deadline = time.monotonic() + 60
+                while not all(f"done-{c}" in results for c in range(link.trainers, world_size)):
+                    assert time.monotonic() < deadline, "the capture ranks still wait while the cache is read"
+                    time.sleep(0.05)
+                results[f"captures-done-{rank}"] = True
             for micro in plan.micro_batches(epoch, in_epoch, rank):
                 indices = [i for i, _ in micro]
                 batch = source.micro_batch(indices)
@@ -140,6 +152,24 @@ def test_two_capture_ranks_feed_two_trainer_ranks_every_micro_batch_once_from_th
                     for micro in plan.micro_batches(*divmod(step, plan.steps_per_epoch), rank)]
         assert results[rank] == expected
     assert results[2] + results[3] == 2 * (2 * plan.steps_per_epoch - 2) * 2  # units sent, none twice
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_with_a_cache_the_capture_ranks_finish_with_the_first_epoch_and_a_resume_reads_the_cache(tmp_path):
+    """Trainer ranks keep the first epoch's samples and read the second from the cache; the capture ranks end as
+    soon as the first epoch is taken (each trainer waits for that before reading the cache), and a resume inside
+    the cached epoch needs nothing captured: the capture ranks end at once."""
+    plan = BatchPlan(len(LENGTHS), 2, 2, 2, seed=3)
+    steps = 2 * plan.steps_per_epoch
+    for first_step in (0, plan.steps_per_epoch + 1):
+        results = run_roles(2, 2, first_step=first_step, cache_dir=str(tmp_path / "cache"))
+        for rank in range(2):
+            expected = [[i for i, _ in micro] for step in range(first_step, steps)
+                        for micro in plan.micro_batches(*divmod(step, plan.steps_per_epoch), rank)]
+            assert results[rank] == expected, results
+        units_of_first_epoch = plan.steps_per_epoch * 2 * 2
+        assert results[2] + results[3] == (units_of_first_epoch if first_step == 0 else 0)
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 The target is given its own chat template up to the start of a user turn (after a system message that steers the
 topic, e.g. "You are a Python programming assistant.") and samples the user turn; the non-degenerate ones become
 prompts that the data stage answers greedily as usual. Generation runs on the data stage's engines
-(generation.py / static_decode.py); nothing here decodes tokens itself.
+(inference/generation.py, inference/static_decode.py); nothing here decodes tokens itself.
 
 Draw k of system prompt i has the id "syn-<i>-<k>" and its own seed; a kept draw's prompt id adds a digest of
 its text ("syn-<i>-<k>-<sha1[:8]>"). The static engine samples each draw from its

@@ -49,7 +49,8 @@ class FeatureCache:
         if not file.is_file():
             raise FileNotFoundError(
                 f"feature cache {self.path} has no sample {index}: the first epoch did not write it (a cache from "
-                "another run?). Delete the cache folder and the run's checkpoints, then train again"
+                "another run? trainer ranks on several nodes with a capture.cache_dir that is not on a file system "
+                "they share?). Delete the cache folder and the run's checkpoints, then train again"
             )
         return load(file)
 

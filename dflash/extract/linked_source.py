@@ -11,8 +11,9 @@ receive posted for it.
 With a feature cache (capture.cache) the capture ranks make the first epoch only: this rank keeps each sample it
 receives there, and reads the micro-batches of later epochs back from it.
 
-`close` ends the stream early or on time: it takes (and drops) the units it gave credits for and sends each capture
-rank a stop credit (-1), so no send or receive is left pending on either side.
+A trainer rank sends each capture rank a stop credit (-1) once it took its last captured unit, and `close` (which
+ends the stream early or on time) takes (and drops) the units it gave credits for and sends the stop if it was not
+sent yet, so no send or receive is left pending on either side.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ class LinkedFeatureSource(FeatureSource):
         self.cached_units = iter(u for u in units if u >= captured)
         # (unit, header buffer, its receive, (the credit's send, its tensor)), in unit order
         self.credited: deque[tuple[int, torch.Tensor, object, object]] = deque()
-        self.closed = False
+        self.closed = self.stopped = False
         # Throughput counters: real tokens received and seconds spent waiting for them.
         self.tokens_read, self.wait_s = 0, 0.0
         for _ in range(in_flight):
             self._credit_next()
+        self._stop_when_captured()
 
     def __len__(self) -> int:
         return self.stream.plan.num_samples
@@ -114,6 +116,7 @@ class LinkedFeatureSource(FeatureSource):
         self._check(unit.unit, unit.indices, indices)
         self._credit_next()
         self.tokens_read += unit.tokens
+        self._stop_when_captured()
         return batch
 
     def _cached(self, indices: Sequence[int], pin_memory: bool) -> Sample:
@@ -132,6 +135,13 @@ class LinkedFeatureSource(FeatureSource):
                              f"{list(indices)}: the trainer's batch plan (samples, micro batch, world size, grad "
                              "accum, seed, epochs) differs from the capture ranks'")
 
+    def _stop_when_captured(self) -> None:
+        """Once every unit the capture ranks make for this rank is taken (or none is left to make: a resume in a
+        cached epoch), tell them it needs no more: they finish now rather than wait for the stop through the
+        epochs read from the cache, longer than their receive timeout."""
+        if not self.credited:
+            self._stop()
+
     def close(self) -> None:
         """Take and drop the credited units, then tell every capture rank this rank needs no more."""
         if self.closed:
@@ -139,6 +149,12 @@ class LinkedFeatureSource(FeatureSource):
         self.closed = True
         while self.credited:
             self._take()
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         stop = torch.tensor([STOP], dtype=torch.int64)
         peers = [self.link.capture_rank(capture) for capture in range(self.link.captures)]
         for peer, send in [(peer, self.link.control.send([stop], peer, CREDIT)) for peer in peers]:

@@ -23,17 +23,21 @@ def cache_mode(value) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value).lower()
 
 
-def choose_feature_cache(capture, *, run_dir: str, info: dict, hidden_size: int, checkpoint_key: str | None,
-                         resume_step: int, spool: tuple[str, int] | None = None) -> dict:
+def choose_feature_cache(capture, *, run_dir: str, info: dict, hidden_size: int, epochs: int,
+                         checkpoint_key: str | None, resume_step: int, spool: tuple[str, int] | None = None) -> dict:
     """{"cache": on, "dir": its folder, "checkpoint": checkpoint_key}, also written to capture_logs/cache.json.
 
     capture: the online capture settings (cache, cache_dir, cache_budget_bytes, dtype); info: the capture stage's
-    online.json (data folder, taps); spool: (folder, budget) of a spool filling the same disk, or None.
+    online.json (data folder, taps); epochs: of training (one epoch has no later epoch to read a cache: off);
+    spool: (folder, budget) of a spool filling the same disk, or None.
     """
     log_dir = os.path.join(run_dir, "capture_logs")
     cache_dir = os.path.abspath(str(capture.cache_dir or os.path.join(run_dir, "feature_cache")))
     if resume_step:
         use, cache_dir = _resumed(log_dir, checkpoint_key, cache_dir, run_dir)
+    elif epochs < 2:
+        use = False
+        logger.info("[online] feature cache off: training runs one epoch, which nothing would read back")
     else:
         use = _fresh(capture, run_dir, info, hidden_size, cache_dir, spool)
     record = {"cache": use, "dir": cache_dir, "checkpoint": checkpoint_key}

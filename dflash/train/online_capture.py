@@ -132,7 +132,7 @@ class OnlineCapture:
         resume_step = self.resume_step()
         hidden_size = int(read_json(os.path.join(self.dirs["features"], "target.json"))["hidden_size"])
         use_cache = choose_feature_cache(c, run_dir=self.run_dir, info=info, hidden_size=hidden_size,
-                                         checkpoint_key=self.checkpoint_key, resume_step=resume_step,
+                                         epochs=settings.epochs, checkpoint_key=self.checkpoint_key, resume_step=resume_step,
                                          spool=(spool_dir, int(c.budget_bytes)))["cache"]
         spool = Spool(spool_dir, num_workers)
         spool.check_stream(ItemStream(plan, epochs=1) if use_cache else stream)

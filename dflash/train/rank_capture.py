@@ -61,7 +61,7 @@ class RankCapture:
             c, first_step = self.capture, resume_step(self.checkpoint_dir)
             hidden_size = int(read_json(os.path.join(self.features, "target.json"))["hidden_size"])
             cache = choose_feature_cache(c, run_dir=self.run_dir, info=info, hidden_size=hidden_size,
-                                         checkpoint_key=claimed_key(self.checkpoint_dir), resume_step=first_step)
+                                         epochs=settings.epochs, checkpoint_key=claimed_key(self.checkpoint_dir), resume_step=first_step)
             self.link.announce({
                 "data": info["data"], "layer_ids": info["target_layer_ids"], "dtype": str(c.dtype),
                 "batch_tokens": int(c.batch_tokens), "pack": bool(c.pack), "in_flight": int(c.in_flight),

@@ -3,10 +3,11 @@
 transformers (5.17 and later) gives every GDN layer two kernels through globals of its modeling module:
 `torch_chunk_gated_delta_rule` (flash-linear-attention's chunked kernel when `fla` is installed, else a torch
 reference) and `causal_conv1d_fn` (the `causal_conv1d` package when installed, else a torch reference built on
-F.conv1d). From 5.25 each global is a `kernels` function layer (an nn.Module whose forward calls the function;
-`function_of` looks through it), and its fallback wrapper already sends inputs on other devices to the torch
-reference, but raises on a packed row there. The causal-conv1d package often has no wheel for the machine, while flash-linear-attention ships a Triton
-causal conv1d of its own.
+F.conv1d). Where the `kernels` package is installed (transformers requires it from 5.25) each global is a `kernels`
+function layer, an nn.Module whose forward calls the function (`function_of` looks through it); from 5.25 its
+fallback wrapper already sends inputs on other devices to the torch reference, but raises on a packed row there.
+The causal-conv1d package often has no wheel for the machine, while flash-linear-attention ships a Triton causal
+conv1d of its own.
 
 The conv is chosen on every call, from the input's device: `route_causal_conv1d` puts a router in front of the
 modeling module's `causal_conv1d_fn` once (the global is never swapped back and forth), and
@@ -74,8 +75,9 @@ def _namespace(layer: nn.Module) -> dict[str, Any]:
 
 
 def function_of(kernel: Any) -> Any:
-    """The function behind a transformers kernel global: what a `kernels` function layer (transformers >= 5.25
-    makes each global one, an nn.Module whose forward calls the function) calls; `kernel` itself otherwise."""
+    """The function behind a transformers kernel global: what a `kernels` function layer (an nn.Module whose
+    forward calls the function, what each global is where the `kernels` package is installed) calls; `kernel`
+    itself otherwise."""
     if not isinstance(kernel, nn.Module):
         return kernel
     try:
