@@ -9,6 +9,8 @@ at a barrier.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import shutil
 import sys
@@ -181,9 +183,10 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
     c = settings_from(cfg).capture
     if c.mode != "online" or c.transport != "ranks":
         return Pipeline(cfg).run()
-    from dflash.extract.rank_link import open_link
+    from dflash.extract.rank_link import capture_gpus, open_link
 
-    link = open_link(c.ranks, str(cfg.device), c.timeout_s)
+    link = open_link(c.ranks, str(cfg.device), c.timeout_s,
+                     capture_gpus(c, dataclasses.asdict(settings_from(cfg).target)))
     if link.is_capture:
         from dflash.stages.capture_role import serve_capture
 

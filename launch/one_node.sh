@@ -3,8 +3,9 @@
 # capture worker, each capturing its share of the shards), the DeepSpeed trainer on train.devices, then eval.
 # A worker has capture.gpus_per_worker = g GPUs (the target placed layer-wise over them): offline capture runs
 # len(capture.devices)/g processes that all see every capture GPU, and local rank r takes GPUs r*g .. r*g+g-1.
-# capture=online capture.transport=ranks: the train stage is one torchrun job of the trainer GPUs and then the capture
-# GPUs, one rank each (dflash/extract/rank_link.py); MAX_RESTARTS (default 3) restarts of the job after a rank dies.
+# capture=online capture.transport=ranks: the train stage is one torchrun job of the trainer GPUs, one rank each, and
+# then one rank per capture worker of g GPUs (dflash/extract/rank_link.py); MAX_RESTARTS (default 3) restarts of the
+# job after a rank dies.
 # Usage: launch/one_node.sh [hydra overrides...]   e.g. launch/one_node.sh +experiment=qwen36 target.path=/models/x
 # DRY_RUN=1 prints the commands without running them.
 set -euo pipefail
@@ -48,11 +49,12 @@ else  # online / colocated: the capture stage only prepares what the train stage
   run env CUDA_VISIBLE_DEVICES="$first_worker" python -m dflash.train "$@" 'stages=[capture]'
 fi
 if [ "$capture_mode" = online ] && [ "$transport" = ranks ]; then
-  # One job: trainer ranks 0..ntrain-1 on train.devices, then one capture rank per capture GPU (local rank r sees
-  # GPU r of the list); a rank that dies ends the job, torchrun restarts it and training resumes exactly.
+  # One job: trainer ranks 0..ntrain-1 on train.devices (one GPU each), then one capture rank per capture worker of
+  # gpus_per_worker consecutive capture GPUs (rank_link.rank_devices); a rank that dies ends the job, torchrun
+  # restarts it and training resumes exactly.
   run env CUDA_VISIBLE_DEVICES="$train_devices,$capture_devices" torchrun --standalone \
-    --nproc_per_node "$((ntrain + ncapture))" --max-restarts "${MAX_RESTARTS:-3}" \
-    -m dflash.train "$@" "capture.ranks=$ncapture" 'stages=[train]'
+    --nproc_per_node "$((ntrain + nworkers))" --max-restarts "${MAX_RESTARTS:-3}" \
+    -m dflash.train "$@" "capture.ranks=$nworkers" "capture.gpus_per_worker=$gpus_per_worker" 'stages=[train]'
 else
   run env CUDA_VISIBLE_DEVICES="$train_devices" torchrun --standalone --nproc_per_node "$ntrain" \
     -m dflash.train "$@" 'stages=[train]'

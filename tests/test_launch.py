@@ -60,6 +60,11 @@ def test_dry_run_of_online_capture_over_ranks_is_one_job_of_trainer_then_capture
     assert train.startswith("+ env CUDA_VISIBLE_DEVICES=2,3,4,0,1 torchrun --standalone --nproc_per_node 5 "
                             "--max-restarts 3 ")
     assert "capture.ranks=2" in train and "stages=[train]" in train
+    # A target over two GPUs per capture worker: one capture rank per worker, after the three trainer ranks.
+    _, _, train, _ = commands(one_node("capture=online", "capture.transport=ranks", "capture.devices=[0,1,2,3]",
+                                       "capture.gpus_per_worker=2", "train.devices=[4,5,6]", dry_run=True))
+    assert train.startswith("+ env CUDA_VISIBLE_DEVICES=4,5,6,0,1,2,3 torchrun --standalone --nproc_per_node 5 ")
+    assert "capture.ranks=2" in train and "capture.gpus_per_worker=2" in train
 
 
 def test_gpus_per_worker_must_divide_the_capture_gpus():

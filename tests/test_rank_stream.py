@@ -200,3 +200,34 @@ def test_a_job_without_room_for_both_roles_is_refused_in_one_line(tmp_path, monk
     assert "capture.ranks=2 capture rank(s) and at least one trainer rank in one job, but this job has 2 process(es)" \
         in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_capture_rank_of_several_gpus_takes_them_after_the_trainers_one_each(monkeypatch):
+    """One node, CUDA_VISIBLE_DEVICES = the 3 trainer GPUs, then 2 capture ranks of 2 GPUs each (launch/one_node.sh)."""
+    from dflash.config import ConfigError
+    from dflash.extract import rank_link
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    layout = [rank_link.rank_devices("auto", r, 5, 3, 2) for r in range(5)]
+    assert [[str(d) for d in devices] for devices in layout] == [
+        ["cuda:0"], ["cuda:1"], ["cuda:2"], ["cuda:3", "cuda:4"], ["cuda:5", "cuda:6"]]
+    assert [str(d) for d in rank_link.rank_devices("auto", 4, 5, 3, 1)] == ["cuda:4"]  # one GPU each: LOCAL_RANK
+    assert [str(d) for d in rank_link.rank_devices("cuda:0", 4, 5, 3, 2)] == ["cuda:0"]  # a named device as named
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 5 ranks over two nodes
+    with pytest.raises(ConfigError, match="one node"):
+        rank_link.rank_devices("auto", 4, 5, 3, 2)
+
+
+def test_the_capture_gpus_must_make_whole_capture_ranks(monkeypatch):
+    from types import SimpleNamespace
+
+    from dflash.config import ConfigError
+    from dflash.extract.rank_link import capture_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    target = {"kind": "tiny"}
+    assert capture_gpus(SimpleNamespace(devices=[0, 1, 2, 3], gpus_per_worker=2, ranks=2), target) == 2
+    assert capture_gpus(SimpleNamespace(devices=None, gpus_per_worker=2, ranks=3), target) == 2
+    with pytest.raises(ConfigError, match="capture.devices lists 4 GPU.*capture.ranks=1 .* need 2"):
+        capture_gpus(SimpleNamespace(devices=[0, 1, 2, 3], gpus_per_worker=2, ranks=1), target)

@@ -322,15 +322,14 @@ class OnlineCapture(CaptureSettings):
     cache_budget_bytes: Optional[int] = setting(None, affects=(), doc="null: the free disk")
     transport: str = setting("spool", affects=(), doc="spool: capture workers write a spool folder; ranks: the job's "
                                                       "last capture.ranks ranks capture and send by torch.distributed")
-    ranks: int = setting(1, affects=(), doc="transport=ranks: the job's ranks that capture (the last ones)")
+    ranks: int = setting(1, affects=(), doc="transport=ranks: the job's ranks that capture (the last ones), each on "
+                                            "gpus_per_worker GPUs")
     in_flight: int = setting(4, affects=(), doc="transport=ranks: micro-batches made ahead per trainer rank")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_choice("capture.workers", self.workers, ("local", "external"))
         require_choice("capture.transport", self.transport, ("spool", "ranks"))
-        require(self.transport != "ranks" or self.gpus_per_worker == 1, "capture.gpus_per_worker",
-                self.gpus_per_worker, "1 with capture.transport=ranks (a capture rank holds the target on its GPU)")
         require(str(self.cache).lower() in ("auto", "true", "false"), "capture.cache", self.cache,
                 "auto, true or false")
         for key in ("budget_bytes", "chunk_items", "stale_after_s", "timeout_s", "ranks", "in_flight"):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import ConfigError
+from dflash.models.targets.placement import job_rank_devices, resolve_gpus_per_worker
 
 START_KEY = "dflash/online/start"
 _START_POLL_S = 1.0
@@ -43,9 +44,14 @@ class RankLink:
     store: dist.Store
     control: dist.ProcessGroup
     data: dist.ProcessGroup
-    device: torch.device  # this rank's device
+    devices: list[torch.device]  # this rank's devices: one, or a capture rank's GPUs that hold the target
     wire: torch.device  # where features travel from and to: the GPU under NCCL, else the CPU
     timeout_s: float
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's (first) device: where its point-to-point data travels on NCCL."""
+        return self.devices[0]
 
     @property
     def captures(self) -> int:
@@ -88,23 +94,23 @@ class RankLink:
         return [json.loads(self.store.get(key)) for key in keys]
 
 
-def open_link(capture_ranks: int, device_name: str, timeout_s: float) -> RankLink:
-    """Split this torchrun job into trainer and capture ranks (module docstring). ConfigError when the job has
-    no room for both roles."""
+def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_capture: int = 1) -> RankLink:
+    """Split this torchrun job into trainer and capture ranks (module docstring), each capture rank on
+    `gpus_per_capture` GPUs. ConfigError when the job has no room for both roles."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= capture_ranks:
         raise ConfigError(
             f"capture=online with capture.transport=ranks runs capture.ranks={capture_ranks} capture rank(s) and at "
             f"least one trainer rank in one job, but this job has {world_size} process(es): launch "
             f"{capture_ranks + 1} or more, e.g. torchrun --nproc_per_node {capture_ranks + 1} -m dflash.train ...")
+    trainers = world_size - capture_ranks
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    devices = rank_devices(device_name, local_rank, world_size, trainers, gpus_per_capture)
+    device = devices[0]
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     # torchrun keeps its store across the restarts of a job: each start uses keys of its own, or the groups would
     # meet the addresses of the ranks of an earlier start.
     store = dist.PrefixStore(f"dflash/start{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    trainers = world_size - capture_ranks
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}") if device_name == "auto" and torch.cuda.is_available() \
-        else torch.device("cpu" if device_name == "auto" else device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
@@ -113,13 +119,47 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float) -> RankLin
     # every rank may be one GPU shared by a capture rank and a trainer rank, whose features then go by gloo.
     nccl = device.type == "cuda" and device_name == "auto"
     data = _data_group(dist.PrefixStore("dflash/data", store), rank, world_size, timeout) if nccl else control
-    link = RankLink(rank, world_size, trainers, store, control, data, device,
+    link = RankLink(rank, world_size, trainers, store, control, data, devices,
                     device if nccl else torch.device("cpu"), timeout_s)
     if not link.is_capture:
         os.environ["WORLD_SIZE"] = str(trainers)  # what the pipeline, DeepSpeed and the console read
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
             "dflash/trainers", store), rank=rank, world_size=trainers, timeout=timedelta(minutes=240))
     return link
+
+
+def rank_devices(device_name: str, local_rank: int, world_size: int, trainers: int,
+                 gpus_per_capture: int) -> list[torch.device]:
+    """This rank's devices. device=auto with CUDA: cuda:LOCAL_RANK, or for a capture rank of more than one GPU its
+    consecutive GPUs after the trainers' one each (job_rank_devices; one node only: the launcher makes every node's
+    layout, launch/one_node.sh); the CPU without CUDA; a named device as named."""
+    if device_name != "auto":
+        return [torch.device(device_name)]
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")]
+    if gpus_per_capture == 1:
+        return [torch.device(f"cuda:{local_rank}")]
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
+        raise ConfigError(f"capture.gpus_per_worker={gpus_per_capture} with capture.transport=ranks runs the job on "
+                          "one node (launch/one_node.sh); on several nodes give each capture rank one GPU")
+    return [torch.device(d) for d in job_rank_devices(local_rank, trainers, gpus_per_capture)]
+
+
+def capture_gpus(capture, target: dict) -> int:
+    """The GPUs of one capture rank (capture.gpus_per_worker, "auto" resolved as for capture workers), checked
+    against capture.devices when it lists the capture GPUs: capture.ranks groups of that many."""
+    # Off CUDA every rank runs on the CPU and capture.devices is ignored.
+    listed = len(capture.devices) if capture.devices is not None and torch.cuda.is_available() else None
+    gpus = resolve_gpus_per_worker(capture.gpus_per_worker, target,
+                                   listed if listed is not None else capture.ranks * _given(capture.gpus_per_worker))
+    if listed is not None and listed != capture.ranks * gpus:
+        raise ConfigError(f"capture.devices lists {listed} GPU(s), but capture.ranks={capture.ranks} capture rank(s) "
+                          f"of capture.gpus_per_worker={gpus} GPU(s) each need {capture.ranks * gpus}")
+    return gpus
+
+
+def _given(gpus_per_worker) -> int:
+    return 1 if str(gpus_per_worker) == "auto" else int(gpus_per_worker)
 
 
 def _data_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:

@@ -1,5 +1,5 @@
 """The capture ranks' part of a run (capture=online, capture.transport=ranks): load the target on this rank's
-device while the trainer ranks run the data and capture stages, wait for trainer rank 0's start, stream the
+device (or layer-wise over its capture.gpus_per_worker GPUs) while the trainer ranks run the data and capture stages, wait for trainer rank 0's start, stream the
 micro-batches it names (dflash/extract/capture_sender.py), then post this rank's counters and exit.
 """
 
@@ -22,6 +22,7 @@ def serve_capture(cfg: DictConfig, link: RankLink) -> None:
     """Run this capture rank until its stream is sent (or there is none to send), its console copied to
     <run_dir>/logs/<time>-capture-rank<R>.log as a trainer rank's is (and its messages shown once)."""
     context = RunContext(cfg)
+    context.target_devices = [str(device) for device in link.devices]  # one GPU, or capture.gpus_per_worker of them
     started = time.strftime("%Y%m%d-%H%M%S")
     with console_copied_to(os.path.join(context.run_dir, "logs", f"{started}-capture-rank{link.rank}.log")):
         _stream(context, link)

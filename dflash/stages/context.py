@@ -39,6 +39,9 @@ class RunContext:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = resolve_device(self.settings.device, self.local_rank)
         self.show_progress = self.settings.show_progress
+        # The devices the target loads on when the launcher chose them (a capture rank of capture.transport=ranks);
+        # None: this rank's device, or its GPUs by capture.gpus_per_worker (below).
+        self.target_devices: list[str] | None = None
         self._target = None
 
     @property
@@ -50,7 +53,9 @@ class RunContext:
 
             t, c = self.settings.target, self.settings.capture
             device: str | list[str] = str(self.device)
-            if self.device.type == "cuda" and c.mode != "colocated":
+            if self.target_devices is not None:
+                device = self.target_devices if len(self.target_devices) > 1 else self.target_devices[0]
+            elif self.device.type == "cuda" and c.mode != "colocated":
                 from dflash.models.targets.placement import rank_devices, resolve_gpus_per_worker
 
                 g = resolve_gpus_per_worker(c.gpus_per_worker, dataclasses.asdict(t),

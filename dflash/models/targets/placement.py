@@ -239,3 +239,13 @@ def resolve_gpus_per_worker(setting: int | str | None, target: dict[str, Any], n
 def rank_devices(local_rank: int, gpus: int) -> list[str]:
     """The GPUs of capture process `local_rank` when each process takes `gpus` consecutive visible GPUs."""
     return [f"cuda:{local_rank * gpus + j}" for j in range(gpus)]
+
+
+def job_rank_devices(local_rank: int, local_trainers: int, gpus: int) -> list[str]:
+    """The GPUs of local rank `local_rank` in a one-node job whose first `local_trainers` ranks train on one GPU
+    each and whose other ranks capture on `gpus` consecutive GPUs each, visible in that order (trainer GPUs, then
+    capture GPUs: launch/one_node.sh)."""
+    if local_rank < local_trainers:
+        return [f"cuda:{local_rank}"]
+    first = local_trainers + (local_rank - local_trainers) * gpus
+    return [f"cuda:{first + j}" for j in range(gpus)]
