@@ -34,6 +34,7 @@ from dflash.eval.evaluate import load_prompt_sets  # noqa: E402
 from dflash.eval.expected_acceptance import expected_traces  # noqa: E402
 from dflash.eval.replay_estimate import sampled_continuations, target_pass_with_final  # noqa: E402
 from dflash.models.targets.load import load_target  # noqa: E402
+from dflash.models.targets.logit_transform import logits_from_hidden  # noqa: E402
 
 
 def perfect_drafter(head: torch.Tensor, transform, finals: list[torch.Tensor]):
@@ -47,8 +48,7 @@ def perfect_drafter(head: torch.Tensor, transform, finals: list[torch.Tensor]):
             # Block position k (k = 1..K) predicts token start + k from the target's state at start + k - 1.
             position = torch.clamp(torch.arange(start, start + width), max=final.shape[0] - 1)
             blocks.append(final[position.to(final.device)])
-        raw = torch.stack(blocks).to(head.dtype) @ head.T
-        return raw if transform is None else transform(raw)
+        return logits_from_hidden(torch.stack(blocks), head, transform)
     return logits
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from dflash.inference.sampling import DRAFT_SAMPLING
+from dflash.models.targets.logit_transform import logits_from_hidden
 
 # Elements of one [anchors, block positions, vocab] float32 tensor per chunk: bounds memory at 262k vocabularies.
 CHUNK_ELEMENTS = 1 << 25
@@ -158,9 +159,7 @@ def head_logits(hidden: Callable[[list[int], list[int], list[int]], torch.Tensor
     """DraftLogits of a drafter whose block output is hidden(rows, starts, sizes) [n, max size, H]
     (DrafterProposer.hidden), read through the target's lm_head weight `head` [V, H] and logit `transform`."""
     def logits(rows: list[int], starts: list[int], sizes: list[int]) -> torch.Tensor:
-        out = hidden(rows, starts, sizes)[:, 1:]
-        raw = out.to(device=head.device, dtype=head.dtype) @ head.T
-        return raw if transform is None else transform(raw)
+        return logits_from_hidden(hidden(rows, starts, sizes)[:, 1:], head, transform)
     return logits
 
 
@@ -207,8 +206,6 @@ def _chunk_survival(draft_logits: torch.Tensor, head: torch.Tensor, finals: list
     position = torch.minimum(position, lengths[:, None] - 2)
     states = torch.stack([finals[r][position[i].to(finals[r].device)].to(device) for i, r in enumerate(rows)])
     stored = torch.stack([torch.tensor(sequences[r])[position[i] + 1] for i, r in enumerate(rows)])
-    target_logits = states.to(head.dtype) @ head.T
-    if transform is not None:
-        target_logits = transform(target_logits)
+    target_logits = logits_from_hidden(states, head, transform)
     survival = block_survival(draft_logits.to(device), target_logits, stored, **rule).cpu().double()
     return (survival * inside.to(survival.dtype)).numpy().reshape(n, width)

@@ -28,15 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.inference.static_decode import resolve_engine
-from dflash.inference.drafter_cache import CachedDrafter
 from dflash.eval.metrics import PhaseTimer, StepTrace, synchronize
-from dflash.inference.sampling import (DRAFT_SAMPLING, accept_greedy, accept_greedy_drafts, accept_sampled, probabilities,
-                                  sample)
+from dflash.inference.drafter_cache import CachedDrafter
+from dflash.inference.sampling import (DRAFT_SAMPLING, accept_greedy, accept_greedy_drafts, accept_sampled,
+                                       probabilities, sample)
+from dflash.inference.static_decode import resolve_engine
 from dflash.inference.static_drafter import StaticDrafter, static_drafter
 from dflash.inference.static_target import StaticTarget, static_target
 from dflash.inference.target_cache import CachedTarget
 from dflash.models.drafter import DFlashDraftModel
+from dflash.models.targets.logit_transform import logits_from_hidden
 
 
 @dataclass
@@ -82,8 +83,7 @@ def draft_block_logits(context: CachedDrafter | StaticDrafter, adapter, anchor: 
     block = torch.full((size,), context.config.mask_token_id, dtype=torch.long, device=adapter.device)
     block[0] = anchor
     hidden = context.hidden(adapter.embed_tokens()(block))[1:]
-    head = adapter.lm_head_weight()
-    return adapter.logit_transform(hidden.to(device=head.device, dtype=head.dtype) @ head.T)
+    return logits_from_hidden(hidden, adapter.lm_head_weight(), adapter.logit_transform)
 
 
 @torch.inference_mode()

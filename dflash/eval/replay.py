@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.inference.drafter_cache import KeysValues, block_hidden, context_keys_values
 from dflash.eval.metrics import PhaseTimer, StepTrace
+from dflash.inference.drafter_cache import KeysValues, block_hidden, context_keys_values
 from dflash.models.drafter import DFlashDraftModel
+from dflash.models.targets.logit_transform import logits_from_hidden
 
 # propose(rows, starts, sizes) -> draft ids [len(rows), max(sizes) - 1] for blocks anchored at sequence positions
 # `starts`, row i a block of sizes[i] tokens (its drafts past sizes[i] - 1 are ignored).
@@ -222,9 +223,7 @@ class DrafterProposer:
     def __call__(self, rows: list[int], starts: list[int], size: int | list[int]) -> torch.Tensor:
         """Greedy drafts [len(rows), max size - 1] on the host (the Proposer of replay_steps)."""
         hidden = self.hidden(rows, starts, size)[:, 1:]
-        head = self.adapter.lm_head_weight()
-        logits = hidden.to(device=head.device, dtype=head.dtype) @ head.T
-        return logits.argmax(dim=-1).cpu()
+        return logits_from_hidden(hidden, self.adapter.lm_head_weight()).argmax(dim=-1).cpu()
 
 
 def replay_steps(

@@ -9,6 +9,8 @@ scale and the cap are monotonic, so greedy argmaxes never change; probabilities 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,3 +74,11 @@ def logit_transform_of(config: Any) -> LogitTransform:
             scale *= float(getattr(config, name))
     softcap = getattr(config, "final_logit_softcapping", None)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap else None)
+
+
+def logits_from_hidden(hidden: torch.Tensor, head: torch.Tensor,
+                       transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits [..., V] of final hidden states [..., H] through a target's head weight [V, H] (moved to its device
+    and dtype) and its logit transform (None: the raw logits, e.g. for an argmax, which a transform never moves)."""
+    raw = hidden.to(device=head.device, dtype=head.dtype) @ head.T
+    return raw if transform is None else transform(raw)
