@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from dflash.extract.feature_checks import (  # noqa: F401 - feature_flags: callers import the checks from here
-    check_features, crosscheck_sample, feature_flags, packed_feature_flags, raise_on_bad_features,
+from dflash.extract.feature_checks import (
+    check_features, crosscheck_sample, packed_feature_flags, raise_on_bad_features,
 )
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
 from dflash.host_copy import host_to_device

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
 from dflash.data.feature_source import FeatureSource, Sample
-from dflash.extract.capture import feature_flags, raise_on_bad_features
+from dflash.extract.feature_checks import feature_flags, raise_on_bad_features
 from dflash.host_copy import host_to_device
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
