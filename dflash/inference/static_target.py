@@ -3,7 +3,7 @@
 CachedTarget (target_cache.py) drives the HF model over a DynamicCache: each forward re-dispatches hundreds of
 small kernels from Python, so on a GPU a small target is launch-bound and the measured speedup says more about
 Python than about the drafter. StaticTarget runs the target's own HF submodules under the attention math of
-static decoding (inference/static_decode.py, TargetLayout) over one preallocated KV row. On CUDA the fixed-shape
+static decoding (the adapter's static_layout(), dflash/models/targets/layout.py) over one preallocated KV row. On CUDA the fixed-shape
 forwards (1 token for target-only decoding, block_size tokens for a verify) replay CUDA graphs, one per (tokens,
 attention span), all captured when the StaticTarget is built; a prefill (any length) and other sizes run eagerly.
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.inference.row_schedule import round_up
-from dflash.inference.static_decode import LENGTH_QUANTUM, TargetLayout, unsupported_reason
+from dflash.inference.static_decode import LENGTH_QUANTUM
 from dflash.inference.cuda_graphs import capture_graphs, replay
 from dflash.inference.static_objects import kept_object
 from dflash.inference.target_cache import check_rollback, token_ids
@@ -45,13 +45,13 @@ class StaticTarget:
     @torch.inference_mode()
     def __init__(self, adapter, layer_ids: list[int], capacity: int, graph_sizes: Sequence[int] = (),
                  cuda_graphs: bool | None = None) -> None:
-        reason = unsupported_reason(adapter)
+        reason = adapter.static_layout_problem()
         if reason is not None:
             raise ValueError(f"the static live target does not support this target: {reason}")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 position, got {capacity}")
         self.layer_ids = adapter.check_layer_ids(layer_ids) if layer_ids else []
-        self.layout = lay = TargetLayout.of(adapter)
+        self.layout = lay = adapter.static_layout()
         self.capacity = round_up(capacity, LENGTH_QUANTUM)
         shape = (1, lay.kv_heads, self.capacity, lay.head_dim)
         self.keys = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dflash.host_copy import host_to_device
+from dflash.models.targets.layout import TargetLayout, layout_problem
 from dflash.models.targets.logit_transform import logit_transform_of
 from dflash.models.targets.packed_attention import OffsetsNotPassed, packed_attention
 
@@ -96,6 +97,15 @@ class TargetAdapter:
     def final_norm(self) -> nn.Module:
         """The text model's last norm: its output is the LM head's input."""
         return self.text_model().norm
+
+    def static_layout_problem(self) -> str | None:
+        """Why the static engines (dflash/inference/) cannot run this target's layers, or None when they can."""
+        return layout_problem(self)
+
+    def static_layout(self) -> TargetLayout:
+        """The target's modules and layer forward for the static engines: a dense Llama-layout layer here; a family
+        whose layer differs overrides this and static_layout_problem()."""
+        return TargetLayout.of(self)
 
     @classmethod
     def layout_of(cls, model: nn.Module) -> TargetAdapter:
