@@ -176,8 +176,8 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
 
 
 def run_role(cfg: DictConfig) -> dict[str, Any] | None:
-    """The pipeline, or this process's role in a job whose last ranks capture for the others (capture=online,
-    capture.transport=ranks, dflash/extract/rank_link.py)."""
+    """The pipeline, or this process's role in a job some of whose ranks capture for the others (capture=online,
+    capture.transport=ranks: the job's or every node's last ranks, dflash/extract/rank_link.py)."""
     from dflash.config import settings_from
 
     c = settings_from(cfg).capture
@@ -186,7 +186,7 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
     from dflash.extract.rank_link import capture_gpus, open_link
 
     link = open_link(c.ranks, str(cfg.device), c.timeout_s,
-                     capture_gpus(c, dataclasses.asdict(settings_from(cfg).target)))
+                     capture_gpus(c, dataclasses.asdict(settings_from(cfg).target)), c.ranks_per_node)
     if link.is_capture:
         from dflash.stages.capture_role import serve_capture
 
@@ -197,7 +197,7 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
     try:
         return pipeline.run()
     finally:
-        if link.rank == 0 and not link.announced():
+        if link.trainer_index == 0 and not link.announced():
             link.announce(None)  # no training in this start (stages, up to date, or failed): the capture ranks exit
 
 

@@ -1,8 +1,41 @@
 #!/usr/bin/env bash
 # Several nodes, one call per node, run_dir on a shared filesystem; data + capture must have run already
-# (launch/one_node.sh ... 'stages=[data,capture]' on one node).
+# (launch/one_node.sh ... 'stages=[data,capture]' on one node). Every node has GPUS_PER_NODE (8) GPUs, one trainer
+# rank each, except with capture=online capture.transport=ranks (dflash/extract/rank_link.py), where torchrun also
+# restarts the job MAX_RESTARTS (3) times after a rank dies:
+#   capture.ranks=C             the job's last C ranks capture, one GPU each: every node runs GPUS_PER_NODE ranks,
+#                               the last node(s)' GPUs capturing (capture.gpus_per_worker > 1: one node only)
+#   capture.ranks_per_node=k    every node's last k ranks capture on capture.gpus_per_worker = g GPUs each:
+#                               GPUS_PER_NODE - k*g trainer ranks (GPUs 0 ..), then k capture ranks (the last GPUs)
 # Usage: launch/multi_node.sh NNODES NODE_RANK MASTER_ADDR [hydra overrides...]
+#   e.g. launch/multi_node.sh 2 R HOST +experiment=qwen36 capture=online capture.transport=ranks \
+#        capture.ranks_per_node=2 run_dir=/shared/runs/qwen36          # node R of 2: 6 trainers + 2 capture ranks
+# The rendezvous is static at MASTER_ADDR:MASTER_PORT (29500); RDZV_BACKEND=c10d makes it torchrun's dynamic one
+# there (launch/slurm.sbatch). DRY_RUN=1 prints the command without running it.
 set -euo pipefail
 nnodes=$1 node_rank=$2 master=$3; shift 3
-torchrun --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "${GPUS_PER_NODE:-8}" \
-  --master_addr "$master" --master_port "${MASTER_PORT:-29500}" -m dflash.train "$@" 'stages=[train]'
+settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed config's settings as shell assignments
+eval "$settings"
+gpus=${GPUS_PER_NODE:-8}
+nproc=$gpus restarts=()
+if [ "$capture_mode" = online ] && [ "$transport" = ranks ]; then
+  restarts=(--max-restarts "${MAX_RESTARTS:-3}")
+  if [ -n "$ranks_per_node" ]; then
+    nproc=$((gpus - ranks_per_node * gpus_per_worker + ranks_per_node))
+  elif [ "$gpus_per_worker" != 1 ] && [ "$nnodes" != 1 ]; then
+    echo "multi_node.sh: capture.gpus_per_worker=$gpus_per_worker with the job's last capture.ranks ranks capturing" \
+      "runs on one node only: set capture.ranks_per_node (every node's last ranks capture) or give each capture" \
+      "rank one GPU" >&2
+    exit 2
+  fi
+fi
+run() {  # print a command, then run it unless DRY_RUN=1
+  echo "+ $*"
+  if [ "${DRY_RUN:-0}" != 1 ]; then "$@"; fi
+}
+rendezvous=(--master_addr "$master" --master_port "${MASTER_PORT:-29500}")
+if [ "${RDZV_BACKEND:-static}" = c10d ]; then
+  rendezvous=(--rdzv_backend c10d --rdzv_endpoint "$master:${MASTER_PORT:-29500}")
+fi
+run torchrun --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" "${restarts[@]}" \
+  "${rendezvous[@]}" -m dflash.train "$@" 'stages=[train]'

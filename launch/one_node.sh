@@ -9,29 +9,7 @@
 # Usage: launch/one_node.sh [hydra overrides...]   e.g. launch/one_node.sh +experiment=qwen36 target.path=/models/x
 # DRY_RUN=1 prints the commands without running them.
 set -euo pipefail
-# The composed config's settings as shell assignments (one config composition for all of them).
-settings=$(python - "$@" <<'PY'
-import shlex
-import sys
-
-from omegaconf import OmegaConf
-
-from dflash.config import compose
-from dflash.models.targets.placement import resolve_gpus_per_worker
-
-cfg = compose(sys.argv[1:])
-listed = lambda node: "" if node is None else ",".join(str(d) for d in node)  # noqa: E731
-capture = listed(cfg.capture.devices)
-setting = cfg.capture.get("gpus_per_worker", 1) if str(cfg.capture.mode) != "colocated" else 1
-gpus = resolve_gpus_per_worker(setting, OmegaConf.to_container(cfg.target, resolve=True),
-                               len(capture.split(",")) if capture else 1)
-values = {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
-          "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus,
-          "transport": str(cfg.capture.get("transport", "spool"))}
-for key, value in values.items():
-    print(f"{key}={shlex.quote(str(value))}")
-PY
-)
+settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed config's settings as shell assignments
 eval "$settings"
 run() {  # print a command, then run it unless DRY_RUN=1
   echo "+ $*"
@@ -41,6 +19,11 @@ ncapture=$(awk -F, '{print NF}' <<<"$capture_devices")
 nworkers=$((ncapture / gpus_per_worker))
 first_worker=$(cut -d, -f1-"$gpus_per_worker" <<<"$capture_devices")  # the GPUs of capture worker 0
 ntrain=$(awk -F, '{print NF}' <<<"$train_devices")
+if [ "$transport" = ranks ] && [ -n "$ranks_per_node" ] && [ "$ranks_per_node" != "$nworkers" ]; then
+  echo "one_node.sh: capture.ranks_per_node=$ranks_per_node, but capture.devices=[$capture_devices] makes" \
+    "$nworkers capture rank(s) of $gpus_per_worker GPU(s) on this node: list them in capture.devices" >&2
+  exit 2
+fi
 run env CUDA_VISIBLE_DEVICES="$first_worker" python -m dflash.train "$@" 'stages=[data]'
 if [ "$capture_mode" = offline ]; then
   run env CUDA_VISIBLE_DEVICES="$capture_devices" torchrun --standalone --nproc_per_node "$nworkers" \

@@ -71,3 +71,49 @@ def test_gpus_per_worker_must_divide_the_capture_gpus():
     done = one_node("capture.devices=[0,1,2]", "capture.gpus_per_worker=2", dry_run=True)
     assert done.returncode != 0 and "does not divide the 3 capture GPU" in done.stderr
     assert "+ env" not in done.stdout
+
+
+def multi_node(node_rank: int, *overrides: str, script: str = "multi_node.sh") -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch" / script), "2", str(node_rank), "nodeA", "+experiment=tiny",
+                           *overrides], cwd=REPO, env={**ENV, "DRY_RUN": "1", "GPUS_PER_NODE": "8"},
+                          capture_output=True, text=True, timeout=600)
+
+
+def torchrun_lines(done: subprocess.CompletedProcess) -> list[str]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if line.startswith("+ torchrun ")]
+
+
+@pytest.mark.slow
+def test_dry_run_of_several_nodes_runs_trainer_gpus_plus_capture_ranks_on_each():
+    online = ("capture=online", "capture.transport=ranks")
+    [plain] = torchrun_lines(multi_node(1))
+    assert plain.startswith("+ torchrun --nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr nodeA ")
+    assert "--max-restarts" not in plain and plain.endswith("stages=[train]")
+    # The job's last 8 ranks capture (node 1's GPUs): every node runs 8 ranks, restarted after a rank dies.
+    [last] = torchrun_lines(multi_node(0, *online, "capture.ranks=8"))
+    assert last.startswith("+ torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --max-restarts 3 ")
+    # Every node's last 2 ranks capture on 2 GPUs each: 4 trainer GPUs + 2 capture ranks a node.
+    [every] = torchrun_lines(multi_node(1, *online, "capture.ranks_per_node=2", "capture.gpus_per_worker=2"))
+    assert every.startswith("+ torchrun --nnodes 2 --node_rank 1 --nproc_per_node 6 --max-restarts 3 ")
+    # A capture rank of several GPUs with the job's last ranks capturing: one node only, refused before any work.
+    refused = multi_node(0, *online, "capture.gpus_per_worker=2")
+    assert refused.returncode == 2 and "set capture.ranks_per_node" in refused.stderr and "+ " not in refused.stdout
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_slurm_job_runs_multi_node_on_every_node(tmp_path):
+    """srun and scontrol stand-ins: srun runs its command once per node with that node's SLURM_NODEID."""
+    (tmp_path / "srun").write_text('#!/usr/bin/env bash\nfor id in 0 1; do SLURM_NODEID=$id "$@"; done\n')
+    (tmp_path / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'nodeA\\nnodeB\\n'\n")
+    for stand_in in ("srun", "scontrol"):
+        (tmp_path / stand_in).chmod(0o755)
+    env = {**ENV, "DRY_RUN": "1", "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_SUBMIT_DIR": str(REPO)}
+    done = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), "+experiment=tiny", "capture=online",
+                           "capture.transport=ranks", "capture.ranks_per_node=1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    nodes = torchrun_lines(done)
+    assert [line.split("--node_rank ")[1].split()[0] for line in nodes] == ["0", "1"]
+    assert all("--nproc_per_node 8 --max-restarts 3 --rdzv_backend c10d --rdzv_endpoint nodeA:29500 " in line
+               for line in nodes)

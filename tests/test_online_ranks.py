@@ -37,15 +37,26 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def run_job(run_dir: Path, data_dir: Path, captures: int, trainers: int, point: str = "none",
-            extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+            extra: tuple[str, ...] = (), nodes: int = 1) -> subprocess.CompletedProcess:
+    """One torchrun job of captures + trainers ranks; with nodes > 1, one torchrun per node (static rendezvous on
+    this machine), each node's last captures / nodes ranks capturing (capture.ranks_per_node)."""
     run_dir.mkdir()
     shutil.copytree(data_dir, run_dir / "data")
     overrides = ONLINE + [f"run_dir={run_dir}", "stages=[data,capture,train]", f"capture.ranks={captures}",
                           f"train.micro_batch_size={4 // trainers}", *extra]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(captures + trainers),
-               "--master_port", str(free_port()), "--max-restarts", "1", str(CHILD), point, *overrides]
+    if nodes > 1:
+        overrides.append(f"capture.ranks_per_node={captures // nodes}")
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    launches = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
+         "--nproc_per_node", str((captures + trainers) // nodes), "--master_addr", "127.0.0.1", "--master_port",
+         str(port), "--max-restarts", "1", str(CHILD), point, *overrides],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(nodes)]
+    outputs = [launch.communicate(timeout=400) for launch in launches]
+    return subprocess.CompletedProcess(
+        [launch.args for launch in launches], max(launch.returncode for launch in launches),
+        "".join(out for out, _ in outputs), "".join(err for _, err in outputs))
 
 
 def assert_offline_losses(run_dir: Path, job: subprocess.CompletedProcess) -> None:
@@ -76,6 +87,20 @@ def test_capture_ranks_feed_trainer_ranks_the_offline_losses(tmp_path, data_dir,
     sent = [line for line in job.stdout.splitlines() if "sent" in line and "micro-batches" in line]
     assert len(sent) == captures, job.stdout[-3000:]
     assert len(list((run_dir / "logs").glob("*-capture-rank*.log"))) == captures
+
+
+def test_on_two_nodes_every_nodes_capture_rank_feeds_its_trainer_the_offline_losses(tmp_path, data_dir):
+    """Two torchrun nodes on this machine, 1 trainer + 1 capture rank each (capture.ranks_per_node=1): job ranks 0
+    (trainer 0), 1 (capture), 2 (trainer 1), 3 (capture); each capture rank serves its node's trainer only, the
+    first epoch's samples kept in the shared feature cache."""
+    run_dir = tmp_path / "run"
+    job = run_job(run_dir, data_dir, 2, 2, extra=("capture.cache=true",), nodes=2)
+    assert_offline_losses(run_dir, job)
+    steps = len(json.loads(STORED_CURVE.read_text())["loss"])
+    sent = sorted(int(n) for n in re.findall(r"sent (\d+) micro-batches", job.stdout))
+    assert sent == [steps // 3, steps // 3], job.stdout[-3000:]  # the first epoch of its node's trainer each
+    assert sorted(path.name.split("-")[-1] for path in (run_dir / "logs").glob("*-capture-rank*.log")) == \
+        ["rank1.log", "rank3.log"]
 
 
 @pytest.mark.parametrize("point,captures,trainers", [("capture", 2, 1), ("trainer", 1, 2)])

@@ -53,6 +53,28 @@ def test_units_deal_the_batch_plan_and_split_between_capture_and_trainer_ranks()
         every = sorted(u for c in range(2) for u in stream.capture_units(c, 2, first_step))
         assert every == list(range(stream.first_unit(first_step), stream.num_units))
         assert sorted(u for r in range(3) for u in stream.trainer_units(r, first_step)) == every
+        assert all(u % 2 == c for c in range(2) for u in stream.capture_units(c, 2, first_step))  # one group: u % C
+
+
+def test_every_node_layout_keeps_each_nodes_units_on_its_own_capture_ranks():
+    """2 nodes of 3 ranks, the last of each capturing: trainers 0, 1 on job ranks 0, 1 (node 0) and 2, 3 on 3, 4
+    (node 1); each node's units go round-robin over its own capture ranks, none made twice, from any step."""
+    from dflash.extract.rank_link import every_node_layout, last_ranks_layout
+
+    layout = every_node_layout(6, 3, 1)
+    assert (layout.trainer_ranks, layout.capture_ranks) == ((0, 1, 3, 4), (2, 5))
+    assert [(g.trainers, g.captures) for g in layout.groups] == [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]
+    assert layout.group_of(4) == layout.group_of(5) == layout.groups[1]
+    assert every_node_layout(4, 4, 2) == last_ranks_layout(4, 2)  # one node: the job's last ranks
+    plan = BatchPlan(len(LENGTHS), micro_batch_size=1, world_size=4, grad_accum=2, seed=5)
+    stream = UnitStream(plan, epochs=2)
+    for first_step in (0, 3):
+        for trainers in (range(0, 2), range(2, 4)):
+            made = [list(stream.capture_units(c, 2, first_step, trainers)) for c in range(2)]  # 2 capture ranks
+            assert all(stream.maker(u, 2, trainers) == c for c, units in enumerate(made) for u in units)
+            assert all(units == sorted(units) for units in made)
+            assert sorted(made[0] + made[1]) == sorted(u for r in trainers for u in stream.trainer_units(r, first_step))
+            assert len(made[0]) == len(made[1])  # a node's capture ranks share its units evenly
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -77,15 +99,20 @@ def test_a_unit_travels_as_a_header_and_its_tensors_into_the_padded_micro_batch(
 
 
 def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, results) -> None:
+    """Job rank `rank`; with spec["nodes"] the job's ranks are split into that many nodes, each node's last
+    captures / nodes ranks capturing (capture.ranks_per_node)."""
+    nodes = spec.get("nodes")
+    local_world_size = world_size // nodes if nodes else world_size
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_world_size),
+                       "LOCAL_WORLD_SIZE": str(local_world_size)})
     from dflash.extract.capture_sender import CaptureSender
     from dflash.extract.feature_cache import FeatureCache
     from dflash.extract.linked_source import LinkedFeatureSource
     from dflash.extract.rank_link import open_link
 
     torch.set_num_threads(1)
-    link = open_link(captures, "cpu", spec["timeout_s"])
+    link = open_link(captures, "cpu", spec["timeout_s"], ranks_per_node=captures // nodes if nodes else None)
     plan = BatchPlan(len(LENGTHS), spec["micro_batch_size"], link.trainers, spec["grad_accum"], seed=3)
     stream = UnitStream(plan, spec["epochs"])
     cache = FeatureCache(spec["cache_dir"]) if spec.get("cache_dir") else None
@@ -101,7 +128,8 @@ def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, resu
             results[f"done-{rank}"] = True
             results[rank] = sender.units_sent
             return
-        source = LinkedFeatureSource(link, stream, rank, spec["first_step"], spec["in_flight"], cache)
+        trainer = link.trainer_index
+        source = LinkedFeatureSource(link, stream, trainer, spec["first_step"], spec["in_flight"], cache)
         read = []
         for step in range(spec["first_step"], spec.get("stop_at", spec["epochs"] * plan.steps_per_epoch)):
             epoch, in_epoch = divmod(step, plan.steps_per_epoch)
@@ -109,11 +137,11 @@ def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, resu
                 # The capture ranks must be done once the captured epoch is taken, not wait for this rank's stop
                 # until it finishes reading the cached epochs (longer than their receive timeout in a real run).
                 deadline = time.monotonic() + 60
-                while not all(f"done-{c}" in results for c in range(link.trainers, world_size)):
+                while not all(f"done-{c}" in results for c in link.layout.capture_ranks):
                     assert time.monotonic() < deadline, "the capture ranks still wait while the cache is read"
                     time.sleep(0.05)
                 results[f"captures-done-{rank}"] = True
-            for micro in plan.micro_batches(epoch, in_epoch, rank):
+            for micro in plan.micro_batches(epoch, in_epoch, trainer):
                 indices = [i for i, _ in micro]
                 batch = source.micro_batch(indices)
                 expected = torch.stack([torch.nn.functional.pad(decode_single(stored_sample(i))["hidden"],
@@ -152,6 +180,22 @@ def test_two_capture_ranks_feed_two_trainer_ranks_every_micro_batch_once_from_th
                     for micro in plan.micro_batches(*divmod(step, plan.steps_per_epoch), rank)]
         assert results[rank] == expected
     assert results[2] + results[3] == 2 * (2 * plan.steps_per_epoch - 2) * 2  # units sent, none twice
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_on_two_nodes_each_nodes_capture_rank_feeds_the_nodes_trainers():
+    """Two nodes of 2 trainers + 1 capture rank (capture.ranks_per_node=1): job ranks 0, 1 | 2 and 3, 4 | 5;
+    trainers 2 and 3 run on job ranks 3 and 4 and read every micro-batch of theirs once, from node 1's capture
+    rank only."""
+    results = run_roles(2, 4, first_step=1, nodes=2, in_flight=2, micro_batch_size=1)
+    plan = BatchPlan(len(LENGTHS), 1, 4, 2, seed=3)
+    steps = 2 * plan.steps_per_epoch
+    for trainer, job_rank in enumerate([0, 1, 3, 4]):
+        expected = [[i for i, _ in micro] for step in range(1, steps)
+                    for micro in plan.micro_batches(*divmod(step, plan.steps_per_epoch), trainer)]
+        assert results[job_rank] == expected, results
+    assert results[2] == results[5] == (steps - 1) * 2 * 2  # each node's units: 2 micro-steps x 2 trainers a step
 
 
 @pytest.mark.slow
@@ -209,14 +253,30 @@ def test_a_capture_rank_of_several_gpus_takes_them_after_the_trainers_one_each(m
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
-    layout = [rank_link.rank_devices("auto", r, 5, 3, 2) for r in range(5)]
+    _, local_trainers = rank_link.job_layout(5, 4, 4, 2, None)
+    layout = [rank_link.rank_devices("auto", r, local_trainers, 2) for r in range(5)]
     assert [[str(d) for d in devices] for devices in layout] == [
         ["cuda:0"], ["cuda:1"], ["cuda:2"], ["cuda:3", "cuda:4"], ["cuda:5", "cuda:6"]]
-    assert [str(d) for d in rank_link.rank_devices("auto", 4, 5, 3, 1)] == ["cuda:4"]  # one GPU each: LOCAL_RANK
-    assert [str(d) for d in rank_link.rank_devices("cuda:0", 4, 5, 3, 2)] == ["cuda:0"]  # a named device as named
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 5 ranks over two nodes
-    with pytest.raises(ConfigError, match="one node"):
-        rank_link.rank_devices("auto", 4, 5, 3, 2)
+    assert [str(d) for d in rank_link.rank_devices("auto", 4, 3, 1)] == ["cuda:4"]  # one GPU each: LOCAL_RANK
+    assert [str(d) for d in rank_link.rank_devices("cuda:0", 4, 3, 2)] == ["cuda:0"]  # a named device as named
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 6 ranks over two nodes: each node's layout is the same
+    _, local_trainers = rank_link.job_layout(6, 5, 2, 1, ranks_per_node=1)
+    assert [str(d) for d in rank_link.rank_devices("auto", 2, local_trainers, 2)] == ["cuda:2", "cuda:3"]
+    _, local_trainers = rank_link.job_layout(6, 5, 2, 2, None)  # the job's last 2 ranks: node 1 only
+    with pytest.raises(ConfigError, match="one node only; on several nodes set capture.ranks_per_node"):
+        rank_link.rank_devices("auto", 2, local_trainers, 2)
+
+
+def test_every_node_layout_needs_the_same_ranks_on_every_node_and_a_trainer_on_each(monkeypatch):
+    from dflash.config import ConfigError
+    from dflash.extract import rank_link
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="same number of ranks on every node"):
+        rank_link.job_layout(5, 4, 1, 1, ranks_per_node=1)  # 3 + 2 ranks
+    with pytest.raises(ConfigError, match="capture.ranks_per_node=3 capture rank.* on every node, but a node of "
+                                          "this job has 3 process"):
+        rank_link.job_layout(6, 0, 0, 1, ranks_per_node=3)
 
 
 def test_the_capture_gpus_must_make_whole_capture_ranks(monkeypatch):
@@ -227,7 +287,10 @@ def test_the_capture_gpus_must_make_whole_capture_ranks(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     target = {"kind": "tiny"}
-    assert capture_gpus(SimpleNamespace(devices=[0, 1, 2, 3], gpus_per_worker=2, ranks=2), target) == 2
-    assert capture_gpus(SimpleNamespace(devices=None, gpus_per_worker=2, ranks=3), target) == 2
+    def capture(devices, ranks, ranks_per_node=None):
+        return SimpleNamespace(devices=devices, gpus_per_worker=2, ranks=ranks, ranks_per_node=ranks_per_node)
+    assert capture_gpus(capture([0, 1, 2, 3], 2), target) == 2
+    assert capture_gpus(capture(None, 3), target) == 2
+    assert capture_gpus(capture([4, 5, 6, 7], 1, ranks_per_node=2), target) == 2  # a node's capture GPUs
     with pytest.raises(ConfigError, match="capture.devices lists 4 GPU.*capture.ranks=1 .* need 2"):
-        capture_gpus(SimpleNamespace(devices=[0, 1, 2, 3], gpus_per_worker=2, ranks=1), target)
+        capture_gpus(capture([0, 1, 2, 3], 1), target)

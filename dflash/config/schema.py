@@ -324,6 +324,9 @@ class OnlineCapture(CaptureSettings):
                                                       "last capture.ranks ranks capture and send by torch.distributed")
     ranks: int = setting(1, affects=(), doc="transport=ranks: the job's ranks that capture (the last ones), each on "
                                             "gpus_per_worker GPUs")
+    ranks_per_node: Optional[int] = setting(None, affects=(), doc="transport=ranks: null: the job's last capture.ranks "
+                                                                  "ranks capture; k: the last k ranks of every node "
+                                                                  "capture for that node's trainers")
     in_flight: int = setting(4, affects=(), doc="transport=ranks: micro-batches made ahead per trainer rank")
 
     def __post_init__(self) -> None:
@@ -335,7 +338,7 @@ class OnlineCapture(CaptureSettings):
         for key in ("budget_bytes", "chunk_items", "stale_after_s", "timeout_s", "ranks", "in_flight"):
             _positive(f"capture.{key}", getattr(self, key))
         require(self.max_restarts >= 0, "capture.max_restarts", self.max_restarts, "an int >= 0")
-        for key in ("num_workers", "threads", "cache_budget_bytes"):
+        for key in ("num_workers", "threads", "cache_budget_bytes", "ranks_per_node"):
             _optional_positive(f"capture.{key}", getattr(self, key))
         if self.workers == "external":
             require(self.num_workers is not None, "capture.num_workers", self.num_workers,

@@ -52,28 +52,31 @@ def target_producer(adapter: "TargetAdapter", dataset: Any, layer_ids: list[int]
 
 
 class CaptureSender:
-    """Capture rank `link.capture_index`'s units of `stream` from `first_step` on."""
+    """Capture rank `link.capture_index`'s units of `stream` from `first_step` on: its share of the units of the
+    trainer ranks of its group (link.group). Trainers are named by their index among the trainers."""
 
     def __init__(self, link: RankLink, stream: UnitStream, first_step: int, produce: Producer, lengths: list[int],
                  *, batch_tokens: int, in_flight: int) -> None:
         self.link, self.stream, self.produce, self.lengths = link, stream, produce, lengths
-        self.units = stream.capture_units(link.capture_index, link.captures, first_step)
+        group = link.group
+        self.units = stream.capture_units(group.captures.index(link.capture_index), len(group.captures), first_step,
+                                          group.trainers)
         self.batch_tokens, self.in_flight = batch_tokens, in_flight
-        self.credits = {r: self._post_credit(r) for r in range(link.trainers)}  # each trainer's next credit
+        self.credits = {t: self._post_credit(t) for t in group.trainers}  # each trainer's next credit
         self.stopped: set[int] = set()
-        self.sent: dict[int, deque] = {r: deque() for r in range(link.trainers)}  # sends in flight, per trainer
+        self.sent: dict[int, deque] = {t: deque() for t in group.trainers}  # sends in flight, per trainer
         # Throughput counters: tokens captured and seconds spent capturing (waits for credits excluded).
         self.tokens_captured, self.units_sent, self.capture_s, self.wait_s = 0, 0, 0.0, 0.0
 
     def _post_credit(self, trainer: int) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(1, dtype=torch.int64)
-        return buffer, self.link.control.recv([buffer], trainer, CREDIT)
+        return buffer, self.link.control.recv([buffer], self.link.trainer_rank(trainer), CREDIT)
 
     def _credit(self, trainer: int, what: str) -> int:
         """The next credit of `trainer` (a unit number, or STOP); a new receive is posted behind a unit's credit."""
         buffer, receive = self.credits[trainer]
         started = time.monotonic()
-        waited(receive, what, trainer, self.link)
+        waited(receive, what, self.link.trainer_rank(trainer), self.link)
         self.wait_s += time.monotonic() - started
         value = int(buffer[0])
         if value == STOP:
@@ -86,7 +89,7 @@ class CaptureSender:
         """This rank's units in order, grouped into captures of about batch_tokens tokens."""
         batch, tokens = [], 0
         for u in self.units:
-            if len(self.stopped) == self.link.trainers:
+            if len(self.stopped) == len(self.credits):
                 break
             if self.stream.trainer_of(u) in self.stopped:
                 continue
@@ -109,13 +112,13 @@ class CaptureSender:
             for u, indices in batch:
                 unit_samples, samples = samples[:len(indices)], samples[len(indices):]
                 self._send(u, indices, unit_samples)
-        for trainer in range(self.link.trainers):
+        for trainer in self.credits:
             if trainer not in self.stopped and self._credit(trainer, "the stop") != STOP:
                 raise RuntimeError(f"online capture, rank {self.link.rank}: trainer rank {trainer} asked for more "
                                    "micro-batches than its stream holds")
         for trainer, sends in self.sent.items():
             while sends:
-                waited(sends.popleft()[0], "a micro-batch's send", trainer, self.link)
+                waited(sends.popleft()[0], "a micro-batch's send", self.link.trainer_rank(trainer), self.link)
 
     def _send(self, u: int, indices: list[int], samples: list[dict[str, torch.Tensor]]) -> None:
         trainer = self.stream.trainer_of(u)
@@ -129,13 +132,14 @@ class CaptureSender:
                                f"{credit} where {u} was due: the trainer's batch plan differs from this rank's")
         header, *tensors = encode_unit(u, indices, samples)
         tensors = [t.to(self.link.wire) for t in tensors]
-        works = [self.link.control.send([header], trainer, HEADER)]
-        works += [self.link.data.send([t], trainer, DATA) for t in tensors]
+        peer = self.link.trainer_rank(trainer)
+        works = [self.link.control.send([header], peer, HEADER)]
+        works += [self.link.data.send([t], peer, DATA) for t in tensors]
         sends = self.sent[trainer]
         sends.extend((work, [header, *tensors]) for work in works)
         # A credit for u means the trainer took every unit of its more than in_flight units before: those are done.
         while len(sends) > len(works) * (self.in_flight + 1):
-            waited(sends.popleft()[0], "a micro-batch's send", trainer, self.link)
+            waited(sends.popleft()[0], "a micro-batch's send", peer, self.link)
         self.units_sent += 1
 
     def stats(self) -> dict:

@@ -11,9 +11,9 @@ receive posted for it.
 With a feature cache (capture.cache) the capture ranks make the first epoch only: this rank keeps each sample it
 receives there, and reads the micro-batches of later epochs back from it.
 
-A trainer rank sends each capture rank a stop credit (-1) once it took its last captured unit, and `close` (which
-ends the stream early or on time) takes (and drops) the units it gave credits for and sends the stop if it was not
-sent yet, so no send or receive is left pending on either side.
+A trainer rank sends each capture rank of its group (rank_link.RankGroup) a stop credit (-1) once it took its last
+captured unit, and `close` (which ends the stream early or on time) takes (and drops) the units it gave credits for
+and sends the stop if it was not sent yet, so no send or receive is left pending on either side.
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ STOP = -1
 
 
 def waited(work, what: str, peer: int, link: RankLink) -> None:
-    """Wait for a point-to-point operation; a hang ends in TimeoutError and a peer that is gone in RuntimeError,
-    each naming the peer's job rank and role."""
+    """Wait for a point-to-point operation with job rank `peer`; a hang ends in TimeoutError and a peer that is
+    gone in RuntimeError, each naming the peer (RankLink.name)."""
     try:
         work.wait()
     except RuntimeError as error:
-        role = "capture" if peer >= link.trainers else "trainer"
         if "imed out" in str(error):
-            raise TimeoutError(f"online capture, rank {link.rank}: {what} from {role} rank {peer} did not come within "
+            raise TimeoutError(f"online capture, rank {link.rank}: {what} from {link.name(peer)} did not come within "
                                f"capture.timeout_s={link.timeout_s:g} s: is rank {peer} hung?") from error
-        raise RuntimeError(f"online capture, rank {link.rank}: {what} with {role} rank {peer} failed (rank {peer} "
+        raise RuntimeError(f"online capture, rank {link.rank}: {what} with {link.name(peer)} failed (rank {peer} "
                            f"is gone?): {error}") from error
 
 
@@ -78,7 +77,9 @@ class LinkedFeatureSource(FeatureSource):
         raise TypeError("the online stream hands out whole micro-batches in plan order (micro_batch), not samples")
 
     def _producer(self, u: int) -> int:
-        return self.link.capture_rank(u % self.link.captures)
+        """The job rank of the capture rank that makes unit u: one of this rank's group (its node's, or all)."""
+        group = self.link.group
+        return self.link.capture_rank(group.captures[self.stream.maker(u, len(group.captures), group.trainers)])
 
     def _credit_next(self) -> None:
         u = next(self.units, None)
@@ -98,7 +99,7 @@ class LinkedFeatureSource(FeatureSource):
         waited(credit[0], f"the credit of micro-batch {u}", producer, self.link)  # taken: it was answered
         unit = UnitHeader.parse(header)
         if unit.unit != u:
-            raise RuntimeError(f"online capture, rank {self.link.rank}: capture rank {producer} sent micro-batch "
+            raise RuntimeError(f"online capture, rank {self.link.rank}: {self.link.name(producer)} sent micro-batch "
                                f"{unit.unit} where {u} was due")
 
         def recv(buffer: torch.Tensor) -> None:
@@ -143,7 +144,7 @@ class LinkedFeatureSource(FeatureSource):
             self._stop()
 
     def close(self) -> None:
-        """Take and drop the credited units, then tell every capture rank this rank needs no more."""
+        """Take and drop the credited units, then tell the capture ranks of its group it needs no more."""
         if self.closed:
             return
         self.closed = True
@@ -156,6 +157,6 @@ class LinkedFeatureSource(FeatureSource):
             return
         self.stopped = True
         stop = torch.tensor([STOP], dtype=torch.int64)
-        peers = [self.link.capture_rank(capture) for capture in range(self.link.captures)]
+        peers = [self.link.capture_rank(capture) for capture in self.link.group.captures]
         for peer, send in [(peer, self.link.control.send([stop], peer, CREDIT)) for peer in peers]:
             waited(send, "the stop", peer, self.link)

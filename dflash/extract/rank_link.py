@@ -1,19 +1,26 @@
-"""One launch, two roles (capture=online, capture.transport=ranks): in one torchrun job of N ranks the last
-`capture.ranks` capture and the first N - capture.ranks train.
+"""One launch, two roles (capture=online, capture.transport=ranks): some ranks of one torchrun job capture, the
+others train. Two layouts (RankLayout):
+  the job's last ranks  (capture.ranks=C, the default) the last C ranks of the job capture, the first T = N - C
+                        train; on several nodes the capture ranks are the last node(s)'. One group: unit u is made
+                        by capture rank u % C.
+  every node's last     (capture.ranks_per_node=k) the last k local ranks of every node capture and the others
+                        train; each node is a group of its own: its capture ranks make the units of its trainers
+                        only, so features stay inside the node.
 
-The trainer ranks keep their job ranks 0..T-1 and make the default process group among themselves (WORLD_SIZE is
-set to T before any of them reads it), so DeepSpeed's data-parallel group, the checkpoints' barriers and every
-collective of the trainer see the trainer ranks only, as in a job without capture ranks. Capture ranks join no
-default group. Every rank of the job also opens two point-to-point groups over the whole job, made from the
-launcher's store:
+Each trainer has its index among the trainers (0..T-1, node after node): that is its RANK (WORLD_SIZE = T, set
+before anything reads them; LOCAL_RANK stays its GPU), so DeepSpeed's data-parallel group, the checkpoints and
+every collective of the trainer see the trainer ranks only, as in a job without capture ranks. Capture ranks keep
+their job RANK and join no default group. Every rank of the job also opens two point-to-point groups over the
+whole job, made from the launcher's store, in which ranks are job ranks:
   control  gloo on the CPU: trainer -> capture receive credits, capture -> trainer unit headers (small tensors);
   data     NCCL between GPUs (device=auto: one GPU per rank), else gloo through the CPU: the features, capture ->
            trainer only, in unit order per pair.
 Credits and headers go on a group of their own because NCCL matches a pair's messages in the order they were
 posted whatever their tag, so a credit posted ahead would hold back the features behind it.
 
-The launcher's store (under a prefix of the start: torchrun keeps it across restarts) also carries two small records: the start (trainer rank 0 tells the capture ranks what to
-stream and from which step, or that there is nothing to stream) and each capture rank's throughput counters.
+The launcher's store (under a prefix of the start: torchrun keeps it across restarts) also carries two small
+records: the start (trainer 0 tells the capture ranks what to stream and from which step, or that there is nothing
+to stream) and each capture rank's throughput counters.
 """
 
 from __future__ import annotations
@@ -34,13 +41,55 @@ START_KEY = "dflash/online/start"
 _START_POLL_S = 1.0
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """Consecutive trainers and the capture ranks that make their units (UnitStream.maker routes them)."""
+
+    trainers: range  # trainer indices
+    captures: range  # capture indices
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which job rank does what: trainer t runs on job rank trainer_ranks[t], capture rank c on capture_ranks[c]."""
+
+    trainer_ranks: tuple[int, ...]
+    capture_ranks: tuple[int, ...]
+    groups: tuple[RankGroup, ...]
+
+    def group_of(self, rank: int) -> RankGroup:
+        """The group of job rank `rank`."""
+        if rank in self.capture_ranks:
+            c = self.capture_ranks.index(rank)
+            return next(group for group in self.groups if c in group.captures)
+        t = self.trainer_ranks.index(rank)
+        return next(group for group in self.groups if t in group.trainers)
+
+
+def last_ranks_layout(world_size: int, captures: int) -> RankLayout:
+    """The last `captures` ranks of the job capture for every trainer (one group)."""
+    trainers = world_size - captures
+    return RankLayout(tuple(range(trainers)), tuple(range(trainers, world_size)),
+                      (RankGroup(range(trainers), range(captures)),))
+
+
+def every_node_layout(world_size: int, local_world_size: int, per_node: int) -> RankLayout:
+    """The last `per_node` local ranks of every node capture for the node's trainers (a group per node). Job ranks
+    go node after node, `local_world_size` each, as torchrun numbers them."""
+    nodes, local_trainers = world_size // local_world_size, local_world_size - per_node
+    firsts = [node * local_world_size for node in range(nodes)]
+    return RankLayout(tuple(first + j for first in firsts for j in range(local_trainers)),
+                      tuple(first + j for first in firsts for j in range(local_trainers, local_world_size)),
+                      tuple(RankGroup(range(node * local_trainers, (node + 1) * local_trainers),
+                                      range(node * per_node, (node + 1) * per_node)) for node in range(nodes)))
+
+
 @dataclass
 class RankLink:
     """This process's place in the job and its point-to-point groups."""
 
     rank: int  # in the job
-    world_size: int  # of the job
-    trainers: int
+    layout: RankLayout
     store: dist.Store
     control: dist.ProcessGroup
     data: dist.ProcessGroup
@@ -54,21 +103,46 @@ class RankLink:
         return self.devices[0]
 
     @property
+    def trainers(self) -> int:
+        return len(self.layout.trainer_ranks)
+
+    @property
     def captures(self) -> int:
-        return self.world_size - self.trainers
+        return len(self.layout.capture_ranks)
 
     @property
     def is_capture(self) -> bool:
-        return self.rank >= self.trainers
+        return self.rank in self.layout.capture_ranks
 
     @property
     def capture_index(self) -> int:
         """This capture rank's number among the capture ranks (0..captures-1)."""
-        return self.rank - self.trainers
+        return self.layout.capture_ranks.index(self.rank)
+
+    @property
+    def trainer_index(self) -> int:
+        """This trainer's number among the trainers (0..trainers-1): its RANK in the trainers' default group."""
+        return self.layout.trainer_ranks.index(self.rank)
+
+    @property
+    def group(self) -> RankGroup:
+        """The trainers and capture ranks this rank streams with."""
+        return self.layout.group_of(self.rank)
 
     def capture_rank(self, capture: int) -> int:
         """The job rank of capture rank number `capture`."""
-        return self.trainers + capture
+        return self.layout.capture_ranks[capture]
+
+    def trainer_rank(self, trainer: int) -> int:
+        """The job rank of trainer number `trainer`."""
+        return self.layout.trainer_ranks[trainer]
+
+    def name(self, rank: int) -> str:
+        """Job rank `rank` as messages name it: capture ranks by job rank, trainers by their RANK."""
+        if rank in self.layout.capture_ranks:
+            return f"capture rank {rank}"
+        trainer = self.layout.trainer_ranks.index(rank)
+        return f"trainer rank {trainer}" + (f" (job rank {rank})" if trainer != rank else "")
 
     def announce(self, start: dict | None) -> None:
         """Trainer rank 0: what the capture ranks stream (None: nothing, they exit)."""
@@ -94,18 +168,15 @@ class RankLink:
         return [json.loads(self.store.get(key)) for key in keys]
 
 
-def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_capture: int = 1) -> RankLink:
-    """Split this torchrun job into trainer and capture ranks (module docstring), each capture rank on
-    `gpus_per_capture` GPUs. ConfigError when the job has no room for both roles."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= capture_ranks:
-        raise ConfigError(
-            f"capture=online with capture.transport=ranks runs capture.ranks={capture_ranks} capture rank(s) and at "
-            f"least one trainer rank in one job, but this job has {world_size} process(es): launch "
-            f"{capture_ranks + 1} or more, e.g. torchrun --nproc_per_node {capture_ranks + 1} -m dflash.train ...")
-    trainers = world_size - capture_ranks
+def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_capture: int = 1,
+              ranks_per_node: int | None = None) -> RankLink:
+    """Split this torchrun job into trainer and capture ranks (module docstring): the job's last `capture_ranks`, or
+    every node's last `ranks_per_node` when it is given, each capture rank on `gpus_per_capture` GPUs. ConfigError
+    when the job has no room for both roles."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    devices = rank_devices(device_name, local_rank, world_size, trainers, gpus_per_capture)
+    layout, local_trainers = job_layout(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
+                                        local_rank, capture_ranks, ranks_per_node)
+    devices = rank_devices(device_name, local_rank, local_trainers, gpus_per_capture)
     device = devices[0]
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     # torchrun keeps its store across the restarts of a job: each start uses keys of its own, or the groups would
@@ -119,42 +190,75 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_c
     # every rank may be one GPU shared by a capture rank and a trainer rank, whose features then go by gloo.
     nccl = device.type == "cuda" and device_name == "auto"
     data = _data_group(dist.PrefixStore("dflash/data", store), rank, world_size, timeout) if nccl else control
-    link = RankLink(rank, world_size, trainers, store, control, data, devices,
-                    device if nccl else torch.device("cpu"), timeout_s)
+    link = RankLink(rank, layout, store, control, data, devices, device if nccl else torch.device("cpu"), timeout_s)
     if not link.is_capture:
-        os.environ["WORLD_SIZE"] = str(trainers)  # what the pipeline, DeepSpeed and the console read
+        # What the pipeline, DeepSpeed, the checkpoints and the console read: this trainer among the trainers.
+        os.environ.update({"RANK": str(link.trainer_index), "WORLD_SIZE": str(link.trainers)})
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
-            "dflash/trainers", store), rank=rank, world_size=trainers, timeout=timedelta(minutes=240))
+            "dflash/trainers", store), rank=link.trainer_index, world_size=link.trainers,
+            timeout=timedelta(minutes=240))
     return link
 
 
-def rank_devices(device_name: str, local_rank: int, world_size: int, trainers: int,
+def job_layout(world_size: int, rank: int, local_rank: int, capture_ranks: int,
+               ranks_per_node: int | None) -> tuple[RankLayout, int | None]:
+    """The job's layout (the launcher's WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE) and how many trainers come
+    first on this rank's node: None on several nodes with the job's last ranks capturing, where nodes differ."""
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if ranks_per_node is None:
+        _need_room(capture_ranks, world_size, f"capture.ranks={capture_ranks}", "in one job", "this job has")
+        one_node = local_world_size == world_size
+        return last_ranks_layout(world_size, capture_ranks), world_size - capture_ranks if one_node else None
+    if world_size % local_world_size or rank % local_world_size != local_rank:
+        raise ConfigError(f"capture.ranks_per_node={ranks_per_node} needs the same number of ranks on every node, "
+                          f"numbered node after node (torchrun --nproc_per_node), but rank {rank} is local rank "
+                          f"{local_rank} of {local_world_size} in a job of {world_size}")
+    _need_room(ranks_per_node, local_world_size, f"capture.ranks_per_node={ranks_per_node}", "on every node",
+               "a node of this job has")
+    return every_node_layout(world_size, local_world_size, ranks_per_node), local_world_size - ranks_per_node
+
+
+def _need_room(captures: int, processes: int, setting: str, where: str, has: str) -> None:
+    if processes <= captures:
+        raise ConfigError(
+            f"capture=online with capture.transport=ranks runs {setting} capture rank(s) and at least one trainer "
+            f"rank {where}, but {has} {processes} process(es): launch {captures + 1} or more, e.g. torchrun "
+            f"--nproc_per_node {captures + 1} -m dflash.train ...")
+
+
+def rank_devices(device_name: str, local_rank: int, local_trainers: int | None,
                  gpus_per_capture: int) -> list[torch.device]:
     """This rank's devices. device=auto with CUDA: cuda:LOCAL_RANK, or for a capture rank of more than one GPU its
-    consecutive GPUs after the trainers' one each (job_rank_devices; one node only: the launcher makes every node's
-    layout, launch/one_node.sh); the CPU without CUDA; a named device as named."""
+    consecutive GPUs after the `local_trainers` trainers' one each (job_rank_devices: the launcher lists the node's
+    GPUs in that order, launch/one_node.sh, launch/multi_node.sh); the CPU without CUDA; a named device as named."""
     if device_name != "auto":
         return [torch.device(device_name)]
     if not torch.cuda.is_available():
         return [torch.device("cpu")]
     if gpus_per_capture == 1:
         return [torch.device(f"cuda:{local_rank}")]
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
-        raise ConfigError(f"capture.gpus_per_worker={gpus_per_capture} with capture.transport=ranks runs the job on "
-                          "one node (launch/one_node.sh); on several nodes give each capture rank one GPU")
-    return [torch.device(d) for d in job_rank_devices(local_rank, trainers, gpus_per_capture)]
+    if local_trainers is None:
+        raise ConfigError(f"capture.gpus_per_worker={gpus_per_capture} with capture.transport=ranks: the job's last "
+                          "capture.ranks ranks capture on several GPUs each on one node only; on several nodes set "
+                          "capture.ranks_per_node (every node's last ranks capture, on as many GPUs each) or give "
+                          "each capture rank one GPU")
+    return [torch.device(d) for d in job_rank_devices(local_rank, local_trainers, gpus_per_capture)]
 
 
 def capture_gpus(capture, target: dict) -> int:
     """The GPUs of one capture rank (capture.gpus_per_worker, "auto" resolved as for capture workers), checked
-    against capture.devices when it lists the capture GPUs: capture.ranks groups of that many."""
+    against capture.devices when it lists the capture GPUs (of a node, with capture.ranks_per_node): a group of that
+    many for each capture rank."""
+    ranks, setting = capture.ranks, f"capture.ranks={capture.ranks}"
+    if capture.ranks_per_node is not None:
+        ranks, setting = capture.ranks_per_node, f"capture.ranks_per_node={capture.ranks_per_node}"
     # Off CUDA every rank runs on the CPU and capture.devices is ignored.
     listed = len(capture.devices) if capture.devices is not None and torch.cuda.is_available() else None
     gpus = resolve_gpus_per_worker(capture.gpus_per_worker, target,
-                                   listed if listed is not None else capture.ranks * _given(capture.gpus_per_worker))
-    if listed is not None and listed != capture.ranks * gpus:
-        raise ConfigError(f"capture.devices lists {listed} GPU(s), but capture.ranks={capture.ranks} capture rank(s) "
-                          f"of capture.gpus_per_worker={gpus} GPU(s) each need {capture.ranks * gpus}")
+                                   listed if listed is not None else ranks * _given(capture.gpus_per_worker))
+    if listed is not None and listed != ranks * gpus:
+        raise ConfigError(f"capture.devices lists {listed} GPU(s), but {setting} capture rank(s) "
+                          f"of capture.gpus_per_worker={gpus} GPU(s) each need {ranks * gpus}")
     return gpus
 
 

@@ -2,9 +2,11 @@
 units in the BatchPlan's order, each a small header and then its tensors.
 
 A *unit* is one micro-batch of one trainer rank: unit u = (global step s, micro-step m, trainer rank r) with
-u = (s * grad_accum + m) * trainers + r, so units go in the order training consumes them. Capture rank c (of C)
-makes the units u with u % C == c, in increasing u; trainer rank r receives the units u with u % trainers == r,
-in increasing u, each from capture rank u % C.
+u = (s * grad_accum + m) * trainers + r, so units go in the order training consumes them. Trainer rank r receives
+the units u with u % trainers == r, in increasing u. Capture ranks serve groups of consecutive trainer ranks (all
+of them, or a node's: rank_link.py); a group's units, numbered in order, go round-robin over its capture ranks
+(`maker`), each of which makes its share in increasing u. One group of every trainer rank: capture rank c (of C)
+makes the units u with u % C == c.
 
 A unit's header is one int64 tensor of fixed length (both sides know it from the micro batch size):
     [u, tokens, width, dtype code, scale columns, index_0 .. index_{B-1}, length_0 .. length_{B-1}]
@@ -16,7 +18,7 @@ receives it straight into its row of the padded micro-batch) and, for fp8 only, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -71,10 +73,25 @@ class UnitStream:
         """Trainer rank `rank`'s units from global step `first_step` on, in order."""
         return range(self.first_unit(first_step) + rank, self.num_units, self.trainers)
 
-    def capture_units(self, capture: int, captures: int, first_step: int) -> range:
-        """Capture rank `capture`'s (of `captures`) units from global step `first_step` on, in order."""
-        start = self.first_unit(first_step)
-        return range(start + (capture - start) % captures, self.num_units, captures)
+    def maker(self, u: int, captures: int, trainers: range | None = None) -> int:
+        """Which of the `captures` capture ranks serving the consecutive trainer ranks `trainers` (default: every
+        trainer rank) makes unit u of one of them: the group's units go round-robin over its capture ranks in
+        order. One group of every trainer rank: u % captures."""
+        trainers = range(self.trainers) if trainers is None else trainers
+        micro, rank = divmod(u, self.trainers)
+        return (micro * len(trainers) + rank - trainers.start) % captures
+
+    def capture_units(self, capture: int, captures: int, first_step: int,
+                      trainers: range | None = None) -> Iterator[int]:
+        """The units capture rank `capture` (of the `captures` serving `trainers`, as `maker`) makes from global
+        step `first_step` on, in order."""
+        trainers = range(self.trainers) if trainers is None else trainers
+        # v numbers the group's units in order: micro-step by micro-step, its trainer ranks in order.
+        start, end = (self.first_unit(first_step) // self.trainers * len(trainers),
+                      self.num_units // self.trainers * len(trainers))
+        for v in range(start + (capture - start) % captures, end, captures):
+            micro, rank = divmod(v, len(trainers))
+            yield micro * self.trainers + trainers.start + rank
 
 
 @lru_cache(maxsize=8)

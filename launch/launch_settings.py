@@ -1,0 +1,33 @@
+"""The composed config's settings the launchers need, printed as shell assignments (one config composition for all
+of them): `eval "$(python launch/launch_settings.py OVERRIDES...)"` in launch/one_node.sh and launch/multi_node.sh."""
+
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from dflash.config import compose  # noqa: E402
+from dflash.models.targets.placement import resolve_gpus_per_worker  # noqa: E402
+
+
+def launch_settings(overrides: list[str]) -> dict[str, object]:
+    cfg = compose(overrides)
+    listed = lambda node: "" if node is None else ",".join(str(d) for d in node)  # noqa: E731
+    capture = listed(cfg.capture.devices)
+    setting = cfg.capture.get("gpus_per_worker", 1) if str(cfg.capture.mode) != "colocated" else 1
+    per_node = cfg.capture.get("ranks_per_node")
+    # Unlisted capture GPUs: one worker's worth, or every node's capture ranks' (capture.ranks_per_node).
+    unlisted = (per_node or 1) * (1 if str(setting) == "auto" else int(setting))
+    gpus = resolve_gpus_per_worker(setting, OmegaConf.to_container(cfg.target, resolve=True),
+                                   len(capture.split(",")) if capture else unlisted)
+    return {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
+            "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus,
+            "transport": str(cfg.capture.get("transport", "spool")), "ranks_per_node": per_node or ""}
+
+
+if __name__ == "__main__":
+    for key, value in launch_settings(sys.argv[1:]).items():
+        print(f"{key}={shlex.quote(str(value))}")
