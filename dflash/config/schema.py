@@ -207,6 +207,9 @@ class DataSettings:
     batch_size: int = setting(24, affects=(), doc="answers generated together (each prompt samples its own stream)")
     temperature: float = setting(0.0, affects=("data",), doc="0 = greedy answers; > 0 = sampled (with top_p)")
     top_p: float = setting(1.0, affects=("data",), doc="nucleus sampling of the answers")
+    sampled_share: float = setting(1.0, affects=("data",), neutral=1.0,
+                                   doc="temperature > 0: the share of prompts answered by sampling, the others "
+                                       "greedily (chosen by a seeded hash of the prompt id); 1 = all sampled")
     heldout: int = setting(0, affects=("data",),
                            doc="prompts kept out of training; their acceptance is replayed during training")
     engine: str = setting("auto", affects=(),
@@ -240,6 +243,7 @@ class DataSettings:
         require(self.batch_size >= 1, "data.batch_size", self.batch_size, "an int >= 1")
         _positive("data.temperature", self.temperature, allow_zero=True)
         _fraction("data.top_p", self.top_p, open_low=True)
+        _fraction("data.sampled_share", self.sampled_share)
         require(self.heldout >= 0, "data.heldout", self.heldout, "an int >= 0")
         require(self.eval_overlap_ngram >= 0, "data.eval_overlap_ngram", self.eval_overlap_ngram,
                 "an int >= 0 (0: no check)")
@@ -363,6 +367,7 @@ class ColocatedCapture(CaptureSettings):
 # train -------------------------------------------------------------------------------------------------------------
 
 LOSS_WEIGHTINGS = ("exp_decay", "dpace")
+LABEL_SOURCES = ("answer", "target")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 GROUP_KEYS = ("tokens", "work")
 
@@ -396,6 +401,9 @@ class TrainSettings:
     dpace_alpha: float = setting(0.5, affects=("train",), doc="dpace: confidence smoothing alpha + (1 - alpha) q")
     kl_weight: float = setting(0.0, affects=("train",),
                                doc="loss = (1 - w) CE + w KL(target || drafter); w > 0 needs capture=colocated")
+    labels: str = setting("answer", affects=("train",), neutral="answer",
+                          doc="the CE's label of each block position: answer (the stored answer's token) | target "
+                              "(the target's argmax after the stored prefix; needs capture=colocated)")
     seed: int = setting(0, affects=("train",), doc="batch order and anchors")
     loss_chunk_size: int = setting(4096, affects=("train",), doc="positions per chunk of the head + loss")
     log_every: int = setting(1, affects=(), doc="steps per log record")
@@ -439,6 +447,7 @@ class TrainSettings:
         _fraction("train.dpace_alpha", self.dpace_alpha)
         _fraction("train.kl_weight", self.kl_weight)
         require_choice("train.loss_weighting", self.loss_weighting, LOSS_WEIGHTINGS)
+        require_choice("train.labels", self.labels, LABEL_SOURCES)
         require_choice("train.attention", self.attention, ATTENTION_BACKENDS)
         require_choice("train.group_by", self.group_by, GROUP_KEYS)
         if self.max_steps is not None:
@@ -599,10 +608,11 @@ class RunSettings:
             raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                 self.device, "auto, cpu or cuda[:N]")
-        if self.train.kl_weight > 0 and self.capture.mode != "colocated":
-            raise ConfigError(f"train.kl_weight={self.train.kl_weight} needs the target's logits while training, "
-                              f"which only capture=colocated has (stored features hold none); this run has "
-                              f"capture={self.capture.mode}")
+        for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
+            if uses_target and self.capture.mode != "colocated":
+                raise ConfigError(f"train.{key}={getattr(self.train, key)} needs the target's logits while training, "
+                                  f"which only capture=colocated has (stored features hold none); this run has "
+                                  f"capture={self.capture.mode}")
         if self.capture.mode == "online":
             for key in ("max_steps", "max_minutes"):
                 if getattr(self.train, key) is not None:
@@ -656,5 +666,16 @@ class RunSettings:
                 unused.append((f"train.{key}", getattr(tr, key), default, "data.heldout is 0 (nothing held out)"))
         if self.data.source != "sharegpt":
             unused.append(("data.turns", self.data.turns, "first", "only data.source=sharegpt has turns"))
+        unused += self._ignored_sampling()
         return [f"{key}={value!r} is ignored: {why}" for key, value, default, why in unused if value != default]
+
+    def _ignored_sampling(self) -> list[tuple[str, Any, Any, str]]:
+        """The answer-sampling settings that this data does not use: (key, value, default, why)."""
+        d = self.data
+        if not d.temperature:
+            return [("data.sampled_share", d.sampled_share, 1.0, "data.temperature is 0 (every answer greedy)")]
+        if not d.sampled_share:
+            why = "data.sampled_share is 0 (every answer greedy)"
+            return [("data.temperature", d.temperature, 0.0, why), ("data.top_p", d.top_p, 1.0, why)]
+        return []
 

@@ -25,7 +25,7 @@ from dflash.data.encode import COLUMNS, Encoded, Rows, encode_answers
 from dflash.data.encode import FEATURES  # noqa: F401 - the dataset's schema, where readers look for it
 from dflash.data.journal import scan_journal, with_target
 from dflash.data.prompts import Prompt
-from dflash.data.regenerate import regenerate
+from dflash.data.regenerate import answer_is_sampled, mixes_answers, regenerate
 from dflash.run_files import atomic_write, swap_in_dir
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf",
                   compile_step: bool = False, refill: bool = True, target: dict | None = None,
                   before_replace: Callable[[], None] | None = None,
-                  template_kwargs: dict[str, Any] | None = None) -> dict:
+                  template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
 
     heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
@@ -97,12 +97,17 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     before_replace: called once the new build is ready, right before it replaces the folder's dataset (the caller
     withdraws its own "done" marker there); a build refused or failing earlier leaves the folder as it was.
     template_kwargs: the chat template's options for the prompts (enable_thinking...), part of the fingerprint.
+    sampled_share < 1 with temperature > 0: that share of the prompts (answer_is_sampled) is answered by sampling,
+    the rest greedily; part of the fingerprint then, and stats["answer_mix"] counts both kinds per split.
     """
     if heldout < 0 or (heldout and heldout >= len(prompts)):
         raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = _settings(max_length, max_new_tokens, temperature, top_p, seed, heldout, target)
+    # Absent when every answer is made alike, so those builds keep their fingerprints.
+    if mixes_answers(temperature, sampled_share):
+        settings["sampled_share"] = sampled_share
     if template_kwargs:  # absent when there are none, so builds without them keep their fingerprints
         settings["chat_template_kwargs"] = dict(template_kwargs)
     fp = fingerprint(prompts, adapter.tokenizer, settings)
@@ -113,12 +118,14 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     journal_path = out_dir / "journal.jsonl"
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
-                     compile_step=compile_step, refill=refill, target=target, template_kwargs=template_kwargs)
+                     compile_step=compile_step, refill=refill, target=target, template_kwargs=template_kwargs,
+                     sampled_share=sampled_share)
     _, index = scan_journal(journal_path)
     finished = [p for p in prompts if p.id in index and index[p.id][0] == "done"]
     held = _choose_heldout(finished, heldout, seed, journal_path)
     encode_started = time.perf_counter()
-    encoded = encode_answers(finished, index, journal_path, adapter.tokenizer, max_length, held, template_kwargs)
+    encoded = encode_answers(finished, index, journal_path, adapter.tokenizer, max_length, held, template_kwargs,
+                             is_sampled=lambda i: temperature > 0 and answer_is_sampled(i, seed, sampled_share))
     if encoded.train.samples == 0:
         # datasets cannot load back an empty saved dataset; an empty training set is an error anyway.
         raise ValueError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long, "
@@ -188,6 +195,9 @@ def _stats(fp: str, settings: dict, gen: dict, encoded: Encoded, encode_s: float
              "num_tokens": encoded.train.num_tokens, "num_response_tokens": encoded.train.num_response_tokens}
     if heldout:
         stats.update(heldout=encoded.heldout.samples, heldout_num_tokens=encoded.heldout.num_tokens)
+    if "sampled_share" in settings:
+        stats["answer_mix"] = {name: {"greedy": rows.samples - rows.sampled, "sampled": rows.sampled}
+                               for name, rows in (("samples", encoded.train), ("heldout", encoded.heldout))}
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
     assert stats["samples"] + stats.get("heldout", 0) + stats["dropped_no_loss"] == stats["done"], stats
     return stats
@@ -203,10 +213,11 @@ def format_stats(stats: dict) -> str:
         prompts += f" | stale {stats['stale']:,} (prompt changed: answered again)"
     rows = [("prompts", prompts)]
     if "heldout" in stats:
-        rows.append(("held out", f"{stats['heldout']:,} ({stats['heldout_num_tokens']:,} tokens)"))
+        rows.append(("held out", f"{stats['heldout']:,} ({stats['heldout_num_tokens']:,} tokens)"
+                                 f"{_mix(stats, 'heldout')}"))
     dropped = f", {stats['dropped_no_loss']:,} dropped (no answer token)" if stats.get("dropped_no_loss") else ""
     rows.append(("samples", f"{stats['samples']:,} ({stats['num_tokens']:,} tokens, "
-                            f"{stats['num_response_tokens']:,} in answers){dropped}"))
+                            f"{stats['num_response_tokens']:,} in answers){dropped}{_mix(stats, 'samples')}"))
     if "eval_overlap" in stats:
         rows.append(("eval overlap", _overlap(stats["eval_overlap"])))
     rows.append(("answers", _answers(stats)))
@@ -217,6 +228,14 @@ def format_stats(stats: dict) -> str:
         rows.append(("first error", f"{first['id']}: {message[:80]} (all in stats.json)"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _mix(stats: dict, split: str) -> str:
+    """', 40 greedy and 40 sampled answers' for a split of a build that mixes them, else ''."""
+    if "answer_mix" not in stats:
+        return ""
+    counts = stats["answer_mix"][split]
+    return f", {counts['greedy']:,} greedy and {counts['sampled']:,} sampled answers"
 
 
 def _overlap(report: dict) -> str:

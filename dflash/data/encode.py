@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,13 @@ class Rows:
     samples: int = 0
     num_tokens: int = 0
     num_response_tokens: int = 0
+    sampled: int = 0  # rows whose answer was sampled (the others are greedy)
 
-    def add(self, prompt: Prompt, input_ids: list[int], loss_mask: list[int]) -> None:
+    def add(self, prompt: Prompt, input_ids: list[int], loss_mask: list[int], sampled: bool = False) -> None:
         for column, value in zip(COLUMNS, (prompt.id, input_ids, loss_mask, prompt.prompt_set)):
             self.columns[column].append(value)
         self.samples += 1
+        self.sampled += sampled
         self.num_tokens += len(input_ids)
         self.num_response_tokens += sum(loss_mask)
 
@@ -66,9 +69,11 @@ class Encoded:
 
 
 def encode_answers(finished: list[Prompt], index: Index, journal_path: Path, tokenizer: Any, max_length: int,
-                   held: set[str], template_kwargs: dict[str, Any] | None = None) -> Encoded:
+                   held: set[str], template_kwargs: dict[str, Any] | None = None,
+                   is_sampled: Callable[[str], bool] | None = None) -> Encoded:
     """Rows of the `finished` prompts (done in the journal, `index` from scan_journal), in their order; the ids in
-    `held` go to the held-out rows. Reads one record at a time, templates ENCODE_CHUNK prompts at a time."""
+    `held` go to the held-out rows. Reads one record at a time, templates ENCODE_CHUNK prompts at a time.
+    is_sampled: whether a prompt id's answer was sampled, counted per split (None: none was)."""
     encoded = Encoded()
     with open(journal_path, "rb") as journal:
         for first in range(0, len(finished), ENCODE_CHUNK):
@@ -77,12 +82,13 @@ def encode_answers(finished: list[Prompt], index: Index, journal_path: Path, tok
             for p, prompt_tokens in zip(batch, prompt_ids_many(tokenizer, conversations, template_kwargs)):
                 record = read_record(journal, index[p.id][1])
                 input_ids, loss_mask = encode_record(tokenizer, p, prompt_tokens, record, max_length, journal_path)
+                sampled = is_sampled is not None and is_sampled(p.id)
                 if not any(loss_mask):
                     encoded.dropped += 1
                 elif p.id in held:
-                    encoded.heldout.add(p, input_ids, loss_mask)
+                    encoded.heldout.add(p, input_ids, loss_mask, sampled)
                 else:
-                    encoded.train.add(p, input_ids, loss_mask)
+                    encoded.train.add(p, input_ids, loss_mask, sampled)
             encoded.train.seal()
     return encoded
 

@@ -6,7 +6,8 @@ by the target. Finished prompts go to an append-only journal (journal.py), writt
 A hard kill loses at most the answers finished since the last write; the next run generates those.
 
 Journal lines: a header {"header": {...settings}} first (the settings include the target's identity when the
-caller gives one), then one record per finished prompt:
+caller gives one, and the share of sampled answers when some answers are greedy and others sampled), then one record
+per finished prompt:
 {"id", "prompt_set", "status": "done", "prompt_len", "prompt_hash", "response_ids", "finish": "stop" | "length"} or
 {"id", "prompt_set", "status": "failed", "error"} (failed prompts are retried on the next run), and
 {"id", "prompt_set", "status": "stale"} when a done prompt's tokens changed since (it is answered again).
@@ -17,6 +18,7 @@ the prompt it answers: ids alone do not (a file's default ids shift when a recor
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
 from collections import Counter
@@ -39,6 +41,34 @@ logger = logging.getLogger(__name__)
 def prompt_hash(ids: list[int]) -> str:
     """A short digest of a templated prompt's token ids: a journaled answer is reused only for the same ids."""
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def mixes_answers(temperature: float, sampled_share: float) -> bool:
+    """Whether some answers are greedy and others sampled: sampling on (temperature > 0) for a share below 1. Else
+    every answer is made alike (greedy at temperature 0, sampled above), and the share is recorded nowhere."""
+    return temperature > 0 and sampled_share < 1
+
+
+def answer_is_sampled(prompt_id: str, seed: int, sampled_share: float) -> bool:
+    """Whether the answer to prompt `prompt_id` is sampled (else greedy) when a share `sampled_share` of the
+    answers is: a seeded hash of the id, read as a number in [0, 1), below the share. A function of the id alone,
+    so resumes, reruns and the prompts' order keep each prompt's choice. Its hash is not the held-out choice's
+    (dataset.heldout_ids), so the held-out prompts get the same mix as the training ones."""
+    if sampled_share >= 1:
+        return True
+    digest = hashlib.sha256(f"sampled answer\n{seed}\n{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < sampled_share
+
+
+def _answer_parts(pending: list[tuple[Prompt, list[int]]], temperature: float, sampled_share: float,
+                  seed: int) -> list[tuple[float, list[int]]]:
+    """The pending prompts by how they are answered: (temperature, indices into pending), each part in pending's
+    order (longest first); greedy answers first when they are mixed with sampled ones."""
+    everyone = list(range(len(pending)))
+    if not mixes_answers(temperature, sampled_share):
+        return [(temperature, everyone)]
+    sampled = [answer_is_sampled(p.id, seed, sampled_share) for p, _ in pending]
+    return [(0.0, [i for i in everyone if not sampled[i]]), (temperature, [i for i in everyone if sampled[i]])]
 
 
 def _budgets(pending: list[tuple[Prompt, list[int]]], max_new_tokens: int, max_length: int) -> list[int]:
@@ -68,12 +98,13 @@ def _retry_one_by_one(error: Exception, generate_one: Callable[[int], list[int]]
 
 def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_size: int, max_new_tokens: int,
                 max_length: int, stop_ids: list[int], pad_id: int, temperature: float, top_p: float, seed: int,
-                progress: GenerationProgress | None = None):
-    """(index into pending, new tokens or the exception) per prompt, from model.generate over batches. `progress`
-    (keyed by index into pending) is shown every step's tokens."""
-    for start in range(0, len(pending), batch_size):
-        chunk = pending[start: start + batch_size]
-        rows = list(range(start, start + len(chunk)))
+                progress: GenerationProgress | None = None, part: list[int] | None = None):
+    """(index into pending, new tokens or the exception) per prompt of `part` (indices into pending; None: all),
+    from model.generate over batches. `progress` (keyed by index into pending) is shown every step's tokens."""
+    part = list(range(len(pending))) if part is None else part
+    for start in range(0, len(part), batch_size):
+        rows = part[start: start + batch_size]
+        chunk = [pending[i] for i in rows]
         budget = min(max_new_tokens, max_length - min(len(ids) for _, ids in chunk))
         config = generation_config(budget, stop_ids, pad_id, temperature, top_p)
         chunk_seed = batch_seed(seed, [p.id for p, _ in chunk])
@@ -90,42 +121,46 @@ def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_siz
         if failure is not None:
             yield from _retry_one_by_one(failure, lambda i: generate([i])[0], rows)
             continue
-        yield from enumerate(outputs, start)
+        yield from zip(rows, outputs)
 
 
 def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list[int]]], batch_size: int,
                     max_new_tokens: int, max_length: int, stop_ids: list[int], pad_id: int, temperature: float,
-                    top_p: float, seed: int):
-    """The same from the static engine: every prompt in one stream whose `batch_size` rows are refilled as prompts
-    finish, results in finishing order. Each prompt samples from its own stream (run seed + its id), so a resumed
-    run draws the same tokens. If the stream raises, the prompts it had not finished are retried one by one."""
-    budgets = _budgets(pending, max_new_tokens, max_length)
-    seeds = [batch_seed(seed, [p.id]) for p, _ in pending]
+                    top_p: float, seed: int, part: list[int] | None = None):
+    """The same from the static engine: every prompt of `part` (None: all) in one stream whose `batch_size` rows
+    are refilled as prompts finish, results in finishing order. Each prompt samples from its own stream (run seed +
+    its id), so a resumed run draws the same tokens. If the stream raises, the prompts it had not finished are
+    retried one by one."""
+    part = list(range(len(pending))) if part is None else part
+    prompts = [pending[i] for i in part]
+    budgets = _budgets(prompts, max_new_tokens, max_length)
+    seeds = [batch_seed(seed, [p.id]) for p, _ in prompts]
     options = dict(stop_token_ids=stop_ids, pad_id=pad_id, temperature=temperature, top_p=top_p)
     finished: set[int] = set()
     failure = None
     try:
-        for i, tokens in generator.stream([ids for _, ids in pending], max_new_tokens=budgets, batch_size=batch_size,
+        for j, tokens in generator.stream([ids for _, ids in prompts], max_new_tokens=budgets, batch_size=batch_size,
                                           prompt_seeds=seeds, **options):
-            finished.add(i)
-            yield i, tokens
+            finished.add(j)
+            yield part[j], tokens
     except Exception as e:  # noqa: BLE001 - isolate the failing prompt(s)
         failure = _without_frames(e)
     if failure is None:
         return
 
-    def generate_one(i: int) -> list[int]:
-        return generator.generate([pending[i][1]], max_new_tokens=[budgets[i]], batch_size=1,
-                                  prompt_seeds=[seeds[i]], **options)[0]
+    def generate_one(j: int) -> list[int]:
+        return generator.generate([prompts[j][1]], max_new_tokens=[budgets[j]], batch_size=1,
+                                  prompt_seeds=[seeds[j]], **options)[0]
 
-    yield from _retry_one_by_one(failure, generate_one, [i for i in range(len(pending)) if i not in finished])
+    retried = _retry_one_by_one(failure, generate_one, [j for j in range(len(prompts)) if j not in finished])
+    yield from ((part[j], out) for j, out in retried)
 
 
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, show_progress: bool = True, engine: str = "hf", compile_step: bool = False,
                refill: bool = True, *, target: dict | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> dict:
+               template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0) -> dict:
     """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", "stale", ...}.
 
     Prompts already done in the journal are not generated again, unless their templated tokens changed since
@@ -136,6 +171,8 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     A prompt whose templated length + 1 exceeds max_length is skipped (no room for a response); a batch whose
     generation raises is retried prompt by prompt and the prompts that still raise are counted as failed with
     their error. Responses are cut so that prompt + response <= max_length. Greedy when temperature == 0.
+    sampled_share < 1 with temperature > 0: only the prompts answer_is_sampled() picks (that share of them) are
+    sampled, the others answered greedily; the share is then part of the journal's header.
 
     engine: "hf" (model.generate over batches of `batch_size`), "static" (static_decode: static KV cache + CUDA
     graphs; every prompt in one stream whose `batch_size` rows are refilled as answers end, journaled as they
@@ -144,36 +181,44 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     step through torch.compile. refill=False: the static engine runs plain batches (a batch ends with its longest
     answer), for comparison. show_progress: a bar that moves with the generated tokens (GenerationProgress).
     """
-    _check_settings(max_length, max_new_tokens, batch_size, temperature, top_p)
+    _check_settings(max_length, max_new_tokens, batch_size, temperature, top_p, sampled_share)
     engine = resolve_engine(engine, adapter)
     _check_unique_ids(prompts)
     stop_ids = _stop_ids(adapter)
     pad_id = adapter.tokenizer.pad_token_id if adapter.tokenizer.pad_token_id is not None else stop_ids[0]
     settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(adapter.tokenizer)}
+    if mixes_answers(temperature, sampled_share):  # absent otherwise: journals written before it stay valid
+        settings["sampled_share"] = sampled_share
     journal, done_hashes = open_journal(Path(journal_path), with_target(settings, target))
     with journal:  # closed on every exit, a template or engine error included
         static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
         work = _sort_out(prompts, adapter.tokenizer, done_hashes, max_length, template_kwargs)
         _mark_stale(journal, work.stale)
         _warn_skipped(work.skipped, max_length)
-        arguments = (work.pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id, temperature, top_p, seed)
+        arguments = (work.pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id)
         with GenerationProgress("regenerate", "answers", show_progress) as progress:
             progress.expect(dict(enumerate(_budgets(work.pending, max_new_tokens, max_length))))
-            if static is None:
-                results = _hf_results(adapter, *arguments, progress)
-            else:
-                results = _static_results(static, *arguments)
+
+            def part_results(part: list[int], part_temperature: float):
+                if static is None:
+                    return _hf_results(adapter, *arguments, part_temperature, top_p, seed, progress, part=part)
+                return _static_results(static, *arguments, part_temperature, top_p, seed, part=part)
+
+            parts = _answer_parts(work.pending, temperature, sampled_share, seed)
+            results = itertools.chain.from_iterable(part_results(part, t) for t, part in parts if part)
             tally = _journal_answers(journal, work.pending, results, stop_ids, max_length, batch_size, progress)
     return _stats(len(prompts), engine, work, tally)
 
 
-def _check_settings(max_length: int, max_new_tokens: int, batch_size: int, temperature: float, top_p: float) -> None:
+def _check_settings(max_length: int, max_new_tokens: int, batch_size: int, temperature: float, top_p: float,
+                    sampled_share: float) -> None:
     if max_length < 2 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"need max_length >= 2, max_new_tokens >= 1, batch_size >= 1; got {max_length}, "
                          f"{max_new_tokens}, {batch_size}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
+    if temperature < 0 or not 0 < top_p <= 1 or not 0 <= sampled_share <= 1:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and 0 <= sampled_share <= 1; got {temperature}, "
+                         f"{top_p}, {sampled_share}")
 
 
 def _check_unique_ids(prompts: list[Prompt]) -> None:

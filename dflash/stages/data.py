@@ -33,6 +33,8 @@ class DataStage:
         if d.synthetic.count:
             prompts += f" and {d.synthetic.count} the target writes itself"
         answers = "greedily" if d.temperature == 0 else f"sampled at T={d.temperature}"
+        if d.temperature and d.sampled_share < 1:
+            answers = f"{d.sampled_share:.0%} sampled at T={d.temperature}, the others greedily,"
         return f"{prompts}, answered {answers} by the {kind} target (up to {d.max_new_tokens} new tokens)"
 
     def target_identity(self) -> dict[str, Any]:
@@ -57,7 +59,7 @@ class DataStage:
                               show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
                               compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
                               before_replace=lambda: clear_done(out),
-                              template_kwargs=dict(d.chat_template_kwargs))
+                              template_kwargs=dict(d.chat_template_kwargs), sampled_share=d.sampled_share)
         if overlap is not None:  # what the check found goes with the dataset's stats (format_stats shows it)
             stats["eval_overlap"] = overlap
             write_json(os.path.join(out, "stats.json"), stats)

@@ -210,5 +210,8 @@ class TrainStage:
         from dflash.extract.colocated import ColocatedFeatureSource
 
         info = read_json(os.path.join(self.capture.out, "colocated.json"))
+        t = self.context.settings.train
+        # The KL loss and the target's labels both read the target's final hidden states.
+        final_hidden = t.kl_weight > 0 or t.labels == "target"
         return ColocatedFeatureSource(self.context.target, load_dataset_dir(info["data"]), info["target_layer_ids"],
-                                      info["dtype"], final_hidden=self.context.settings.train.kl_weight > 0)
+                                      info["dtype"], final_hidden=final_hidden)

@@ -40,8 +40,9 @@ from dflash.eval.expected_acceptance import expected_metrics, expected_traces, h
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import DrafterProposer, replay_steps
 from dflash.eval.replay_estimate import sampled_continuations, target_pass_with_final
-from dflash.models.targets.logit_transform import LogitTransform, logits_from_hidden
+from dflash.models.targets.logit_transform import LogitTransform
 from dflash.run_files import atomic_path
+from dflash.train.objective import target_argmax
 
 SCHEMA_VERSION = 1
 
@@ -147,10 +148,8 @@ def _write_passes(adapter: Any, sequences: list[list[int]], prompt_lens: list[in
 
 @torch.inference_mode()
 def greedy_tokens(finals: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
-    """The target's greedy next token [T] after each position: argmax of final hidden states [T, H] @ head^T, rows
-    at a time (the logits of a long sequence at a 262k vocabulary would not fit at once)."""
-    return torch.cat([logits_from_hidden(finals[i : i + rows], head).argmax(-1).cpu()
-                      for i in range(0, finals.shape[0], rows)])
+    """The target's greedy next token [T] after each position, on the host (objective.target_argmax)."""
+    return target_argmax(finals, head, rows).cpu()
 
 
 class _FrozenHead:

@@ -42,7 +42,7 @@ from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
 from dflash.train.heldout_tracker import HeldoutTracker, check_heldout
 from dflash.train.metrics_log import MetricsLog
-from dflash.train.objective import block_target_hidden, loss_normaliser, weighted_block_loss
+from dflash.train.objective import block_target_hidden, loss_normaliser, target_labels, weighted_block_loss
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
 from dflash.train.step_profile import StepProfiler, profile_path
 from dflash.train.step_records import StepRecords
@@ -105,7 +105,8 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
 
     The denominator is counted before any forward: the exp-decay weight sum, or for D-PACE (whose weights exist
     only after the forward) the number of valid anchors, so the split into ranks and micro-batches never matters.
-    With settings.kl_weight > 0 every micro-batch must hold "target_final" [b, T, H] (colocated capture).
+    With settings.kl_weight > 0 or settings.labels == "target" every micro-batch must hold "target_final"
+    [b, T, H] (colocated capture).
     logit_transform: the target's final logit transform, which the loss applies to the head's logits.
     """
     device = engine.device
@@ -123,15 +124,16 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
         with record_function(PHASE_FORWARD):
             hidden = training_forward(engine, embed_weight, batch["input_ids"], batch["hidden"], anchors,
                                       attention=attention)
-        target_hidden = None
+        target_hidden, labels = None, batch["labels"]
         if settings.kl_weight > 0:
-            if "target_final" not in batch:
-                raise ValueError(f"train.kl_weight={settings.kl_weight} needs the target's final hidden states "
-                                 "(\"target_final\"), which only capture.mode=colocated provides")
-            target_hidden = block_target_hidden(batch["target_final"], anchors, block_size)
+            final = target_final(batch, f"train.kl_weight={settings.kl_weight}")
+            target_hidden = block_target_hidden(final, anchors, block_size)
         with record_function(PHASE_LOSS):
+            if settings.labels == "target":
+                labels = target_labels(labels, batch["weights"], target_final(batch, "train.labels=target"), anchors,
+                                       lm_head, settings.loss_chunk_size, batch.get("loss_rows"))
             loss_sum, _, correct, counted = weighted_block_loss(
-                hidden, lm_head, batch["labels"], batch["weights"], settings.loss_chunk_size,
+                hidden, lm_head, labels, batch["weights"], settings.loss_chunk_size,
                 settings.loss_weighting, settings.dpace_alpha, settings.kl_weight, target_hidden,
                 rows=batch.get("loss_rows"), transform=logit_transform,
             )
@@ -148,6 +150,14 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
         totals[4:] += torch.cat([correct, counted])
     with record_function(PHASE_METRICS):
         return step_metrics(engine, totals, total_weight, block_size)
+
+
+def target_final(batch: dict[str, torch.Tensor], setting: str) -> torch.Tensor:
+    """The micro-batch's target final hidden states [b, T, H], which `setting` (named if they are missing) reads."""
+    if "target_final" not in batch:
+        raise ValueError(f"{setting} needs the target's final hidden states (\"target_final\"), which only "
+                         "capture.mode=colocated provides")
+    return batch["target_final"]
 
 
 def step_metrics(engine: TrainEngine, totals: torch.Tensor, total_weight: torch.Tensor,

@@ -7,7 +7,9 @@ layers, causal with a window in sliding layers), and never another block. Positi
 token at a_j+k (same-position labels), weighted exp(-(k-1)/gamma) (`exp_decay`) or by D-PACE weights computed from
 the drafter's current label probabilities (`dpace`, docs/training.md "Loss options"); position 0 is the given anchor.
 With `kl_weight` > 0 each position's loss mixes that CE with KL(target || drafter), the target's next-token
-distribution read from its final hidden state at a_j+k-1 (colocated capture only).
+distribution read from its final hidden state at a_j+k-1 (colocated capture only). With `train.labels=target` the
+CE's label of position k is the target's argmax token at a_j+k-1 instead of the stored token at a_j+k (the same
+for greedy answers, the target's greedy choice after a sampled prefix for sampled ones; colocated capture only).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 
 import torch
 
-from dflash.models.targets.logit_transform import LogitTransform
+from dflash.models.targets.logit_transform import LogitTransform, logits_from_hidden
 from dflash.train.head_cross_entropy import head_loss
 
 
@@ -93,16 +95,52 @@ def block_targets(
     return labels, weights
 
 
+def block_context_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """Position a+k-1 [batch, N, B] for block position k of anchor a: the last position of the prefix before the
+    token that block position k predicts. k = 0 (a-1, -1 for a = 0) and past the sequence end are clamped into
+    range: those positions carry no loss."""
+    return (anchors[:, :, None] + block_offsets(block_size, anchors.device) - 1).clamp(0, seq_len - 1)
+
+
 def block_target_hidden(target_final: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """The target's final normed hidden state [batch, N*B, H] at position a+k-1 for block position k of anchor a.
 
     lm_head of that row is the target's distribution for the token at a+k, the one block position k predicts.
-    Rows for k = 0 (a-1, -1 for a = 0) and past the sequence end are clamped into range: they carry no loss.
     """
-    seq_len = target_final.shape[1]
-    positions = (anchors[:, :, None] + block_offsets(block_size, anchors.device) - 1).clamp(0, seq_len - 1)
+    positions = block_context_positions(anchors, block_size, target_final.shape[1])
     index = positions.flatten(1)[:, :, None].expand(-1, -1, target_final.shape[-1])
     return target_final.gather(1, index.to(target_final.device))
+
+
+@torch.no_grad()
+def target_argmax(finals: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """The target's greedy next token [T] after each of its final hidden states [T, H]: the argmax of their logits
+    through the head weight [V, H], `rows` at a time (a long sequence's logits at a 262k vocabulary would not fit at
+    once). On the states' device; the raw logits, since no logit transform moves an argmax."""
+    if finals.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=finals.device)
+    return torch.cat([logits_from_hidden(finals[i : i + rows], head).argmax(-1).to(finals.device)
+                      for i in range(0, finals.shape[0], rows)])
+
+
+def target_labels(labels: torch.Tensor, weights: torch.Tensor, target_final: torch.Tensor, anchors: torch.Tensor,
+                  lm_head_weight: torch.Tensor, chunk_size: int = 4096,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`labels` [batch, N, B] with each loss position's label replaced by the target's argmax token after the
+    stored prefix (train.labels=target): block position k of anchor a gets the argmax of the target's logits at
+    a+k-1. Where the stored answer is the target's greedy token the two agree; where it was sampled they differ.
+
+    target_final: [batch, T, H], the target's final hidden states; weights: the loss weights, whose non-zero
+    positions are the only ones computed (`rows`: loss_rows(weights) when the caller has them), chunk_size rows of
+    logits at a time. Positions without loss keep their labels.
+    """
+    num_anchors, block_size = labels.shape[1:]
+    rows = loss_rows(weights) if rows is None else rows.to(target_final.device)
+    positions = block_context_positions(anchors, block_size, target_final.shape[1]).to(target_final.device)
+    states = target_final[rows // (num_anchors * block_size), positions.reshape(-1)[rows]]
+    replaced = labels.reshape(-1).clone()
+    replaced[rows.to(labels.device)] = target_argmax(states, lm_head_weight, chunk_size).to(labels.device)
+    return replaced.view_as(labels)
 
 
 def block_attention_masks(
