@@ -20,6 +20,20 @@ graphs (what a serving engine does); rows are keyed "drafter/engine" and say whi
 happens before each decode's clock starts, once per process.
 Each live row also decodes its first --profile-prompts prompts once more with a device sync around every phase of
 a step ("steps": seconds per phase: prefill, draft, verify, accept, rollback), kept out of the speedup.
+On CUDA each live row also decodes its first prompt twice more for "step_breakdown" (at T=0, and at
+--profile-temperature with --profile-draft-sampling drafts when that is > 0): milliseconds per step of each part,
+timed by CUDA events without syncs (draft_block: the drafter's block step, a graph on the static engine; draft:
+that plus the noise embedding, lm_head and the choice of drafts; verify: the target's block forward; accept: the
+acceptance rule and its host round trip; rollback: the target rollback and the drafter context extend; between:
+the rest of the step's wall time, host bookkeeping with the device idle), and the device syncs per step, counted as
+the warnings of torch.cuda.set_sync_debug_mode("warn"). Only live_decode's `timer` phases are relied upon, so this
+file also measures an older checkout of the library, before and after a change in one call:
+
+    git archive COMMIT | tar -x -C before/    # here, into an untracked folder that travels with the tree
+    cp bench/eval_speed.py before/bench/ && python before/bench/eval_speed.py --live-drafters random,oracle \
+        --live-engine static --live-prompts 8 --replay-prompts 1 --profile-temperature 1.0 --out before.json
+    python bench/eval_speed.py --live-drafters random,oracle --live-engine static --live-prompts 8 \
+        --replay-prompts 1 --profile-temperature 1.0 --out after.json
 Replay: the exact greedy replay (the evaluator's `evaluate`) over --replay-prompts prompts x --max-new-tokens tokens
 (issue target: 100 x 256 in under a minute on one GPU), with its seconds per phase ("timing": generate,
 target_pass, draft, accept).
@@ -32,6 +46,8 @@ import json
 import os
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -44,6 +60,8 @@ from dflash.eval import live  # noqa: E402
 from dflash.eval.evaluate import evaluate  # noqa: E402
 from dflash.eval.metrics import PhaseTimer  # noqa: E402
 from dflash.eval.export import load_drafter  # noqa: E402
+from dflash.inference.drafter_cache import CachedDrafter  # noqa: E402
+from dflash.inference.static_drafter import StaticDrafter  # noqa: E402
 from dflash.models.drafter import DFlashDraftModel  # noqa: E402
 from dflash.models.targets import load_target  # noqa: E402
 from dflash.stages.shapes import drafter_config, target_shape  # noqa: E402
@@ -60,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--live-drafters", default=None, help="comma list of random, oracle, trained")
     parser.add_argument("--live-engine", default="auto", help="comma list of auto, hf, static (target engines)")
     parser.add_argument("--profile-prompts", type=int, default=2, help="live prompts decoded again, phase by phase")
+    parser.add_argument("--profile-temperature", type=float, default=0.0,
+                        help="> 0: also break a step down at this temperature (CUDA)")
+    parser.add_argument("--profile-draft-sampling", default="greedy", help="greedy | sampled (with the above)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--replay-batch-size", type=int, default=64)
     parser.add_argument("--out", default=None, help="also write the JSON here")
@@ -73,13 +94,83 @@ def untrained_drafter(adapter, block_size: int) -> DFlashDraftModel:
     return drafter.to(device=adapter.device, dtype=adapter.dtype).eval()
 
 
+class EventPhases:
+    """live_decode's `timer` on CUDA without syncs: a pair of CUDA events around each phase, read at the end."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.setdefault(name, []).append((start, end))
+
+    def milliseconds(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        return {name: sum(start.elapsed_time(end) for start, end in pairs) for name, pairs in self.events.items()}
+
+
+@contextmanager
+def drafter_blocks_timed(phases: EventPhases):
+    """The drafter's block step (`hidden` of either drafter context) charged to the phase "draft_block"."""
+    originals = {cls: cls.hidden for cls in (StaticDrafter, CachedDrafter)}
+
+    def timed(original):
+        def hidden(self, noise_embedding):
+            with phases.phase("draft_block"):
+                return original(self, noise_embedding)
+        return hidden
+
+    try:
+        for cls, original in originals.items():
+            cls.hidden = timed(original)
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.hidden = original
+
+
+def step_breakdown(drafter, adapter, prompt: list[int], max_new_tokens: int, engine: str, temperature: float = 0.0,
+                   draft_sampling: str = "greedy") -> dict:
+    """One prompt decoded twice: milliseconds per step of each part (CUDA events) and the device syncs per step
+    (sync debug warnings). Prefill is charged once per prompt, not per step."""
+    options = dict(max_new_tokens=max_new_tokens, stop_token_ids=adapter.stop_token_ids(), target_engine=engine,
+                   temperature=temperature, draft_sampling=draft_sampling)
+    generator = torch.Generator(device=adapter.device).manual_seed(0) if temperature > 0 else None
+    phases = EventPhases()
+    with drafter_blocks_timed(phases):
+        timed = live.live_decode(drafter, adapter, prompt, timer=phases, generator=generator, **options)
+    spent = phases.milliseconds()
+    steps = max(timed.trace.num_steps, 1)
+    per_step = {name: round(ms / steps, 4) for name, ms in spent.items() if name != "live_prefill"}
+    step_parts = sum(ms for name, ms in spent.items() if name not in ("live_prefill", "draft_block"))
+    wall_per_step = (1000 * timed.seconds - spent.get("live_prefill", 0.0)) / steps
+    per_step["between"] = round(wall_per_step - step_parts / steps, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            counted = live.live_decode(drafter, adapter, prompt, generator=generator, **options)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"temperature": temperature, "draft_sampling": draft_sampling, "steps": timed.trace.num_steps,
+            "tau": sum(timed.trace.committed) / steps, "wall_ms_per_step": round(wall_per_step, 4),
+            "prefill_ms": round(spent.get("live_prefill", 0.0), 3),
+            "ms_per_step": {name.removeprefix("live_"): ms for name, ms in per_step.items()},
+            "syncs": syncs, "syncs_per_step": round(syncs / max(counted.trace.num_steps, 1), 3)}
+
+
 def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, oracle: bool,
-             profile_prompts: int = 0, engine: str = "auto") -> dict:
+             profile_prompts: int = 0, engine: str = "auto", breakdowns: tuple[tuple[float, str], ...] = ()) -> dict:
     stop_ids = adapter.stop_token_ids()
     real_draft = live.draft_block_logits
     totals = {"target_seconds": 0.0, "target_tokens": 0, "speculative_seconds": 0.0, "speculative_tokens": 0,
               "steps": 0, "committed": 0, "lossless_mismatches": 0}
-    timer, profiled_steps, engines = PhaseTimer(adapter.device), 0, set()
+    timer, profiled_steps, engines, row_breakdowns = PhaseTimer(adapter.device), 0, set(), []
     try:
         for index, prompt in enumerate(prompts):
             plain = live.target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
@@ -102,6 +193,9 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
                 profiled = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens,
                                             stop_token_ids=stop_ids, timer=timer, target_engine=engine)
                 profiled_steps += profiled.trace.num_steps
+            if index == 0 and adapter.device.type == "cuda" and breakdowns:
+                row_breakdowns = [step_breakdown(drafter, adapter, prompt, max_new_tokens, engine, *setting)
+                                  for setting in breakdowns]
             live.draft_block_logits = real_draft
             totals["target_seconds"] += plain.seconds
             totals["target_tokens"] += len(plain.continuation)
@@ -118,6 +212,8 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
            "target_tokens_per_s": target_rate, "speculative_tokens_per_s": speculative_rate,
            "speedup": speculative_rate / target_rate,
            "target_ms_per_token": 1000 * totals["target_seconds"] / max(totals["target_tokens"], 1)}
+    if row_breakdowns:
+        row["step_breakdown"] = row_breakdowns
     if profiled_steps:
         # Per speculative step (rollback only runs on steps that did not finish the decode); prefill per prompt.
         profile = timer.summary()["seconds"]
@@ -155,15 +251,18 @@ def main() -> None:
     began = time.perf_counter()
     live_prompts = prompts[: args.live_prompts]
     report["live"] = {}
+    breakdowns = ((0.0, "greedy"),) + (((args.profile_temperature, args.profile_draft_sampling),)
+                                       if args.profile_temperature > 0 else ())
     for engine in engines:
-        # Warm-up: kernels and allocator for every shape the loops use.
-        live_row(drafters["random"], adapter, prompts[:1], min(args.max_new_tokens, 32), oracle=True,
-                 profile_prompts=1, engine=engine)
+        # Warm-up: kernels and allocator for every shape the loops use. The random drafter commits about one token
+        # per step, so its last steps meet every shorter block size.
+        live_row(drafters["random"], adapter, prompts[:1], min(args.max_new_tokens, 2 * args.block_size),
+                 oracle=False, profile_prompts=1, engine=engine, breakdowns=breakdowns)
         for name in names:
             drafter = drafters["random" if name == "oracle" else name]
             key = f"{name}/{engine}"
             report["live"][key] = live_row(drafter, adapter, live_prompts, args.max_new_tokens, name == "oracle",
-                                           args.profile_prompts, engine)
+                                           args.profile_prompts, engine, breakdowns)
             # Partial results on stderr as they come, so a run cut short by a time limit still says something.
             print(f"[eval_speed] live {key}: {json.dumps(report['live'][key])}", file=sys.stderr, flush=True)
     replay_drafter = drafters.get("trained", drafters["random"])

@@ -79,3 +79,62 @@ def test_live_through_graphs_is_lossless(adapter, make_drafter):
     for engine in ("static", "hf"):
         result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine=engine)
         assert result.engine == engine and result.continuation == truth.continuation
+
+
+def test_short_block_graphs_equal_eager_bitwise(adapter, make_drafter):
+    """The shorter last blocks near max_new_tokens replay graphs of their own sizes, bit for bit the eager math."""
+    taps = [0, adapter.num_layers - 1]
+    prompt = long_prompt(adapter, 118)
+    graphed, eager = (StaticTarget(adapter, taps, capacity=160, graph_sizes=range(2, 5), cuda_graphs=graphs)
+                      for graphs in (True, False))
+    for target in (graphed, eager):
+        target.forward(prompt, last_logits_only=True)
+    for block, keep in (([5, 6], 1), ([7, 8, 9], 2), ([10, 11, 12, 13], 4), ([14, 15, 16], 1)):
+        for got, want in zip(graphed.verify(block), eager.verify(block)):
+            assert torch.equal(got, want)
+        start = graphed.length - len(block)
+        graphed.rollback(start + keep)
+        eager.rollback(start + keep)
+    drafter = make_drafter(adapter, window=6, std=0.2, block_size=4).to(DEVICE)
+    features = adapter.capture(torch.tensor([prompt], device=DEVICE), None, drafter.target_layer_ids)[0]
+    graphed, eager = (StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=graphs) for graphs in (True, False))
+    for n in (100, 3, 1, 4):
+        for context in (graphed, eager):
+            context.extend(features[context.length: context.length + n])
+        for size in (2, 3, 4):
+            block = torch.tensor([prompt[graphed.length]] + [drafter.mask_token_id] * (size - 1), device=DEVICE)
+            noise = adapter.embed_tokens()(block)
+            assert torch.equal(graphed.hidden(noise), eager.hidden(noise))
+
+
+def test_sample_draws_what_multinomial_draws_on_cuda():
+    from dflash.inference.sampling import sample
+
+    for case in range(50):
+        probs = torch.softmax(3 * torch.randn(1 + case % 3, 1000 + case, device=DEVICE), dim=-1)
+        ours = torch.Generator(device=DEVICE).manual_seed(case)
+        theirs = torch.Generator(device=DEVICE).manual_seed(case)
+        assert torch.equal(sample(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(-1)), case
+
+
+@pytest.mark.parametrize("temperature,draft_sampling", [(0.0, "greedy"), (0.9, "greedy"), (0.9, "sampled")])
+def test_one_host_sync_per_live_step(adapter, make_drafter, temperature, draft_sampling):
+    """Per speculative step one device sync (the acceptance's decision coming back), counted as the warnings of
+    the sync debug mode; the prefill adds a few (the prompt's copy to the device, its first token)."""
+    import warnings
+
+    drafter = make_drafter(adapter, std=0.2).to(DEVICE)
+    prompt = adapter.chat_ids([{"role": "user", "content": "Write a haiku about the sea, please."}])
+    options = dict(max_new_tokens=24, stop_token_ids=[], target_engine="static", temperature=temperature,
+                   draft_sampling=draft_sampling)
+    generator = torch.Generator(device=DEVICE).manual_seed(0) if temperature > 0 else None
+    live_decode(drafter, adapter, prompt, generator=generator, **options)  # graphs captured before counting
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = live_decode(drafter, adapter, prompt, generator=generator, **options)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    assert syncs <= result.trace.num_steps + 4, [str(w.message) for w in caught][:5]

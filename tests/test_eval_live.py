@@ -252,7 +252,7 @@ def test_target_cache_rollback_bounds_and_state_restore(tiny_target):
 
 
 def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatch):
-    """draft_sampling="greedy" at T>0: the drafter proposes its argmax, verified by accept_greedy_drafts; the hf and
+    """draft_sampling="greedy" at T>0: the drafter proposes its argmax, verified by greedy_drafts_outcome; the hf and
     the static engine (dense targets) draw the same tokens from the same seed, the GDN hybrid decodes too, and at
     T=0 the setting changes nothing."""
     dense = tiny_target("llama")
@@ -276,7 +276,7 @@ def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatc
     assert len(result.continuation) == 12 and result.trace.num_steps >= 1
     # The proposals are the drafter's argmax at every step, and the deterministic-proposal rule verifies them.
     drafted, verified = [], []
-    real_draft, real_accept = live.draft_block_logits, live.accept_greedy_drafts
+    real_draft, real_accept = live.draft_block_logits, live.greedy_drafts_outcome
 
     def recording_draft(*args):
         drafted.append(real_draft(*args))
@@ -287,7 +287,7 @@ def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatc
         return real_accept(target_probs, drafts, generator)
 
     monkeypatch.setattr(live, "draft_block_logits", recording_draft)
-    monkeypatch.setattr(live, "accept_greedy_drafts", recording_accept)
+    monkeypatch.setattr(live, "greedy_drafts_outcome", recording_accept)
     live_decode(drafter, dense, prompt, max_new_tokens=12, stop_token_ids=[], temperature=0.9,
                 generator=torch.Generator().manual_seed(1), draft_sampling="greedy")
     assert len(drafted) == len(verified) >= 2

@@ -119,6 +119,26 @@ def test_static_verify_equals_cached_target(family, graphs, target, request):
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
 
 
+def test_verify_graphs_of_every_block_size_equal_eager(target, cpu_graphs):
+    """Verifies of every block size (the shorter last blocks included) dispatched to graphs give the eager
+    forward's numbers bit for bit, over both attention spans."""
+    adapter = target("llama")
+    taps = [0, adapter.num_layers - 1]
+    prompt = [4 + i % 50 for i in range(118)]
+    graphed, eager = (StaticTarget(adapter, taps, capacity=160, graph_sizes=range(2, 5), cuda_graphs=graphs)
+                      for graphs in (True, False))
+    assert len(cpu_graphs) == 3 * 2  # sizes 2, 3, 4 over spans 128 and 256
+    for static in (graphed, eager):
+        static.forward(prompt, last_logits_only=True)
+    for block, keep in (([5, 6], 1), ([7, 8, 9], 2), ([10, 11, 12, 13], 4), ([14, 15, 16], 1), ([17, 18], 2)):
+        for got, want in zip(graphed.verify(block), eager.verify(block)):
+            assert torch.equal(got, want)
+        start = graphed.length - len(block)
+        graphed.rollback(start + keep)
+        eager.rollback(start + keep)
+    assert sum(graph.replays for graph in cpu_graphs) == 5
+
+
 def test_static_target_errors_and_reuse(target):
     adapter = target("llama")
     static = StaticTarget(adapter, [1], capacity=10)
@@ -191,12 +211,13 @@ def test_live_through_graph_dispatch(target, make_drafter, graph_engine, monkeyp
     plain = target_only_decode(adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="static")
     assert plain.continuation == truth
     assert sum(graph.replays for graph in cpu_graphs) == 29  # every one-token step after the prefill
-    # A real drafter: per step but the last few (shorter blocks, no extend after the last), a drafted block, a
-    # verify and a context extend, all replayed.
+    # A real drafter: per step a drafted block, a verify and a context extend (none after the last step), all
+    # replayed, the shorter last blocks near max_new_tokens included.
     before = sum(graph.replays for graph in cpu_graphs)
     static = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="static")
     assert static.continuation == truth
-    assert sum(graph.replays for graph in cpu_graphs) - before >= 3 * (static.trace.num_steps - 4)
+    assert min(static.trace.drafted) < 4  # shorter blocks were met
+    assert sum(graph.replays for graph in cpu_graphs) - before == 3 * static.trace.num_steps - 1
     # An oracle (no drafter forward): acceptance lengths of every size, the same steps as the hf engine.
     oracle(monkeypatch, adapter, prompt, truth)
     hf = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="hf")
@@ -204,7 +225,7 @@ def test_live_through_graph_dispatch(target, make_drafter, graph_engine, monkeyp
     static = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="static")
     assert static.continuation == hf.continuation == truth and static.trace == hf.trace
     assert len(set(static.trace.committed)) >= 4, static.trace.committed
-    assert sum(graph.replays for graph in cpu_graphs) - before >= 2 * (static.trace.num_steps - 2)
+    assert sum(graph.replays for graph in cpu_graphs) - before == 2 * static.trace.num_steps - 1
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -227,7 +248,7 @@ def test_static_engine_matches_hf_engine(graphs, target, make_drafter, monkeypat
 
         monkeypatch.setattr(live, "draft_block_logits", recording)
         live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine=engine)
-    # One block per step; the last blocks are cut by max_new_tokens (eager, not the full-block step).
+    # One block per step; the last blocks are cut by max_new_tokens (graphs of their own sizes).
     assert len(drafted["static"]) == len(drafted["hf"]) == 19 and drafted["hf"][-1].shape[0] == 1
     for got, want in zip(drafted["static"], drafted["hf"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -285,20 +306,23 @@ def test_static_drafter_equals_cached_drafter(layer_types, graphs, tiny_target, 
     prompt = [4 + i % 50 for i in range(150 - len(chat))] + chat
     features = adapter.capture(torch.tensor([prompt]), None, drafter.target_layer_ids)[0]
     static = StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=graphs)
+    eager = StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=False)
     cached = CachedDrafter(drafter)
-    # Graphs: extend of 1..4 positions, a full block over spans 128 and 256.
-    assert static.capacity == 256 and len(captured) == (6 if graphs else 0)
+    # Graphs: extend of 1..4 positions, blocks of 2, 3 and 4 positions over spans 128 and 256.
+    assert static.capacity == 256 and len(captured) == (4 + 3 * 2 if graphs else 0)
     steps = [120, 1, 4, 2, 3, 1]  # a prompt, then the verified positions of steps; the context crosses 128
     for n in steps:
-        for context in (static, cached):
+        for context in (static, eager, cached):
             context.extend(features[context.length: context.length + n])
         assert static.length == cached.length
         anchor = prompt[static.length]
         for size in (4, 2):  # a full block and a last block cut by max_new_tokens
             noise = adapter.embed_tokens()(torch.tensor([anchor] + [drafter.mask_token_id] * (size - 1)))
-            torch.testing.assert_close(static.hidden(noise), cached.hidden(noise), atol=1e-5, rtol=1e-4)
-    if graphs:  # every step but the prompt's extend and the short blocks replayed a graph
-        assert sum(graph.replays for graph in captured) == 2 * (len(steps) - 1) + 1
+            got = static.hidden(noise)
+            assert torch.equal(got, eager.hidden(noise))  # the graph dispatch runs the eager step's math
+            torch.testing.assert_close(got, cached.hidden(noise), atol=1e-5, rtol=1e-4)
+    if graphs:  # every step but the prompt's extend replayed a graph, short blocks included
+        assert sum(graph.replays for graph in captured) == (len(steps) - 1) + 2 * len(steps)
     with pytest.raises(ValueError, match="features must be"):
         static.extend(features[:2, :5])
     with pytest.raises(ValueError, match="exceed the static drafter context of 256"):

@@ -283,14 +283,22 @@ def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed
                   draft_sampling) -> None:
     """Decode `prompt` a little in both modes, results dropped: the first timed decode would otherwise pay the
     one-off costs (kernel loading, allocator growth, CUDA graph capture) that the target-only decode after it is
-    spared. A generator of its own, so the timed decodes draw the same random numbers with or without it."""
+    spared. Every block size a timed step can draft and verify (2..block_size, the shorter ones being the last
+    blocks near max_new_tokens) is met once, as the first step of a decode of that many new tokens. A generator
+    of its own, so the timed decodes draw the same random numbers with or without it."""
     stop_ids = adapter.stop_token_ids()
-    # A few steps (full blocks, then the shorter ones near the limit), not the whole budget: it is pure overhead.
-    tokens = min(max_new_tokens, 2 * drafter.config.block_size)
     generator = torch.Generator(device=adapter.device).manual_seed(seed) if temperature > 0 else None
-    live_decode(drafter, adapter, prompt, max_new_tokens=tokens, stop_token_ids=stop_ids, temperature=temperature,
-                generator=generator, target_engine=engine, draft_sampling=draft_sampling)
+    # Largest first; a decode's later steps meet smaller sizes too (its trace says which: with no stop tokens
+    # every step drafts size - 1 positions), so sizes already met are skipped. Stop tokens are ignored so that an
+    # early stop cannot skip a size.
+    unmet = set(range(2, min(max_new_tokens, drafter.config.block_size) + 1))
+    while unmet:
+        result = live_decode(drafter, adapter, prompt, max_new_tokens=max(unmet), stop_token_ids=[],
+                             temperature=temperature, generator=generator, target_engine=engine,
+                             draft_sampling=draft_sampling)
+        unmet -= {drafted + 1 for drafted in result.trace.drafted}
     if measure_target:
+        tokens = min(max_new_tokens, 2 * drafter.config.block_size)
         target_only_decode(adapter, prompt, max_new_tokens=tokens, stop_token_ids=stop_ids, temperature=temperature,
                            generator=generator, target_engine=engine)
 

@@ -30,8 +30,8 @@ import torch
 
 from dflash.eval.metrics import PhaseTimer, StepTrace, synchronize
 from dflash.inference.drafter_cache import CachedDrafter
-from dflash.inference.sampling import (DRAFT_SAMPLING, accept_greedy, accept_greedy_drafts, accept_sampled,
-                                       probabilities, sample)
+from dflash.inference.sampling import (DRAFT_SAMPLING, greedy_drafts_outcome, greedy_outcome, probabilities, sample,
+                                       sampled_outcome)
 from dflash.inference.static_decode import resolve_engine
 from dflash.inference.static_drafter import StaticDrafter, static_drafter
 from dflash.inference.static_target import StaticTarget, static_target
@@ -63,12 +63,13 @@ def _check(prompt: list[int], max_new_tokens: int, temperature: float, draft_sam
         raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
 
 
-def _target(adapter, layer_ids: list[int], engine: str, length: int, graph_size: int,
+def _target(adapter, layer_ids: list[int], engine: str, length: int, graph_sizes: tuple[int, ...],
             restore_linear: bool = True) -> tuple[CachedTarget | StaticTarget, str]:
-    """The cached target of one decode of at most `length` positions, and the engine it resolved to."""
+    """The cached target of one decode of at most `length` positions, and the engine it resolved to; the static
+    engine replays forwards of `graph_sizes` tokens as CUDA graphs."""
     engine = resolve_engine(engine, adapter)
     if engine == "static":
-        return static_target(adapter, layer_ids, length=length, graph_sizes=(graph_size,)), engine
+        return static_target(adapter, layer_ids, length=length, graph_sizes=graph_sizes), engine
     return CachedTarget(adapter, layer_ids, restore_linear=restore_linear), engine
 
 
@@ -119,8 +120,9 @@ def live_decode(
         return timer.phase(name) if timer is not None else nullcontext()
 
     length = len(prompt) + max_new_tokens
-    target, engine = _target(adapter, config.target_layer_ids, target_engine, length, config.block_size,
-                             restore_linear)
+    # Every block size a step can verify: full blocks and the shorter last blocks near max_new_tokens.
+    target, engine = _target(adapter, config.target_layer_ids, target_engine, length,
+                             tuple(range(2, config.block_size + 1)), restore_linear)
     context = static_drafter(drafter, length=length) if engine == "static" else CachedDrafter(drafter)
     synchronize(adapter.device)
     began = time.perf_counter()
@@ -141,8 +143,10 @@ def live_decode(
             block = torch.cat([drafts.new_full((1,), tokens[start]), drafts]).to(adapter.device)
             verify_logits, verify_features = target.verify(block)
         with section("live_accept"):
-            accepted, following = _accept(verify_logits, drafts, draft_probs, temperature, generator)
-        new, stopped = _committed(drafts[:accepted].tolist() + [following], max_length - start - 1, stops)
+            outcome = _accept(verify_logits, drafts, draft_probs, temperature, generator)
+            # The step's one host sync: the decision and the drafts come back together.
+            accepted, following, *drafted = torch.cat([outcome, drafts.to(outcome.device)]).tolist()
+        new, stopped = _committed(drafted[:accepted] + [following], max_length - start - 1, stops)
         committed = len(new)
         # Same bookkeeping as the replay: drafts past the stop token could never have been committed.
         trace.add(committed, min(accepted, committed), size - 1 if stopped is None else min(size - 1, committed))
@@ -168,15 +172,15 @@ def _propose(draft_logits: torch.Tensor, greedy: bool, temperature: float,
 
 
 def _accept(verify_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, temperature: float,
-            generator: torch.Generator | None) -> tuple[int, int]:
-    """(accepted drafts, the token that follows them): greedy prefix matching at T=0, else the sampling rule of
-    how the drafts were proposed (sampling.py)."""
+            generator: torch.Generator | None) -> torch.Tensor:
+    """[accepted drafts, the token that follows them] on the device: greedy prefix matching at T=0, else the
+    sampling rule of how the drafts were proposed (sampling.py)."""
     if temperature == 0:
-        return accept_greedy(verify_logits, drafts)
+        return greedy_outcome(verify_logits, drafts)
     target_probs = probabilities(verify_logits, temperature)
     if draft_probs is None:
-        return accept_greedy_drafts(target_probs, drafts, generator)
-    return accept_sampled(target_probs, draft_probs, drafts, generator)
+        return greedy_drafts_outcome(target_probs, drafts, generator)
+    return sampled_outcome(target_probs, draft_probs, drafts, generator)
 
 
 def _committed(new: list[int], room: int, stops: set[int]) -> tuple[list[int], int | None]:
@@ -204,7 +208,7 @@ def target_only_decode(
     _check(prompt, max_new_tokens, temperature)
     stops = set(stop_token_ids)
     # No taps: the baseline pays for no feature hooks or copies.
-    target, engine = _target(adapter, [], target_engine, len(prompt) + max_new_tokens, 1)
+    target, engine = _target(adapter, [], target_engine, len(prompt) + max_new_tokens, (1,))
     synchronize(adapter.device)
     began = time.perf_counter()
     logits, _ = target.forward(list(prompt), last_logits_only=True)

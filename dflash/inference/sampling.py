@@ -29,23 +29,55 @@ def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of probs [..., V] (a LongTensor of shape probs.shape[:-1])."""
+    """One token id per row of probs [..., V] (a LongTensor of shape probs.shape[:-1]), on the device.
+
+    The draw torch.multinomial(probs, 1) makes (ATen's one-sample path: q ~ Exp(1) per entry, argmax of p / q),
+    written out: multinomial first checks its input on the host (two device syncs), this does not. The same random
+    numbers and the same tokens as multinomial for one generator state (tests/test_eval_sampling_syncs.py); rows must
+    be valid distributions (nothing checks for negative, NaN or all-zero rows)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    noise = torch.empty_like(flat).exponential_(1, generator=generator)
+    return (flat / noise).argmax(dim=-1).reshape(probs.shape[:-1])
+
+
+def greedy_outcome(target_logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """[accepted drafts, next token] (a LongTensor [2] on the device) for T=0: the longest prefix of drafts [n]
+    equal to the target's argmax at block positions 0..n-1 of target_logits [n+1, V]; the next token is the
+    target's argmax after that prefix."""
+    predicted = target_logits.argmax(dim=-1)
+    accepted = (drafts.to(predicted.device) == predicted[:-1]).int().cumprod(0).sum()
+    return torch.stack([accepted, predicted.index_select(0, accepted[None])[0]])
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts, next token) for T=0: the longest prefix of drafts [n] equal to the target's argmax at
-    block positions 0..n-1 of target_logits [n+1, V]; the next token is the target's argmax after that prefix."""
-    predicted = target_logits.argmax(dim=-1)
-    accepted = int((drafts.to(predicted.device) == predicted[:-1]).int().cumprod(0).sum())
-    return accepted, int(predicted[accepted])
+    """greedy_outcome as (accepted drafts, next token) on the host."""
+    accepted, following = greedy_outcome(target_logits, drafts).tolist()
+    return accepted, following
 
 
-def accept_sampled(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """(accepted drafts, next token) by rejection sampling; target_probs [n+1, V], draft_probs [n, V], drafts [n]."""
+def _rejection_outcome(target_probs: torch.Tensor, rejected: torch.Tensor, residual_of,
+                       generator: torch.Generator | None) -> torch.Tensor:
+    """[accepted drafts, next token] on the device from the rejection flags [n] of the drafts: the drafts before
+    the first rejection are accepted; the next token is drawn from normalise(residual_of(k)) at the first rejected
+    position k (target_probs[k] when the residual rounds to zero mass), or from the bonus row target_probs[n] when
+    nothing was rejected. Both cases are computed and one row is chosen on the device, so there is no host sync
+    and exactly one draw, as the branching rule makes."""
+    n = rejected.shape[0]
+    accepted = (~rejected).int().cumprod(0).sum()
+    bonus = target_probs[n]
+    if n == 0:
+        return torch.stack([accepted, sample(bonus, generator)])
+    first = accepted.clamp(max=n - 1)[None]  # the first rejected position when there is one
+    residual = residual_of(first)
+    total = residual.sum()
+    replacement = torch.where(total > 0, residual / total, target_probs.index_select(0, first)[0])
+    return torch.stack([accepted, sample(torch.where(accepted < n, replacement, bonus), generator)])
+
+
+def sampled_outcome(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """[accepted drafts, next token] (LongTensor [2], on the device) by rejection sampling of sampled drafts;
+    target_probs [n+1, V], draft_probs [n, V], drafts [n]."""
     n = drafts.shape[0]
     if target_probs.shape[0] != n + 1 or draft_probs.shape[0] != n:
         raise ValueError(f"need target_probs [{n + 1}, V] and draft_probs [{n}, V] for {n} drafts, got "
@@ -56,25 +88,28 @@ def accept_sampled(
     uniforms = torch.rand(n, generator=generator, device=device)
     index = torch.arange(n, device=device)
     p, q = target_probs[index, drafts], draft_probs[index, drafts]
-    # u < p/q written without the division; q > 0 because d was sampled from q.
-    rejected = (uniforms * q >= p).nonzero()
-    if rejected.numel() == 0:
-        return n, int(sample(target_probs[n], generator))
-    k = int(rejected[0, 0])
-    residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
-    # A rejection implies p(d) < q(d), so the residual has positive mass; guard against rounding to zero anyway.
-    total = residual.sum()
-    replacement = residual / total if float(total) > 0 else target_probs[k]
-    return k, int(sample(replacement, generator))
+    # u < p/q written without the division; q > 0 because d was sampled from q. A rejection implies p(d) < q(d),
+    # so the residual has positive mass; the zero-mass fallback only guards rounding.
+    return _rejection_outcome(
+        target_probs, uniforms * q >= p,
+        lambda k: (target_probs.index_select(0, k)[0] - draft_probs.index_select(0, k)[0]).clamp_min(0), generator)
 
 
-def accept_greedy_drafts(
-    target_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
+def accept_sampled(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[int, int]:
-    """(accepted drafts, next token) for deterministic drafts (the drafter's argmax) at T>0: rejection sampling
-    with q_k one-hot at draft k, so draft k is accepted with probability p_k(d) and, at the first rejection, the
-    replacement is sampled from p_k with d's mass removed; target_probs [n+1, V], drafts [n]. Draws the same random
-    numbers as accept_sampled and gives its result for one-hot draft_probs, without building them."""
+    """sampled_outcome as (accepted drafts, next token) on the host."""
+    accepted, following = sampled_outcome(target_probs, draft_probs, drafts, generator).tolist()
+    return accepted, following
+
+
+def greedy_drafts_outcome(target_probs: torch.Tensor, drafts: torch.Tensor,
+                          generator: torch.Generator | None) -> torch.Tensor:
+    """[accepted drafts, next token] (LongTensor [2], on the device) for deterministic drafts (the drafter's
+    argmax) at T>0: rejection sampling with q_k one-hot at draft k, so draft k is accepted with probability p_k(d)
+    and, at the first rejection, the replacement is sampled from p_k with d's mass removed; target_probs [n+1, V],
+    drafts [n]. Draws the same random numbers as sampled_outcome and gives its result for one-hot draft_probs,
+    without building them."""
     n = drafts.shape[0]
     if target_probs.shape[0] != n + 1:
         raise ValueError(f"need target_probs [{n + 1}, V] for {n} drafts, got {tuple(target_probs.shape)}")
@@ -82,13 +117,17 @@ def accept_greedy_drafts(
     drafts = drafts.to(device)
     uniforms = torch.rand(n, generator=generator, device=device)
     p = target_probs[torch.arange(n, device=device), drafts]
-    rejected = (uniforms >= p).nonzero()
-    if rejected.numel() == 0:
-        return n, int(sample(target_probs[n], generator))
-    k = int(rejected[0, 0])
-    residual = target_probs[k].clone()
-    residual[drafts[k]] = 0
-    # A rejection implies p(d) < 1, so the rest has positive mass; guard against rounding to zero anyway.
-    total = residual.sum()
-    replacement = residual / total if float(total) > 0 else target_probs[k]
-    return k, int(sample(replacement, generator))
+
+    def rest(k: torch.Tensor) -> torch.Tensor:
+        # p_k without the draft's mass; a rejection implies p(d) < 1, so the rest has positive mass.
+        return target_probs.index_select(0, k)[0].scatter(0, drafts.index_select(0, k), 0.0)
+
+    return _rejection_outcome(target_probs, uniforms >= p, rest, generator)
+
+
+def accept_greedy_drafts(
+    target_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """greedy_drafts_outcome as (accepted drafts, next token) on the host."""
+    accepted, following = greedy_drafts_outcome(target_probs, drafts, generator).tolist()
+    return accepted, following

@@ -1,5 +1,6 @@
 """The drafter side of static live decoding: the cached drafter context in preallocated buffers, and on CUDA its
-fixed-shape steps (appending 1..block_size verified positions, drafting a block) replayed as CUDA graphs.
+fixed-shape steps (appending 1..block_size verified positions, drafting a block of 2..block_size positions)
+replayed as CUDA graphs.
 
 CachedDrafter (drafter_cache.py) concatenates each step's new keys/values onto the whole context and runs the
 block's kernels eagerly, one Python dispatch each. Here column c of every layer's buffer holds position c:
@@ -26,8 +27,11 @@ from dflash.models.drafter import DFlashDraftModel
 class StaticDrafter:
     """CachedDrafter's interface (config, length, extend, hidden) over a static context of `capacity` positions.
 
-    On CUDA (cuda_graphs None = on there) `extend` of 1..block_size positions and `hidden` of a full block run as
-    CUDA graphs, captured when the StaticDrafter is built; a prompt's extend and a shorter last block run eagerly.
+    On CUDA (cuda_graphs None = on there) `extend` of 1..block_size positions and `hidden` of blocks of
+    2..block_size positions (full blocks and the shorter last blocks near max_new_tokens) run as CUDA graphs,
+    captured when the StaticDrafter is built: block_size + (block_size - 1) x capacity / LENGTH_QUANTUM graphs
+    (136 for block 16 and 1024 positions). A prompt's extend runs eagerly. A shorter block is not padded to a full
+    one: block positions attend to each other, so padding would change the drafts.
     """
 
     @torch.inference_mode()
@@ -52,17 +56,19 @@ class StaticDrafter:
         self.length = 0
         block, width = config.block_size, config.num_taps * config.hidden_size
         self._features = {n: torch.zeros(n, width, device=device, dtype=dtype) for n in range(1, block + 1)}
-        self._noise = torch.zeros(block, config.hidden_size, device=device, dtype=dtype)
+        # The sizes a live step drafts (a block is the anchor and at least one mask position).
+        self._noise = {n: torch.zeros(n, config.hidden_size, device=device, dtype=dtype) for n in range(2, block + 1)}
         self._graphs: dict = {}
         use_graphs = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if use_graphs:
             spans = range(LENGTH_QUANTUM, self.capacity + 1, LENGTH_QUANTUM)
             # Warm-ups write garbage into columns that extend() writes before a block reads them.
+            blocks = [("block", n, span) for n in self._noise for span in spans]
             self._graphs = capture_graphs(
-                device, [("extend", n) for n in self._features] + [("block", span) for span in spans],
-                prepare=lambda shape: self.start.fill_(0 if shape[0] == "extend" else shape[1]),
+                device, [("extend", n) for n in self._features] + blocks,
+                prepare=lambda shape: self.start.fill_(0 if shape[0] == "extend" else shape[2]),
                 run=lambda shape: (self._write(self._features[shape[1]]) if shape[0] == "extend"
-                                   else self._block(self._noise, shape[1])))
+                                   else self._block(self._noise[shape[1]], shape[2])))
 
     @property
     def drafter(self) -> DFlashDraftModel:
@@ -115,10 +121,11 @@ class StaticDrafter:
         check_context(self.length)
         span = round_up(self.length, LENGTH_QUANTUM)
         self.start.fill_(self.length)
-        entry = self._graphs.get(("block", span)) if noise_embedding.shape[0] == self.config.block_size else None
+        size = noise_embedding.shape[0]
+        entry = self._graphs.get(("block", size, span))
         if entry is None:
             return self._block(noise_embedding, span)
-        self._noise.copy_(noise_embedding)
+        self._noise[size].copy_(noise_embedding)
         replay(entry[0], self.device)
         return entry[1].clone()  # the graph's output is overwritten by its next replay
 

@@ -3,9 +3,11 @@
 CachedTarget (target_cache.py) drives the HF model over a DynamicCache: each forward re-dispatches hundreds of
 small kernels from Python, so on a GPU a small target is launch-bound and the measured speedup says more about
 Python than about the drafter. StaticTarget runs the target's own HF submodules under the attention math of
-static decoding (the adapter's static_layout(), dflash/models/targets/layout.py) over one preallocated KV row. On CUDA the fixed-shape
-forwards (1 token for target-only decoding, block_size tokens for a verify) replay CUDA graphs, one per (tokens,
-attention span), all captured when the StaticTarget is built; a prefill (any length) and other sizes run eagerly.
+static decoding (the adapter's static_layout(), dflash/models/targets/layout.py) over one preallocated KV row. On
+CUDA the fixed-shape forwards (1 token for target-only decoding; for a verify, every block size 2..block_size,
+the shorter ones being the last blocks near max_new_tokens) replay CUDA graphs, one per (tokens, attention span),
+all captured when the StaticTarget is built: (block_size - 1) x capacity / LENGTH_QUANTUM verify graphs (120 for
+block 16 and 1024 positions). A prefill (any length) and sizes without a graph run eagerly.
 
 Column c of the cache holds position c. A forward of n tokens at `length` writes columns length..length+n-1 and
 each query attends over the columns up to its own position, so a rollback only sets `length`: the columns of
