@@ -10,16 +10,19 @@
 # Usage: launch/multi_node.sh NNODES NODE_RANK MASTER_ADDR [hydra overrides...]
 #   e.g. launch/multi_node.sh 2 R HOST +experiment=qwen36 capture=online capture.transport=ranks \
 #        capture.ranks_per_node=2 run_dir=/shared/runs/qwen36          # node R of 2: 6 trainers + 2 capture ranks
-# The rendezvous is static at MASTER_ADDR:MASTER_PORT (29500); RDZV_BACKEND=c10d makes it torchrun's dynamic one
-# there (launch/slurm.sbatch). DRY_RUN=1 prints the command without running it.
+# The rendezvous is at MASTER_ADDR:MASTER_PORT (29500): torchrun's c10d one (RDZV_BACKEND=c10d, launch/slurm.sbatch) or
+# a static one (RDZV_BACKEND=static). The ranks transport on several nodes takes c10d unless told otherwise: its
+# restarts need every node's agent to restart together, which only the c10d rendezvous tells the healthy nodes to do.
+# DRY_RUN=1 prints the command without running it.
 set -euo pipefail
 nnodes=$1 node_rank=$2 master=$3; shift 3
 settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed config's settings as shell assignments
 eval "$settings"
 gpus=${GPUS_PER_NODE:-8}
-nproc=$gpus restarts=()
+nproc=$gpus restarts=() backend=${RDZV_BACKEND:-static}
 if [ "$capture_mode" = online ] && [ "$transport" = ranks ]; then
   restarts=(--max-restarts "${MAX_RESTARTS:-3}")
+  if [ "$nnodes" != 1 ]; then backend=${RDZV_BACKEND:-c10d}; fi
   if [ -n "$ranks_per_node" ]; then
     nproc=$((gpus - ranks_per_node * gpus_per_worker + ranks_per_node))
   elif [ "$gpus_per_worker" != 1 ] && [ "$nnodes" != 1 ]; then
@@ -34,7 +37,7 @@ run() {  # print a command, then run it unless DRY_RUN=1
   if [ "${DRY_RUN:-0}" != 1 ]; then "$@"; fi
 }
 rendezvous=(--master_addr "$master" --master_port "${MASTER_PORT:-29500}")
-if [ "${RDZV_BACKEND:-static}" = c10d ]; then
+if [ "$backend" = c10d ]; then
   rendezvous=(--rdzv_backend c10d --rdzv_endpoint "$master:${MASTER_PORT:-29500}")
 fi
 run torchrun --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" "${restarts[@]}" \

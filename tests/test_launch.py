@@ -73,9 +73,10 @@ def test_gpus_per_worker_must_divide_the_capture_gpus():
     assert "+ env" not in done.stdout
 
 
-def multi_node(node_rank: int, *overrides: str, script: str = "multi_node.sh") -> subprocess.CompletedProcess:
+def multi_node(node_rank: int, *overrides: str, script: str = "multi_node.sh",
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO / "launch" / script), "2", str(node_rank), "nodeA", "+experiment=tiny",
-                           *overrides], cwd=REPO, env={**ENV, "DRY_RUN": "1", "GPUS_PER_NODE": "8"},
+                           *overrides], cwd=REPO, env={**ENV, "DRY_RUN": "1", "GPUS_PER_NODE": "8", **(env or {})},
                           capture_output=True, text=True, timeout=600)
 
 
@@ -90,9 +91,13 @@ def test_dry_run_of_several_nodes_runs_trainer_gpus_plus_capture_ranks_on_each()
     [plain] = torchrun_lines(multi_node(1))
     assert plain.startswith("+ torchrun --nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr nodeA ")
     assert "--max-restarts" not in plain and plain.endswith("stages=[train]")
-    # The job's last 8 ranks capture (node 1's GPUs): every node runs 8 ranks, restarted after a rank dies.
+    # The job's last 8 ranks capture (node 1's GPUs): every node runs 8 ranks, restarted after a rank dies, all nodes
+    # together (the c10d rendezvous); a static one only when asked for.
     [last] = torchrun_lines(multi_node(0, *online, "capture.ranks=8"))
-    assert last.startswith("+ torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --max-restarts 3 ")
+    assert last.startswith("+ torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --max-restarts 3 --rdzv_backend "
+                           "c10d --rdzv_endpoint nodeA:29500 ")
+    [static] = torchrun_lines(multi_node(0, *online, "capture.ranks=8", env={"RDZV_BACKEND": "static"}))
+    assert "--master_addr nodeA --master_port 29500 " in static and "--rdzv_backend" not in static
     # Every node's last 2 ranks capture on 2 GPUs each: 4 trainer GPUs + 2 capture ranks a node.
     [every] = torchrun_lines(multi_node(1, *online, "capture.ranks_per_node=2", "capture.gpus_per_worker=2"))
     assert every.startswith("+ torchrun --nnodes 2 --node_rank 1 --nproc_per_node 6 --max-restarts 3 ")

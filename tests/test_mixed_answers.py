@@ -111,5 +111,8 @@ def test_the_setting_is_checked_fingerprinted_and_named_where_unused(tmp_path):
     assert mixed.ignored() == []
     greedy = settings_from(compose(tiny + ["data.sampled_share=0.5"]))
     assert greedy.ignored() == ["data.sampled_share=0.5 is ignored: data.temperature is 0 (every answer greedy)"]
+    # ... and it leaves the greedy data's fingerprint as it was: the answers are the same.
+    plain = settings_from(compose(tiny))
+    assert fingerprints.data_fingerprint(greedy) == fingerprints.data_fingerprint(plain)
     none_sampled = settings_from(compose(tiny + ["data.temperature=1.0", "data.sampled_share=0"]))
     assert "data.temperature=1.0 is ignored: data.sampled_share is 0" in " ".join(none_sampled.ignored())

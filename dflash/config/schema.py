@@ -192,6 +192,11 @@ def _synthetic_off(value: Any, group: Any) -> bool:
     return not value["count"]
 
 
+def _answers_unmixed(value: Any, group: Any) -> bool:
+    """data.sampled_share makes no answer differ: all are sampled (1), or greedy ones are all there are (T = 0)."""
+    return value == 1.0 or not group.temperature
+
+
 @dataclass
 class DataSettings:
     """Training prompts and the target's answers to them (group `data`)."""
@@ -207,7 +212,7 @@ class DataSettings:
     batch_size: int = setting(24, affects=(), doc="answers generated together (each prompt samples its own stream)")
     temperature: float = setting(0.0, affects=("data",), doc="0 = greedy answers; > 0 = sampled (with top_p)")
     top_p: float = setting(1.0, affects=("data",), doc="nucleus sampling of the answers")
-    sampled_share: float = setting(1.0, affects=("data",), neutral=1.0,
+    sampled_share: float = setting(1.0, affects=("data",), neutral=_answers_unmixed,
                                    doc="temperature > 0: the share of prompts answered by sampling, the others "
                                        "greedily (chosen by a seeded hash of the prompt id); 1 = all sampled")
     heldout: int = setting(0, affects=("data",),
