@@ -121,13 +121,15 @@ def test_static_verify_equals_cached_target(family, graphs, target, request):
 
 def test_verify_graphs_of_every_block_size_equal_eager(target, cpu_graphs):
     """Verifies of every block size (the shorter last blocks included) dispatched to graphs give the eager
-    forward's numbers bit for bit, over both attention spans."""
+    forward's numbers bit for bit, over both attention spans, the graphs of one size sharing their outputs."""
     adapter = target("llama")
     taps = [0, adapter.num_layers - 1]
     prompt = [4 + i % 50 for i in range(118)]
     graphed, eager = (StaticTarget(adapter, taps, capacity=160, graph_sizes=range(2, 5), cuda_graphs=graphs)
                       for graphs in (True, False))
     assert len(cpu_graphs) == 3 * 2  # sizes 2, 3, 4 over spans 128 and 256
+    for n in (2, 3, 4):  # the graphs of one size write one set of outputs, whatever their span
+        assert all(a is b for a, b in zip(graphed._graphs[(n, 128)][1], graphed._graphs[(n, 256)][1]))
     for static in (graphed, eager):
         static.forward(prompt, last_logits_only=True)
     for block, keep in (([5, 6], 1), ([7, 8, 9], 2), ([10, 11, 12, 13], 4), ([14, 15, 16], 1), ([17, 18], 2)):

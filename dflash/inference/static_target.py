@@ -7,7 +7,8 @@ static decoding (the adapter's static_layout(), dflash/models/targets/layout.py)
 CUDA the fixed-shape forwards (1 token for target-only decoding; for a verify, every block size 2..block_size,
 the shorter ones being the last blocks near max_new_tokens) replay CUDA graphs, one per (tokens, attention span),
 all captured when the StaticTarget is built: (block_size - 1) x capacity / LENGTH_QUANTUM verify graphs (120 for
-block 16 and 1024 positions). A prefill (any length) and sizes without a graph run eagerly.
+block 16 and 1024 positions), the graphs of one size writing one set of outputs. A prefill (any length) and sizes
+without a graph run eagerly.
 
 Column c of the cache holds position c. A forward of n tokens at `length` writes columns length..length+n-1 and
 each query attends over the columns up to its own position, so a rollback only sets `length`: the columns of
@@ -68,18 +69,32 @@ class StaticTarget:
         self.graph_sizes = tuple(sorted({int(n) for n in graph_sizes if 0 < n <= self.capacity})) if use_graphs else ()
         self._inputs = {n: torch.zeros(n, dtype=torch.long, device=lay.device) for n in self.graph_sizes}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
+        self._outputs: dict[int, Outputs] = {}  # per graph size: the outputs every span's graph writes
         if self.graph_sizes:
             spans = range(LENGTH_QUANTUM, self.capacity + 1, LENGTH_QUANTUM)
             # The warm-up writes garbage into columns that a real forward writes before reading.
             self._graphs = capture_graphs(
                 lay.device, [(n, span) for n in self.graph_sizes for span in spans if n <= span],
                 prepare=lambda shape: self.start.fill_(shape[1] - shape[0]),
-                run=lambda shape: self._run(self._inputs[shape[0]], shape[1], last_only=False))
+                run=lambda shape: self._graph_run(*shape))
 
     def reset(self) -> None:
         """An empty sequence (the cache columns are left as they are: nothing reads them before they are written)."""
         self.length = 0
         self._verified = None
+
+    def _graph_run(self, n: int, span: int) -> Outputs:
+        """What the graph of n tokens over `span` columns runs: _run, its outputs copied into the buffers of size n
+        that the graphs of every span share, so graph outputs take memory per size rather than per size and span
+        (logits [n, V] for 15 sizes x capacity / LENGTH_QUANTUM spans would be ~1 GB at V = 152k and 4k columns)."""
+        logits, features = self._run(self._inputs[n], span, last_only=False)
+        if n not in self._outputs:  # made by the first (warm-up) run, outside any graph
+            self._outputs[n] = (torch.empty_like(logits), None if features is None else torch.empty_like(features))
+        kept_logits, kept_features = self._outputs[n]
+        kept_logits.copy_(logits)
+        if kept_features is not None:
+            kept_features.copy_(features)
+        return kept_logits, kept_features
 
     def _run(self, ids: torch.Tensor, span: int, last_only: bool) -> Outputs:
         """Forward ids [n] at positions start..start+n-1, attending over the first `span` columns."""
