@@ -262,7 +262,7 @@ def test_a_build_with_failed_prompts_is_not_reused_but_retried(tiny, tmp_path, m
 def test_answers_finished_before_an_interrupt_are_journaled(tiny, tmp_path, monkeypatch):
     import dflash.data.regenerate as regenerate_module
 
-    def two_then_interrupted(adapter, pending, *args):
+    def two_then_interrupted(adapter, pending, *args, **part):
         yield 0, [40, 41]
         yield 1, [42]
         raise KeyboardInterrupt  # Ctrl-C while the third answer is generated
