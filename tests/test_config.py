@@ -146,9 +146,10 @@ def downstream(affects: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("capture", ["offline", "online", "colocated"])
 def test_changing_a_setting_reruns_exactly_the_stages_it_affects(capture):
-    # Synthetic prompts on and live sampling: their fields are not at the neutral values that leave them out.
-    base = settings_of(["+experiment=tiny", f"capture={capture}", "data.synthetic.count=4", "eval.mode=live",
-                        "eval.temperature=0.7"])
+    # Synthetic prompts on, sampled answers and live sampling: their fields are not at the neutral values that leave
+    # them out.
+    base = settings_of(["+experiment=tiny", f"capture={capture}", "data.synthetic.count=4", "data.temperature=0.7",
+                        "eval.mode=live", "eval.temperature=0.7"])
     before = stage_keys(base)
     tested = 0
     for path, f, affects in leaves(base):
