@@ -258,29 +258,14 @@ def test_gdn_hybrids_are_refused(tiny_target, target):
         resolve_engine("fast", target("llama"))
 
 
-def test_the_engines_run_the_layers_the_adapter_lays_out(target, monkeypatch):
-    """A family gives its adapter a static_layout() of its own: the engines run its layer forward, and refuse the
-    target when its static_layout_problem() names one."""
+def test_a_static_layout_problem_refuses_the_target(target, monkeypatch):
+    """The engines refuse a target whose adapter's static_layout_problem() names a reason (that they run each HF
+    decoder layer's own forward is tested in tests/test_engine_attention.py)."""
     adapter = target("llama")
-    layout = adapter.static_layout()
-    calls = Counter()
-
-    class CountingLayout(type(layout)):
-        def run_layer(self, layer, x, cos, signed_sin, attend):
-            calls[x.shape[1] > 1] += 1
-            return super().run_layer(layer, x, cos, signed_sin, attend)
-
-    prompts = [[5, 6, 7], [8, 9]]
-    settings = dict(max_new_tokens=4, stop_token_ids=[], pad_id=0, batch_size=2)
-    plain = static_generate(adapter, prompts, **settings)
-    monkeypatch.setattr(adapter, "static_layout", lambda: CountingLayout(**vars(layout)))
-    assert static_generate(adapter, prompts, **settings) == plain
-    layers = len(adapter.decoder_layers())
-    assert calls[True] >= layers and calls[False] >= 3 * layers  # the prefill, then one call per layer per step
     monkeypatch.setattr(adapter, "static_layout_problem", lambda: "its layer keeps a state")
     assert not supports_static_decode(adapter)
     with pytest.raises(ValueError, match="does not support this target: its layer keeps a state"):
-        static_generate(adapter, prompts, **settings)
+        static_generate(adapter, [[5, 6, 7], [8, 9]], max_new_tokens=4, stop_token_ids=[], pad_id=0, batch_size=2)
 
 
 def test_a_target_placed_over_several_devices_is_refused(target, monkeypatch):

@@ -1,11 +1,10 @@
 """Fast batched decoding of dense Llama-layout targets: a static KV cache, refilled rows and, on CUDA, CUDA graphs.
 
 Plain HF `generate` re-dispatches hundreds of small kernels from Python for every token, so a small target such as
-SmolLM2-135M is launch-bound (~550 tok/s at batch 64 on an H200). Here the target's layers run as its adapter's
-static layout runs them (dflash/models/targets/layout.py: its own HF submodules) under our attention over a
-preallocated cache, and the whole decode
-step (embedding -> layers -> final norm -> lm_head -> next-token choice -> cache and state updates) is captured
-in a CUDA graph (one per attention span) and replayed for every token. A row whose prompt stopped takes the next
+SmolLM2-135M is launch-bound (~550 tok/s at batch 64 on an H200). Here the target's own HF decoder layers run with
+our attention over a preallocated cache (dflash/models/targets/engine_attention.py), and the whole decode step
+(embedding -> layers -> final norm -> lm_head -> next-token choice -> cache and state updates) is captured in a
+CUDA graph (one per attention span) and replayed for every token. A row whose prompt stopped takes the next
 pending prompt (row_schedule.py decides which and when): its prompt is prefilled eagerly into that row from
 column 0 while the other rows keep their place, so the decode steps approach total tokens / rows.
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from dflash.inference.cuda_graphs import capture_graphs
 from dflash.inference.row_schedule import ScheduleStats, round_up, run_schedule
+from dflash.models.targets.engine_attention import engine_attention
 from dflash.models.targets.layout import TargetLayout
 
 ENGINES = ("hf", "static", "auto")
@@ -105,7 +105,7 @@ class _Decoder:
         self.columns = torch.arange(length, device=device)
         # Row r, kv head h, column c is row (r * kv_heads + h) * length + c of a cache viewed as [-1, head_dim].
         self.flat_base = (torch.arange(rows * lay.kv_heads, device=device) * length).view(rows, lay.kv_heads)
-        self.cos, self.signed_sin = lay.rope_table(length)
+        self.cos, self.sin = lay.rope_table(length)
         self.stops = torch.tensor(stop_ids, device=device, dtype=torch.long)
         self.tokens = torch.zeros(rows, device=device, dtype=torch.long)
         self.column = torch.zeros(rows, device=device, dtype=torch.long)
@@ -153,18 +153,19 @@ class _Decoder:
         self.tokens.copy_(tokens)
 
     def advance(self, span: int) -> None:
-        """One decode step, compiled or not."""
-        if self.compile_step:
-            _compiled_step()(self, span)
-        else:
-            self.step(span)
+        """One decode step, compiled or not (the attention switch stays outside what torch.compile traces)."""
+        with engine_attention(self.layout.layers):
+            if self.compile_step:
+                _compiled_step()(self, span)
+            else:
+                self.step(span)
 
     def step(self, span: int) -> None:
         """One decode step for every row: feed `tokens` at each row's `column`, attend over the first `span`
-        columns, choose and record the next tokens."""
+        columns, choose and record the next tokens. Runs inside engine_attention (advance() enters it)."""
         lay = self.layout
         x = lay.embed(self.tokens[:, None])
-        cos, signed_sin = self.cos[self.column][:, None], self.signed_sin[self.column][:, None]
+        rope = self.cos[self.column][:, None], self.sin[self.column][:, None]
         valid = self.columns[:span] <= self.column[:, None]
         # An additive mask made once per step (SDPA would convert a boolean one in every layer).
         bias = torch.zeros(valid.shape, device=valid.device, dtype=lay.dtype).masked_fill_(~valid, float("-inf"))
@@ -172,16 +173,16 @@ class _Decoder:
         write = (self.flat_base + self.column[:, None]).view(-1)
         groups = lay.heads // lay.kv_heads
         for layer, keys, values in zip(lay.layers, self.keys, self.values):
-            def attend(q, k, v, keys=keys, values=values):
+            def attend(q, k, v, scaling, keys=keys, values=values):
                 keys.view(-1, lay.head_dim).index_copy_(0, write, k.reshape(-1, lay.head_dim))
                 values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
                 # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
                 q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
                 context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
-                                                         attn_mask=bias, scale=lay.scaling)
-                return context.reshape(self.rows, 1, lay.heads * lay.head_dim)
+                                                         attn_mask=bias, scale=scaling)
+                return context.reshape(self.rows, 1, lay.heads, lay.head_dim)
 
-            x = lay.run_layer(layer, x, cos, signed_sin, attend)
+            x = layer(x, position_embeddings=rope, engine_attend=attend)
         logits = lay.head(lay.norm(x[:, -1])).float()
         uniform = self.uniform.gather(1, self.count[:, None]).squeeze(1) if self.temperature > 0 else None
         self.record(self.choose(logits, uniform))
@@ -191,20 +192,21 @@ class _Decoder:
         each prompt's last token. The padding sits after the real tokens, so a causal mask is all they need."""
         lay = self.layout
         width = ids.shape[1]
-        cos, signed_sin = self.cos[None, :width], self.signed_sin[None, :width]
+        rope = self.cos[None, :width], self.sin[None, :width]
         groups = lay.heads // lay.kv_heads
         x = lay.embed(ids)
-        for layer, keys, values in zip(lay.layers, self.keys, self.values):
-            def attend(q, k, v, keys=keys, values=values):
-                keys[rows, :, :width] = k
-                values[rows, :, :width] = v
-                context = F.scaled_dot_product_attention(
-                    q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True,
-                    scale=lay.scaling,
-                )
-                return context.transpose(1, 2).reshape(q.shape[0], width, -1)
+        with engine_attention(lay.layers):
+            for layer, keys, values in zip(lay.layers, self.keys, self.values):
+                def attend(q, k, v, scaling, keys=keys, values=values):
+                    keys[rows, :, :width] = k
+                    values[rows, :, :width] = v
+                    context = F.scaled_dot_product_attention(
+                        q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True,
+                        scale=scaling,
+                    )
+                    return context.transpose(1, 2)
 
-            x = lay.run_layer(layer, x, cos, signed_sin, attend)
+                x = layer(x, position_embeddings=rope, engine_attend=attend)
         last = x[torch.arange(len(lengths), device=x.device), lengths - 1]
         return lay.head(lay.norm(last)).float()
 

@@ -2,8 +2,8 @@
 
 CachedTarget (target_cache.py) drives the HF model over a DynamicCache: each forward re-dispatches hundreds of
 small kernels from Python, so on a GPU a small target is launch-bound and the measured speedup says more about
-Python than about the drafter. StaticTarget runs the target's own HF submodules under the attention math of
-static decoding (the adapter's static_layout(), dflash/models/targets/layout.py) over one preallocated KV row. On
+Python than about the drafter. StaticTarget runs the target's own HF decoder layers with the attention of static
+decoding (dflash/models/targets/engine_attention.py) over one preallocated KV row. On
 CUDA the fixed-shape forwards (1 token for target-only decoding; for a verify, every block size 2..block_size,
 the shorter ones being the last blocks near max_new_tokens) replay CUDA graphs, one per (tokens, attention span),
 all captured when the StaticTarget is built: (block_size - 1) x capacity / LENGTH_QUANTUM verify graphs (120 for
@@ -28,6 +28,7 @@ from dflash.inference.static_decode import LENGTH_QUANTUM
 from dflash.inference.cuda_graphs import capture_graphs, replay
 from dflash.inference.static_objects import kept_object
 from dflash.inference.target_cache import check_rollback, token_ids
+from dflash.models.targets.engine_attention import engine_attention
 
 # Cache lengths are rounded up to this, so prompts of similar lengths share one StaticTarget and its graphs.
 CAPACITY_QUANTUM = 1024
@@ -59,7 +60,7 @@ class StaticTarget:
         shape = (1, lay.kv_heads, self.capacity, lay.head_dim)
         self.keys = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]
         self.values = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]
-        self.cos, self.signed_sin = lay.rope_table(self.capacity)
+        self.cos, self.sin = lay.rope_table(self.capacity)
         self.columns = torch.arange(self.capacity, device=lay.device)
         # `length` on the device: what a graph reads as the first position of its forward.
         self.start = torch.zeros((), dtype=torch.long, device=lay.device)
@@ -101,7 +102,7 @@ class StaticTarget:
         lay = self.layout
         n = ids.shape[0]
         positions = self.start + torch.arange(n, device=lay.device)
-        cos, signed_sin = self.cos[positions][None], self.signed_sin[positions][None]
+        rope = self.cos[positions][None], self.sin[positions][None]
         groups = lay.heads // lay.kv_heads
         # The query heads of one kv group act as groups x n query rows of that kv head (no copy of the cache), so
         # the causal mask [n, span] is repeated per group; additive, made once per forward.
@@ -109,18 +110,19 @@ class StaticTarget:
         bias = torch.zeros(valid.shape, device=lay.device, dtype=lay.dtype).masked_fill_(~valid, float("-inf"))
         taps: dict[int, torch.Tensor] = {}
         x = lay.embed(ids[None])
-        for index, (layer, keys, values) in enumerate(zip(lay.layers, self.keys, self.values)):
-            def attend(q, k, v, keys=keys, values=values):
-                keys.index_copy_(2, positions, k)
-                values.index_copy_(2, positions, v)
-                q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
-                context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
-                                                         attn_mask=bias, scale=lay.scaling)
-                return context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2).reshape(1, n, -1)
+        with engine_attention(lay.layers):
+            for index, (layer, keys, values) in enumerate(zip(lay.layers, self.keys, self.values)):
+                def attend(q, k, v, scaling, keys=keys, values=values):
+                    keys.index_copy_(2, positions, k)
+                    values.index_copy_(2, positions, v)
+                    q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
+                    context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
+                                                             attn_mask=bias, scale=scaling)
+                    return context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2)
 
-            x = lay.run_layer(layer, x, cos, signed_sin, attend)
-            if index in self.layer_ids:
-                taps[index] = x[0]
+                x = layer(x, position_embeddings=rope, engine_attend=attend)
+                if index in self.layer_ids:
+                    taps[index] = x[0]
         logits = lay.head(lay.norm(x[0, -1:] if last_only else x[0]))
         return logits, torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
 

@@ -103,8 +103,9 @@ class TargetAdapter:
         return layout_problem(self)
 
     def static_layout(self) -> TargetLayout:
-        """The target's modules and layer forward for the static engines: a dense Llama-layout layer here; a family
-        whose layer differs overrides this and static_layout_problem()."""
+        """The target's modules and shapes for the static engines (which run each decoder layer's own forward with
+        their attention, engine_attention.py): the dense Llama layout here; a family whose modules sit elsewhere
+        overrides this and static_layout_problem()."""
         return TargetLayout.of(self)
 
     @classmethod

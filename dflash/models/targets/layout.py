@@ -1,14 +1,13 @@
-"""The layer math of a dense Llama-layout target (llama, mistral, qwen2, qwen3; SmolLM2 included) for the static
-engines of dflash/inference/: the batched regeneration decoder (static_decode.py) and live decoding's StaticTarget
-(static_target.py). A layer runs the target's own HF submodules (norms, q/k/v/o projections, q_norm/k_norm, MLP); the
-attention is handed back to the engine, which owns the KV cache and decides what a query attends over (a prefill, a
-decode step, a verify). A family whose layer differs gives its adapter a `static_layout()` of its own with these
-methods; `TargetAdapter.static_layout_problem()` says which targets the engines refuse, and why.
+"""What the static engines of dflash/inference/ read from a dense Llama-layout target (llama, mistral, qwen2, qwen3;
+SmolLM2 included): the batched regeneration decoder (static_decode.py) and live decoding's StaticTarget
+(static_target.py). The engines run the target's own HF modules: the embedding, each decoder layer's forward (its
+attention through engine_attention.py, which hands q, k and v to the engine's KV cache), the final norm and the LM
+head; the layout holds those modules, the attention shapes and the RoPE table. `layout_problem` says which targets
+the engines refuse, and why; a family whose modules sit elsewhere gives its adapter a `static_layout()` of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,29 +40,19 @@ def layout_problem(adapter) -> str | None:
         return f"layer_types {sorted(set(layer_types))} are not all full_attention"
     for i, layer in enumerate(adapter.decoder_layers()):
         attn = getattr(layer, "self_attn", None)
-        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
-            if not hasattr(layer, name):
-                return f"decoder layer {i} has no {name}"
-        if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            return f"decoder layer {i} has no self_attn with q/k/v/o projections"
-        if hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
-            return f"decoder layer {i} has only one of q_norm/k_norm"
-        # Qwen layers keep their own window (None when off); Mistral's attention reads it from the config.
+        if attn is None:
+            return f"decoder layer {i} has no self_attn"
+        # The engines' attention sees every cached key. Qwen layers keep their own window (None when off);
+        # Mistral's attention reads it from the config.
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
         if window is not None:
             return f"decoder layer {i} uses a sliding window ({window})"
     return None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE as the llama/qwen families apply it, x * cos + [-x2, x1] * sin, written as a roll times a
-    sin whose first half is negated: the same numbers, one kernel fewer per call."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 @dataclass(frozen=True)
 class TargetLayout:
-    """A dense target's modules, attention shape and layer forward, read once from its adapter."""
+    """A dense target's modules and attention shape, read once from its adapter."""
 
     embed: nn.Module
     layers: nn.ModuleList
@@ -73,7 +62,6 @@ class TargetLayout:
     heads: int
     kv_heads: int
     head_dim: int
-    scaling: float
     device: torch.device
     dtype: torch.dtype
 
@@ -87,37 +75,12 @@ class TargetLayout:
             embed=text_model.embed_tokens, layers=adapter.decoder_layers(), norm=text_model.norm,
             head=adapter.model.get_output_embeddings(), rotary=text_model.rotary_emb,
             heads=int(config.num_attention_heads), kv_heads=int(config.num_key_value_heads), head_dim=head_dim,
-            scaling=float(getattr(attn, "scaling", head_dim**-0.5)), device=torch.device(adapter.device),
-            dtype=adapter.dtype,
+            device=torch.device(adapter.device), dtype=adapter.dtype,
         )
 
     def rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed_sin [length, head_dim] (see _rotate) of positions 0..length-1. Positions are looked up in
-        this table: elementwise the same numbers the rotary module gives per batch."""
+        """cos and sin [length, head_dim] of positions 0..length-1 from the rotary module. The engines look their
+        positions up in it: elementwise the numbers the rotary module gives for those positions."""
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
-        half = self.head_dim // 2
-        return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-
-    def project(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
-        """q [b, H, t, D], k and v [b, kv, t, D] of hidden states h [b, t, hidden], RoPE applied (cos and signed_sin
-        [b, t, D], see _rotate)."""
-        b, t, _ = h.shape
-        q = attn.q_proj(h).view(b, t, -1, self.head_dim)
-        k = attn.k_proj(h).view(b, t, -1, self.head_dim)
-        v = attn.v_proj(h).view(b, t, -1, self.head_dim)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, signed_sin = cos[:, None], signed_sin[:, None]
-        q, k = _rotate(q.transpose(1, 2), cos, signed_sin), _rotate(k.transpose(1, 2), cos, signed_sin)
-        return q, k, v.transpose(1, 2)
-
-    def run_layer(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                  attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """One decoder layer on hidden states x [b, t, hidden]. attend(q, k, v) (shapes as project gives them)
-        writes the layer's cache and returns the attention context [b, t, heads * head_dim]: the only part that
-        differs between a prefill, a decode step and a verify."""
-        attn = layer.self_attn
-        q, k, v = self.project(attn, layer.input_layernorm(x), cos, signed_sin)
-        x = x + attn.o_proj(attend(q, k, v))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return cos[0], sin[0]

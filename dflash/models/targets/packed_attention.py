@@ -32,6 +32,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from dflash.models.targets.attention_switch import attention_implementation
+
 PACKED_ATTENTION = "dflash_packed"
 # FlashAttention's kernels take half precision only.
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
@@ -124,31 +126,15 @@ def packed_attention_forward(
 AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
 
 
-def _configs(model: nn.Module) -> list[Any]:
-    """Every distinct config object the model's modules read their attention implementation from."""
-    seen: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            seen.setdefault(id(config), config)
-    return list(seen.values())
-
-
 @contextlib.contextmanager
 def packed_attention(model: nn.Module, max_length: int | None = None) -> Iterator[None]:
     """Run `model`'s attention layers with packed_attention_forward inside the block, for packed rows whose
     longest sequence has `max_length` tokens (None: read from cu_seqlens on every call); the implementation each
     config had is restored after it (also when the forward raises)."""
-    configs = _configs(model)
-    before = [config._attn_implementation for config in configs]
     token, packing = _max_length.set(max_length), _packing.set(True)
     try:
-        for config in configs:
-            # The internal attribute: the public setter would also rewrite sub-configs (a VLM's vision tower).
-            config._attn_implementation_internal = PACKED_ATTENTION
-        yield
+        with attention_implementation(model, PACKED_ATTENTION):
+            yield
     finally:
-        for config, implementation in zip(configs, before):
-            config._attn_implementation_internal = implementation
         _max_length.reset(token)
         _packing.reset(packing)

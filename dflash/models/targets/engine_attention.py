@@ -1,0 +1,58 @@
+"""The static engines' attention inside the target's own HF decoder layers.
+
+The static engines of dflash/inference/ (static_decode.py, static_target.py) run each decoder layer's own forward
+(norms, projections, q_norm/k_norm, RoPE, o_proj, MLP, residuals) and keep only the attention: they own the KV
+cache and decide what a query attends over (a prefill, a decode step, a verify). While `engine_attention(layers)`
+is active, those layers' attention modules call `engine_attention_forward`, registered with transformers'
+AttentionInterface under ENGINE_ATTENTION, which hands q, k and v to the function the engine passed to the decoder
+layer as the keyword `engine_attend`: HF's decoder layers pass their keyword arguments on to the attention module,
+and that to its attention function. The name has no mask function registered; the engines never run the model's
+own forward, so no mask is built for it, and their attend functions apply their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+from dflash.models.targets.attention_switch import attention_implementation
+
+ENGINE_ATTENTION = "dflash_engine"
+
+# attend(q [b, H, t, D], k and v [b, kv, t, D], scaling) -> context [b, t, H, D]: writes the layer's cache and
+# attends over it.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+class AttendNotPassed(ValueError):
+    """An attention module ran under ENGINE_ATTENTION without the engine's attend function: its decoder layer does
+    not pass its keyword arguments on, or the call did not come from a static engine."""
+
+
+def engine_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             engine_attend: Attend | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q [b, H, t, D], k/v [b, kv, t, D] -> ([b, t, H, D], None).
+    The attention mask and dropout HF passes are not read: the engine's attend function masks, and a target is only
+    evaluated, never trained."""
+    if engine_attend is None:
+        raise AttendNotPassed(f"{type(module).__name__} was called without the static engine's attend function")
+    # A window or sinks change what a query sees; the engines' attend functions apply neither.
+    unsupported = [name for name in ("sliding_window", "s_aux", "softcap") if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(f"the static engines cannot apply {unsupported} of {type(module).__name__}")
+    return engine_attend(query, key, value, scaling), None
+
+
+AttentionInterface.register(ENGINE_ATTENTION, engine_attention_forward)
+
+
+def engine_attention(layers: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Run the attention of `layers` (the decoder layers the engine calls) with engine_attention_forward inside
+    the block; the implementation each config had is restored after it, also when the block raises."""
+    return attention_implementation(layers, ENGINE_ATTENTION)
