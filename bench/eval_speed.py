@@ -22,8 +22,9 @@ Each live row also decodes its first --profile-prompts prompts once more with a 
 a step ("steps": seconds per phase: prefill, draft, verify, accept, rollback), kept out of the speedup.
 On CUDA each live row also decodes its first prompt twice more for "step_breakdown" (at T=0, and at
 --profile-temperature with --profile-draft-sampling drafts when that is > 0): milliseconds per step of each part,
-timed by CUDA events without syncs (draft_block: the drafter's block step, a graph on the static engine; draft:
-that plus the noise embedding, lm_head and the choice of drafts; verify: the target's block forward; accept: the
+timed by CUDA events without syncs (draft_block: the drafter's block step from the block's tokens through the
+embedding, the drafter, lm_head and argmax, one graph on the static engine (in a checkout from before that graph,
+the drafter's block forward alone); draft: that plus the choice of drafts; verify: the target's block forward; accept: the
 acceptance rule and its host round trip; rollback: the target rollback and the drafter context extend; between:
 the rest of the step's wall time, host bookkeeping with the device idle), and the device syncs per step, counted as
 the warnings of torch.cuda.set_sync_debug_mode("warn"). Only live_decode's `timer` phases are relied upon, so this
@@ -115,22 +116,24 @@ class EventPhases:
 
 @contextmanager
 def drafter_blocks_timed(phases: EventPhases):
-    """The drafter's block step (`hidden` of either drafter context) charged to the phase "draft_block"."""
-    originals = {cls: cls.hidden for cls in (StaticDrafter, CachedDrafter)}
+    """The drafter's block step (`draft` of either drafter context; `hidden`, the block forward alone, in a checkout
+    from before `draft`) charged to the phase "draft_block"."""
+    name = "draft" if hasattr(StaticDrafter, "draft") else "hidden"
+    originals = {cls: getattr(cls, name) for cls in (StaticDrafter, CachedDrafter)}
 
     def timed(original):
-        def hidden(self, noise_embedding):
+        def step(self, *args):
             with phases.phase("draft_block"):
-                return original(self, noise_embedding)
-        return hidden
+                return original(self, *args)
+        return step
 
     try:
         for cls, original in originals.items():
-            cls.hidden = timed(original)
+            setattr(cls, name, timed(original))
         yield
     finally:
         for cls, original in originals.items():
-            cls.hidden = original
+            setattr(cls, name, original)
 
 
 def step_breakdown(drafter, adapter, prompt: list[int], max_new_tokens: int, engine: str, temperature: float = 0.0,
@@ -167,7 +170,10 @@ def step_breakdown(drafter, adapter, prompt: list[int], max_new_tokens: int, eng
 def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, oracle: bool,
              profile_prompts: int = 0, engine: str = "auto", breakdowns: tuple[tuple[float, str], ...] = ()) -> dict:
     stop_ids = adapter.stop_token_ids()
-    real_draft = live.draft_block_logits
+    # The drafting seam of live.py: draft_block gives (logits, argmax); a checkout from before it, logits alone.
+    with_argmax = hasattr(live, "draft_block")
+    seam = "draft_block" if with_argmax else "draft_block_logits"
+    real_draft = getattr(live, seam)
     totals = {"target_seconds": 0.0, "target_tokens": 0, "speculative_seconds": 0.0, "speculative_tokens": 0,
               "steps": 0, "committed": 0, "lossless_mismatches": 0}
     timer, profiled_steps, engines, row_breakdowns = PhaseTimer(adapter.device), 0, set(), []
@@ -178,14 +184,15 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
             if oracle:
                 truth = list(prompt) + plain.continuation
 
-                def draft(context, adapter_, anchor, size, truth=truth):
-                    logits = real_draft(context, adapter_, anchor, size)  # keep the drafter's cost
+                def draft(context, *args, truth=truth):
+                    drafted = real_draft(context, *args)  # keep the drafter's cost
+                    size = args[-1]
                     ids = [truth[min(context.length + k, len(truth) - 1)] for k in range(1, size)]
-                    perfect = torch.full_like(logits, -1e4)
+                    perfect = torch.full_like(drafted[0] if with_argmax else drafted, -1e4)
                     perfect[torch.arange(size - 1), torch.tensor(ids)] = 0.0
-                    return perfect
+                    return (perfect, perfect.argmax(dim=-1)) if with_argmax else perfect
 
-                live.draft_block_logits = draft
+                setattr(live, seam, draft)
             result = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
                                       target_engine=engine)
             engines.update((plain.engine, result.engine))
@@ -196,7 +203,7 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
             if index == 0 and adapter.device.type == "cuda" and breakdowns:
                 row_breakdowns = [step_breakdown(drafter, adapter, prompt, max_new_tokens, engine, *setting)
                                   for setting in breakdowns]
-            live.draft_block_logits = real_draft
+            setattr(live, seam, real_draft)
             totals["target_seconds"] += plain.seconds
             totals["target_tokens"] += len(plain.continuation)
             totals["speculative_seconds"] += result.seconds
@@ -205,7 +212,7 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
             totals["committed"] += sum(result.trace.committed)
             totals["lossless_mismatches"] += int(result.continuation != plain.continuation)
     finally:
-        live.draft_block_logits = real_draft
+        setattr(live, seam, real_draft)
     target_rate = totals["target_tokens"] / totals["target_seconds"]
     speculative_rate = totals["speculative_tokens"] / totals["speculative_seconds"]
     row = {"engine": ",".join(sorted(engines)), **totals, "tau": totals["committed"] / max(totals["steps"], 1),

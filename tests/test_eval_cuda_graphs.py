@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.inference.drafter_cache import CachedDrafter
+from dflash.inference.drafter_cache import CachedDrafter, TargetHead
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.inference.static_drafter import StaticDrafter
 from dflash.inference.static_target import StaticTarget
@@ -57,17 +57,19 @@ def test_drafter_graphs_equal_eager(adapter, make_drafter):
     drafter = make_drafter(adapter, window=6, std=0.2, block_size=4).to(DEVICE)
     prompt = long_prompt(adapter, 150)
     features = adapter.capture(torch.tensor([prompt], device=DEVICE), None, drafter.target_layer_ids)[0]
-    graphed, eager = (StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=graphs) for graphs in (True, False))
+    head = TargetHead.of(adapter)
+    graphed, eager = (StaticDrafter(drafter, head, capacity=len(prompt), cuda_graphs=graphs)
+                      for graphs in (True, False))
     assert graphed._graphs and not eager._graphs
-    cached = CachedDrafter(drafter)
+    cached = CachedDrafter(drafter, head)
     for n in (120, 1, 4, 2, 3, 1):  # a prompt, then the verified positions of steps; the context crosses 128
         for context in (graphed, eager, cached):
             context.extend(features[context.length : context.length + n])
-        block = torch.tensor([prompt[graphed.length]] + [drafter.mask_token_id] * 3, device=DEVICE)
-        noise = adapter.embed_tokens()(block)
-        got = graphed.hidden(noise)
-        torch.testing.assert_close(got, eager.hidden(noise), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got, cached.hidden(noise), atol=1e-4, rtol=1e-4)
+        anchor = prompt[graphed.length]
+        logits, drafts = graphed.draft(anchor, 4)
+        torch.testing.assert_close(logits, eager.draft(anchor, 4)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, cached.draft(anchor, 4)[0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(drafts, logits.argmax(dim=-1))
 
 
 def test_live_through_graphs_is_lossless(adapter, make_drafter):
@@ -82,7 +84,8 @@ def test_live_through_graphs_is_lossless(adapter, make_drafter):
 
 
 def test_short_block_graphs_equal_eager_bitwise(adapter, make_drafter):
-    """The shorter last blocks near max_new_tokens replay graphs of their own sizes, bit for bit the eager math."""
+    """The shorter last blocks near max_new_tokens replay graphs of their own sizes, bit for bit the eager math
+    (the drafter's graphs from the block's tokens to its drafts)."""
     taps = [0, adapter.num_layers - 1]
     prompt = long_prompt(adapter, 118)
     graphed, eager = (StaticTarget(adapter, taps, capacity=160, graph_sizes=range(2, 5), cuda_graphs=graphs)
@@ -97,14 +100,14 @@ def test_short_block_graphs_equal_eager_bitwise(adapter, make_drafter):
         eager.rollback(start + keep)
     drafter = make_drafter(adapter, window=6, std=0.2, block_size=4).to(DEVICE)
     features = adapter.capture(torch.tensor([prompt], device=DEVICE), None, drafter.target_layer_ids)[0]
-    graphed, eager = (StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=graphs) for graphs in (True, False))
+    graphed, eager = (StaticDrafter(drafter, TargetHead.of(adapter), capacity=len(prompt), cuda_graphs=graphs)
+                      for graphs in (True, False))
     for n in (100, 3, 1, 4):
         for context in (graphed, eager):
             context.extend(features[context.length: context.length + n])
-        for size in (2, 3, 4):
-            block = torch.tensor([prompt[graphed.length]] + [drafter.mask_token_id] * (size - 1), device=DEVICE)
-            noise = adapter.embed_tokens()(block)
-            assert torch.equal(graphed.hidden(noise), eager.hidden(noise))
+        for size in (2, 3, 4):  # the whole drafting step: embedding, drafter, head and argmax
+            for got, want in zip(graphed.draft(prompt[graphed.length], size), eager.draft(prompt[eager.length], size)):
+                assert torch.equal(got, want)
 
 
 def test_sample_draws_what_multinomial_draws_on_cuda():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash.eval import live
-from dflash.inference.drafter_cache import CachedDrafter, context_keys_values
+from dflash.inference.drafter_cache import CachedDrafter, TargetHead, context_keys_values
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.metrics import PhaseTimer
 from dflash.eval.replay import replay
@@ -39,15 +39,15 @@ def oracle(monkeypatch, adapter, prompt, truth):
     """Replace the drafter's logits by one-hot logits of the target's own greedy tokens, corrupted by position."""
     sequence = list(prompt) + truth
 
-    def fake(context, adapter_, anchor, size):
+    def fake(context, anchor, size):
         start = context.length
         logits = torch.zeros(size - 1, adapter.vocab_size)
         for k in range(1, size):
             token = sequence[start + k] if start + k < len(sequence) else 0
             logits[k - 1, corrupt(token, start + k, adapter.vocab_size)] = 1.0
-        return logits
+        return logits, logits.argmax(dim=-1)
 
-    monkeypatch.setattr(live, "draft_block_logits", fake)
+    monkeypatch.setattr(live, "draft_block", fake)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,7 +134,7 @@ def test_cached_drafter_equals_full_forward(layer_types, tiny_target, make_draft
     drafter = make_drafter(adapter, layer_types=layer_types, window=6, std=0.2)
     prompt = prompts_for(adapter)[2]
     features = adapter.capture(torch.tensor([prompt]), None, drafter.target_layer_ids)[0]
-    cached = CachedDrafter(drafter)
+    cached = CachedDrafter(drafter, TargetHead.of(adapter))
     cached.extend(features[:20])
     for start in (20, 23, 31):
         if start > cached.length:
@@ -144,6 +144,10 @@ def test_cached_drafter_equals_full_forward(layer_types, tiny_target, make_draft
         with torch.no_grad():
             direct = drafter(torch.arange(start + 4)[None], noise[None], features[None, :start])[0]
         torch.testing.assert_close(cached.hidden(noise), direct, atol=1e-5, rtol=1e-4)
+        # The drafting step: the same block through the target's head, and the argmax of its logits.
+        logits, drafts = cached.draft(prompt[start], 4)
+        torch.testing.assert_close(logits, direct[1:] @ adapter.lm_head_weight().T, atol=1e-5, rtol=1e-4)
+        assert torch.equal(drafts, logits.argmax(dim=-1))
     width = drafter.config.num_taps * adapter.hidden_size
     with pytest.raises(ValueError, match=rf"features must be \[n, {width}\]"):
         cached.extend(features[:2, :5])
@@ -276,7 +280,7 @@ def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatc
     assert len(result.continuation) == 12 and result.trace.num_steps >= 1
     # The proposals are the drafter's argmax at every step, and the deterministic-proposal rule verifies them.
     drafted, verified = [], []
-    real_draft, real_accept = live.draft_block_logits, live.greedy_drafts_outcome
+    real_draft, real_accept = live.draft_block, live.greedy_drafts_outcome
 
     def recording_draft(*args):
         drafted.append(real_draft(*args))
@@ -286,13 +290,13 @@ def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatc
         verified.append(drafts.clone())
         return real_accept(target_probs, drafts, generator)
 
-    monkeypatch.setattr(live, "draft_block_logits", recording_draft)
+    monkeypatch.setattr(live, "draft_block", recording_draft)
     monkeypatch.setattr(live, "greedy_drafts_outcome", recording_accept)
     live_decode(drafter, dense, prompt, max_new_tokens=12, stop_token_ids=[], temperature=0.9,
                 generator=torch.Generator().manual_seed(1), draft_sampling="greedy")
     assert len(drafted) == len(verified) >= 2
-    for logits, drafts in zip(drafted, verified):
-        assert torch.equal(logits.argmax(dim=-1), drafts)
+    for (logits, argmax), drafts in zip(drafted, verified):
+        assert torch.equal(logits.argmax(dim=-1), drafts) and torch.equal(argmax, drafts)
     # T=0: greedy verification whatever draft_sampling says.
     verified.clear()
     truth = own_greedy(dense, prompt, 12)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dflash.eval.live import live_decode, target_only_decode
-from dflash.inference.sampling import accept_greedy, accept_greedy_drafts, accept_sampled, probabilities, sample
+from dflash.inference.sampling import (greedy_drafts_outcome, greedy_outcome, probabilities, sample,
+                                       sampled_outcome)
 
 VOCAB = 4
 
@@ -26,10 +27,10 @@ def markov_chains():
     return p, q
 
 
-def speculative_markov(p, q, first, num_tokens, block_size, generator, accept=accept_sampled, greedy=False):
+def speculative_markov(p, q, first, num_tokens, block_size, generator, accept=sampled_outcome, greedy=False):
     """The live loop's structure on Markov chains: draft block_size-1 tokens from q (its argmax when `greedy`), the
-    target's distribution at every block position given the drafted prefix, then the acceptance rule; returns the
-    first num_tokens tokens."""
+    target's distribution at every block position given the drafted prefix, then the acceptance rule (its outcome
+    [accepted drafts, next token] read back to the host); returns the first num_tokens tokens."""
     tokens = [first]
     while len(tokens) <= num_tokens:
         drafts, draft_probs, previous = [], [], tokens[-1]
@@ -39,7 +40,7 @@ def speculative_markov(p, q, first, num_tokens, block_size, generator, accept=ac
             drafts.append(previous)
         context = [tokens[-1]] + drafts
         target_probs = torch.stack([p[t] for t in context])
-        accepted, following = accept(target_probs, torch.stack(draft_probs), torch.tensor(drafts), generator)
+        accepted, following = accept(target_probs, torch.stack(draft_probs), torch.tensor(drafts), generator).tolist()
         tokens += drafts[:accepted] + [following]
     return tuple(tokens[1 : num_tokens + 1])
 
@@ -73,24 +74,24 @@ def test_rejection_sampling_gives_the_target_joint_distribution():
     assert set(empirical(samples)) <= set(target), "emitted a sequence the target gives probability 0"
     # The test has power: accepting every draft (output = drafter's distribution) is far off.
     def accept_all(target_probs, draft_probs, drafts, generator):
-        return len(drafts), int(sample(target_probs[-1], generator))
+        return torch.stack([torch.tensor(len(drafts)), sample(target_probs[-1], generator)])
     wrong = [speculative_markov(p, q, 0, 3, 3, generator, accept=accept_all) for _ in range(2000)]
     assert total_variation(empirical(wrong), target) > 0.2
 
 
-def test_accept_greedy_and_sampled_edge_cases():
+def test_greedy_and_sampled_outcome_edge_cases():
     logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0]])
-    assert accept_greedy(logits, torch.tensor([1, 2])) == (2, 0)
-    assert accept_greedy(logits, torch.tensor([1, 0])) == (1, 2)
-    assert accept_greedy(logits, torch.tensor([2, 2])) == (0, 1)
+    assert greedy_outcome(logits, torch.tensor([1, 2])).tolist() == [2, 0]
+    assert greedy_outcome(logits, torch.tensor([1, 0])).tolist() == [1, 2]
+    assert greedy_outcome(logits, torch.tensor([2, 2])).tolist() == [0, 1]
     generator = torch.Generator().manual_seed(0)
     target = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     # Drafts the target is certain of are always accepted; a draft it gives 0 is always replaced.
-    assert accept_sampled(target, target[:2], torch.tensor([1, 2]), generator) == (2, 0)
+    assert sampled_outcome(target, target[:2], torch.tensor([1, 2]), generator).tolist() == [2, 0]
     draft = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
-    assert accept_sampled(target, draft, torch.tensor([0, 2]), generator) == (0, 1)
+    assert sampled_outcome(target, draft, torch.tensor([0, 2]), generator).tolist() == [0, 1]
     with pytest.raises(ValueError, match="need target_probs"):
-        accept_sampled(target[:2], draft, torch.tensor([0, 2]), generator)
+        sampled_outcome(target[:2], draft, torch.tensor([0, 2]), generator)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         probabilities(logits, 0.0)
 
@@ -129,7 +130,7 @@ def test_live_sampling_matches_target_sampling_on_a_tiny_target(draft_sampling, 
 
 
 def greedy_rule(target_probs, draft_probs, drafts, generator):
-    return accept_greedy_drafts(target_probs, drafts, generator)
+    return greedy_drafts_outcome(target_probs, drafts, generator)
 
 
 def test_greedy_drafts_give_the_target_joint_distribution():
@@ -158,7 +159,7 @@ def test_greedy_drafts_are_accepted_with_the_target_probability_of_each_draft():
     drafts = torch.tensor([0, 1, 0])  # p(d) = 0.9, 0.5, 0.1
     generator = torch.Generator().manual_seed(2)
     trials = 20000
-    outcomes = [accept_greedy_drafts(target, drafts, generator) for _ in range(trials)]
+    outcomes = [greedy_drafts_outcome(target, drafts, generator).tolist() for _ in range(trials)]
     accepted = torch.tensor([a for a, _ in outcomes])
     p = [0.9, 0.5, 0.1]
     exact = [1 - p[0], p[0] * (1 - p[1]), p[0] * p[1] * (1 - p[2]), p[0] * p[1] * p[2]]
@@ -182,15 +183,16 @@ def test_greedy_drafts_are_accepted_with_the_target_probability_of_each_draft():
 
 
 def test_greedy_drafts_rule_is_rejection_sampling_with_one_hot_draft_probs():
-    """accept_greedy_drafts = accept_sampled with q one-hot at the drafts: the same random numbers, the same result."""
+    """greedy_drafts_outcome = sampled_outcome with q one-hot at the drafts: the same random numbers, the same
+    result."""
     torch.manual_seed(0)
     for case in range(200):
         n, vocab = 1 + case % 5, 2 + case % 7
         target = torch.softmax(3 * torch.randn(n + 1, vocab), dim=-1)
         drafts = torch.randint(vocab, (n,))
         one_hot = torch.nn.functional.one_hot(drafts, vocab).float()
-        ours = accept_greedy_drafts(target, drafts, torch.Generator().manual_seed(case))
-        theirs = accept_sampled(target, one_hot, drafts, torch.Generator().manual_seed(case))
+        ours = greedy_drafts_outcome(target, drafts, torch.Generator().manual_seed(case)).tolist()
+        theirs = sampled_outcome(target, one_hot, drafts, torch.Generator().manual_seed(case)).tolist()
         assert ours == theirs, case
 
 
@@ -198,9 +200,10 @@ def test_greedy_drafts_edge_cases():
     generator = torch.Generator().manual_seed(0)
     certain = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     # A draft the target is certain of is always accepted; one it gives 0 is always replaced, never by itself.
-    assert accept_greedy_drafts(certain, torch.tensor([1, 2]), generator) == (2, 0)
-    assert accept_greedy_drafts(certain, torch.tensor([1, 0]), generator) == (1, 2)
+    assert greedy_drafts_outcome(certain, torch.tensor([1, 2]), generator).tolist() == [2, 0]
+    assert greedy_drafts_outcome(certain, torch.tensor([1, 0]), generator).tolist() == [1, 2]
     split = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
-    assert {accept_greedy_drafts(split, torch.tensor([0]), generator) for _ in range(50)} <= {(0, 1), (0, 2)}
+    outcomes = {tuple(greedy_drafts_outcome(split, torch.tensor([0]), generator).tolist()) for _ in range(50)}
+    assert outcomes <= {(0, 1), (0, 2)}
     with pytest.raises(ValueError, match="need target_probs"):
-        accept_greedy_drafts(certain[:2], torch.tensor([1, 2]), generator)
+        greedy_drafts_outcome(certain[:2], torch.tensor([1, 2]), generator)

@@ -15,7 +15,7 @@ import torch
 from dflash.eval import live
 from dflash.inference import static_objects as static_objects_module
 from dflash.inference import static_drafter as static_drafter_module, static_target as static_target_module
-from dflash.inference.drafter_cache import CachedDrafter
+from dflash.inference.drafter_cache import CachedDrafter, TargetHead
 from dflash.inference.static_objects import _KEPT_PER_MODEL
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.inference.static_drafter import StaticDrafter, static_drafter
@@ -242,19 +242,20 @@ def test_static_engine_matches_hf_engine(graphs, target, make_drafter, monkeypat
     drafter = make_drafter(adapter, block_size=4, std=0.2)
     prompt = prompt_of(adapter, "Write a haiku about the sea, please.")
     drafted: dict[str, list] = {"static": [], "hf": []}
-    real = live.draft_block_logits
+    real = live.draft_block
     for engine, record in drafted.items():
         def recording(*args, record=record):
-            record.append(real(*args))
-            return record[-1]
+            logits, drafts = real(*args)
+            record.append(logits.clone())  # the static engine's are graph buffers, rewritten by the next block
+            return logits, drafts
 
-        monkeypatch.setattr(live, "draft_block_logits", recording)
+        monkeypatch.setattr(live, "draft_block", recording)
         live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine=engine)
     # One block per step; the last blocks are cut by max_new_tokens (graphs of their own sizes).
     assert len(drafted["static"]) == len(drafted["hf"]) == 19 and drafted["hf"][-1].shape[0] == 1
     for got, want in zip(drafted["static"], drafted["hf"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(live, "draft_block_logits", real)
+    monkeypatch.setattr(live, "draft_block", real)
     runs = {}
     for engine in ("static", "hf"):
         generator = torch.Generator().manual_seed(3)
@@ -307,9 +308,10 @@ def test_static_drafter_equals_cached_drafter(layer_types, graphs, tiny_target, 
     chat = adapter.chat_ids([{"role": "user", "content": "Write a haiku about the sea, please."}])
     prompt = [4 + i % 50 for i in range(150 - len(chat))] + chat
     features = adapter.capture(torch.tensor([prompt]), None, drafter.target_layer_ids)[0]
-    static = StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=graphs)
-    eager = StaticDrafter(drafter, capacity=len(prompt), cuda_graphs=False)
-    cached = CachedDrafter(drafter)
+    head = TargetHead.of(adapter)
+    static = StaticDrafter(drafter, head, capacity=len(prompt), cuda_graphs=graphs)
+    eager = StaticDrafter(drafter, head, capacity=len(prompt), cuda_graphs=False)
+    cached = CachedDrafter(drafter, head)
     # Graphs: extend of 1..4 positions, blocks of 2, 3 and 4 positions over spans 128 and 256.
     assert static.capacity == 256 and len(captured) == (4 + 3 * 2 if graphs else 0)
     steps = [120, 1, 4, 2, 3, 1]  # a prompt, then the verified positions of steps; the context crosses 128
@@ -319,30 +321,42 @@ def test_static_drafter_equals_cached_drafter(layer_types, graphs, tiny_target, 
         assert static.length == cached.length
         anchor = prompt[static.length]
         for size in (4, 2):  # a full block and a last block cut by max_new_tokens
-            noise = adapter.embed_tokens()(torch.tensor([anchor] + [drafter.mask_token_id] * (size - 1)))
-            got = static.hidden(noise)
-            assert torch.equal(got, eager.hidden(noise))  # the graph dispatch runs the eager step's math
-            torch.testing.assert_close(got, cached.hidden(noise), atol=1e-5, rtol=1e-4)
+            logits, drafts = (t.clone() for t in static.draft(anchor, size))
+            want_logits, want_drafts = eager.draft(anchor, size)
+            # The graph dispatch runs the eager step's math: embedding, drafter, head and argmax.
+            assert torch.equal(logits, want_logits) and torch.equal(drafts, want_drafts)
+            assert drafts.shape == (size - 1,) and torch.equal(drafts, logits.argmax(dim=-1))
+            torch.testing.assert_close(logits, cached.draft(anchor, size)[0], atol=1e-5, rtol=1e-4)
     if graphs:  # every step but the prompt's extend replayed a graph, short blocks included
         assert sum(graph.replays for graph in captured) == (len(steps) - 1) + 2 * len(steps)
+        # A graphed block's outputs are the buffers of its size, which the next draft of that size rewrites.
+        first = static.draft(prompt[static.length], 3)
+        assert static.draft(prompt[static.length] + 1, 3)[0] is first[0]
     with pytest.raises(ValueError, match="features must be"):
         static.extend(features[:2, :5])
     with pytest.raises(ValueError, match="exceed the static drafter context of 256"):
         static.extend(features[:130])
+    with pytest.raises(ValueError, match="a drafted block has 2..4 positions, got 5"):
+        static.draft(anchor, 5)
     with pytest.raises(ValueError, match="context is empty"):
-        StaticDrafter(drafter, capacity=8).hidden(noise)
+        StaticDrafter(drafter, head, capacity=8).draft(anchor, 2)
 
 
 def test_static_drafter_is_kept_per_drafter(tiny_target, make_drafter):
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter)
-    first = static_drafter(drafter, length=40)
+    head = TargetHead.of(adapter)
+    first = static_drafter(drafter, head, length=40)
     first.extend(torch.zeros(3, drafter.config.num_taps * drafter.config.hidden_size))
-    again = static_drafter(drafter, length=1000)
+    again = static_drafter(drafter, TargetHead.of(adapter), length=1000)
     assert again is first and again.length == 0 and again.capacity == 1024
-    assert static_drafter(drafter, length=1025).capacity == 2048
+    assert static_drafter(drafter, head, length=1025).capacity == 2048
+    # Another target's head is drafted through by an object of its own (the graphs hold the head they captured).
+    other = tiny_target("qwen3")
+    assert static_drafter(drafter, TargetHead.of(other), length=40).head.embedding is other.embed_tokens()
+    assert static_drafter(drafter, head, length=40).head.embedding is adapter.embed_tokens()
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
-        StaticDrafter(drafter, capacity=8, cuda_graphs=True)
+        StaticDrafter(drafter, head, capacity=8, cuda_graphs=True)
     # The kept object does not keep its drafter alive: dropping the drafter drops it too.
     count = len(_KEPT_PER_MODEL)
     del drafter, first, again

@@ -147,11 +147,12 @@ def _live_tau(adapter, drafter, prompts, rollout, monkeypatch, *, temperature, d
         tracked.append(_TrackedTarget(made))
         return tracked[-1], engine
 
-    def draft(context, adapter_, anchor, size):
-        return rollout.logits(tracked[-1].tokens[: context.length] + [anchor], size)
+    def draft(context, anchor, size):
+        logits = rollout.logits(tracked[-1].tokens[: context.length] + [anchor], size)
+        return logits, logits.argmax(dim=-1)
 
     monkeypatch.setattr(live, "_target", target)
-    monkeypatch.setattr(live, "draft_block_logits", draft)
+    monkeypatch.setattr(live, "draft_block", draft)
     generator = torch.Generator().manual_seed(seed)
     traces = [live_decode(drafter, adapter, p, max_new_tokens=max_new_tokens, stop_token_ids=[],
                           temperature=temperature, generator=generator, target_engine="hf",

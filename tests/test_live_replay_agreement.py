@@ -29,16 +29,16 @@ def test_replay_and_live_traces_agree_when_a_stop_token_lies_in_a_rejected_block
         token = sequence[position] if position < len(sequence) else 0
         return (token + 1) % adapter.vocab_size if position in wrong else token
 
-    def live_drafts(context, adapter_, anchor, size):
+    def live_drafts(context, anchor, size):
         logits = torch.zeros(size - 1, adapter.vocab_size)
         for k in range(1, size):
             logits[k - 1, draft_token(context.length + k)] = 1.0
-        return logits
+        return logits, logits.argmax(dim=-1)
 
     def replay_drafts(self, rows, starts, sizes):
         return torch.tensor([[draft_token(s + k) for k in range(1, max(sizes))] for s in starts])
 
-    monkeypatch.setattr(live, "draft_block_logits", live_drafts)
+    monkeypatch.setattr(live, "draft_block", live_drafts)
     monkeypatch.setattr(DrafterProposer, "__call__", replay_drafts)
     for stop_ids in ([stop], []):  # the answer ends on the stop token; at max_new_tokens
         replayed = replay(drafter, adapter, [prompt], max_new_tokens=budget, stop_token_ids=stop_ids)[0]

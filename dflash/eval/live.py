@@ -15,7 +15,8 @@ At T=0 the committed tokens are the target's own greedy tokens (lossless) on den
 Engines (`target_engine`, also for target-only decoding): "hf" is CachedTarget, the HF model over a DynamicCache
 (every target), with CachedDrafter; "static" is StaticTarget (static_target.py), a static KV cache whose verify and
 one-token forwards replay CUDA graphs on CUDA, as a serving engine runs them (dense full-attention targets only),
-with StaticDrafter (static_drafter.py), the drafter context in static buffers with graphed extend and block steps;
+with StaticDrafter (static_drafter.py), the drafter context in static buffers with graphed extend and drafting
+steps (one graph from the block's tokens to its drafts: embedding, drafter, head, argmax);
 "auto" picks static on a supported CUDA target, else hf (static_decode.resolve_engine). The one-off graph capture
 happens before a decode's clock starts and is kept for later prompts.
 """
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.eval.metrics import PhaseTimer, StepTrace, synchronize
-from dflash.inference.drafter_cache import CachedDrafter
+from dflash.inference.drafter_cache import CachedDrafter, TargetHead
 from dflash.inference.sampling import (DRAFT_SAMPLING, greedy_drafts_outcome, greedy_outcome, probabilities, sample,
                                        sampled_outcome)
 from dflash.inference.static_decode import resolve_engine
@@ -37,7 +38,6 @@ from dflash.inference.static_drafter import StaticDrafter, static_drafter
 from dflash.inference.static_target import StaticTarget, static_target
 from dflash.inference.target_cache import CachedTarget
 from dflash.models.drafter import DFlashDraftModel
-from dflash.models.targets.logit_transform import logits_from_hidden
 
 
 @dataclass
@@ -79,12 +79,10 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     return int(sample(probabilities(logits, temperature), generator))
 
 
-def draft_block_logits(context: CachedDrafter | StaticDrafter, adapter, anchor: int, size: int) -> torch.Tensor:
-    """Drafter logits [size - 1, V] for the block [anchor, MASK x (size-1)] placed after the cached context."""
-    block = torch.full((size,), context.config.mask_token_id, dtype=torch.long, device=adapter.device)
-    block[0] = anchor
-    hidden = context.hidden(adapter.embed_tokens()(block))[1:]
-    return logits_from_hidden(hidden, adapter.lm_head_weight(), adapter.logit_transform)
+def draft_block(context: CachedDrafter | StaticDrafter, anchor: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter logits [size - 1, V] and their argmax [size - 1] for the block [anchor, MASK x (size-1)] placed
+    after the cached context (valid until the next block is drafted: the static engine's are graph buffers)."""
+    return context.draft(anchor, size)
 
 
 @torch.inference_mode()
@@ -123,7 +121,8 @@ def live_decode(
     # Every block size a step can verify: full blocks and the shorter last blocks near max_new_tokens.
     target, engine = _target(adapter, config.target_layer_ids, target_engine, length,
                              tuple(range(2, config.block_size + 1)), restore_linear)
-    context = static_drafter(drafter, length=length) if engine == "static" else CachedDrafter(drafter)
+    head = TargetHead.of(adapter)
+    context = static_drafter(drafter, head, length=length) if engine == "static" else CachedDrafter(drafter, head)
     synchronize(adapter.device)
     began = time.perf_counter()
     with section("live_prefill"):
@@ -135,8 +134,8 @@ def live_decode(
     while start + 1 < max_length and tokens[-1] not in stops:
         size = min(config.block_size, max_length - start)
         with section("live_draft"):
-            draft_logits = draft_block_logits(context, adapter, tokens[start], size)
-            drafts, draft_probs = _propose(draft_logits, greedy_drafts, temperature, generator)
+            draft_logits, argmax = draft_block(context, tokens[start], size)
+            drafts, draft_probs = _propose(draft_logits, argmax, greedy_drafts, temperature, generator)
         with section("live_verify"):
             # The block stays on the device: no host round trip (a sync) between drafting and verifying, so the
             # host queues the verify while the device still drafts.
@@ -161,12 +160,13 @@ def live_decode(
     return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)
 
 
-def _propose(draft_logits: torch.Tensor, greedy: bool, temperature: float,
+def _propose(draft_logits: torch.Tensor, argmax: torch.Tensor, greedy: bool, temperature: float,
              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(drafts, their distributions or None): the drafter's argmax (T=0, or greedy drafts at T>0, verified as
-    deterministic proposals), else one sample per block position."""
+    deterministic proposals), else one sample per block position. The draw stays out of the drafter's graph: the
+    generator and the temperature change from call to call."""
     if greedy:
-        return draft_logits.argmax(dim=-1), None
+        return argmax, None
     draft_probs = probabilities(draft_logits, temperature)
     return sample(draft_probs, generator), draft_probs
 

@@ -7,16 +7,22 @@ k/v projections on each call: O(context) work per drafted block. Verified positi
 (`block_hidden`, which adds the masks of padded and windowed keys). `tests/test_eval_live.py` and
 `tests/test_eval.py` check that the result equals the forward on target features (full and sliding layers, context
 longer than the window, left-padded batches).
-- `CachedDrafter`: one live sequence; `extend` appends the positions verified since the last step.
+- `CachedDrafter`: one live sequence; `extend` appends the positions verified since the last step and `draft` runs
+  a block [anchor, MASK...] through the target's embedding, the drafter and the target's head (`block_drafts`).
 - `DrafterProposer` (replay.py): many stored sequences; keys/values of all their positions are computed once and
   each step gathers the context of its rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from dflash.models.drafter import DFlashDraftModel, sliding_mask_from_positions
+from dflash.models.targets.logit_transform import logits_from_hidden
 
 # Per drafter layer: (keys [b, kv_heads, n, head_dim] after k_norm + RoPE, values [b, kv_heads, n, head_dim]).
 KeysValues = list[tuple[torch.Tensor, torch.Tensor]]
@@ -71,6 +77,34 @@ def block_hidden(
                    context_keys_values=context)
 
 
+@dataclass(frozen=True, eq=False)
+class TargetHead:
+    """The target's frozen parts a live drafter drafts through: the input embedding of the block's tokens, the
+    output head weight [V, H] and the logit transform (models/targets/logit_transform.py; None = raw logits)."""
+
+    embedding: nn.Embedding
+    weight: torch.Tensor
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, adapter) -> TargetHead:
+        return cls(adapter.embed_tokens(), adapter.lm_head_weight(), adapter.logit_transform)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the block's token ids go: the embedding's device."""
+        return self.embedding.weight.device
+
+
+def block_drafts(head: TargetHead, tokens: torch.Tensor,
+                 hidden: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter logits [n-1, V] of the block `tokens` [n] = [anchor, MASK x (n-1)] and their argmax [n-1]: the
+    tokens through the target's embedding, `hidden` (the drafter's output [n, H] of the embedded block [n, H]) and
+    the target's head; the anchor's own output is not a draft."""
+    logits = logits_from_hidden(hidden(head.embedding(tokens))[1:], head.weight, head.transform)
+    return logits, logits.argmax(dim=-1)
+
+
 def check_features(config, features: torch.Tensor, batched: bool = False) -> None:
     """ValueError unless `features` [n, K*H] (batched: [b, n, K*H]) are target features of the drafter `config`'s
     taps."""
@@ -87,10 +121,12 @@ def check_context(length: int) -> None:
 
 
 class CachedDrafter:
-    """Drafts blocks for one sequence (batch 1); `extend` appends verified target features to the cached context."""
+    """Drafts blocks for one sequence (batch 1) through the target's `head`; `extend` appends verified target
+    features to the cached context."""
 
-    def __init__(self, drafter: DFlashDraftModel) -> None:
+    def __init__(self, drafter: DFlashDraftModel, head: TargetHead) -> None:
         self.drafter = drafter
+        self.head = head
         self.config = drafter.config
         self.device = next(drafter.parameters()).device
         self.context: KeysValues = []
@@ -118,3 +154,11 @@ class CachedDrafter:
         positions = torch.arange(self.length + size, device=self.device)[None]
         return block_hidden(self.drafter, noise_embedding[None], positions[:, self.length:], self.context,
                             positions[:, : self.length])[0]
+
+    @torch.inference_mode()
+    def draft(self, anchor: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafter logits [size-1, V] and their argmax [size-1] for the block [anchor, MASK x (size-1)] placed right
+        after the cached context."""
+        tokens = torch.full((size,), self.config.mask_token_id, dtype=torch.long, device=self.head.device)
+        tokens[0] = anchor
+        return block_drafts(self.head, tokens, self.hidden)

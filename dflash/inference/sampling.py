@@ -7,7 +7,7 @@ prefix; at the first rejection sample the replacement from normalise(max(0, p_k 
 accepted sample a bonus token from the target's next distribution. Each committed token is then distributed
 exactly as the target's own sample, so the output distribution is the target's (tests/test_eval_sampling.py).
 
-Greedy drafts (`accept_greedy_drafts`) are the same rule with q_k one-hot at the drafter's argmax: accept with
+Greedy drafts (`greedy_drafts_outcome`) are the same rule with q_k one-hot at the drafter's argmax: accept with
 probability p_k(d), replace from p_k with d's mass removed, renormalised. It is exact for any deterministic proposal
 and is what vLLM (draft_sample_method "greedy", its default) and SGLang (DFLASH) do at T>0 (docs/eval.md).
 """
@@ -47,12 +47,6 @@ def greedy_outcome(target_logits: torch.Tensor, drafts: torch.Tensor) -> torch.T
     predicted = target_logits.argmax(dim=-1)
     accepted = (drafts.to(predicted.device) == predicted[:-1]).int().cumprod(0).sum()
     return torch.stack([accepted, predicted.index_select(0, accepted[None])[0]])
-
-
-def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
-    """greedy_outcome as (accepted drafts, next token) on the host."""
-    accepted, following = greedy_outcome(target_logits, drafts).tolist()
-    return accepted, following
 
 
 def _rejection_outcome(target_probs: torch.Tensor, rejected: torch.Tensor, residual_of,
@@ -95,14 +89,6 @@ def sampled_outcome(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft
         lambda k: (target_probs.index_select(0, k)[0] - draft_probs.index_select(0, k)[0]).clamp_min(0), generator)
 
 
-def accept_sampled(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """sampled_outcome as (accepted drafts, next token) on the host."""
-    accepted, following = sampled_outcome(target_probs, draft_probs, drafts, generator).tolist()
-    return accepted, following
-
-
 def greedy_drafts_outcome(target_probs: torch.Tensor, drafts: torch.Tensor,
                           generator: torch.Generator | None) -> torch.Tensor:
     """[accepted drafts, next token] (LongTensor [2], on the device) for deterministic drafts (the drafter's
@@ -123,11 +109,3 @@ def greedy_drafts_outcome(target_probs: torch.Tensor, drafts: torch.Tensor,
         return target_probs.index_select(0, k)[0].scatter(0, drafts.index_select(0, k), 0.0)
 
     return _rejection_outcome(target_probs, uniforms >= p, rest, generator)
-
-
-def accept_greedy_drafts(
-    target_probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """greedy_drafts_outcome as (accepted drafts, next token) on the host."""
-    accepted, following = greedy_drafts_outcome(target_probs, drafts, generator).tolist()
-    return accepted, following
