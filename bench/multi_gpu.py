@@ -24,9 +24,9 @@ writes <out>/part<P>/summary.json.
      the target), run folder --work/smollm2, train.max_minutes from --smollm2-minutes; the summary copies its
      metrics and eval summaries. The recipe (data stage, 16.5 min of training, eval) is longer than one call: on a
      warm machine the same command (the same --smollm2-minutes) resumes where the cut left it.
-  4. tests/online_ranks_child.py (the CPU test's child) on GPUs: +experiment=tiny capture=online capture.transport=ranks
-     with 2 capture ranks (GPUs 0-1) and min(4, N-2) trainer ranks (1 and 1 on 2 or 3 GPUs) under torchrun
-     --max-restarts 1: an uninterrupted job, one
+  4. tests/online_ranks_child.py (the CPU test's child) on GPUs: +experiment=tiny capture=online with 2 capture
+     ranks (GPUs 0-1) and min(4, N-2) trainer ranks (1 and 1 on 2 or 3 GPUs) under torchrun --max-restarts 1: an
+     uninterrupted job, one
      whose trainer rank 0 SIGKILLs itself after its 7th backward and one whose first capture rank SIGKILLs itself
      after its 6th micro-batch sent. Passes when each killed job left its marker, exited 0, logged every step once
      and ended with the uninterrupted job's losses.
@@ -119,9 +119,9 @@ def part4(n: int, work: Path) -> list[Step]:
     steps = []
     for point in ("none", "trainer", "capture"):
         run_dir = work / f"fault-{point}"
-        overrides = ["+experiment=tiny", "show_progress=false", "device=auto", "capture=online",
-                     "capture.transport=ranks", f"run_dir={run_dir}", "stages=[data,capture,train]",
-                     f"capture.ranks={captures}", f"train.micro_batch_size={4 // trainers}", "train.save_every=2"]
+        overrides = ["+experiment=tiny", "show_progress=false", "device=auto", "capture=online", f"run_dir={run_dir}",
+                     "stages=[data,capture,train]", f"capture.ranks={captures}",
+                     f"train.micro_batch_size={4 // trainers}", "train.save_every=2"]
         argv = torchrun(captures + trainers, "tests/online_ranks_child.py", point, *overrides, restarts=1)
         # Trainer ranks first, then the capture ranks, each rank seeing GPU LOCAL_RANK (as launch/one_node.sh sets).
         devices = list(range(captures, captures + trainers)) + list(range(captures))

@@ -176,12 +176,12 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
 
 
 def run_role(cfg: DictConfig) -> dict[str, Any] | None:
-    """The pipeline, or this process's role in a job some of whose ranks capture for the others (capture=online,
-    capture.transport=ranks: the job's or every node's last ranks, dflash/extract/rank_link.py)."""
+    """The pipeline, or this process's role in a job some of whose ranks capture for the others (capture=online:
+    the job's or every node's last ranks, dflash/extract/rank_link.py)."""
     from dflash.config import settings_from
 
     c = settings_from(cfg).capture
-    if c.mode != "online" or c.transport != "ranks":
+    if c.mode != "online":
         return Pipeline(cfg).run()
     from dflash.extract.rank_link import capture_gpus, open_link
 

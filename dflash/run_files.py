@@ -50,12 +50,11 @@ def mark_done(folder: str, key: str, **info: Any) -> None:
     write_json(os.path.join(folder, "done.json"), {"fingerprint": key, **info})
 
 
-def temp_path(path: str | os.PathLike, tag: str | None = None) -> str:
-    """The temporary name `path` is written under: `.<name>.tmp-<tag>` in the same folder (the rename then stays on
-    one file system), hidden, and unique to its writer: `tag` is the process id unless the caller names the writer
-    (the online spool: its writer's id, so that a takeover removes a dead writer's leftovers only)."""
+def temp_path(path: str | os.PathLike) -> str:
+    """The temporary name `path` is written under: `.<name>.tmp-<pid>` in the same folder (the rename then stays on
+    one file system), hidden, and unique to its writer."""
     folder, name = os.path.split(os.fspath(path))
-    return os.path.join(folder, f".{name}.tmp-{os.getpid() if tag is None else tag}")
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}")
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -77,32 +76,26 @@ def fsync_tree(folder: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, tag: str | None = None, durable: bool = True) -> Iterator[str]:
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Inside, write the new file at the temporary path yielded; on leaving, it replaces `path` whole (an error
-    inside removes it and leaves `path` as it was).
-
-    durable: the file's data is fsynced before the rename and the folder's entry after it, so that after a power
-    loss `path` is the old file or the whole new one. Off only for the online spool's items and cursors, which a
-    restart rebuilds from scratch and which move at the trainer's feature rate.
+    inside removes it and leaves `path` as it was). The file's data is fsynced before the rename and the folder's
+    entry after it, so that after a power loss `path` is the old file or the whole new one.
     """
-    tmp = temp_path(path, tag)
+    tmp = temp_path(path)
     try:
         yield tmp
-        if durable:
-            fsync_path(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    if durable:
-        fsync_path(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str, *, tag: str | None = None,
-                 durable: bool = True) -> None:
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
     """Write `data` (text as UTF-8) to `path` through atomic_path."""
-    with atomic_path(path, tag=tag, durable=durable) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
@@ -236,7 +229,7 @@ def make_owned_dir(path: str) -> None:
 
 
 def remove_owned_dir(path: str, run_dir: str | None = None) -> None:
-    """Delete `path`, a working folder a user may name (a spool, a feature cache), only if dflash made it.
+    """Delete `path`, a working folder a user may name (the feature cache), only if dflash made it.
 
     A folder inside `run_dir` is the run's own. Elsewhere, a folder that holds anything and lacks the marker of
     make_owned_dir is someone else's (say capture.cache_dir pointed at a disk's root): ValueError, nothing

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from dflash.config import compose  # noqa: E402
+from dflash.config import ConfigError, compose  # noqa: E402
 from dflash.models.targets.placement import resolve_gpus_per_worker  # noqa: E402
 
 
@@ -24,10 +24,14 @@ def launch_settings(overrides: list[str]) -> dict[str, object]:
     gpus = resolve_gpus_per_worker(setting, OmegaConf.to_container(cfg.target, resolve=True),
                                    len(capture.split(",")) if capture else unlisted)
     return {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
-            "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus,
-            "transport": str(cfg.capture.get("transport", "spool")), "ranks_per_node": per_node or ""}
+            "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus, "ranks_per_node": per_node or ""}
 
 
 if __name__ == "__main__":
-    for key, value in launch_settings(sys.argv[1:]).items():
+    try:
+        settings = launch_settings(sys.argv[1:])
+    except ConfigError as error:  # a removed setting: one line, as the commands print it
+        print(f"dflash: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    for key, value in settings.items():
         print(f"{key}={shlex.quote(str(value))}")

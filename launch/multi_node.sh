@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Several nodes, one call per node, run_dir on a shared filesystem; data + capture must have run already
 # (launch/one_node.sh ... 'stages=[data,capture]' on one node). Every node has GPUS_PER_NODE (8) GPUs, one trainer
-# rank each, except with capture=online capture.transport=ranks (dflash/extract/rank_link.py), where torchrun also
+# rank each, except with capture=online (dflash/extract/rank_link.py), where some ranks capture and torchrun also
 # restarts the job MAX_RESTARTS (3) times after a rank dies:
 #   capture.ranks=C             the job's last C ranks capture, one GPU each: every node runs GPUS_PER_NODE ranks,
 #                               the last node(s)' GPUs capturing (capture.gpus_per_worker > 1: one node only)
 #   capture.ranks_per_node=k    every node's last k ranks capture on capture.gpus_per_worker = g GPUs each:
 #                               GPUS_PER_NODE - k*g trainer ranks (GPUs 0 ..), then k capture ranks (the last GPUs)
 # Usage: launch/multi_node.sh NNODES NODE_RANK MASTER_ADDR [hydra overrides...]
-#   e.g. launch/multi_node.sh 2 R HOST +experiment=qwen36 capture=online capture.transport=ranks \
-#        capture.ranks_per_node=2 run_dir=/shared/runs/qwen36          # node R of 2: 6 trainers + 2 capture ranks
+#   e.g. launch/multi_node.sh 2 R HOST +experiment=qwen36 capture=online capture.ranks_per_node=2 \
+#        run_dir=/shared/runs/qwen36                                    # node R of 2: 6 trainers + 2 capture ranks
 # The rendezvous is at MASTER_ADDR:MASTER_PORT (29500): torchrun's c10d one (RDZV_BACKEND=c10d, launch/slurm.sbatch) or
-# a static one (RDZV_BACKEND=static). The ranks transport on several nodes takes c10d unless told otherwise: its
-# restarts need every node's agent to restart together, which only the c10d rendezvous tells the healthy nodes to do.
+# a static one (RDZV_BACKEND=static). capture=online on several nodes takes c10d unless told otherwise: its restarts
+# need every node's agent to restart together, which only the c10d rendezvous tells the healthy nodes to do.
 # DRY_RUN=1 prints the command without running it.
 set -euo pipefail
 nnodes=$1 node_rank=$2 master=$3; shift 3
@@ -20,7 +20,7 @@ settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed con
 eval "$settings"
 gpus=${GPUS_PER_NODE:-8}
 nproc=$gpus restarts=() backend=${RDZV_BACKEND:-static}
-if [ "$capture_mode" = online ] && [ "$transport" = ranks ]; then
+if [ "$capture_mode" = online ]; then
   restarts=(--max-restarts "${MAX_RESTARTS:-3}")
   if [ "$nnodes" != 1 ]; then backend=${RDZV_BACKEND:-c10d}; fi
   if [ -n "$ranks_per_node" ]; then

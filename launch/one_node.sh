@@ -3,9 +3,9 @@
 # capture worker, each capturing its share of the shards), the DeepSpeed trainer on train.devices, then eval.
 # A worker has capture.gpus_per_worker = g GPUs (the target placed layer-wise over them): offline capture runs
 # len(capture.devices)/g processes that all see every capture GPU, and local rank r takes GPUs r*g .. r*g+g-1.
-# capture=online capture.transport=ranks: the train stage is one torchrun job of the trainer GPUs, one rank each, and
-# then one rank per capture worker of g GPUs (dflash/extract/rank_link.py); MAX_RESTARTS (default 3) restarts of the
-# job after a rank dies.
+# capture=online: the train stage is one torchrun job of the trainer GPUs, one rank each, and then one capture rank
+# per capture worker of g GPUs (dflash/extract/rank_link.py); MAX_RESTARTS (default 3) restarts of the job after a
+# rank dies.
 # Usage: launch/one_node.sh [hydra overrides...]   e.g. launch/one_node.sh +experiment=qwen36 target.path=/models/x
 # DRY_RUN=1 prints the commands without running them.
 set -euo pipefail
@@ -19,7 +19,7 @@ ncapture=$(awk -F, '{print NF}' <<<"$capture_devices")
 nworkers=$((ncapture / gpus_per_worker))
 first_worker=$(cut -d, -f1-"$gpus_per_worker" <<<"$capture_devices")  # the GPUs of capture worker 0
 ntrain=$(awk -F, '{print NF}' <<<"$train_devices")
-if [ "$transport" = ranks ] && [ -n "$ranks_per_node" ] && [ "$ranks_per_node" != "$nworkers" ]; then
+if [ "$capture_mode" = online ] && [ -n "$ranks_per_node" ] && [ "$ranks_per_node" != "$nworkers" ]; then
   echo "one_node.sh: capture.ranks_per_node=$ranks_per_node, but capture.devices=[$capture_devices] makes" \
     "$nworkers capture rank(s) of $gpus_per_worker GPU(s) on this node: list them in capture.devices" >&2
   exit 2
@@ -31,7 +31,7 @@ if [ "$capture_mode" = offline ]; then
 else  # online / colocated: the capture stage only prepares what the train stage's capture needs
   run env CUDA_VISIBLE_DEVICES="$first_worker" python -m dflash.train "$@" 'stages=[capture]'
 fi
-if [ "$capture_mode" = online ] && [ "$transport" = ranks ]; then
+if [ "$capture_mode" = online ]; then
   # One job: trainer ranks 0..ntrain-1 on train.devices (one GPU each), then one capture rank per capture worker of
   # gpus_per_worker consecutive capture GPUs (rank_link.rank_devices); a rank that dies ends the job, torchrun
   # restarts it and training resumes exactly.

@@ -260,7 +260,7 @@ def test_the_shipped_experiments_give_no_ignored_settings():
 
 @pytest.mark.parametrize("override,key", [("train.lerning_rate=1e-3", "train.lerning_rate"),
                                           ("train.lr=fast", "train.lr"), ("capture=streaming", "capture"),
-                                          ("capture.spool_dir=/x", "capture.spool_dir")])
+                                          ("capture.shard_tokns=1", "capture.shard_tokns")])
 def test_unknown_keys_types_and_options_stop_the_composition(override, key):
     with pytest.raises(ConfigCompositionException) as error:
         compose(["+experiment=tiny", override])
@@ -276,6 +276,29 @@ def test_a_bad_setting_ends_the_command_with_one_line_and_no_run_folder(tmp_path
     assert done.returncode == 2
     assert done.stderr.strip() == "dflash: error: train.lr=-0.001: expected a number > 0"
     assert "Traceback" not in done.stdout + done.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("override", ["capture.transport=spool", "capture.spool_dir=/x", "~capture.num_workers",
+                                      "+capture.workers=external"])
+def test_a_removed_setting_is_refused_with_what_replaces_it(override):
+    with pytest.raises(ConfigError) as error:
+        compose(["+experiment=tiny", "capture=online", override])
+    message = str(error.value)
+    assert "file spool was removed" in message and "torchrun --nproc_per_node 2" in message and "\n" not in message
+    assert message.startswith(override.lstrip("+~").split("=")[0] + ": ")
+
+
+def test_a_command_naming_a_removed_setting_ends_in_one_line_before_any_work(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", "capture=online",
+                           f"run_dir={run_dir}", "capture.transport=spool"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("dflash: error: capture.transport: online capture's file spool was removed")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stdout + done.stderr
     assert not run_dir.exists()
 
 

@@ -25,13 +25,13 @@ def test_package_messages_reach_the_console_and_the_log_once(tmp_path, capsys):
         path = tmp_path / "logs" / "run.log"
         with console_copied_to(str(path)):
             logging.getLogger("dflash.stages.capture").info("[capture] up to date: features")
-            logging.getLogger("dflash.extract.online").warning("[capture] warning: a small spool")
+            logging.getLogger("dflash.extract.capture").warning("[capture] warning: a small shard")
     finally:
         logging.getLogger().removeHandler(hydra_like)
     captured = capsys.readouterr()
     assert captured.out == "[capture] up to date: features\n"
-    assert captured.err == "[capture] warning: a small spool\n"
-    assert path.read_text() == "[capture] up to date: features\n[capture] warning: a small spool\n"
+    assert captured.err == "[capture] warning: a small shard\n"
+    assert path.read_text() == "[capture] up to date: features\n[capture] warning: a small shard\n"
 
 
 def test_other_ranks_show_only_warnings_and_their_own_work(capsys, monkeypatch):

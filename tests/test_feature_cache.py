@@ -1,44 +1,17 @@
-"""capture.cache: online capture keeps the first epoch's features and the later epochs read them back (CPU)."""
+"""capture.cache: the first epoch's online features kept on disk for the later epochs (the folder, the room it may
+use). The pipeline's runs with the cache on and off: tests/test_online_ranks.py."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import os
-import shutil
-import signal
+from collections import namedtuple
 
 import pytest
 import torch
 
-from dflash.config import compose
-from dflash.extract.feature_cache import FeatureCache, cached_epochs
-from dflash.extract.online import ItemStream, OnlineFeatureSource, Spool
-from dflash.pipeline import Pipeline
-from dflash.data.batch_plan import BatchPlan
-from dflash.extract.capture import capture_dataset
-from dflash.extract.store import FeatureStore
-from dflash.models.targets import build_tiny_target
-from tests.test_capture import make_dataset
-from tests.test_online import LAYER_IDS, LENGTHS, start_worker
-from tests.test_online_pipeline import ONLINE, STORED_CURVE, losses, new_run
+from dflash.extract import feature_cache
+from dflash.extract.feature_cache import DISK_MARGIN_FRACTION, FeatureCache, cache_room, cached_epochs
 
-
-@pytest.fixture(scope="module")
-def offline(tmp_path_factory) -> FeatureStore:
-    """The offline store of the capture worker's data (as in tests/test_online.py)."""
-    path = tmp_path_factory.mktemp("offline")
-    capture_dataset(build_tiny_target("llama", seed=0, tokenizer="builtin"), make_dataset(LENGTHS), path, LAYER_IDS,
-                    batch_tokens=1, dtype="float32", fingerprint={}, show_progress=False)
-    return FeatureStore(path)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("cache-data")
-    Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "stages=[data]"])).run()
-    return run_dir / "data"
+Usage = namedtuple("Usage", "total used free")
 
 
 def test_cache_keeps_each_sample_once_and_names_a_missing_one(tmp_path):
@@ -64,56 +37,11 @@ def test_the_cache_is_used_when_it_fits():
         cached_epochs("sometimes", 1, None, free_bytes=1)
 
 
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_workers_capture_one_epoch_and_later_epochs_come_from_the_cache(tmp_path, offline):
-    worker = start_worker(tmp_path / "spool", 0, "", epochs=1)  # the workers' stream: the first epoch only
-    try:
-        stream = ItemStream(BatchPlan(len(LENGTHS), 2, 1, 1, 0), epochs=3)
-        source = OnlineFeatureSource(Spool(tmp_path / "spool", 2), stream, rank=0, timeout_s=60,
-                                     cache=FeatureCache(tmp_path / "cache"))
-        for g in range(stream.num_items):
-            epoch, index, _ = stream.item(g)
-            assert torch.equal(source[index]["hidden"], offline[index]["hidden"]), (epoch, index)
-            if g == stream.items_per_epoch - 1:
-                assert worker.wait(timeout=60) == 0  # done after one epoch, before the trainer reads epoch 2
-        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == \
-            [f"s{i:010d}.safetensors" for i in range(len(LENGTHS))]
-    finally:
-        if worker.poll() is None:
-            os.kill(worker.pid, signal.SIGKILL)
-            worker.wait()
-
-
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_pipeline_with_and_without_the_cache_trains_the_offline_losses(tmp_path, data_dir):
-    stored = json.loads(STORED_CURVE.read_text())["loss"]
-    for mode in ("true", "false"):
-        (tmp_path / mode).mkdir()
-        run_dir = new_run(tmp_path / mode, data_dir)
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            # A spool budget of 64 MiB (the tiny run's items take kilobytes): the cache's room is the free disk less
-            # that budget and a margin, so the default 20 GiB would make the test depend on this machine's disk.
-            Pipeline(compose(ONLINE + [f"run_dir={run_dir}", f"capture.cache={mode}",
-                                       "capture.budget_bytes=67108864"])).run()
-        torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(stored), rtol=2e-4, atol=2e-4)
-        cached = list((run_dir / "feature_cache").glob("s*.safetensors"))
-        samples = json.loads((run_dir / "features" / "online.json").read_text())["num_samples"]
-        assert len(cached) == (samples if mode == "true" else 0)
-        assert f"feature cache {'on' if mode == 'true' else 'off'}" in out.getvalue()
-        assert not (run_dir / "spool").exists()
-        shutil.rmtree(run_dir)
-
-
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_a_resumed_run_keeps_the_cache_decision_it_started_with(tmp_path, data_dir):
-    # Started with the cache off: a restart that turned it on would look for first-epoch features never kept.
-    run_dir = new_run(tmp_path, data_dir)
-    Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "capture.cache=false"])).run()
-    (run_dir / "export" / "done.json").unlink()  # as if killed after the last checkpoint: the train stage resumes
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        Pipeline(compose(ONLINE + [f"run_dir={run_dir}", "capture.cache=true"])).run()
-    assert "feature cache off, as when this run started" in out.getvalue()
-    assert not list((run_dir / "feature_cache").glob("s*.safetensors"))
+def test_the_cache_leaves_a_margin_of_its_disk(tmp_path, monkeypatch):
+    total, free = 1000 * 2**20, 600 * 2**20
+    monkeypatch.setattr(feature_cache.shutil, "disk_usage", lambda path: Usage(total, total - free, free))
+    room = cache_room(str(tmp_path))
+    assert room == free - int(DISK_MARGIN_FRACTION * total)
+    assert cached_epochs("auto", room, None, room) and not cached_epochs("auto", room + 1, None, room)
+    monkeypatch.setattr(feature_cache.shutil, "disk_usage", lambda path: Usage(total, total, 0))
+    assert cache_room(str(tmp_path)) == 0

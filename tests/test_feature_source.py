@@ -11,7 +11,7 @@ from dflash.data.feature_source import FeatureSource, SampleList, as_feature_sou
 from dflash.extract.colocated import ColocatedFeatureSource
 from dflash.extract.feature_cache import FeatureCache
 from dflash.extract.fp8 import quantize_fp8
-from dflash.extract.online import OnlineFeatureSource
+from dflash.extract.linked_source import LinkedFeatureSource
 from dflash.extract.sample_format import decode_single, encode, load, sample_tensors
 from dflash.extract.store import FeatureStore, ShardWriter
 from dflash.train.batches import prepare_micro_batch
@@ -42,7 +42,7 @@ def write_store(path, rows) -> FeatureStore:
 
 
 def test_every_capture_mode_is_a_feature_source_and_a_list_becomes_one():
-    for source in (FeatureStore, OnlineFeatureSource, ColocatedFeatureSource, SampleList):
+    for source in (FeatureStore, LinkedFeatureSource, ColocatedFeatureSource, SampleList):
         assert issubclass(source, FeatureSource), source
     rows = samples()
     wrapped = as_feature_source(rows)
@@ -90,7 +90,7 @@ def test_the_loop_reads_a_sources_deferred_checks_after_each_step():
     check_features(samples())  # samples in memory have no checks
 
 
-def test_a_spool_item_a_cached_sample_and_a_store_shard_share_one_format(tmp_path):
+def test_a_cached_sample_a_one_sample_file_and_a_store_shard_share_one_format(tmp_path):
     row = samples(1)[0]
     store = write_store(tmp_path / "store", [row])
     offsets = torch.tensor([0, row["input_ids"].shape[0]])

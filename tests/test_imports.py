@@ -58,7 +58,7 @@ def test_no_module_imports_from_a_layer_above_or_beside_its_own():
 
 
 @pytest.mark.parametrize("module,imported,wrong", [
-    ("dflash.extract.online", "dflash.train.batches", True),   # capture reaching up into train
+    ("dflash.extract.linked_source", "dflash.train.batches", True),   # capture reaching up into train
     ("dflash.eval.replay", "dflash.extract.store", True),      # the evaluator and capture side by side
     ("dflash.models.drafter", "dflash.data.chat", True),
     ("dflash.train.heldout", "dflash.eval.replay", False),     # train may use the evaluator

@@ -54,17 +54,24 @@ def test_dry_run_gives_each_capture_worker_its_gpus():
 
 
 @pytest.mark.slow
-def test_dry_run_of_online_capture_over_ranks_is_one_job_of_trainer_then_capture_gpus():
-    _, _, train, _ = commands(one_node("capture=online", "capture.transport=ranks", "capture.devices=[0,1]",
-                                       "train.devices=[2,3,4]", dry_run=True))
+def test_dry_run_of_online_capture_is_one_job_of_trainer_then_capture_gpus():
+    _, _, train, _ = commands(one_node("capture=online", "capture.devices=[0,1]", "train.devices=[2,3,4]",
+                                       dry_run=True))
     assert train.startswith("+ env CUDA_VISIBLE_DEVICES=2,3,4,0,1 torchrun --standalone --nproc_per_node 5 "
                             "--max-restarts 3 ")
     assert "capture.ranks=2" in train and "stages=[train]" in train
     # A target over two GPUs per capture worker: one capture rank per worker, after the three trainer ranks.
-    _, _, train, _ = commands(one_node("capture=online", "capture.transport=ranks", "capture.devices=[0,1,2,3]",
-                                       "capture.gpus_per_worker=2", "train.devices=[4,5,6]", dry_run=True))
+    _, _, train, _ = commands(one_node("capture=online", "capture.devices=[0,1,2,3]", "capture.gpus_per_worker=2",
+                                       "train.devices=[4,5,6]", dry_run=True))
     assert train.startswith("+ env CUDA_VISIBLE_DEVICES=4,5,6,0,1,2,3 torchrun --standalone --nproc_per_node 5 ")
     assert "capture.ranks=2" in train and "capture.gpus_per_worker=2" in train
+
+
+def test_a_removed_setting_stops_the_launcher_in_one_line():
+    done = one_node("capture=online", "capture.spool_dir=/scratch/spool", dry_run=True)
+    assert done.returncode == 2 and "+ env" not in done.stdout
+    assert done.stderr.startswith("dflash: error: capture.spool_dir: online capture's file spool was removed")
+    assert "Traceback" not in done.stderr
 
 
 def test_gpus_per_worker_must_divide_the_capture_gpus():
@@ -87,7 +94,7 @@ def torchrun_lines(done: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.mark.slow
 def test_dry_run_of_several_nodes_runs_trainer_gpus_plus_capture_ranks_on_each():
-    online = ("capture=online", "capture.transport=ranks")
+    online = ("capture=online",)
     [plain] = torchrun_lines(multi_node(1))
     assert plain.startswith("+ torchrun --nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr nodeA ")
     assert "--max-restarts" not in plain and plain.endswith("stages=[train]")
@@ -116,8 +123,7 @@ def test_dry_run_of_the_slurm_job_runs_multi_node_on_every_node(tmp_path):
     env = {**ENV, "DRY_RUN": "1", "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_SUBMIT_DIR": str(REPO)}
     done = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), "+experiment=tiny", "capture=online",
-                           "capture.transport=ranks", "capture.ranks_per_node=1"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+                           "capture.ranks_per_node=1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     nodes = torchrun_lines(done)
     assert [line.split("--node_rank ")[1].split()[0] for line in nodes] == ["0", "1"]
     assert all("--nproc_per_node 8 --max-restarts 3 --rdzv_backend c10d --rdzv_endpoint nodeA:29500 " in line

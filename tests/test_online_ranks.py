@@ -1,11 +1,13 @@
-"""capture=online over the job's own process group in the pipeline (capture.transport=ranks): one torchrun job on
-CPU (gloo) whose last ranks capture for the others, on the tiny target. The losses equal the stored offline curve
-with 1 or 2 capture ranks and 1 or 2 trainer ranks (2 trainer ranks of 2 samples keep the global batch of 4), and a
-job whose capture rank or trainer rank is SIGKILLed mid-run is restarted by torchrun (--max-restarts 1) and resumes
+"""capture=online in the pipeline: one torchrun job on CPU (gloo) whose last ranks capture for the others, on the tiny
+target. The losses equal the stored offline curve with 1 or 2 capture ranks and 1 or 2 trainer ranks (2 trainer ranks
+of 2 samples keep the global batch of 4), length-grouped batches and a step cap train what offline capture trains, and
+a job whose capture rank or trainer rank is SIGKILLed mid-run is restarted by torchrun (--max-restarts 1) and resumes
 from its last checkpoint to the same losses: no micro-batch lost or used twice."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -21,7 +23,7 @@ from dflash.config import compose
 from dflash.pipeline import Pipeline
 from tests.test_rank_stream import free_port
 
-ONLINE = ["+experiment=tiny", "show_progress=false", "capture=online", "capture.transport=ranks"]
+ONLINE = ["+experiment=tiny", "show_progress=false", "capture=online"]
 STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"
 CHILD = Path(__file__).parent / "online_ranks_child.py"
 
@@ -59,13 +61,28 @@ def run_job(run_dir: Path, data_dir: Path, captures: int, trainers: int, point: 
         "".join(out for out, _ in outputs), "".join(err for _, err in outputs))
 
 
-def assert_offline_losses(run_dir: Path, job: subprocess.CompletedProcess) -> None:
-    assert job.returncode == 0, job.stderr[-4000:]
+def losses(run_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    stored = json.loads(STORED_CURVE.read_text())["loss"]
-    assert [r["step"] for r in records] == list(range(1, len(stored) + 1))
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(stored), rtol=2e-4,
-                               atol=2e-4)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # each step logged once
+    return [r["loss"] for r in records]
+
+
+def assert_offline_losses(run_dir: Path, job: subprocess.CompletedProcess, stored: list[float] | None = None) -> None:
+    """The job ended well and trained `stored` (default: the stored offline curve of the tiny run)."""
+    assert job.returncode == 0, job.stderr[-4000:]
+    stored = stored if stored is not None else json.loads(STORED_CURVE.read_text())["loss"]
+    torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(stored), rtol=2e-4, atol=2e-4)
+
+
+def in_process(run_dir: Path, data_dir: Path, capture: str, *extra: str) -> list[float]:
+    """The losses of the same run with capture=offline or colocated, in this process."""
+    run_dir.mkdir()
+    shutil.copytree(data_dir, run_dir / "data")
+    overrides = ["+experiment=tiny", "show_progress=false", f"capture={capture}", f"run_dir={run_dir}",
+                 "stages=[data,capture,train]", *extra]
+    with contextlib.redirect_stdout(io.StringIO()):
+        Pipeline(compose(overrides)).run()
+    return losses(run_dir)
 
 
 @pytest.mark.parametrize("captures,trainers,cache", [(1, 1, "false"), (2, 2, "true")])
@@ -81,8 +98,10 @@ def test_capture_ranks_feed_trainer_ranks_the_offline_losses(tmp_path, data_dir,
     assert json.loads((run_dir / "capture_logs" / "cache.json").read_text())["cache"] == (cache == "true")
     throughput = json.loads((run_dir / "capture_logs" / "throughput.json").read_text())
     assert throughput["capture_devices"] == captures and throughput["trainer_ranks"] == trainers
-    assert sum(throughput["balanced_split"]) == captures + trainers
-    assert not (run_dir / "features" / "manifest.json").exists() and not (run_dir / "spool").exists()
+    assert throughput["capture_tokens_per_s_per_device"] > 0 and throughput["trainer_tokens_per_s_per_rank"] > 0
+    assert sum(throughput["balanced_split"]) == captures + trainers and min(throughput["balanced_split"]) >= 1
+    assert not (run_dir / "features" / "manifest.json").exists()  # no feature store was written
+    assert "balanced capture:trainer device split" in job.stdout
     # A capture rank's lines reach the console once and its own log file in the run folder.
     sent = [line for line in job.stdout.splitlines() if "sent" in line and "micro-batches" in line]
     assert len(sent) == captures, job.stdout[-3000:]
@@ -101,6 +120,29 @@ def test_on_two_nodes_every_nodes_capture_rank_feeds_its_trainer_the_offline_los
     assert sent == [steps // 3, steps // 3], job.stdout[-3000:]  # the first epoch of its node's trainer each
     assert sorted(path.name.split("-")[-1] for path in (run_dir / "logs").glob("*-capture-rank*.log")) == \
         ["rank1.log", "rank3.log"]
+
+
+@pytest.mark.parametrize("group_by", ["tokens", "work"])
+def test_length_grouped_batches_train_the_same_online_colocated_and_offline(tmp_path, data_dir, group_by):
+    """The capture ranks compute the grouping keys themselves: any difference from the trainers' would deal other
+    batches (their plan digests are compared) or train other losses."""
+    grouped = ("train.group_by_length=2", f"train.group_by={group_by}")
+    offline = in_process(tmp_path / "offline", data_dir, "offline", *grouped)
+    assert not torch.allclose(torch.tensor(offline), torch.tensor(json.loads(STORED_CURVE.read_text())["loss"]))
+    assert_offline_losses(tmp_path / "online", run_job(tmp_path / "online", data_dir, 1, 1, extra=grouped), offline)
+    colocated = in_process(tmp_path / "colocated", data_dir, "colocated", *grouped)
+    torch.testing.assert_close(torch.tensor(colocated), torch.tensor(offline), rtol=2e-4, atol=2e-4)
+
+
+def test_a_step_cap_ends_the_stream_early_with_the_offline_losses(tmp_path, data_dir):
+    """train.max_steps stops the trainers mid-epoch: they take the micro-batches they asked for and stop the capture
+    ranks, which end without sending the rest."""
+    offline = in_process(tmp_path / "offline", data_dir, "offline", "train.max_steps=5")
+    job = run_job(tmp_path / "online", data_dir, 1, 2, extra=("train.max_steps=5", "capture.cache=false"))
+    assert len(offline) == 5
+    assert_offline_losses(tmp_path / "online", job, offline)
+    [sent] = [int(n) for n in re.findall(r"sent (\d+) micro-batches", job.stdout)]
+    assert 5 * 2 <= sent < len(json.loads(STORED_CURVE.read_text())["loss"]) * 2, job.stdout[-3000:]
 
 
 @pytest.mark.parametrize("point,captures,trainers", [("capture", 2, 1), ("trainer", 1, 2)])

@@ -83,12 +83,6 @@ def test_max_steps_ends_training_and_its_schedule_there(tiny_run, tmp_path):
     assert rows[-1]["lr"] == 0.0  # the cosine reached its end at the cap, not at the epochs' end
 
 
-def test_max_steps_with_online_capture_is_refused_before_any_work(tmp_path):
-    with pytest.raises(ValueError, match="max_steps=5 with capture=online"):
-        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_steps=5", "capture=online"]))
-    assert not os.listdir(tmp_path)
-
-
 def test_eval_out_dir_keeps_a_second_evaluation_beside_the_first(tiny_run, tmp_path):
     run_dir, summary = tiny_run
     first = (Path(run_dir) / "eval" / "summary.json").read_bytes()

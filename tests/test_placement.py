@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.extract.online_workers import WorkerPool
 from dflash.models.targets import TARGET_ADAPTERS, load_target
 from dflash.models.targets.placement import (
     device_map_for,
@@ -195,15 +194,6 @@ def test_gpus_per_worker_setting():
     with pytest.raises(ValueError, match="expected a positive int or 'auto'"):
         resolve_gpus_per_worker("two", tiny, num_devices=2)
     assert rank_devices(1, 2) == ["cuda:2", "cuda:3"]
-
-
-def test_worker_pool_gives_each_worker_its_gpus(tmp_path, monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # indices are physical ids without a mask
-    pool = WorkerPool(str(tmp_path / "spec.json"), 2, str(tmp_path), devices=[4, 5, 6, 7], gpus_per_worker=2)
-    assert [pool.visible_devices(w) for w in range(2)] == ["4,5", "6,7"]
-    assert WorkerPool(str(tmp_path / "spec.json"), 2, str(tmp_path), devices=[4, 5]).visible_devices(1) == "5"
-    with pytest.raises(ValueError, match="2 GPU\\(s\\) per capture worker"):
-        WorkerPool(str(tmp_path / "spec.json"), 2, str(tmp_path), devices=[4, 5, 6], gpus_per_worker=2)
 
 
 @pytest.mark.gpu

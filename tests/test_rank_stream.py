@@ -236,7 +236,7 @@ def test_a_job_without_room_for_both_roles_is_refused_in_one_line(tmp_path, monk
     from dflash.pipeline import run_command
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = compose(["+experiment=tiny", "capture=online", "capture.transport=ranks", "capture.ranks=2",
+    cfg = compose(["+experiment=tiny", "capture=online", "capture.ranks=2",
                    f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(SystemExit) as exited:
         run_command(cfg)

@@ -72,9 +72,9 @@ def test_a_named_working_folder_is_deleted_only_if_dflash_made_it(tmp_path):
         remove_owned_dir(str(elsewhere), str(run_dir))
     assert (elsewhere / "someone" / "thesis.tex").is_file()
 
-    made = tmp_path / "spool"
+    made = tmp_path / "cache"
     make_owned_dir(str(made))
-    (made / "item").write_text("x")
+    (made / "s0000000000.safetensors").write_text("x")
     remove_owned_dir(str(made), str(run_dir))
     assert not made.exists()
     remove_owned_dir(str(made), str(run_dir))  # already gone: fine
@@ -124,14 +124,6 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path):
             f.write(b"half")
         raise RuntimeError("killed mid-write")
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["weights.bin"]
-
-
-def test_a_transient_write_names_its_writer_and_skips_fsync(tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "fsync", lambda fd: pytest.fail("a transient file is not synced"))
-    path = tmp_path / "i000000000007.safetensors"
-    assert temp_path(path, tag="w3") == str(tmp_path / ".i000000000007.safetensors.tmp-w3")
-    atomic_write(path, b"item", tag="w3", durable=False)
-    assert path.read_bytes() == b"item" and os.listdir(tmp_path) == [path.name]
 
 
 def test_a_folder_swapped_in_is_synced_file_by_file_and_its_parent_after(tmp_path, monkeypatch):

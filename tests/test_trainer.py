@@ -117,7 +117,7 @@ print(done.stdout.strip().splitlines()[-1])
 
 def test_a_single_process_leaves_its_rendezvous_to_itself():
     """A plain process meets only itself at a port the OS picks, and keeps that address out of the environment:
-    a process it starts later (a capture worker, a second run from a notebook) does a rendezvous of its own instead
+    a process it starts later (a second run from a notebook or a test) does a rendezvous of its own instead
     of inheriting an address this one already listens on."""
     env = {key: value for key, value in launcher_env().items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run([sys.executable, "-c", PROCESS_THAT_TRAINS_THEN_STARTS_ANOTHER], env=env,

@@ -8,6 +8,7 @@ import os
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.errors import ConfigError
+from dflash.config.removed import refuse_removed_settings
 from dflash.config.schema import RunSettings
 from dflash.config.store import register
 
@@ -17,7 +18,8 @@ register()
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
-    """The config `python -m dflash.train <overrides>` would run with."""
+    """The config `python -m dflash.train <overrides>` would run with (ConfigError for a removed setting)."""
+    refuse_removed_settings(list(overrides or []))
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 

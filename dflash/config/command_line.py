@@ -4,13 +4,17 @@ Two rewrites, both visible: the `--local_rank=N` the deepspeed launcher appends 
 LOCAL_RANK environment variable, and a command that names no experiment, target or device on a machine with a GPU
 runs the GPU default (`+experiment=smollm2_quick`, a real drafter in about 10 minutes) instead of the CPU demo,
 saying so on stderr. All three commands rewrite alike, so `python -m dflash.eval` finds the run that
-`python -m dflash.train` made on the same machine.
+`python -m dflash.train` made on the same machine. A setting that was removed (dflash/config/removed.py) stops the
+command here with what replaces it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from dflash.config.errors import ConfigError
+from dflash.config.removed import refuse_removed_settings
 
 GPU_DEFAULT = "+experiment=smollm2_quick"
 # Keys whose presence means the user chose what to run: the GPU default would override their choice.
@@ -56,10 +60,16 @@ def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
 
 def command_arguments(argv: list[str]) -> list[str]:
     """The Hydra arguments of one of the three commands: `argv` without the launcher's --local_rank, with the GPU
-    default when it applies (announced once per machine, by local rank 0)."""
+    default when it applies (announced once per machine, by local rank 0). A removed setting ends the command with
+    one line (exit status 2)."""
     import torch
 
     kept = strip_local_rank(argv)
+    try:
+        refuse_removed_settings(kept)
+    except ConfigError as error:
+        print(f"dflash: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     arguments = with_gpu_default(kept, torch.cuda.is_available())
     if arguments != kept and os.environ.get("LOCAL_RANK", "0") == "0" and "--help" not in kept:
         print(f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "

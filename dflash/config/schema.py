@@ -311,49 +311,31 @@ class OfflineCapture(CaptureSettings):
 
 @dataclass
 class OnlineCapture(CaptureSettings):
-    """Capture workers stream features to the trainer ranks through a bounded spool folder while training."""
+    """The job's last ranks (or every node's) capture while the others train, and send each trainer rank its
+    micro-batches' features point to point (dflash/extract/rank_link.py)."""
 
     mode: str = setting("online", affects=("capture",), doc="online: features streamed while training")
-    spool_dir: str = setting("${run_dir}/spool", affects=(), doc="one node: local disk; removed when training ends")
-    budget_bytes: int = setting(20 * 2**30, affects=(), doc="the spool never holds more")
-    workers: str = setting("local", affects=(), doc="local: the trainer starts the workers; external: capture nodes "
-                                                    "run python -m dflash.extract.capture_node")
-    num_workers: Optional[int] = setting(None, affects=(), doc="null: len(devices) / gpus_per_worker (external: "
-                                                                "required)")
-    chunk_items: int = setting(16, affects=(), doc="items a worker claims at once")
-    stale_after_s: float = setting(60.0, affects=(), doc="a worker silent this long is dead: its chunks are taken over")
-    max_restarts: int = setting(3, affects=(), doc="restarts of a worker that dies")
-    timeout_s: float = setting(3600.0, affects=(), doc="a trainer rank waiting this long for one item gives up")
-    threads: Optional[int] = setting(None, affects=(), doc="torch threads per worker on CPU")
+    ranks: int = setting(1, affects=(), doc="the job's ranks that capture (the last ones), each on gpus_per_worker "
+                                            "GPUs")
+    ranks_per_node: Optional[int] = setting(None, affects=(), doc="null: the job's last capture.ranks ranks capture; "
+                                                                  "k: the last k ranks of every node capture for that "
+                                                                  "node's trainers")
+    in_flight: int = setting(4, affects=(), doc="micro-batches made ahead per trainer rank")
+    timeout_s: float = setting(3600.0, affects=(), doc="a rank waiting this long for its peer (a credit, a header, "
+                                                       "features) ends the job naming it")
     cache: Any = setting("auto", affects=(), doc="keep the first epoch's features for the later ones: auto | true | "
                                                  "false")
     cache_dir: Optional[str] = setting(None, affects=(), doc="null: <run_dir>/feature_cache")
     cache_budget_bytes: Optional[int] = setting(None, affects=(), doc="null: the free disk")
-    transport: str = setting("spool", affects=(), doc="spool: capture workers write a spool folder; ranks: the job's "
-                                                      "last capture.ranks ranks capture and send by torch.distributed")
-    ranks: int = setting(1, affects=(), doc="transport=ranks: the job's ranks that capture (the last ones), each on "
-                                            "gpus_per_worker GPUs")
-    ranks_per_node: Optional[int] = setting(None, affects=(), doc="transport=ranks: null: the job's last capture.ranks "
-                                                                  "ranks capture; k: the last k ranks of every node "
-                                                                  "capture for that node's trainers")
-    in_flight: int = setting(4, affects=(), doc="transport=ranks: micro-batches made ahead per trainer rank")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_choice("capture.workers", self.workers, ("local", "external"))
-        require_choice("capture.transport", self.transport, ("spool", "ranks"))
         require(str(self.cache).lower() in ("auto", "true", "false"), "capture.cache", self.cache,
                 "auto, true or false")
-        for key in ("budget_bytes", "chunk_items", "stale_after_s", "timeout_s", "ranks", "in_flight"):
+        for key in ("timeout_s", "ranks", "in_flight"):
             _positive(f"capture.{key}", getattr(self, key))
-        require(self.max_restarts >= 0, "capture.max_restarts", self.max_restarts, "an int >= 0")
-        for key in ("num_workers", "threads", "cache_budget_bytes", "ranks_per_node"):
+        for key in ("cache_budget_bytes", "ranks_per_node"):
             _optional_positive(f"capture.{key}", getattr(self, key))
-        if self.workers == "external":
-            require(self.num_workers is not None, "capture.num_workers", self.num_workers,
-                    "the number of workers of all capture nodes together (capture.workers=external)")
-            require(self.gpus_per_worker != "auto", "capture.gpus_per_worker", self.gpus_per_worker,
-                    "an int (capture.workers=external: the capture nodes' GPUs are theirs to count)")
 
 
 @dataclass
@@ -618,13 +600,6 @@ class RunSettings:
                 raise ConfigError(f"train.{key}={getattr(self.train, key)} needs the target's logits while training, "
                                   f"which only capture=colocated has (stored features hold none); this run has "
                                   f"capture={self.capture.mode}")
-        if self.capture.mode == "online":
-            for key in ("max_steps", "max_minutes"):
-                if getattr(self.train, key) is not None:
-                    raise ConfigError(
-                        f"train.{key}={getattr(self.train, key)} with capture=online: the capture workers stream "
-                        f"whole epochs, so a run cut short would leave captured features unread; set train.epochs "
-                        f"instead, or use capture=offline or colocated")
         if self.train.best_by != "tau" and not self.data.heldout:
             raise ConfigError(f"train.best_by={self.train.best_by} picks the best checkpoint by held-out acceptance; "
                               f"set data.heldout (how many prompts to keep out of training) or train.best_by=tau")

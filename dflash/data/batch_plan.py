@@ -10,7 +10,7 @@ With group_by_length > 0 each global batch holds samples of similar length, so l
 epoch permutation is cut into runs of group_by_length global batches, each run is sorted by length, and the
 full global batches are then shuffled so that short and long batches alternate through the epoch.
 
-The trainer and the online capture workers both follow one plan, so it lives below both of them.
+The trainer and the online capture ranks both follow one plan, so it lives below both of them.
 """
 
 from __future__ import annotations

@@ -15,18 +15,17 @@ it and refuses another); a random-access source (the offline store, colocated ca
 
 Resume: a source is built for the run as it restarts, and the trainer's first request is the first micro-batch of
 the step it resumes at. A random-access source needs nothing for that; a streaming source must begin its stream
-there (the online capture's session sets the stream's cursors to the resumed step before any worker starts). No
-sample may be lost or served twice across a restart.
+there (online capture names the resumed step to the capture ranks before they capture). No sample may be lost or
+served twice across a restart.
 
 Verification: a source whose features are checked when they are made (colocated capture: finite, not constant)
 may defer a check so the host never waits for the device mid-step; `verify_features` raises ValueError naming
 the sample and tap. Sources checked as they are read (the store's shard hashes) have nothing pending.
 
-The sources: FeatureStore (offline, dflash/extract/store.py), OnlineFeatureSource (streamed from capture workers,
-dflash/extract/online.py), ColocatedFeatureSource (the target on the trainer's device, dflash/extract/colocated.py);
-a list of samples in memory (tests, benchmarks) is one through `as_feature_source`. Another transport (say
-features received from capture ranks over torch.distributed) is another class implementing this protocol: its
-`micro_batch` receives the plan's next micro-batch, and the trainer does not change.
+The sources: FeatureStore (offline, dflash/extract/store.py), LinkedFeatureSource (online: micro-batches received
+from the job's capture ranks, dflash/extract/linked_source.py), ColocatedFeatureSource (the target on the trainer's
+device, dflash/extract/colocated.py); a list of samples in memory (tests, benchmarks) is one through
+`as_feature_source`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """The first epoch's online features, kept on disk for the later epochs (capture.cache).
 
 Online capture runs the target for every sample of every epoch, because stored features can take terabytes. When
-the disk does hold one epoch, capturing it once is enough: each trainer rank writes the samples it reads in the
-first epoch into a shared folder, one file per sample (the spool item as it came, in the one format of captured
-samples, sample_format.py), and every later epoch reads them back while the capture workers have already stopped.
+the disk does hold one epoch, capturing it once is enough: each trainer rank writes the samples it receives in the
+first epoch into a shared folder, one file per sample (in the one format of captured samples, sample_format.py),
+and every later epoch reads them back while the capture ranks have already stopped.
 A file is written atomically (run_files.atomic_write), so a reader never sees half of one; a killed run keeps what
 it wrote.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,7 @@ DISK_MARGIN_FRACTION = 0.05
 
 
 class FeatureCache:
-    """Sample index -> the tensors of its spool item ("hidden", "input_ids", "loss_mask", optional "scales")."""
+    """Sample index -> its stored tensors ("hidden", "input_ids", "loss_mask", "offsets", optional "scales")."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -67,16 +66,12 @@ def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, fre
     fits = estimated_bytes <= room
     if mode == "true" and not fits:
         raise ValueError(f"capture.cache=true: one epoch of features takes {estimated_bytes / 2**30:.2f} GiB, more "
-                         f"than the {room / 2**30:.2f} GiB the cache may use (its budget; the free disk less the "
-                         "spool's budget and a margin for checkpoints)")
+                         f"than the {room / 2**30:.2f} GiB the cache may use (its budget; the free disk less a "
+                         "margin for checkpoints)")
     return mode == "true" or (mode == "auto" and fits)
 
 
-def cache_room(cache_dir: str, spool_dir: str | None = None, spool_budget_bytes: int = 0) -> int:
-    """Bytes the cache may fill on its disk: the free space less DISK_MARGIN_FRACTION of the disk, and less the
-    spool's budget when there is a spool on the same file system (it fills while the first epoch is cached)."""
+def cache_room(cache_dir: str) -> int:
+    """Bytes the cache may fill on its disk: the free space less DISK_MARGIN_FRACTION of the disk."""
     usage = shutil.disk_usage(cache_dir)
-    room = usage.free - int(DISK_MARGIN_FRACTION * usage.total)
-    if spool_dir is not None and os.stat(cache_dir).st_dev == os.stat(spool_dir).st_dev:
-        room -= int(spool_budget_bytes)
-    return max(room, 0)
+    return max(usage.free - int(DISK_MARGIN_FRACTION * usage.total), 0)

@@ -1,5 +1,5 @@
-"""One launch, two roles (capture=online, capture.transport=ranks): some ranks of one torchrun job capture, the
-others train. Two layouts (RankLayout):
+"""One launch, two roles (capture=online): some ranks of one torchrun job capture, the others train. Two layouts
+(RankLayout):
   the job's last ranks  (capture.ranks=C, the default) the last C ranks of the job capture, the first T = N - C
                         train; on several nodes the capture ranks are the last node(s)'. One group: unit u is made
                         by capture rank u % C.
@@ -221,9 +221,9 @@ def job_layout(world_size: int, rank: int, local_rank: int, capture_ranks: int,
 def _need_room(captures: int, processes: int, setting: str, where: str, has: str) -> None:
     if processes <= captures:
         raise ConfigError(
-            f"capture=online with capture.transport=ranks runs {setting} capture rank(s) and at least one trainer "
-            f"rank {where}, but {has} {processes} process(es): launch {captures + 1} or more, e.g. torchrun "
-            f"--nproc_per_node {captures + 1} -m dflash.train ...")
+            f"capture=online runs {setting} capture rank(s) and at least one trainer rank {where}, but {has} "
+            f"{processes} process(es): launch {captures + 1} or more, e.g. torchrun --nproc_per_node {captures + 1} "
+            f"-m dflash.train ...")
 
 
 def rank_devices(device_name: str, local_rank: int, local_trainers: int | None,
@@ -238,7 +238,7 @@ def rank_devices(device_name: str, local_rank: int, local_trainers: int | None,
     if gpus_per_capture == 1:
         return [torch.device(f"cuda:{local_rank}")]
     if local_trainers is None:
-        raise ConfigError(f"capture.gpus_per_worker={gpus_per_capture} with capture.transport=ranks: the job's last "
+        raise ConfigError(f"capture.gpus_per_worker={gpus_per_capture} with capture=online: the job's last "
                           "capture.ranks ranks capture on several GPUs each on one node only; on several nodes set "
                           "capture.ranks_per_node (every node's last ranks capture, on as many GPUs each) or give "
                           "each capture rank one GPU")
@@ -246,7 +246,7 @@ def rank_devices(device_name: str, local_rank: int, local_trainers: int | None,
 
 
 def capture_gpus(capture, target: dict) -> int:
-    """The GPUs of one capture rank (capture.gpus_per_worker, "auto" resolved as for capture workers), checked
+    """The GPUs of one capture rank (capture.gpus_per_worker, "auto" resolved by the target's size), checked
     against capture.devices when it lists the capture GPUs (of a node, with capture.ranks_per_node): a group of that
     many for each capture rank."""
     ranks, setting = capture.ranks, f"capture.ranks={capture.ranks}"

@@ -1,4 +1,4 @@
-"""The one on-disk form of captured samples: feature store shards, online spool items and cached samples alike.
+"""The one on-disk form of captured samples: feature store shards and the feature cache's samples alike.
 
 A file holds n >= 1 samples back to back (safetensors; metadata {"schema_version": "1"}):
     hidden     [tokens, K*H]  bf16, fp32 or fp8 e4m3 (the K taps side by side, in target_layer_ids order)
@@ -6,8 +6,8 @@ A file holds n >= 1 samples back to back (safetensors; metadata {"schema_version
     loss_mask  [tokens] uint8
     offsets    [n+1] int64    sample j is rows offsets[j]:offsets[j+1]
     scales     [tokens, K] float32, fp8 only (one per token and tap, see fp8.py)
-A store shard holds many samples; a spool item and a sample of the feature cache hold one. Spool items and cached
-samples written before they carried the metadata hold the same tensors, and are read the same way.
+A store shard holds many samples; a sample of the feature cache holds one. Cached samples written before they
+carried the metadata hold the same tensors, and are read the same way.
 
 The held-out file (dflash/train/heldout.py) is not one of these: it holds what the acceptance replay needs
 (greedy tokens, prompt lengths), not training samples.
@@ -59,8 +59,8 @@ def encode(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def check_schema(metadata: dict[str, str] | None, path: object) -> None:
-    """ValueError unless a file's metadata names this schema (no metadata: a spool item or cached sample written
-    before items carried it, the same tensors)."""
+    """ValueError unless a file's metadata names this schema (no metadata: a cached sample written before samples
+    carried it, the same tensors)."""
     version = (metadata or {}).get("schema_version", METADATA["schema_version"])
     if version != METADATA["schema_version"]:
         raise ValueError(f"{path}: feature file of schema version {version}, this code reads {SCHEMA_VERSION}: "
@@ -83,5 +83,5 @@ def decode(input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tenso
 
 
 def decode_single(tensors: dict[str, torch.Tensor]) -> Sample:
-    """The sample of a one-sample file (a spool item or a cached sample)."""
+    """The sample of a one-sample file (a sample of the feature cache)."""
     return decode(tensors["input_ids"], tensors["loss_mask"], tensors["hidden"], tensors.get("scales"))

@@ -115,7 +115,7 @@ class CaptureStage:
             clear_done(self.out)
 
     def describe_streamed(self, mode: str, num_samples: int, layer_ids: list[int]) -> str:
-        """online.json / colocated.json: what the train stage's capture workers and trainer need."""
+        """online.json / colocated.json: what the train stage's capture ranks and trainers need."""
         c = self.context.settings.capture
         write_json(os.path.join(self.out, f"{mode}.json"), {
             "data": self.data.out, "num_samples": num_samples, "target_layer_ids": layer_ids,

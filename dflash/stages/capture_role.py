@@ -1,6 +1,7 @@
-"""The capture ranks' part of a run (capture=online, capture.transport=ranks): load the target on this rank's
-device (or layer-wise over its capture.gpus_per_worker GPUs) while the trainer ranks run the data and capture stages, wait for trainer rank 0's start, stream the
-micro-batches it names (dflash/extract/capture_sender.py), then post this rank's counters and exit.
+"""The capture ranks' part of a run (capture=online): load the target on this rank's device (or layer-wise over
+its capture.gpus_per_worker GPUs) while the trainer ranks run the data and capture stages, wait for trainer rank 0's
+start, stream the micro-batches it names (dflash/extract/capture_sender.py), its target's layers compiled with
+capture.compile, then post this rank's counters and exit.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _stream(context: RunContext, link: RankLink) -> None:
     from dflash.data.sample_sizes import sample_lengths
     from dflash.extract.capture_sender import CaptureSender, target_producer
     from dflash.extract.rank_stream import UnitStream
+    from dflash.models.targets.compile_target import target_layers_compiled
 
     target = context.target  # loaded while the trainers prepare the data
     start = link.wait_start()
@@ -55,6 +57,7 @@ def _stream(context: RunContext, link: RankLink) -> None:
     sender = CaptureSender(link, UnitStream(plan, start["epochs"]), start["first_step"], produce,
                            sample_lengths(dataset).tolist(), batch_tokens=start["batch_tokens"],
                            in_flight=start["in_flight"])
-    sender.run()
-    link.post_stats(sender.stats())
+    with target_layers_compiled(target, context.settings.capture.compile):
+        sender.run()
+    link.post_stats({**sender.stats(), "gpus": len(link.devices)})
     logger.info(f"[online] capture rank {link.rank}: sent {sender.units_sent} micro-batches", extra=EVERY_RANK)

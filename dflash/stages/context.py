@@ -39,7 +39,7 @@ class RunContext:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = resolve_device(self.settings.device, self.local_rank)
         self.show_progress = self.settings.show_progress
-        # The devices the target loads on when the launcher chose them (a capture rank of capture.transport=ranks);
+        # The devices the target loads on when the launcher chose them (a capture rank of capture=online);
         # None: this rank's device, or its GPUs by capture.gpus_per_worker (below).
         self.target_devices: list[str] | None = None
         self._target = None

@@ -36,7 +36,7 @@ class TrainStage:
     def __init__(self, run: RunContext, capture: CaptureStage) -> None:
         self.context, self.capture = run, capture
         self.checkpoints, self.out = run.dirs["checkpoints"], run.dirs["export"]
-        self.link = None  # this trainer rank's link to the capture ranks (capture.transport=ranks), set by run_role
+        self.link = None  # this trainer rank's link to the capture ranks (capture=online), set by run_role
 
     def describe(self) -> str:
         s = self.context.settings
@@ -127,23 +127,17 @@ class TrainStage:
         log = MetricsLog(run.run_dir, enabled=rank == 0, tensorboard=logging.tensorboard,
                          wandb_mode=logging.wandb.mode, wandb_project=logging.wandb.project,
                          config=container(run.cfg))
-        pools: list = []  # the capture workers this rank started (online, rank 0): always stopped below
         try:
             head_file = os.path.join(self.capture.out, "frozen_head.safetensors")
             head = load_frozen_head(head_file)
             lengths = self.grouping_keys(config.block_size)
-            online = linked = None
-            if settings.capture.mode == "online" and settings.capture.transport == "ranks":
+            online = None
+            if settings.capture.mode == "online":
                 from dflash.train.rank_capture import RankCapture
 
-                linked = RankCapture(self.link, settings.capture, self.capture.out, self.checkpoints, run.run_dir)
-                store = linked.source(settings.train, rank, world_size, lengths, config.block_size,
+                online = RankCapture(self.link, settings.capture, self.capture.out, self.checkpoints, run.run_dir)
+                store = online.source(settings.train, rank, world_size, lengths, config.block_size,
                                       settings.train.group_by)
-            elif settings.capture.mode == "online":
-                from dflash.train.online_capture import OnlineCapture
-
-                online = OnlineCapture(run.cfg, run.run_dir, run.dirs, run.device, run.barrier)
-                store = online.source(settings.train, rank, world_size, pools, lengths)
             elif settings.capture.mode == "colocated":
                 store = self.colocated_source()
             else:
@@ -156,13 +150,9 @@ class TrainStage:
                               deepspeed=settings.deepspeed, rank=rank, world_size=world_size, device=run.device,
                               show_progress=run.show_progress, heldout=self.heldout_set(), lengths=lengths,
                               logit_transform=load_logit_transform(head_file))
-            if linked is not None:
-                linked.finish(store, time.perf_counter() - started, rank, world_size)
-            if online is not None and rank == 0:
-                online.finish(store, pools[0] if pools else None, time.perf_counter() - started, world_size)
+            if online is not None:
+                online.finish(store, time.perf_counter() - started, rank, world_size)
         finally:
-            for pool in pools:
-                pool.kill()
             log.close()
         return state
 

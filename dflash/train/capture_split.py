@@ -1,5 +1,5 @@
 """The capture:trainer device split that balances online capture's two rates, from a run's measured counters
-(both transports report it at the end of training, in capture_logs/throughput.json and on the console)."""
+(reported at the end of training, in capture_logs/throughput.json and on the console)."""
 
 from __future__ import annotations
 

@@ -69,9 +69,9 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
     os.environ.setdefault("LOCAL_RANK", "0")
     if not dist.is_initialized():
         # A plain single process meets only itself, at a port the OS picks where no launcher gave one. What is
-        # filled in here leaves the environment afterwards: a process started later from this one (a capture
-        # worker, a second run from a notebook or a test) would inherit the address and fail to listen where this
-        # process's store already does.
+        # filled in here leaves the environment afterwards: a process started later from this one (a second run
+        # from a notebook or a test, a checkpoint conversion) would inherit the address and fail to listen where
+        # this process's store already does.
         own_rendezvous = {}
         if "MASTER_ADDR" not in os.environ:
             own_rendezvous["MASTER_ADDR"] = "127.0.0.1"

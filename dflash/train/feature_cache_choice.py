@@ -2,7 +2,7 @@
 
 Trainer rank 0 decides when a run starts and records the decision in <run_dir>/capture_logs/cache.json with the
 fingerprint of the checkpoints it trains: a restart of the same run keeps it (the epochs already passed will not
-be captured again), whichever transport brings the features (the spool or the job's own ranks).
+be captured again).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ def cache_mode(value) -> str:
 
 
 def choose_feature_cache(capture, *, run_dir: str, info: dict, hidden_size: int, epochs: int,
-                         checkpoint_key: str | None, resume_step: int, spool: tuple[str, int] | None = None) -> dict:
+                         checkpoint_key: str | None, resume_step: int) -> dict:
     """{"cache": on, "dir": its folder, "checkpoint": checkpoint_key}, also written to capture_logs/cache.json.
 
     capture: the online capture settings (cache, cache_dir, cache_budget_bytes, dtype); info: the capture stage's
-    online.json (data folder, taps); epochs: of training (one epoch has no later epoch to read a cache: off);
-    spool: (folder, budget) of a spool filling the same disk, or None.
+    online.json (data folder, taps); epochs: of training (one epoch has no later epoch to read a cache: off).
     """
     log_dir = os.path.join(run_dir, "capture_logs")
     cache_dir = os.path.abspath(str(capture.cache_dir or os.path.join(run_dir, "feature_cache")))
@@ -39,7 +38,7 @@ def choose_feature_cache(capture, *, run_dir: str, info: dict, hidden_size: int,
         use = False
         logger.info("[online] feature cache off: training runs one epoch, which nothing would read back")
     else:
-        use = _fresh(capture, run_dir, info, hidden_size, cache_dir, spool)
+        use = _fresh(capture, run_dir, info, hidden_size, cache_dir)
     record = {"cache": use, "dir": cache_dir, "checkpoint": checkpoint_key}
     os.makedirs(log_dir, exist_ok=True)
     write_json(os.path.join(log_dir, "cache.json"), record)
@@ -63,8 +62,7 @@ def _resumed(log_dir: str, key: str | None, cache_dir: str, run_dir: str) -> tup
     return use, previous["dir"] if use else cache_dir
 
 
-def _fresh(capture, run_dir: str, info: dict, hidden_size: int, cache_dir: str,
-           spool: tuple[str, int] | None) -> bool:
+def _fresh(capture, run_dir: str, info: dict, hidden_size: int, cache_dir: str) -> bool:
     """A run's start: keep the first epoch when the disk holds it, in an emptied folder (what it holds from an
     earlier run is not this run's)."""
     remove_owned_dir(cache_dir, run_dir)
@@ -73,7 +71,7 @@ def _fresh(capture, run_dir: str, info: dict, hidden_size: int, cache_dir: str,
     tokens = int(read_json(os.path.join(info["data"], "stats.json"))["num_tokens"])
     needed = tokens * bytes_per_token(taps * hidden_size, taps, store_dtype(str(capture.dtype)))
     budget = capture.cache_budget_bytes
-    room = cache_room(cache_dir, *(spool or (None, 0)))
+    room = cache_room(cache_dir)
     use = cached_epochs(cache_mode(capture.cache), needed, None if budget is None else int(budget), room)
     logger.info(f"[online] feature cache {'on' if use else 'off'}: one epoch is {needed / 2**30:.2f} GiB"
                 + (f" -> {cache_dir}; the first epoch only is captured" if use else ""))

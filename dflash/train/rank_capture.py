@@ -1,4 +1,5 @@
-"""The train stage's side of capture=online over the job's process group (capture.transport=ranks).
+"""The train stage's side of capture=online: the job's last ranks capture (dflash/extract/rank_link.py) and send
+each trainer rank its micro-batches' features.
 
 Trainer rank 0 announces the stream to the capture ranks: the dataset, the taps, the batch plan and the step
 training resumes at (the newest checkpoint that verifies, as the loop resumes), so the capture ranks start where
@@ -45,8 +46,8 @@ class RankCapture:
 
     def __init__(self, link: RankLink | None, capture, features: str, checkpoint_dir: str, run_dir: str) -> None:
         if link is None:
-            raise RuntimeError("capture.transport=ranks: this process was started without capture ranks; run the "
-                               "command under torchrun (python -m dflash.train, dflash.pipeline.run_command), not "
+            raise RuntimeError("capture=online: this process was started without capture ranks; run the command "
+                               "under torchrun (python -m dflash.train, dflash.pipeline.run_command), not "
                                "Pipeline(...).run()")
         self.link, self.capture, self.features = link, capture, features
         self.checkpoint_dir, self.run_dir = checkpoint_dir, run_dir
@@ -82,18 +83,19 @@ class RankCapture:
             return
         stats = self.link.capture_stats()
         capture_tokens = sum(s["tokens"] for s in stats)
-        capture_s = sum(s["capture_s"] for s in stats)
-        if capture_s <= 0 or source.tokens_read == 0:
+        # A capture rank of capture.gpus_per_worker GPUs counts as that many devices: the rates are per device.
+        device_s = sum(s["capture_s"] * s["gpus"] for s in stats)
+        if device_s <= 0 or source.tokens_read == 0:
             logger.info("[online] nothing was captured in this start: no throughput to report")
             return
-        capture_rate = capture_tokens / capture_s  # per capture rank, one GPU each
+        capture_rate, capture_devices = capture_tokens / device_s, sum(s["gpus"] for s in stats)
         trainer_rate = source.tokens_read / max(train_s - source.wait_s, 1e-9)  # per trainer rank (rank 0's)
-        report = split_advice(capture_rate, trainer_rate, self.link.captures, world_size)
+        report = split_advice(capture_rate, trainer_rate, capture_devices, world_size)
         report.update({"capture_tokens": capture_tokens, "trainer_wait_s": source.wait_s, "train_s": train_s,
                        "capture_credit_wait_s": sum(s["credit_wait_s"] for s in stats)})
         os.makedirs(os.path.join(self.run_dir, "capture_logs"), exist_ok=True)
         write_json(os.path.join(self.run_dir, "capture_logs", "throughput.json"), report)
-        logger.info(f"[online] capture {capture_rate:,.0f} tok/s per capture rank ({self.link.captures}), trainer "
-                    f"{trainer_rate:,.0f} tok/s per rank ({world_size}; waited {source.wait_s:.1f} s of "
-                    f"{train_s:.1f} s for features)")
+        logger.info(f"[online] capture {capture_rate:,.0f} tok/s per capture device ({capture_devices} on "
+                    f"{self.link.captures} capture rank(s)), trainer {trainer_rate:,.0f} tok/s per rank "
+                    f"({world_size}; waited {source.wait_s:.1f} s of {train_s:.1f} s for features)")
         log_split(report)
