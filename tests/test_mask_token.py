@@ -3,6 +3,8 @@ one checked (vocabulary before any stage, template and data at capture), and wha
 
 from __future__ import annotations
 
+import json
+
 import datasets
 import pytest
 
@@ -72,3 +74,9 @@ def test_a_mask_token_the_data_produces_is_refused_at_capture(tmp_path):
         Pipeline(compose(TINY + [f"target.mask_token_id={letter}", f"run_dir={run_dir}", "data.limit=4",
                                  "stages=[data,capture]"])).run()
     assert not (run_dir / "features" / "done.json").exists()
+    # What the message says to do: the data stage is kept (its marker not rewritten) and a free token is chosen.
+    data_done = (run_dir / "data" / "done.json").stat().st_mtime_ns
+    Pipeline(compose(TINY + ["target.mask_token_id=null", f"run_dir={run_dir}", "data.limit=4",
+                             "stages=[data,capture]"])).run()
+    assert (run_dir / "data" / "done.json").stat().st_mtime_ns == data_done
+    assert json.loads((run_dir / "features" / "target.json").read_text())["mask_token_id"] != letter

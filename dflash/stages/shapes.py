@@ -66,7 +66,10 @@ def mask_token_for(settings: Any, adapter, used: set[int]) -> tuple[int, str]:
     if given is not None:
         problem = mask_token_problem(int(given), adapter.tokenizer, adapter.vocab_size, used)
         if problem is not None:
-            raise ConfigError(f"target.mask_token_id={given}: {problem}; leave it null to have one chosen")
+            # Answers sampled at T > 0 can draw a special token now and then; the data stage is kept whatever
+            # the mask token is, so the rerun that the message names costs no regeneration.
+            raise ConfigError(f"target.mask_token_id={given}: {problem}; rerun with target.mask_token_id=null to "
+                              "have a free one chosen (the data stage is kept)")
         return int(given), f"mask token {given} (target.mask_token_id)"
     token_id, why = choose_mask_token(adapter.tokenizer, adapter.vocab_size, used)
     return token_id, (f"mask token {token_id}: {why}, which the chat template and the data never produce "
