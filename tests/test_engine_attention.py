@@ -90,5 +90,20 @@ def test_attention_under_the_switch_needs_the_engines_attend(adapter):
     assert adapter.config._attn_implementation == before
     q = k = v = torch.zeros(1, 2, 3, 16)
     attn = adapter.decoder_layers()[0].self_attn
-    with pytest.raises(ValueError, match=r"cannot apply \['sliding_window'\]"):
-        engine_attention_forward(attn, q, k, v, None, engine_attend=lambda *a: q, sliding_window=8)
+    with pytest.raises(ValueError, match=r"cannot apply the attention sinks \(s_aux\)"):
+        engine_attention_forward(attn, q, k, v, None, engine_attend=lambda *a: q, s_aux=torch.zeros(2))
+
+
+def test_the_window_and_soft_cap_go_to_the_attend_function(adapter):
+    """A layer's sliding window and attention soft cap reach the engine's attend function, which masks by them."""
+    q = k = v = torch.zeros(1, 2, 3, 16)
+    attn = adapter.decoder_layers()[0].self_attn
+    seen = []
+
+    def attend(*args):
+        seen.append(args[3:])
+        return q
+
+    engine_attention_forward(attn, q, k, v, None, scaling=0.25, engine_attend=attend, sliding_window=8, softcap=50.0)
+    engine_attention_forward(attn, q, k, v, None, scaling=0.25, engine_attend=attend)
+    assert seen == [(0.25, 8, 50.0), (0.25, None, None)]

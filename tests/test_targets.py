@@ -21,6 +21,7 @@ from tests.test_targets_generic import GENERIC
 EXPECTED = {
     "llama": ("llama", DenseTargetAdapter),
     "qwen3": ("qwen3", DenseTargetAdapter),
+    "mistral": ("mistral", DenseTargetAdapter),
     "qwen3_5": ("qwen3_5_text", HybridTargetAdapter),
     "qwen3_5_moe": ("qwen3_5_moe_text", HybridTargetAdapter),
     "qwen3_next": ("qwen3_next", HybridTargetAdapter),

@@ -14,7 +14,7 @@ At T=0 the committed tokens are the target's own greedy tokens (lossless) on den
 
 Engines (`target_engine`, also for target-only decoding): "hf" is CachedTarget, the HF model over a DynamicCache
 (every target), with CachedDrafter; "static" is StaticTarget (static_target.py), a static KV cache whose verify and
-one-token forwards replay CUDA graphs on CUDA, as a serving engine runs them (dense full-attention targets only),
+one-token forwards replay CUDA graphs on CUDA, as a serving engine runs them (targets whose layers static_layout_problem accepts),
 with StaticDrafter (static_drafter.py), the drafter context in static buffers with graphed extend and drafting
 steps (one graph from the block's tokens to its drafts: embedding, drafter, head, argmax);
 "auto" picks static on a supported CUDA target, else hf (static_decode.resolve_engine). The one-off graph capture

@@ -1,4 +1,5 @@
-"""Fast batched decoding of dense Llama-layout targets: a static KV cache, refilled rows and, on CUDA, CUDA graphs.
+"""Fast batched decoding of dense targets (Llama layout, Gemma 2/3; sliding windows included): a static KV cache,
+refilled rows and, on CUDA, CUDA graphs.
 
 Plain HF `generate` re-dispatches hundreds of small kernels from Python for every token, so a small target such as
 SmolLM2-135M is launch-bound (~550 tok/s at batch 64 on an H200). Here the target's own HF decoder layers run with
@@ -10,8 +11,10 @@ column 0 while the other rows keep their place, so the decode steps approach tot
 
 At T=0 in float32 the tokens match HF greedy `generate` of each prompt alone: the position of column c is c, row
 r attends over columns 0..column[r] (what its current prompt wrote; keys a previous occupant left beyond are
-masked out), the next token is the argmax of the float32 logits. Sampling (T > 0) is temperature + top-p by
-inverse CDF from each prompt's own seeded uniform stream: the right distribution, not HF's random stream.
+masked out), a sliding-window layer over the last `window` of them (static_attention.py), the next token is the
+argmax of the float32 logits (after the family's logit transform, e.g. Gemma's final soft cap). Sampling (T > 0)
+is temperature + top-p by inverse CDF from each prompt's own seeded uniform stream: the right distribution, not
+HF's random stream.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from contextlib import nullcontext
 from functools import cache
 
 import torch
-import torch.nn.functional as F
 
 from dflash.inference.cuda_graphs import capture_graphs
 from dflash.inference.row_schedule import ScheduleStats, round_up, run_schedule
+from dflash.inference.static_attention import attention, visibility_masks
 from dflash.models.targets.engine_attention import engine_attention
 from dflash.models.targets.layout import TargetLayout
 
@@ -43,8 +46,8 @@ REFILL_GROUPS = 16
 
 
 def supports_static_decode(adapter) -> bool:
-    """True when the adapter's static layout runs its layers (dense full-attention llama/mistral/qwen2/qwen3 targets,
-    SmolLM2 included); False for GDN hybrids."""
+    """True when the adapter's static layout runs its layers (llama, mistral, qwen2, qwen3, gemma2 and gemma3_text
+    targets, sliding windows included; SmolLM2 too); False for GDN hybrids."""
     return adapter.static_layout_problem() is None
 
 
@@ -105,7 +108,7 @@ class _Decoder:
         self.columns = torch.arange(length, device=device)
         # Row r, kv head h, column c is row (r * kv_heads + h) * length + c of a cache viewed as [-1, head_dim].
         self.flat_base = (torch.arange(rows * lay.kv_heads, device=device) * length).view(rows, lay.kv_heads)
-        self.cos, self.sin = lay.rope_table(length)
+        self.rope = lay.rope_table(length)
         self.stops = torch.tensor(stop_ids, device=device, dtype=torch.long)
         self.tokens = torch.zeros(rows, device=device, dtype=torch.long)
         self.column = torch.zeros(rows, device=device, dtype=torch.long)
@@ -165,50 +168,50 @@ class _Decoder:
         columns, choose and record the next tokens. Runs inside engine_attention (advance() enters it)."""
         lay = self.layout
         x = lay.embed(self.tokens[:, None])
-        rope = self.cos[self.column][:, None], self.sin[self.column][:, None]
-        valid = self.columns[:span] <= self.column[:, None]
-        # An additive mask made once per step (SDPA would convert a boolean one in every layer).
-        bias = torch.zeros(valid.shape, device=valid.device, dtype=lay.dtype).masked_fill_(~valid, float("-inf"))
-        bias = bias[:, None, None, :]
+        rope = {kind: (cos[self.column][:, None], sin[self.column][:, None]) for kind, (cos, sin) in self.rope.items()}
+        # Additive masks made once per step, one per distinct window (SDPA would convert a boolean one in every
+        # layer).
+        masks = visibility_masks(self.columns[:span], self.column, lay.mask_windows, lay.dtype)
+        masks = {window: mask[:, None, None, :] for window, mask in masks.items()}
         write = (self.flat_base + self.column[:, None]).view(-1)
         groups = lay.heads // lay.kv_heads
-        for layer, keys, values in zip(lay.layers, self.keys, self.values):
-            def attend(q, k, v, scaling, keys=keys, values=values):
+        for layer, keys, values, kind in zip(lay.layers, self.keys, self.values, lay.rope_kinds):
+            def attend(q, k, v, scaling, window, softcap, keys=keys, values=values):
                 keys.view(-1, lay.head_dim).index_copy_(0, write, k.reshape(-1, lay.head_dim))
                 values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
                 # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
                 q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
-                context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
-                                                         attn_mask=bias, scale=scaling)
+                context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
                 return context.reshape(self.rows, 1, lay.heads, lay.head_dim)
 
-            x = layer(x, position_embeddings=rope, engine_attend=attend)
-        logits = lay.head(lay.norm(x[:, -1])).float()
+            x = layer(x, position_embeddings=rope[kind], engine_attend=attend)
+        logits = lay.logits(x[:, -1]).float()
         uniform = self.uniform.gather(1, self.count[:, None]).squeeze(1) if self.temperature > 0 else None
         self.record(self.choose(logits, uniform))
 
     def prefill(self, rows: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Run right-padded prompts ids [k, W] into the cache rows `rows` from column 0; float32 logits [k, V] of
-        each prompt's last token. The padding sits after the real tokens, so a causal mask is all they need."""
+        each prompt's last token. The padding sits after the real tokens, so a causal mask (within each layer's
+        window) is all they need: SDPA's own causal one for a plain target, explicit masks for windows or soft caps."""
         lay = self.layout
         width = ids.shape[1]
-        rope = self.cos[None, :width], self.sin[None, :width]
+        rope = {kind: (cos[None, :width], sin[None, :width]) for kind, (cos, sin) in self.rope.items()}
+        masks = {None: None} if lay.plain else visibility_masks(self.columns[:width], self.columns[:width],
+                                                                lay.mask_windows, lay.dtype)
         groups = lay.heads // lay.kv_heads
         x = lay.embed(ids)
         with engine_attention(lay.layers):
-            for layer, keys, values in zip(lay.layers, self.keys, self.values):
-                def attend(q, k, v, scaling, keys=keys, values=values):
+            for layer, keys, values, kind in zip(lay.layers, self.keys, self.values, lay.rope_kinds):
+                def attend(q, k, v, scaling, window, softcap, keys=keys, values=values):
                     keys[rows, :, :width] = k
                     values[rows, :, :width] = v
-                    context = F.scaled_dot_product_attention(
-                        q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True,
-                        scale=scaling,
-                    )
+                    context = attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
+                                        masks[window], scaling, softcap)
                     return context.transpose(1, 2)
 
-                x = layer(x, position_embeddings=rope, engine_attend=attend)
+                x = layer(x, position_embeddings=rope[kind], engine_attend=attend)
         last = x[torch.arange(len(lengths), device=x.device), lengths - 1]
-        return lay.head(lay.norm(last)).float()
+        return lay.logits(last).float()
 
     def begin(self, prompts: list[list[int]], budgets: list[int], keys: list[str]) -> None:
         """Start a call: every row free; admit() takes prompts of this call by index (token lists, new-token

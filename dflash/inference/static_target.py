@@ -11,9 +11,10 @@ block 16 and 1024 positions), the graphs of one size writing one set of outputs.
 without a graph run eagerly.
 
 Column c of the cache holds position c. A forward of n tokens at `length` writes columns length..length+n-1 and
-each query attends over the columns up to its own position, so a rollback only sets `length`: the columns of
-rejected drafts are masked out until the next forward overwrites them. Dense full-attention targets only
-(supports_static_decode); GDN hybrids keep CachedTarget.
+each query attends over the columns up to its own position (in a sliding-window layer, the last `window` of them:
+static_attention.py), so a rollback only sets `length`: the columns of rejected drafts are masked out until the
+next forward overwrites them. The targets of static decoding (supports_static_decode: dense Llama-layout and Gemma
+2/3 targets, sliding windows included); GDN hybrids keep CachedTarget.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from dflash.inference.row_schedule import round_up
+from dflash.inference.static_attention import attention, visibility_masks
 from dflash.inference.static_decode import LENGTH_QUANTUM
 from dflash.inference.cuda_graphs import capture_graphs, replay
 from dflash.inference.static_objects import kept_object
@@ -60,7 +61,7 @@ class StaticTarget:
         shape = (1, lay.kv_heads, self.capacity, lay.head_dim)
         self.keys = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]
         self.values = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]
-        self.cos, self.sin = lay.rope_table(self.capacity)
+        self.rope = lay.rope_table(self.capacity)
         self.columns = torch.arange(self.capacity, device=lay.device)
         # `length` on the device: what a graph reads as the first position of its forward.
         self.start = torch.zeros((), dtype=torch.long, device=lay.device)
@@ -102,28 +103,27 @@ class StaticTarget:
         lay = self.layout
         n = ids.shape[0]
         positions = self.start + torch.arange(n, device=lay.device)
-        rope = self.cos[positions][None], self.sin[positions][None]
+        rope = {kind: (cos[positions][None], sin[positions][None]) for kind, (cos, sin) in self.rope.items()}
         groups = lay.heads // lay.kv_heads
         # The query heads of one kv group act as groups x n query rows of that kv head (no copy of the cache), so
-        # the causal mask [n, span] is repeated per group; additive, made once per forward.
-        valid = (self.columns[:span] <= positions[:, None]).repeat(groups, 1)
-        bias = torch.zeros(valid.shape, device=lay.device, dtype=lay.dtype).masked_fill_(~valid, float("-inf"))
+        # the masks [n, span] are repeated per group; additive, made once per forward, one per distinct window.
+        masks = visibility_masks(self.columns[:span], positions.repeat(groups), lay.mask_windows, lay.dtype)
         taps: dict[int, torch.Tensor] = {}
         x = lay.embed(ids[None])
         with engine_attention(lay.layers):
-            for index, (layer, keys, values) in enumerate(zip(lay.layers, self.keys, self.values)):
-                def attend(q, k, v, scaling, keys=keys, values=values):
+            for index, (layer, keys, values, kind) in enumerate(zip(lay.layers, self.keys, self.values,
+                                                                    lay.rope_kinds)):
+                def attend(q, k, v, scaling, window, softcap, keys=keys, values=values):
                     keys.index_copy_(2, positions, k)
                     values.index_copy_(2, positions, v)
                     q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
-                    context = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span],
-                                                             attn_mask=bias, scale=scaling)
+                    context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
                     return context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2)
 
-                x = layer(x, position_embeddings=rope, engine_attend=attend)
+                x = layer(x, position_embeddings=rope[kind], engine_attend=attend)
                 if index in self.layer_ids:
                     taps[index] = x[0]
-        logits = lay.head(lay.norm(x[0, -1:] if last_only else x[0]))
+        logits = lay.logits(x[0, -1:] if last_only else x[0])
         return logits, torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
 
     @torch.inference_mode()

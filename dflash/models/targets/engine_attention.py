@@ -7,7 +7,8 @@ is active, those layers' attention modules call `engine_attention_forward`, regi
 AttentionInterface under ENGINE_ATTENTION, which hands q, k and v to the function the engine passed to the decoder
 layer as the keyword `engine_attend`: HF's decoder layers pass their keyword arguments on to the attention module,
 and that to its attention function. The name has no mask function registered; the engines never run the model's
-own forward, so no mask is built for it, and their attend functions apply their own.
+own forward, so no mask is built for it, and their attend functions apply their own: causal, within the layer's
+sliding window when it has one, with the attention-logit soft cap when the layer passes one (Gemma 2).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from dflash.models.targets.attention_switch import attention_implementation
 
 ENGINE_ATTENTION = "dflash_engine"
 
-# attend(q [b, H, t, D], k and v [b, kv, t, D], scaling) -> context [b, t, H, D]: writes the layer's cache and
-# attends over it.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# attend(q [b, H, t, D], k and v [b, kv, t, D], scaling, sliding window or None, soft cap or None) -> context
+# [b, t, H, D]: writes the layer's cache and attends over it.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor]
 
 
 class AttendNotPassed(ValueError):
@@ -38,15 +39,16 @@ def engine_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              engine_attend: Attend | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q [b, H, t, D], k/v [b, kv, t, D] -> ([b, t, H, D], None).
-    The attention mask and dropout HF passes are not read: the engine's attend function masks, and a target is only
-    evaluated, never trained."""
+    The attention mask and dropout HF passes are not read: the engine's attend function masks (the layer's sliding
+    window, passed on), and a target is only evaluated, never trained."""
     if engine_attend is None:
         raise AttendNotPassed(f"{type(module).__name__} was called without the static engine's attend function")
-    # A window or sinks change what a query sees; the engines' attend functions apply neither.
-    unsupported = [name for name in ("sliding_window", "s_aux", "softcap") if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(f"the static engines cannot apply {unsupported} of {type(module).__name__}")
-    return engine_attend(query, key, value, scaling), None
+    # Sinks add a logit to every softmax; the engines' attend functions have none.
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"the static engines cannot apply the attention sinks (s_aux) of {type(module).__name__}")
+    # A layer that keeps its window without passing it on still masks by it in HF (its model's mask).
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    return engine_attend(query, key, value, scaling, window, kwargs.get("softcap")), None
 
 
 AttentionInterface.register(ENGINE_ATTENTION, engine_attention_forward)

@@ -135,11 +135,13 @@ class GenericTargetAdapter(TargetAdapter):
         """UnsupportedTarget unless the model's logits of a few tokens equal the head applied to the final state."""
         ids = torch.arange(length, device=self.device)[None] % self.vocab_size
         with torch.no_grad():
-            out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            # The decoder stack's own output, not output_hidden_states: asking for that once leaves transformers'
+            # output-recording hooks on the layers, which torch.compile of the static engine's step cannot trace.
+            final = self.text_model()(input_ids=ids, use_cache=False).last_hidden_state
             head = self.lm_head_weight()
-            final = out.hidden_states[-1].to(device=head.device, dtype=torch.float32)
-            ours = self.logit_transform(final @ head.float().T)
-        theirs = out.logits.to(device=ours.device, dtype=torch.float32)
+            ours = self.logit_transform(final.to(device=head.device, dtype=torch.float32) @ head.float().T)
+            theirs = self.model(input_ids=ids, use_cache=False).logits
+        theirs = theirs.to(device=ours.device, dtype=torch.float32)
         error = float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-6))
         if not error <= (1e-4 if self.dtype == torch.float32 else 2e-2):
             raise UnsupportedTarget(

@@ -1,10 +1,10 @@
 """Random-weight tiny targets for tests and CPU runs, with a tokenizer that needs no download.
 
-Families: "llama" (dense, SmolLM-like, tied embeddings), "qwen3" (dense), "qwen3_5" (Qwen3.5/3.6 text: GDN hybrid
-with full attention every 4th layer, notes section 7), "qwen3_5_moe" and "qwen3_next" (GDN hybrids with MoE), and
-families the generic adapter takes: gemma2 and gemma3_text (final-logit soft-capping, sliding windows), granite
-(logits scaling), cohere (logit scale), phi3, olmo2, stablelm, glm4, gpt_oss (sinks, sliding windows, MoE) and
-deepseek_v3 (MLA, MoE).
+Families: "llama" (dense, SmolLM-like, tied embeddings), "qwen3" (dense), "mistral" (dense, every layer a sliding
+window of 8), "qwen3_5" (Qwen3.5/3.6 text: GDN hybrid with full attention every 4th layer, notes section 7),
+"qwen3_5_moe" and "qwen3_next" (GDN hybrids with MoE), and families the generic adapter takes: gemma2 and
+gemma3_text (final-logit soft-capping, sliding windows), granite (logits scaling), cohere (logit scale), phi3,
+olmo2, stablelm, glm4, gpt_oss (sinks, sliding windows, MoE) and deepseek_v3 (MLA, MoE).
 The tokenizer is the cached SmolLM2 tokenizer when present ("auto"), or a built-in byte-level ChatML tokenizer
 ("builtin", always available and deterministic: tests use it).
 """
@@ -38,6 +38,7 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shar
 TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {**_DENSE, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", dict(_DENSE)),
+    "mistral": ("MistralConfig", {**_DENSE, "sliding_window": 8}),
     "qwen3_5": ("Qwen3_5TextConfig", {**_DENSE, **_GDN}),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {**_DENSE, **_GDN, **_MOE}),
     "qwen3_next": ("Qwen3NextConfig", {**_DENSE, **_GDN, **_MOE}),
