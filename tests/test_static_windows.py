@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from dflash.eval.live import live_decode, target_only_decode
-from dflash.inference.static_attention import visibility_masks
+from dflash.models.targets.static_attention import visibility_masks
 from dflash.inference.static_decode import StaticGenerator, static_generate
 from dflash.inference.static_target import StaticTarget
 from dflash.inference.target_cache import CachedTarget

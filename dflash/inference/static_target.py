@@ -12,7 +12,7 @@ without a graph run eagerly.
 
 Column c of the cache holds position c. A forward of n tokens at `length` writes columns length..length+n-1 and
 each query attends over the columns up to its own position (in a sliding-window layer, the last `window` of them:
-static_attention.py), so a rollback only sets `length`: the columns of rejected drafts are masked out until the
+models/targets/static_attention.py), so a rollback only sets `length`: the columns of rejected drafts are masked out until the
 next forward overwrites them. The targets of static decoding (supports_static_decode: dense Llama-layout and Gemma
 2/3 targets, sliding windows included); GDN hybrids keep CachedTarget.
 """
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from dflash.inference.row_schedule import round_up
-from dflash.inference.static_attention import attention, visibility_masks
+from dflash.models.targets.static_attention import attention, visibility_masks
 from dflash.inference.static_decode import LENGTH_QUANTUM
 from dflash.inference.cuda_graphs import capture_graphs, replay
 from dflash.inference.static_objects import kept_object
