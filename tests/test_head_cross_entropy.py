@@ -96,14 +96,17 @@ def test_kl_without_target_states_is_refused():
         head_loss(hidden, head, labels, kl_weight=1.5, target_hidden=hidden)
 
 
+@pytest.mark.parametrize("kl_weight", [0.0, 0.4, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_chunks_give_the_eager_loss_gradient_and_accuracy(dtype):
-    # The CUDA default, forced on CPU: the compiled chunk against the eager one (two chunk lengths, one graph).
+def test_fused_chunks_give_the_eager_loss_gradient_and_accuracy(dtype, kl_weight):
+    # The CUDA default, forced on CPU: the compiled chunk against the eager one (two chunk lengths, one graph), for
+    # the CE alone and mixed with KL.
     hidden, head, labels, row_weights = case(dtype, seed=4)
+    target = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(6)).to(dtype) if kl_weight else None
     results = []
     for fused in (False, True):
         leaf = hidden.clone().requires_grad_()
-        terms, ce, correct = head_loss(leaf, head, labels, 8, fused=fused)
+        terms, ce, correct = head_loss(leaf, head, labels, 8, target, kl_weight, fused=fused)
         (terms * row_weights).sum().backward()
         results.append((terms, ce, correct, leaf.grad))
     (terms, ce, correct, grad), (fused_terms, fused_ce, fused_correct, fused_grad) = results
@@ -114,8 +117,10 @@ def test_fused_chunks_give_the_eager_loss_gradient_and_accuracy(dtype):
         torch.testing.assert_close(fused_grad, grad, rtol=1e-5, atol=1e-6)
     else:  # one bf16 rounding of the gradient logits apart at most
         assert (fused_grad.float() - grad.float()).abs().max() <= 0.01 * grad.float().abs().max()
-    with pytest.raises(ValueError, match="CE only"):
-        head_loss(hidden, head, labels, 8, torch.zeros_like(hidden), 0.5, fused=True)
+    if kl_weight:  # the KL is in the terms, not only the CE
+        assert not torch.allclose(terms, ce)
+    from dflash.train.head_cross_entropy import compiled_loss_chunk, loss_chunk
+    assert compiled_loss_chunk() is not loss_chunk, "the compiler fell back to the eager chunk: nothing was compared"
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_chunk(monkeypatch):
@@ -126,14 +131,14 @@ def test_a_compiler_failure_falls_back_to_the_eager_chunk(monkeypatch):
             raise RuntimeError("inductor assertion on this GPU")
         return fail
 
-    monkeypatch.setattr(module, "_compiled_ce_chunk", None)
+    monkeypatch.setattr(module, "_compiled_loss_chunk", None)
     monkeypatch.setattr(module.torch, "compile", broken)
     logits, labels = torch.randn(5, 11), torch.tensor([0, 3, 10, 2, 2])
-    with pytest.warns(UserWarning, match="compiled CE chunk failed"):
-        got = module.compiled_ce_chunk()(logits, labels)
-    for a, b in zip(got, module.ce_chunk(logits, labels)):
+    with pytest.warns(UserWarning, match="compiled loss chunk failed"):
+        got = module.compiled_loss_chunk()(logits, labels)
+    for a, b in zip(got, module.loss_chunk(logits, labels)):
         assert torch.equal(a, b)
-    assert module.compiled_ce_chunk() is module.ce_chunk  # the rest of the process runs eagerly
+    assert module.compiled_loss_chunk() is module.loss_chunk  # the rest of the process runs eagerly
 
 
 def test_a_one_row_last_chunk_does_not_recompile_the_fused_chunk():
@@ -142,10 +147,10 @@ def test_a_one_row_last_chunk_does_not_recompile_the_fused_chunk():
     from torch._dynamo.utils import counters
 
     hidden, head, labels, _ = case(torch.float32, seed=5)
-    from dflash.train.head_cross_entropy import ce_chunk, compiled_ce_chunk
+    from dflash.train.head_cross_entropy import compiled_loss_chunk, loss_chunk
 
     head_loss(hidden[:11], head, labels[:11], 8, fused=True)  # chunks of 8 and 3 rows: the graph is built
-    assert compiled_ce_chunk() is not ce_chunk, "the compiler fell back to the eager chunk: nothing to test"
+    assert compiled_loss_chunk() is not loss_chunk, "the compiler fell back to the eager chunk: nothing to test"
     before = counters["stats"]["unique_graphs"]
     terms, ce, correct = head_loss(hidden[:9], head, labels[:9], 8, fused=True)  # 8 and 1
     assert counters["stats"]["unique_graphs"] == before

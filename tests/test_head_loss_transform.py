@@ -30,7 +30,7 @@ def reference(hidden, weight, labels, transform, target_hidden=None, kl_weight=0
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS, ids=str)
-@pytest.mark.parametrize("kl_weight,fused", [(0.0, False), (0.0, True), (0.3, False)])
+@pytest.mark.parametrize("kl_weight,fused", [(0.0, False), (0.0, True), (0.3, False), (0.3, True)])
 def test_loss_and_gradient_through_the_transform(transform, kl_weight, fused):
     torch.manual_seed(0)
     rows, hidden_size, vocab = 12, 16, 50

@@ -17,11 +17,12 @@ Against autograd over checkpointed chunks (forward, then a second forward and a 
 this makes the [chunk, vocab] logits and the logits-sized matmul once instead of twice, and walks the float32
 logits far fewer times; the large-vocab CE is most of a small drafter's step.
 
-On CUDA the CE-only chunk (no KL) goes through one compiled function (`ce_chunk`): the float32 view of the
-bf16 logits, their log-sum-exp, the CE, the argmax and q - onehot are fused into a few Triton kernels that read the
-bf16 logits and write the bf16 gradient logits, where the eager version walks six float32 [chunk, vocab] arrays
-(upcast, log_softmax, exp, cast back) and holds two of them at once. Same formula; float32 rounding may differ in
-the last bits. Elsewhere (and with KL) the eager version runs, so the CPU math never changes.
+On CUDA each chunk goes through one compiled function (`loss_chunk`): the float32 view of the bf16 logits, their
+log-sum-exp, the CE, the argmax, and q - onehot (with KL: the target's log-softmax, the KL and q - (1 - w) onehot -
+w p as well) are fused into a few Triton kernels that read the bf16 logits and write the bf16 gradient logits,
+where the eager version walks six float32 [chunk, vocab] arrays for the CE alone (upcast, log_softmax, exp, cast
+back) and about twice as many with KL. Same formula; float32 rounding may differ in the last bits. Elsewhere the
+eager version runs, so the CPU math never changes.
 """
 
 from __future__ import annotations
@@ -32,47 +33,60 @@ import torch
 
 from dflash.models.targets.logit_transform import LogitTransform
 
-_compiled_ce_chunk = None
+_compiled_loss_chunk = None
 
 
-def ce_chunk(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE [rows] float32, argmax == label [rows], softmax - onehot [rows, V] in logits' dtype) of one chunk.
+def loss_chunk(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor | None = None,
+               kl_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss terms [rows] float32, CE [rows] float32, argmax == label [rows], d terms / d logits [rows, V] in
+    logits' dtype) of one chunk. With target_logits (the target's logits of the same rows) the terms are
+    (1 - kl_weight) CE + kl_weight KL(p || q) and the gradient q - (1 - kl_weight) onehot - kl_weight p; without,
+    the terms are the CE and the gradient q - onehot.
 
-    The subtraction happens in float32 before the cast (1 - q for q near 1 needs float32's mantissa).
+    The subtractions happen in float32 before the cast (1 - q for q near 1 needs float32's mantissa).
     """
     x = logits.float()
     correct = logits.argmax(-1) == labels
     log_q = x - torch.logsumexp(x, dim=-1, keepdim=True)
     ce = -log_q.gather(1, labels[:, None]).squeeze(1)
     columns = torch.arange(logits.shape[-1], device=logits.device)
-    grad_logits = log_q.exp() - (columns[None, :] == labels[:, None]).to(torch.float32)
-    return ce, correct, grad_logits.to(logits.dtype)
+    onehot = (columns[None, :] == labels[:, None]).to(torch.float32)
+    if target_logits is None:
+        return ce, ce, correct, (log_q.exp() - onehot).to(logits.dtype)
+    t = target_logits.float()
+    log_p = t - torch.logsumexp(t, dim=-1, keepdim=True)
+    p = log_p.exp()
+    # p log p is 0 where p underflows to 0 (log p may be -inf there).
+    kl = (torch.where(p > 0, p * log_p, 0.0) - p * log_q).sum(-1)
+    terms = (1.0 - kl_weight) * ce + kl_weight * kl
+    grad_logits = log_q.exp() - (1.0 - kl_weight) * onehot - kl_weight * p
+    return terms, ce, correct, grad_logits.to(logits.dtype)
 
 
-def compiled_ce_chunk():
-    """ce_chunk under torch.compile, built once (dynamic: the last chunk of a step is shorter).
+def compiled_loss_chunk():
+    """loss_chunk under torch.compile, built once (dynamic: the last chunk of a step is shorter).
 
-    Should the compiler fail on this machine (inductor has asserted on new GPUs before), the eager ce_chunk, the
+    Should the compiler fail on this machine (inductor has asserted on new GPUs before), the eager loss_chunk, the
     same formula, takes over for the rest of the process with a warning: a training run does not die of it.
     """
-    global _compiled_ce_chunk
-    if _compiled_ce_chunk is None:
-        compiled = torch.compile(ce_chunk, dynamic=True)
+    global _compiled_loss_chunk
+    if _compiled_loss_chunk is None:
+        compiled = torch.compile(loss_chunk, dynamic=True)
 
-        def guarded(logits: torch.Tensor, labels: torch.Tensor):
-            global _compiled_ce_chunk
+        def guarded(*args):
+            global _compiled_loss_chunk
             try:
-                return compiled(logits, labels)
+                return compiled(*args)
             except torch.OutOfMemoryError:
                 raise
             except Exception as error:  # noqa: BLE001 (any compiler failure; the eager path is equivalent)
-                warnings.warn(f"the compiled CE chunk failed ({type(error).__name__}: {error}); using the eager "
+                warnings.warn(f"the compiled loss chunk failed ({type(error).__name__}: {error}); using the eager "
                               "one from now on", stacklevel=2)
-                _compiled_ce_chunk = ce_chunk
-                return ce_chunk(logits, labels)
+                _compiled_loss_chunk = loss_chunk
+                return loss_chunk(*args)
 
-        _compiled_ce_chunk = guarded
-    return _compiled_ce_chunk
+        _compiled_loss_chunk = guarded
+    return _compiled_loss_chunk
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -96,12 +110,20 @@ class _HeadLoss(torch.autograd.Function):
                 logits = transform(logits.float())
                 slope = transform.derivative(logits)
             if fused:
+                target_logits = None
+                if kl_weight > 0:
+                    target_logits = target_hidden[start:end] @ weight.to(target_hidden.dtype).t()
+                    if not transform.identity:
+                        target_logits = transform(target_logits.float())
                 # A one-row chunk (rows one more than a multiple of chunk_size) would recompile the dynamic graph,
                 # which specialises sizes 0 and 1: ~1.4 s, once in ~4,096 steps of the recipe. Eager is the same math.
-                chunk_fn = compiled_ce_chunk() if end - start > 1 else ce_chunk
-                ce[start:end], correct[start:end], grad_logits = chunk_fn(logits, y)
-                del logits
-                terms[start:end] = ce[start:end]
+                chunk_fn = compiled_loss_chunk() if end - start > 1 else loss_chunk
+                if target_logits is None:
+                    terms[start:end], ce[start:end], correct[start:end], grad_logits = chunk_fn(logits, y)
+                else:
+                    terms[start:end], ce[start:end], correct[start:end], grad_logits = chunk_fn(
+                        logits, y, target_logits, kl_weight)
+                del logits, target_logits
                 if grad is not None:
                     if slope is not None:
                         grad_logits = (grad_logits * slope).to(head.dtype)
@@ -165,8 +187,8 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     hidden: [rows, H] (differentiable); weight: [V, H], frozen (a weight that requires grad is refused: its
     gradient is never made); labels: [rows] long. kl_weight > 0 mixes in KL(p || q) with p = softmax(target_hidden
     @ weight^T), target_hidden [rows, H] the target's final hidden states: terms = (1 - kl_weight) CE + kl_weight
-    KL. At most `chunk_size` rows of logits exist at a time. fused: the compiled CE chunk (module doc); None = on
-    CUDA without KL. transform: the target's final logit transform, applied to both heads' logits (None: the
+    KL. At most `chunk_size` rows of logits exist at a time. fused: the compiled chunk (module doc); None = on
+    CUDA. transform: the target's final logit transform, applied to both heads' logits (None: the
     identity). Returns (terms [rows] float32 with a gradient to hidden, ce [rows] float32 without one,
     correct [rows] bool).
     """
@@ -183,9 +205,7 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         raise ValueError(f"kl_weight={kl_weight} needs target_hidden shaped like hidden {tuple(hidden.shape)}, got "
                          f"{None if target_hidden is None else tuple(target_hidden.shape)}")
     if fused is None:
-        fused = hidden.is_cuda and kl_weight == 0
-    if fused and kl_weight > 0:
-        raise ValueError(f"the fused head loss computes CE only; kl_weight={kl_weight} needs fused=False")
+        fused = hidden.is_cuda
     return _HeadLoss.apply(hidden, weight, labels, chunk_size, target_hidden if kl_weight > 0 else None,
                            float(kl_weight), bool(fused), transform or LogitTransform())
 
