@@ -133,3 +133,32 @@ def test_format_stats_names_failures_staleness_and_reuse():
     assert "1.5 s (template 1.5 s, generate 0.0 s)" in table
     assert "first error  p7: RuntimeError: xxx" in table and "(all in stats.json)" in table
     assert "held out" not in table and max(len(line) for line in table.splitlines()) < 120
+
+
+def test_synthetic_draws_read_as_one_line_and_join_the_stats_table(tmp_path, capfd):
+    from dflash.data.synthetic import format_synthetic
+
+    stats = {"requested": 5000, "kept": 5000, "per_system": [1000] * 5, "draws": 5737, "reused": 0,
+             "dropped": {"length": 710, "short": 2, "duplicate": 16, "surplus": 9}, "engine": "static",
+             "generated_tokens": 1319831, "generate_seconds": 40.0, "generate_tokens_per_s": 32997.2}
+    assert format_synthetic(stats) == ("5,000 of 5,000 kept from 5,737 draws; dropped: 710 too long, 2 too short, "
+                                       "16 duplicates, 9 surplus; 1,319,831 tokens at 32,997.2 tok/s")
+    reused = dict(stats, reused=5737, dropped={}, generated_tokens=0, generate_tokens_per_s=None)
+    assert format_synthetic(reused) == "5,000 of 5,000 kept from 5,737 draws (5,737 from the journal)"
+    # The data stage keeps the full dict in stats.json and shows the line in its table, not a dict dump.
+    import json
+
+    from dflash.config import compose
+    from dflash.pipeline import Pipeline
+
+    overrides = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "stages=[data]", "data.limit=3",
+                 "data.synthetic.count=2",
+                 "data.synthetic.max_new_tokens=24", "data.synthetic.min_chars=1", "data.synthetic.max_oversample=8"]
+    Pipeline(compose(overrides)).run()
+    console = capfd.readouterr()
+    saved = json.loads((tmp_path / "data" / "stats.json").read_text())
+    assert saved["synthetic"]["requested"] == 2 and saved["synthetic"]["draws"] >= saved["synthetic"]["kept"]
+    rows = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in format_stats(saved).splitlines()}
+    assert rows["synthetic"] == format_synthetic(saved["synthetic"])
+    text = console.out + console.err
+    assert f"[data] synthetic prompts: {format_synthetic(saved['synthetic'])}" in text and "{'requested'" not in text

@@ -26,6 +26,7 @@ from dflash.data.encode import FEATURES  # noqa: F401 - the dataset's schema, wh
 from dflash.data.journal import scan_journal, with_target
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import answer_is_sampled, mixes_answers, regenerate
+from dflash.data.synthetic import format_synthetic
 from dflash.run_files import atomic_write, swap_in_dir
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,8 @@ def format_stats(stats: dict) -> str:
     dropped = f", {stats['dropped_no_loss']:,} dropped (no answer token)" if stats.get("dropped_no_loss") else ""
     rows.append(("samples", f"{stats['samples']:,} ({stats['num_tokens']:,} tokens, "
                             f"{stats['num_response_tokens']:,} in answers){dropped}{_mix(stats, 'samples')}"))
+    if "synthetic" in stats:
+        rows.append(("synthetic", format_synthetic(stats["synthetic"])))
     if "eval_overlap" in stats:
         rows.append(("eval overlap", _overlap(stats["eval_overlap"])))
     rows.append(("answers", _answers(stats)))

@@ -280,5 +280,27 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
              "generate_tokens_per_s": round(drawer.new_tokens / drawer.seconds, 1) if drawer.seconds > 0 else None}
     if len(prompts) < count:
         logger.warning("synthesized %d of %d prompts after %d draws (at most %.1f per prompt); dropped: %s",
-                       len(prompts), count, stats["draws"], max_oversample, stats["dropped"])
+                       len(prompts), count, stats["draws"], max_oversample, format_dropped(stats["dropped"]))
     return prompts, stats
+
+
+DROP_WORDS = {"length": "too long", "empty": "empty", "short": "too short", "special": "with special tokens",
+              "duplicate": "duplicates", "surplus": "surplus"}
+
+
+def format_dropped(dropped: dict[str, int]) -> str:
+    """'710 too long, 2 too short' of a draws' drop counts by reason."""
+    return ", ".join(f"{count:,} {DROP_WORDS.get(reason, reason)}" for reason, count in dropped.items() if count)
+
+
+def format_synthetic(stats: dict) -> str:
+    """synthesize_prompts' stats in one line: prompts kept, draws, why the others were dropped, the generation rate."""
+    dropped = format_dropped(stats.get("dropped", {}))
+    line = f"{stats['kept']:,} of {stats['requested']:,} kept from {stats['draws']:,} draws"
+    if stats.get("reused"):
+        line += f" ({stats['reused']:,} from the journal)"
+    if dropped:
+        line += f"; dropped: {dropped}"
+    if stats.get("generated_tokens") and stats.get("generate_tokens_per_s"):
+        line += f"; {stats['generated_tokens']:,} tokens at {stats['generate_tokens_per_s']:,.1f} tok/s"
+    return line

@@ -51,8 +51,10 @@ class DataStage:
             return
         os.makedirs(out, exist_ok=True)
         prompts = load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed, turns=d.turns)
+        synthetic = None
         if d.synthetic.count > 0:
-            prompts = prompts + self.synthetic_prompts()
+            written, synthetic = self.synthetic_prompts()
+            prompts = prompts + written
         prompts, overlap = self.drop_eval_overlaps(prompts)
         stats = build_dataset(prompts, run.target, out, max_length=d.max_length, max_new_tokens=d.max_new_tokens,
                               batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
@@ -60,8 +62,10 @@ class DataStage:
                               compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
                               before_replace=lambda: clear_done(out),
                               template_kwargs=dict(d.chat_template_kwargs), sampled_share=d.sampled_share)
-        if overlap is not None:  # what the check found goes with the dataset's stats (format_stats shows it)
-            stats["eval_overlap"] = overlap
+        # What the synthetic draws and the overlap check found goes with the dataset's stats (format_stats shows it).
+        extra = {key: value for key, value in (("synthetic", synthetic), ("eval_overlap", overlap)) if value is not None}
+        if extra:
+            stats.update(extra)
             write_json(os.path.join(out, "stats.json"), stats)
         logger.info(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
@@ -71,8 +75,10 @@ class DataStage:
             return
         mark_done(out, key, stats=stats)
 
-    def synthetic_prompts(self) -> list:
-        """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder."""
+    def synthetic_prompts(self) -> tuple[list, dict]:
+        """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder,
+        and the draws' stats."""
+        from dflash.data.dataset import format_synthetic
         from dflash.data.synthetic import synthesize_prompts
 
         run, d = self.context, self.context.settings.data
@@ -82,8 +88,8 @@ class DataStage:
             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, min_chars=s.min_chars,
             max_oversample=s.max_oversample, keep_system=s.keep_system, batch_size=d.batch_size, seed=d.seed,
             engine=d.engine, show_progress=run.show_progress, target=self.target_identity())
-        logger.info(f"[data] synthetic prompts: {stats}")
-        return prompts
+        logger.info(f"[data] synthetic prompts: {format_synthetic(stats)}")
+        return prompts, stats
 
     def drop_eval_overlaps(self, prompts: list) -> tuple[list, dict | None]:
         """data.eval_overlap_ngram > 0: the training prompts (the target-written ones included) that share no word
