@@ -196,7 +196,7 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_c
         os.environ.update({"RANK": str(link.trainer_index), "WORLD_SIZE": str(link.trainers)})
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
             "dflash/trainers", store), rank=link.trainer_index, world_size=link.trainers,
-            timeout=timedelta(minutes=240))
+            timeout=timedelta(minutes=240), device_id=device if device.type == "cuda" else None)
     return link
 
 

@@ -80,10 +80,15 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
         os.environ.update(own_rendezvous)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         try:
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            timeout = timedelta(minutes=timeout_minutes)
             with to_run_log():  # on CPU DeepSpeed probes and builds its ops here, printing a line per compiler call
-                deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_minutes))
+                if torch.cuda.is_available():
+                    # The group bound to this rank's GPU: NCCL would otherwise guess it from the global rank (and
+                    # warn at every barrier). DeepSpeed adopts a group that exists.
+                    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+                    torch.cuda.set_device(device)
+                    dist.init_process_group(backend, timeout=timeout, device_id=device)
+                deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         finally:
             for key in own_rendezvous:
                 os.environ.pop(key, None)
