@@ -52,6 +52,12 @@ class Pipeline:
         run = self.context
         refuse_other_trained_settings(self.train)
         refuse_unusable_target(self.settings.target)
+        if "train" in self.settings.stages:
+            from dflash.train.metrics_log import missing_logger_package
+
+            missing = missing_logger_package(self.settings.logging.tensorboard, self.settings.logging.wandb.mode)
+            if missing:
+                raise ConfigError(missing)
         os.makedirs(run.run_dir, exist_ok=True)
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")

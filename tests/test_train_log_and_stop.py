@@ -105,3 +105,26 @@ def test_a_log_of_another_rank_writes_nothing(tmp_path):
     log.log(4, {"loss": torch.tensor(1.0).item()})
     log.close()
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("missing,override,fix", [
+    ("wandb", ["logging.wandb.mode=offline"], "logging.wandb.mode=disabled"),
+    ("tensorboard", ["logging.wandb.mode=disabled"], "logging.tensorboard=false"),
+])
+def test_a_missing_logger_package_is_refused_before_any_stage(missing, override, fix, tmp_path, monkeypatch):
+    # A machine without wandb (or tensorboard) stopped at the first line of training, after the data and capture
+    # stages; now the command stops first, in one line that names the setting and both ways out.
+    import importlib.util
+
+    from dflash.config import ConfigError, compose
+    from dflash.pipeline import Pipeline
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    run_dir = tmp_path / "run"
+    pipeline = Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", *override]))
+    with pytest.raises(ConfigError, match=f"needs the {missing} package, which is not installed.*{fix}"):
+        pipeline.run()
+    assert not run_dir.exists()
+    # Without the train stage the loggers are not needed.
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "stages=[data]", *override])).run()

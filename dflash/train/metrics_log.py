@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import Any
 
 from dflash.run_files import atomic_write
 from dflash.train.third_party_output import verbose
+
+
+def missing_logger_package(tensorboard: bool, wandb_mode: str) -> str | None:
+    """The setting whose logger package is not installed, with what to do, in one line; None when both are there.
+    Found before any stage runs: otherwise training would stop at its first line, after the data and capture."""
+    if wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        return (f"logging.wandb.mode={wandb_mode} needs the wandb package, which is not installed: "
+                "`pip install wandb`, or logging.wandb.mode=disabled")
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return ("logging.tensorboard=true needs the tensorboard package, which is not installed: "
+                "`pip install tensorboard`, or logging.tensorboard=false")
+    return None
 
 
 class MetricsLog:
