@@ -78,8 +78,7 @@ class DataStage:
     def synthetic_prompts(self) -> tuple[list, dict]:
         """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder,
         and the draws' stats."""
-        from dflash.data.dataset import format_synthetic
-        from dflash.data.synthetic import synthesize_prompts
+        from dflash.data.synthetic import format_synthetic, synthesize_prompts
 
         run, d = self.context, self.context.settings.data
         s = d.synthetic
