@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash.config.errors import CorruptFile
-from tests.test_rank_stream import free_port
+from tests.test_rank_stream import free_port, process_context
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -39,7 +39,7 @@ def _rank(rank: int, port: int, failure: str, results) -> None:
 ])
 def test_every_rank_raises_what_rank_0_met(failure, kind, text):
     results = mp.Manager().dict()
-    context = mp.get_context("spawn")
+    context = process_context()
     port = free_port()
     processes = [context.Process(target=_rank, args=(r, port, failure, results)) for r in range(2)]
     for process in processes:

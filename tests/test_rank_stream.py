@@ -27,6 +27,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What the rank processes of this file and tests/test_checkpoint_rank0_errors.py import: one list for both, since the
+# first of them to start a process starts the (per test process) fork server with its list.
+PRELOAD = ["tests.test_rank_stream", "tests.test_checkpoint_rank0_errors", "dflash.extract.capture_sender",
+           "dflash.extract.feature_cache", "dflash.extract.linked_source", "dflash.extract.rank_link",
+           "dflash.train.checkpoints"]
+
+
+def process_context():
+    """Fresh processes for the ranks, forked from a server process that imported torch and dflash once (forkserver)
+    rather than each importing them again (spawn: ~6 s of CPU per process, most of these tests' time). Either way a
+    rank starts without the test process's state: no process group, threads or tensors of its own."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
 def stored_sample(index: int, fp8: bool = False) -> dict[str, torch.Tensor]:
     """Sample `index`'s stored tensors: features that name the sample, so a misrouted one cannot pass."""
     length = LENGTHS[index]
@@ -119,7 +135,10 @@ def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, resu
     try:
         if link.is_capture:
             if link.capture_index == spec.get("hang"):
-                time.sleep(spec["timeout_s"] * 3)
+                # Silent until every trainer rank has given up (well past their timeout at most).
+                deadline = time.monotonic() + spec["timeout_s"] * 3
+                while time.monotonic() < deadline and not all(r in results for r in link.layout.trainer_ranks):
+                    time.sleep(0.05)
                 return
             captured = UnitStream(plan, 1) if cache is not None else stream  # with a cache: the first epoch only
             sender = CaptureSender(link, captured, spec["first_step"], lambda ids: [stored_sample(i) for i in ids],
@@ -160,7 +179,7 @@ def run_roles(captures: int, trainers: int, **spec) -> dict:
             "batch_tokens": 30, "timeout_s": 30.0, **spec}
     world_size, port = captures + trainers, free_port()
     results = mp.Manager().dict()
-    context = mp.get_context("spawn")
+    context = process_context()
     processes = [context.Process(target=_role, args=(r, world_size, port, captures, spec, results))
                  for r in range(world_size)]
     for process in processes:
