@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
+
+# On CPU, DeepSpeed's process-group setup JIT-builds its shared-memory op (~40 s of compiling, minutes on a busy
+# machine) into torch's extension cache, ~/.cache/torch_extensions/py311_cpu by default. That folder is shared by every
+# checkout of the machine, and the build command names the virtualenv's paths: a test run after one from another
+# checkout's virtualenv (a CI clone) rebuilt the op inside some test. One folder per environment: built once. Set here,
+# before any test imports DeepSpeed; the processes the tests start inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
+    Path.home() / ".cache" / "torch_extensions" / f"env-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"))
 
 
 @pytest.fixture(autouse=True, scope="session")
