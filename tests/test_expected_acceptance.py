@@ -106,17 +106,21 @@ class _Rollout:
     def __init__(self, adapter, temperature):
         self.adapter, self.memo = adapter, {}
 
-    def logits(self, prefix: list[int], size: int) -> torch.Tensor:
-        key = (tuple(prefix), size)
+    def next_logits(self, tokens: list[int]) -> torch.Tensor:
+        """The target's logits after `tokens`, memoized per sequence: the rollouts of neighbouring anchors (and of
+        the live decodes and the estimates) go through the same sequences."""
+        key = tuple(tokens)
         if key not in self.memo:
-            tokens, rows = list(prefix), []
             with torch.no_grad():
-                for _ in range(size - 1):
-                    row = self.adapter.model(torch.tensor([tokens])).logits[0, -1].float()
-                    rows.append(row)
-                    tokens.append(int(row.argmax()))
-            self.memo[key] = torch.stack(rows)
+                self.memo[key] = self.adapter.model(torch.tensor([tokens])).logits[0, -1].float()
         return self.memo[key]
+
+    def logits(self, prefix: list[int], size: int) -> torch.Tensor:
+        tokens, rows = list(prefix), []
+        for _ in range(size - 1):
+            rows.append(self.next_logits(tokens))
+            tokens.append(int(rows[-1].argmax()))
+        return torch.stack(rows)
 
 
 class _TrackedTarget:
