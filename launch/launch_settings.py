@@ -10,7 +10,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omegaconf import OmegaConf  # noqa: E402
 
 from dflash.config import ConfigError, compose  # noqa: E402
-from dflash.models.targets.placement import resolve_gpus_per_worker  # noqa: E402
+
+
+def gpus_per_worker(setting: object, target: dict, num_devices: int) -> int:
+    """placement.resolve_gpus_per_worker, which imports torch and the target code (~5 s) only where it is needed:
+    for "auto" (it asks the GPUs) and for a count it refuses. A count that divides the capture GPUs is itself."""
+    if str(setting).isdigit() and int(str(setting)) >= 1 and num_devices % int(str(setting)) == 0:
+        return int(str(setting))
+    from dflash.models.targets.placement import resolve_gpus_per_worker
+
+    return resolve_gpus_per_worker(setting, target, num_devices)
 
 
 def launch_settings(overrides: list[str]) -> dict[str, object]:
@@ -21,8 +30,8 @@ def launch_settings(overrides: list[str]) -> dict[str, object]:
     per_node = cfg.capture.get("ranks_per_node")
     # Unlisted capture GPUs: one worker's worth, or every node's capture ranks' (capture.ranks_per_node).
     unlisted = (per_node or 1) * (1 if str(setting) == "auto" else int(setting))
-    gpus = resolve_gpus_per_worker(setting, OmegaConf.to_container(cfg.target, resolve=True),
-                                   len(capture.split(",")) if capture else unlisted)
+    gpus = gpus_per_worker(setting, OmegaConf.to_container(cfg.target, resolve=True),
+                           len(capture.split(",")) if capture else unlisted)
     return {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
             "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus, "ranks_per_node": per_node or ""}
 
