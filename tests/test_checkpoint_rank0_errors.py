@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash.config.errors import CorruptFile
-from tests.test_rank_stream import free_port, process_context
+from tests.forked import process_context
+from tests.test_rank_stream import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

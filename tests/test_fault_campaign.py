@@ -12,14 +12,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from dflash.config import compose
 from dflash.pipeline import Pipeline, run_command
 from dflash.train.checkpoint_policy import CheckpointPolicy
+from tests.forked import process_context
 from tests.test_checkpoint_integrity import flip, model_states
 from tests.test_divergence import poison_optimizer_state
 from tests.test_store_repair import TINY, flip as flip_shard, sha
@@ -214,14 +213,22 @@ def leftovers(run_dir):
     return found
 
 
+def killed_child(point, run_dir, port):
+    """The child process of test_a_sigkill_...: kill_at with a rendezvous port and one thread of its own."""
+    import torch
+
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    kill_at(point, run_dir)
+
+
 @pytest.mark.parametrize("point", ["capture", "step", "checkpoint save", "pruning"])
 def test_a_sigkill_at_each_point_then_the_same_command_ends_as_the_reference(reference, tmp_path, point):
     run_dir = untrained(reference, tmp_path / "run", keep_features=point != "capture")
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    child = subprocess.run([sys.executable, "-c", "import sys; from tests.test_fault_campaign import kill_at; "
-                            "from pathlib import Path; kill_at(sys.argv[1], Path(sys.argv[2]))", point, str(run_dir)],
-                           env=env, capture_output=True, text=True, timeout=300)
-    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    child = process_context().Process(target=killed_child, args=(point, run_dir, free_port()))
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == -signal.SIGKILL, f"the child ended with {child.exitcode} (its output is above)"
     Pipeline(config(run_dir)).run()
     assert_same_drafter(run_dir, reference)
     for shard in json.loads((reference / "features" / "manifest.json").read_text())["shards"]:

@@ -16,6 +16,7 @@ from dflash.data.feature_source import collate
 from dflash.extract.fp8 import quantize_fp8
 from dflash.extract.rank_stream import UnitHeader, UnitStream, encode_unit
 from dflash.extract.sample_format import decode_single, sample_tensors
+from tests.forked import process_context
 
 LENGTHS = [5 + (7 * i) % 11 for i in range(13)]
 WIDTH = 6
@@ -25,22 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# What the rank processes of this file and tests/test_checkpoint_rank0_errors.py import: one list for both, since the
-# first of them to start a process starts the (per test process) fork server with its list.
-PRELOAD = ["tests.test_rank_stream", "tests.test_checkpoint_rank0_errors", "dflash.extract.capture_sender",
-           "dflash.extract.feature_cache", "dflash.extract.linked_source", "dflash.extract.rank_link",
-           "dflash.train.checkpoints"]
-
-
-def process_context():
-    """Fresh processes for the ranks, forked from a server process that imported torch and dflash once (forkserver)
-    rather than each importing them again (spawn: ~6 s of CPU per process, most of these tests' time). Either way a
-    rank starts without the test process's state: no process group, threads or tensors of its own."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
 
 
 def stored_sample(index: int, fp8: bool = False) -> dict[str, torch.Tensor]:
