@@ -23,6 +23,50 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
     Path.home() / ".cache" / "torch_extensions" / f"env-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"))
 
 
+# xdist's --dist loadfile (README's command) hands a worker a whole file at a time, by default the files with the most
+# tests first: the few-test files of processes and real models (a minute each) came last, and one worker ran them
+# while the other had finished. Instead each worker sorts the files by a weight from their markers (a test that starts
+# processes counts for 12, another slow one for 6, the rest 0.5: the fast lane's ~800 tests take 2 minutes), heaviest
+# first, keeping each file's own order; and the scheduler hands them out in that order. Same files, same tests.
+WEIGHTS = {"multiproc": 12.0, "slow": 6.0}
+
+
+def marker_weight(item: pytest.Item) -> float:
+    if item.get_closest_marker("gpu"):
+        return 0.0  # skipped without CUDA
+    return next((weight for name, weight in WEIGHTS.items() if item.get_closest_marker(name)), 0.5)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # only in xdist's workers (which are not told the --dist mode)
+        return
+    weights: dict[Path, float] = {}
+    for item in items:
+        weights[item.path] = weights.get(item.path, 0.0) + marker_weight(item)
+    items.sort(key=lambda item: -weights[item.path])  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class InCollectionOrder(LoadFileScheduling):
+        """loadfile, the files in the workers' collection order rather than by their number of tests."""
+
+        def schedule(self) -> None:
+            by_count = self.config.option.loadscopereorder
+            self.config.option.loadscopereorder = False
+            try:
+                super().schedule()
+            finally:
+                self.config.option.loadscopereorder = by_count
+
+    return InCollectionOrder(config, log)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and spinning threads slow down ~10x when another process
