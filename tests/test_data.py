@@ -346,6 +346,26 @@ def test_samples_without_a_response_token_are_dropped(tiny, tmp_path, monkeypatc
     assert not (tmp_path / "stats.json").exists() and not (tmp_path / "dataset").exists()
 
 
+def test_a_build_templates_each_prompt_once(tiny, tmp_path, monkeypatch):
+    """Regeneration and encoding share one templating of the prompts (a data stage of tens of thousands of
+    multi-turn prompts spent as long encoding them again as generating); the rows are what templating gives."""
+    prompts = make_prompts(4) + [Prompt("long", [{"role": "user", "content": "x" * 400}], "other")]
+    rendered = []
+    real = tiny.tokenizer.apply_chat_template
+
+    def apply_chat_template(messages, *args, **kwargs):
+        rendered.append(messages[-1]["content"])
+        return real(messages, *args, **kwargs)
+
+    monkeypatch.setattr(tiny.tokenizer, "apply_chat_template", apply_chat_template)
+    stats = build_dataset(prompts, tiny, tmp_path, **GEN)
+    assert sorted(rendered) == sorted(p.messages[-1]["content"] for p in prompts)
+    assert stats["samples"] == 4 and stats["template_seconds"] >= 0
+    _, records = read_journal(tmp_path / "journal.jsonl")
+    for row, prompt in zip(load_dataset_dir(tmp_path), prompts):
+        assert row["input_ids"] == prompt_ids(tiny.tokenizer, prompt.messages) + records[prompt.id]["response_ids"]
+
+
 def test_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no dataset at .*dataset: run build_dataset"):
         load_dataset_dir(tmp_path)

@@ -160,14 +160,17 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, show_progress: bool = True, engine: str = "hf", compile_step: bool = False,
                refill: bool = True, *, target: dict | None = None,
-               template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0) -> dict:
+               template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0,
+               prompt_tokens: list[list[int]] | None = None) -> dict:
     """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", "stale", ...}.
 
     Prompts already done in the journal are not generated again, unless their templated tokens changed since
     (counted as "stale" and answered again). target: the target's identity (a JSON-able dict, e.g. its config),
     recorded in the journal header; a journal written for another target, or without a recorded target while one
     is given now, is refused like other settings. None (unknown) matches only a journal that records none.
-    template_kwargs: the chat template's options for the prompts (enable_thinking...).
+    template_kwargs: the chat template's options for the prompts (enable_thinking...). prompt_tokens: each prompt's
+    templated ids (prompt_ids_many with the same options), in the order of `prompts`, when the caller already has
+    them; None: templated here.
     A prompt whose templated length + 1 exceeds max_length is skipped (no room for a response); a batch whose
     generation raises is retried prompt by prompt and the prompts that still raise are counted as failed with
     their error. Responses are cut so that prompt + response <= max_length. Greedy when temperature == 0.
@@ -193,7 +196,13 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     journal, done_hashes = open_journal(Path(journal_path), with_target(settings, target))
     with journal:  # closed on every exit, a template or engine error included
         static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
-        work = _sort_out(prompts, adapter.tokenizer, done_hashes, max_length, template_kwargs)
+        started = time.perf_counter()
+        if prompt_tokens is None:
+            prompt_tokens = prompt_ids_many(adapter.tokenizer, [p.messages for p in prompts], template_kwargs)
+        elif len(prompt_tokens) != len(prompts):
+            raise ValueError(f"prompt_tokens holds {len(prompt_tokens)} prompts' ids for {len(prompts)} prompts")
+        work = _sort_out(prompts, prompt_tokens, done_hashes, max_length)
+        work.template_seconds = time.perf_counter() - started
         _mark_stale(journal, work.stale)
         _warn_skipped(work.skipped, max_length)
         arguments = (work.pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id)
@@ -242,15 +251,14 @@ class _Work:
     stale: list[Prompt] = field(default_factory=list)  # done for other tokens: answered again
     skipped: list[tuple[str, int]] = field(default_factory=list)  # (id, templated length): no room for an answer
     pending: list[tuple[Prompt, list[int]]] = field(default_factory=list)  # (prompt, its ids) to answer
-    template_seconds: float = 0.0
+    template_seconds: float = 0.0  # templating the prompts, or sorting them out when their ids were given
 
 
-def _sort_out(prompts: list[Prompt], tokenizer: Any, done_hashes: dict[str, str | None], max_length: int,
-              template_kwargs: dict[str, Any] | None = None) -> _Work:
-    """Template every prompt and sort it out: reused, skipped or pending (longest first), stale ones noted."""
+def _sort_out(prompts: list[Prompt], prompt_tokens: list[list[int]], done_hashes: dict[str, str | None],
+              max_length: int) -> _Work:
+    """Sort every templated prompt out: reused, skipped or pending (longest first), stale ones noted."""
     work = _Work()
-    started = time.perf_counter()
-    for p, ids_p in zip(prompts, prompt_ids_many(tokenizer, [p.messages for p in prompts], template_kwargs)):
+    for p, ids_p in zip(prompts, prompt_tokens):
         if p.id in done_hashes:
             # A record from before hashes (None) is checked by its length when the dataset is encoded.
             if done_hashes[p.id] in (None, prompt_hash(ids_p)):
@@ -261,7 +269,6 @@ def _sort_out(prompts: list[Prompt], tokenizer: Any, done_hashes: dict[str, str 
             work.skipped.append((p.id, len(ids_p)))
         else:
             work.pending.append((p, ids_p))
-    work.template_seconds = time.perf_counter() - started
     # Longest first: similar lengths share a batch (less padding) and memory trouble shows up at once.
     work.pending.sort(key=lambda item: -len(item[1]))
     return work
