@@ -216,6 +216,7 @@ BAD = [
     ("drafter.layer_types=[full_attention]", "one entry per layer (2, drafter.num_hidden_layers)"),
     ("drafter.layer_types=[sliding,full_attention]", "drafter.layer_types[...]='sliding'"),
     ("eval.temperature=-0.7", "eval.temperature=-0.7: expected a number >= 0"),
+    ("eval.draft_temperature=0", "eval.draft_temperature=0.0: expected a number > 0"),
     ("train.best_by=loss", "train.best_by='loss': expected tau (greedy replay) or tau_T<x>"),
     ("train.best_by=tau_T0", "train.best_by='tau_T0': expected tau (greedy replay) or tau_T<x>"),
     ("train.best_by=tau_T1", "train.best_by=tau_T1 picks the best checkpoint by held-out"),

@@ -142,7 +142,8 @@ class _TrackedTarget:
         return self.target.rollback(length)
 
 
-def _live_tau(adapter, drafter, prompts, rollout, monkeypatch, *, temperature, draft_sampling, seed, max_new_tokens):
+def _live_tau(adapter, drafter, prompts, rollout, monkeypatch, *, temperature, draft_sampling, seed, max_new_tokens,
+              draft_temperature=None):
     tracked = []
     original = live._target
 
@@ -160,11 +161,12 @@ def _live_tau(adapter, drafter, prompts, rollout, monkeypatch, *, temperature, d
     generator = torch.Generator().manual_seed(seed)
     traces = [live_decode(drafter, adapter, p, max_new_tokens=max_new_tokens, stop_token_ids=[],
                           temperature=temperature, generator=generator, target_engine="hf",
-                          draft_sampling=draft_sampling).trace for p in prompts]
+                          draft_sampling=draft_sampling, draft_temperature=draft_temperature).trace for p in prompts]
     return acceptance_metrics(traces, drafter.config.block_size)["tau"]
 
 
-def _estimated_tau(adapter, drafter, prompts, rollout, *, temperature, draft_sampling, seed, max_new_tokens):
+def _estimated_tau(adapter, drafter, prompts, rollout, *, temperature, draft_sampling, seed, max_new_tokens,
+                   draft_temperature=None):
     continuations = sampled_continuations(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[],
                                           temperature=temperature, seed=seed, engine="hf")
     sequences = [list(p) + c for p, c in zip(prompts, continuations)]
@@ -178,22 +180,25 @@ def _estimated_tau(adapter, drafter, prompts, rollout, *, temperature, draft_sam
 
     traces = expected_traces(draft_logits, adapter.lm_head_weight(), finals, sequences, [len(p) for p in prompts],
                              block_size=drafter.config.block_size, max_new_tokens=max_new_tokens,
-                             temperature=temperature, path_temperature=temperature, draft_sampling=draft_sampling)
+                             temperature=temperature, path_temperature=temperature, draft_sampling=draft_sampling,
+                             draft_temperature=draft_temperature)
     return expected_metrics(traces, drafter.config.block_size)["tau"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_sampling", ["greedy", "sampled"])
-def test_estimate_agrees_with_live_rejection_sampling(draft_sampling, tiny_target, make_drafter, monkeypatch):
+@pytest.mark.parametrize("draft_sampling,draft_temperature", [("greedy", None), ("sampled", None), ("sampled", 0.025)])
+def test_estimate_agrees_with_live_rejection_sampling(draft_sampling, draft_temperature, tiny_target, make_drafter,
+                                                      monkeypatch):
     """Over 16 seeds, the mean estimated tau (each seed: the target's own sampled continuations) and the mean live
     tau (each seed: rejection sampling) agree within 4 standard errors of their difference, from the seeds' spread.
     T = 0.05 makes the tiny random target's next-token distribution peaked enough (max p ~0.6) for blocks to be
-    accepted in part."""
+    accepted in part. Drafts drawn at half the temperature (sharper than the target) agree too."""
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter, block_size=4)
     prompts, temperature, max_new_tokens, seeds = prompts_for(adapter), 0.05, 16, range(16)
     rollout = _Rollout(adapter, temperature)
-    settings = dict(temperature=temperature, draft_sampling=draft_sampling, max_new_tokens=max_new_tokens)
+    settings = dict(temperature=temperature, draft_sampling=draft_sampling, max_new_tokens=max_new_tokens,
+                    draft_temperature=draft_temperature)
     lives = [_live_tau(adapter, drafter, prompts, rollout, monkeypatch, seed=s, **settings) for s in seeds]
     estimates = [_estimated_tau(adapter, drafter, prompts, rollout, seed=s, **settings) for s in seeds]
     error = math.sqrt(np.var(lives, ddof=1) / len(lives) + np.var(estimates, ddof=1) / len(estimates))
@@ -222,6 +227,40 @@ def test_replay_at_a_temperature_writes_the_estimate(tiny_target, make_drafter, 
     assert "replay estimate of the acceptance at T=0.05" in format_table(summary)
     write_summary(summary, str(tmp_path))
     assert (tmp_path / "summary.csv").read_text().splitlines()[1].startswith("a,")
+
+
+def test_drafts_drawn_at_their_own_temperature():
+    """draft_temperature sets q = softmax(z / draft_temperature) alone: the same survival as drafter logits scaled
+    by T / draft_temperature drawn at T; None is T itself; greedy drafts do not read it."""
+    generator = torch.Generator().manual_seed(0)
+    n, width, vocab, temperature = 6, 4, 9, 0.8
+    draft, target = torch.randn(n, width, vocab, generator=generator), torch.randn(n, width, vocab, generator=generator)
+    stored = torch.randint(0, vocab, (n, width), generator=generator)
+    rule = dict(temperature=temperature, path_temperature=temperature)
+    sharp = block_survival(draft, target, stored, draft_sampling="sampled", draft_temperature=0.4, **rule)
+    assert torch.allclose(sharp, block_survival(draft * 2, target, stored, draft_sampling="sampled", **rule))
+    plain = block_survival(draft, target, stored, draft_sampling="sampled", **rule)
+    assert torch.equal(plain, block_survival(draft, target, stored, draft_sampling="sampled",
+                                             draft_temperature=temperature, **rule))
+    assert not torch.allclose(sharp, plain)
+    greedy = block_survival(draft, target, stored, draft_sampling="greedy", **rule)
+    assert torch.equal(greedy, block_survival(draft, target, stored, draft_sampling="greedy", draft_temperature=0.4,
+                                              **rule))
+
+
+def test_the_summary_names_the_draft_temperature(tiny_target, make_drafter):
+    from dflash.eval.evaluate import evaluate, format_table
+
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, block_size=4, std=0.2)
+    sets = {"a": prompts_for(adapter)[:1]}
+    settings = dict(max_new_tokens=6, show_progress=False, temperature=0.05, draft_sampling="sampled")
+    summary = evaluate(drafter, adapter, sets, draft_temperature=0.02, **settings)
+    assert summary["draft_temperature"] == 0.02
+    assert "sampled drafts drawn at T=0.02" in format_table(summary)
+    assert "draft_temperature" not in evaluate(drafter, adapter, sets, **settings)
+    with pytest.raises(ValueError, match="draft_temperature must be a number > 0"):
+        evaluate(drafter, adapter, sets, draft_temperature=0.0, **settings)
 
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sampled"])

@@ -521,6 +521,10 @@ class EvalSettings:
                                   doc="T > 0: greedy (the drafter's argmax, accepted with p(draft): what vLLM "
                                       "and SGLang do) | sampled (each block position drawn from the drafter, "
                                       "accepted with min(1, p/q))")
+    draft_temperature: Optional[float] = setting(
+        None, affects=("eval",), neutral=None,
+        doc="T > 0, sampled drafts: the temperature the drafts are drawn at, q = softmax(z / draft_temperature), "
+            "and verified against (exact for any); null: eval.temperature")
     seed: int = setting(0, affects=("eval",), doc="live sampling seed; replay at T > 0: the sampled continuations'")
     measure_target: bool = setting(True, affects=("eval",), doc="live: also decode target-only -> speedup")
     live_engine: str = setting("auto", affects=("eval",), doc="live: auto | static | hf")
@@ -537,6 +541,7 @@ class EvalSettings:
         require_choice("eval.live_engine", self.live_engine, ENGINES)
         require_choice("eval.draft_sampling", self.draft_sampling, ("greedy", "sampled"))
         _positive("eval.temperature", self.temperature, allow_zero=True)
+        _optional_positive("eval.draft_temperature", self.draft_temperature)
         require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "an int >= 1")
         require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "an int >= 1")
         require(len(self.prompt_sets) >= 1, "eval.prompt_sets", self.prompt_sets, "at least one prompt set")

@@ -131,6 +131,7 @@ def evaluate(
     live_engine: str = "auto",
     warm_up: bool = True,
     draft_sampling: str = "sampled",
+    draft_temperature: float | None = None,
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
 
@@ -149,9 +150,13 @@ def evaluate(
     (`_warm_up_live`), so the first timed decode does not pay one-off costs that later ones do not.
     `draft_sampling` (T>0): "sampled" (drafts drawn from the drafter's softmax, rejection sampling) or
     "greedy" (the drafter's argmax, accepted with the target's probability of it: what vLLM and SGLang do);
-    recorded in the summary. T=0 verifies greedily either way.
+    recorded in the summary. T=0 verifies greedily either way. `draft_temperature` (sampled drafts at T>0): the
+    temperature the drafts are drawn at, q = softmax(z / draft_temperature); None: `temperature`. Rejection
+    sampling is exact for any q; recorded in the summary when given.
     """
     _check_arguments(prompt_sets, mode, temperature, draft_sampling, categories or {})
+    if draft_temperature is not None and not (math.isfinite(draft_temperature) and draft_temperature > 0):
+        raise ValueError(f"draft_temperature must be a number > 0 or None, got {draft_temperature}")
     check_compatible(drafter, adapter)
     engine = resolve_engine(live_engine, adapter) if mode == "live" else None
     timer = timer if timer is not None else PhaseTimer(adapter.device)
@@ -167,13 +172,14 @@ def evaluate(
         _measure_set, drafter, adapter, mode=mode, max_new_tokens=max_new_tokens, batch_size=batch_size,
         temperature=temperature, generator=generator, measure_target=measure_target,
         progress=bar.update if bar is not None else None, timer=timer, engine=engine, draft_sampling=draft_sampling,
-        seed=seed)
+        draft_temperature=draft_temperature, seed=seed)
     if mode == "live" and warm_up:
         first = next((prompts[0] for prompts in prompt_sets.values() if prompts), None)
         if first is not None:
             with timer.phase("live_warmup"):
                 _warm_up_live(drafter, adapter, first, max_new_tokens=max_new_tokens, temperature=temperature,
-                              seed=seed, measure_target=measure_target, engine=engine, draft_sampling=draft_sampling)
+                              seed=seed, measure_target=measure_target, engine=engine, draft_sampling=draft_sampling,
+                              draft_temperature=draft_temperature)
     traces_of: dict[str, list] = {}
     extras_of: dict[str, dict[str, Any]] = {}
     try:
@@ -187,6 +193,8 @@ def evaluate(
             bar.close()
     summary = _summary(traces_of, extras_of, block_size, mode=mode, temperature=temperature,
                        draft_sampling=draft_sampling, max_new_tokens=max_new_tokens)
+    if draft_temperature is not None and temperature > 0 and draft_sampling == "sampled":
+        summary["draft_temperature"] = draft_temperature
     if engine is not None:
         summary["live_engine"] = engine
     if categories:
@@ -213,11 +221,12 @@ def _check_arguments(prompt_sets: dict[str, list], mode: str, temperature: float
 def _measure_set(drafter: DFlashDraftModel, adapter, prompts: list[list[int]], *, mode: str, max_new_tokens: int,
                  batch_size: int, temperature: float, generator: torch.Generator | None, measure_target: bool,
                  progress, timer: PhaseTimer, engine: str | None, draft_sampling: str,
-                 seed: int) -> tuple[list, dict[str, Any]]:
+                 draft_temperature: float | None, seed: int) -> tuple[list, dict[str, Any]]:
     """(step traces, extra counts) of one prompt set: by replay (expected traces at T > 0), or by live decoding."""
     if mode == "replay" and temperature > 0:
         traces = replay_estimate(drafter, adapter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 draft_sampling=draft_sampling, seed=seed, batch_size=batch_size, progress=progress,
+                                 draft_sampling=draft_sampling, draft_temperature=draft_temperature, seed=seed,
+                                 batch_size=batch_size, progress=progress,
                                  timer=timer)
         return traces, {}
     if mode == "replay":
@@ -227,7 +236,7 @@ def _measure_set(drafter: DFlashDraftModel, adapter, prompts: list[list[int]], *
         return [r.trace for r in results], {"greedy_mismatches": sum(r.greedy_mismatches for r in results)}
     return _live_set(drafter, adapter, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                      generator=generator, measure_target=measure_target, progress=progress, timer=timer,
-                     engine=engine, draft_sampling=draft_sampling)
+                     engine=engine, draft_sampling=draft_sampling, draft_temperature=draft_temperature)
 
 
 def _summary(traces_of: dict[str, list], extras_of: dict[str, dict[str, Any]], block_size: int,
@@ -280,7 +289,7 @@ def _metrics(traces: list, block_size: int) -> dict[str, Any]:
 
 
 def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed, measure_target, engine,
-                  draft_sampling) -> None:
+                  draft_sampling, draft_temperature) -> None:
     """Decode `prompt` a little in both modes, results dropped: the first timed decode would otherwise pay the
     one-off costs (kernel loading, allocator growth, CUDA graph capture) that the target-only decode after it is
     spared. Every block size a timed step can draft and verify (2..block_size, the shorter ones being the last
@@ -295,7 +304,7 @@ def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed
     while unmet:
         result = live_decode(drafter, adapter, prompt, max_new_tokens=max(unmet), stop_token_ids=[],
                              temperature=temperature, generator=generator, target_engine=engine,
-                             draft_sampling=draft_sampling)
+                             draft_sampling=draft_sampling, draft_temperature=draft_temperature)
         unmet -= {drafted + 1 for drafted in result.trace.drafted}
     if measure_target:
         tokens = min(max_new_tokens, 2 * drafter.config.block_size)
@@ -304,7 +313,7 @@ def _warm_up_live(drafter, adapter, prompt, *, max_new_tokens, temperature, seed
 
 
 def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generator, measure_target, progress,
-              timer, engine, draft_sampling):
+              timer, engine, draft_sampling, draft_temperature):
     """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
     stop_ids = adapter.stop_token_ids()
     traces = []
@@ -316,7 +325,7 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
     for prompt in prompts:
         result = live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
                              temperature=temperature, generator=generator, target_engine=engine,
-                             draft_sampling=draft_sampling)
+                             draft_sampling=draft_sampling, draft_temperature=draft_temperature)
         traces.append(result.trace)
         extra["speculative_seconds"] += result.seconds
         timer.add("live_speculative", result.seconds)
@@ -402,6 +411,8 @@ def format_table(summary: dict[str, Any]) -> str:
         header += f"  {'speedup':>7}"
     mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
     drafts = f", {summary.get('draft_sampling', 'sampled')} drafts" if temperature > 0 else ""
+    if "draft_temperature" in summary:
+        drafts += f" drawn at T={summary['draft_temperature']}"
     kind = f"{mode} estimate of the acceptance" if "estimate" in summary else f"{mode} acceptance"
     lines = [f"{kind} at T={temperature}{drafts}, block size {summary['block_size']} "
              f"(tau = tokens per target forward)", header, "-" * len(header)]

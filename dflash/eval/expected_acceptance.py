@@ -62,11 +62,13 @@ def check_rule(temperature: float, draft_sampling: str) -> None:
 
 
 def block_survival(draft_logits: torch.Tensor, target_logits: torch.Tensor, stored: torch.Tensor, *,
-                   temperature: float, path_temperature: float, draft_sampling: str) -> torch.Tensor:
+                   temperature: float, path_temperature: float, draft_sampling: str,
+                   draft_temperature: float | None = None) -> torch.Tensor:
     """S_k [n, K] (k = 1..K) of n blocks (module docstring).
 
     draft_logits, target_logits [n, K, V]: the drafter's and the target's logits at block positions 1..K (the
-    target's after the stored prefix); stored [n, K]: the stored tokens at those positions.
+    target's after the stored prefix); stored [n, K]: the stored tokens at those positions. draft_temperature
+    (sampled drafts): q = softmax(draft logits / draft_temperature); None: `temperature`.
     """
     log_p = torch.log_softmax(target_logits.float() / temperature, dim=-1)
     stored = stored.to(log_p.device)[..., None]
@@ -80,7 +82,7 @@ def block_survival(draft_logits: torch.Tensor, target_logits: torch.Tensor, stor
         beta = log_p.gather(-1, drafts).squeeze(-1).exp()
         kept = (drafts == stored).squeeze(-1) * (log_p_stored - log_r).exp()
     else:
-        log_q = torch.log_softmax(draft_logits.float().to(log_p.device) / temperature, dim=-1)
+        log_q = torch.log_softmax(draft_logits.float().to(log_p.device) / (draft_temperature or temperature), dim=-1)
         beta = torch.minimum(log_p, log_q).exp().sum(dim=-1)
         kept = (torch.minimum(log_p_stored, log_q.gather(-1, stored).squeeze(-1)) - log_r).exp()
     before = torch.cumprod(torch.cat([torch.ones_like(kept[:, :1]), kept[:, :-1]], dim=1), dim=1)
@@ -166,13 +168,14 @@ def head_logits(hidden: Callable[[list[int], list[int], list[int]], torch.Tensor
 def expected_traces(draft_logits: DraftLogits, head: torch.Tensor, finals: list[torch.Tensor],
                     sequences: list[list[int]], prompt_lens: list[int], *, block_size: int, max_new_tokens: int,
                     temperature: float, path_temperature: float, draft_sampling: str,
-                    transform: Transform | None = None) -> list[ExpectedTrace]:
+                    transform: Transform | None = None, draft_temperature: float | None = None) -> list[ExpectedTrace]:
     """One ExpectedTrace per stored pass: every position of each continuation is drafted from as an anchor, in
     chunks of anchors whose [anchors, B-1, V] logits stay under CHUNK_ELEMENTS, then the steps are walked.
 
     head: the target's lm_head weight [V, H]; finals[i]: the target's final hidden states [len, H] along
     sequences[i] (prompt + continuation); path_temperature: what the continuation was drawn at (0: greedy);
-    transform: the target's logit transform, applied to its logits here (draft_logits apply it to the drafter's).
+    transform: the target's logit transform, applied to its logits here (draft_logits apply it to the drafter's);
+    draft_temperature: what sampled drafts are drawn at (block_survival).
     """
     check_rule(temperature, draft_sampling)
     anchors = [(row, start) for row, (s, p) in enumerate(zip(sequences, prompt_lens)) for start in range(p, len(s) - 1)]
@@ -184,7 +187,7 @@ def expected_traces(draft_logits: DraftLogits, head: torch.Tensor, finals: list[
         sizes = [min(block_size, prompt_lens[r] + max_new_tokens - s) for r, s in chunk]
         values = _chunk_survival(draft_logits(rows, starts, sizes), head, finals, sequences, rows, starts, transform,
                                  temperature=temperature, path_temperature=path_temperature,
-                                 draft_sampling=draft_sampling)
+                                 draft_sampling=draft_sampling, draft_temperature=draft_temperature)
         for (row, start), value in zip(chunk, values):
             survival[row][start - prompt_lens[row], 0] = 1.0
             survival[row][start - prompt_lens[row], 1 : 1 + value.shape[0]] = value

@@ -99,17 +99,22 @@ def live_decode(
     timer: PhaseTimer | None = None,
     target_engine: str = "auto",
     draft_sampling: str = "sampled",
+    draft_temperature: float | None = None,
 ) -> LiveResult:
     """Speculative decoding of one prompt. `restore_linear=False` only exists to show that without the GDN state
     rollback a hybrid target is not lossless (tests; the static engine has nothing to restore);
     `generator` must live on the target's device. `target_engine`: "auto" | "static" | "hf" (module docstring).
     `draft_sampling` (T>0 only): "sampled" | "greedy", how the drafter proposes (module docstring).
+    `draft_temperature` (sampled drafts): the drafts are drawn from softmax(z / draft_temperature) and verified
+    against that distribution, so the decode stays exact; None: `temperature`.
 
     `timer` (optional, for profiling) is charged per step with "live_prefill", "live_draft", "live_verify",
     "live_accept" and "live_rollback"; on CUDA each of those syncs the device, which slows the decode a little, so
     leave it out when measuring the speedup.
     """
     _check(prompt, max_new_tokens, temperature, draft_sampling)
+    if draft_temperature is not None and not draft_temperature > 0:
+        raise ValueError(f"draft_temperature must be > 0 or None, got {draft_temperature}")
     greedy_drafts = temperature == 0 or draft_sampling == "greedy"
     config = drafter.config
     stops = set(stop_token_ids)
@@ -135,7 +140,8 @@ def live_decode(
         size = min(config.block_size, max_length - start)
         with section("live_draft"):
             draft_logits, argmax = draft_block(context, tokens[start], size)
-            drafts, draft_probs = _propose(draft_logits, argmax, greedy_drafts, temperature, generator)
+            drafts, draft_probs = _propose(draft_logits, argmax, greedy_drafts, draft_temperature or temperature,
+                                           generator)
         with section("live_verify"):
             # The block stays on the device: no host round trip (a sync) between drafting and verifying, so the
             # host queues the verify while the device still drafts.

@@ -53,11 +53,13 @@ def target_pass_with_final(adapter, sequences: list[list[int]],
 
 @torch.inference_mode()
 def replay_estimate(drafter: DFlashDraftModel, adapter, prompts: list[list[int]], *, max_new_tokens: int,
-                    temperature: float, draft_sampling: str, seed: int = 0, stop_token_ids: list[int] | None = None,
-                    batch_size: int = 8, progress: Callable[[int], None] | None = None,
+                    temperature: float, draft_sampling: str, draft_temperature: float | None = None, seed: int = 0,
+                    stop_token_ids: list[int] | None = None, batch_size: int = 8,
+                    progress: Callable[[int], None] | None = None,
                     timer: PhaseTimer | None = None) -> list[ExpectedTrace]:
     """The expected step records of `drafter` at `temperature` on `prompts` (module docstring), one per prompt.
 
+    draft_temperature: what sampled drafts are drawn at (None: `temperature`; expected_acceptance.block_survival).
     `timer` (optional) is charged with "generate" (the sampled continuations), "target_pass" and "estimate".
     """
     check_rule(temperature, draft_sampling)
@@ -83,7 +85,7 @@ def replay_estimate(drafter: DFlashDraftModel, adapter, prompts: list[list[int]]
                                       [len(p) for p in chunk], block_size=config.block_size,
                                       max_new_tokens=max_new_tokens, temperature=temperature,
                                       path_temperature=temperature, draft_sampling=draft_sampling,
-                                      transform=transform)
+                                      transform=transform, draft_temperature=draft_temperature)
         if progress is not None:
             progress(len(chunk))
     return traces

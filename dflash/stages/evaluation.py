@@ -35,14 +35,17 @@ class EvalStage:
 
     def describe(self) -> str:
         e = self.context.settings.eval
+        drafts = f"{e.draft_sampling} drafts"
+        if e.draft_sampling == "sampled" and e.draft_temperature is not None:
+            drafts += f" drawn at T={e.draft_temperature}"
         if e.mode == "replay" and e.temperature:
-            how = f"the expected acceptance at T={e.temperature} ({e.draft_sampling} drafts, an estimate)"
+            how = f"the expected acceptance at T={e.temperature} ({drafts}, an estimate)"
         elif e.mode == "replay":
             how = "exact greedy replay"
         elif not e.temperature:
             how = "live greedy decoding"
         else:
-            how = f"live sampling at T={e.temperature} ({e.draft_sampling} drafts)"
+            how = f"live sampling at T={e.temperature} ({drafts})"
         sets = ", ".join(f"{name} ({spec.limit or 'all'})" for name, spec in e.prompt_sets.items())
         return f"acceptance by {how} on {sets}, {e.max_new_tokens} new tokens per prompt"
 
@@ -117,7 +120,8 @@ class EvalStage:
         summary = evaluate(drafter, target, prompt_sets, max_new_tokens=e.max_new_tokens,
                            show_progress=run.show_progress, mode=e.mode, temperature=e.temperature, seed=e.seed,
                            measure_target=e.measure_target, categories=categories, batch_size=e.batch_size,
-                           timer=timer, live_engine=e.live_engine, draft_sampling=e.draft_sampling)
+                           timer=timer, live_engine=e.live_engine, draft_sampling=e.draft_sampling,
+                           draft_temperature=e.draft_temperature)
         summary["chat_template_kwargs"] = template_kwargs
         write_summary(summary, self.out)
         write_text(os.path.join(self.out, "config.yaml"), run.config_yaml())
