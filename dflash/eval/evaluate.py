@@ -148,15 +148,11 @@ def evaluate(
     `live_engine` (live mode): the target engine of both decodes, "auto" | "static" | "hf" (live.py).
     `warm_up` (live mode): first decode the first prompt briefly in both modes, untimed and uncounted
     (`_warm_up_live`), so the first timed decode does not pay one-off costs that later ones do not.
-    `draft_sampling` (T>0): "sampled" (drafts drawn from the drafter's softmax, rejection sampling) or
-    "greedy" (the drafter's argmax, accepted with the target's probability of it: what vLLM and SGLang do);
-    recorded in the summary. T=0 verifies greedily either way. `draft_temperature` (sampled drafts at T>0): the
-    temperature the drafts are drawn at, q = softmax(z / draft_temperature); None: `temperature`. Rejection
-    sampling is exact for any q; recorded in the summary when given.
+    `draft_sampling` (T>0): "sampled" (drafts drawn from softmax(z / draft_temperature), None: T, then rejection
+    sampling, exact for any q) or "greedy" (the drafter's argmax, accepted with the target's probability of it: what
+    vLLM and SGLang do); both recorded in the summary. T=0 verifies greedily either way.
     """
-    _check_arguments(prompt_sets, mode, temperature, draft_sampling, categories or {})
-    if draft_temperature is not None and not (math.isfinite(draft_temperature) and draft_temperature > 0):
-        raise ValueError(f"draft_temperature must be a number > 0 or None, got {draft_temperature}")
+    _check_arguments(prompt_sets, mode, temperature, draft_sampling, draft_temperature, categories or {})
     check_compatible(drafter, adapter)
     engine = resolve_engine(live_engine, adapter) if mode == "live" else None
     timer = timer if timer is not None else PhaseTimer(adapter.device)
@@ -168,18 +164,17 @@ def evaluate(
 
         bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), desc=f"eval ({mode})", unit="prompt")
     generator = torch.Generator(device=adapter.device).manual_seed(seed) if mode == "live" else None
+    drafts = dict(draft_sampling=draft_sampling, draft_temperature=draft_temperature)
     measure = functools.partial(
         _measure_set, drafter, adapter, mode=mode, max_new_tokens=max_new_tokens, batch_size=batch_size,
         temperature=temperature, generator=generator, measure_target=measure_target,
-        progress=bar.update if bar is not None else None, timer=timer, engine=engine, draft_sampling=draft_sampling,
-        draft_temperature=draft_temperature, seed=seed)
+        progress=bar.update if bar is not None else None, timer=timer, engine=engine, seed=seed, **drafts)
     if mode == "live" and warm_up:
         first = next((prompts[0] for prompts in prompt_sets.values() if prompts), None)
         if first is not None:
             with timer.phase("live_warmup"):
                 _warm_up_live(drafter, adapter, first, max_new_tokens=max_new_tokens, temperature=temperature,
-                              seed=seed, measure_target=measure_target, engine=engine, draft_sampling=draft_sampling,
-                              draft_temperature=draft_temperature)
+                              seed=seed, measure_target=measure_target, engine=engine, **drafts)
     traces_of: dict[str, list] = {}
     extras_of: dict[str, dict[str, Any]] = {}
     try:
@@ -192,9 +187,7 @@ def evaluate(
         if bar is not None:
             bar.close()
     summary = _summary(traces_of, extras_of, block_size, mode=mode, temperature=temperature,
-                       draft_sampling=draft_sampling, max_new_tokens=max_new_tokens)
-    if draft_temperature is not None and temperature > 0 and draft_sampling == "sampled":
-        summary["draft_temperature"] = draft_temperature
+                       max_new_tokens=max_new_tokens, **drafts)
     if engine is not None:
         summary["live_engine"] = engine
     if categories:
@@ -204,7 +197,7 @@ def evaluate(
 
 
 def _check_arguments(prompt_sets: dict[str, list], mode: str, temperature: float, draft_sampling: str,
-                     categories: dict[str, list[str]]) -> None:
+                     draft_temperature: float | None, categories: dict[str, list[str]]) -> None:
     if not prompt_sets:
         raise ValueError("prompt_sets is empty")
     if mode not in MODES:
@@ -213,6 +206,8 @@ def _check_arguments(prompt_sets: dict[str, list], mode: str, temperature: float
         raise ValueError(f"temperature must be a number >= 0, got {temperature}")
     if draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
+    if draft_temperature is not None and not (math.isfinite(draft_temperature) and draft_temperature > 0):
+        raise ValueError(f"draft_temperature must be a number > 0 or None, got {draft_temperature}")
     for name, labels in categories.items():
         if name not in prompt_sets or len(labels) != len(prompt_sets[name]):
             raise ValueError(f"categories[{name!r}] must label each of the prompts of prompt set {name!r}")
@@ -248,6 +243,8 @@ def _summary(traces_of: dict[str, list], extras_of: dict[str, dict[str, Any]], b
                "draft_sampling": header["draft_sampling"], "block_size": block_size,
                "max_new_tokens": header["max_new_tokens"], "prompt_sets": per_set,
                "overall": _pooled_metrics(list(traces_of), traces_of, extras_of, block_size)}
+    if header["draft_temperature"] is not None and header["temperature"] > 0 and header["draft_sampling"] == "sampled":
+        summary["draft_temperature"] = header["draft_temperature"]
     if header["mode"] == "replay" and header["temperature"] > 0:
         summary["estimate"] = (f"expected acceptance at T={header['temperature']} ({header['draft_sampling']} "
                                f"drafts) along the target's continuations sampled at T, not a sampled decode: "
