@@ -146,10 +146,10 @@ def downstream(affects: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("capture", ["offline", "online", "colocated"])
 def test_changing_a_setting_reruns_exactly_the_stages_it_affects(capture):
-    # Synthetic prompts on, sampled answers and live sampling: their fields are not at the neutral values that leave
-    # them out.
+    # Synthetic prompts on, sampled answers and live sampling with sampled drafts: their fields are not at the
+    # neutral values that leave them out.
     base = settings_of(["+experiment=tiny", f"capture={capture}", "data.synthetic.count=4", "data.temperature=0.7",
-                        "eval.mode=live", "eval.temperature=0.7"])
+                        "eval.mode=live", "eval.temperature=0.7", "eval.draft_sampling=sampled"])
     before = stage_keys(base)
     tested = 0
     for path, f, affects in leaves(base):
@@ -182,6 +182,12 @@ def test_neutral_values_leave_a_field_out():
     assert fingerprints.stage_settings(live.eval, "eval")["draft_sampling"] == "greedy"
     sampled = settings_of(["+experiment=tiny", "eval.mode=live", "eval.temperature=0.7", "eval.draft_sampling=sampled"])
     assert "draft_sampling" not in fingerprints.stage_settings(sampled.eval, "eval")  # as before the setting
+    assert "draft_temperature" not in fingerprints.stage_settings(sampled.eval, "eval")
+    sharp = settings_of(["+experiment=tiny", "eval.mode=live", "eval.temperature=0.7", "eval.draft_sampling=sampled",
+                         "eval.draft_temperature=0.35"])
+    assert fingerprints.stage_settings(sharp.eval, "eval")["draft_temperature"] == 0.35
+    greedy = settings_of(["+experiment=tiny", "eval.mode=live", "eval.temperature=0.7", "eval.draft_temperature=0.35"])
+    assert "draft_temperature" not in fingerprints.stage_settings(greedy.eval, "eval")  # drafts are argmax
 
 
 # Bad input: one line naming the key, before any work -----------------------------------------------------------
@@ -249,6 +255,8 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     (["train.group_by=work"], "train.group_by='work' is ignored: train.group_by_length is 0"),
     (["train.heldout_batch_size=4"], "train.heldout_batch_size=4 is ignored: data.heldout is 0"),
     (["data.source=gsm8k", "data.turns=all"], "data.turns='all' is ignored: only data.source=sharegpt has turns"),
+    (["eval.draft_temperature=0.5"], "eval.draft_temperature=0.5 is ignored: only sampled drafts at eval.temperature"),
+    (["eval.temperature=1", "eval.draft_temperature=0.5"], "eval.draft_temperature=0.5 is ignored: only sampled"),
 ])
 def test_settings_this_combination_ignores_are_named(overrides, warning):
     assert warning in " ".join(settings_from(compose(["+experiment=tiny", *overrides])).ignored())

@@ -500,6 +500,12 @@ def _sampled_or_unused(value: Any, group: Any) -> bool:
     return value == "sampled" or not group.temperature
 
 
+def _draws_drafts_at(value: Any, group: Any) -> bool:
+    """eval.draft_temperature stays out of the fingerprint where drafts are not drawn (T=0, greedy drafts) and when
+    null (drawn at eval.temperature, as before the setting existed)."""
+    return value is None or not group.temperature or group.draft_sampling != "sampled"
+
+
 def _default_prompt_sets() -> dict[str, PromptSetSettings]:
     return {"humaneval": PromptSetSettings(source="humaneval", limit=8),
             "mtbench": PromptSetSettings(source="mtbench", limit=8, turns=2),
@@ -522,7 +528,7 @@ class EvalSettings:
                                       "and SGLang do) | sampled (each block position drawn from the drafter, "
                                       "accepted with min(1, p/q))")
     draft_temperature: Optional[float] = setting(
-        None, affects=("eval",), neutral=None,
+        None, affects=("eval",), neutral=_draws_drafts_at,
         doc="T > 0, sampled drafts: the temperature the drafts are drawn at, q = softmax(z / draft_temperature), "
             "and verified against (exact for any); null: eval.temperature")
     seed: int = setting(0, affects=("eval",), doc="live sampling seed; replay at T > 0: the sampled continuations'")
@@ -642,6 +648,9 @@ class RunSettings:
             for key in ("measure_target", "live_engine") + (() if e.temperature else ("seed",)):
                 unused.append((f"eval.{key}", getattr(e, key), getattr(base_eval, key),
                                "only eval.mode=live uses it"))
+        if not e.temperature or e.draft_sampling != "sampled":
+            unused.append(("eval.draft_temperature", e.draft_temperature, None,
+                           "only sampled drafts at eval.temperature > 0 are drawn at a temperature"))
         if tr.loss_weighting != "dpace":
             unused.append(("train.dpace_alpha", tr.dpace_alpha, 0.5, "only train.loss_weighting=dpace uses it"))
         if not tr.group_by_length:
