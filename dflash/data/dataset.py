@@ -134,9 +134,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     finished = [p for p in prompts if p.id in templated]
     held = _choose_heldout(finished, heldout, seed, journal_path)
     encode_started = time.perf_counter()
-    encoded = encode_answers(finished, index, journal_path, adapter.tokenizer, max_length, held, template_kwargs,
-                             is_sampled=lambda i: temperature > 0 and answer_is_sampled(i, seed, sampled_share),
-                             templated=templated)
+    encoded = encode_answers(finished, templated, index, journal_path, adapter.tokenizer, max_length, held,
+                             is_sampled=lambda i: temperature > 0 and answer_is_sampled(i, seed, sampled_share))
     if encoded.train.samples == 0:
         # datasets cannot load back an empty saved dataset; an empty training set is an error anyway.
         raise ValueError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long, "

@@ -9,7 +9,7 @@ from typing import Any
 
 import datasets
 
-from dflash.data.chat import encode_conversation, prompt_ids_many
+from dflash.data.chat import encode_conversation
 from dflash.data.journal import Index, read_record
 from dflash.data.prompts import Prompt
 
@@ -68,22 +68,19 @@ class Encoded:
     dropped: int = 0
 
 
-def encode_answers(finished: list[Prompt], index: Index, journal_path: Path, tokenizer: Any, max_length: int,
-                   held: set[str], template_kwargs: dict[str, Any] | None = None,
-                   is_sampled: Callable[[str], bool] | None = None,
-                   templated: Mapping[str, list[int]] | None = None) -> Encoded:
-    """Rows of the `finished` prompts (done in the journal, `index` from scan_journal), in their order; the ids in
-    `held` go to the held-out rows. Reads one record at a time, templates ENCODE_CHUNK prompts at a time.
-    is_sampled: whether a prompt id's answer was sampled, counted per split (None: none was). templated: prompt
-    ids already templated with the same options (by prompt id); the prompts it lacks are templated here."""
+def encode_answers(finished: list[Prompt], templated: Mapping[str, list[int]], index: Index, journal_path: Path,
+                   tokenizer: Any, max_length: int, held: set[str],
+                   is_sampled: Callable[[str], bool] | None = None) -> Encoded:
+    """Rows of the `finished` prompts (done in the journal, `index` from scan_journal), in their order, from their
+    templated ids (`templated`, by prompt id: what regeneration answered); the ids in `held` go to the held-out
+    rows. Reads one record at a time. is_sampled: whether a prompt id's answer was sampled, counted per split
+    (None: none was)."""
     encoded = Encoded()
-    templated = templated or {}
     with open(journal_path, "rb") as journal:
         for first in range(0, len(finished), ENCODE_CHUNK):
-            batch = finished[first : first + ENCODE_CHUNK]
-            for p, prompt_tokens in zip(batch, _prompt_tokens(batch, tokenizer, template_kwargs, templated)):
+            for p in finished[first : first + ENCODE_CHUNK]:
                 record = read_record(journal, index[p.id][1])
-                input_ids, loss_mask = encode_record(tokenizer, p, prompt_tokens, record, max_length, journal_path)
+                input_ids, loss_mask = encode_record(tokenizer, p, templated[p.id], record, max_length, journal_path)
                 sampled = is_sampled is not None and is_sampled(p.id)
                 if not any(loss_mask):
                     encoded.dropped += 1
@@ -93,15 +90,6 @@ def encode_answers(finished: list[Prompt], index: Index, journal_path: Path, tok
                     encoded.train.add(p, input_ids, loss_mask, sampled)
             encoded.train.seal()
     return encoded
-
-
-def _prompt_tokens(batch: list[Prompt], tokenizer: Any, template_kwargs: dict[str, Any] | None,
-                   templated: Mapping[str, list[int]]) -> list[list[int]]:
-    """The templated ids of `batch`: taken from `templated` where it has them, the others templated in one call."""
-    missing = [p for p in batch if p.id not in templated]
-    made = dict(zip((p.id for p in missing), prompt_ids_many(tokenizer, [p.messages for p in missing],
-                                                             template_kwargs)))
-    return [templated[p.id] if p.id in templated else made[p.id] for p in batch]
 
 
 def encode_record(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], record: dict, max_length: int,
