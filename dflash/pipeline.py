@@ -20,8 +20,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash.config import ConfigError
+from dflash.config.errors import ConfigPathError
 from dflash.console import console_copied_to
-from dflash.run_files import read_json_or_none, write_text
+from dflash.run_files import read_json_or_none, stage_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
@@ -52,6 +53,8 @@ class Pipeline:
         run = self.context
         refuse_other_trained_settings(self.train)
         refuse_unusable_target(self.settings.target)
+        if run.rank == 0:  # rank 0 alone reads prompts (data, eval); a launcher ends the others when it stops
+            refuse_unreadable_prompts(self)
         if "train" in self.settings.stages:
             from dflash.train.metrics_log import missing_logger_package
 
@@ -95,6 +98,24 @@ class Pipeline:
             if stage.name != "data":  # the data stage's output is read after the capture stage's barrier
                 run.barrier()
         return summary
+
+
+def refuse_unreadable_prompts(pipeline: Pipeline) -> None:
+    """ConfigPathError naming the key when a prompt file the selected stages will read is not there (a packaged set
+    whose package is not installed, a path that is no file), before any stage runs. The data stage reads its source
+    and, for the overlap check, every evaluation prompt set, unless it is up to date; the eval stage reads the sets."""
+    from dflash.data.prompts import prompt_file_problem
+
+    s, data = pipeline.settings, pipeline.data
+    data_pending = "data" in s.stages and not stage_done(data.out, data.fingerprint())
+    sources = [("data", s.data.source, s.data.path)] if data_pending else []
+    if "eval" in s.stages or (data_pending and s.data.eval_overlap_ngram):
+        sources += [(f"eval.prompt_sets.{name}", spec.source, spec.path) for name, spec in s.eval.prompt_sets.items()]
+    for prefix, source, path in sources:
+        problem = prompt_file_problem(source, path)
+        if problem is not None:
+            key, value = (f"{prefix}.path", path) if path else (f"{prefix}.source", source)
+            raise ConfigPathError(f"{key}={value!r}: {problem}")
 
 
 def closing_block(pipeline: Pipeline, summary: dict[str, Any] | None, log: str) -> str:

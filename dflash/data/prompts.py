@@ -259,6 +259,24 @@ SOURCES: dict[str, tuple[str | None, str | None, Callable[[Path, str], list[Prom
 }
 
 
+def prompt_file(source: str, path: str | None = None) -> Path:
+    """The file the prompts of `source` are read from: `path`, or the packaged set's file. Raises FileNotFoundError
+    (a package not installed, no such file) or ValueError (source "file" without a path)."""
+    package, relative, _ = SOURCES[source]
+    if path is None and package is not None:
+        path = str(_package_file(package, relative))
+    return _check_file(path, source)
+
+
+def prompt_file_problem(source: str, path: str | None = None) -> str | None:
+    """Why the prompts of `source` cannot be read, in a phrase, or None when its file is there."""
+    try:
+        prompt_file(source, path)
+    except (FileNotFoundError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def load_prompts(source: str, path: str | None = None, limit: int | None = None, seed: int = 0,
                  name: str | None = None, turns: str = "first") -> list[Prompt]:
     """Load a prompt set.
@@ -277,10 +295,8 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
         raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
     if turns == "all" and source != "sharegpt":
         raise ValueError(f"turns='all' is only defined for source 'sharegpt', not {source!r}")
-    package, relative, loader = SOURCES[source]
-    if path is None and package is not None:
-        path = str(_package_file(package, relative))
-    file = _check_file(path, source)
+    _, _, loader = SOURCES[source]
+    file = prompt_file(source, path)
     if name is None:
         name = _stem(file) if source == "file" else source
     prompts = _load_sharegpt(file, name, all_turns=True) if turns == "all" else loader(file, name)
