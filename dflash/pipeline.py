@@ -29,6 +29,7 @@ from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
 from dflash.stages.guard import refuse_other_trained_settings
 from dflash.stages.train import TrainStage
+from dflash.train.third_party_output import third_party_records_to_run_log
 
 
 class Pipeline:
@@ -64,7 +65,7 @@ class Pipeline:
         os.makedirs(run.run_dir, exist_ok=True)
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
-        with console_copied_to(log):
+        with console_copied_to(log), third_party_records_to_run_log():
             summary = self.run_stages()
             if run.rank == 0:
                 print(closing_block(self, summary, log), flush=True)

@@ -19,11 +19,12 @@ import pytest
 from dflash import console
 from dflash.train import third_party_output
 from dflash.train.metrics_log import MetricsLog
-from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log
+from dflash.train.third_party_output import quiet_deepspeed_logger, third_party_records_to_run_log, to_run_log
 
-# Lines a tiny CPU run printed before: the op builder's probe, DeepSpeed's op build, wandb's banner and summary.
+# Lines a tiny CPU run printed before: the op builder's probe, DeepSpeed's op build, wandb's banner and summary; and
+# any record below WARNING that Hydra's root handler formats ("[datasets][INFO] - JAX version ... available").
 CHATTER = ["gcc ", "-laio", "built successfully", "ds_accelerator", "[compilers", "wandb:", "Run history",
-           "Run summary"]
+           "Run summary", "][INFO] - ", "][DEBUG] - "]
 
 
 class CopiedConsole(io.StringIO):
@@ -75,6 +76,24 @@ def test_third_party_prints_and_info_records_go_to_the_run_log_only():
     assert "a compiler warning the user must see" in on_console and "[train] our own line" in on_console
     logged = console.log.getvalue()
     assert "built successfully" in logged and "gcc test.o -laio" in logged and "[train] our own line" in logged
+
+
+def test_a_runs_third_party_info_records_go_to_the_run_log_only():
+    # Seen on the H200's console, from the root logger's handler that Hydra sets up: "[datasets][INFO] - JAX version
+    # 0.11.2 available." and "[matplotlib.font_manager][INFO] - generated new fontManager". A run now keeps them in
+    # its log file (dflash/pipeline.py wraps its stages in this).
+    with copied_console() as console, third_party_records_to_run_log():
+        logging.getLogger("datasets").info("JAX version 0.11.2 available.")
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
+        logging.getLogger("datasets").warning("a datasets warning the user must see")
+        print("[data] our own line")
+    on_console = console.getvalue()
+    assert "JAX version" not in on_console and "fontManager" not in on_console
+    assert "a datasets warning the user must see" in on_console and "[data] our own line" in on_console
+    logged = console.log.getvalue()
+    assert "JAX version 0.11.2 available." in logged and "generated new fontManager" in logged
+    assert not any(isinstance(f, third_party_output.BelowWarningToRunLog)
+                   for h in logging.getLogger().handlers for f in h.filters)
 
 
 def test_verbose_leaves_everything_on_the_console(monkeypatch):

@@ -83,9 +83,11 @@ class RunLogOnly(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def to_run_log() -> Iterator[None]:
-    """Inside, what is printed to stdout and the log records below WARNING that reach a console handler go to the
-    run's log file; stderr, warnings and errors still reach the console. Wrap third-party calls only."""
+def third_party_records_to_run_log() -> Iterator[None]:
+    """Inside, the log records below WARNING that reach a console handler of the root logger go to the run's log file
+    instead. Those are third-party libraries' (datasets' "JAX version ... available", matplotlib's font cache): the
+    package's own records have a console handler of their own (dflash/console.py). Warnings and errors still reach
+    the console."""
     if verbose():
         yield
         return
@@ -94,8 +96,18 @@ def to_run_log() -> Iterator[None]:
     for handler in handlers:
         handler.addFilter(quiet)
     try:
-        with contextlib.redirect_stdout(RunLogOnly(run_log())):
-            yield
+        yield
     finally:
         for handler in handlers:
             handler.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def to_run_log() -> Iterator[None]:
+    """Inside, what is printed to stdout and the log records below WARNING that reach a console handler go to the
+    run's log file; stderr, warnings and errors still reach the console. Wrap third-party calls only."""
+    if verbose():
+        yield
+        return
+    with third_party_records_to_run_log(), contextlib.redirect_stdout(RunLogOnly(run_log())):
+        yield
