@@ -104,3 +104,19 @@ def show_package_messages() -> None:
         package.addHandler(ConsoleHandler())
     if package.level == logging.NOTSET:
         package.setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def transformers_progress_bars(shown: bool) -> Iterator[None]:
+    """Inside, transformers' own progress bars (loading a checkpoint's weights, writing a converted one) are hidden
+    unless `shown` (a run's show_progress); as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled and not shown:
+            hf_logging.enable_progress_bar()

@@ -3,6 +3,8 @@
 import logging
 import sys
 
+import pytest
+
 from dflash.console import EVERY_RANK, console_copied_to
 
 
@@ -45,3 +47,22 @@ def test_other_ranks_show_only_warnings_and_their_own_work(capsys, monkeypatch):
     captured = capsys.readouterr()
     assert captured.out == "[capture] rank 1 of 2: 3 of 6 shards to capture\n[capture] held-out: 4 samples\n"
     assert captured.err == "[capture] 1 feature shard(s) missing\n"
+
+
+@pytest.mark.parametrize("show_progress", [False, True])
+def test_the_targets_loading_bars_follow_show_progress(show_progress, tmp_path, monkeypatch):
+    # show_progress=false still drew transformers' "Loading weights" and "Writing model shards" bars when the target
+    # loaded (seen on the H200's console).
+    from transformers.utils import logging as hf_logging
+
+    import dflash.models.targets as targets
+    from dflash.config import compose
+    from dflash.stages.context import RunContext
+
+    seen = []
+    monkeypatch.setattr(targets, "load_target", lambda *a, **k: seen.append(hf_logging.is_progress_bar_enabled()))
+    hf_logging.enable_progress_bar()
+    run = RunContext(compose(["+experiment=tiny", f"run_dir={tmp_path}", f"show_progress={show_progress}"]))
+    run.target
+    assert seen == [show_progress]
+    assert hf_logging.is_progress_bar_enabled()

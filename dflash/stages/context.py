@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError, settings_from
 from dflash.config.schema import RunSettings, TargetSettings
+from dflash.console import transformers_progress_bars
 
 # The folders of a run, each a stage's output (docs/outputs.md).
 FOLDERS = ("data", "features", "checkpoints", "export", "eval")
@@ -62,8 +63,9 @@ class RunContext:
                                             len(c.devices) if c.devices is not None else 1)
                 if g > 1:
                     device = rank_devices(self.local_rank, g)
-            self._target = load_target(t.kind, path=t.path, dtype=t.dtype, device=device, tiny=t.tiny,
-                                       cache_dir=t.cache_dir, chat_template=t.chat_template)
+            with transformers_progress_bars(self.show_progress):
+                self._target = load_target(t.kind, path=t.path, dtype=t.dtype, device=device, tiny=t.tiny,
+                                           cache_dir=t.cache_dir, chat_template=t.chat_template)
         return self._target
 
     def release_target(self) -> None:
