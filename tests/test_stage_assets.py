@@ -50,8 +50,8 @@ def test_split_then_receive_part_by_part_restores_every_file(tmp_path):
     python = tmp_path / "python-nosite"
     python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
     python.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(python), "PYTHONPATH": str(packages), "PARTS": str(tmp_path / "parts"), "PART_BYTES": "4000",
-           "STAGE_DIR": str(tmp_path / "stage")}
+    env = {**os.environ, "PYTHON": str(python), "PYTHONPATH": str(packages), "PARTS": str(tmp_path / "parts"),
+           "PART_BYTES": "4000", "STAGE_DIR": str(tmp_path / "stage")}
     run("split", env)
     parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
     assert len(parts) >= 3

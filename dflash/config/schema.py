@@ -220,7 +220,8 @@ class DataSettings:
     engine: str = setting("auto", affects=(),
                           doc="generation: auto = static KV cache + CUDA graphs on a supported GPU target, else hf")
     refill: bool = setting(True, affects=(), doc="static engine: a row whose answer ended takes the next prompt")
-    compile_step: bool = setting(False, affects=(), doc="static engine: also torch.compile the decode step (slower: 0.41x on an H200)")
+    compile_step: bool = setting(False, affects=(),
+                                 doc="static engine: also torch.compile the decode step (slower: 0.41x on an H200)")
     synthetic: SyntheticSettings = setting(affects=("data",), factory=SyntheticSettings, neutral=_synthetic_off,
                                            doc="prompts the target writes itself")
     chat_template_kwargs: Dict[str, Any] = setting(affects=("data",), factory=dict, neutral={},
