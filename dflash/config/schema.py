@@ -504,7 +504,7 @@ def _sampled_or_unused(value: Any, group: Any) -> bool:
 def _draws_drafts_at(value: Any, group: Any) -> bool:
     """eval.draft_temperature stays out of the fingerprint where drafts are not drawn (T=0, greedy drafts) and when
     null (drawn at eval.temperature, as before the setting existed)."""
-    return value is None or not group.temperature or group.draft_sampling != "sampled"
+    return group.drafts_drawn_at is None
 
 
 def _default_prompt_sets() -> dict[str, PromptSetSettings]:
@@ -557,6 +557,12 @@ class EvalSettings:
             if spec.limit is not None:
                 require(spec.limit >= 1, f"eval.prompt_sets.{name}.limit", spec.limit, "an int >= 1, or null")
             require_choice(f"eval.prompt_sets.{name}.turns", spec.turns, (1, 2))
+
+    @property
+    def drafts_drawn_at(self) -> Optional[float]:
+        """eval.draft_temperature where drafts are drawn at it (sampled drafts at T > 0); None where they are drawn
+        at eval.temperature (the setting null) or not drawn at all (T=0, greedy drafts)."""
+        return self.draft_temperature if self.temperature and self.draft_sampling == "sampled" else None
 
 
 @dataclass
@@ -649,7 +655,7 @@ class RunSettings:
             for key in ("measure_target", "live_engine") + (() if e.temperature else ("seed",)):
                 unused.append((f"eval.{key}", getattr(e, key), getattr(base_eval, key),
                                "only eval.mode=live uses it"))
-        if not e.temperature or e.draft_sampling != "sampled":
+        if e.drafts_drawn_at is None:
             unused.append(("eval.draft_temperature", e.draft_temperature, None,
                            "only sampled drafts at eval.temperature > 0 are drawn at a temperature"))
         if tr.loss_weighting != "dpace":

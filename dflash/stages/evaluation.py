@@ -36,8 +36,8 @@ class EvalStage:
     def describe(self) -> str:
         e = self.context.settings.eval
         drafts = f"{e.draft_sampling} drafts"
-        if e.draft_sampling == "sampled" and e.draft_temperature is not None:
-            drafts += f" drawn at T={e.draft_temperature}"
+        if e.drafts_drawn_at is not None:
+            drafts += f" drawn at T={e.drafts_drawn_at}"
         if e.mode == "replay" and e.temperature:
             how = f"the expected acceptance at T={e.temperature} ({drafts}, an estimate)"
         elif e.mode == "replay":
