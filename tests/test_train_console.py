@@ -159,3 +159,24 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
     if shutil.which("gcc"):
         logged = "".join(Path(path).read_text(encoding="utf-8") for path in glob.glob(str(tmp_path / "logs" / "*")))
         assert "-laio" in logged and "built successfully" in logged
+
+
+def test_a_pipeline_run_keeps_third_party_info_records_off_the_console(tmp_path, monkeypatch):
+    # The run's own wrapper (dflash/pipeline.py), not only the context manager: a library's INFO record made while a
+    # stage runs lands in the run's log file, and its warning still on the console.
+    from dflash.config import compose
+    from dflash.pipeline import Pipeline
+    from dflash.stages.data import DataStage
+
+    def run(stage) -> None:
+        logging.getLogger("a_library").info("JAX version 0.11.2 available.")
+        logging.getLogger("a_library").warning("a library warning the user must see")
+
+    monkeypatch.setattr(DataStage, "run", run)
+    pipeline = Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "stages=[data]"]))
+    with copied_console() as console:
+        pipeline.run()
+    assert "JAX version" not in console.getvalue()
+    assert "a library warning the user must see" in console.getvalue()
+    logged = "".join(path.read_text(encoding="utf-8") for path in (tmp_path / "logs").iterdir())
+    assert "JAX version 0.11.2 available." in logged
