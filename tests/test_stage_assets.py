@@ -23,11 +23,18 @@ def packaged_files() -> list[str]:
     return [f"{PACKAGE}/{GGUF_NAME}", *files]
 
 
-def staged_files() -> list[str]:
-    """package/file of each line of the script's FILES list."""
+def gemma3_270m_files() -> list[str]:
+    """package/file of the Gemma 3 270M chunks, as dflash/models/targets/gemma3_270m.py finds them."""
+    from dflash.models.targets.gemma3_270m import GGUF_NAME, PACKAGES
+
+    return [f"{package}/data/{GGUF_NAME}.part{index:02d}" for index, package in enumerate(PACKAGES)]
+
+
+def staged_files(array: str = "FILES") -> list[str]:
+    """package/file of each line of the script's bash array `array`."""
     text = SCRIPT.read_text()
-    block = text[text.index("FILES=(") + len("FILES=("):]
-    block = block[:block.index(")")]
+    block = text[text.index(f"\n{array}=(") + len(f"\n{array}=("):]
+    block = block[:block.index("\n)")]
     return ["/".join(line.strip().strip('"').split(" ", 1)) for line in block.strip().splitlines()]
 
 
@@ -35,14 +42,19 @@ def test_the_script_stages_every_packaged_file_a_run_reads():
     assert sorted(staged_files()) == sorted(packaged_files())
 
 
+def test_the_opt_in_gemma_list_is_the_chunks_the_target_joins():
+    assert staged_files("GEMMA3_270M_FILES") == gemma3_270m_files()
+
+
 def run(command: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, check=True)
 
 
 @pytest.mark.skipif(shutil.which("xz") is None, reason="needs xz")
-def test_split_then_receive_part_by_part_restores_every_file(tmp_path):
-    packages = tmp_path / "packages"  # small stand-ins for the two PyPI packages' folders
-    files = staged_files()
+@pytest.mark.parametrize("with_gemma", [False, True], ids=["default", "with-gemma3-270m"])
+def test_split_then_receive_part_by_part_restores_every_file(tmp_path, with_gemma):
+    packages = tmp_path / "packages"  # small stand-ins for the PyPI packages' folders
+    files = staged_files() + (gemma3_270m_files() if with_gemma else [])
     for relative in files:
         (packages / relative).parent.mkdir(parents=True, exist_ok=True)
         (packages / relative).write_bytes(os.urandom(3000))
@@ -51,7 +63,7 @@ def test_split_then_receive_part_by_part_restores_every_file(tmp_path):
     python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
     python.chmod(0o755)
     env = {**os.environ, "PYTHON": str(python), "PYTHONPATH": str(packages), "PARTS": str(tmp_path / "parts"),
-           "PART_BYTES": "4000", "STAGE_DIR": str(tmp_path / "stage")}
+           "PART_BYTES": "4000", "STAGE_DIR": str(tmp_path / "stage"), "WITH_GEMMA3_270M": str(int(with_gemma))}
     run("split", env)
     parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
     assert len(parts) >= 3
@@ -64,6 +76,7 @@ def test_split_then_receive_part_by_part_restores_every_file(tmp_path):
     site = tmp_path / "stage" / "site"
     for relative in files:
         assert (site / relative).read_bytes() == (packages / relative).read_bytes()
+    assert (site / gemma3_270m_files()[0]).exists() == with_gemma
     assert printed.strip().startswith(f"export PYTHONPATH={site}")
 
 
