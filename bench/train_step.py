@@ -76,8 +76,8 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
     torch.profiler table of two more steps (CUDA time per kernel) to this file.
     """
     from dflash.train.batches import prepare_micro_batch
-    from dflash.train.engine import OptimConfig, TrainEngine, init_distributed
-    from dflash.config.schema import TrainSettings
+    from dflash.train.engine import TrainEngine, init_distributed
+    from dflash.config.schema import DeepSpeedSettings, TrainSettings
     from dflash.train.loop import train_step
     from dflash.train.step_metrics import step_flops
 
@@ -98,11 +98,6 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
         from dflash.train.compile_layers import compile_layers
 
         compile_layers(drafter)
-    total = warmup + steps
-    optim = OptimConfig(lr=6e-4, weight_decay=0.0, betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0,
-                        grad_clip=1.0, zero_stage=zero_stage, bf16=bf16, micro_batch_size=1, grad_accum=1,
-                        total_steps=total)
-    engine = TrainEngine(drafter, optim, world_size=world_size)
     generator = torch.Generator().manual_seed(0)
     embed = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
     lm_head = (torch.randn(shape["vocab"], shape["hidden"], generator=generator) * 0.02).to(device, dtype)
@@ -121,6 +116,8 @@ def run_path(path: str, shape: dict, device: torch.device, steps: int, warmup: i
                              betas=(0.9, 0.95), warmup_ratio=0.04, min_lr_ratio=0.0, grad_clip=1.0,
                              num_anchors=shape["anchors"], gamma=7.0, seed=0, loss_chunk_size=chunk, log_every=1,
                              save_every=0, attention="flex" if path == "flex" else "sdpa")
+    engine = TrainEngine(drafter, settings, DeepSpeedSettings(zero_stage=zero_stage), warmup + steps, world_size,
+                         bf16=bf16)
 
     def sync() -> None:
         if device.type == "cuda":

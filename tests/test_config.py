@@ -322,6 +322,48 @@ def test_yaml_files_hold_no_copy_of_a_schema_default():
             assert not repeated, f"conf/{group}/{path} repeats the schema's defaults of {repeated}"
 
 
+def yaml_leaves(node, prefix: str = "") -> dict[str, object]:
+    """Every leaf key of a plain nested dict as a dotted path (lists are leaves)."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    found = {}
+    for key, value in node.items():
+        found.update(yaml_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return found
+
+
+def experiment_baseline(path: str) -> list[str]:
+    """The overrides of an experiment file's own defaults list: what composes without the file's body."""
+    overrides = []
+    for entry in OmegaConf.to_container(OmegaConf.load(path)).get("defaults", []):
+        if entry == "_self_":
+            continue
+        if isinstance(entry, str):
+            overrides.append(f"+experiment={entry}")  # another experiment it extends
+            continue
+        ((key, value),) = entry.items()
+        overrides.append(f"{key.removeprefix('override /')}={value}")
+    return overrides
+
+
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(os.path.join(REPO, "conf", "experiment"))))
+def test_experiment_files_set_only_what_differs_from_what_they_extend(name):
+    """An experiment's value equal to what its defaults list (and the schema) already give is a second copy."""
+    path = os.path.join(REPO, "conf", "experiment", f"{name}.yaml")
+    baseline = compose(experiment_baseline(path))
+    body = OmegaConf.to_container(OmegaConf.load(path))
+    body.pop("defaults", None)
+    repeated = [key for key, value in yaml_leaves(body).items() if OmegaConf.select(baseline, key) == value]
+    assert not repeated, f"conf/experiment/{name}.yaml sets {repeated} to the values it already has"
+
+
+def test_the_command_configs_set_no_settings():
+    """conf/train.yaml, eval.yaml and extract.yaml choose groups and Hydra's options; every value is the schema's."""
+    for name in ("train", "eval", "extract"):
+        body = OmegaConf.to_container(OmegaConf.load(os.path.join(REPO, "conf", f"{name}.yaml")))
+        assert set(body) <= {"defaults", "hydra"}, f"conf/{name}.yaml sets {sorted(set(body) - {'defaults', 'hydra'})}"
+
+
 def test_the_settings_reference_in_the_docs_is_current():
     from dflash.config.reference import END, START, reference
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from dflash.config.schema import DeepSpeedSettings
 from dflash.models.drafter import DFlashDraftModel
 from dflash.train.batches import batch_to_device, prepare_micro_batch
-from dflash.train.engine import OptimConfig, TrainEngine, init_distributed, steps_beside_params
+from dflash.train.engine import TrainEngine, init_distributed, steps_beside_params
 from dflash.train.loop import train_step
 from dflash.train.step_metrics import step_flops
 from tests import trainer_harness
@@ -16,10 +19,9 @@ def make_engine(fused: bool | None) -> TrainEngine:
     init_distributed()
     drafter = DFlashDraftModel(trainer_harness.drafter_config())
     drafter.init_weights(0)
-    optim = OptimConfig(lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95), warmup_ratio=0.0, min_lr_ratio=0.1,
-                        grad_clip=1.0, zero_stage=2, bf16=False, micro_batch_size=2, grad_accum=1, total_steps=4,
-                        fused_adamw=fused)
-    return TrainEngine(drafter, optim, world_size=1)
+    settings = dataclasses.replace(trainer_harness.settings(micro_batch_size=2, grad_accum=1), weight_decay=0.01)
+    return TrainEngine(drafter, settings, DeepSpeedSettings(zero_stage=2), total_steps=4, world_size=1, bf16=False,
+                       fused_adamw=fused)
 
 
 def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:

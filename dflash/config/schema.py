@@ -15,6 +15,7 @@ after runs were fingerprinted, so that those runs keep their fingerprints (dflas
 
 import math
 import os
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -362,9 +363,11 @@ GROUP_KEYS = ("tokens", "work")
 
 @dataclass
 class TrainSettings:
-    """The drafter's optimisation (group `train`; notes section 4 recipe, scaled by the experiment files)."""
+    """The drafter's optimisation (group `train`). The defaults are the embedded default run's (a 1-layer drafter on
+    a 2-core CPU in a few minutes): a higher learning rate than the 27B recipe's (notes section 4), few epochs and
+    anchors; the experiment files set their recipes' values."""
 
-    epochs: int = setting(2, affects=("train",), doc="passes over the training samples")
+    epochs: int = setting(3, affects=("train",), doc="passes over the training samples")
     group_by_length: int = setting(0, affects=("train",),
                                    doc="> 0: batches of similar-length samples (sorted runs of this many batches)")
     group_by: str = setting("tokens", affects=("train",), neutral="tokens",
@@ -377,13 +380,13 @@ class TrainSettings:
                                            doc="START:COUNT: a torch.profiler table of those steps (rank 0)")
     micro_batch_size: int = setting(4, affects=("train",), doc="sequences per micro-batch and rank")
     grad_accum: int = setting(1, affects=("train",), doc="micro-batches per optimizer step and rank")
-    lr: float = setting(6.0e-4, affects=("train",), doc="peak learning rate (AdamW, warmup then cosine)")
+    lr: float = setting(3.0e-3, affects=("train",), doc="peak learning rate (AdamW, warmup then cosine)")
     weight_decay: float = setting(0.0, affects=("train",), doc="AdamW weight decay")
     betas: List[float] = setting(affects=("train",), factory=lambda: [0.9, 0.95], doc="AdamW betas")
     warmup_ratio: float = setting(0.04, affects=("train",), doc="share of the steps spent warming up")
     min_lr_ratio: float = setting(0.0, affects=("train",), doc="the cosine's end as a share of lr")
     grad_clip: float = setting(1.0, affects=("train",), doc="gradient norm clip (0: off)")
-    num_anchors: int = setting(32, affects=("train",), doc="random anchors (blocks) per sequence")
+    num_anchors: int = setting(16, affects=("train",), doc="random anchors (blocks) per sequence")
     gamma: float = setting(7.0, affects=("train",), doc="exp_decay: position k weighs exp(-(k-1)/gamma)")
     loss_weighting: str = setting("exp_decay", affects=("train",), doc="exp_decay | dpace (arXiv 2605.18810)")
     dpace_alpha: float = setting(0.5, affects=("train",), doc="dpace: confidence smoothing alpha + (1 - alpha) q")
@@ -633,50 +636,60 @@ class RunSettings:
 
 
     def ignored(self) -> list[str]:
-        """Settings given (other than their default) that this combination does not use, each named with why."""
-        unused: list[tuple[str, Any, Any, str]] = []  # (key, value, default, why)
+        """Settings given (other than their schema default) that this combination does not use, each named with
+        why."""
+        unused: list[tuple[str, Any, str]] = []  # (key, value, why)
         t, c, e, tr = self.target, self.capture, self.eval, self.train
         if t.kind != "hf":
-            unused.append(("target.path", t.path, None, f"only target.kind=hf reads it (this target is {t.kind})"))
+            unused.append(("target.path", t.path, f"only target.kind=hf reads it (this target is {t.kind})"))
         if t.kind != "tiny":
-            unused.append(("target.tiny", t.tiny, None, f"only target.kind=tiny reads it (this target is {t.kind})"))
-        base = CaptureSettings()
+            unused.append(("target.tiny", t.tiny, f"only target.kind=tiny reads it (this target is {t.kind})"))
         if c.mode != "offline":
             for key in ("shard_tokens", "check_every", "verify_existing"):
-                unused.append((f"capture.{key}", getattr(c, key), getattr(base, key),
+                unused.append((f"capture.{key}", getattr(c, key),
                                f"only capture=offline uses it (this run has capture={c.mode})"))
         if c.mode == "colocated":
             for key in ("pack", "devices", "gpus_per_worker"):
-                unused.append((f"capture.{key}", getattr(c, key), getattr(base, key),
+                unused.append((f"capture.{key}", getattr(c, key),
                                "capture=colocated runs the target on each trainer rank's own device"))
         if e.mode == "replay":
-            base_eval = EvalSettings()
             # The seed also draws replay's continuations at T > 0 (the estimate).
             for key in ("measure_target", "live_engine") + (() if e.temperature else ("seed",)):
-                unused.append((f"eval.{key}", getattr(e, key), getattr(base_eval, key),
-                               "only eval.mode=live uses it"))
+                unused.append((f"eval.{key}", getattr(e, key), "only eval.mode=live uses it"))
         if e.drafts_drawn_at is None:
-            unused.append(("eval.draft_temperature", e.draft_temperature, None,
+            unused.append(("eval.draft_temperature", e.draft_temperature,
                            "only sampled drafts at eval.temperature > 0 are drawn at a temperature"))
         if tr.loss_weighting != "dpace":
-            unused.append(("train.dpace_alpha", tr.dpace_alpha, 0.5, "only train.loss_weighting=dpace uses it"))
+            unused.append(("train.dpace_alpha", tr.dpace_alpha, "only train.loss_weighting=dpace uses it"))
         if not tr.group_by_length:
-            unused.append(("train.group_by", tr.group_by, "tokens", "train.group_by_length is 0 (no grouping)"))
+            unused.append(("train.group_by", tr.group_by, "train.group_by_length is 0 (no grouping)"))
         if not self.data.heldout:
-            for key, default in (("heldout_max_new_tokens", None), ("heldout_batch_size", 8)):
-                unused.append((f"train.{key}", getattr(tr, key), default, "data.heldout is 0 (nothing held out)"))
+            for key in ("heldout_max_new_tokens", "heldout_batch_size"):
+                unused.append((f"train.{key}", getattr(tr, key), "data.heldout is 0 (nothing held out)"))
         if self.data.source != "sharegpt":
-            unused.append(("data.turns", self.data.turns, "first", "only data.source=sharegpt has turns"))
+            unused.append(("data.turns", self.data.turns, "only data.source=sharegpt has turns"))
         unused += self._ignored_sampling()
-        return [f"{key}={value!r} is ignored: {why}" for key, value, default, why in unused if value != default]
+        return [f"{key}={value!r} is ignored: {why}" for key, value, why in unused if value != schema_default(key)]
 
-    def _ignored_sampling(self) -> list[tuple[str, Any, Any, str]]:
-        """The answer-sampling settings that this data does not use: (key, value, default, why)."""
+    def _ignored_sampling(self) -> list[tuple[str, Any, str]]:
+        """The answer-sampling settings that this data does not use: (key, value, why)."""
         d = self.data
         if not d.temperature:
-            return [("data.sampled_share", d.sampled_share, 1.0, "data.temperature is 0 (every answer greedy)")]
+            return [("data.sampled_share", d.sampled_share, "data.temperature is 0 (every answer greedy)")]
         if not d.sampled_share:
             why = "data.sampled_share is 0 (every answer greedy)"
-            return [("data.temperature", d.temperature, 0.0, why), ("data.top_p", d.top_p, 1.0, why)]
+            return [("data.temperature", d.temperature, why), ("data.top_p", d.top_p, why)]
         return []
+
+
+# The dataclass of each group's settings, for schema_default (capture: the fields every mode shares).
+GROUP_SETTINGS = {"target": TargetSettings, "data": DataSettings, "capture": CaptureSettings,
+                  "train": TrainSettings, "eval": EvalSettings}
+
+
+def schema_default(key: str) -> Any:
+    """The schema's default of a dotted key of a group's settings, e.g. 'train.dpace_alpha' -> 0.5."""
+    group, name = key.split(".", 1)
+    spec = {f.name: f for f in dataclasses.fields(GROUP_SETTINGS[group])}[name]
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
 

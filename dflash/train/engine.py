@@ -12,7 +12,6 @@ import atexit
 import math
 import os
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash.config.schema import DeepSpeedSettings, TrainSettings
 from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log
 
 if not torch.cuda.is_available():
@@ -27,32 +27,6 @@ if not torch.cuda.is_available():
 quiet_deepspeed_logger()  # DeepSpeed's INFO lines (its import's too) go to the run's log file, not the console
 
 import deepspeed  # noqa: E402  (must follow the accelerator choice above)
-
-
-@dataclass
-class OptimConfig:
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    warmup_ratio: float
-    min_lr_ratio: float
-    grad_clip: float
-    zero_stage: int
-    bf16: bool
-    micro_batch_size: int
-    grad_accum: int
-    total_steps: int
-    load_universal: bool = False  # resuming from a universal checkpoint (saved by another number of ranks)
-    # One-kernel AdamW (torch's fused=True) instead of the multi-tensor one; None = on CUDA only. The foreach
-    # version walks the fp32 master weights and Adam state about 12 times and allocates a full-size sqrt(v)
-    # temporary; the fused kernel reads and writes each once. Same update rule (rounding may differ in the last bit).
-    fused_adamw: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.total_steps < 1:
-            raise ValueError(f"training would run {self.total_steps} optimizer steps; check epochs and data size")
 
 
 def free_local_port() -> int:
@@ -112,19 +86,21 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 BUCKET_ELEMENTS = 200_000_000
 
 
-def deepspeed_config(config: OptimConfig, world_size: int) -> dict[str, Any]:
+def deepspeed_config(settings: TrainSettings, deepspeed_settings: DeepSpeedSettings, bf16: bool, world_size: int,
+                     load_universal: bool = False) -> dict[str, Any]:
+    """DeepSpeed's config dict for these settings (bf16: deepspeed.bf16 resolved for the device)."""
     return {
-        "train_micro_batch_size_per_gpu": config.micro_batch_size,
-        "gradient_accumulation_steps": config.grad_accum,
-        "train_batch_size": config.micro_batch_size * config.grad_accum * world_size,
-        "gradient_clipping": config.grad_clip,
-        "bf16": {"enabled": config.bf16},
-        "zero_optimization": {"stage": config.zero_stage, "reduce_bucket_size": BUCKET_ELEMENTS,
+        "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+        "gradient_accumulation_steps": settings.grad_accum,
+        "train_batch_size": settings.micro_batch_size * settings.grad_accum * world_size,
+        "gradient_clipping": settings.grad_clip,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": deepspeed_settings.zero_stage, "reduce_bucket_size": BUCKET_ELEMENTS,
                               "allgather_bucket_size": BUCKET_ELEMENTS},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
-        "checkpoint": {"load_universal": config.load_universal},
+        "checkpoint": {"load_universal": load_universal},
     }
 
 
@@ -145,26 +121,39 @@ def steps_beside_params(optimizer: torch.optim.Optimizer) -> None:
 
 
 class TrainEngine:
-    def __init__(self, model: nn.Module, config: OptimConfig, world_size: int) -> None:
+    """The drafter under DeepSpeed with AdamW and the warmup-cosine schedule of `settings` over `total_steps`.
+
+    bf16: deepspeed.bf16 resolved for the device. load_universal: resuming from a universal checkpoint (saved by
+    another number of ranks). fused_adamw: torch's one-kernel AdamW instead of the multi-tensor one; None = on CUDA
+    only. The foreach version walks the fp32 master weights and Adam state about 12 times and allocates a full-size
+    sqrt(v) temporary; the fused kernel reads and writes each once (same update rule; rounding may differ in the
+    last bit).
+    """
+
+    def __init__(self, model: nn.Module, settings: TrainSettings, deepspeed_settings: DeepSpeedSettings,
+                 total_steps: int, world_size: int, *, bf16: bool, load_universal: bool = False,
+                 fused_adamw: bool | None = None) -> None:
+        if total_steps < 1:
+            raise ValueError(f"training would run {total_steps} optimizer steps; check epochs and data size")
         params = [p for p in model.parameters() if p.requires_grad]
-        fused = config.fused_adamw
-        if fused is None:
-            fused = all(p.is_cuda for p in params)
+        fused = all(p.is_cuda for p in params) if fused_adamw is None else fused_adamw
         optimizer = torch.optim.AdamW(
-            params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=fused or None,
+            params, lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay,
+            fused=fused or None,
         )
         # The multiplier reads these two at every step, so `set_total_steps` can move the schedule's end.
-        self.built_warmup = max(1, round(config.warmup_ratio * config.total_steps))
-        self.warmup_steps, self.total_steps = self.built_warmup, config.total_steps
+        self.built_warmup = max(1, round(settings.warmup_ratio * total_steps))
+        self.warmup_steps, self.total_steps = self.built_warmup, total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.total_steps, config.min_lr_ratio)
+            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.total_steps, settings.min_lr_ratio)
         )
         with to_run_log():
             self.engine, _, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
-                config=deepspeed_config(config, world_size), dist_init_required=False,
+                config=deepspeed_config(settings, deepspeed_settings, bf16, world_size, load_universal),
+                dist_init_required=False,
             )
-        self.zero_stage = config.zero_stage
+        self.zero_stage = deepspeed_settings.zero_stage
 
     @property
     def module(self) -> nn.Module:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash.config.schema import ATTENTION_BACKENDS
 from dflash.models.drafter import DFlashDraftModel
 from dflash.train.objective import block_attention_masks, block_inputs
-
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 
 def resolve_attention(name: str, device: torch.device) -> str:

@@ -37,7 +37,7 @@ from dflash.train.checkpoint_policy import CheckpointPolicy
 from dflash.train.checkpoints import resume_tag
 from dflash.train.compile_layers import compile_layers
 from dflash.train.divergence import DivergenceGuard
-from dflash.train.engine import OptimConfig, TrainEngine
+from dflash.train.engine import TrainEngine
 from dflash.train.forward import resolve_attention, training_forward
 from dflash.train.heldout import HeldoutSet
 from dflash.train.heldout_tracker import HeldoutTracker, check_heldout
@@ -88,14 +88,8 @@ def build_engine(settings: TrainSettings, deepspeed: DeepSpeedSettings | None, d
         apply_activation_checkpointing(drafter)
     if settings.compile:
         compile_layers(drafter)
-    optim = OptimConfig(
-        lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
-        warmup_ratio=settings.warmup_ratio, min_lr_ratio=settings.min_lr_ratio, grad_clip=settings.grad_clip,
-        zero_stage=deepspeed.zero_stage, bf16=resolve_bf16(deepspeed.bf16, device),
-        micro_batch_size=settings.micro_batch_size,
-        grad_accum=settings.grad_accum, total_steps=total_steps, load_universal=load_universal,
-    )
-    return TrainEngine(drafter.to(device), optim, world_size)
+    return TrainEngine(drafter.to(device), settings, deepspeed, total_steps, world_size,
+                       bf16=resolve_bf16(deepspeed.bf16, device), load_universal=load_universal)
 
 
 def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.Tensor, micro_batches: list[dict],
@@ -213,9 +207,7 @@ def plan_batches(settings: TrainSettings, num_samples: int, world_size: int,
 def count_steps(settings: TrainSettings, plan: BatchPlan) -> int:
     """The optimizer steps of settings.epochs, capped at settings.max_steps."""
     total_steps = plan.steps_per_epoch * settings.epochs
-    if settings.max_steps is not None:
-        if settings.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {settings.max_steps}")
+    if settings.max_steps is not None:  # >= 1, checked by TrainSettings
         total_steps = min(total_steps, settings.max_steps)
     return total_steps
 

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from dflash.config.schema import LOSS_WEIGHTINGS
 from dflash.models.targets.logit_transform import LogitTransform, logits_from_hidden
 from dflash.train.head_cross_entropy import head_loss
 
@@ -181,9 +182,6 @@ def block_attention_masks(
             raise ValueError(f"unknown layer type {layer_type!r}")
         masks[layer_type] = torch.cat([context_part, block_part], dim=2)[:, None]
     return masks
-
-
-LOSS_WEIGHTINGS = ("exp_decay", "dpace")
 
 
 def check_loss_weighting(weighting: str, dpace_alpha: float) -> None:
