@@ -9,10 +9,10 @@ between ways of generating the same computation, so turning them off changes spe
   workspace from one length and viewed it with another in a later micro-batch ("shape '[1731, 64]' is invalid for
   input of size 1536", 64 anchors x 64 sequences); pytorch issue 186426 reports the same family of failures.
 
-Duck sizing is turned off too: by default dynamo gives sizes that are equal at the first trace one symbol. In the
-recipe the 64 anchor slots shared one with the batch (64 sequences) and the head dim (64, a constant), so the
-slots were fixed at 64 and the first micro-batch with 32 slots recompiled both layer graphs (27 s at step 74 of
-session 10's run); a first batch padded to 1,024 tokens ties its length to the 1,024 queries the same way. The
+Duck sizing is turned off too: by default dynamo gives sizes that are equal at the first trace one symbol. With it
+on, the recipe's 64 anchor slots share one with the batch (64 sequences) and the head dim (64, a constant), so the
+slots are fixed at 64 and the first micro-batch with 32 slots recompiles both layer graphs (measured on one H200:
+27 s, at step 74); a first batch padded to 1,024 tokens ties its length to the 1,024 queries the same way. The
 setting stays off for the rest of the process (dynamo reads it at each trace), also after a target's compiled layers
 are given back; the other compiled code here compiles no more graphs with it off.
 """

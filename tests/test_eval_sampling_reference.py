@@ -1,6 +1,6 @@
-"""The acceptance rules computed on the device (sampling.py: one host sync per live step) draw the same random
-numbers and give the same tokens as the host-branching rules they replace (kept below as the reference), and
-`sample` draws what torch.multinomial draws. The distributions themselves are tested in test_eval_sampling.py."""
+"""The acceptance rules of dflash/inference/sampling.py, computed on the device (one host sync per live step), draw
+the same random numbers and give the same tokens as the host-branching reference rules below, and `sample` draws
+what torch.multinomial draws. The distributions themselves are tested in test_eval_sampling.py."""
 
 from __future__ import annotations
 

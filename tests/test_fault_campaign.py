@@ -3,8 +3,9 @@
 One uninterrupted run is the reference; a run interrupted after its step-4 checkpoint (and its first held-out
 evaluation, which wrote checkpoints/best) is the state each fault is applied to: a checkpoint's model states or
 optimizer states flipped, a model-states file cut to half, NaN optimizer states under matching checksums, a feature
-shard flipped, checkpoints/best flipped; and the exports of the finished run flipped. Each time the same command names the bad file and falls back, repairs it or
-stops naming it; where it goes on, the run ends with the reference's losses and exported weights, byte for byte.
+shard flipped, checkpoints/best flipped; and the exports of the finished run flipped. Each time the same command
+names the bad file and falls back, repairs it or stops naming it; where it goes on, the run ends with the reference's
+losses and exported weights, byte for byte.
 The same end is asked of a run SIGKILLed during capture, inside a step, inside a checkpoint save and inside pruning.
 """
 

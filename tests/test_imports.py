@@ -21,6 +21,33 @@ def package_of(module: str) -> str | None:
     return parts[1] if parts[0] == "dflash" and len(parts) > 1 else None
 
 
+def is_module(name: str) -> bool:
+    """Whether `name` (dotted) is a module or package in this checkout."""
+    path = os.path.join(REPO, *name.split("."))
+    return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
+
+
+def imported_modules(module: str, source: str, is_package: bool = False) -> list[str]:
+    """The modules that `source` (the text of `module`) imports, with relative imports made absolute.
+
+    `from a import b` names a.b where b is a submodule and a otherwise, so `from dflash import train` counts as
+    dflash.train and not as the package dflash, which sits on no layer.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                assert node.level <= len(parts), f"{module}: relative import above the top package"
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                found.append(f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base)
+    return found
+
+
 def imports() -> list[tuple[str, str]]:
     found = []
     for root, _, files in os.walk(os.path.join(REPO, "dflash")):
@@ -30,12 +57,7 @@ def imports() -> list[tuple[str, str]]:
             path = os.path.join(root, name)
             module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
             with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    found.append((module, node.module))
-                elif isinstance(node, ast.Import):
-                    found += [(module, alias.name) for alias in node.names]
+                found += [(module, imported) for imported in imported_modules(module, f.read(), name == "__init__.py")]
     return found
 
 
@@ -70,3 +92,15 @@ def test_no_module_imports_from_a_layer_above_or_beside_its_own():
 ])
 def test_the_rule(module, imported, wrong):
     assert against_layers(module, imported) == wrong
+
+
+@pytest.mark.parametrize("source,is_package", [
+    ("from dflash import train", False),
+    ("from dflash.train import heldout", False),
+    ("from ..train import heldout", False),
+    ("from .. import train", False),
+    ("from ..train import heldout", True),
+])
+def test_the_walk_sees_package_and_relative_imports(source, is_package):
+    module = "dflash.models" if is_package else "dflash.models.fake"
+    assert any(against_layers(module, imported) for imported in imported_modules(module, source, is_package))

@@ -5,8 +5,8 @@ field that decides a stage's output must enter that stage's fingerprint and a fi
 the first reruns the stage when changed, the second never does. Each stage's fingerprint also holds its input
 stage's (data -> capture -> train -> eval), so a change reruns the stage it affects and every stage after it.
 
-The parts are laid out as they were when the fingerprints were kept by hand, so run folders made then keep theirs;
-tests/test_config_fingerprints.py pins them.
+The parts keep one fixed layout, so that a run folder made by an earlier version of dflash keeps its fingerprints;
+tests/test_config.py pins them.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def replay_estimate(drafter: DFlashDraftModel, adapter, prompts: list[list[int]]
             features, finals = target_pass_with_final(adapter, sequences, config.target_layer_ids)
         with timer.phase("estimate"):
             proposer = DrafterProposer(drafter, adapter, sequences, features)
-            head, transform = adapter.lm_head_weight(), getattr(adapter, "logit_transform", None)
+            head, transform = adapter.lm_head_weight(), adapter.logit_transform
             traces += expected_traces(head_logits(proposer.hidden, head, transform), head, finals, sequences,
                                       [len(p) for p in chunk], block_size=config.block_size,
                                       max_new_tokens=max_new_tokens, temperature=temperature,

@@ -123,8 +123,8 @@ class ColocatedFeatureSource(FeatureSource):
         """On CUDA, SDPA's memory-efficient and flash kernels rather than cuDNN's for the padded target forward.
 
         A micro-batch's padded width changes every step, and cuDNN's attention plans its graph for each new shape
-        on the host: the session-6 profile of the SmolLM2 recipe (one H200) showed 1.0 ms of host time per
-        attention call, 28 calls a step, for 0.13 ms of GPU time each. The step is bound by the host there.
+        on the host: a profile of the SmolLM2 recipe on one H200 showed 1.0 ms of host time per attention
+        call, 28 calls a step, for 0.13 ms of GPU time each. The step is bound by the host there.
         """
         if torch.device(device).type != "cuda":
             return contextlib.nullcontext()

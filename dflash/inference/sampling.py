@@ -33,8 +33,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
     The draw torch.multinomial(probs, 1) makes (ATen's one-sample path: q ~ Exp(1) per entry, argmax of p / q),
     written out: multinomial first checks its input on the host (two device syncs), this does not. The same random
-    numbers and the same tokens as multinomial for one generator state (tests/test_eval_sampling_syncs.py); rows must
-    be valid distributions (nothing checks for negative, NaN or all-zero rows)."""
+    numbers and the same tokens as multinomial for one generator state (tests/test_eval_sampling_reference.py); rows
+    must be valid distributions (nothing checks for negative, NaN or all-zero rows)."""
     flat = probs.reshape(-1, probs.shape[-1])
     noise = torch.empty_like(flat).exponential_(1, generator=generator)
     return (flat / noise).argmax(dim=-1).reshape(probs.shape[:-1])

@@ -143,7 +143,7 @@ def _write_passes(adapter: Any, sequences: list[list[int]], prompt_lens: list[in
     head = adapter.lm_head_weight()
     greedy = [greedy_tokens(f, head) for f in finals]
     save_heldout_set(path, sequences, greedy, features, prompt_lens, layer_ids, finals,
-                     getattr(adapter, "logit_transform", None), path_temperature)
+                     adapter.logit_transform, path_temperature)
 
 
 @torch.inference_mode()

@@ -1,12 +1,12 @@
 """What a training step reports beyond the loss: expected acceptance length and model FLOPs (for TFLOP/s, MFU).
 
-FLOP formula (the one the issue states, so numbers compare with other trainers' reports), per optimizer step:
+FLOP formula (the 6 x parameters x tokens count of other trainers' reports, so numbers compare), per optimizer step:
     6 x (drafter decoder-layer parameters) x (query positions)          trainable layers, forward + backward
   + 4 x vocab x hidden x (query positions)                              frozen lm_head: forward + input gradient
   + 6 x (fc parameters + per-layer k_proj/v_proj parameters) x (context positions)   context feature and its K/V
 Query positions = sequences x anchors x block_size (padding anchors included: the decoder layers compute them; the
 lm_head runs only on the rows with a loss weight, so its term overstates its work by a few percent); context
-positions = sequences x padded length. Attention scores (q.k and p.v) are not counted, as in the quoted formula.
+positions = sequences x padded length. Attention scores (q.k and p.v) are not counted, as in those reports.
 """
 
 from __future__ import annotations

@@ -1,29 +1,29 @@
 """A wall-time budget for the training stage (`train.max_minutes`): the LR schedule ends within it.
 
-Sizing `train.max_steps` from an assumed step time fails when the real step is slower (docs/LOG.md, session 8: 0.36 s
-instead of 0.15 s, so the deadline stopped training with the LR at 55% of its peak). Here the trainer times its own
-steps and plans the total it can afford:
+Sizing `train.max_steps` from an assumed step time fails when the real step is slower (measured on one H200: 0.36 s
+instead of the assumed 0.15 s, so the deadline stopped training with the LR at 55% of its peak). Here the trainer
+times its own steps and plans the total it can afford:
 
     planned = min(cap, done + the most steps that, with the held-out evaluations they bring, fit the time left)
 
 cap is the epochs / max_steps total, and never fewer than done + 1 are planned. The first step of a run (engine
-warm-up, kernel compilation) is not timed. Nor are up to ONE_OFFS later steps that took more than ONE_OFF_FACTOR
-times the median of the other steps of the rate window, with an excess that would move a full window's rate by more
-than REPLAN_TOLERANCE: recompilations. On an H200 the recipe's second step took 12-17 s against 0.17 s for the next
-ones, and in session 10 step 74 took 27 s (a new shape); timed, that one step cut the plan to a third of the steps it
-could afford, and kept it below three quarters until it left the 400-step window. Their excess over the median still counts against the budget,
-as spent (and the hard stop below takes the last step as timed). A slow step beyond the first ONE_OFFS is the pace
-and is timed, and so is a smaller one (noise must not use up the slots) and the step that carries a checkpoint
-save (a recurring cost). Each step is judged against the window's other steps as it ends; a run's first timed
-steps wait until ONE_OFF_BASELINE others are there. Steps under the profiler (their time exclude()d by the caller)
-are no samples of the pace: neither judged nor counted among the rate's steps. The first plan comes after
-CALIBRATION_STEPS timed steps, or sooner when the judged steps already used CALIBRATION_SHARE of the budget. Then the plan is renewed every REPLAN_EVERY steps and
-after every held-out evaluation, from the rate of the last rate_window steps (evaluations excluded), so a run that
-slows down still anneals in time; a renewed plan replaces the current one only when the totals differ by more than
-REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost the seconds of the shortest one measured;
-before any was measured, UNMEASURED_EVAL_SHARE of the budget is set aside for all of them. A hard stop ends training
-at the current step (its final evaluation and checkpoint as usual) when the next step and the final evaluation no
-longer fit.
+warm-up, kernel compilation) is not timed. Nor are up to ONE_OFFS later steps that took more than ONE_OFF_FACTOR times
+the median of the other steps of the rate window, with an excess that would move a full window's rate by more than
+REPLAN_TOLERANCE: recompilations. On an H200 the recipe's second step took 12-17 s against 0.17 s for the next ones,
+and a recompilation for a new shape at step 74 took 27 s; timed, that one step cut the plan to a third of the steps it
+could afford, and kept it below three quarters until it left the 400-step window. Their excess over the median still
+counts against the budget, as spent (and the hard stop below takes the last step as timed). A slow step beyond the
+first ONE_OFFS is the pace and is timed, and so is a smaller one (noise must not use up the slots) and the step that
+carries a checkpoint save (a recurring cost). Each step is judged against the window's other steps as it ends; a run's
+first timed steps wait until ONE_OFF_BASELINE others are there. Steps under the profiler (their time exclude()d by the
+caller) are no samples of the pace: neither judged nor counted among the rate's steps. The first plan comes after
+CALIBRATION_STEPS timed steps, or sooner when the judged steps already used CALIBRATION_SHARE of the budget. Then the
+plan is renewed every REPLAN_EVERY steps and after every held-out evaluation, from the rate of the last rate_window
+steps (evaluations excluded), so a run that slows down still anneals in time; a renewed plan replaces the current one
+only when the totals differ by more than REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost
+the seconds of the shortest one measured; before any was measured, UNMEASURED_EVAL_SHARE of the budget is set aside
+for all of them. A hard stop ends training at the current step (its final evaluation and checkpoint as usual) when the
+next step and the final evaluation no longer fit.
 
 Times come from the caller (seconds since the start of this run's training loop), so the arithmetic runs without a
 clock; the loop passes times agreed across ranks, so every rank plans the same steps.
