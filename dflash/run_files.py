@@ -186,9 +186,11 @@ def swap_in_dir(new: str, target: str, aside: str) -> None:
     """Put the finished folder `new` in the place of folder `target` (same parent), so `target` is never
     half-written, also after a power loss (`new` is fsynced first, and the parent folder after the rename).
     os.replace cannot overwrite a non-empty folder: the old one goes to `aside` first, comes back if `new` cannot
-    take its place, and is deleted once it has."""
+    take its place, and is deleted once it has. An `aside` left by a swap killed before that delete is older than
+    `target` and goes first."""
     fsync_tree(new)
     if os.path.exists(target):
+        shutil.rmtree(aside, ignore_errors=True)
         os.replace(target, aside)
     try:
         os.replace(new, target)

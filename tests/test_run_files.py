@@ -144,3 +144,19 @@ def test_a_folder_swapped_in_is_synced_file_by_file_and_its_parent_after(tmp_pat
     assert sorted(os.listdir(target)) == ["config.json", "sub"] and sorted(os.listdir(tmp_path)) == ["export"]
     assert set(synced[:-1]) == {str(new / "config.json"), str(new / "sub" / "weights.bin"), str(new / "sub"), str(new)}
     assert synced[-1] == str(tmp_path)
+
+
+def test_swap_in_dir_clears_an_aside_folder_left_by_a_killed_swap(tmp_path):
+    """A swap killed after the new folder took its place but before the old one was deleted leaves `aside` behind;
+    the next swap replaces `target` all the same (os.replace cannot move a folder onto a non-empty one)."""
+    target, aside = tmp_path / "best", tmp_path / "best.old"
+    target.mkdir()
+    (target / "weights").write_text("current")
+    aside.mkdir()
+    (aside / "weights").write_text("older")
+    new = tmp_path / "best.tmp"
+    new.mkdir()
+    (new / "weights").write_text("newer")
+    swap_in_dir(str(new), str(target), aside=str(aside))
+    assert (target / "weights").read_text() == "newer"
+    assert sorted(os.listdir(tmp_path)) == ["best"]

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config.errors import CorruptFile
-from dflash.run_files import checksum_problem, fsync_path, fsync_tree, write_checksums
+from dflash.run_files import checksum_problem, swap_in_dir, write_checksums
 
 BEST = "best"
 WEIGHTS = "model.safetensors"
@@ -71,13 +71,7 @@ def write_best(checkpoint_dir: str, state_dict: dict[str, torch.Tensor], info: d
     with open(os.path.join(tmp, INFO), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
     write_checksums(tmp)  # before the folder takes best/'s place
-    fsync_tree(tmp)
-    if os.path.isdir(best):
-        shutil.rmtree(old, ignore_errors=True)  # older than best/, left by a kill while it was being deleted
-        os.replace(best, old)
-    os.replace(tmp, best)
-    fsync_path(checkpoint_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in_dir(tmp, best, aside=old)
 
 
 def clear_best(checkpoint_dir: str) -> None:

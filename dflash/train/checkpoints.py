@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from dflash.config.errors import ConfigError
-from dflash.run_files import atomic_path, checksum_problem, fsync_path, fsync_tree, write_checksums, write_text
+from dflash.run_files import atomic_path, checksum_problem, swap_in_dir, write_checksums, write_text
 from dflash.train.best_checkpoint import read_best
 from dflash.train.engine import TrainEngine
 
@@ -258,9 +258,7 @@ def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, 
         for name in os.listdir(os.path.join(directory, tag)):  # the RNG files travel with it
             if name.startswith("rng_rank"):
                 shutil.copy(os.path.join(directory, tag, name), os.path.join(tmp, name))
-        fsync_tree(tmp)
-        os.replace(tmp, target)
-        fsync_path(directory)
+        swap_in_dir(tmp, target, aside=f"{target}.old")
     _barrier()
     return universal, True
 
