@@ -121,6 +121,21 @@ def test_other_settings_are_refused(tiny, tmp_path):
         synthesize_prompts(tiny, 2, SYSTEMS[:1], tmp_path / "greedy.jsonl", **{**SYN, "temperature": 0.0})
 
 
+def test_a_target_on_the_plain_prompt_format_is_refused_before_any_draw(tmp_path):
+    """A base model's plain 'User: ... / Assistant:' format ends a user turn in text, not in a stop token: the
+    draws would all run to max_new_tokens and be dropped, so the setting is refused, naming it, before a draw."""
+    from dflash.config.errors import ConfigError
+    from dflash.models.targets.chat_template import set_chat_template
+
+    base = load_target("tiny", tiny={"family": "llama", "seed": 0, "tokenizer": "builtin"})
+    base.tokenizer.chat_template = None
+    set_chat_template(base.tokenizer, None, "llama")  # what loading a target without a template does
+    journal = tmp_path / "j.jsonl"
+    with pytest.raises(ConfigError, match=r"^data\.synthetic\.count=2: the target has no chat template"):
+        synthesize_prompts(base, 2, SYSTEMS[:1], journal, **SYN)
+    assert not journal.exists()
+
+
 def test_bounded_oversampling_keeps_fewer(tiny, tmp_path, caplog):
     # 8 new tokens rarely reach a stop token: most draws are cut, and at most 2 draws per prompt are made.
     prompts, stats = synthesize_prompts(tiny, 4, SYSTEMS[:2], tmp_path / "j.jsonl",

@@ -28,11 +28,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from dflash.config.errors import ConfigError
 from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
 from dflash.data.journal import JournalBuffer, open_journal, read_journal, with_target
 from dflash.data.progress import GenerationProgress
 from dflash.data.prompts import Prompt
 from dflash.inference.static_decode import StaticGenerator, resolve_engine
+from dflash.models.targets.chat_template import PLAIN_TEMPLATE
 
 logger = logging.getLogger(__name__)
 
@@ -230,8 +232,14 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     if max_new_tokens < 1 or batch_size < 1 or max_oversample < 1:
         raise ValueError(f"need max_new_tokens >= 1, batch_size >= 1, max_oversample >= 1; got {max_new_tokens}, "
                          f"{batch_size}, {max_oversample}")
-    engine = resolve_engine(engine, adapter)
     tokenizer = adapter.tokenizer
+    if count and getattr(tokenizer, "chat_template", None) == PLAIN_TEMPLATE:
+        # Its user turns end in plain text ("\n\nAssistant:"), never in a stop token: every draw would run to
+        # max_new_tokens and be dropped.
+        raise ConfigError(f"data.synthetic.count={count}: the target has no chat template, so its prompts take the "
+                          "plain 'User: ... / Assistant:' format, where a user turn the target writes never ends in "
+                          "a stop token; set data.synthetic.count=0, or target.chat_template=<a template file>")
+    engine = resolve_engine(engine, adapter)
     stop_ids = [int(t) for t in adapter.stop_token_ids()]
     if not stop_ids:
         raise ValueError("adapter.stop_token_ids() is empty: a user turn would never end")
