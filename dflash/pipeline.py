@@ -9,8 +9,8 @@ at a barrier.
 
 from __future__ import annotations
 
-import dataclasses
-
+import functools
+import logging
 import os
 import shutil
 import sys
@@ -22,14 +22,17 @@ from omegaconf import DictConfig
 from dflash.config import ConfigError
 from dflash.config.errors import ConfigPathError
 from dflash.console import console_copied_to
-from dflash.run_files import read_json_or_none, stage_done, write_text
+from dflash.run_files import mark_done, read_json_or_none, stage_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
 from dflash.stages.guard import refuse_other_trained_settings
+from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
 from dflash.train.third_party_output import third_party_records_to_run_log
+
+logger = logging.getLogger(__name__)
 
 
 class Pipeline:
@@ -42,6 +45,7 @@ class Pipeline:
         self.capture = CaptureStage(self.context, self.data)
         self.train = TrainStage(self.context, self.capture)
         self.eval = EvalStage(self.context, self.train)
+        self.stages: tuple[Stage, ...] = (self.data, self.capture, self.train, self.eval)  # the order they run in
 
     @property
     def adapter(self):
@@ -83,22 +87,31 @@ class Pipeline:
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
             if selected != ["eval"]:  # an evaluation records its config in its own folder
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
-        summary = None
-        for stage in (self.data, self.capture, self.train, self.eval):
+        for stage in self.stages:
             if stage.name in selected:
                 if run.rank == 0:
                     print(f"[{stage.name}] {stage.describe()}", flush=True)
-                if stage.every_rank:
-                    if stage.name == "capture":
-                        run.barrier()  # offline capture on every rank starts after rank 0's data stage
-                    result = timed(stage.name, stage.run)
-                elif run.rank == 0:
-                    result = timed(stage.name, stage.run)
-                if stage.name == "eval" and run.rank == 0:
-                    summary = result
-            if stage.name != "data":  # the data stage's output is read after the capture stage's barrier
+                if stage.every_rank or run.rank == 0:
+                    if stage.barrier_before:
+                        run.barrier()
+                    timed(stage.name, functools.partial(run_stage, stage, run.rank))
+            if stage.barrier_after:
                 run.barrier()
-        return summary
+        return self.eval.summary if "eval" in selected and run.rank == 0 else None
+
+
+def run_stage(stage: Stage, rank: int) -> None:
+    """One stage on this rank: kept when it is up to date (its done.json holds its fingerprint), else run, and
+    marked done by rank 0 with what its run recorded."""
+    stage.prepare()
+    if stage.up_to_date():
+        if stage.kept_line is not None:
+            logger.info(f"[{stage.name}] {stage.kept_line}: {stage.out}")
+        stage.kept()
+        return
+    record = stage.run()
+    if record is not None and rank == 0:
+        mark_done(stage.out, stage.fingerprint(), **record)
 
 
 def refuse_unreadable_prompts(pipeline: Pipeline) -> None:
@@ -169,10 +182,11 @@ def command_overrides(settings) -> list[str]:
 
 
 def timed(stage: str, work):
-    """work() with its wall time printed: where a run's minutes go is the first question after a long run."""
+    """work() with its wall time logged (rank 0 shows it): where a run's minutes go is the first question after a
+    long run."""
     started = time.perf_counter()
     result = work()
-    print(f"[{stage}] stage took {time.perf_counter() - started:.1f} s", flush=True)
+    logger.info(f"[{stage}] stage took {time.perf_counter() - started:.1f} s")
     return result
 
 
@@ -214,7 +228,7 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
     from dflash.extract.rank_link import capture_gpus, open_link
 
     link = open_link(c.ranks, str(cfg.device), c.timeout_s,
-                     capture_gpus(c, dataclasses.asdict(settings_from(cfg).target)), c.ranks_per_node)
+                     capture_gpus(c, settings_from(cfg).target), c.ranks_per_node)
     if link.is_capture:
         from dflash.stages.capture_role import serve_capture
 

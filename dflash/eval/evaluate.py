@@ -27,10 +27,12 @@ import io
 import json
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from dflash.config.schema import PromptSetSettings
 from dflash.inference.static_decode import resolve_engine
 from dflash.eval.expected_acceptance import ExpectedTrace, expected_metrics
 from dflash.eval.metrics import PhaseTimer, acceptance_metrics
@@ -66,13 +68,15 @@ TURN2_SUFFIX = "_turn2"
 
 
 def load_prompt_sets(
-    adapter, specs: dict[str, Any], *, max_new_tokens: int, template_kwargs: dict[str, Any] | None = None,
+    adapter, specs: Mapping[str, PromptSetSettings | Mapping[str, Any]], *, max_new_tokens: int,
+    template_kwargs: dict[str, Any] | None = None,
     batch_size: int = 8,
     timer: PhaseTimer | None = None,
 ) -> tuple[dict[str, list[list[int]]], dict[str, list[str]]]:
     """Token ids of every configured prompt set, and category labels where the source has them.
 
-    specs: {name: {source, path?, limit?, turns?, answer_max_new_tokens?}} (conf/eval/default.yaml). `turns: 2`
+    specs: {name: PromptSetSettings} (eval.prompt_sets), or {name: {source, path?, limit?, turns?,
+    answer_max_new_tokens?}} read as PromptSetSettings, its defaults for the keys left out. `turns: 2`
     (multi-turn sources such as mtbench) adds the set "<name>_turn2": the second user turn asked on top of the
     target's own greedy answer to the first (multiturn.py), whose answer has at most `answer_max_new_tokens`
     tokens (default: max_new_tokens), generated `batch_size` prompts at a time. Both sets keep the categories of
@@ -88,22 +92,21 @@ def load_prompt_sets(
     prompt_sets: dict[str, list[list[int]]] = {}
     categories: dict[str, list[str]] = {}
     for name, spec in specs.items():
-        turns = int(spec.get("turns", 1))
-        if turns not in (1, 2):
-            raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {turns}")
+        if isinstance(spec, Mapping):
+            spec = PromptSetSettings(**spec)
+        if spec.turns not in (1, 2):  # PromptSetSettings does not check it; EvalSettings does
+            raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {spec.turns}")
         with timer.for_prompt_set(name), timer.phase("load_prompts"):
-            source, path = str(spec["source"]), spec.get("path")
-            prompts = load_prompts(source, path=path, limit=spec.get("limit"))
-            labels = prompt_categories(source, prompts, path=path)
+            prompts = load_prompts(spec.source, path=spec.path, limit=spec.limit)
+            labels = prompt_categories(spec.source, prompts, path=spec.path)
             prompt_sets[name] = [adapter.chat_ids(p.messages, **kwargs) for p in prompts]
         names = [name]
-        if turns == 2:
+        if spec.turns == 2:
             second = name + TURN2_SUFFIX
             if second in specs:
                 raise ValueError(f"eval prompt set {name!r} has turns: 2, which adds the set {second!r}, but a set "
                                  f"of that name is configured too; rename one")
-            answer_tokens = spec.get("answer_max_new_tokens")
-            answer_tokens = max_new_tokens if answer_tokens is None else int(answer_tokens)
+            answer_tokens = max_new_tokens if spec.answer_max_new_tokens is None else spec.answer_max_new_tokens
             with timer.for_prompt_set(second), timer.phase("turn2_answers"):
                 conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
                                                           template_kwargs=kwargs, batch_size=batch_size)

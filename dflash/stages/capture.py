@@ -11,17 +11,19 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from dflash.config import fingerprints
-from dflash.run_files import claim_dir, clear_done, mark_done, read_json_or_none, stage_done, write_json
+from dflash.run_files import claim_dir, clear_done, read_json_or_none, stage_done, write_json
 from dflash.stages.context import RunContext
 from dflash.stages.data import DataStage
 from dflash.stages.shapes import drafter_config, mask_token_for, target_shape
+from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
 
 
-class CaptureStage:
+class CaptureStage(Stage):
     name = "capture"
 
     def __init__(self, run: RunContext, data: DataStage) -> None:
@@ -32,6 +34,11 @@ class CaptureStage:
     def every_rank(self) -> bool:
         """Offline capture is split over every rank; the other modes only prepare files, on rank 0."""
         return self.context.settings.capture.mode == "offline" and self.context.world_size > 1
+
+    @property
+    def barrier_before(self) -> bool:
+        """Offline capture on every rank starts after rank 0's data stage."""
+        return self.every_rank
 
     def describe(self) -> str:
         s = self.context.settings
@@ -47,10 +54,9 @@ class CaptureStage:
         made = {k: stats.get(k) for k in ("fingerprint", "samples", "num_tokens")}
         return fingerprints.capture_fingerprint(self.context.settings, made)
 
-    def run(self) -> None:
-        from dflash.data.dataset import load_dataset_dir
-        from dflash.train.frozen_head import save_frozen_head
-
+    def prepare(self) -> None:
+        """Before the done check: a finished offline store missing shards is not done (check_store), and features
+        of other settings are moved aside (rank 0); every rank capturing offline waits for that."""
         run, out, key = self.context, self.out, self.fingerprint()
         mode = run.settings.capture.mode
         if run.rank == 0 and mode == "offline" and stage_done(out, key):
@@ -63,11 +69,18 @@ class CaptureStage:
                 logger.info(f"[capture] features of other settings moved aside to {moved}")
         if mode == "offline":
             run.barrier()  # every rank captures offline (only rank 0 gets here otherwise): wait for the claim
-        if stage_done(out, key):
-            logger.info(f"[capture] up to date: {out}")
-            if run.rank == 0:
-                self.ensure_sampled_heldout()
-            return
+
+    def kept(self) -> None:
+        if self.context.rank == 0:
+            self.ensure_sampled_heldout()
+
+    def run(self) -> dict[str, Any] | None:
+        """This rank's features; rank 0 also writes the held-out features, the frozen head and target.json."""
+        from dflash.data.dataset import load_dataset_dir
+        from dflash.train.frozen_head import save_frozen_head
+
+        run, out = self.context, self.out
+        mode = run.settings.capture.mode
         shape = target_shape(run.target)
         dataset = load_dataset_dir(self.data.out)
         shape["mask_token_id"] = self.mask_token(dataset)
@@ -75,16 +88,23 @@ class CaptureStage:
         if mode in ("online", "colocated"):
             summary = self.describe_streamed(mode, len(dataset), config.target_layer_ids)
         else:
-            summary = self.capture_store(dataset, config.target_layer_ids, key)
+            summary = self.capture_store(dataset, config.target_layer_ids, self.fingerprint())
         if run.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
             run.release_target()  # frees this rank's device for training (rank 0 keeps the target for eval)
-            return
+            return None
         self.capture_heldout(config.target_layer_ids)
         save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(),
                          os.path.join(out, "frozen_head.safetensors"), run.target.logit_transform)
         write_json(os.path.join(out, "target.json"), shape)
         logger.info(f"[capture] {summary} -> {out}")
-        mark_done(out, key)
+        return {}
+
+    def layer_ids(self) -> list[int] | None:
+        """The taps of the features in `out` as recorded there (the store's manifest.json, online.json or
+        colocated.json), or None when there is no record."""
+        mode = self.context.settings.capture.mode
+        record = read_json_or_none(os.path.join(self.out, "manifest.json" if mode == "offline" else f"{mode}.json"))
+        return None if record is None else [int(i) for i in record["target_layer_ids"]]
 
     def mask_token(self, dataset) -> int:
         """The run's MASK token, checked against (or chosen clear of) the ids of the data and held-out sets."""

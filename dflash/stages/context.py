@@ -3,7 +3,6 @@ target model, loaded once when a stage first needs it."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -59,8 +58,7 @@ class RunContext:
             elif self.device.type == "cuda" and c.mode != "colocated":
                 from dflash.models.targets.placement import rank_devices, resolve_gpus_per_worker
 
-                g = resolve_gpus_per_worker(c.gpus_per_worker, dataclasses.asdict(t),
-                                            len(c.devices) if c.devices is not None else 1)
+                g = resolve_gpus_per_worker(c.gpus_per_worker, t, len(c.devices) if c.devices is not None else 1)
                 if g > 1:
                     device = rank_devices(self.local_rank, g)
             with transformers_progress_bars(self.show_progress):

@@ -9,15 +9,17 @@ import textwrap
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.run_files import clear_done, mark_done, stage_done, write_json
+from dflash.run_files import clear_done, write_json
 from dflash.stages.context import RunContext
+from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
 
 
-class DataStage:
+class DataStage(Stage):
     name = "data"
     every_rank = False  # rank 0 writes the dataset; the other ranks read it after the next barrier
+    barrier_after = False  # the ranks meet after the capture stage (or before it, when every rank captures)
 
     def __init__(self, run: RunContext) -> None:
         self.context = run
@@ -40,15 +42,12 @@ class DataStage:
     def target_identity(self) -> dict[str, Any]:
         return fingerprints.target_identity(self.context.settings)
 
-    def run(self) -> None:
+    def run(self) -> dict[str, Any] | None:
+        """The dataset; its stats for done.json, or None while some prompts failed."""
         from dflash.data.dataset import build_dataset, format_stats
         from dflash.data.prompts import load_prompts
 
         run, d, out = self.context, self.context.settings.data, self.out
-        key = self.fingerprint()
-        if stage_done(out, key):
-            logger.info(f"[data] up to date: {out}")
-            return
         os.makedirs(out, exist_ok=True)
         prompts = load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed, turns=d.turns)
         synthetic = None
@@ -72,8 +71,8 @@ class DataStage:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
             logger.info(f"[data] {stats['failed']} prompt(s) failed (errors above and in stats.json); the stages go on "
                         "without them, and running the data stage again retries them")
-            return
-        mark_done(out, key, stats=stats)
+            return None
+        return {"stats": stats}
 
     def synthetic_prompts(self) -> tuple[list, dict]:
         """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder,

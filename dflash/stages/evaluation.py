@@ -2,36 +2,32 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
 
 from dflash.config import fingerprints
 from dflash.config.errors import CorruptFile, NothingToEvaluate
-from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, mark_done, read_json, read_json_or_none, \
-    stage_done, write_text
+from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
+    write_text
 from dflash.stages.context import RunContext
 from dflash.stages.export import export_best
-from dflash.stages.shapes import drafter_config
+from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
 
 logger = logging.getLogger(__name__)
 
 
-def prompt_set_specs(eval_settings) -> dict[str, dict[str, Any]]:
-    """eval.prompt_sets as the plain {name: {source, limit, ...}} dicts load_prompt_sets reads (null keys left out)."""
-    return {name: {k: v for k, v in dataclasses.asdict(spec).items() if v is not None}
-            for name, spec in eval_settings.prompt_sets.items()}
-
-
-class EvalStage:
+class EvalStage(Stage):
     name = "eval"
     every_rank = False
+    kept_line = None  # an up-to-date evaluation shows its table again, which says enough
 
     def __init__(self, run: RunContext, train: TrainStage) -> None:
         self.context, self.train = run, train
         self.out = run.dirs["eval"]
+        self.drafter: tuple[str, str] | None = None  # (folder, fingerprint) of the drafter measured, by prepare()
+        self.summary: dict[str, Any] | None = None  # what the evaluation measured (summary.json), once it ran
 
     def describe(self) -> str:
         e = self.context.settings.eval
@@ -70,8 +66,7 @@ class EvalStage:
         owner = read_json_or_none(os.path.join(self.train.checkpoints, CHECKPOINT_KEY)) or {}
         best = None
         if run.settings.eval.checkpoint == "best" and owner.get("fingerprint") == current:
-            shape = read_json(os.path.join(self.train.capture.out, "target.json"))
-            best = export_best(run.run_dir, self.train.checkpoints, drafter_config(run.settings, shape))
+            best = export_best(run.run_dir, self.train.checkpoints, self.train.drafter_config())
         if best is None:
             raise NothingToEvaluate(
                 f"no drafter of these settings to evaluate: the train stage has not finished ({done} is "
@@ -82,19 +77,33 @@ class EvalStage:
                     f"(step {best['step']}, held-out tau {best['tau']:.3f})")
         return os.path.join(run.run_dir, "export_best"), fingerprint(current, best)
 
+    def prepare(self) -> None:
+        """Pick the drafter to measure once: picking it may export the best checkpoint so far, and says so."""
+        self.drafter = self.drafter_to_evaluate()
+
+    def measured(self) -> tuple[str, str]:
+        """(folder, fingerprint) of the drafter measured: the one prepare() picked, else the one it would pick."""
+        return self.drafter if self.drafter is not None else self.drafter_to_evaluate()
+
+    def fingerprint(self) -> str:
+        folder, drafter_key = self.measured()
+        return fingerprints.eval_fingerprint(self.context.settings, drafter_key, folder)
+
+    def up_to_date(self) -> bool:
+        return stage_done(self.out, self.fingerprint()) and os.path.exists(os.path.join(self.out, "summary.json"))
+
+    def kept(self) -> None:
+        from dflash.eval.evaluate import format_table
+
+        self.summary = read_json(os.path.join(self.out, "summary.json"))
+        print(format_table(self.summary))
+
     def run(self) -> dict[str, Any]:
         from dflash.eval.evaluate import format_table
 
-        folder, drafter_key = self.drafter_to_evaluate()
-        key = fingerprints.eval_fingerprint(self.context.settings, drafter_key, folder)
-        summary_path = os.path.join(self.out, "summary.json")
-        if stage_done(self.out, key) and os.path.exists(summary_path):
-            summary = read_json(summary_path)
-        else:
-            summary = self.evaluate(folder)
-            mark_done(self.out, key)
-        print(format_table(summary))
-        return summary
+        self.summary = self.evaluate(self.measured()[0])
+        print(format_table(self.summary))
+        return {}
 
     def evaluate(self, folder: str) -> dict[str, Any]:
         """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml."""
@@ -115,7 +124,7 @@ class EvalStage:
         template_kwargs = dict(e.chat_template_kwargs)
         timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
         prompt_sets, categories = load_prompt_sets(
-            target, prompt_set_specs(e), max_new_tokens=e.max_new_tokens, template_kwargs=template_kwargs,
+            target, e.prompt_sets, max_new_tokens=e.max_new_tokens, template_kwargs=template_kwargs,
             batch_size=e.batch_size, timer=timer)
         summary = evaluate(drafter, target, prompt_sets, max_new_tokens=e.max_new_tokens,
                            show_progress=run.show_progress, mode=e.mode, temperature=e.temperature, seed=e.seed,

@@ -12,14 +12,16 @@ import contextlib
 import logging
 import os
 import time
+from typing import Any
 
-from dflash.config import fingerprints
-from dflash.run_files import checksum_problem, claim_checkpoint_dir, container, fingerprint, mark_done, read_json, \
-    stage_done, write_json, write_text
+from dflash.config import ConfigError, fingerprints
+from dflash.run_files import checksum_problem, claim_checkpoint_dir, container, fingerprint, read_json, stage_done, \
+    write_json, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.export import export_best, export_state, plot_training_curve
 from dflash.stages.shapes import drafter_config
+from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of t
 TRAINED_OUTPUTS = ("metrics.jsonl", "tensorboard", "export", "export_best", "training_curve.png", "eval")
 
 
-class TrainStage:
+class TrainStage(Stage):
     name = "train"
     every_rank = True
 
@@ -54,15 +56,17 @@ class TrainStage:
     def fingerprint(self) -> str:
         return fingerprint(self.checkpoint_fingerprint(), self.context.world_size)
 
-    def run(self) -> None:
+    def up_to_date(self) -> bool:
+        return stage_done(self.out, self.fingerprint()) and self.exports_intact()
+
+    def run(self) -> dict[str, Any] | None:
+        """Training on this rank, resumed from its last checkpoint when there is one; rank 0 exports the drafter.
+        The settings of the checkpoints behind the export go into done.json: the eval stage checks them (world
+        size aside). None when these settings' drafter came back with their checkpoints (already done)."""
         from dflash.train.engine import init_distributed
 
         run, key = self.context, self.fingerprint()
-        done = stage_done(self.out, key)
-        if done and self.exports_intact():
-            if run.rank == 0:
-                logger.info(f"[train] up to date: {self.out}")
-            return
+        done = stage_done(self.out, key)  # and yet run: an export is corrupt, exported again from the checkpoints
         rank, _, _ = init_distributed()
         if rank == 0:
             self.claim_checkpoints()
@@ -70,16 +74,28 @@ class TrainStage:
         if not done and stage_done(self.out, key):  # these settings' drafter came back with their checkpoints
             if rank == 0:
                 logger.info(f"[train] restored: {self.out}")
-            return
-        config = drafter_config(run.settings, read_json(os.path.join(self.capture.out, "target.json")))
+            return None
+        config = self.drafter_config()
         state = self.train(config, rank, run.world_size)
         if rank == 0:
             export_state(state, config, self.out)
             export_best(run.run_dir, self.checkpoints, config)
             plot_training_curve(run.run_dir)
-            # The settings of the checkpoints behind this export: the eval stage checks them (world size aside).
-            mark_done(self.out, key, checkpoint=self.checkpoint_fingerprint())
             logger.info(f"[train] exported drafter -> {self.out}")
+        return {"checkpoint": self.checkpoint_fingerprint()}
+
+    def drafter_config(self):
+        """The drafter's DrafterConfig: the settings, with the target's shape and taps as the capture stage recorded
+        them. ConfigError when its features were taken at other layers than these settings' taps."""
+        config = drafter_config(self.context.settings, read_json(os.path.join(self.capture.out, "target.json")))
+        captured = self.capture.layer_ids()
+        if captured is not None and captured != config.target_layer_ids:
+            taps = ",".join(str(i) for i in captured)
+            raise ConfigError(
+                f"the features in {self.capture.out} were captured at target layers {captured}, these settings' "
+                f"taps are {config.target_layer_ids} (drafter.target_layer_ids, drafter.num_taps): run the capture "
+                f"stage again (stages=[capture,train]) or set drafter.target_layer_ids=[{taps}]")
+        return config
 
     def exports_intact(self) -> bool:
         """Whether export/ and export_best/ hold the files they were written with (their checksums.json). A corrupt

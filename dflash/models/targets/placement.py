@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from dflash.config.schema import TargetSettings
 from dflash.models.targets.base import resolve_dtype
 
 # Share of each GPU left free by `gpus_per_worker` for activations, the captured features and the CUDA context.
@@ -185,22 +186,29 @@ def gpus_per_worker(model_bytes: int, gpu_bytes: int, reserve: float = DEFAULT_R
     return max(1, math.ceil(model_bytes / (gpu_bytes * (1 - reserve))))
 
 
-def target_bytes(target: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> int:
-    """Weight bytes of a target config (`conf/target/*.yaml` as a dict) in `dtype`, without loading weights."""
-    kind = str(target["kind"])
+def target_settings(target: TargetSettings | Mapping[str, Any]) -> TargetSettings:
+    """`target` as TargetSettings: the run's own, or a target group as a dict (conf/target/*.yaml, as the launch
+    scripts read it) checked and given the schema's defaults."""
+    return target if isinstance(target, TargetSettings) else TargetSettings(**target)
+
+
+def target_bytes(target: TargetSettings | Mapping[str, Any], dtype: torch.dtype = torch.bfloat16) -> int:
+    """Weight bytes of a target (target_settings) in `dtype`, without loading weights."""
+    target = target_settings(target)
+    kind = target.kind
     if kind == "hf":
         from dflash.config.target_path import target_path_problem
         from dflash.models.targets.preflight import checkpoint_config
 
-        path = os.path.expanduser(str(target["path"]))
+        path = os.path.expanduser(str(target.path))
         problem = target_path_problem(path)
         if problem is not None:
             raise FileNotFoundError(f"target path {path}: {problem}")
-        return module_bytes(empty_model(checkpoint_config(path, target.get("cache_dir")), dtype))
+        return module_bytes(empty_model(checkpoint_config(path, target.cache_dir), dtype))
     if kind == "tiny":
         from dflash.models.targets.tiny import build_tiny_target
 
-        spec = dict(target.get("tiny") or {})
+        spec = dict(target.tiny or {})
         family, seed = spec.pop("family"), int(spec.pop("seed", 0))
         return module_bytes(build_tiny_target(family, seed, tokenizer="builtin", dtype=dtype, **spec).model)
     if kind == "smollm2":
@@ -208,8 +216,8 @@ def target_bytes(target: dict[str, Any], dtype: torch.dtype = torch.bfloat16) ->
     raise ValueError(f"unknown target kind {kind!r}")
 
 
-def resolve_gpus_per_worker(setting: int | str | None, target: dict[str, Any], num_devices: int,
-                            gpu_bytes: int | None = None) -> int:
+def resolve_gpus_per_worker(setting: int | str | None, target: TargetSettings | Mapping[str, Any],
+                            num_devices: int, gpu_bytes: int | None = None) -> int:
     """`capture.gpus_per_worker` as a number that divides `num_devices` (the capture GPUs).
 
     An int is taken as given; "auto" (or None) asks `gpus_per_worker` with the target's weight bytes in the dtype
@@ -221,8 +229,8 @@ def resolve_gpus_per_worker(setting: int | str | None, target: dict[str, Any], n
             if not torch.cuda.is_available():
                 return 1
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-        count = gpus_per_worker(target_bytes(target, resolve_dtype(str(target.get("dtype", "auto")), "cuda")),
-                                gpu_bytes)
+        target = target_settings(target)
+        count = gpus_per_worker(target_bytes(target, resolve_dtype(target.dtype, "cuda")), gpu_bytes)
     else:
         try:
             count = int(setting)
