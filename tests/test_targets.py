@@ -151,6 +151,31 @@ def test_forward_with_features_matches_capture_and_logits(llama):
     torch.testing.assert_close(llama.model.model.norm(pre_norm), last)
 
 
+def test_one_forward_behind_the_capture_variants(llama):
+    """capture, capture_with_final and forward_with_features are TargetAdapter.forward's three outputs; the hook of
+    the deepest tap ends a "features" forward (later layers never run), and every hook is gone afterwards."""
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    features, none = llama.forward(ids, mask, [2, 0])
+    assert none is None and torch.equal(features, llama.capture(ids, mask, [2, 0]))
+    with_final = llama.forward(ids, mask, [2, 0], output="final")
+    assert all(torch.equal(a, b) for a, b in zip(with_final, llama.capture_with_final(ids, mask, [2, 0])))
+    features, logits = llama.forward(ids, mask, [2, 0], output="logits")
+    assert all(torch.equal(a, b) for a, b in zip((logits, features), llama.forward_with_features(ids, mask, [2, 0])))
+    modules = [*llama.decoder_layers(), llama.final_norm()]
+    hooks = [len(module._forward_hooks) for module in modules]  # transformers may keep hooks of its own
+    ran = []
+    later = llama.decoder_layers()[3].register_forward_hook(lambda *_: ran.append(3))
+    try:
+        llama.forward(ids, mask, [2, 0])
+    finally:
+        later.remove()
+    assert ran == []
+    assert [len(module._forward_hooks) for module in modules] == hooks
+    with pytest.raises(ValueError, match="output must be one of"):
+        llama.forward(ids, mask, [2], output="hidden")
+
+
 def test_features_can_feed_autograd(llama):
     """Captured features are plain tensors (no inference mode): a trainable layer on top can backpropagate."""
     features = llama.capture(torch.tensor([[5, 6, 7]]), None, [1, 2])

@@ -59,6 +59,16 @@ def user_turn_prefix(tokenizer: Any, system_prompt: str) -> str:
     return prefix
 
 
+def refuse_plain_format(tokenizer: Any, count: int) -> None:
+    """ConfigError naming data.synthetic.count when the target's prompts take the plain format (it has no chat
+    template): its user turns end in text ("\n\nAssistant:"), never in a stop token, so every draw would run to
+    max_new_tokens and be dropped."""
+    if getattr(tokenizer, "chat_template", None) == PLAIN_TEMPLATE:
+        raise ConfigError(f"data.synthetic.count={count}: the target has no chat template, so its prompts take the "
+                          "plain 'User: ... / Assistant:' format, where a user turn the target writes never ends in "
+                          "a stop token; set data.synthetic.count=0, or target.chat_template=<a template file>")
+
+
 def prompt_id(record: dict) -> str:
     """A kept draw's prompt id: its draw id plus a digest of its text. The answer journal is keyed by prompt id, so
     a draw id whose text changed (a new synthetic journal under other system prompts) never reuses an answer."""
@@ -233,12 +243,8 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
         raise ValueError(f"need max_new_tokens >= 1, batch_size >= 1, max_oversample >= 1; got {max_new_tokens}, "
                          f"{batch_size}, {max_oversample}")
     tokenizer = adapter.tokenizer
-    if count and getattr(tokenizer, "chat_template", None) == PLAIN_TEMPLATE:
-        # Its user turns end in plain text ("\n\nAssistant:"), never in a stop token: every draw would run to
-        # max_new_tokens and be dropped.
-        raise ConfigError(f"data.synthetic.count={count}: the target has no chat template, so its prompts take the "
-                          "plain 'User: ... / Assistant:' format, where a user turn the target writes never ends in "
-                          "a stop token; set data.synthetic.count=0, or target.chat_template=<a template file>")
+    if count:
+        refuse_plain_format(tokenizer, count)
     engine = resolve_engine(engine, adapter)
     stop_ids = [int(t) for t in adapter.stop_token_ids()]
     if not stop_ids:

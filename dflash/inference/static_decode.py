@@ -167,7 +167,6 @@ class _Decoder:
         """One decode step for every row: feed `tokens` at each row's `column`, attend over the first `span`
         columns, choose and record the next tokens. Runs inside engine_attention (advance() enters it)."""
         lay = self.layout
-        x = lay.embed(self.tokens[:, None])
         rope = {kind: (cos[self.column][:, None], sin[self.column][:, None]) for kind, (cos, sin) in self.rope.items()}
         # Additive masks made once per step, one per distinct window (SDPA would convert a boolean one in every
         # layer).
@@ -175,16 +174,17 @@ class _Decoder:
         masks = {window: mask[:, None, None, :] for window, mask in masks.items()}
         write = (self.flat_base + self.column[:, None]).view(-1)
         groups = lay.heads // lay.kv_heads
-        for layer, keys, values, kind in zip(lay.layers, self.keys, self.values, lay.rope_kinds):
-            def attend(q, k, v, scaling, window, softcap, keys=keys, values=values):
-                keys.view(-1, lay.head_dim).index_copy_(0, write, k.reshape(-1, lay.head_dim))
-                values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
-                # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
-                q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
-                context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
-                return context.reshape(self.rows, 1, lay.heads, lay.head_dim)
 
-            x = layer(x, position_embeddings=rope[kind], engine_attend=attend)
+        def attend(index, q, k, v, scaling, window, softcap):
+            keys, values = self.keys[index], self.values[index]
+            keys.view(-1, lay.head_dim).index_copy_(0, write, k.reshape(-1, lay.head_dim))
+            values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
+            # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
+            q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
+            context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
+            return context.reshape(self.rows, 1, lay.heads, lay.head_dim)
+
+        x, _ = lay.run(self.tokens[:, None], rope, attend)
         logits = lay.logits(x[:, -1]).float()
         uniform = self.uniform.gather(1, self.count[:, None]).squeeze(1) if self.temperature > 0 else None
         self.record(self.choose(logits, uniform))
@@ -199,17 +199,16 @@ class _Decoder:
         masks = {None: None} if lay.plain else visibility_masks(self.columns[:width], self.columns[:width],
                                                                 lay.mask_windows, lay.dtype)
         groups = lay.heads // lay.kv_heads
-        x = lay.embed(ids)
-        with engine_attention(lay.layers):
-            for layer, keys, values, kind in zip(lay.layers, self.keys, self.values, lay.rope_kinds):
-                def attend(q, k, v, scaling, window, softcap, keys=keys, values=values):
-                    keys[rows, :, :width] = k
-                    values[rows, :, :width] = v
-                    context = attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
-                                        masks[window], scaling, softcap)
-                    return context.transpose(1, 2)
 
-                x = layer(x, position_embeddings=rope[kind], engine_attend=attend)
+        def attend(index, q, k, v, scaling, window, softcap):
+            self.keys[index][rows, :, :width] = k
+            self.values[index][rows, :, :width] = v
+            context = attention(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
+                                masks[window], scaling, softcap)
+            return context.transpose(1, 2)
+
+        with engine_attention(lay.layers):
+            x, _ = lay.run(ids, rope, attend)
         last = x[torch.arange(len(lengths), device=x.device), lengths - 1]
         return lay.logits(last).float()
 

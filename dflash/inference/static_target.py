@@ -108,23 +108,19 @@ class StaticTarget:
         # The query heads of one kv group act as groups x n query rows of that kv head (no copy of the cache), so
         # the masks [n, span] are repeated per group; additive, made once per forward, one per distinct window.
         masks = visibility_masks(self.columns[:span], positions.repeat(groups), lay.mask_windows, lay.dtype)
-        taps: dict[int, torch.Tensor] = {}
-        x = lay.embed(ids[None])
-        with engine_attention(lay.layers):
-            for index, (layer, keys, values, kind) in enumerate(zip(lay.layers, self.keys, self.values,
-                                                                    lay.rope_kinds)):
-                def attend(q, k, v, scaling, window, softcap, keys=keys, values=values):
-                    keys.index_copy_(2, positions, k)
-                    values.index_copy_(2, positions, v)
-                    q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
-                    context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
-                    return context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2)
 
-                x = layer(x, position_embeddings=rope[kind], engine_attend=attend)
-                if index in self.layer_ids:
-                    taps[index] = x[0]
+        def attend(index, q, k, v, scaling, window, softcap):
+            keys, values = self.keys[index], self.values[index]
+            keys.index_copy_(2, positions, k)
+            values.index_copy_(2, positions, v)
+            q = q.reshape(1, lay.kv_heads, groups * n, lay.head_dim)
+            context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
+            return context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2)
+
+        with engine_attention(lay.layers):
+            x, taps = lay.run(ids[None], rope, attend, self.layer_ids)
         logits = lay.logits(x[0, -1:] if last_only else x[0])
-        return logits, torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        return logits, torch.cat([taps[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | torch.Tensor, last_logits_only: bool = False) -> Outputs:

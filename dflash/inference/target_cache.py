@@ -118,8 +118,9 @@ class CachedTarget:
     `length` is the number of positions in the cache. `forward(ids)` appends ids (a list, or a 1-D tensor that may
     stay on the device: no host round trip) at positions length.. and returns (logits [n, V], features [n, K*H]);
     `verify(ids)` is forward after a snapshot; `rollback(keep)`, right after it, makes the cache hold exactly the
-    first `keep` positions. With no `layer_ids` (target-only decoding) no hooks are installed
-    and features are None.
+    first `keep` positions. Features come from the adapter's tap hooks (TargetAdapter.taps); with no `layer_ids`
+    (target-only decoding) no hooks are installed and features are None. The HF model is called here, not through
+    TargetAdapter.forward: the cache, the positions and logits_to_keep are this class's.
     """
 
     def __init__(self, adapter: Any, layer_ids: list[int], *, restore_linear: bool = True) -> None:
@@ -146,26 +147,15 @@ class CachedTarget:
         device = self.adapter.device
         input_ids = token_ids(ids, device)[None]
         n = input_ids.shape[1]
-        store: dict[int, torch.Tensor] = {}
-        layers = self.adapter.decoder_layers()
-        handles = []
-        for layer_id in self.layer_ids:
-            def hook(module: Any, args: Any, output: Any, layer_id: int = layer_id) -> None:
-                # Decoder layers return a tensor in recent releases and a tuple in older ones.
-                store[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
-            handles.append(layers[layer_id].register_forward_hook(hook))
         positions = torch.arange(self.length, self.length + n, device=device)[None]
         # An explicit all-ones mask: without one, SDPA over a cache got a 4x slower path (transformers 5.24, CPU).
         mask = torch.ones(1, self.length + n, dtype=torch.long, device=device)
         extra = {self._cache_argument: self.cache}
         if last_logits_only and self._logits_to_keep:
             extra["logits_to_keep"] = 1
-        try:
+        with self.adapter.taps(self.layer_ids) as store:
             out = self.adapter.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                      **extra)
-        finally:
-            for handle in handles:
-                handle.remove()
         self.length += n
         features = torch.cat([store[i] for i in self.layer_ids], dim=-1)[0] if self.layer_ids else None
         return out.logits[0], features

@@ -11,6 +11,8 @@ Layer-id convention (notes section 2): tap id L is the OUTPUT of decoder layer L
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ from dflash.models.targets.packed_attention import OffsetsNotPassed, packed_atte
 
 # Names of end-of-turn tokens used by common chat templates; the ones present in a tokenizer stop generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+# What TargetAdapter.forward returns besides the features.
+FORWARD_OUTPUTS = ("features", "final", "logits")
 
 
 class _StopForward(Exception):
@@ -58,7 +62,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
 class TargetAdapter:
     """A frozen HF *ForCausalLM plus its tokenizer, with hook-based capture of decoder-layer outputs."""
 
-    # capture() / capture_with_final() leave the padding mask out (see `_run_decoder`): None = on CUDA inputs only.
+    # forward() without logits leaves the padding mask out (see `_run_decoder`): None = on CUDA inputs only.
     drop_padding_mask: bool | None = None
 
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
@@ -177,8 +181,18 @@ class TargetAdapter:
             self.text_model()(input_ids=input_ids, attention_mask=None if drop else attention_mask, use_cache=False,
                               **packing)
 
-    def _install_hooks(self, layer_ids: list[int], store: dict[int, torch.Tensor], stop_at: int | None) -> list:
+    def kernels(self) -> contextlib.AbstractContextManager[None]:
+        """The kernel choices this adapter's forwards run under: none here (a GDN hybrid's causal conv1d choice,
+        hybrid.py)."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def taps(self, layer_ids: list[int], stop_at: int | None = None) -> Iterator[dict[int, torch.Tensor]]:
+        """Inside the block, each decoder layer in `layer_ids` puts its output into the dict the block gets, by id,
+        whenever it runs. With `stop_at` (one of the ids) the forward ends right after that layer: its hook raises,
+        the block ends there without an error, and the layers after it never run."""
         layers = self.decoder_layers()
+        store: dict[int, torch.Tensor] = {}
         handles = []
         for layer_id in set(layer_ids):
             def hook(module: nn.Module, args: Any, output: Any, layer_id: int = layer_id) -> None:
@@ -187,28 +201,60 @@ class TargetAdapter:
                 if layer_id == stop_at:
                     raise _StopForward
             handles.append(layers[layer_id].register_forward_hook(hook))
-        return handles
-
-    def capture(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
-    ) -> torch.Tensor:
-        """Features [b, T, K*H] of the taps in `layer_ids` order (right padding), without computing logits.
-
-        Runs the decoder stack only (never the LM head) and stops right after the deepest tap. Padded positions
-        hold unspecified states (see `_run_decoder`); real positions equal an unpadded forward's.
-        """
-        ids = self.check_layer_ids(layer_ids)
-        self.check_right_padding(attention_mask)
-        store: dict[int, torch.Tensor] = {}
-        handles = self._install_hooks(ids, store, stop_at=max(ids))
         try:
-            self._run_decoder(input_ids, attention_mask)
+            yield store
         except _StopForward:
             pass
         finally:
             for handle in handles:
                 handle.remove()
-        return self._concat(ids, store)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int],
+                output: str = "features", **packing: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one forward behind capture(), capture_packed(), capture_with_final() and forward_with_features():
+        features [b, T, K*H] of the taps in `layer_ids` order (right padding), and by `output`
+        - "features": None; the decoder stack runs up to the deepest tap only, never the LM head;
+        - "final": the final normed hidden state [b, T, H] (the LM head's input, HF's `output_hidden_states[-1]`,
+          caught by a hook on the final norm); the whole decoder stack, still without the LM head;
+        - "logits": logits [b, T, V] of the whole model, run with the padding mask.
+        Without logits, padded positions hold unspecified states (see `_run_decoder`); real positions equal an
+        unpadded forward's. `packing`: a packed row's position ids and offsets (capture_packed), passed on to every
+        layer. Everything is returned on the adapter's device."""
+        if output not in FORWARD_OUTPUTS:
+            raise ValueError(f"output must be one of {FORWARD_OUTPUTS}, got {output!r}")
+        ids = self.check_layer_ids(layer_ids)
+        self.check_right_padding(attention_mask)
+        final: list[torch.Tensor] = []
+        logits = None
+        norm_hook = self.final_norm().register_forward_hook(
+            lambda _module, _args, out: final.append(out)) if output == "final" else None
+        try:
+            with self.kernels(), self.taps(ids, stop_at=max(ids) if output == "features" else None) as store:
+                if output == "logits":
+                    with torch.no_grad():
+                        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                            **packing).logits
+                else:
+                    self._run_decoder(input_ids, attention_mask, **packing)
+        finally:
+            if norm_hook is not None:
+                norm_hook.remove()
+        features = self._concat(ids, store)
+        if output == "logits":
+            return features, logits.to(self.device)
+        if output == "final":
+            if len(final) != 1:
+                raise RuntimeError(f"the final norm of {self.model_type} ran {len(final)} times in one forward, "
+                                   f"not once")
+            return features, final[0].to(self.device)
+        return features, None
+
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
+    ) -> torch.Tensor:
+        """Features [b, T, K*H] of the taps in `layer_ids` order (right padding), without computing logits:
+        forward(output="features"), which stops right after the deepest tap."""
+        return self.forward(input_ids, attention_mask, layer_ids)[0]
 
     def capture_packed(self, input_ids: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:
         """capture() of sequences laid end to end in one row, without padding: `input_ids` [T] holds sequences of
@@ -234,22 +280,15 @@ class TargetAdapter:
         positions = torch.arange(input_ids.numel()) - offsets[:-1].repeat_interleave(sizes)
         device = input_ids.device
         offsets = host_to_device(offsets, device)
-        store: dict[int, torch.Tensor] = {}
-        handles = self._install_hooks(ids, store, stop_at=max(ids))
         try:
             with packed_attention(self.model, max(lengths)):
-                self._run_decoder(input_ids[None], None, position_ids=host_to_device(positions, device)[None],
-                                  cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
-        except _StopForward:
-            pass
+                features, _ = self.forward(input_ids[None], None, ids,
+                                           position_ids=host_to_device(positions, device)[None],
+                                           cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
         except OffsetsNotPassed:
             self.unpacked_reason = "its decoder layers do not pass the packing offsets on to their attention"
-        finally:
-            for handle in handles:
-                handle.remove()
-        if self.unpacked_reason is not None:
             return self._capture_padded(input_ids, lengths, ids)
-        return self._concat(ids, store)[0]
+        return features[0]
 
     # Set when a packed forward found that the layers drop the offsets (capture_packed): padded from then on.
     unpacked_reason: str | None = None
@@ -278,41 +317,16 @@ class TargetAdapter:
     def capture_with_final(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`capture()`'s features [b, T, K*H] plus the final normed hidden state [b, T, H] (the LM head's input).
-
-        Runs the whole decoder stack, still without the LM head; the final state is the output of the text
-        model's last norm, caught by a hook there, which equals HF's `output_hidden_states[-1]`.
-        """
-        ids = self.check_layer_ids(layer_ids)
-        self.check_right_padding(attention_mask)
-        store: dict[int, torch.Tensor] = {}
-        final: list[torch.Tensor] = []
-        handles = self._install_hooks(ids, store, stop_at=None)
-        handles.append(self.final_norm().register_forward_hook(lambda _module, _args, out: final.append(out)))
-        try:
-            self._run_decoder(input_ids, attention_mask)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if len(final) != 1:
-            raise RuntimeError(f"the final norm of {self.model_type} ran {len(final)} times in one forward, not once")
-        return self._concat(ids, store), final[0].to(self.device)
+        """`capture()`'s features [b, T, K*H] plus the final normed hidden state [b, T, H] (the LM head's input):
+        forward(output="final"), the whole decoder stack without the LM head."""
+        return self.forward(input_ids, attention_mask, layer_ids, output="final")
 
     def forward_with_features(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One full forward: logits [b, T, V] and the same features as `capture()`."""
-        ids = self.check_layer_ids(layer_ids)
-        self.check_right_padding(attention_mask)
-        store: dict[int, torch.Tensor] = {}
-        handles = self._install_hooks(ids, store, stop_at=None)
-        try:
-            with torch.no_grad():
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return out.logits.to(self.device), self._concat(ids, store)
+        """One full forward: logits [b, T, V] and the same features as `capture()` (forward(output="logits"))."""
+        features, logits = self.forward(input_ids, attention_mask, layer_ids, output="logits")
+        return logits, features
 
     def _concat(self, ids: list[int], store: dict[int, torch.Tensor]) -> torch.Tensor:
         missing = [i for i in ids if i not in store]

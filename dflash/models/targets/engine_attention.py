@@ -1,14 +1,16 @@
 """The static engines' attention inside the target's own HF decoder layers.
 
-The static engines of dflash/inference/ (static_decode.py, static_target.py) run each decoder layer's own forward
-(norms, projections, q_norm/k_norm, RoPE, o_proj, MLP, residuals) and keep only the attention: they own the KV
-cache and decide what a query attends over (a prefill, a decode step, a verify). While `engine_attention(layers)`
-is active, those layers' attention modules call `engine_attention_forward`, registered with transformers'
-AttentionInterface under ENGINE_ATTENTION, which hands q, k and v to the function the engine passed to the decoder
-layer as the keyword `engine_attend`: HF's decoder layers pass their keyword arguments on to the attention module,
-and that to its attention function. The name has no mask function registered; the engines never run the model's
-own forward, so no mask is built for it, and their attend functions apply their own: causal, within the layer's
-sliding window when it has one, with the attention-logit soft cap when the layer passes one (Gemma 2).
+The static engines of dflash/inference/ (static_decode.py, static_target.py) run the target through
+TargetLayout.run (layout.py): each decoder layer's own forward (norms, projections, q_norm/k_norm, RoPE, o_proj,
+MLP, residuals). The engines keep only the attention: they own the KV cache and decide what a query attends over
+(a prefill, a decode step, a verify). While `engine_attention(layers)` is active, those layers' attention modules
+call `engine_attention_forward`, registered with transformers' AttentionInterface under ENGINE_ATTENTION, which
+hands q, k and v to the function TargetLayout.run passed to the decoder layer as the keyword `engine_attend` (the
+engine's function, bound to the layer's index): HF's decoder layers pass their keyword arguments on to the
+attention module, and that to its attention function. The name has no mask function registered; the engines never
+run the model's own forward, so no mask is built for it, and their attend functions apply their own: causal,
+within the layer's sliding window when it has one, with the attention-logit soft cap when the layer passes one
+(Gemma 2).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ ENGINE_ATTENTION = "dflash_engine"
 # attend(q [b, H, t, D], k and v [b, kv, t, D], scaling, sliding window or None, soft cap or None) -> context
 # [b, t, H, D]: writes the layer's cache and attends over it.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor]
+# The same with the decoder layer's index first: what an engine hands TargetLayout.run for all its layers.
+LayerAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor]
 
 
 class AttendNotPassed(ValueError):

@@ -11,10 +11,10 @@ printed at load.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
-import torch
 from torch import nn
 
 from dflash.models.targets.base import TargetAdapter
@@ -61,15 +61,9 @@ class HybridTargetAdapter(TargetAdapter):
                     f"chunk {kernels.get('chunk')}")
         return kernels
 
-    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, **packing: Any) -> None:
-        with conv_choice(self.gdn_conv):
-            super()._run_decoder(input_ids, attention_mask, **packing)
-
-    def forward_with_features(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        with conv_choice(self.gdn_conv):
-            return super().forward_with_features(input_ids, attention_mask, layer_ids)
+    def kernels(self) -> contextlib.AbstractContextManager[None]:
+        """The GDN layers' causal conv1d choice of set_gdn_conv, for the adapter's forwards."""
+        return conv_choice(self.gdn_conv)
 
     @property
     def layer_types(self) -> list[str]:

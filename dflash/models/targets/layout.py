@@ -1,8 +1,10 @@
 """What the static engines of dflash/inference/ read from a target: the batched regeneration decoder
-(static_decode.py) and live decoding's StaticTarget (static_target.py). The engines run the target's own HF
-modules: the embedding, each decoder layer's forward (its attention through engine_attention.py, which hands q, k
-and v to the engine's KV cache), the final norm and the LM head; the layout holds those modules, the attention
-shapes, each layer's sliding window and RoPE table, and the family's final logit transform.
+(static_decode.py) and live decoding's StaticTarget (static_target.py). The layout holds the target's own HF
+modules (the embedding, the decoder layers, the final norm and the LM head), the attention shapes, each layer's
+sliding window and RoPE table, and the family's final logit transform, and runs them: `run` is the embedding and
+each decoder layer's own forward with the engine's attention (engine_attention.py hands q, k and v to the engine,
+which writes its KV cache and attends), `logits` the final norm, the head and the transform. The engines keep
+their caches, masks, attention and CUDA graphs; no layer math is theirs.
 
 Families: dense Llama-layout targets (llama, mistral, qwen2, qwen3; SmolLM2 included) and Gemma 2/3 text models.
 Sliding-window layers (Mistral's window, Qwen2/3's window layers, Gemma's local layers) keep a full-length cache
@@ -15,12 +17,15 @@ its own.
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from dflash.models.targets.engine_attention import LayerAttend
 from dflash.models.targets.logit_transform import LogitTransform
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
@@ -140,6 +145,22 @@ class TargetLayout:
             cos, sin = self.rotary(probe, positions) if kind is None else self.rotary(probe, positions, kind)
             tables[kind] = cos[0], sin[0]
         return tables
+
+    def run(self, ids: torch.Tensor, rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]], attend: LayerAttend,
+            tap_ids: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The target's decoder stack over an engine's KV cache: the embedding of ids [b, t], then each decoder
+        layer's own forward with the (cos, sin) of its RoPE kind from `rope` (broadcast to [b, t, head_dim]) and, as
+        its attention, `attend(layer index, q, k, v, scaling, window, softcap)` (the engine writes that layer's
+        cache and attends over it). The engine enters engine_attention(self.layers) around the call. Returns the
+        last layer's output [b, t, H] (before the final norm: logits() takes it) and the outputs of the layers in
+        `tap_ids`, by id."""
+        x = self.embed(ids)
+        taps: dict[int, torch.Tensor] = {}
+        for index, (layer, kind) in enumerate(zip(self.layers, self.rope_kinds)):
+            x = layer(x, position_embeddings=rope[kind], engine_attend=functools.partial(attend, index))
+            if index in tap_ids:
+                taps[index] = x
+        return x, taps
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits of last-layer hidden states: final norm, LM head and the family's logit transform."""
