@@ -4,6 +4,9 @@ drafter context equal to the drafter's full forward, the naive cache crop shown 
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import pytest
 import torch
 
@@ -253,6 +256,91 @@ def test_target_cache_rollback_bounds_and_state_restore(tiny_target):
     target.forward([6])
     with pytest.raises(ValueError, match="must follow a verify directly"):
         target.rollback(len(prompt) + 4)
+
+
+def direct_cached_model(adapter, layer_ids):
+    """The HF model called directly over a DynamicCache of its own, as a live target: step(ids, last) appends ids
+    and returns (logits, features from output_hidden_states[L + 1]); rollback(start, keep, ids) keeps `keep`
+    positions of the verify of `ids` from `start` (GDN states restored and the kept tokens re-run)."""
+    from dflash.inference.target_cache import (crop_attention, has_linear_layers, new_cache, restore_linear_states,
+                                               snapshot_linear_states)
+
+    cache = new_cache(adapter.model)
+    argument = "cache" if "cache" in inspect.signature(adapter.model.forward).parameters else "past_key_values"
+    state = {"length": 0, "snapshot": []}
+
+    @torch.inference_mode()
+    def step(ids, last=False):
+        n, length = len(ids), state["length"]
+        out = adapter.model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, length + n, dtype=torch.long),
+                            position_ids=torch.arange(length, length + n)[None], use_cache=True,
+                            output_hidden_states=True, logits_to_keep=1 if last else 0, **{argument: cache})
+        state["length"] += n
+        return out.logits[0], torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+    @torch.inference_mode()
+    def verify(ids):
+        state["snapshot"] = snapshot_linear_states(cache)
+        return step(ids)
+
+    @torch.inference_mode()
+    def rollback(start, keep, ids):
+        if not has_linear_layers(cache):
+            crop_attention(cache, keep)
+            state["length"] = keep
+            return None
+        restore_linear_states(state["snapshot"])
+        crop_attention(cache, start)
+        state["length"] = start
+        return step(ids[: keep - start])[1]
+
+    return step, verify, rollback
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_live_target_is_the_adapter_forward(family, tiny_target, make_drafter, monkeypatch):
+    """The live decoder's HF-engine target runs every forward as TargetAdapter.forward with its cache (the model is
+    called by nothing else), without the right-padding check (a device read) or the adapter's kernels() (a
+    hybrid's capture conv choice); each forward gives bitwise what the HF model called directly over its own
+    DynamicCache gives: logits, and the taps' hidden states (id L = hidden_states[L + 1]), through a rollback."""
+    from dflash.inference.target_cache import CachedTarget
+
+    adapter = tiny_target(family)
+    forward, caches, model_calls, checked, kernels = adapter.forward, [], [], [], []
+
+    def counted(*args, **kwargs):
+        caches.append(kwargs.get("cache"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", counted)
+    monkeypatch.setattr(adapter, "check_right_padding", checked.append)
+    monkeypatch.setattr(adapter, "kernels", lambda: kernels.append(1) or contextlib.nullcontext())
+    hook = adapter.model.register_forward_pre_hook(lambda *_: model_calls.append(1))
+    try:
+        prompt = prompts_for(adapter)[1]
+        result = live_decode(make_drafter(adapter, block_size=5), adapter, prompt, max_new_tokens=12,
+                             stop_token_ids=[], target_engine="hf")
+    finally:
+        hook.remove()
+    assert result.continuation == own_greedy(adapter, prompt, 12)
+    assert len(caches) == len(model_calls) > len(result.trace.committed)
+    assert caches[0] is not None and all(cache is caches[0] for cache in caches)
+    assert checked == [] and kernels == []
+
+    target = CachedTarget(adapter, [1, 3])
+    step, verify, rollback = direct_cached_model(adapter, [1, 3])
+    start = len(prompt)
+    pairs = [(target.forward(prompt, last_logits_only=True), step(prompt, last=True)),
+             (target.verify([5, 6, 7, 8]), verify([5, 6, 7, 8]))]
+    kept = (target.rollback(start + 2), rollback(start, start + 2, [5, 6, 7, 8]))
+    pairs.append((target.forward([9]), step([9])))
+    assert pairs[0][0][0].shape == (1, adapter.vocab_size)
+    for (logits, features), (want_logits, want_features) in pairs:
+        assert torch.equal(logits, want_logits) and torch.equal(features, want_features)
+    if family == "llama":  # a dense rollback slices the cache and recomputes nothing
+        assert kept == (None, None)
+    else:  # a hybrid's re-runs the kept tokens: their features
+        assert kept[0].shape == (2, 2 * adapter.hidden_size) and torch.equal(*kept)
 
 
 def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatch):

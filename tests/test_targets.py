@@ -174,6 +174,11 @@ def test_one_forward_behind_the_capture_variants(llama):
     assert [len(module._forward_hooks) for module in modules] == hooks
     with pytest.raises(ValueError, match="output must be one of"):
         llama.forward(ids, mask, [2], output="hidden")
+    # A forward with a cache (live decoding's CachedTarget) runs the whole model: it returns logits only.
+    with pytest.raises(ValueError, match="a forward with a cache returns logits"):
+        llama.forward(ids, mask, [2], output="features", cache=object())
+    with pytest.raises(ValueError, match="layer_ids is empty"):
+        llama.forward(ids, mask, [], output="logits")
 
 
 def test_features_can_feed_autograd(llama):

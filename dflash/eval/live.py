@@ -12,13 +12,13 @@ The loop is the reference `dflash_generate` loop (docs/eval.md), run for real, o
 4. until a stop token is committed or max_new_tokens tokens exist.
 At T=0 the committed tokens are the target's own greedy tokens (lossless) on dense and GDN hybrid targets.
 
-Engines (`target_engine`, also for target-only decoding): "hf" is CachedTarget, the HF model over a DynamicCache
-(every target), with CachedDrafter; "static" is StaticTarget (static_target.py), a static KV cache whose verify and
-one-token forwards replay CUDA graphs on CUDA, as a serving engine runs them (targets whose layers static_layout_problem accepts),
-with StaticDrafter (static_drafter.py), the drafter context in static buffers with graphed extend and drafting
-steps (one graph from the block's tokens to its drafts: embedding, drafter, head, argmax);
-"auto" picks static on a supported CUDA target, else hf (static_decode.resolve_engine). The one-off graph capture
-happens before a decode's clock starts and is kept for later prompts.
+Engines (`target_engine`, also for target-only decoding): "hf" is CachedTarget, the adapter's forward over an HF
+DynamicCache (every target), with CachedDrafter; "static" is StaticTarget (static_target.py), a static KV cache
+whose verify and one-token forwards replay CUDA graphs on CUDA, as a serving engine runs them (targets whose layers
+static_layout_problem accepts), with StaticDrafter (static_drafter.py), the drafter context in static buffers with
+graphed extend and drafting steps (one graph from the block's tokens to its drafts: embedding, drafter, head,
+argmax); "auto" picks static on a supported CUDA target, else hf (static_decode.resolve_engine). The one-off graph
+capture happens before a decode's clock starts and is kept for later prompts.
 """
 
 from __future__ import annotations

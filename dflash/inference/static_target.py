@@ -1,14 +1,14 @@
 """The target side of live speculative decoding over a static KV cache, the way a serving engine runs it.
 
-CachedTarget (target_cache.py) drives the HF model over a DynamicCache: each forward re-dispatches hundreds of
-small kernels from Python, so on a GPU a small target is launch-bound and the measured speedup says more about
-Python than about the drafter. StaticTarget runs the target's own HF decoder layers with the attention of static
-decoding (dflash/models/targets/engine_attention.py) over one preallocated KV row. On
-CUDA the fixed-shape forwards (1 token for target-only decoding; for a verify, every block size 2..block_size,
-the shorter ones being the last blocks near max_new_tokens) replay CUDA graphs, one per (tokens, attention span),
-all captured when the StaticTarget is built: (block_size - 1) x capacity / LENGTH_QUANTUM verify graphs (120 for
-block 16 and 1024 positions), the graphs of one size writing one set of outputs. A prefill (any length) and sizes
-without a graph run eagerly.
+CachedTarget (target_cache.py) runs the HF model over a DynamicCache (TargetAdapter.forward): each forward
+re-dispatches hundreds of small kernels from Python, so on a GPU a small target is launch-bound and the measured
+speedup says more about Python than about the drafter. StaticTarget runs the target's own HF decoder layers with the
+attention of static decoding (dflash/models/targets/engine_attention.py) over one preallocated KV row. On CUDA the
+fixed-shape forwards (1 token for target-only decoding; for a verify, every block size 2..block_size, the shorter
+ones being the last blocks near max_new_tokens) replay CUDA graphs, one per (tokens, attention span), all captured
+when the StaticTarget is built: (block_size - 1) x capacity / LENGTH_QUANTUM verify graphs (120 for block 16 and
+1024 positions), the graphs of one size writing one set of outputs. A prefill (any length) and sizes without a graph
+run eagerly.
 
 Column c of the cache holds position c. A forward of n tokens at `length` writes columns length..length+n-1 and
 each query attends over the columns up to its own position (in a sliding-window layer, the last `window` of them:

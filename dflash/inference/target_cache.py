@@ -17,7 +17,6 @@ keep dicts `conv_states` / `recurrent_states` of tensors, updated in place. Anyt
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -118,9 +117,9 @@ class CachedTarget:
     `length` is the number of positions in the cache. `forward(ids)` appends ids (a list, or a 1-D tensor that may
     stay on the device: no host round trip) at positions length.. and returns (logits [n, V], features [n, K*H]);
     `verify(ids)` is forward after a snapshot; `rollback(keep)`, right after it, makes the cache hold exactly the
-    first `keep` positions. Features come from the adapter's tap hooks (TargetAdapter.taps); with no `layer_ids`
-    (target-only decoding) no hooks are installed and features are None. The HF model is called here, not through
-    TargetAdapter.forward: the cache, the positions and logits_to_keep are this class's.
+    first `keep` positions. Each forward is the adapter's own (TargetAdapter.forward with this class's cache, its
+    positions and an all-ones mask); with no `layer_ids` (target-only decoding) no taps are hooked and features are
+    None.
     """
 
     def __init__(self, adapter: Any, layer_ids: list[int], *, restore_linear: bool = True) -> None:
@@ -128,12 +127,6 @@ class CachedTarget:
         self.layer_ids = adapter.check_layer_ids(layer_ids) if layer_ids else []
         self.restore_linear = restore_linear
         self.cache = new_cache(adapter.model)
-        # transformers 5.24 renamed the argument to `cache` (`past_key_values` is deprecated there, the only name
-        # in 5.17).
-        parameters = inspect.signature(adapter.model.forward).parameters
-        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        # A prefill needs only the last position's logits: [prompt, vocab] logits are GBs for long prompts.
-        self._logits_to_keep = "logits_to_keep" in parameters
         self.length = 0
         self._snapshot: LinearSnapshot | None = None
         self._snapshot_length = 0
@@ -150,15 +143,10 @@ class CachedTarget:
         positions = torch.arange(self.length, self.length + n, device=device)[None]
         # An explicit all-ones mask: without one, SDPA over a cache got a 4x slower path (transformers 5.24, CPU).
         mask = torch.ones(1, self.length + n, dtype=torch.long, device=device)
-        extra = {self._cache_argument: self.cache}
-        if last_logits_only and self._logits_to_keep:
-            extra["logits_to_keep"] = 1
-        with self.adapter.taps(self.layer_ids) as store:
-            out = self.adapter.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                     **extra)
+        features, logits = self.adapter.forward(input_ids, mask, self.layer_ids, output="logits", cache=self.cache,
+                                                position_ids=positions, last_logits_only=last_logits_only)
         self.length += n
-        features = torch.cat([store[i] for i in self.layer_ids], dim=-1)[0] if self.layer_ids else None
-        return out.logits[0], features
+        return logits[0], None if features is None else features[0]
 
     @torch.inference_mode()
     def verify(self, ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

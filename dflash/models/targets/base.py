@@ -12,6 +12,8 @@ Layer-id convention (notes section 2): tap id L is the OUTPUT of decoder layer L
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,8 +184,8 @@ class TargetAdapter:
                               **packing)
 
     def kernels(self) -> contextlib.AbstractContextManager[None]:
-        """The kernel choices this adapter's forwards run under: none here (a GDN hybrid's causal conv1d choice,
-        hybrid.py)."""
+        """The kernel choices this adapter's forwards without a cache run under: none here (a GDN hybrid's causal
+        conv1d choice, hybrid.py)."""
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
@@ -210,36 +212,49 @@ class TargetAdapter:
                 handle.remove()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int],
-                output: str = "features", **packing: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The one forward behind capture(), capture_packed(), capture_with_final() and forward_with_features():
-        features [b, T, K*H] of the taps in `layer_ids` order (right padding), and by `output`
+                output: str = "features", *, cache: Any = None, position_ids: torch.Tensor | None = None,
+                last_logits_only: bool = False, **packing: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The one forward of the target, behind capture(), capture_packed(), capture_with_final(),
+        forward_with_features() and, with a cache, the live decoder's CachedTarget (dflash/inference/target_cache.py).
+        Returns the features [b, T, K*H] of the taps in `layer_ids` order (None for empty `layer_ids`, which only a
+        forward with a cache takes) and by `output`
         - "features": None; the decoder stack runs up to the deepest tap only, never the LM head;
         - "final": the final normed hidden state [b, T, H] (the LM head's input, HF's `output_hidden_states[-1]`,
           caught by a hook on the final norm); the whole decoder stack, still without the LM head;
-        - "logits": logits [b, T, V] of the whole model, run with the padding mask.
-        Without logits, padded positions hold unspecified states (see `_run_decoder`); real positions equal an
-        unpadded forward's. `packing`: a packed row's position ids and offsets (capture_packed), passed on to every
-        layer. Everything is returned on the adapter's device."""
+        - "logits": logits [b, T, V] of the whole model, run with the padding mask ([b, 1, V] of the last position
+          with `last_logits_only`, where the model takes logits_to_keep).
+        Without a cache, `attention_mask` is right padding (checked) and padded positions hold unspecified states
+        without logits (see `_run_decoder`); real positions equal an unpadded forward's. `position_ids` and
+        `packing`: a packed row's positions and offsets (capture_packed), passed on to every layer.
+        With `cache` (a transformers Cache, extended in place; output "logits" only) the tokens are appended at
+        `position_ids` after the cached positions; `attention_mask` spans the cached and the new positions and is
+        the caller's, not checked (a decode step reads nothing back from the device); a GDN hybrid's causal conv
+        runs under the caller's choice ("auto" unless a gdn_kernels.conv_choice is open), not under kernels(),
+        which holds the conv that set_gdn_conv picks for capture. Everything is returned on the adapter's device."""
         if output not in FORWARD_OUTPUTS:
             raise ValueError(f"output must be one of {FORWARD_OUTPUTS}, got {output!r}")
-        ids = self.check_layer_ids(layer_ids)
-        self.check_right_padding(attention_mask)
+        if cache is not None and output != "logits":
+            raise ValueError(f"a forward with a cache returns logits (output='logits'), got output={output!r}")
+        ids = self.check_layer_ids(layer_ids) if layer_ids or cache is None else []
+        if cache is None:
+            self.check_right_padding(attention_mask)
+        if position_ids is not None:
+            packing["position_ids"] = position_ids
         final: list[torch.Tensor] = []
         logits = None
         norm_hook = self.final_norm().register_forward_hook(
             lambda _module, _args, out: final.append(out)) if output == "final" else None
+        kernels = self.kernels() if cache is None else contextlib.nullcontext()
         try:
-            with self.kernels(), self.taps(ids, stop_at=max(ids) if output == "features" else None) as store:
+            with kernels, self.taps(ids, stop_at=max(ids) if output == "features" else None) as store:
                 if output == "logits":
-                    with torch.no_grad():
-                        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                            **packing).logits
+                    logits = self._logits(input_ids, attention_mask, cache, last_logits_only, **packing)
                 else:
                     self._run_decoder(input_ids, attention_mask, **packing)
         finally:
             if norm_hook is not None:
                 norm_hook.remove()
-        features = self._concat(ids, store)
+        features = self._concat(ids, store) if ids else None
         if output == "logits":
             return features, logits.to(self.device)
         if output == "final":
@@ -248,6 +263,25 @@ class TargetAdapter:
                                    f"not once")
             return features, final[0].to(self.device)
         return features, None
+
+    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Any,
+                last_logits_only: bool, **inputs: Any) -> torch.Tensor:
+        """The whole model's logits; with `cache` the model reads and extends it (use_cache)."""
+        parameters = self._model_parameters
+        if cache is not None:
+            # transformers 5.24 renamed the argument to `cache` (`past_key_values`, the only name in 5.17, is
+            # deprecated there).
+            inputs["cache" if "cache" in parameters else "past_key_values"] = cache
+        if last_logits_only and "logits_to_keep" in parameters:
+            inputs["logits_to_keep"] = 1  # a prompt's [T, vocab] logits are GBs for long prompts
+        with torch.no_grad():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=cache is not None,
+                              **inputs).logits
+
+    @functools.cached_property
+    def _model_parameters(self) -> frozenset[str]:
+        """The argument names of the HF model's forward."""
+        return frozenset(inspect.signature(self.model.forward).parameters)
 
     def capture(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int]

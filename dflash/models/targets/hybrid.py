@@ -42,11 +42,12 @@ class HybridTargetAdapter(TargetAdapter):
         return language_model if language_model is not None else inner
 
     def set_gdn_conv(self, conv: str = "auto") -> dict[str, str]:
-        """Pick the GDN layers' causal conv1d for this adapter's forwards (capture, capture_with_final,
-        forward_with_features): "auto" (fla's Triton kernel on CUDA inputs when fla is installed, else
-        transformers' conv), "fla" (RuntimeError unless it can run on every GDN layer) or "torch" (transformers'
-        own). Other calls of the model (e.g. model.generate) run "auto". Prints and returns the kernels the GDN
-        layers now run ({"conv": ..., "chunk": ...})."""
+        """Pick the GDN layers' causal conv1d for this adapter's forwards without a cache (capture,
+        capture_with_final, forward_with_features): "auto" (fla's Triton kernel on CUDA inputs when fla is
+        installed, else transformers' conv), "fla" (RuntimeError unless it can run on every GDN layer) or "torch"
+        (transformers' own). A forward with a cache (live decoding's CachedTarget) and other calls of the model
+        (e.g. model.generate) run "auto". Prints and returns the kernels the GDN layers now run
+        ({"conv": ..., "chunk": ...})."""
         check_conv_choice(self.model, conv)
         self.gdn_conv = conv
         return self._print_kernels()
@@ -62,7 +63,7 @@ class HybridTargetAdapter(TargetAdapter):
         return kernels
 
     def kernels(self) -> contextlib.AbstractContextManager[None]:
-        """The GDN layers' causal conv1d choice of set_gdn_conv, for the adapter's forwards."""
+        """The GDN layers' causal conv1d choice of set_gdn_conv, for the adapter's forwards without a cache."""
         return conv_choice(self.gdn_conv)
 
     @property
