@@ -3,8 +3,8 @@
 A stage is skipped when its folder holds a `done.json` whose fingerprint equals the current one (the settings that
 decide its output plus the fingerprint of its input stage), so rerunning a run resumes it and changing a setting
 redoes exactly the stages it affects. Under a multi-process launcher the train stage runs on every rank, and so
-does offline capture (each rank captures its share of the shards); rank 0 does data and eval while the rest wait
-at a barrier.
+does offline capture (each rank captures its share of the shards); rank 0 does data, export and eval while the rest
+wait at a barrier. Where a stage runs on several ranks, rank 0 decides whether it is up to date and tells the others.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from omegaconf import DictConfig
 from dflash.config import ConfigError
 from dflash.config.errors import ConfigPathError
 from dflash.console import console_copied_to
-from dflash.run_files import mark_done, read_json_or_none, stage_done, write_text
+from dflash.run_files import from_rank0, mark_done, read_json_or_none, stage_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
+from dflash.stages.export import ExportStage
 from dflash.stages.guard import refuse_other_trained_settings
 from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 class Pipeline:
-    """The stages of one run: `data`, `capture`, `train` (with its export) and `eval`, sharing one RunContext."""
+    """The stages of one run: `data`, `capture`, `train`, `export` and `eval`, sharing one RunContext."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.context = RunContext(cfg)
@@ -44,8 +45,10 @@ class Pipeline:
         self.data = DataStage(self.context)
         self.capture = CaptureStage(self.context, self.data)
         self.train = TrainStage(self.context, self.capture)
-        self.eval = EvalStage(self.context, self.train)
-        self.stages: tuple[Stage, ...] = (self.data, self.capture, self.train, self.eval)  # the order they run in
+        self.export = ExportStage(self.context, self.train)
+        self.eval = EvalStage(self.context, self.export)
+        # The order they run in.
+        self.stages: tuple[Stage, ...] = (self.data, self.capture, self.train, self.export, self.eval)
 
     @property
     def adapter(self):
@@ -81,7 +84,7 @@ class Pipeline:
             from dflash.train.engine import init_distributed
 
             init_distributed()
-        selected = list(self.settings.stages)
+        selected = selected_stages(self.settings.stages)
         if run.rank == 0:
             for warning in self.settings.ignored():
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
@@ -100,11 +103,22 @@ class Pipeline:
         return self.eval.summary if "eval" in selected and run.rank == 0 else None
 
 
+def selected_stages(named: list[str]) -> list[str]:
+    """The stages a command runs: those it names, and the export with the train stage (a drafter trained is always
+    exported, as `stages=[train]` has always done)."""
+    return list(named) + (["export"] if "train" in named and "export" not in named else [])
+
+
 def run_stage(stage: Stage, rank: int) -> None:
     """One stage on this rank: kept when it is up to date (its done.json holds its fingerprint), else run, and
-    marked done by rank 0 with what its run recorded."""
+    marked done by rank 0 with what its run recorded. Rank 0 decides whether it is up to date for every rank that
+    runs it, so that no rank trains (or captures) while another keeps."""
     stage.prepare()
-    if stage.up_to_date():
+    if stage.every_rank:
+        current = from_rank0(stage.up_to_date, f"whether {stage.out} is up to date")
+    else:
+        current = stage.up_to_date()
+    if current:
         if stage.kept_line is not None:
             logger.info(f"[{stage.name}] {stage.kept_line}: {stage.out}")
         stage.kept()
@@ -141,12 +155,12 @@ def closing_block(pipeline: Pipeline, summary: dict[str, Any] | None, log: str) 
     def row(what: str, value: str) -> None:
         lines.append(f"  {what:<26}  {value}")
 
-    if os.path.exists(os.path.join(pipeline.train.out, "done.json")):
-        row("drafter (z-lab format)", f"{shown(pipeline.train.out)}   serve it with vLLM or SGLang (docs/serving.md)")
-    best = read_json_or_none(os.path.join(run.run_dir, "export_best", "best.json"))
+    export = pipeline.export
+    if os.path.exists(os.path.join(export.out, "done.json")):
+        row("drafter (z-lab format)", f"{shown(export.out)}   serve it with vLLM or SGLang (docs/serving.md)")
+    best = read_json_or_none(os.path.join(export.best, "best.json"))
     if best:
-        row("best held-out checkpoint", f"{os.path.join(here, 'export_best')} (step {best['step']}, held-out "
-                                        f"tau {best['tau']:.2f})")
+        row("best held-out checkpoint", f"{shown(export.best)} (step {best['step']}, held-out tau {best['tau']:.2f})")
     for name, what in (("training_curve.png", "training curve"), ("metrics.jsonl", "metrics per step")):
         if os.path.exists(os.path.join(run.run_dir, name)):
             row(what, os.path.join(here, name))

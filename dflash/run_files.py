@@ -5,7 +5,8 @@ same folder, fsynced, renamed over the destination, and the folder fsynced, so a
 crash or a power loss) finds the old file or the whole new one, never a part.
 
 A stage's folder holds `done.json` with the fingerprint of what decided its output; a stage whose marker matches
-the current fingerprint is finished and is skipped.
+the current fingerprint is finished and is skipped. Where several ranks act on what a run folder holds, rank 0
+reads it for all of them (from_rank0).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -48,6 +49,38 @@ def clear_done(folder: str) -> None:
 
 def mark_done(folder: str, key: str, **info: Any) -> None:
     write_json(os.path.join(folder, "done.json"), {"fingerprint": key, **info})
+
+
+def from_rank0(read: Callable[[], Any], what: str) -> Any:
+    """What `read()` gives on rank 0, on every rank of the process group (a picklable object; a plain call without
+    a group of several ranks). Each rank reading for itself could see the run folder at another moment: on a shared
+    file system another node may still see an entry it cached before rank 0 changed it.
+
+    An exception on rank 0 is raised on every rank, so the others do not wait in a collective until it times out:
+    a ConfigError (a corrupt file named, with what to do) as itself, so that the command ends with its one line on
+    every rank; anything else as a ValueError saying rank 0 could not read `what`.
+    """
+    import torch.distributed as dist
+
+    from dflash.config.errors import ConfigError
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return read()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", read())]
+        except ConfigError as error:
+            box = [("error", error)]
+        except Exception as error:  # noqa: BLE001 (re-raised below, on every rank)
+            box = [("error", f"{type(error).__name__}: {error}")]
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        if isinstance(value, ConfigError):
+            raise value
+        raise ValueError(f"rank 0 could not read {what}: {value}")
+    return value
 
 
 def temp_path(path: str | os.PathLike) -> str:

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
 def _rank(rank: int, port: int, failure: str, results) -> None:
-    from dflash.train.checkpoints import _from_rank0
+    from dflash.run_files import from_rank0
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 
@@ -26,7 +26,7 @@ def _rank(rank: int, port: int, failure: str, results) -> None:
         raise OSError("disk gone")
 
     try:
-        _from_rank0(read)
+        from_rank0(read, "the checkpoint folder")
         results[rank] = "no error"
     except Exception as error:  # noqa: BLE001 (the test compares what each rank raised)
         results[rank] = (type(error).__name__, str(error))

@@ -50,10 +50,11 @@ def settings_of(overrides: list[str], monkeypatch=None) -> RunSettings:
 
 
 def stage_keys(s: RunSettings, made: dict = MADE) -> dict[str, str]:
-    """Each stage's fingerprint, chained as the pipeline chains them (eval takes the trained drafter's)."""
+    """Each stage's fingerprint, chained as the pipeline chains them (the export takes the train stage's, eval the
+    exported drafter's)."""
     capture = fingerprints.capture_fingerprint(s, made)
     train = fingerprints.checkpoint_fingerprint(s, capture)
-    return {"data": fingerprints.data_fingerprint(s), "capture": capture, "train": train,
+    return {"data": fingerprints.data_fingerprint(s), "capture": capture, "train": train, "export": train,
             "eval": fingerprints.eval_fingerprint(s, train, "/run/export")}
 
 
@@ -230,7 +231,7 @@ BAD = [
     ("eval.prompt_sets.gsm8k.limit=0", "eval.prompt_sets.gsm8k.limit=0"),
     ("eval.checkpoint=last", "eval.checkpoint='last': expected one of 'best', 'final'"),
     ("logging.wandb.mode=on", "logging.wandb.mode='on'"),
-    ("stages=[train,export]", "unknown stages ['export']"),
+    ("stages=[train,serve]", "unknown stages ['serve']"),
     ("device=tpu", "device='tpu': expected auto, cpu or cuda[:N]"),
     ("target.mask_token_id=-1", "target.mask_token_id=-1"),
     ("train.eval_every=5", "train.eval_every=5 replays held-out prompts while training; set data.heldout"),

@@ -4,6 +4,7 @@ training replays them and keeps the best weights, the eval stage evaluates those
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -90,8 +91,9 @@ def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(h
 
     stopped = tmp_path / "stopped"
     shutil.copytree(heldout_run, stopped)
-    for folder in ("export", "export_best", "eval"):
+    for folder in ("export", "export_best", "eval", "checkpoints/final"):
         shutil.rmtree(stopped / folder)
+    os.remove(stopped / "checkpoints" / "done.json")
     overrides = HELDOUT + [f"run_dir={stopped}", "stages=[eval]"]
     summary = Pipeline(compose(overrides)).run()
     best = json.loads((stopped / "checkpoints" / "best" / "best.json").read_text())
@@ -107,9 +109,9 @@ def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(h
 
     shutil.rmtree(stopped / "checkpoints" / "best")
     shutil.rmtree(stopped / "eval")
-    with pytest.raises(FileNotFoundError, match="the train stage has not finished"):
+    with pytest.raises(FileNotFoundError, match="the train and export stages have not finished"):
         Pipeline(compose(overrides)).run()
-    with pytest.raises(FileNotFoundError, match="the train stage has not finished"):
+    with pytest.raises(FileNotFoundError, match="the train and export stages have not finished"):
         Pipeline(compose(overrides + ["eval.checkpoint=final"])).run()
 
 

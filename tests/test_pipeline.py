@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,38 @@ def test_rerun_skips_finished_stages(tiny_run, monkeypatch):
     monkeypatch.setattr("dflash.train.loop.train", must_not_run)
     again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
     assert again["overall"]["tau"] == summary["overall"]["tau"]
+
+
+def test_a_run_folder_whose_train_stage_marked_its_export_resumes_without_training_or_exporting(tiny_run, tmp_path,
+                                                                                                 monkeypatch):
+    """The layout in which training and export were one stage: its done.json in export/, the final weights only in
+    the export, no checkpoints/done.json or checkpoints/final/. The train stage copies both where it keeps them and
+    is done; the export and the evaluation of it are kept as they were."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run_dir)
+    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()  # evaluated here: an evaluation names its drafter's folder
+    os.remove(run_dir / "checkpoints" / "done.json")
+    shutil.rmtree(run_dir / "checkpoints" / "final")
+    exported = {name: (run_dir / "export" / name).read_bytes() for name in os.listdir(run_dir / "export")}
+    evaluated = (run_dir / "eval" / "summary.json").read_bytes()
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    for work in ("dflash.data.dataset.build_dataset", "dflash.extract.capture.capture_dataset",
+                 "dflash.train.loop.train", "dflash.eval.export.export_zlab", "dflash.eval.evaluate.evaluate"):
+        monkeypatch.setattr(work, must_not_run)
+    again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert again["overall"] == tiny_run[1]["overall"] and (run_dir / "eval" / "summary.json").read_bytes() == evaluated
+    assert {name: (run_dir / "export" / name).read_bytes() for name in exported} == exported
+    marker = json.loads((run_dir / "checkpoints" / "done.json").read_text())
+    assert marker == json.loads((run_dir / "export" / "done.json").read_text()) and set(marker) == {"fingerprint",
+                                                                                                    "checkpoint"}
+    # The weights copied from the export export to the same bytes: an export lost later is made again from them.
+    monkeypatch.undo()
+    shutil.rmtree(run_dir / "export")
+    Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[export]"])).run()
+    assert {name: (run_dir / "export" / name).read_bytes() for name in exported} == exported
 
 
 def test_max_steps_ends_training_and_its_schedule_there(tiny_run, tmp_path):

@@ -3,6 +3,7 @@ run folder that holds a trained drafter, and overwrite=true moves that drafter a
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +83,10 @@ def test_overwrite_moves_the_trained_drafter_aside_and_going_back_restores_it(tm
         raise AssertionError("trained again")
 
     monkeypatch.setattr("dflash.train.loop.train", must_not_train)
+    # The drafter moved aside as a folder whose train stage marked its export: its done.json in export/ alone.
+    os.remove(aside[0] / "done.json")
+    shutil.rmtree(aside[0] / "final")
     Pipeline(compose(run + ["overwrite=true"])).run()  # back: the first drafter returns, nothing retrained
     assert snapshot(tmp_path / "export") == first
+    assert (tmp_path / "checkpoints" / "done.json").read_text() == (tmp_path / "export" / "done.json").read_text()
     assert sum(p.name.startswith("checkpoints.") for p in tmp_path.iterdir()) == 1

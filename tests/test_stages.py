@@ -1,19 +1,26 @@
 """The stage objects and the runner's part: done markers, skip lines, barriers and ranks (dflash/pipeline.py); the
-train stage reading the taps the capture stage recorded; the typed settings the stages hand down."""
+stages a command selects; the train stage reading the taps the capture stage recorded; the typed settings the
+stages hand down."""
 
 import os
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from dflash.config import ConfigError, compose
-from dflash.pipeline import Pipeline, run_stage, timed
+from dflash.config.errors import RunFolderError
+from dflash.pipeline import Pipeline, run_stage, selected_stages, timed
 from dflash.run_files import read_json_or_none, write_json
 from dflash.stages.capture import CaptureStage
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
+from dflash.stages.export import ExportStage
 from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
+from tests.forked import process_context
+from tests.test_rank_stream import free_port
 
 TINY = ["+experiment=tiny", "show_progress=false"]
 
@@ -39,7 +46,7 @@ class FakeStage(Stage):
 
 
 def test_every_stage_has_the_runners_interface():
-    for cls in (DataStage, CaptureStage, TrainStage, EvalStage):
+    for cls in (DataStage, CaptureStage, TrainStage, ExportStage, EvalStage):
         assert issubclass(cls, Stage) and all(callable(getattr(cls, m)) for m in ("fingerprint", "describe", "run"))
         assert "fingerprint" in vars(cls) and "run" in vars(cls), cls
 
@@ -88,6 +95,56 @@ def test_the_runner_reads_ranks_and_barriers_from_the_stages(tmp_path):
     events.clear()
     fake_pipeline(tmp_path, 0, ["three"], stages, events).run_stages()
     assert events == ["barrier", "run three", "barrier"]
+
+
+class SplitStage(FakeStage):
+    """A stage every rank runs whose done marker rank 1 finds and rank 0 does not (as on a shared file system where
+    one node still sees an entry another has replaced)."""
+
+    def up_to_date(self):
+        return dist.get_rank() == 1
+
+
+def _run_split_stage(rank, port, out, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        events = []
+        run_stage(SplitStage("split", out, events, record={}, every_rank=True), rank)
+        results[rank] = events
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_rank_0_decides_for_every_rank_whether_a_stage_is_up_to_date(tmp_path):
+    results = mp.Manager().dict()
+    context = process_context()
+    port = free_port()
+    processes = [context.Process(target=_run_split_stage, args=(r, port, str(tmp_path), results)) for r in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    assert dict(results) == {0: ["run split"], 1: ["run split"]}  # rank 0's answer: not up to date, on both
+    assert read_json_or_none(str(tmp_path / "done.json")) == {"fingerprint": "key-split"}
+
+
+def test_the_train_stage_brings_its_export_and_export_may_be_named_alone():
+    assert selected_stages(["data", "capture", "train"]) == ["data", "capture", "train", "export"]
+    assert selected_stages(["train", "eval"]) == ["train", "eval", "export"]  # run in the pipeline's order
+    assert selected_stages(["train", "export"]) == ["train", "export"]
+    assert selected_stages(["eval"]) == ["eval"] and selected_stages(["export"]) == ["export"]
+    assert selected_stages(["data", "capture"]) == ["data", "capture"]
+
+
+def test_the_export_stage_has_the_train_stages_fingerprint_and_refuses_an_unfinished_training(tmp_path):
+    pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path}", "stages=[export]"]))
+    assert [stage.name for stage in pipeline.stages] == ["data", "capture", "train", "export", "eval"]
+    assert pipeline.export.fingerprint() == pipeline.train.fingerprint()
+    assert pipeline.train.out == str(tmp_path / "checkpoints") and pipeline.export.out == str(tmp_path / "export")
+    with pytest.raises(RunFolderError, match=r"nothing to export: the train stage has not finished"):
+        pipeline.export.run()
 
 
 @pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])

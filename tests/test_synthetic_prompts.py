@@ -136,6 +136,32 @@ def test_a_target_on_the_plain_prompt_format_is_refused_before_any_draw(tmp_path
     assert not journal.exists()
 
 
+def test_a_plain_format_targets_journal_drawn_to_the_end_is_read_and_one_missing_a_draw_refused(tmp_path,
+                                                                                                 monkeypatch):
+    """The refusal stands for the draws still to be made: a folder whose synthetic journal was drawn to the end
+    (before the refusal existed) goes on with what it holds; a journal short of one draw is refused, untouched."""
+    from dflash.config.errors import ConfigError
+    from dflash.models.targets.chat_template import set_chat_template
+
+    base = load_target("tiny", tiny={"family": "llama", "seed": 0, "tokenizer": "builtin"})
+    base.tokenizer.chat_template = None
+    set_chat_template(base.tokenizer, None, "llama")
+    journal = tmp_path / "j.jsonl"
+    settings = {**SYN, "max_new_tokens": 8, "max_oversample": 2.0}
+    with monkeypatch.context() as patch:
+        patch.setattr("dflash.data.synthetic.refuse_plain_format", lambda *args: None)
+        drawn, first = synthesize_prompts(base, 2, SYSTEMS[:1], journal, **settings)
+    assert first["draws"] == 4 and first["generated_tokens"] > 0
+    again, stats = synthesize_prompts(base, 2, SYSTEMS[:1], journal, **settings)
+    assert contents(again) == contents(drawn) and stats["generated_tokens"] == 0 and stats["reused"] == 4
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:-1]))
+    short = journal.read_bytes()
+    with pytest.raises(ConfigError, match=r"^data\.synthetic\.count=2: the target has no chat template"):
+        synthesize_prompts(base, 2, SYSTEMS[:1], journal, **settings)
+    assert journal.read_bytes() == short
+
+
 def test_bounded_oversampling_keeps_fewer(tiny, tmp_path, caplog):
     # 8 new tokens rarely reach a stop token: most draws are cut, and at most 2 draws per prompt are made.
     prompts, stats = synthesize_prompts(tiny, 4, SYSTEMS[:2], tmp_path / "j.jsonl",

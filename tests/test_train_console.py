@@ -153,7 +153,7 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     console = done.stdout + done.stderr
-    assert "[train] exported drafter" in console
+    assert "[export] drafter ->" in console
     assert [line for line in console.splitlines() if any(marker in line for marker in CHATTER)] == []
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*")), "wandb did not run"
     if shutil.which("gcc"):

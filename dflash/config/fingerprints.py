@@ -3,7 +3,8 @@
 A stage is skipped when its done marker holds the fingerprint of the current settings (dflash/run_files.py), so a
 field that decides a stage's output must enter that stage's fingerprint and a field that does not must stay out:
 the first reruns the stage when changed, the second never does. Each stage's fingerprint also holds its input
-stage's (data -> capture -> train -> eval), so a change reruns the stage it affects and every stage after it.
+stage's (data -> capture -> train -> export -> eval), so a change reruns the stage it affects and every stage after
+it. No setting affects the export alone: its fingerprint is the train stage's (dflash/stages/export.py).
 
 The parts keep one fixed layout, so that a run folder made by an earlier version of dflash keeps its fingerprints;
 tests/test_config.py pins them.

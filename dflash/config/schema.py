@@ -7,10 +7,11 @@ checks that need more than a type (ranges, choices, combinations, paths) run in 
 config becomes these objects (`settings_from`), and raise ConfigError naming the key, before any stage starts.
 
 Every field declares `affects`: the stages whose fingerprint takes it directly ("data", "capture", "train",
-"eval"; a stage's fingerprint also holds its input stage's, so a field that affects "data" reruns everything after
-it). `affects=()` marks a setting of speed, place or reporting only: changing it reruns nothing. `neutral` marks a
-value at which a field is left out of the fingerprints (or a predicate of the value and its group): a field added
-after runs were fingerprinted, so that those runs keep their fingerprints (dflash/config/fingerprints.py).
+"export", "eval"; a stage's fingerprint also holds its input stage's, so a field that affects "data" reruns
+everything after it). `affects=()` marks a setting of speed, place or reporting only: changing it reruns nothing.
+`neutral` marks a value at which a field is left out of the fingerprints (or a predicate of the value and its
+group): a field added after runs were fingerprinted, so that those runs keep their fingerprints
+(dflash/config/fingerprints.py).
 """
 
 import math
@@ -24,7 +25,7 @@ from omegaconf import MISSING
 from dflash.config.errors import ConfigError, ConfigPathError, require, require_choice
 from dflash.config.target_path import target_path_problem
 
-STAGES = ("data", "capture", "train", "eval")
+STAGES = ("data", "capture", "train", "export", "eval")  # in the order they run
 _NO_NEUTRAL = object()
 
 
@@ -589,12 +590,13 @@ class LoggingSettings:
 
 @dataclass
 class RunSettings:
-    """One run: target -> data -> capture -> train -> eval, all written under run_dir."""
+    """One run: target -> data -> capture -> train -> export -> eval, all written under run_dir."""
 
     name: str = setting("default", affects=(), doc="names the run folder")
     run_dir: str = setting("runs/${name}", affects=(),
                            doc="one folder per run; rerunning the same one resumes / skips finished stages")
-    stages: List[str] = setting(affects=(), factory=lambda: list(STAGES), doc="the stages to run, in order")
+    stages: List[str] = setting(affects=(), factory=lambda: list(STAGES),
+                                doc="the stages to run, in order; train also runs export")
     device: str = setting("auto", affects=(), doc="auto = cuda when available, else cpu")
     show_progress: bool = setting(True, affects=(), doc="progress bars")
     overwrite: bool = setting(False, affects=(),

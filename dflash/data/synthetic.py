@@ -26,7 +26,7 @@ import math
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dflash.config.errors import ConfigError
 from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
@@ -59,14 +59,22 @@ def user_turn_prefix(tokenizer: Any, system_prompt: str) -> str:
     return prefix
 
 
-def refuse_plain_format(tokenizer: Any, count: int) -> None:
+def refuse_plain_format(tokenizer: Any, count: int, journal_path: Path, settings: dict, quota: list[int],
+                        caps: list[int]) -> None:
     """ConfigError naming data.synthetic.count when the target's prompts take the plain format (it has no chat
-    template): its user turns end in text ("\n\nAssistant:"), never in a stop token, so every draw would run to
-    max_new_tokens and be dropped."""
-    if getattr(tokenizer, "chat_template", None) == PLAIN_TEMPLATE:
+    template) and a draw is still to be made: its user turns end in text ("\n\nAssistant:"), never in a stop
+    token, so every draw would run to max_new_tokens and be dropped. A journal of these `settings` that already
+    holds every draw the selection considers is only read, so a folder drawn to the end is not refused."""
+    if getattr(tokenizer, "chat_template", None) != PLAIN_TEMPLATE:
+        return
+    header, records = read_journal(journal_path) if journal_path.exists() else (None, {})
+
+    def refuse(missing: list[tuple[int, int]]) -> None:
         raise ConfigError(f"data.synthetic.count={count}: the target has no chat template, so its prompts take the "
                           "plain 'User: ... / Assistant:' format, where a user turn the target writes never ends in "
                           "a stop token; set data.synthetic.count=0, or target.chat_template=<a template file>")
+
+    settle(records if header == settings else {}, quota, caps, refuse)
 
 
 def prompt_id(record: dict) -> str:
@@ -128,6 +136,23 @@ def select_draws(records: dict[str, dict], wants: list[int], quota: list[int]) -
                     verdict = "kept"
             verdicts[verdict] += 1
     return kept, verdicts
+
+
+def settle(records: dict[str, dict], quota: list[int], caps: list[int],
+           draw: Callable[[list[tuple[int, int]]], None]) -> tuple[list[list[dict]], Counter, list[int]]:
+    """The selection in rounds: each system prompt considers its quota of draws, then more while draws are dropped
+    (_next_wants), up to its cap; draw(missing) puts the (system index, k) draws a round considers and `records`
+    lacks into `records`. Returns (kept draws per system prompt, count of every verdict, draws considered)."""
+    wants = list(quota)
+    while True:
+        missing = [(i, k) for i, want in enumerate(wants) for k in range(want) if f"syn-{i}-{k}" not in records]
+        if missing:
+            draw(missing)
+        kept, verdicts = select_draws(records, wants, quota)
+        grown = _next_wants(kept, wants, quota, caps)
+        if grown == wants:
+            return kept, verdicts, wants
+        wants = grown
 
 
 def _next_wants(kept: list[list[dict]], wants: list[int], quota: list[int], caps: list[int]) -> list[int]:
@@ -243,8 +268,6 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
         raise ValueError(f"need max_new_tokens >= 1, batch_size >= 1, max_oversample >= 1; got {max_new_tokens}, "
                          f"{batch_size}, {max_oversample}")
     tokenizer = adapter.tokenizer
-    if count:
-        refuse_plain_format(tokenizer, count)
     engine = resolve_engine(engine, adapter)
     stop_ids = [int(t) for t in adapter.stop_token_ids()]
     if not stop_ids:
@@ -258,26 +281,17 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
                 "vocab": len(tokenizer)}
     settings = with_target(settings, target)
     journal_path = Path(journal_path)
+    quota = quotas(count, len(system_prompts))
+    caps = [max(q, math.ceil(q * max_oversample)) for q in quota]
+    refuse_plain_format(tokenizer, count, journal_path, settings, quota, caps)  # before the journal is written
     journal, _ = open_journal(journal_path, settings)
     with journal:
         _, records = read_journal(journal_path)
         journaled = set(records)
         progress = GenerationProgress("synthesize prompts", "draws", show_progress)
         drawer = _Drawer(adapter, engine, prefix_ids, journal, records, settings, batch_size, progress)
-        quota = quotas(count, len(system_prompts))
-        caps = [max(q, math.ceil(q * max_oversample)) for q in quota]
-        wants = list(quota)
         try:
-            while True:
-                missing = [(i, k) for i, want in enumerate(wants) for k in range(want)
-                           if f"syn-{i}-{k}" not in records]
-                if missing:
-                    drawer.draw(missing)
-                kept, verdicts = select_draws(records, wants, quota)
-                grown = _next_wants(kept, wants, quota, caps)
-                if grown == wants:
-                    break
-                wants = grown
+            kept, verdicts, wants = settle(records, quota, caps, drawer.draw)
         finally:
             progress.close()
 

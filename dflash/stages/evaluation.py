@@ -11,9 +11,8 @@ from dflash.config.errors import CorruptFile, NothingToEvaluate
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
     write_text
 from dflash.stages.context import RunContext
-from dflash.stages.export import export_best
+from dflash.stages.export import ExportStage, export_best
 from dflash.stages.stage import Stage
-from dflash.stages.train import TrainStage
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +22,8 @@ class EvalStage(Stage):
     every_rank = False
     kept_line = None  # an up-to-date evaluation shows its table again, which says enough
 
-    def __init__(self, run: RunContext, train: TrainStage) -> None:
-        self.context, self.train = run, train
+    def __init__(self, run: RunContext, export: ExportStage) -> None:
+        self.context, self.export, self.train = run, export, export.train
         self.out = run.dirs["eval"]
         self.drafter: tuple[str, str] | None = None  # (folder, fingerprint) of the drafter measured, by prepare()
         self.summary: dict[str, Any] | None = None  # what the evaluation measured (summary.json), once it ran
@@ -47,17 +46,17 @@ class EvalStage(Stage):
 
     def drafter_dir(self) -> str:
         """export_best/ (the best held-out tau) when eval.checkpoint is 'best' and training kept one, else export/."""
-        best = os.path.join(self.context.run_dir, "export_best")
+        best = self.export.best
         if self.context.settings.eval.checkpoint == "best" and os.path.exists(os.path.join(best, "best.json")):
             return best
-        return self.train.out
+        return self.export.out
 
     def drafter_to_evaluate(self) -> tuple[str, str]:
         """(folder, fingerprint) of the drafter to measure. A run whose training stopped early (a time limit, a
         signal) has no export of its settings yet; with eval.checkpoint=best its best held-out checkpoint so far
         is exported and measured, so a stopped run can be evaluated without resuming it."""
         run = self.context
-        folder, done = self.drafter_dir(), os.path.join(self.train.out, "done.json")
+        folder, done = self.drafter_dir(), os.path.join(self.export.out, "done.json")
         current = self.train.checkpoint_fingerprint()
         marker = read_json_or_none(done)
         # A marker without the field predates it and is trusted as before.
@@ -69,13 +68,13 @@ class EvalStage(Stage):
             best = export_best(run.run_dir, self.train.checkpoints, self.train.drafter_config())
         if best is None:
             raise NothingToEvaluate(
-                f"no drafter of these settings to evaluate: the train stage has not finished ({done} is "
+                f"no drafter of these settings to evaluate: the train and export stages have not finished ({done} is "
                 f"{'missing' if marker is None else 'from other settings'}) and {self.train.checkpoints} holds no "
                 f"best held-out checkpoint of these settings (data.heldout > 0 and eval.checkpoint=best make one); "
-                f"rerun training, which resumes from its last checkpoint")
+                f"rerun training (python -m dflash.train), which resumes from its last checkpoint and exports")
         logger.info(f"[eval] training has not finished: evaluating its best held-out checkpoint so far "
                     f"(step {best['step']}, held-out tau {best['tau']:.3f})")
-        return os.path.join(run.run_dir, "export_best"), fingerprint(current, best)
+        return self.export.best, fingerprint(current, best)
 
     def prepare(self) -> None:
         """Pick the drafter to measure once: picking it may export the best checkpoint so far, and says so."""
@@ -119,8 +118,8 @@ class EvalStage(Stage):
         try:
             drafter = load_drafter(folder, dtype=target.dtype, device=str(run.device))
         except CorruptFile as error:
-            raise CorruptFile(f"{error}; the train stage exports it again from the checkpoints: rerun training with "
-                              f"the same settings (python -m dflash.train ...)") from None
+            raise CorruptFile(f"{error}; the export stage exports it again from the checkpoints: rerun training with "
+                              f"the same settings (python -m dflash.train ...), which exports") from None
         template_kwargs = dict(e.chat_template_kwargs)
         timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
         prompt_sets, categories = load_prompt_sets(

@@ -1,5 +1,10 @@
-"""What the train stage exports: the final drafter to `export/` and the best held-out checkpoint to `export_best/`
-(z-lab DFlashDraftModel format), and the training curve."""
+"""The export stage: the trained drafter in the z-lab DFlashDraftModel format that vLLM and SGLang serve, the final
+one (the train stage's `checkpoints/final/`) to `export/` and the best held-out checkpoint (`checkpoints/best/`) to
+`export_best/`, and the training curve (`metrics.jsonl` -> `training_curve.png`).
+
+It has no settings of its own: its fingerprint is the train stage's, so a drafter trained again is exported again
+and one that is not is kept. The runner runs it whenever the train stage is selected (dflash/pipeline.py).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,61 @@ from typing import Any
 
 import torch
 
-from dflash.run_files import checksum_problem, read_json_or_none, write_json
+from dflash.config.errors import RunFolderError
+from dflash.run_files import checksum_problem, read_json_or_none, stage_done, write_json
+from dflash.stages.context import RunContext
+from dflash.stages.stage import Stage
+from dflash.stages.train import TrainStage
 
 logger = logging.getLogger(__name__)
+
+
+class ExportStage(Stage):
+    name = "export"
+
+    def __init__(self, run: RunContext, train: TrainStage) -> None:
+        self.context, self.train = run, train
+        self.out = run.dirs["export"]
+        self.best = os.path.join(run.run_dir, "export_best")
+
+    def describe(self) -> str:
+        return "the final drafter and the best held-out checkpoint in the z-lab format (vLLM, SGLang)"
+
+    def fingerprint(self) -> str:
+        """The train stage's: export/done.json holds the key the eval stage takes as its drafter's."""
+        return self.train.fingerprint()
+
+    def up_to_date(self) -> bool:
+        return stage_done(self.out, self.fingerprint()) and self.exports_intact()
+
+    def exports_intact(self) -> bool:
+        """Whether export/ and export_best/ hold the files they were written with (their checksums.json). A corrupt
+        one is named, and the stage exports again from the checkpoints."""
+        for folder in (self.out, self.best):
+            problem = checksum_problem(folder)
+            if problem is not None:
+                logger.warning(f"[export] warning: {folder} is corrupt: {problem}; exporting it again from "
+                               f"{self.train.checkpoints}")
+                return False
+        return True
+
+    def run(self) -> dict[str, Any]:
+        """export/, export_best/ and the curve; done.json carries the settings of the checkpoints behind them, which
+        the eval stage checks. RunFolderError when the train stage has not finished for these settings."""
+        from dflash.train.final_weights import final_state_dict
+
+        train, run_dir = self.train, self.context.run_dir
+        if not stage_done(train.out, train.fingerprint()):
+            raise RunFolderError(
+                f"nothing to export: the train stage has not finished for these settings ({train.out}/done.json "
+                f"is missing or of other settings); run it, which exports too: python -m dflash.train ... "
+                f"(stages=[train])")
+        config = train.drafter_config()
+        export_state(final_state_dict(train.checkpoints), config, self.out)
+        export_best(run_dir, train.checkpoints, config)
+        plot_training_curve(run_dir)
+        logger.info(f"[export] drafter -> {self.out}")
+        return {"checkpoint": train.checkpoint_fingerprint()}
 
 
 def export_state(state: dict[str, torch.Tensor], config, folder: str) -> None:
@@ -37,14 +94,14 @@ def export_best(run_dir: str, checkpoints: str, config) -> dict[str, Any] | None
         problem = checksum_problem(folder)
         if problem is None:
             return exported  # this best checkpoint is exported already (an eval of a stopped run, rerun)
-        logger.warning(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from {checkpoints}")
+        logger.warning(f"[export] warning: {folder} is corrupt: {problem}; exporting it again from {checkpoints}")
     best = best_state_dict(checkpoints)
     if best is None:
         shutil.rmtree(folder, ignore_errors=True)
         return None
     export_state(best[0], config, folder)
     write_json(os.path.join(folder, "best.json"), best[1])
-    logger.info(f"[train] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
+    logger.info(f"[export] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
     return best[1]
 
 
@@ -54,4 +111,4 @@ def plot_training_curve(run_dir: str) -> None:
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         path = plot(metrics, os.path.join(run_dir, "training_curve.png"))
-        logger.info(f"[train] training curve -> {path}")
+        logger.info(f"[export] training curve -> {path}")

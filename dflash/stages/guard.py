@@ -16,16 +16,18 @@ from dflash.stages.train import SETTINGS_KEY, TrainStage
 
 def trained_keys(train: TrainStage) -> tuple[str, str | None] | None:
     """(checkpoint fingerprint, settings fingerprint or None when not recorded) of the drafter trained in the run
-    folder (its export's, else its checkpoints'), or None when nothing was trained there."""
+    folder (its train or export done marker's, else its checkpoints'), or None when nothing was trained there."""
     from dflash.train.best_checkpoint import read_best
     from dflash.train.checkpoints import complete_tags
 
     marker = read_json_or_none(os.path.join(train.checkpoints, CHECKPOINT_KEY))
     checkpoints = marker.get("fingerprint") if isinstance(marker, dict) else "unfingerprinted"
     settings = (read_json_or_none(os.path.join(train.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
-    export = read_json_or_none(os.path.join(train.out, "done.json"))
-    if isinstance(export, dict) and "checkpoint" in export:
-        return export["checkpoint"], settings if export["checkpoint"] == checkpoints else None
+    # export/done.json alone: a run folder where training and export were one stage, whose marker it held.
+    for folder in (train.out, train.context.dirs["export"]):
+        done = read_json_or_none(os.path.join(folder, "done.json"))
+        if isinstance(done, dict) and "checkpoint" in done:
+            return done["checkpoint"], settings if done["checkpoint"] == checkpoints else None
     if not complete_tags(train.checkpoints) and read_best(train.checkpoints) is None:
         return None
     return checkpoints, settings

@@ -10,9 +10,9 @@ from dflash.run_files import stage_done
 
 
 class Stage:
-    """One stage of a run. On each rank that runs it, the runner calls prepare(), then kept() when up_to_date(),
-    else run(), and rank 0 writes `out`/done.json with fingerprint() and the fields run() returned (None: the
-    output is not finished, and the stage is not marked done)."""
+    """One stage of a run. On each rank that runs it, the runner calls prepare(), then kept() when up_to_date() (asked
+    on rank 0, whose answer every rank takes), else run(), and rank 0 writes `out`/done.json with fingerprint() and
+    the fields run() returned (None: the output is not finished, and the stage is not marked done)."""
 
     name: str
     out: str

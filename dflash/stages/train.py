@@ -1,5 +1,6 @@
 """The train stage: the drafter trained under DeepSpeed on every rank from the capture stage's features, its
-checkpoints in `checkpoints/`, then exported (dflash/stages/export.py).
+checkpoints in `checkpoints/`, and at the end its final weights, consolidated, in `checkpoints/final/` (what the
+export stage, dflash/stages/export.py, reads). Its done.json is `checkpoints/done.json`.
 
 Its checkpoints belong to one set of settings (their fingerprint in checkpoints/fingerprint.json). Checkpoints of
 other settings reach this stage only with overwrite=true (dflash/stages/guard.py): they are moved aside with what
@@ -15,11 +16,10 @@ import time
 from typing import Any
 
 from dflash.config import ConfigError, fingerprints
-from dflash.run_files import checksum_problem, claim_checkpoint_dir, container, fingerprint, read_json, stage_done, \
-    write_json, write_text
+from dflash.run_files import checksum_problem, claim_checkpoint_dir, container, fingerprint, from_rank0, read_json, \
+    stage_done, write_json, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
-from dflash.stages.export import export_best, export_state, plot_training_curve
 from dflash.stages.shapes import drafter_config
 from dflash.stages.stage import Stage
 
@@ -37,7 +37,7 @@ class TrainStage(Stage):
 
     def __init__(self, run: RunContext, capture: CaptureStage) -> None:
         self.context, self.capture = run, capture
-        self.checkpoints, self.out = run.dirs["checkpoints"], run.dirs["export"]
+        self.checkpoints = self.out = run.dirs["checkpoints"]
         self.link = None  # this trainer rank's link to the capture ranks (capture=online), set by run_role
 
     def describe(self) -> str:
@@ -56,33 +56,61 @@ class TrainStage(Stage):
     def fingerprint(self) -> str:
         return fingerprint(self.checkpoint_fingerprint(), self.context.world_size)
 
+    def prepare(self) -> None:
+        if self.context.rank == 0:
+            self.adopt_earlier_marker()
+
     def up_to_date(self) -> bool:
-        return stage_done(self.out, self.fingerprint()) and self.exports_intact()
+        """Marked done for these settings, with whole final weights. Weights missing or corrupt are named, and the
+        stage runs again: training resumes at its last checkpoint and writes them from it."""
+        from dflash.train.final_weights import final_problem
+
+        if not stage_done(self.out, self.fingerprint()):
+            return False
+        problem = final_problem(self.checkpoints)
+        if problem is not None:
+            logger.warning(f"[train] warning: {problem}; training resumes at its last checkpoint and writes them")
+        return problem is None
 
     def run(self) -> dict[str, Any] | None:
-        """Training on this rank, resumed from its last checkpoint when there is one; rank 0 exports the drafter.
-        The settings of the checkpoints behind the export go into done.json: the eval stage checks them (world
-        size aside). None when these settings' drafter came back with their checkpoints (already done)."""
+        """Training on this rank, resumed from its last checkpoint when there is one; rank 0 writes the final
+        weights. The settings of the checkpoints behind them go into done.json: the export carries them to the eval
+        stage, which checks them (world size aside). None when these settings' drafter came back with their
+        checkpoints (already done)."""
         from dflash.train.engine import init_distributed
+        from dflash.train.final_weights import final_dir, write_final
 
-        run, key = self.context, self.fingerprint()
-        done = stage_done(self.out, key)  # and yet run: an export is corrupt, exported again from the checkpoints
+        run = self.context
         rank, _, _ = init_distributed()
-        if rank == 0:
-            self.claim_checkpoints()
-        run.barrier()
-        if not done and stage_done(self.out, key):  # these settings' drafter came back with their checkpoints
+        if from_rank0(self.claim_checkpoints, f"{self.checkpoints} (claiming it for these settings)"):
             if rank == 0:
                 logger.info(f"[train] restored: {self.out}")
             return None
         config = self.drafter_config()
         state = self.train(config, rank, run.world_size)
         if rank == 0:
-            export_state(state, config, self.out)
-            export_best(run.run_dir, self.checkpoints, config)
-            plot_training_curve(run.run_dir)
-            logger.info(f"[train] exported drafter -> {self.out}")
+            write_final(self.checkpoints, state)
+            logger.info(f"[train] final weights -> {final_dir(self.checkpoints)}")
         return {"checkpoint": self.checkpoint_fingerprint()}
+
+    def adopt_earlier_marker(self) -> None:
+        """Rank 0. A run folder whose export/done.json holds this stage's fingerprint and which has no
+        checkpoints/done.json was trained and exported by one stage: its final weights are only in export/. They
+        are copied to checkpoints/final/ (in the export's dtype, from which an export is the same bytes), then the
+        marker to checkpoints/done.json, last, so the stage is done there without training again. An export that
+        differs from its checksums is not copied: the stage runs and writes the weights from its last checkpoint."""
+        from safetensors.torch import load_file
+
+        from dflash.eval.export import WEIGHTS_NAME
+        from dflash.train.final_weights import write_final
+
+        export = self.context.dirs["export"]
+        if os.path.exists(os.path.join(self.out, "done.json")) or not stage_done(export, self.fingerprint()) or \
+                checksum_problem(export) is not None:
+            return
+        write_final(self.checkpoints, load_file(os.path.join(export, WEIGHTS_NAME)))
+        write_json(os.path.join(self.out, "done.json"), read_json(os.path.join(export, "done.json")))
+        logger.info(f"[train] final weights and done marker copied from {export} to {self.out}")
 
     def drafter_config(self):
         """The drafter's DrafterConfig: the settings, with the target's shape and taps as the capture stage recorded
@@ -97,21 +125,12 @@ class TrainStage(Stage):
                 f"stage again (stages=[capture,train]) or set drafter.target_layer_ids=[{taps}]")
         return config
 
-    def exports_intact(self) -> bool:
-        """Whether export/ and export_best/ hold the files they were written with (their checksums.json). A corrupt
-        one is named, and the stage runs again: training resumes at its last checkpoint and exports from it."""
-        for folder in (self.out, os.path.join(self.context.run_dir, "export_best")):
-            problem = checksum_problem(folder)
-            if problem is not None:
-                if self.context.rank == 0:
-                    logger.warning(f"[train] warning: {folder} is corrupt: {problem}; exporting it again from "
-                                   f"{self.checkpoints}")
-                return False
-        return True
-
-    def claim_checkpoints(self) -> None:
-        """checkpoints/ made this training's (rank 0): those of other settings moved aside with their outputs."""
+    def claim_checkpoints(self) -> bool:
+        """checkpoints/ made this training's (rank 0): those of other settings moved aside with their outputs.
+        Whether that brought back the trained drafter of these settings (moved aside earlier): then nothing is
+        left to train."""
         run = self.context
+        marked = stage_done(self.out, self.fingerprint())  # and yet run: the final weights are missing or corrupt
         moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
         if moved:
             logger.info(f"[train] the drafter trained with other settings moved aside to {moved} (overwrite=true)")
@@ -119,6 +138,8 @@ class TrainStage(Stage):
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
         write_json(os.path.join(self.checkpoints, SETTINGS_KEY),
                    {"fingerprint": fingerprints.settings_fingerprint(run.settings)})
+        self.adopt_earlier_marker()  # a drafter brought back from a folder of the earlier layout
+        return not marked and self.up_to_date()
 
     def carry_trained_outputs(self, moved: str | None) -> None:
         """A training's outputs travel with its checkpoints: into the folder the other settings' checkpoints were

@@ -6,7 +6,8 @@ checkpoint_dir/best/checksums.json      the sha256 of both, verified by whatever
 
 best/ is replaced whole: the new one is written into best.tmp/, the old best/ is renamed to best.old/, best.tmp/
 to best/, and best.old/ is deleted. A kill between the two renames leaves only best.old/, which readers then take,
-so there is always one complete best once one was written.
+so there is always one complete best once one was written. The final weights (final_weights.py) are written the
+same way (write_weights).
 """
 
 from __future__ import annotations
@@ -64,14 +65,21 @@ def _read_info(folder: str) -> dict[str, Any]:
 
 def write_best(checkpoint_dir: str, state_dict: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
     """Replace the best checkpoint with `state_dict` (weights) and `info` (best.json), atomically."""
-    best, old, tmp = (os.path.join(checkpoint_dir, name) for name in (BEST, f"{BEST}.old", f"{BEST}.tmp"))
+    write_weights(os.path.join(checkpoint_dir, BEST), state_dict, info)
+
+
+def write_weights(folder: str, state_dict: dict[str, torch.Tensor], info: dict[str, Any] | None = None) -> None:
+    """Replace `folder` whole with model.safetensors (`state_dict` on the CPU), best.json (`info`, when given) and
+    their checksums.json: written into <folder>.tmp, then swapped in through <folder>.old."""
+    tmp = f"{folder}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, os.path.join(tmp, WEIGHTS))
-    with open(os.path.join(tmp, INFO), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2)
-    write_checksums(tmp)  # before the folder takes best/'s place
-    swap_in_dir(tmp, best, aside=old)
+    if info is not None:
+        with open(os.path.join(tmp, INFO), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+    write_checksums(tmp)  # before the folder takes the place of the old one
+    swap_in_dir(tmp, folder, aside=f"{folder}.old")
 
 
 def clear_best(checkpoint_dir: str) -> None:

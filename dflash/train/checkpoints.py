@@ -28,15 +28,13 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from dflash.config.errors import ConfigError
-from dflash.run_files import atomic_path, checksum_problem, swap_in_dir, write_checksums, write_text
+from dflash.run_files import atomic_path, checksum_problem, from_rank0, swap_in_dir, write_checksums, write_text
 from dflash.train.best_checkpoint import read_best
 from dflash.train.engine import TrainEngine
 
@@ -194,32 +192,6 @@ def saved_world_size(directory: str, tag: str) -> int | None:
         return int(json.load(f)["world_size"])
 
 
-def _from_rank0(read: Callable[[], Any]) -> Any:
-    """What `read()` gives on rank 0, on every rank (a picklable object; a plain call on a single process).
-
-    An exception on rank 0 is raised on every rank, so the others do not wait in a collective until it times out:
-    a ConfigError (a corrupt file named, with what to do) as itself, so that the command ends with its one line on
-    every rank; anything else as a ValueError naming it.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return read()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", read())]
-        except ConfigError as error:
-            box = [("error", error)]
-        except Exception as error:  # noqa: BLE001 (re-raised below, on every rank)
-            box = [("error", f"{type(error).__name__}: {error}")]
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        if isinstance(value, ConfigError):
-            raise value
-        raise ValueError(f"rank 0 could not read the checkpoint folder: {value}")
-    return value
-
-
 def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, bool]:
     """(tag to load or None, whether it is a universal checkpoint) for a run with `world_size` ranks: the newest
     tag that verifies (verified_latest_tag); a resume also verifies the best checkpoint it carries on with.
@@ -237,7 +209,7 @@ def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, 
             read_best(directory, verify=True)  # the best checkpoint it resumes with (CorruptFile on every rank)
         return tag, None if tag is None else saved_world_size(directory, tag)
 
-    tag, saved = _from_rank0(read)
+    tag, saved = from_rank0(read, "the checkpoint folder")
     if tag is None or saved in (None, world_size):
         return tag, False
     universal = tag + UNIVERSAL
