@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from dflash.eval.live import live_decode, target_only_decode
+from dflash.models.targets.attention_switch import attention_implementation
 from dflash.models.targets.static_attention import visibility_masks
 from dflash.inference.static_decode import StaticGenerator, static_generate
 from dflash.inference.static_target import StaticTarget
@@ -228,3 +229,21 @@ def test_cuda_graphs_with_windows(dtype):
         start = graphed.length - len(block)
         graphed.rollback(start + keep)
         eager.rollback(start + keep)
+
+
+def test_gemma2_keeps_its_attention_soft_cap_under_any_attention_default(target):
+    """Only HF's eager attention applies Gemma 2's attention soft cap; a model loaded with SDPA (transformers 5.17's
+    default for it) is switched to eager by its adapter, so the HF forward and the static engines run one model."""
+    adapter = target("gemma2")
+    model = adapter.model
+    ids = torch.tensor([[4 + (i * 7) % 200 for i in range(40)]])
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        with attention_implementation(model, "sdpa"):
+            try:  # the cap matters: SDPA gives other logits (5.17), or refuses a soft cap (later releases)
+                assert not torch.allclose(model(input_ids=ids).logits, eager, atol=1e-4, rtol=1e-4)
+            except ValueError as refused:
+                assert "softcap" in str(refused)
+            type(adapter)(model, adapter.tokenizer)
+            assert model.config._attn_implementation == "eager"
+            torch.testing.assert_close(model(input_ids=ids).logits, eager, atol=0, rtol=0)

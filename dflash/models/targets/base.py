@@ -81,6 +81,11 @@ class TargetAdapter:
         self.hidden_size: int = int(text_config.hidden_size)
         self.vocab_size: int = int(self.embed_tokens().weight.shape[0])
         self.config = text_config
+        if getattr(text_config, "attn_logit_softcapping", None) and model.config._attn_implementation != "eager":
+            # Only HF's eager attention applies Gemma 2's attention soft cap (SDPA drops it, and transformers 5.17
+            # picks SDPA for it): without the cap, capture and live decoding would run another model than the
+            # static engines, which apply it.
+            model.set_attn_implementation("eager")
         # What the model does to hidden @ lm_head^T: the drafter's logits, sharing the head, get the same.
         self.logit_transform = logit_transform_of(text_config)
         layers = self.decoder_layers()
