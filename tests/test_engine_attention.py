@@ -14,8 +14,9 @@ from dflash.inference.static_decode import static_generate
 from dflash.inference.static_target import StaticTarget
 from dflash.models.targets import build_tiny_target
 from dflash.models.targets.engine_attention import (
-    ENGINE_ATTENTION, AttendNotPassed, engine_attention, engine_attention_forward,
+    ENGINE_ATTENTION, AttendNotPassed, EngineCache, engine_attention, engine_attention_forward,
 )
+from dflash.models.targets.layout import TargetLayout
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,38 @@ def test_the_window_and_soft_cap_go_to_the_attend_function(adapter):
     engine_attention_forward(attn, q, k, v, None, scaling=0.25, engine_attend=attend, sliding_window=8, softcap=50.0)
     engine_attention_forward(attn, q, k, v, None, scaling=0.25, engine_attend=attend)
     assert seen == [(0.25, 8, 50.0), (0.25, None, None)]
+
+
+def test_the_engines_run_the_target_only_through_the_adapters_forward(adapter, monkeypatch):
+    """Every static-engine forward of the target is TargetAdapter.forward with an EngineCache: the layout's layer
+    loop runs inside it only, and the engines' tokens, logits and features are those of an unwrapped run."""
+    def outputs():
+        tokens = static_generate(adapter, [[5, 6, 7], [8, 9]], max_new_tokens=4, stop_token_ids=[], pad_id=0,
+                                 batch_size=2)
+        target = StaticTarget(adapter, [1], capacity=32)
+        return tokens, target.forward([5, 6, 7]), target.verify([8, 9])
+
+    expected = outputs()
+    caches, inside = [], []
+    real_forward, real_run = adapter.forward, TargetLayout.run
+
+    def forward(*args, **kwargs):
+        caches.append(kwargs.get("cache"))
+        inside.append(True)
+        try:
+            return real_forward(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def run(*args, **kwargs):
+        assert inside, "TargetLayout.run was called outside TargetAdapter.forward"
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", forward)
+    monkeypatch.setattr(TargetLayout, "run", run)
+    tokens, first, second = outputs()
+    # regeneration: one prefill and 3 decode steps; the live target: a prefill and a verify
+    assert len(caches) == 6 and all(isinstance(cache, EngineCache) for cache in caches)
+    assert tokens == expected[0]
+    for got, want in zip((*first, *second), (*expected[1], *expected[2])):
+        assert torch.equal(got, want)

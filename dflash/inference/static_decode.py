@@ -29,8 +29,7 @@ import torch
 from dflash.inference.cuda_graphs import capture_graphs
 from dflash.inference.row_schedule import ScheduleStats, round_up, run_schedule
 from dflash.models.targets.static_attention import attention, visibility_masks
-from dflash.models.targets.engine_attention import engine_attention
-from dflash.models.targets.layout import TargetLayout
+from dflash.models.targets.engine_attention import EngineCache, engine_attention
 
 ENGINES = ("hf", "static", "auto")
 # The KV cache length and the attention span of a decode step are multiples of this: one CUDA graph per span, and
@@ -97,11 +96,13 @@ class _Decoder:
     budget) freezes: it keeps writing at its last column and its tokens go to a scratch slot until it is refilled.
     """
 
-    def __init__(self, layout: TargetLayout, rows: int, length: int, stop_ids: list[int], temperature: float,
+    def __init__(self, adapter, rows: int, length: int, stop_ids: list[int], temperature: float,
                  top_p: float, use_graph: bool, compile_step: bool = False) -> None:
-        self.layout, self.rows, self.length = layout, rows, length
+        # The target runs through adapter.forward with an EngineCache over this decoder's KV cache.
+        self.adapter, self.layout = adapter, adapter.engine_layout
+        self.rows, self.length = rows, length
         self.temperature, self.top_p = temperature, top_p
-        device, lay = layout.device, layout
+        device, lay = self.layout.device, self.layout
         cache_shape = (rows, lay.kv_heads, length, lay.head_dim)
         self.keys = [torch.zeros(cache_shape, device=device, dtype=lay.dtype) for _ in lay.layers]
         self.values = [torch.zeros(cache_shape, device=device, dtype=lay.dtype) for _ in lay.layers]
@@ -184,8 +185,9 @@ class _Decoder:
             context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
             return context.reshape(self.rows, 1, lay.heads, lay.head_dim)
 
-        x, _ = lay.run(self.tokens[:, None], rope, attend)
-        logits = lay.logits(x[:, -1]).float()
+        _, logits = self.adapter.forward(self.tokens[:, None], None, [], "logits",
+                                         cache=EngineCache(rope, attend, (slice(None), -1)))
+        logits = logits.float()
         uniform = self.uniform.gather(1, self.count[:, None]).squeeze(1) if self.temperature > 0 else None
         self.record(self.choose(logits, uniform))
 
@@ -207,10 +209,10 @@ class _Decoder:
                                 masks[window], scaling, softcap)
             return context.transpose(1, 2)
 
+        last = (torch.arange(len(lengths), device=ids.device), lengths - 1)
         with engine_attention(lay.layers):
-            x, _ = lay.run(ids, rope, attend)
-        last = x[torch.arange(len(lengths), device=x.device), lengths - 1]
-        return lay.logits(last).float()
+            _, logits = self.adapter.forward(ids, None, [], "logits", cache=EngineCache(rope, attend, last))
+        return logits.float()
 
     def begin(self, prompts: list[list[int]], budgets: list[int], keys: list[str]) -> None:
         """Start a call: every row free; admit() takes prompts of this call by index (token lists, new-token
@@ -287,7 +289,7 @@ class StaticGenerator:
         reason = adapter.static_layout_problem()
         if reason is not None:
             raise ValueError(f"static decoding does not support this target: {reason}")
-        self.layout = adapter.static_layout()
+        self.adapter, self.layout = adapter, adapter.engine_layout
         self.vocab_size = int(adapter.vocab_size)
         on_cuda = self.layout.device.type == "cuda"
         if cuda_graphs and not on_cuda:
@@ -306,7 +308,7 @@ class StaticGenerator:
         key = (rows, tuple(stop_ids), temperature, top_p)
         if key != self._key or self._decoder.length < length:
             self._decoder = self._key = None  # free the old buffers and graphs first
-            self._decoder = _Decoder(self.layout, rows, length, stop_ids, temperature, top_p, self.cuda_graphs,
+            self._decoder = _Decoder(self.adapter, rows, length, stop_ids, temperature, top_p, self.cuda_graphs,
                                      self.compile_step)
             self._key = key
         return self._decoder

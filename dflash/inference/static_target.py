@@ -29,7 +29,7 @@ from dflash.inference.static_decode import LENGTH_QUANTUM
 from dflash.inference.cuda_graphs import capture_graphs, replay
 from dflash.inference.static_objects import kept_object
 from dflash.inference.target_cache import check_rollback, token_ids
-from dflash.models.targets.engine_attention import engine_attention
+from dflash.models.targets.engine_attention import EngineCache, engine_attention
 
 # Cache lengths are rounded up to this, so prompts of similar lengths share one StaticTarget and its graphs.
 CAPACITY_QUANTUM = 1024
@@ -56,7 +56,9 @@ class StaticTarget:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 position, got {capacity}")
         self.layer_ids = adapter.check_layer_ids(layer_ids) if layer_ids else []
-        self.layout = lay = adapter.static_layout()
+        # The target runs through adapter.forward with an EngineCache over this KV row.
+        self.adapter, self.layout = adapter, adapter.engine_layout
+        lay = self.layout
         self.capacity = round_up(capacity, LENGTH_QUANTUM)
         shape = (1, lay.kv_heads, self.capacity, lay.head_dim)
         self.keys = [torch.zeros(shape, device=lay.device, dtype=lay.dtype) for _ in lay.layers]
@@ -117,10 +119,10 @@ class StaticTarget:
             context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
             return context.reshape(1, lay.heads, n, lay.head_dim).transpose(1, 2)
 
+        cache = EngineCache(rope, attend, (0, slice(-1, None)) if last_only else 0)
         with engine_attention(lay.layers):
-            x, taps = lay.run(ids[None], rope, attend, self.layer_ids)
-        logits = lay.logits(x[0, -1:] if last_only else x[0])
-        return logits, torch.cat([taps[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+            features, logits = self.adapter.forward(ids[None], None, self.layer_ids, "logits", cache=cache)
+        return logits, features[0] if features is not None else None
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | torch.Tensor, last_logits_only: bool = False) -> Outputs:

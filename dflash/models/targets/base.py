@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dflash.host_copy import host_to_device
+from dflash.models.targets.engine_attention import EngineCache
 from dflash.models.targets.layout import TargetLayout, layout_problem
 from dflash.models.targets.logit_transform import logit_transform_of
 from dflash.models.targets.packed_attention import OffsetsNotPassed, packed_attention
@@ -118,6 +119,11 @@ class TargetAdapter:
         their attention, engine_attention.py): the dense Llama layout here; a family whose modules sit elsewhere
         overrides this and static_layout_problem()."""
         return TargetLayout.of(self)
+
+    @functools.cached_property
+    def engine_layout(self) -> TargetLayout:
+        """static_layout(), made once: what the static engines and forward() over an EngineCache run."""
+        return self.static_layout()
 
     @classmethod
     def layout_of(cls, model: nn.Module) -> TargetAdapter:
@@ -235,12 +241,16 @@ class TargetAdapter:
         `position_ids` after the cached positions; `attention_mask` spans the cached and the new positions and is
         the caller's, not checked (a decode step reads nothing back from the device); a GDN hybrid's causal conv
         runs under the caller's choice ("auto" unless a gdn_kernels.conv_choice is open), not under kernels(),
-        which holds the conv that set_gdn_conv picks for capture. Everything is returned on the adapter's device."""
+        which holds the conv that set_gdn_conv picks for capture. With an EngineCache (a static engine's KV cache,
+        engine_attention.py; output "logits" only) the static layout's layers run over it (`_engine_forward`).
+        Everything is returned on the adapter's device."""
         if output not in FORWARD_OUTPUTS:
             raise ValueError(f"output must be one of {FORWARD_OUTPUTS}, got {output!r}")
         if cache is not None and output != "logits":
             raise ValueError(f"a forward with a cache returns logits (output='logits'), got output={output!r}")
         ids = self.check_layer_ids(layer_ids) if layer_ids or cache is None else []
+        if isinstance(cache, EngineCache):
+            return self._engine_forward(input_ids, ids, cache)
         if cache is None:
             self.check_right_padding(attention_mask)
         if position_ids is not None:
@@ -268,6 +278,18 @@ class TargetAdapter:
                                    f"not once")
             return features, final[0].to(self.device)
         return features, None
+
+    def _engine_forward(self, input_ids: torch.Tensor, ids: list[int],
+                        cache: EngineCache) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """forward() over a static engine's KV cache: `engine_layout`'s run (the embedding and each decoder layer's own
+        forward with the cache's RoPE and attend function) and the logits of the cache's `rows` of the last layer's
+        output; the features [b, t, K*H] of the taps in `ids` (None without taps). The engine enters
+        engine_attention(engine_layout.layers) around the call; the attention mask and last_logits_only are the
+        engine's (its attend function and `rows`), so forward() reads neither."""
+        layout = self.engine_layout
+        hidden, taps = layout.run(input_ids, cache.rope, cache.attend, ids)
+        logits = layout.logits(hidden[cache.rows])
+        return torch.cat([taps[i] for i in ids], dim=-1) if ids else None, logits
 
     def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: Any,
                 last_logits_only: bool, **inputs: Any) -> torch.Tensor:

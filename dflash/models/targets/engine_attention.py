@@ -1,23 +1,23 @@
 """The static engines' attention inside the target's own HF decoder layers.
 
 The static engines of dflash/inference/ (static_decode.py, static_target.py) run the target through
-TargetLayout.run (layout.py): each decoder layer's own forward (norms, projections, q_norm/k_norm, RoPE, o_proj,
-MLP, residuals). The engines keep only the attention: they own the KV cache and decide what a query attends over
-(a prefill, a decode step, a verify). While `engine_attention(layers)` is active, those layers' attention modules
-call `engine_attention_forward`, registered with transformers' AttentionInterface under ENGINE_ATTENTION, which
-hands q, k and v to the function TargetLayout.run passed to the decoder layer as the keyword `engine_attend` (the
-engine's function, bound to the layer's index): HF's decoder layers pass their keyword arguments on to the
-attention module, and that to its attention function. The name has no mask function registered; the engines never
-run the model's own forward, so no mask is built for it, and their attend functions apply their own: causal,
-within the layer's sliding window when it has one, with the attention-logit soft cap when the layer passes one
-(Gemma 2).
+TargetAdapter.forward with an EngineCache, which runs TargetLayout.run (layout.py): each decoder layer's own forward
+(norms, projections, q_norm/k_norm, RoPE, o_proj, MLP, residuals). The engines keep only the attention: they own the
+KV cache and decide what a query attends over (a prefill, a decode step, a verify). While `engine_attention(layers)`
+is active, those layers' attention modules call `engine_attention_forward`, registered with transformers'
+AttentionInterface under ENGINE_ATTENTION, which hands q, k and v to the function TargetLayout.run passed to the
+decoder layer as the keyword `engine_attend` (the engine's function, bound to the layer's index): HF's decoder
+layers pass their keyword arguments on to the attention module, and that to its attention function. The name has no
+mask function registered; the engines never run the model's own forward, so no mask is built for it, and their
+attend functions apply their own: causal, within the layer's sliding window when it has one, with the
+attention-logit soft cap when the layer passes one (Gemma 2).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +32,18 @@ ENGINE_ATTENTION = "dflash_engine"
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor]
 # The same with the decoder layer's index first: what an engine hands TargetLayout.run for all its layers.
 LayerAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float, int | None, float | None], torch.Tensor]
+
+
+class EngineCache(NamedTuple):
+    """A static engine's KV cache as TargetAdapter.forward takes it (its `cache` argument) for one forward.
+
+    rope: per RoPE kind (TargetLayout.rope_kinds), the cos and sin of the forward's positions, broadcastable to
+    [b, t, head_dim]; attend: the engine's LayerAttend, which writes the layer's cache and attends over it;
+    rows: the index into the last layer's output [b, t, H] that picks the rows whose logits the forward returns."""
+
+    rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]]
+    attend: LayerAttend
+    rows: Any = ...
 
 
 class AttendNotPassed(ValueError):

@@ -1,10 +1,11 @@
 """What the static engines of dflash/inference/ read from a target: the batched regeneration decoder
-(static_decode.py) and live decoding's StaticTarget (static_target.py). The layout holds the target's own HF
-modules (the embedding, the decoder layers, the final norm and the LM head), the attention shapes, each layer's
-sliding window and RoPE table, and the family's final logit transform, and runs them: `run` is the embedding and
-each decoder layer's own forward with the engine's attention (engine_attention.py hands q, k and v to the engine,
-which writes its KV cache and attends), `logits` the final norm, the head and the transform. The engines keep
-their caches, masks, attention and CUDA graphs; no layer math is theirs.
+(static_decode.py) and live decoding's StaticTarget (static_target.py). The layout holds the target's own HF modules
+(the embedding, the decoder layers, the final norm and the LM head), the attention shapes, each layer's sliding
+window and RoPE table, and the family's final logit transform, and runs them for TargetAdapter.forward over an
+engine's cache (an EngineCache, engine_attention.py): `run` is the embedding and each decoder layer's own forward
+with the engine's attention (engine_attention.py hands q, k and v to the engine, which writes its KV cache and
+attends), `logits` the final norm, the head and the transform. The engines keep their caches, masks, attention and
+CUDA graphs; no layer math is theirs.
 
 Families: dense Llama-layout targets (llama, mistral, qwen2, qwen3; SmolLM2 included) and Gemma 2/3 text models.
 Sliding-window layers (Mistral's window, Qwen2/3's window layers, Gemma's local layers) keep a full-length cache
