@@ -307,6 +307,29 @@ def test_excluded_time_and_the_first_slow_evaluation_leave_the_rate_alone():
     assert budget.eval_s == 12.0
 
 
+def test_plan_lines_show_the_first_plan_moves_of_five_percent_and_the_stop():
+    """A renewed plan gets a console line only when it moved SHOWN_CHANGE from the last plan shown, its "was" being
+    that plan; the first plan and the stop always get one."""
+    budget = TimeBudget(1.0, 1000, eval_every=0, evaluates=False)
+    lines = []
+
+    def follow(previous: int) -> None:
+        line = budget.line(previous)
+        if line is not None:
+            lines.append(line)
+
+    budget.planned_steps, budget.step_s = 200, 0.3
+    follow(1000)
+    for planned in (203, 206, 209, 212, 190):  # 1.5%, 3%, 4.5%, then 6% from 200; then 10% down from 212
+        previous, budget.planned_steps = budget.planned_steps, planned
+        follow(previous)
+    budget.stopped, budget.planned_steps = True, 189
+    follow(190)
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "0.300 s/step -> 200 steps (was 1,000)", "0.300 s/step -> 212 steps (was 200)",
+        "0.300 s/step -> 190 steps (was 212)", f"{budget.elapsed_s / 60:.1f} min spent, stopping after step 189 (was 190)"]
+
+
 def test_a_sudden_slowdown_stops_before_the_budget_with_a_normal_end():
     budget = TimeBudget(1.0, 1000, eval_every=0, evaluates=False)
     budget.after_step(1, 10.0)

@@ -175,11 +175,13 @@ def step_metrics(engine: TrainEngine, totals: torch.Tensor, total_weight: torch.
 def follow_plan(budget: TimeBudget | None, engine: TrainEngine, progress: tqdm, total_steps: int, news: bool,
                 rank: int) -> int:
     """The total of steps the budget now plans (total_steps without a budget): the LR schedule and the progress bar
-    follow it, and a line says so when the plan was set or changed."""
+    follow it, and a line says so when the plan was set or changed enough to show (TimeBudget.line)."""
     if budget is None:
         return total_steps
     if news and rank == 0:
-        logger.info(budget.describe(total_steps))
+        line = budget.line(total_steps)
+        if line is not None:
+            logger.info(line)
     if budget.planned_steps != total_steps:
         engine.set_total_steps(budget.planned_steps)
         progress.total = budget.planned_steps

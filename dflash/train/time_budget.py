@@ -44,6 +44,7 @@ ONE_OFF_BASELINE = 5           # a step is judged against the median of at least
 REPLAN_EVERY = 20              # steps between renewals of the plan
 RATE_WINDOW = 100              # the recent step rate is measured over at least this many steps (rate_window)
 REPLAN_TOLERANCE = 0.02        # a renewed plan replaces the current total when they differ by more than this share
+SHOWN_CHANGE = 0.05            # a changed plan gets a console line when it moved this share from the last one shown
 UNMEASURED_EVAL_SHARE = 0.05   # share of the budget set aside for the evaluations to come before one is measured
 
 
@@ -126,6 +127,7 @@ class TimeBudget:
         self._one_offs_left = ONE_OFFS
         self._judged_step = 0  # the steps up to this one were judged one-off or not
         self._unsampled: set[int] = set()  # profiled steps: their time is excluded, they are no sample of the pace
+        self.shown_steps: int | None = None  # the plan of the last console line (line())
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` already spent (a profiled step, the profiler's table) out of the step rate, as evaluations
@@ -178,6 +180,17 @@ class TimeBudget:
             return False
         news = self._next_plan is not None and self._renew(step, pending_from=step + 1)
         return self._stop_if_out_of_time(step, pending_from=step + 1) or news
+
+    def line(self, previous: int) -> str | None:
+        """The console line for a plan that was set or changed from `previous` steps, or None when it moved less than
+        SHOWN_CHANGE from the last plan shown (every plan is in metrics.jsonl's planned_steps): the first plan, a
+        resumed plan and the stop always get one."""
+        shown = self.shown_steps
+        if shown is not None and self.step_s is not None and not self.stopped and \
+                abs(self.planned_steps - shown) < SHOWN_CHANGE * shown:
+            return None
+        self.shown_steps = self.planned_steps
+        return self.describe(previous if shown is None else shown)
 
     def describe(self, previous: int) -> str:
         """The line printed when the plan changed from `previous` steps."""
