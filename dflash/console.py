@@ -9,6 +9,7 @@ the stage headers and a run's closing block are printed as they are.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -108,15 +109,21 @@ def show_package_messages() -> None:
 
 @contextlib.contextmanager
 def transformers_progress_bars(shown: bool) -> Iterator[None]:
-    """Inside, transformers' own progress bars (loading a checkpoint's weights, writing a converted one) are hidden
-    unless `shown` (a run's show_progress); as they were afterwards."""
+    """Inside, transformers' own progress bars (loading a checkpoint's weights, writing a converted one, converting
+    a GGUF file) are hidden unless `shown` (a run's show_progress); as they were afterwards."""
+    import importlib
+
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
-    if not shown:
-        hf_logging.disable_progress_bar()
-    try:
+    with contextlib.ExitStack() as restore:
+        if not shown:
+            hf_logging.disable_progress_bar()
+            if enabled:
+                restore.callback(hf_logging.enable_progress_bar)
+            # The GGUF conversion draws a plain tqdm bar of its module, which the switch above does not reach.
+            gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+            if hasattr(gguf, "tqdm"):
+                restore.callback(setattr, gguf, "tqdm", gguf.tqdm)
+                gguf.tqdm = functools.partial(gguf.tqdm, disable=True)
         yield
-    finally:
-        if enabled and not shown:
-            hf_logging.enable_progress_bar()

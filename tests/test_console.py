@@ -66,3 +66,18 @@ def test_the_targets_loading_bars_follow_show_progress(show_progress, tmp_path, 
     run.target
     assert seen == [show_progress]
     assert hf_logging.is_progress_bar_enabled()
+
+
+@pytest.mark.parametrize("show_progress", [False, True])
+def test_the_gguf_conversion_bar_follows_show_progress(show_progress, capsys):
+    # transformers' GGUF conversion draws a plain tqdm bar ("Converting and de-quantizing GGUF tensors...") that its
+    # progress-bar switch does not reach: it stayed on the console under show_progress=false (seen on the H200).
+    import transformers.modeling_gguf_pytorch_utils as gguf
+
+    from dflash.console import transformers_progress_bars
+
+    original = gguf.tqdm
+    with transformers_progress_bars(show_progress):
+        list(gguf.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert ("Converting" in capsys.readouterr().err) == show_progress
+    assert gguf.tqdm is original
