@@ -278,6 +278,11 @@ def test_blocks_of_different_sizes_in_one_proposal_match_direct_calls(tiny_targe
     assert not torch.allclose(batched[0, :2], proposer.hidden([0], [starts[0]], 4)[0, :2], atol=1e-4)
 
 
+def test_a_prompt_set_without_a_source_is_named(tiny_target):
+    with pytest.raises(ValueError, match=r"eval prompt set 'code' names no source \(one of .*humaneval"):
+        load_prompt_sets(tiny_target("llama"), {"code": {"limit": 2}}, max_new_tokens=6)
+
+
 def test_summary_says_where_the_time_went(tiny_target, make_drafter, monkeypatch):
     adapter = tiny_target("llama")
     timer = PhaseTimer(adapter.device)

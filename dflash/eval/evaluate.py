@@ -83,7 +83,7 @@ def load_prompt_sets(
     the questions. `timer` (optional; pass the same one to `evaluate`) is charged with "load_prompts" (reading and
     chat-templating) and "turn2_answers" (the greedy first-turn answers), per set.
     """
-    from dflash.data.prompts import load_prompts
+    from dflash.data.prompts import SOURCES, load_prompts
     from dflash.eval.categories import prompt_categories
     from dflash.eval.multiturn import second_turn_conversations
 
@@ -93,6 +93,8 @@ def load_prompt_sets(
     categories: dict[str, list[str]] = {}
     for name, spec in specs.items():
         if isinstance(spec, Mapping):
+            if "source" not in spec:  # PromptSetSettings would take its placeholder '???' for a source
+                raise ValueError(f"eval prompt set {name!r} names no source (one of {', '.join(SOURCES)})")
             spec = PromptSetSettings(**spec)
         if spec.turns not in (1, 2):  # PromptSetSettings does not check it; EvalSettings does
             raise ValueError(f"eval prompt set {name!r}: turns must be 1 or 2, got {spec.turns}")
