@@ -8,11 +8,17 @@ The server starts with the first child of a test process and its preload list th
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
+import torch
 import torch.multiprocessing as mp
 
 PRELOAD = ["dflash.pipeline", "dflash.extract.capture_sender", "dflash.extract.feature_cache",
            "dflash.extract.linked_source", "dflash.extract.rank_link", "dflash.train.checkpoints",
-           "tests.test_rank_stream", "tests.test_checkpoint_rank0_errors", "tests.test_fault_campaign"]
+           "tests.test_rank_stream", "tests.test_checkpoint_rank0_errors", "tests.test_fault_campaign",
+           "tests.trainer_harness", "tests.test_heldout", "tests.test_time_budget", "tests.test_pipeline",
+           "tests.test_step_profile", "tests.test_online_ranks"]
 
 
 def process_context():
@@ -20,3 +26,30 @@ def process_context():
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+def run_ranks(target: Callable, world_size: int, *args, **kwargs) -> list[int | None]:
+    """target(*args, **kwargs) in `world_size` such processes, the ranks of one job on this machine, given the
+    variables torchrun gives its ranks; returns their exit codes (a rank still running after 300 s is killed)."""
+    from dflash.train.engine import free_local_port
+
+    port = free_local_port()
+    context = process_context()
+    processes = [context.Process(target=_as_rank, args=(rank, world_size, port, target, args, kwargs))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return [process.exitcode for process in processes]
+
+
+def _as_rank(rank: int, world_size: int, port: int, target: Callable, args: tuple, kwargs: dict) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 does for the launched processes of the other tests
+    target(*args, **kwargs)

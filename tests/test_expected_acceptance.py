@@ -16,7 +16,7 @@ from dflash.eval.expected_acceptance import (block_survival, expected_metrics, e
 from dflash.eval.live import live_decode
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import replay, replay_steps
-from dflash.eval.replay_estimate import replay_estimate, sampled_continuations, target_pass_with_final
+from dflash.eval.replay_estimate import sampled_continuations, target_pass_with_final
 
 TEXTS = ["Hi", "What is two plus two?", "Write a haiku about the sea, please."]
 
@@ -103,7 +103,7 @@ class _Rollout:
     """An oracle drafter that depends only on the prefix up to the anchor, as a DFlash drafter does: its logits at
     block position k are the target's own logits along the target's greedy rollout from the anchor."""
 
-    def __init__(self, adapter, temperature):
+    def __init__(self, adapter):
         self.adapter, self.memo = adapter, {}
 
     def next_logits(self, tokens: list[int]) -> torch.Tensor:
@@ -185,10 +185,17 @@ def _estimated_tau(adapter, drafter, prompts, rollout, *, temperature, draft_sam
     return expected_metrics(traces, drafter.config.block_size)["tau"]
 
 
+@pytest.fixture(scope="module")
+def rollout(tiny_target) -> _Rollout:
+    """One oracle for the three cases below: the target's logits after a sequence are the same in each, and their
+    estimates walk the same sampled continuations (the seeds and the temperature are the same)."""
+    return _Rollout(tiny_target("llama"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_sampling,draft_temperature", [("greedy", None), ("sampled", None), ("sampled", 0.025)])
 def test_estimate_agrees_with_live_rejection_sampling(draft_sampling, draft_temperature, tiny_target, make_drafter,
-                                                      monkeypatch):
+                                                      rollout, monkeypatch):
     """Over 16 seeds, the mean estimated tau (each seed: the target's own sampled continuations) and the mean live
     tau (each seed: rejection sampling) agree within 4 standard errors of their difference, from the seeds' spread.
     T = 0.05 makes the tiny random target's next-token distribution peaked enough (max p ~0.6) for blocks to be
@@ -196,7 +203,6 @@ def test_estimate_agrees_with_live_rejection_sampling(draft_sampling, draft_temp
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter, block_size=4)
     prompts, temperature, max_new_tokens, seeds = prompts_for(adapter), 0.05, 16, range(16)
-    rollout = _Rollout(adapter, temperature)
     settings = dict(temperature=temperature, draft_sampling=draft_sampling, max_new_tokens=max_new_tokens,
                     draft_temperature=draft_temperature)
     lives = [_live_tau(adapter, drafter, prompts, rollout, monkeypatch, seed=s, **settings) for s in seeds]

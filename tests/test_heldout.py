@@ -8,9 +8,6 @@ import json
 import os
 import pathlib
 import random
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ from dflash.train.best_checkpoint import best_state_dict, read_best, write_best
 from dflash.train.heldout import HeldoutSet, save_heldout_set, write_heldout_features
 from dflash.train.metrics_log import MetricsLog
 from tests import trainer_harness
+from tests.forked import run_ranks
 
 GEN = dict(max_length=160, max_new_tokens=6, batch_size=3, show_progress=False)
 
@@ -440,25 +438,36 @@ def test_best_checkpoint_replacement_is_atomic(tmp_path):
     assert sorted(os.listdir(directory)) == ["best"] and read_best(directory)["step"] == 3
 
 
+@pytest.fixture(scope="module")
+def one_process_heldout_run(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
+    """The 1-process reference of both ZeRO stages below (it trains ZeRO-2): its folder, which holds the held-out
+    file the two ranks read too, and its records."""
+    directory = tmp_path_factory.mktemp("heldout-one")
+    held = synthetic_heldout(str(directory / "heldout.safetensors"))
+    _, records = run(directory / "one", heldout=held, eval_every=1, store=learnable_store(6, 0), epochs=4, lr=3e-2)
+    return directory, records
+
+
+def two_rank_run(directory: str, zero_stage: int, out: str) -> None:
+    """One rank of test_two_ranks_evaluate_like_one's job (tests/forked.py's run_ranks)."""
+    run(pathlib.Path(out), heldout=HeldoutSet(os.path.join(directory, "heldout.safetensors")), eval_every=1,
+        store=learnable_store(6, 0), epochs=4, lr=3e-2, zero_stage=zero_stage)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("zero_stage", [2, 3])
 @pytest.mark.slow
-def test_two_ranks_evaluate_like_one(tmp_path, zero_stage):
+def test_two_ranks_evaluate_like_one(tmp_path, zero_stage, one_process_heldout_run):
     """Rank 0 evaluates while the other rank waits (ZeRO-2), or every rank joins the consolidation (ZeRO-3): the
     held-out taus and the best equal those of one process on the same global batches."""
-    held = synthetic_heldout(str(tmp_path / "heldout.safetensors"))
-    _, one = run(tmp_path / "one", heldout=held, eval_every=1, store=learnable_store(6, 0), epochs=4, lr=3e-2)
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))
-    with port:
-        free = str(port.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free,
-                    "tests/test_heldout.py", str(tmp_path), str(zero_stage)], check=True, env=env, timeout=300)
+    directory, one = one_process_heldout_run
+    # The 2 ranks fork from a server that imported the trainer once (tests/forked.py): torchrun's processes would each
+    # import it again, most of this test's time.
+    assert run_ranks(two_rank_run, 2, str(directory), zero_stage, str(tmp_path / "two")) == [0, 0]
     with open(tmp_path / "two" / "metrics.jsonl", encoding="utf-8") as f:
         two = [json.loads(line) for line in f]
     assert [r["heldout/tau"] for r in two] == [r["heldout/tau"] for r in one]
-    assert read_best(str(tmp_path / "two" / "checkpoints")) == read_best(str(tmp_path / "one" / "checkpoints"))
+    assert read_best(str(tmp_path / "two" / "checkpoints")) == read_best(str(directory / "one" / "checkpoints"))
     weights, _ = best_state_dict(str(tmp_path / "two" / "checkpoints"))
     assert set(weights) == set(DFlashDraftModel(trainer_harness.drafter_config()).state_dict())
 
@@ -506,11 +515,3 @@ def test_heldout_replay_on_gpu_matches_the_evaluator(tmp_path, monkeypatch):
           f"tau {expected['tau']:.4f}")
     same = sum(a == b for a, b in zip(heldout_calls, evaluator_calls)) / max(len(evaluator_calls), 1)
     assert same > 0.99 and metrics["tau"] == pytest.approx(expected["tau"], abs=0.02)
-
-
-if __name__ == "__main__":
-    # torchrun --nproc_per_node 2 tests/test_heldout.py OUT ZERO_STAGE  (OUT holds heldout.safetensors)
-    torch.set_num_threads(1)
-    directory = pathlib.Path(sys.argv[1])
-    run(directory / "two", heldout=HeldoutSet(str(directory / "heldout.safetensors")), eval_every=1,
-        store=learnable_store(6, 0), epochs=4, lr=3e-2, zero_stage=int(sys.argv[2]))

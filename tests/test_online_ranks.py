@@ -1,7 +1,7 @@
-"""capture=online in the pipeline: one torchrun job on CPU (gloo) whose last ranks capture for the others, on the tiny
-target. The losses equal the stored offline curve with 1 or 2 capture ranks and 1 or 2 trainer ranks (2 trainer ranks
-of 2 samples keep the global batch of 4), length-grouped batches and a step cap train what offline capture trains, and
-a job whose capture rank or trainer rank is SIGKILLed mid-run is restarted by torchrun (--max-restarts 1) and resumes
+"""capture=online in the pipeline: one job on CPU (gloo) whose last ranks capture for the others, on the tiny target.
+The losses equal the stored offline curve with 1 or 2 capture ranks and 1 or 2 trainer ranks (2 trainer ranks of 2
+samples keep the global batch of 4), length-grouped batches and a step cap train what offline capture trains, and a
+job whose capture rank or trainer rank is SIGKILLed mid-run is restarted by torchrun (--max-restarts 1) and resumes
 from its last checkpoint to the same losses: no micro-batch lost or used twice."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from dflash.config import compose
-from dflash.pipeline import Pipeline
+from dflash.pipeline import Pipeline, run_command
+from tests.forked import run_ranks
 from tests.test_rank_stream import free_port
 
 ONLINE = ["+experiment=tiny", "show_progress=false", "capture=online"]
@@ -38,16 +39,35 @@ def data_dir(tmp_path_factory) -> Path:
     return run_dir / "data"
 
 
+def forked_rank(console: str, overrides: list[str]) -> None:
+    """A rank of run_job's job when it kills no rank (tests/forked.py's run_ranks): the pipeline command, its console
+    into CONSOLE-rankR.out and .err."""
+    for descriptor, name in ((1, "out"), (2, "err")):
+        with open(f"{console}-rank{os.environ['RANK']}.{name}", "w", encoding="utf-8") as file:
+            os.dup2(file.fileno(), descriptor)
+    run_command(compose(overrides))
+
+
 def run_job(run_dir: Path, data_dir: Path, captures: int, trainers: int, point: str = "none",
             extra: tuple[str, ...] = (), nodes: int = 1) -> subprocess.CompletedProcess:
-    """One torchrun job of captures + trainers ranks; with nodes > 1, one torchrun per node (static rendezvous on
-    this machine), each node's last captures / nodes ranks capturing (capture.ranks_per_node)."""
+    """One job of captures + trainers ranks, launched by torchrun when a rank is to be killed (and restarted) or when
+    it spans nodes: with nodes > 1, one torchrun per node (static rendezvous on this machine), each node's last
+    captures / nodes ranks capturing (capture.ranks_per_node)."""
     run_dir.mkdir()
     shutil.copytree(data_dir, run_dir / "data")
     overrides = ONLINE + [f"run_dir={run_dir}", "stages=[data,capture,train]", f"capture.ranks={captures}",
                           f"train.micro_batch_size={4 // trainers}", *extra]
     if nodes > 1:
         overrides.append(f"capture.ranks_per_node={captures // nodes}")
+    if point == "none" and nodes == 1:
+        # No rank killed, so no restart to ask of torchrun: the ranks fork from a server that imported dflash once
+        # (tests/forked.py), where torchrun's processes would each import it again, most of these tests' time.
+        console = f"{run_dir}-console"
+        codes = run_ranks(forked_rank, captures + trainers, console, overrides)
+        outputs = [[Path(f"{console}-rank{rank}.{name}").read_text() for name in ("out", "err")]
+                   for rank in range(captures + trainers)]
+        return subprocess.CompletedProcess("forked", max(abs(code) for code in codes),
+                                           "".join(out for out, _ in outputs), "".join(err for _, err in outputs))
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launches = [subprocess.Popen(

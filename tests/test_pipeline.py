@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
 from dflash.config import CONFIG_DIR, compose
-from dflash.pipeline import Pipeline
+from dflash.pipeline import Pipeline, run_command
 from dflash.stages.shapes import drafter_config
+from tests.forked import run_ranks
 
 TINY = ["+experiment=tiny", "show_progress=false"]
 STORED_CURVE = os.path.join(os.path.dirname(__file__), "data", "tiny_loss_curve.json")
@@ -179,6 +179,11 @@ def test_capture_and_training_follow_what_the_data_stage_made(tiny_run, tmp_path
     assert Pipeline(older).train.fingerprint() == Pipeline(compose(TINY + [f"run_dir={run_dir}"])).train.fingerprint()
 
 
+def run_pipeline_command(overrides: list[str]) -> None:
+    """What `python -m dflash.train OVERRIDES` runs, in one rank of a job (tests/forked.py's run_ranks)."""
+    run_command(compose(overrides))
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_two_rank_pipeline_trains_from_the_same_features(tiny_run, tmp_path):
@@ -187,10 +192,11 @@ def test_two_rank_pipeline_trains_from_the_same_features(tiny_run, tmp_path):
     two.mkdir()
     for stage in ("data", "features"):
         subprocess.run(["cp", "-r", os.path.join(run_dir, stage), str(two / stage)], check=True)
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29641",
-                    "-m", "dflash.train", *TINY, f"run_dir={two}", "stages=[data,capture,train]",
-                    "train.micro_batch_size=2"], check=True, env=env, timeout=600)
+    # The 2 ranks fork from a server that imported dflash once (tests/forked.py): torchrun's processes would each
+    # import it again, most of this test's time. `torchrun -m dflash.train` with 2 ranks is launched in
+    # test_capture_settings_change.py.
+    overrides = [*TINY, f"run_dir={two}", "stages=[data,capture,train]", "train.micro_batch_size=2"]
+    assert run_ranks(run_pipeline_command, 2, overrides) == [0, 0]
     # 2 ranks x 2 samples = the tiny run's 4-sample global batch: the same loss curve.
     torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(run_dir)), rtol=1e-4, atol=1e-4)
     assert os.path.exists(two / "export" / "model.safetensors")

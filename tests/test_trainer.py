@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests import trainer_harness
+from tests.forked import run_ranks
 from dflash.data.batch_plan import BatchPlan
 
 
@@ -151,11 +152,9 @@ def assert_same_training(result, one_process):
 def test_two_process_zero_matches_one_process_and_resumes_on_one(tmp_path, zero_stage, one_process):
     """ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters, gathered for the final state dict); then the
     2-rank checkpoint of step 2 resumes on 1 rank (through a universal checkpoint) to the same end."""
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "tests/trainer_harness.py", str(tmp_path), "1", "1", str(zero_stage), "--save-every", "2"],
-        check=True, env=launcher_env(), timeout=600,
-    )
+    # The 2 ranks fork from a server that imported the trainer once (tests/forked.py): torchrun's processes would each
+    # import it again, most of this test's time. The next test launches this harness with torchrun.
+    assert run_ranks(trainer_harness.main, 2, str(tmp_path), 1, 1, zero_stage, save_every=2) == [0, 0]
     result = torch.load(tmp_path / "result.pt", weights_only=True)
     assert set(result["state"]) == set(one_process[1])  # ZeRO-3 consolidation returns every full tensor
     assert_same_training(result, one_process)

@@ -15,6 +15,7 @@ from dflash.models.drafter import DFlashDraftModel
 from dflash.train.checkpoints import COMPLETE, LATEST, complete_tags, latest_tag
 from dflash.train.step_metrics import expected_acceptance_length, layer_parameters, step_flops
 from tests import trainer_harness
+from tests.forked import process_context
 
 # 6 samples, global batch 2: 3 steps per epoch, 4 epochs = 12 steps, a checkpoint after every step, 2 kept.
 RUN = dict(micro_batch_size=2, grad_accum=1, epochs=4, save_every=1, keep_last=2)
@@ -39,19 +40,18 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, one_thr
     full_losses, full_state = trainer_harness.run(str(tmp_path / "full"), **RUN)
     out = tmp_path / "killed"
     checkpoints = str(out / "checkpoints")
-    command = [sys.executable, "tests/trainer_harness.py", str(out), "2", "1", "2", "--epochs", "4",
-               "--save-every", "1", "--keep-last", "2", "--delay", "0.15"]  # ~0.3 s per step
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "MASTER_PORT": str(free_port())}  # a fixed range collided with a concurrent test run
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A fresh process forked from a server that imported the trainer once (tests/forked.py), ~0.3 s per step.
+    process = process_context().Process(target=trainer_harness.main, args=(str(out), 2, 1, 2),
+                                        kwargs=dict(epochs=4, save_every=1, keep_last=2, delay=0.15))
+    process.start()
     try:
         deadline = time.monotonic() + 300
-        while read_latest_step(checkpoints) < 3 and process.poll() is None and time.monotonic() < deadline:
+        while read_latest_step(checkpoints) < 3 and process.is_alive() and time.monotonic() < deadline:
             time.sleep(0.02)
         os.kill(process.pid, signal.SIGKILL)
     finally:
-        process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL
+        process.join(timeout=60)
+    assert process.exitcode == -signal.SIGKILL
     killed_at = read_latest_step(checkpoints)
     assert 3 <= killed_at < 12, f"the run was not killed mid-run (latest checkpoint step {killed_at})"
 

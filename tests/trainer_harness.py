@@ -87,6 +87,16 @@ def run(out_dir: str, micro_batch_size: int, grad_accum: int, zero_stage: int = 
     return losses, state
 
 
+def main(out_dir: str, micro_batch_size: int, grad_accum: int, zero_stage: int, epochs: int = 2, save_every: int = 0,
+         keep_last: int = 0, delay: float = 0.0, device: str = "cpu") -> None:
+    """One rank of a launched run (torchrun, or tests/forked.py's run_ranks): rank 0 saves the losses and the final
+    state to OUT_DIR/result.pt."""
+    torch.set_num_threads(1)
+    losses, state = run(out_dir, micro_batch_size, grad_accum, zero_stage, epochs, save_every, keep_last, delay, device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"losses": losses, "state": state}, os.path.join(out_dir, "result.pt"))
+
+
 if __name__ == "__main__":
     # [torchrun ...] tests/trainer_harness.py OUT_DIR MICRO GRAD_ACCUM ZERO_STAGE [--epochs E --save-every N ...]
     parser = argparse.ArgumentParser()
@@ -100,8 +110,5 @@ if __name__ == "__main__":
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")  # cuda: rank r on cuda:r, NCCL
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    losses, state = run(args.out, args.micro, args.accum, args.stage, args.epochs, args.save_every, args.keep_last,
-                        args.delay, args.device)
-    if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"losses": losses, "state": state}, os.path.join(args.out, "result.pt"))
+    main(args.out, args.micro, args.accum, args.stage, args.epochs, args.save_every, args.keep_last, args.delay,
+         args.device)
