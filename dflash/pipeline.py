@@ -20,20 +20,22 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash.config import ConfigError
-from dflash.config.errors import ConfigPathError
 from dflash.console import console_copied_to
-from dflash.run_files import from_rank0, mark_done, read_json_or_none, stage_done, write_text
+from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
+from dflash.stages.closing import closing_block
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
 from dflash.stages.export import ExportStage
-from dflash.stages.guard import refuse_other_trained_settings
 from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
 from dflash.train.third_party_output import third_party_records_to_run_log
 
 logger = logging.getLogger(__name__)
+
+# The stages in the order they run (a Pipeline wires one of each to the stage whose output it reads).
+STAGE_CLASSES: tuple[type[Stage], ...] = (DataStage, CaptureStage, TrainStage, ExportStage, EvalStage)
 
 
 class Pipeline:
@@ -56,26 +58,21 @@ class Pipeline:
         return self.context.target
 
     def run(self) -> dict[str, Any] | None:
-        """The selected stages in order; the eval summary when the eval stage ran (on rank 0), else None. Everything
-        the run prints is also written to <run_dir>/logs/."""
+        """The selected stages in order; the summary of the stage that measured one (eval, on rank 0), else None.
+        Every stage's preflight comes first, so a bad setting or a missing file stops the command before any work.
+        Everything the run prints is also written to <run_dir>/logs/."""
         run = self.context
-        refuse_other_trained_settings(self.train)
         refuse_unusable_target(self.settings.target)
-        if run.rank == 0:  # rank 0 alone reads prompts (data, eval); a launcher ends the others when it stops
-            refuse_unreadable_prompts(self)
-        if "train" in self.settings.stages:
-            from dflash.train.metrics_log import missing_logger_package
-
-            missing = missing_logger_package(self.settings.logging.tensorboard, self.settings.logging.wandb.mode)
-            if missing:
-                raise ConfigError(missing)
+        selected = selected_stages(self.settings.stages, self.stages)
+        for stage in self.stages:
+            stage.preflight(stage.name in selected)
         os.makedirs(run.run_dir, exist_ok=True)
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
         with console_copied_to(log), third_party_records_to_run_log():
             summary = self.run_stages()
             if run.rank == 0:
-                print(closing_block(self, summary, log), flush=True)
+                print(closing_block(run.run_dir, self.stages, log), flush=True)
         return summary
 
     def run_stages(self) -> dict[str, Any] | None:
@@ -84,14 +81,15 @@ class Pipeline:
             from dflash.train.engine import init_distributed
 
             init_distributed()
-        selected = selected_stages(self.settings.stages)
+        selected = selected_stages(self.settings.stages, self.stages)
+        chosen = [stage for stage in self.stages if stage.name in selected]
         if run.rank == 0:
             for warning in self.settings.ignored():
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
-            if selected != ["eval"]:  # an evaluation records its config in its own folder
+            if not all(stage.records_own_config for stage in chosen):
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
         for stage in self.stages:
-            if stage.name in selected:
+            if stage in chosen:
                 if run.rank == 0:
                     print(f"[{stage.name}] {stage.describe()}", flush=True)
                 if stage.every_rank or run.rank == 0:
@@ -100,13 +98,12 @@ class Pipeline:
                     timed(stage.name, functools.partial(run_stage, stage, run.rank))
             if stage.barrier_after:
                 run.barrier()
-        return self.eval.summary if "eval" in selected and run.rank == 0 else None
+        return next((stage.summary for stage in chosen if stage.summary is not None), None)
 
 
-def selected_stages(named: list[str]) -> list[str]:
-    """The stages a command runs: those it names, and the export with the train stage (a drafter trained is always
-    exported, as `stages=[train]` has always done)."""
-    return list(named) + (["export"] if "train" in named and "export" not in named else [])
+def selected_stages(named: list[str], stages: tuple[Stage | type[Stage], ...] = STAGE_CLASSES) -> list[str]:
+    """The stages a command runs: those it names, and each stage that runs with one of them (Stage.runs_with)."""
+    return list(named) + [s.name for s in stages if s.runs_with in named and s.name not in named]
 
 
 def run_stage(stage: Stage, rank: int) -> None:
@@ -126,73 +123,6 @@ def run_stage(stage: Stage, rank: int) -> None:
     record = stage.run()
     if record is not None and rank == 0:
         mark_done(stage.out, stage.fingerprint(), **record)
-
-
-def refuse_unreadable_prompts(pipeline: Pipeline) -> None:
-    """ConfigPathError naming the key when a prompt file the selected stages will read is not there (a packaged set
-    whose package is not installed, a path that is no file), before any stage runs. The data stage reads its source
-    and, for the overlap check, every evaluation prompt set, unless it is up to date; the eval stage reads the sets."""
-    from dflash.data.prompts import prompt_file_problem
-
-    s, data = pipeline.settings, pipeline.data
-    data_pending = "data" in s.stages and not stage_done(data.out, data.fingerprint())
-    sources = [("data", s.data.source, s.data.path)] if data_pending else []
-    if "eval" in s.stages or (data_pending and s.data.eval_overlap_ngram):
-        sources += [(f"eval.prompt_sets.{name}", spec.source, spec.path) for name, spec in s.eval.prompt_sets.items()]
-    for prefix, source, path in sources:
-        problem = prompt_file_problem(source, path)
-        if problem is not None:
-            key, value = (f"{prefix}.path", path) if path else (f"{prefix}.source", source)
-            raise ConfigPathError(f"{key}={value!r}: {problem}")
-
-
-def closing_block(pipeline: Pipeline, summary: dict[str, Any] | None, log: str) -> str:
-    """What a person looks for after a run: where its drafter, plots and logs are, its tau, and what to run next."""
-    run, settings = pipeline.context, pipeline.settings
-    here = shown(run.run_dir)
-    lines = [f"== done: {here} =="]
-
-    def row(what: str, value: str) -> None:
-        lines.append(f"  {what:<26}  {value}")
-
-    export = pipeline.export
-    if os.path.exists(os.path.join(export.out, "done.json")):
-        row("drafter (z-lab format)", f"{shown(export.out)}   serve it with vLLM or SGLang (docs/serving.md)")
-    best = read_json_or_none(os.path.join(export.best, "best.json"))
-    if best:
-        row("best held-out checkpoint", f"{shown(export.best)} (step {best['step']}, held-out tau {best['tau']:.2f})")
-    for name, what in (("training_curve.png", "training curve"), ("metrics.jsonl", "metrics per step")):
-        if os.path.exists(os.path.join(run.run_dir, name)):
-            row(what, os.path.join(here, name))
-    if summary is not None:
-        row("evaluation", f"{shown(pipeline.eval.out)}/summary.json, per_position.png")
-        taus = ", ".join(f"{name} {s['tau']:.2f}" for name, s in summary.get("prompt_sets", {}).items())
-        row("tau", f"{taus}; overall {summary['overall']['tau']:.2f}")
-    row("console log", shown(log))
-    if summary is not None and run.device.type == "cpu" and summary["overall"]["tau"] < 1.5:
-        lines.append("  This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau near "
-                     "1 is expected). A real drafter: the same `python -m dflash.train` on a machine with a GPU "
-                     "(+experiment=smollm2_quick, about 10 minutes), or the full recipe +experiment=smollm2 (about 25 "
-                     "minutes on an H200, tau ~3.1, docs/results.md).")
-    elif summary is not None and settings.eval.mode == "replay":
-        row("next: real decoding", f"python -m dflash.eval {' '.join(command_overrides(settings))} eval.mode=live "
-                                   f"eval.out_dir={os.path.join(here, 'eval_live')}")
-    return "\n".join(lines)
-
-
-def shown(path: str) -> str:
-    """`path` relative to the working folder when it lies inside it, else absolute."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
-
-
-def command_overrides(settings) -> list[str]:
-    """The overrides of the command that is running (Hydra's record), less `stages`; `name=...` outside Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return [o for o in HydraConfig.get().overrides.task if not o.startswith("stages=")]
-    return [f"name={settings.name}"]
 
 
 def timed(stage: str, work):
@@ -236,13 +166,13 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
     the job's or every node's last ranks, dflash/extract/rank_link.py)."""
     from dflash.config import settings_from
 
-    c = settings_from(cfg).capture
+    s = settings_from(cfg)
+    c = s.capture
     if c.mode != "online":
         return Pipeline(cfg).run()
     from dflash.extract.rank_link import capture_gpus, open_link
 
-    link = open_link(c.ranks, str(cfg.device), c.timeout_s,
-                     capture_gpus(c, settings_from(cfg).target), c.ranks_per_node)
+    link = open_link(c.ranks, s.device, c.timeout_s, capture_gpus(c, s.target), c.ranks_per_node)
     if link.is_capture:
         from dflash.stages.capture_role import serve_capture
 

@@ -9,8 +9,9 @@ import textwrap
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.run_files import clear_done, write_json
+from dflash.run_files import clear_done, stage_done, write_json
 from dflash.stages.context import RunContext
+from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,17 @@ class DataStage(Stage):
 
     def fingerprint(self) -> str:
         return fingerprints.data_fingerprint(self.context.settings)
+
+    def preflight(self, selected: bool) -> None:
+        """When it will run (selected, not up to date): its prompts and, for the overlap check, every evaluation
+        prompt set must be readable. Rank 0 alone reads prompts; a launcher ends the other ranks when it stops."""
+        s = self.context.settings
+        if self.context.rank != 0 or not selected or stage_done(self.out, self.fingerprint()):
+            return
+        files = [("data", s.data.source, s.data.path)]
+        if s.data.eval_overlap_ngram:
+            files += eval_prompt_files(s)
+        refuse_unreadable_prompts(files)
 
     def describe(self) -> str:
         s = self.context.settings

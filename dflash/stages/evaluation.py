@@ -10,8 +10,10 @@ from dflash.config import fingerprints
 from dflash.config.errors import CorruptFile, NothingToEvaluate
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
     write_text
+from dflash.stages.closing import shown
 from dflash.stages.context import RunContext
 from dflash.stages.export import ExportStage, export_best
+from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -21,12 +23,18 @@ class EvalStage(Stage):
     name = "eval"
     every_rank = False
     kept_line = None  # an up-to-date evaluation shows its table again, which says enough
+    records_own_config = True  # several evaluations of one run, each its config.yaml beside its summary
 
     def __init__(self, run: RunContext, export: ExportStage) -> None:
         self.context, self.export, self.train = run, export, export.train
         self.out = run.dirs["eval"]
         self.drafter: tuple[str, str] | None = None  # (folder, fingerprint) of the drafter measured, by prepare()
         self.summary: dict[str, Any] | None = None  # what the evaluation measured (summary.json), once it ran
+
+    def preflight(self, selected: bool) -> None:
+        """Selected: every prompt set must be readable (rank 0, which alone reads them)."""
+        if selected and self.context.rank == 0:
+            refuse_unreadable_prompts(eval_prompt_files(self.context.settings))
 
     def describe(self) -> str:
         e = self.context.settings.eval
@@ -104,6 +112,29 @@ class EvalStage(Stage):
         print(format_table(self.summary))
         return {}
 
+    def closing_rows(self) -> list[tuple[str, str]]:
+        if self.summary is None:
+            return []
+        taus = ", ".join(f"{name} {s['tau']:.2f}" for name, s in self.summary.get("prompt_sets", {}).items())
+        return [("evaluation", f"{shown(self.out)}/summary.json, per_position.png"),
+                ("tau", f"{taus}; overall {self.summary['overall']['tau']:.2f}")]
+
+    def next_rows(self) -> list[tuple[str, str]]:
+        """A short CPU run's tau explained, else after a replay the command that measures real decoding."""
+        run = self.context
+        if self.summary is None:
+            return []
+        if run.device.type == "cpu" and self.summary["overall"]["tau"] < 1.5:
+            return [("", "This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau "
+                         "near 1 is expected). A real drafter: the same `python -m dflash.train` on a machine with a "
+                         "GPU (+experiment=smollm2_quick, about 10 minutes), or the full recipe +experiment=smollm2 "
+                         "(about 25 minutes on an H200, tau ~3.1, docs/results.md).")]
+        if run.settings.eval.mode == "replay":
+            live = os.path.join(shown(run.run_dir), "eval_live")
+            return [("next: real decoding", f"python -m dflash.eval {' '.join(command_overrides(run.settings))} "
+                                            f"eval.mode=live eval.out_dir={live}")]
+        return []
+
     def evaluate(self, folder: str) -> dict[str, Any]:
         """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml."""
         from dflash.eval.evaluate import evaluate, load_prompt_sets, write_summary
@@ -134,3 +165,12 @@ class EvalStage(Stage):
         write_summary(summary, self.out)
         write_text(os.path.join(self.out, "config.yaml"), run.config_yaml())
         return summary
+
+
+def command_overrides(settings) -> list[str]:
+    """The overrides of the command that is running (Hydra's record), less `stages`; `name=...` outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return [o for o in HydraConfig.get().overrides.task if not o.startswith("stages=")]
+    return [f"name={settings.name}"]

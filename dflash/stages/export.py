@@ -3,7 +3,7 @@ one (the train stage's `checkpoints/final/`) to `export/` and the best held-out 
 `export_best/`, and the training curve (`metrics.jsonl` -> `training_curve.png`).
 
 It has no settings of its own: its fingerprint is the train stage's, so a drafter trained again is exported again
-and one that is not is kept. The runner runs it whenever the train stage is selected (dflash/pipeline.py).
+and one that is not is kept. It runs whenever the train stage is selected (runs_with).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from dflash.config.errors import RunFolderError
 from dflash.run_files import checksum_problem, read_json_or_none, stage_done, write_json
+from dflash.stages.closing import shown
 from dflash.stages.context import RunContext
 from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 class ExportStage(Stage):
     name = "export"
+    runs_with = "train"  # a drafter trained is always exported, as `stages=[train]` has always done
 
     def __init__(self, run: RunContext, train: TrainStage) -> None:
         self.context, self.train = run, train
@@ -52,6 +54,22 @@ class ExportStage(Stage):
                                f"{self.train.checkpoints}")
                 return False
         return True
+
+    def closing_rows(self) -> list[tuple[str, str]]:
+        """The exports, and the curve with the metrics it is plotted from."""
+        rows = []
+        if os.path.exists(os.path.join(self.out, "done.json")):
+            rows.append(("drafter (z-lab format)",
+                         f"{shown(self.out)}   serve it with vLLM or SGLang (docs/serving.md)"))
+        best = read_json_or_none(os.path.join(self.best, "best.json"))
+        if best:
+            rows.append(("best held-out checkpoint",
+                         f"{shown(self.best)} (step {best['step']}, held-out tau {best['tau']:.2f})"))
+        here = shown(self.context.run_dir)
+        for name, what in (("training_curve.png", "training curve"), ("metrics.jsonl", "metrics per step")):
+            if os.path.exists(os.path.join(self.context.run_dir, name)):
+                rows.append((what, os.path.join(here, name)))
+        return rows
 
     def run(self) -> dict[str, Any]:
         """export/, export_best/ and the curve; done.json carries the settings of the checkpoints behind them, which

@@ -56,6 +56,20 @@ class TrainStage(Stage):
     def fingerprint(self) -> str:
         return fingerprint(self.checkpoint_fingerprint(), self.context.world_size)
 
+    def preflight(self, selected: bool) -> None:
+        """Any command: the run folder must not hold a drafter of other settings (dflash/stages/guard.py). Selected:
+        the logger packages the logging settings name must be installed."""
+        from dflash.stages.guard import refuse_other_trained_settings
+
+        refuse_other_trained_settings(self)
+        if selected:
+            from dflash.train.metrics_log import missing_logger_package
+
+            logging_settings = self.context.settings.logging
+            missing = missing_logger_package(logging_settings.tensorboard, logging_settings.wandb.mode)
+            if missing:
+                raise ConfigError(missing)
+
     def prepare(self) -> None:
         if self.context.rank == 0:
             self.adopt_earlier_marker()

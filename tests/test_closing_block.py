@@ -1,0 +1,67 @@
+"""The block a run ends with (dflash/stages/closing.py), made of the rows each stage gives, and a runner
+(dflash/pipeline.py) that names no stage."""
+
+import ast
+import json
+import os
+
+from dflash.config import compose
+from dflash.config.schema import STAGES
+from dflash.pipeline import Pipeline
+from dflash.stages.closing import closing_block
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def finished_run(tmp_path, overall_tau: float, *overrides: str) -> Pipeline:
+    """A pipeline whose run folder holds an export, a best checkpoint, a curve and metrics, and whose eval stage
+    measured `overall_tau`."""
+    pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}", *overrides]))
+    os.makedirs(pipeline.export.out)
+    os.makedirs(pipeline.export.best)
+    (tmp_path / "run" / "export" / "done.json").write_text("{}")
+    (tmp_path / "run" / "export_best" / "best.json").write_text(json.dumps({"step": 5, "tau": 2.345}))
+    (tmp_path / "run" / "training_curve.png").write_text("")
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    pipeline.eval.summary = {"prompt_sets": {"a": {"tau": 1.2}, "b": {"tau": 2.0}}, "overall": {"tau": overall_tau}}
+    return pipeline
+
+
+def test_the_closing_block_names_the_outputs_tau_and_the_next_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pipeline = finished_run(tmp_path, 2.5)
+    assert closing_block(pipeline.context.run_dir, pipeline.stages, str(tmp_path / "run" / "logs" / "x.log")) == """\
+== done: run ==
+  drafter (z-lab format)      run/export   serve it with vLLM or SGLang (docs/serving.md)
+  best held-out checkpoint    run/export_best (step 5, held-out tau 2.35)
+  training curve              run/training_curve.png
+  metrics per step            run/metrics.jsonl
+  evaluation                  run/eval/summary.json, per_position.png
+  tau                         a 1.20, b 2.00; overall 2.50
+  console log                 run/logs/x.log
+  next: real decoding         python -m dflash.eval name=tiny eval.mode=live eval.out_dir=run/eval_live"""
+
+
+def test_a_short_cpu_run_ends_with_a_note_and_a_live_one_with_no_next_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cpu = finished_run(tmp_path, 1.2, "device=cpu")
+    block = closing_block(cpu.context.run_dir, cpu.stages, "x.log").splitlines()
+    assert block[-2] == "  console log                 x.log"
+    assert block[-1].startswith("  This was a short CPU run: a drafter trained for minutes on a CPU")
+    live = finished_run(tmp_path / "live", 2.5, "eval.mode=live")
+    assert closing_block(live.context.run_dir, live.stages, "x.log").splitlines()[-1].endswith("x.log")
+
+
+def test_a_run_that_made_nothing_names_its_console_log_alone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"]))
+    assert closing_block(pipeline.context.run_dir, pipeline.stages, "x.log") == \
+        "== done: run ==\n  console log                 x.log"
+
+
+def test_the_runner_names_no_stage():
+    """What is particular to a stage lives in its object (dflash/stages/): the runner holds no stage's name."""
+    with open(os.path.join(REPO, "dflash", "pipeline.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    named = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in STAGES]
+    assert named == []
