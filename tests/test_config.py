@@ -166,6 +166,52 @@ def test_changing_a_setting_reruns_exactly_the_stages_it_affects(capture):
     assert tested > 60
 
 
+# One field of each stage's, a field of two stages' and speed-only ones, as overrides of the tiny experiment.
+STAGE_FIELDS = ["data.max_new_tokens=50", "capture.dtype=bfloat16", "capture.batch_tokens=4096", "train.lr=0.01",
+                "drafter.block_size=8", "eval.max_new_tokens=32", "target.dtype=bfloat16",
+                "data.batch_size=4", "capture.shard_tokens=4096", "train.log_every=5", "eval.seed=3"]
+
+
+def stage_object_keys(run_dir, *overrides: str) -> dict[str, str]:
+    """Each stage object's fingerprint() in a Pipeline of the tiny experiment, after writing the export marker that
+    an export of these settings leaves (the eval stage's fingerprint is that of the drafter it measures)."""
+    from dflash.pipeline import Pipeline
+    from dflash.run_files import mark_done
+
+    pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={run_dir}", *overrides]))
+    mark_done(pipeline.export.out, pipeline.export.fingerprint(), checkpoint=pipeline.train.checkpoint_fingerprint())
+    return {stage.name: stage.fingerprint() for stage in pipeline.stages}
+
+
+def test_each_stage_objects_fingerprint_changes_exactly_when_the_schema_says(tmp_path, monkeypatch):
+    # The table test above chains the fingerprint functions itself; this one asks the stage objects, which add what
+    # the functions do not see: the train stage the world size, the eval stage the export's marker, the capture
+    # stage what the data stage made (data/stats.json).
+    from dflash.run_files import write_json
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    table = {".".join(path): affects for path, _, affects in leaves(settings_of(["+experiment=tiny"]))}
+    run_dir = tmp_path / "run"
+    stats = run_dir / "data" / "stats.json"
+    os.makedirs(stats.parent)
+    os.makedirs(run_dir / "export")
+    write_json(str(stats), MADE)
+    before = stage_object_keys(run_dir)
+    assert len(set(before.values())) == len(STAGES) - 1  # the export's is the train stage's
+
+    def rerun(after: dict[str, str]) -> set[str]:
+        return {stage for stage in STAGES if after[stage] != before[stage]}
+
+    for override in STAGE_FIELDS:
+        field = override.split("=")[0]
+        assert rerun(stage_object_keys(run_dir, override)) == downstream(table[field]), override
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert rerun(stage_object_keys(run_dir)) == {"train", "export", "eval"}
+    monkeypatch.delenv("WORLD_SIZE")
+    write_json(str(stats), {**MADE, "samples": 8})
+    assert rerun(stage_object_keys(run_dir)) == {"capture", "train", "export", "eval"}
+
+
 def test_the_data_stage_output_reaches_the_capture_fingerprint():
     s = settings_of(["+experiment=tiny"])
     assert stage_keys(s)["capture"] != stage_keys(s, {**MADE, "samples": 8})["capture"]
