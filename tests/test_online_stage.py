@@ -1,5 +1,6 @@
 """The train stage's side of online capture without a job of several processes: the cache decision and its tie to
-the checkpoints, the capture:trainer split from the capture ranks' counters, and a capture rank's compiled target."""
+the checkpoints, the capture:trainer split from the capture ranks' counters, a capture rank's compiled target, and
+its batch plan, built from its own settings and refused when it is not the trainers'."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.config import compose
-from dflash.data.batch_plan import BatchPlan
+from dflash.config import ConfigError, compose
+from dflash.data.batch_plan import grouping_keys
 from dflash.run_files import make_owned_dir, read_json, write_json
+from dflash.train import rank_capture
 from dflash.train.capture_split import split_advice
 from dflash.train.feature_cache_choice import choose_feature_cache
-from dflash.train.rank_capture import RankCapture, plan_record
-from tests.test_capture import LENGTHS, make_dataset
+from dflash.train.rank_capture import RankCapture
+from tests.test_capture import make_dataset
 
 
 def put_json(path: str, value: dict) -> None:
@@ -86,9 +88,11 @@ def test_the_split_counts_every_gpu_of_a_capture_rank(tmp_path):
     assert report["capture_credit_wait_s"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_a_capture_rank_compiles_its_targets_layers_with_capture_compile(tmp_path, monkeypatch, compiled):
-    """capture.compile: a capture rank only captures, so its target's layers are compiled while it streams."""
+def announce_and_stream(tmp_path, monkeypatch, trainers: list[str], capture_rank: list[str]) -> tuple:
+    """Trainer rank 0 of a job of one trainer, composed with `trainers`, announces its stream (RankCapture.source, its
+    grouping keys computed as the train stage does); a capture rank composed with `capture_rank` then streams it
+    through a sender that sends nothing. (The trainer's plan, [(the capture rank's plan, layers compiled while it
+    sent)], the capture rank's posted counters)."""
     from dflash.extract import capture_sender
     from dflash.models.targets import compile_target
     from dflash.stages import capture_role
@@ -96,28 +100,68 @@ def test_a_capture_rank_compiles_its_targets_layers_with_capture_compile(tmp_pat
 
     dataset = make_dataset()
     dataset.add_column("prompt_set", ["gsm8k"] * len(dataset)).save_to_disk(str(tmp_path / "data" / "dataset"))
-    plan = BatchPlan(len(LENGTHS), 2, 1, 1, seed=0)
-    start = {"data": str(tmp_path / "data"), "layer_ids": [1], "dtype": "float32", "batch_tokens": 64,
-             "pack": True, "in_flight": 1, "epochs": 1, "first_step": 0,
-             "plan": plan_record(plan, "tokens", num_anchors=8, block_size=4)}
-    posted, compiled_then = [], []
-    link = SimpleNamespace(rank=1, devices=[torch.device("cpu")], wait_start=lambda: start, post_stats=posted.append)
-    compiling = []
+    features, checkpoints = tmp_path / "features", tmp_path / "checkpoints"
+    put_json(str(features / "online.json"), {"data": str(tmp_path / "data"), "target_layer_ids": [1],
+                                             "num_samples": len(dataset)})
+    put_json(str(features / "target.json"), {"hidden_size": 64})
+    checkpoints.mkdir()
+    # One epoch: the feature cache is off without looking at the data's size.
+    base = ["+experiment=tiny", "capture=online", "train.epochs=1", f"run_dir={tmp_path / 'run'}"]
+
+    settings = RunContext(compose(base + trainers)).settings
+    t, block_size = settings.train, settings.drafter.block_size
+    lengths = grouping_keys(dataset, t.group_by, t.num_anchors, block_size).tolist() if t.group_by_length else None
+    announced = []
+    trainer_link = SimpleNamespace(announce=announced.append, wait_start=lambda: announced[-1], captures=1)
+    monkeypatch.setattr(rank_capture, "LinkedFeatureSource", lambda link, stream, *args: stream)
+    trainer = RankCapture(trainer_link, settings.capture, str(features), str(checkpoints), str(tmp_path / "run"))
+    stream = trainer.source(t, 0, 1, lengths, block_size, t.group_by)
+
+    compiling, sent, posted = [], [], []
     monkeypatch.setattr(compile_target, "compile_target_layers", lambda adapter: compiling.append(adapter) or 0)
 
     class Sender:
-        def __init__(self, *args, **kwargs) -> None:
-            self.units_sent = 0
+        def __init__(self, link, stream, *args, **kwargs) -> None:
+            self.stream, self.units_sent = stream, 0
 
         def run(self) -> None:
-            compiled_then.append(len(compiling))
+            sent.append((self.stream.plan, len(compiling)))
 
         def stats(self) -> dict:
             return {"tokens": 0, "capture_s": 0.0, "credit_wait_s": 0.0}
 
     monkeypatch.setattr(capture_sender, "CaptureSender", Sender)
-    cfg = compose(["+experiment=tiny", "capture=online", f"capture.compile={str(compiled).lower()}",
-                   f"run_dir={tmp_path / 'run'}"])
-    capture_role._stream(RunContext(cfg), link)
-    assert compiled_then == [1 if compiled else 0]
+    link = SimpleNamespace(rank=1, trainers=1, devices=[torch.device("cpu")], wait_start=lambda: announced[-1],
+                           post_stats=posted.append)
+    capture_role._stream(RunContext(compose(base + capture_rank)), link)
+    return stream.plan, sent, posted
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_capture_rank_compiles_its_targets_layers_with_capture_compile(tmp_path, monkeypatch, compiled):
+    """capture.compile: a capture rank only captures, so its target's layers are compiled while it streams."""
+    _, sent, posted = announce_and_stream(tmp_path, monkeypatch, [], [f"capture.compile={str(compiled).lower()}"])
+    assert [layers for _, layers in sent] == [1 if compiled else 0]
     assert posted == [{"tokens": 0, "capture_s": 0.0, "credit_wait_s": 0.0, "gpus": 1}]
+
+
+@pytest.mark.parametrize("grouped", [[], ["train.group_by_length=2", "train.group_by=work"]])
+def test_a_capture_rank_streams_the_plan_the_trainers_train(tmp_path, monkeypatch, grouped):
+    plan, sent, _ = announce_and_stream(tmp_path, monkeypatch, ["train.seed=7", *grouped], ["train.seed=7", *grouped])
+    assert [ours for ours, _ in sent] == [plan] and plan.seed == 7 and bool(plan.lengths_digest) == bool(grouped)
+
+
+@pytest.mark.parametrize("trainers,capture_rank,named", [
+    (["train.micro_batch_size=4"], ["train.micro_batch_size=2"],
+     r"train\.micro_batch_size \(trainers 4, this rank 2\)"),
+    (["train.seed=1"], ["train.seed=2"], r"train\.seed \(trainers 1, this rank 2\)"),
+    (["train.group_by_length=2"], [], r"train\.group_by_length \(trainers 2, this rank 0\); lengths_digest"),
+    # Other grouping keys deal other batches: only the lengths' digest tells.
+    (["train.group_by_length=2", "train.group_by=work"],
+     ["train.group_by_length=2", "train.group_by=work", "drafter.block_size=8"], r"in lengths_digest \(trainers"),
+])
+def test_a_capture_rank_composed_with_other_train_settings_is_refused(tmp_path, monkeypatch, trainers, capture_rank,
+                                                                      named):
+    """Its plan would deal other samples than the trainers ask for: refused before streaming, naming the setting."""
+    with pytest.raises(ConfigError, match=named):
+        announce_and_stream(tmp_path, monkeypatch, trainers, capture_rank)

@@ -1,7 +1,9 @@
 """The capture ranks' part of a run (capture=online): load the target on this rank's device (or layer-wise over
 its capture.gpus_per_worker GPUs) while the trainer ranks run the data and capture stages, wait for trainer rank 0's
 start, stream the micro-batches it names (dflash/extract/capture_sender.py), its target's layers compiled with
-capture.compile, then post this rank's counters and exit.
+capture.compile, then post this rank's counters and exit. Its capture settings and batch plan come from its own
+settings (every rank runs the same command); the start adds what the trainers decide at run time, and their plan,
+which this rank's must equal.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ def serve_capture(cfg: DictConfig, link: RankLink) -> None:
 
 
 def _stream(context: RunContext, link: RankLink) -> None:
-    from dflash.data.batch_plan import BatchPlan, grouping_keys
+    from dflash.data.batch_plan import grouping_keys
     from dflash.data.dataset import load_dataset_dir
     from dflash.data.sample_sizes import sample_lengths
     from dflash.extract.capture_sender import CaptureSender, target_producer
     from dflash.extract.rank_stream import UnitStream
     from dflash.models.targets.compile_target import target_layers_compiled
+    from dflash.train.loop import plan_batches
+    from dflash.train.rank_capture import check_same_plan
 
     target = context.target  # loaded while the trainers prepare the data
     start = link.wait_start()
@@ -43,21 +47,19 @@ def _stream(context: RunContext, link: RankLink) -> None:
         logger.info(f"[online] capture rank {link.rank}: nothing to stream", extra=EVERY_RANK)
         return
     dataset = load_dataset_dir(start["data"])
-    p = start["plan"]
+    train, capture = context.settings.train, context.settings.capture
     lengths = None
-    if p["group_by_length"]:
-        lengths = tuple(grouping_keys(dataset, p["group_by"], p["num_anchors"], p["block_size"]).tolist())
-    plan = BatchPlan(p["num_samples"], p["micro_batch_size"], p["world_size"], p["grad_accum"], p["seed"],
-                     group_by_length=p["group_by_length"], lengths=lengths)
-    if plan.lengths_digest != p["lengths_digest"] or len(dataset) != plan.num_samples:
-        raise RuntimeError(f"capture rank {link.rank}: the dataset {start['data']} does not give the trainers' batch "
-                           "plan (other samples or lengths)")
-    produce = target_producer(target, dataset, start["layer_ids"], start["batch_tokens"], start["dtype"],
-                              start["pack"])
+    if train.group_by_length:
+        lengths = grouping_keys(dataset, train.group_by, train.num_anchors,
+                                context.settings.drafter.block_size).tolist()
+    # The plan deals the samples among the trainer ranks only: their number is its world size.
+    plan = plan_batches(train, len(dataset), link.trainers, lengths)
+    check_same_plan(plan, start["plan"], link.rank)
+    produce = target_producer(target, dataset, start["layer_ids"], capture.batch_tokens, capture.dtype, capture.pack)
     sender = CaptureSender(link, UnitStream(plan, start["epochs"]), start["first_step"], produce,
-                           sample_lengths(dataset).tolist(), batch_tokens=start["batch_tokens"],
-                           in_flight=start["in_flight"])
-    with target_layers_compiled(target, context.settings.capture.compile):
+                           sample_lengths(dataset).tolist(), batch_tokens=capture.batch_tokens,
+                           in_flight=capture.in_flight)
+    with target_layers_compiled(target, capture.compile):
         sender.run()
     link.post_stats({**sender.stats(), "gpus": len(link.devices)})
     logger.info(f"[online] capture rank {link.rank}: sent {sender.units_sent} micro-batches", extra=EVERY_RANK)

@@ -1,20 +1,26 @@
 """The train stage's side of capture=online: the job's last ranks capture (dflash/extract/rank_link.py) and send
 each trainer rank its micro-batches' features.
 
-Trainer rank 0 announces the stream to the capture ranks: the dataset, the taps, the batch plan and the step
-training resumes at (the newest checkpoint that verifies, as the loop resumes), so the capture ranks start where
-the trainers do and no sample is lost or used twice across a restart. Every trainer rank then reads its
-micro-batches through a LinkedFeatureSource. Rank 0 also decides, when a run starts, whether the first epoch's
-features are kept for the later ones (capture.cache, feature_cache_choice.py): then the capture ranks make one
-epoch. After training, `finish` closes the stream and, on rank 0, reports the capture and trainer throughputs and
-the device split that would balance them.
+Every rank of the job runs the same composed command, so the capture ranks read their capture and train settings
+from their own RunSettings. Trainer rank 0 announces only what is decided at run time: the dataset and the taps
+(the capture stage's record), the step training resumes at (the newest checkpoint that verifies, as the loop
+resumes), and the epochs to capture, so the capture ranks start where the trainers do and no sample is lost or used
+twice across a restart. It also announces its batch plan's fields as a check: each capture rank builds the plan
+itself with loop.plan_batches, as the trainers do, and refuses to stream another one (check_same_plan). Every trainer
+rank then reads its micro-batches through a LinkedFeatureSource. Rank 0 also decides, when a run starts, whether the
+first epoch's features are kept for the later ones (capture.cache, feature_cache_choice.py): then the capture ranks
+make one epoch. After training, `finish` closes the stream and, on rank 0, reports the capture and trainer
+throughputs and the device split that would balance them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
+from dflash.config import ConfigError
+from dflash.config.schema import TrainSettings
 from dflash.data.batch_plan import BatchPlan
 from dflash.extract.feature_cache import FeatureCache
 from dflash.extract.linked_source import LinkedFeatureSource
@@ -24,6 +30,7 @@ from dflash.run_files import claimed_key, read_json, write_json
 from dflash.train.checkpoints import resume_step_of, verified_latest_tag
 from dflash.train.capture_split import log_split, split_advice
 from dflash.train.feature_cache_choice import choose_feature_cache
+from dflash.train.loop import plan_batches
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +40,25 @@ def resume_step(checkpoint_dir: str) -> int:
     return resume_step_of(checkpoint_dir, verified_latest_tag(checkpoint_dir))
 
 
-def plan_record(plan: BatchPlan, group_by: str, num_anchors: int, block_size: int) -> dict:
-    """What a capture rank needs to build the trainers' plan (it computes the grouping keys from the dataset)."""
-    return {"num_samples": plan.num_samples, "micro_batch_size": plan.micro_batch_size,
-            "world_size": plan.world_size, "grad_accum": plan.grad_accum, "seed": plan.seed,
-            "group_by_length": plan.group_by_length, "lengths_digest": plan.lengths_digest, "group_by": group_by,
-            "num_anchors": num_anchors, "block_size": block_size}
+def plan_fields(plan: BatchPlan) -> dict:
+    """The fields that make two plans equal (the lengths by their digest): what a capture rank's plan is checked
+    against."""
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.compare}
+
+
+def check_same_plan(plan: BatchPlan, announced: dict, rank: int) -> None:
+    """ConfigError naming each field in which capture rank `rank`'s plan differs from the trainers' `announced` one:
+    it would capture other samples than the trainers ask for."""
+    differ = []
+    for key, value in plan_fields(plan).items():
+        if value != announced[key]:
+            name = f"train.{key}" if key in TrainSettings.__dataclass_fields__ else key
+            differ.append(f"{name} (trainers {announced[key]}, this rank {value})")
+    if differ:
+        raise ConfigError(f"capture rank {rank} was composed with other train settings or data than the trainers: "
+                          f"its batch plan differs in {'; '.join(differ)}. Run every rank with the same command "
+                          "(lengths_digest: the grouping keys of the dataset's samples, from train.group_by, "
+                          "train.num_anchors and drafter.block_size)")
 
 
 class RankCapture:
@@ -52,22 +72,20 @@ class RankCapture:
         self.link, self.capture, self.features = link, capture, features
         self.checkpoint_dir, self.run_dir = checkpoint_dir, run_dir
 
-    def source(self, settings, rank: int, world_size: int, lengths: tuple[int, ...] | None,
+    def source(self, settings: TrainSettings, rank: int, world_size: int, lengths: tuple[int, ...] | None,
                block_size: int, group_by: str) -> LinkedFeatureSource:
         """This trainer rank's source; rank 0 first announces the stream (every rank reads the announcement)."""
         info = read_json(os.path.join(self.features, "online.json"))
-        plan = BatchPlan(info["num_samples"], settings.micro_batch_size, world_size, settings.grad_accum,
-                         settings.seed, group_by_length=settings.group_by_length, lengths=lengths)
+        plan = plan_batches(settings, info["num_samples"], world_size, lengths)
         if rank == 0:
             c, first_step = self.capture, resume_step(self.checkpoint_dir)
             hidden_size = int(read_json(os.path.join(self.features, "target.json"))["hidden_size"])
             cache = choose_feature_cache(c, run_dir=self.run_dir, info=info, hidden_size=hidden_size,
-                                         epochs=settings.epochs, checkpoint_key=claimed_key(self.checkpoint_dir), resume_step=first_step)
-            self.link.announce({
-                "data": info["data"], "layer_ids": info["target_layer_ids"], "dtype": str(c.dtype),
-                "batch_tokens": int(c.batch_tokens), "pack": bool(c.pack), "in_flight": int(c.in_flight),
-                "epochs": 1 if cache["cache"] else settings.epochs, "first_step": first_step, "cache": cache,
-                "plan": plan_record(plan, group_by, settings.num_anchors, block_size)})
+                                         epochs=settings.epochs, checkpoint_key=claimed_key(self.checkpoint_dir),
+                                         resume_step=first_step)
+            self.link.announce({"data": info["data"], "layer_ids": info["target_layer_ids"],
+                                "epochs": 1 if cache["cache"] else settings.epochs, "first_step": first_step,
+                                "cache": cache, "plan": plan_fields(plan)})
         start = self.link.wait_start()
         stream = UnitStream(plan, settings.epochs)
         cache = FeatureCache(start["cache"]["dir"]) if start["cache"]["cache"] else None
