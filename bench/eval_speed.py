@@ -273,13 +273,15 @@ def main() -> None:
             # Partial results on stderr as they come, so a run cut short by a time limit still says something.
             print(f"[eval_speed] live {key}: {json.dumps(report['live'][key])}", file=sys.stderr, flush=True)
     replay_drafter = drafters.get("trained", drafters["random"])
-    evaluate(replay_drafter, adapter, {"warmup": prompts[:2]}, max_new_tokens=16, show_progress=False,
-             batch_size=args.replay_batch_size)
+    # Greedy replay: the settings of live decoding and of sampled drafts are unused.
+    replay_options = dict(mode="replay", batch_size=args.replay_batch_size, measure_target=False, live_engine="auto",
+                          draft_sampling="greedy", show_progress=False)
+    evaluate(replay_drafter, adapter, {"warmup": prompts[:2]}, max_new_tokens=16, **replay_options)
     if adapter.device.type == "cuda":
         torch.cuda.synchronize(adapter.device)
     replay_began = time.perf_counter()
     summary = evaluate(replay_drafter, adapter, {args.prompt_source: prompts[: args.replay_prompts]},
-                       max_new_tokens=args.max_new_tokens, show_progress=False, batch_size=args.replay_batch_size)
+                       max_new_tokens=args.max_new_tokens, **replay_options)
     if adapter.device.type == "cuda":
         torch.cuda.synchronize(adapter.device)
     report["replay"] = {"drafter": "trained" if "trained" in drafters else "random",

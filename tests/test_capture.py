@@ -15,9 +15,12 @@ from dflash.extract.capture import capture_dataset, length_batches, plan_shards
 from dflash.extract.feature_checks import feature_flags, packed_feature_flags
 from dflash.extract.store import FeatureStore, read_manifest
 from dflash.models.targets import build_tiny_target
+from tests.schema_options import capture_options
 
 LENGTHS = [13, 7, 20, 1, 16, 9, 11]
 FINGERPRINT = {"target": "tiny", "dataset": "unit", "layer_ids": [1, 3, 6]}
+# The captures here are padded (pack=False), the path the tests patch (adapter.capture); test_capture_packed.py
+# compares it with packing.
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +137,9 @@ def test_store_round_trip(tmp_path, family, request):
     adapter = request.getfixturevalue(family)
     data = make_dataset()
     layer_ids = [1, 3, 6]
-    manifest = capture_dataset(
-        adapter, data, tmp_path / "store", layer_ids, batch_tokens=48, shard_tokens=30, dtype="float32",
-        fingerprint=FINGERPRINT, show_progress=False,
-    )
+    manifest = capture_dataset(adapter, data, tmp_path / "store", layer_ids, fingerprint=FINGERPRINT,
+                               show_progress=False,
+                               **capture_options(pack=False, batch_tokens=48, shard_tokens=30, dtype="float32"))
     assert manifest["complete"] and manifest["num_samples"] == len(LENGTHS)
     assert manifest["num_tokens"] == sum(LENGTHS)
     assert len(manifest["shards"]) > 1
@@ -166,7 +168,8 @@ def test_store_round_trip(tmp_path, family, request):
 
 
 def test_default_dtype_is_bfloat16(tmp_path, dense):
-    capture_dataset(dense, make_dataset([5, 6]), tmp_path, [2], fingerprint={}, show_progress=False)
+    capture_dataset(dense, make_dataset([5, 6]), tmp_path, [2], fingerprint={}, show_progress=False,
+                    **capture_options(pack=False))
     store = FeatureStore(tmp_path)
     assert store.manifest["dtype"] == "bfloat16"
     assert store[1]["hidden"].dtype == torch.bfloat16
@@ -174,12 +177,14 @@ def test_default_dtype_is_bfloat16(tmp_path, dense):
 
 def test_float16_store_rejected(tmp_path, dense):
     with pytest.raises(ValueError, match="float16"):
-        capture_dataset(dense, make_dataset([5]), tmp_path, [2], dtype="float16", fingerprint={}, show_progress=False)
+        capture_dataset(dense, make_dataset([5]), tmp_path, [2], fingerprint={}, show_progress=False,
+                        **capture_options(pack=False, dtype="float16"))
 
 
 def test_resume_after_interruption(tmp_path, dense, monkeypatch):
     data = make_dataset()
-    kwargs = dict(batch_tokens=48, shard_tokens=20, dtype="float32", fingerprint=FINGERPRINT, show_progress=False)
+    kwargs = capture_options(pack=False, batch_tokens=48, shard_tokens=20, dtype="float32", fingerprint=FINGERPRINT,
+                             show_progress=False)
     full = capture_dataset(dense, data, tmp_path / "full", [1, 3, 6], **kwargs)
 
     original = store_module.ShardWriter.write_shard
@@ -215,23 +220,26 @@ def test_resume_after_interruption(tmp_path, dense, monkeypatch):
 
 def test_complete_store_returns_at_once_and_fingerprint_guard(tmp_path, dense, monkeypatch):
     data = make_dataset([4, 5])
-    first = capture_dataset(dense, data, tmp_path, [2], fingerprint=FINGERPRINT, show_progress=False)
+    first = capture_dataset(dense, data, tmp_path, [2], fingerprint=FINGERPRINT, show_progress=False,
+                            **capture_options(pack=False))
 
     def fail(*args, **kwargs):
         raise AssertionError("a complete store must not be recomputed")
 
     monkeypatch.setattr(dense, "capture", fail)
-    assert capture_dataset(dense, data, tmp_path, [2], fingerprint=FINGERPRINT, show_progress=False) == first
+    assert capture_dataset(dense, data, tmp_path, [2], fingerprint=FINGERPRINT, show_progress=False,
+                           **capture_options(pack=False)) == first
     with pytest.raises(ValueError, match="new output folder or delete"):
         capture_dataset(dense, data, tmp_path, [2], fingerprint={**FINGERPRINT, "dataset": "other"},
-                        show_progress=False)
+                        show_progress=False, **capture_options(pack=False))
     with pytest.raises(ValueError, match="target_layer_ids"):
-        capture_dataset(dense, data, tmp_path, [3], fingerprint=FINGERPRINT, show_progress=False)
+        capture_dataset(dense, data, tmp_path, [3], fingerprint=FINGERPRINT, show_progress=False,
+                        **capture_options(pack=False))
 
 
 def test_corrupt_shard_detected_by_name(tmp_path, dense):
-    capture_dataset(dense, make_dataset([6, 6, 6]), tmp_path, [2], shard_tokens=6, fingerprint={},
-                    show_progress=False)
+    capture_dataset(dense, make_dataset([6, 6, 6]), tmp_path, [2], fingerprint={}, show_progress=False,
+                    **capture_options(pack=False, shard_tokens=6))
     shard = tmp_path / "shard-00001.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-3] ^= 0xFF
@@ -254,7 +262,8 @@ def test_self_check_names_sample_and_tap(tmp_path, dense, monkeypatch):
 
     monkeypatch.setattr(dense, "capture", dead_tap)
     with pytest.raises(ValueError, match=r"sample 's0': tap 4 has zero variance"):
-        capture_dataset(dense, make_dataset([5]), tmp_path, [2, 4], fingerprint={}, show_progress=False)
+        capture_dataset(dense, make_dataset([5]), tmp_path, [2, 4], fingerprint={}, show_progress=False,
+                        **capture_options(pack=False))
 
     def overflowing(input_ids, attention_mask, layer_ids):
         features = original(input_ids, attention_mask, layer_ids)
@@ -263,7 +272,8 @@ def test_self_check_names_sample_and_tap(tmp_path, dense, monkeypatch):
 
     monkeypatch.setattr(dense, "capture", overflowing)
     with pytest.raises(ValueError, match=r"sample 's1': tap 2 has non-finite"):
-        capture_dataset(dense, make_dataset([7, 5]), tmp_path / "inf", [2, 4], fingerprint={}, show_progress=False)
+        capture_dataset(dense, make_dataset([7, 5]), tmp_path / "inf", [2, 4], fingerprint={}, show_progress=False,
+                        **capture_options(pack=False))
 
 
 def test_crosscheck_catches_off_by_one_taps(tmp_path, dense, monkeypatch):
@@ -274,7 +284,8 @@ def test_crosscheck_catches_off_by_one_taps(tmp_path, dense, monkeypatch):
 
     monkeypatch.setattr(dense, "capture", shifted)
     with pytest.raises(ValueError, match=r"tap 2 differs from output_hidden_states\[3\]"):
-        capture_dataset(dense, make_dataset([5]), tmp_path, [2], fingerprint={}, show_progress=False)
+        capture_dataset(dense, make_dataset([5]), tmp_path, [2], fingerprint={}, show_progress=False,
+                        **capture_options(pack=False))
 
 
 def test_sample_lengths_follow_the_rows_of_a_dataset_and_of_a_selection():

@@ -13,6 +13,7 @@ from dflash.extract.store import FeatureStore
 from dflash.models.targets import build_tiny_target
 from dflash.models.targets.gdn_kernels import fla_installed
 from dflash.models.targets.packed_attention import PACKED_ATTENTION, packed_attention, packed_attention_forward
+from tests.schema_options import capture_options
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 LENGTHS = [11, 6, 9, 1, 20, 4]
@@ -166,7 +167,8 @@ def test_a_leaking_packed_capture_is_caught_by_the_crosscheck(tmp_path, monkeypa
 
     monkeypatch.setattr(adapter, "capture_packed", leaking)
     with pytest.raises(ValueError, match=r"sample 'b': tap 2 differs from output_hidden_states\[3\]"):
-        capture_dataset(adapter, data, tmp_path, [2], check_every=1, fingerprint={}, show_progress=False, pack=True)
+        capture_dataset(adapter, data, tmp_path, [2], fingerprint={}, show_progress=False,
+                        **capture_options(pack=True, check_every=1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlashAttention's varlen kernel, fla)")

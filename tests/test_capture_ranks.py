@@ -18,6 +18,7 @@ from dflash.extract.capture import capture_dataset, write_sidecar
 from dflash.extract.store import ShardWriter, read_manifest
 from dflash.models.targets import build_tiny_target
 from dflash.pipeline import Pipeline
+from tests.schema_options import capture_options
 from tests.test_capture import FINGERPRINT, make_dataset
 from tests.test_trainer import free_port, launcher_env
 
@@ -146,8 +147,8 @@ def test_one_rank_resume_keeps_sidecar_shards_and_recaptures_the_rest(tmp_path, 
     shard 1: shards 1 and 3 are recaptured, and the store equals an uninterrupted one."""
     adapter = build_tiny_target("llama", seed=0, tokenizer="builtin")
     data = make_dataset([13, 7, 20, 1, 16, 9, 11, 8, 14])
-    kwargs = {"shard_tokens": 15, "fingerprint": FINGERPRINT, "show_progress": False, "check_every": 3,
-              "dtype": "float32"}
+    kwargs = capture_options(pack=False, shard_tokens=15, fingerprint=FINGERPRINT, show_progress=False,
+                             check_every=3, dtype="float32")
     want = capture_dataset(adapter, data, tmp_path / "want", [1, 3], **kwargs)
     entries = want["shards"]
     assert len(entries) >= 5
@@ -179,8 +180,8 @@ def test_sidecars_without_a_manifest_belong_to_no_store_and_are_removed(tmp_path
     (out / "shard-00000.safetensors").write_bytes(b"an old store's shard")
     write_sidecar(out, 0, {"file": "shard-00000.safetensors", "sha256": "0" * 64, "first_sample": 0,
                            "num_samples": 1, "num_tokens": 13})
-    manifest = capture_dataset(adapter, data, out, [1, 3], shard_tokens=13, fingerprint=FINGERPRINT,
-                               show_progress=False, dtype="float32")
+    manifest = capture_dataset(adapter, data, out, [1, 3], fingerprint=FINGERPRINT, show_progress=False,
+                               **capture_options(pack=False, shard_tokens=13, dtype="float32"))
     assert manifest["complete"] and not list(out.glob("shard-*.json"))
     assert capture_module.file_sha256(out / "shard-00000.safetensors") == manifest["shards"][0]["sha256"]
 
@@ -188,7 +189,9 @@ def test_sidecars_without_a_manifest_belong_to_no_store_and_are_removed(tmp_path
 def test_several_ranks_need_a_process_group(tmp_path):
     adapter = build_tiny_target("llama", seed=0, tokenizer="builtin")
     with pytest.raises(ValueError, match="torch.distributed process group"):
-        capture_dataset(adapter, make_dataset([5]), tmp_path, [1], fingerprint=FINGERPRINT, rank=1, world_size=2)
+        capture_dataset(adapter, make_dataset([5]), tmp_path, [1], fingerprint=FINGERPRINT, rank=1, world_size=2,
+                        **capture_options(pack=False))
     with pytest.raises(ValueError, match="rank 2 is not one of the 2 ranks"):
-        capture_dataset(adapter, make_dataset([5]), tmp_path, [1], fingerprint=FINGERPRINT, rank=2, world_size=2)
+        capture_dataset(adapter, make_dataset([5]), tmp_path, [1], fingerprint=FINGERPRINT, rank=2, world_size=2,
+                        **capture_options(pack=False))
 

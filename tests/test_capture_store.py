@@ -20,10 +20,12 @@ from dflash.extract.capture import capture_dataset
 from dflash.extract.fp8 import dequantize_fp8, quantize_fp8
 from dflash.extract.store import FeatureStore, read_manifest
 from dflash.models.targets import build_tiny_target
+from tests.schema_options import capture_options
 from tests.test_capture import LENGTHS, make_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-KWARGS = dict(batch_tokens=48, shard_tokens=20, dtype="float32", fingerprint={"unit": 1}, show_progress=False)
+KWARGS = capture_options(pack=False, batch_tokens=48, shard_tokens=20, dtype="float32", fingerprint={"unit": 1},
+                         show_progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,7 @@ torch.set_num_threads(1)
 from dflash.extract import store as store_module
 from dflash.extract.capture import capture_dataset
 from dflash.models.targets import build_tiny_target
+from tests.schema_options import capture_options
 from tests.test_capture import make_dataset
 
 original = store_module.file_sha256
@@ -112,8 +115,8 @@ def stalled(path):
     return original(path)
 store_module.file_sha256 = stalled
 adapter = build_tiny_target("llama", seed=0, tokenizer="builtin")
-capture_dataset(adapter, make_dataset(), sys.argv[1], [1, 3, 6], batch_tokens=48, shard_tokens=20,
-                dtype="float32", fingerprint={"unit": 1}, show_progress=False)
+capture_dataset(adapter, make_dataset(), sys.argv[1], [1, 3, 6], fingerprint={"unit": 1}, show_progress=False,
+                **capture_options(pack=False, batch_tokens=48, shard_tokens=20, dtype="float32"))
 """
 
 

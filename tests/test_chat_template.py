@@ -14,6 +14,7 @@ from dflash.models.targets import load_target
 from dflash.models.targets.chat_template import PLAIN_TEMPLATE, set_chat_template
 from dflash.models.targets.tiny import build_builtin_tokenizer
 from dflash.pipeline import Pipeline
+from tests.schema_options import answer_options
 from tests.test_target_hf import TINY, hf_folder
 
 TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -78,7 +79,7 @@ def test_template_options_reach_regeneration(tmp_path):
     adapter = load_target("tiny", tiny={"family": "llama", "seed": 0, "tokenizer": "builtin"})
     adapter.tokenizer.chat_template = THINKING
     prompts = [Prompt(f"q{i}", [{"role": "user", "content": f"Question {i}"}], "test") for i in range(3)]
-    options = dict(max_length=160, max_new_tokens=4, batch_size=3, show_progress=False)
+    options = answer_options(max_length=160, max_new_tokens=4, batch_size=3, show_progress=False)
     plain = build_dataset(prompts, adapter, tmp_path / "plain", **options)
     off = build_dataset(prompts, adapter, tmp_path / "off", template_kwargs={"enable_thinking": False}, **options)
     assert plain["fingerprint"] != off["fingerprint"]

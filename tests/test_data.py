@@ -11,8 +11,9 @@ from dflash.data.dataset import build_dataset, load_dataset_dir
 from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.regenerate import read_journal, regenerate
 from dflash.models.targets import load_target
+from tests.schema_options import answer_options
 
-GEN = dict(max_length=160, max_new_tokens=6, batch_size=3, show_progress=False)
+GEN = answer_options(max_length=160, max_new_tokens=6, batch_size=3, show_progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_real_smollm2_template_and_regeneration(tmp_path):
     # A short real greedy regeneration through the whole stage.
     prompts = [Prompt("paris", conversations[0][0], "real")]
     stats = build_dataset(prompts, target, tmp_path, max_length=256, max_new_tokens=12, batch_size=1,
-                          show_progress=False)
+                          show_progress=False, **answer_options())
     assert (stats["done"], stats["samples"]) == (1, 1)
     row = load_dataset_dir(tmp_path)[0]
     n_prompt = row["loss_mask"].index(1)
@@ -183,11 +184,11 @@ def test_too_long_prompt_is_skipped_and_counted(tiny, tmp_path, caplog):
     # The boundary: templated length + 1 == max_length still fits exactly one response token.
     n = len(prompt_ids(tiny.tokenizer, prompts[0].messages))
     stats = regenerate(prompts[:1], tiny, tmp_path / "edge.jsonl", max_length=n + 1, max_new_tokens=6,
-                       batch_size=1, show_progress=False)
+                       batch_size=1, show_progress=False, **answer_options())
     assert stats["done"] == 1
     assert len(read_journal(tmp_path / "edge.jsonl")[1]["q0"]["response_ids"]) == 1
     stats = regenerate(prompts[:1], tiny, tmp_path / "over.jsonl", max_length=n, max_new_tokens=6, batch_size=1,
-                       show_progress=False)
+                       show_progress=False, **answer_options())
     assert (stats["done"], stats["skipped"]) == (0, 1)
 
 
@@ -197,7 +198,7 @@ def test_responses_fit_max_length(tiny, tmp_path):
     max_length = min(lengths.values()) + 3
     prompts = [p for p in prompts if lengths[p.id] < max_length]
     regenerate(prompts, tiny, tmp_path / "j.jsonl", max_length=max_length, max_new_tokens=20, batch_size=4,
-               show_progress=False)
+               show_progress=False, **answer_options())
     for pid, record in read_journal(tmp_path / "j.jsonl")[1].items():
         assert 1 <= len(record["response_ids"]) and lengths[pid] + len(record["response_ids"]) <= max_length
         assert record["prompt_len"] == lengths[pid]

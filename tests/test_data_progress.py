@@ -11,9 +11,10 @@ from dflash.data.prompts import Prompt
 from dflash.data.regenerate import regenerate
 from dflash.data.synthetic import synthesize_prompts
 from dflash.models.targets import build_tiny_target
+from tests.schema_options import answer_options, synthetic_options
 
 PROMPTS = [Prompt(f"p{i}", [{"role": "user", "content": "tell me " + "more " * i}], "test") for i in range(5)]
-GEN = dict(max_length=96, max_new_tokens=12, batch_size=3, show_progress=True)
+GEN = answer_options(max_length=96, max_new_tokens=12, batch_size=3, show_progress=True)
 
 
 class RecordingBar:
@@ -51,7 +52,7 @@ def tiny():
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_regeneration_bar_moves_with_the_answers_and_ends_full(tiny, tmp_path, bars, engine):
-    stats = regenerate(PROMPTS, tiny, tmp_path / "j.jsonl", engine=engine, **GEN)
+    stats = regenerate(PROMPTS, tiny, tmp_path / "j.jsonl", **{**GEN, "engine": engine})
     (bar,) = bars
     batches = -(-len(PROMPTS) // GEN["batch_size"])
     moves = [n for n, _ in bar.updates if n > 0]
@@ -99,8 +100,8 @@ def test_the_real_bar_prints_answers_and_tokens_per_second(tiny, tmp_path, capsy
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_synthetic_prompt_bar_moves_per_draw_or_token(tiny, tmp_path, bars, engine):
     prompts, stats = synthesize_prompts(tiny, 4, ["You write Python.", ""], tmp_path / "synthetic.jsonl",
-                                        max_new_tokens=16, min_chars=1, batch_size=4, max_oversample=2.0,
-                                        engine=engine, show_progress=True)
+                                        **synthetic_options(max_new_tokens=16, min_chars=1, batch_size=4,
+                                                            max_oversample=2.0, engine=engine, show_progress=True))
     (bar,) = bars
     assert bar.desc == "synthesize prompts" and bar.closed
     assert len([n for n, _ in bar.updates if n > 0]) > stats["draws"] // 4, bar.updates
@@ -109,7 +110,7 @@ def test_synthetic_prompt_bar_moves_per_draw_or_token(tiny, tmp_path, bars, engi
 
 def test_format_stats_renders_a_build(tiny, tmp_path):
     stats = build_dataset(PROMPTS, tiny, tmp_path, max_length=96, max_new_tokens=12, batch_size=3, heldout=1,
-                          show_progress=False)
+                          show_progress=False, **answer_options())
     table = format_stats(stats)
     lines = table.splitlines()
     assert [line.split()[0] for line in lines] == ["prompts", "held", "samples", "answers", "time"]

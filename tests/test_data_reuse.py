@@ -10,8 +10,9 @@ from dflash.data.prompts import Prompt
 from dflash.data.regenerate import read_journal, regenerate
 from dflash.data.synthetic import synthesize_prompts
 from dflash.models.targets import load_target
+from tests.schema_options import answer_options, synthetic_options
 
-GEN = dict(max_length=96, max_new_tokens=6, batch_size=2, show_progress=False)
+GEN = answer_options(max_length=96, max_new_tokens=6, batch_size=2, show_progress=False)
 SEED_0_TO_1 = r"\(target\.tiny\.seed: 0 -> 1\)"  # the only difference, named down to the nested key
 
 
@@ -82,7 +83,7 @@ def test_a_journal_matches_only_the_same_recorded_target(targets, tmp_path):
 def test_synthetic_draws_of_another_target_are_refused(targets, tmp_path):
     a, b = targets
     journal = tmp_path / "synthetic.jsonl"
-    options = dict(max_new_tokens=8, min_chars=4, batch_size=4, max_oversample=2.0, show_progress=False)
+    options = synthetic_options(max_new_tokens=8, min_chars=4, batch_size=4, max_oversample=2.0, show_progress=False)
     synthesize_prompts(a, 2, ["You write Python."], journal, target=identity(0), **options)
     before = journal.read_bytes()
     with pytest.raises(ValueError, match=r"synthetic\.jsonl was written with other settings " + SEED_0_TO_1):

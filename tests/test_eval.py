@@ -13,6 +13,7 @@ import torch
 from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, write_summary
 from dflash.eval.metrics import PhaseTimer, StepTrace, acceptance_metrics
 from dflash.eval.replay import DrafterProposer, greedy_continuations, replay, target_pass
+from tests.schema_options import EVAL_BATCH, eval_options
 
 FAMILIES = ["llama", "qwen3_5"]
 
@@ -170,7 +171,8 @@ def test_replay_matches_plain_loop_with_varied_acceptance(family, tiny_target, m
     max_new_tokens = 23
     # A stop token first generated mid-continuation (when one exists: the tiny llama repeats one token), so the stop
     # path and the max_new_tokens path both run.
-    free = greedy_continuations(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[])
+    free = greedy_continuations(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[],
+                                batch_size=EVAL_BATCH)
     stop_ids = [c[9] for c in free if c.index(c[9]) >= 3][:1]
     monkeypatch.setattr(DrafterProposer, "__call__", oracle_proposer(noisy=True))
     results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids, batch_size=2)
@@ -195,7 +197,7 @@ def test_random_drafter_matches_plain_loop(family, tiny_target, make_drafter):
     adapter = tiny_target(family)
     drafter = make_drafter(adapter)
     prompts = prompts_for(adapter)[:2]
-    summary = evaluate(drafter, adapter, {"chat": prompts}, max_new_tokens=12, show_progress=False)
+    summary = evaluate(drafter, adapter, {"chat": prompts}, max_new_tokens=12, show_progress=False, **eval_options())
     steps = []
     for prompt in prompts:
         prompt_steps, _ = plain_speculative_decode(adapter, prompt, drafter_draft(drafter, adapter), block_size=4,
@@ -214,9 +216,9 @@ def test_perfect_drafter_commits_full_blocks(tiny_target, make_drafter, monkeypa
     drafter = make_drafter(adapter, block_size=4)
     monkeypatch.setattr(DrafterProposer, "__call__", oracle_proposer(noisy=False))
     prompts = prompts_for(adapter)
-    summary = evaluate(drafter, adapter, {"a": prompts[:2], "b": prompts[2:]}, max_new_tokens=20,
-                       show_progress=False)
-    for result in replay(drafter, adapter, prompts, max_new_tokens=20):
+    summary = evaluate(drafter, adapter, {"a": prompts[:2], "b": prompts[2:]}, max_new_tokens=20, show_progress=False,
+                       **eval_options())
+    for result in replay(drafter, adapter, prompts, max_new_tokens=20, batch_size=EVAL_BATCH):
         committed = result.trace.committed
         assert all(c == 4 for c in committed[:-1]) and sum(committed) == len(result.continuation) - 1
         if len(result.continuation) == 20:
@@ -231,7 +233,7 @@ def test_perfect_drafter_commits_full_blocks(tiny_target, make_drafter, monkeypa
 def stored_proposer(adapter, drafter):
     """(prompts, sequences, DrafterProposer) over 6 greedy tokens after each test prompt."""
     prompts = prompts_for(adapter)
-    continuations = greedy_continuations(adapter, prompts, max_new_tokens=6, stop_token_ids=[])
+    continuations = greedy_continuations(adapter, prompts, max_new_tokens=6, stop_token_ids=[], batch_size=EVAL_BATCH)
     sequences = [p + c for p, c in zip(prompts, continuations)]
     features, _ = target_pass(adapter, sequences, drafter.target_layer_ids)
     return prompts, sequences, DrafterProposer(drafter, adapter, sequences, features)
@@ -280,14 +282,14 @@ def test_blocks_of_different_sizes_in_one_proposal_match_direct_calls(tiny_targe
 
 def test_a_prompt_set_without_a_source_is_named(tiny_target):
     with pytest.raises(ValueError, match=r"eval prompt set 'code' names no source \(one of .*humaneval"):
-        load_prompt_sets(tiny_target("llama"), {"code": {"limit": 2}}, max_new_tokens=6)
+        load_prompt_sets(tiny_target("llama"), {"code": {"limit": 2}}, max_new_tokens=6, batch_size=EVAL_BATCH)
 
 
 def test_summary_says_where_the_time_went(tiny_target, make_drafter, monkeypatch):
     adapter = tiny_target("llama")
     timer = PhaseTimer(adapter.device)
     sets, categories = load_prompt_sets(adapter, {"mtbench": {"source": "mtbench", "limit": 2, "turns": 2}},
-                                        max_new_tokens=6, timer=timer)
+                                        max_new_tokens=6, timer=timer, batch_size=EVAL_BATCH)
     # A slow drafter: its time must land in the "draft" phase, not elsewhere.
     original = DrafterProposer.__call__
 
@@ -297,7 +299,7 @@ def test_summary_says_where_the_time_went(tiny_target, make_drafter, monkeypatch
 
     monkeypatch.setattr(DrafterProposer, "__call__", slow)
     summary = evaluate(make_drafter(adapter), adapter, sets, max_new_tokens=6, show_progress=False,
-                       categories=categories, timer=timer)
+                       categories=categories, timer=timer, **eval_options())
     timing = summary["timing"]
     steps = summary["overall"]["num_steps"]
     per_set = timing["prompt_sets"]
@@ -318,8 +320,8 @@ def test_summary_says_where_the_time_went(tiny_target, make_drafter, monkeypatch
 def test_replay_rejects_empty_prompt(tiny_target, make_drafter):
     adapter = tiny_target("llama")
     with pytest.raises(ValueError, match="empty"):
-        replay(make_drafter(adapter), adapter, [[1, 2], []], max_new_tokens=4)
-    assert replay(make_drafter(adapter), adapter, [], max_new_tokens=4) == []
+        replay(make_drafter(adapter), adapter, [[1, 2], []], max_new_tokens=4, batch_size=EVAL_BATCH)
+    assert replay(make_drafter(adapter), adapter, [], max_new_tokens=4, batch_size=EVAL_BATCH) == []
 
 
 def test_greedy_continuations_ignore_model_generation_defaults(tiny_target):
@@ -330,7 +332,8 @@ def test_greedy_continuations_ignore_model_generation_defaults(tiny_target):
     saved = (config.repetition_penalty, config.eos_token_id)
     config.repetition_penalty, config.eos_token_id = 3.0, own_greedy(adapter, prompt, 4)[2]
     try:
-        (continuation,) = greedy_continuations(adapter, [prompt], max_new_tokens=12, stop_token_ids=[])
+        (continuation,) = greedy_continuations(adapter, [prompt], max_new_tokens=12, stop_token_ids=[],
+                                               batch_size=EVAL_BATCH)
     finally:
         config.repetition_penalty, config.eos_token_id = saved
     assert continuation == own_greedy(adapter, prompt, 12)

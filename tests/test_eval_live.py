@@ -15,6 +15,7 @@ from dflash.inference.drafter_cache import CachedDrafter, TargetHead, context_ke
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.metrics import PhaseTimer
 from dflash.eval.replay import replay
+from tests.schema_options import eval_options
 
 FAMILIES = ["llama", "qwen3_5"]
 TEXTS = ["Hi", "What is two plus two?", "Write a haiku about the sea, please."]
@@ -178,9 +179,9 @@ def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_d
     adapter = tiny_target("qwen3_5")
     drafter = make_drafter(adapter, block_size=4, std=0.2)
     sets = {"a": prompts_for(adapter)[:2], "b": prompts_for(adapter)[2:]}
-    live_summary = evaluate(drafter, adapter, sets, max_new_tokens=12, show_progress=False, mode="live",
-                            categories={"a": ["math", "writing"]})
-    replay_summary = evaluate(drafter, adapter, sets, max_new_tokens=12, show_progress=False)
+    live_summary = evaluate(drafter, adapter, sets, max_new_tokens=12, show_progress=False,
+                            categories={"a": ["math", "writing"]}, **eval_options(mode="live"))
+    replay_summary = evaluate(drafter, adapter, sets, max_new_tokens=12, show_progress=False, **eval_options())
     assert live_summary["mode"] == "live" and replay_summary["mode"] == "replay"
     for name in ("a", "b"):
         live_set, replay_set = live_summary["prompt_sets"][name], replay_summary["prompt_sets"][name]
@@ -206,11 +207,12 @@ def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_d
     assert "speedup" in lines[0] and [line.split(",")[0] for line in lines[1:]] == ["a", "b", "overall", "a/math",
                                                                                   "a/writing"]
     with pytest.raises(ValueError, match="must label each"):
-        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, categories={"a": ["math"]})
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, categories={"a": ["math"]},
+                 **eval_options())
     with pytest.raises(ValueError, match="temperature must be a number >= 0"):
-        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, temperature=-0.7)
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, temperature=-0.7, **eval_options())
     with pytest.raises(ValueError, match="unknown eval mode"):
-        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, mode="fast")
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, **eval_options(mode="fast"))
 
 
 def test_mtbench_categories_of_the_packaged_questions():
@@ -401,15 +403,17 @@ def test_evaluate_records_draft_sampling(tiny_target, make_drafter):
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter, block_size=4, std=0.2)
     sets = {"a": prompts_for(adapter)[:2]}
-    summary = evaluate(drafter, adapter, sets, max_new_tokens=8, show_progress=False, mode="live", temperature=0.7,
-                       draft_sampling="greedy", measure_target=False)
+    summary = evaluate(drafter, adapter, sets, max_new_tokens=8, show_progress=False, temperature=0.7,
+                       **eval_options(mode="live", draft_sampling="greedy", measure_target=False))
     assert summary["draft_sampling"] == "greedy" and summary["temperature"] == 0.7
     assert summary["overall"]["num_tokens"] == 2 * 7
     assert "T=0.7, greedy drafts" in format_table(summary)
-    replayed = evaluate(drafter, adapter, sets, max_new_tokens=8, show_progress=False)
+    replayed = evaluate(drafter, adapter, sets, max_new_tokens=8, show_progress=False,
+                        **eval_options(draft_sampling="sampled"))
     assert replayed["draft_sampling"] == "sampled" and "drafts" not in format_table(replayed).splitlines()[0]
     with pytest.raises(ValueError, match="draft_sampling must be one of"):
-        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, mode="live", draft_sampling="top1")
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False,
+                 **eval_options(mode="live", draft_sampling="top1"))
     # The setting: checked when composed; left out of the eval fingerprint at "sampled" (today's behaviour), so
     # evaluations made before it keep theirs; "greedy" is another evaluation.
     with pytest.raises(ConfigError, match="eval.draft_sampling"):

@@ -13,6 +13,7 @@ from dflash.data.prompts import SOURCES, Prompt, load_prompts
 from dflash.eval.categories import mtbench_categories
 from dflash.eval.evaluate import evaluate, format_table, load_prompt_sets, summary_csv
 from dflash.eval.multiturn import second_turn_conversations
+from tests.schema_options import EVAL_BATCH, eval_options
 
 ANSWER_TOKENS = 6
 SPECS = {"mtbench": {"source": "mtbench", "limit": 2, "turns": 2}}
@@ -53,7 +54,7 @@ def test_mtbench_prompts_carry_their_second_turn():
 def test_turn2_prompt_is_the_conversation_with_the_targets_own_answer(tiny_target):
     adapter = tiny_target("llama")
     prompts = load_prompts("mtbench", limit=2)
-    sets, categories = load_prompt_sets(adapter, SPECS, max_new_tokens=ANSWER_TOKENS)
+    sets, categories = load_prompt_sets(adapter, SPECS, max_new_tokens=ANSWER_TOKENS, batch_size=EVAL_BATCH)
     assert list(sets) == ["mtbench", "mtbench_turn2"]
     assert sets["mtbench"] == [template(adapter, p.messages) for p in prompts]
     answers = []
@@ -76,9 +77,9 @@ def test_turn2_prompt_is_the_conversation_with_the_targets_own_answer(tiny_targe
 
 def test_both_turns_are_reported_with_categories(tiny_target, make_drafter):
     adapter = tiny_target("llama")
-    sets, categories = load_prompt_sets(adapter, SPECS, max_new_tokens=8)
+    sets, categories = load_prompt_sets(adapter, SPECS, max_new_tokens=8, batch_size=EVAL_BATCH)
     summary = evaluate(make_drafter(adapter), adapter, sets, max_new_tokens=8, show_progress=False,
-                       categories=categories)
+                       categories=categories, **eval_options())
     for name in ("mtbench", "mtbench_turn2"):
         metrics = summary["prompt_sets"][name]
         assert metrics["num_prompts"] == 2 and metrics["num_steps"] > 0 and 1.0 <= metrics["tau"] <= 4.0
@@ -97,17 +98,21 @@ def test_both_turns_are_reported_with_categories(tiny_target, make_drafter):
     assert csv_rows[:5] == ["prompt_set", "mtbench", "mtbench_turn2", "mtbench_both_turns", "overall"]
     assert "mtbench_both_turns" in format_table(summary)
     only_first = evaluate(make_drafter(adapter), adapter, {"mtbench": sets["mtbench"]}, max_new_tokens=8,
-                          show_progress=False)
+                          show_progress=False, **eval_options())
     assert "both_turns" not in only_first
 
 
 def test_bad_multiturn_specs_are_refused(tiny_target):
     adapter = tiny_target("llama")
     with pytest.raises(ValueError, match="no second user turn"):
-        load_prompt_sets(adapter, {"gsm8k": {"source": "gsm8k", "limit": 1, "turns": 2}}, max_new_tokens=4)
+        load_prompt_sets(adapter, {"gsm8k": {"source": "gsm8k", "limit": 1, "turns": 2}}, max_new_tokens=4,
+                         batch_size=EVAL_BATCH)
     with pytest.raises(ValueError, match="turns must be 1 or 2"):
-        load_prompt_sets(adapter, {"mtbench": {"source": "mtbench", "limit": 1, "turns": 3}}, max_new_tokens=4)
+        load_prompt_sets(adapter, {"mtbench": {"source": "mtbench", "limit": 1, "turns": 3}}, max_new_tokens=4,
+                         batch_size=EVAL_BATCH)
     with pytest.raises(ValueError, match="rename one"):
-        load_prompt_sets(adapter, {**SPECS, "mtbench_turn2": {"source": "gsm8k", "limit": 1}}, max_new_tokens=4)
+        load_prompt_sets(adapter, {**SPECS, "mtbench_turn2": {"source": "gsm8k", "limit": 1}}, max_new_tokens=4,
+                         batch_size=EVAL_BATCH)
     with pytest.raises(ValueError, match="no second user turn"):
-        second_turn_conversations(adapter, load_prompts("humaneval", limit=1), max_new_tokens=4)
+        second_turn_conversations(adapter, load_prompts("humaneval", limit=1), max_new_tokens=4,
+                                  batch_size=EVAL_BATCH)

@@ -7,6 +7,7 @@ import pytest
 
 from dflash.eval.evaluate import load_prompt_sets
 from dflash.eval.metrics import PhaseTimer
+from tests.schema_options import EVAL_BATCH
 
 
 def test_for_prompt_set_charges_and_restores():
@@ -33,7 +34,7 @@ def test_failing_prompt_set_leaves_no_set_current(tiny_target):
     timer = PhaseTimer()
     specs = {"gsm8k": {"source": "gsm8k", "limit": 1}, "broken": {"source": "no_such_source"}}
     with pytest.raises(ValueError, match="no_such_source"):
-        load_prompt_sets(tiny_target("llama"), specs, max_new_tokens=4, timer=timer)
+        load_prompt_sets(tiny_target("llama"), specs, max_new_tokens=4, timer=timer, batch_size=EVAL_BATCH)
     assert timer.prompt_set is None
     # The failed set's loading time is still charged to it, and nothing after it to any set.
     assert set(timer.per_set) == {"gsm8k", "broken"} and set(timer.totals) == {"load_prompts"}

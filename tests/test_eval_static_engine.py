@@ -22,6 +22,7 @@ from dflash.inference.static_drafter import StaticDrafter, static_drafter
 from dflash.inference.static_target import StaticTarget, static_target
 from dflash.inference.target_cache import CachedTarget
 from dflash.models.targets import build_tiny_target, load_target, smollm2
+from tests.schema_options import eval_options
 from tests.test_eval_live import oracle, own_greedy
 
 DENSE = ["llama", "qwen3"]
@@ -370,14 +371,16 @@ def test_evaluate_live_engine(target, make_drafter):
     adapter = target("qwen3")
     drafter = make_drafter(adapter, block_size=4, std=0.2)
     sets = {"a": [prompt_of(adapter), prompt_of(adapter, "Hi")]}
-    static = evaluate(drafter, adapter, sets, max_new_tokens=10, show_progress=False, mode="live",
-                      live_engine="static")
-    replayed = evaluate(drafter, adapter, sets, max_new_tokens=10, show_progress=False)
+    static = evaluate(drafter, adapter, sets, max_new_tokens=10, show_progress=False,
+                      **eval_options(mode="live", live_engine="static"))
+    replayed = evaluate(drafter, adapter, sets, max_new_tokens=10, show_progress=False, **eval_options())
     assert static["live_engine"] == "static" and "live_engine" not in replayed
     assert static["overall"]["lossless_mismatches"] == 0
     for key in ("tau", "per_position", "committed_histogram", "num_steps"):
         assert static["overall"][key] == replayed["overall"][key], key
-    auto = evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, mode="live", measure_target=False)
+    auto = evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False,
+                    **eval_options(mode="live", measure_target=False))
     assert auto["live_engine"] == "hf"  # CPU
     with pytest.raises(ValueError, match="engine must be one of"):
-        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False, mode="live", live_engine="vllm")
+        evaluate(drafter, adapter, sets, max_new_tokens=4, show_progress=False,
+                 **eval_options(mode="live", live_engine="vllm"))

@@ -17,6 +17,7 @@ from dflash.eval.live import live_decode
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import replay, replay_steps
 from dflash.eval.replay_estimate import sampled_continuations, target_pass_with_final
+from tests.schema_options import EVAL_BATCH, eval_options
 
 TEXTS = ["Hi", "What is two plus two?", "Write a haiku about the sea, please."]
 
@@ -168,7 +169,7 @@ def _live_tau(adapter, drafter, prompts, rollout, monkeypatch, *, temperature, d
 def _estimated_tau(adapter, drafter, prompts, rollout, *, temperature, draft_sampling, seed, max_new_tokens,
                    draft_temperature=None):
     continuations = sampled_continuations(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[],
-                                          temperature=temperature, seed=seed, engine="hf")
+                                          temperature=temperature, seed=seed, engine="hf", batch_size=EVAL_BATCH)
     sequences = [list(p) + c for p, c in zip(prompts, continuations)]
     _, finals = target_pass_with_final(adapter, sequences, drafter.config.target_layer_ids)
 
@@ -221,7 +222,7 @@ def test_replay_at_a_temperature_writes_the_estimate(tiny_target, make_drafter, 
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter, block_size=4, std=0.2)
     sets = {"a": prompts_for(adapter)[:2], "b": prompts_for(adapter)[2:]}
-    settings = dict(max_new_tokens=10, show_progress=False, temperature=0.05, draft_sampling="greedy", seed=3)
+    settings = eval_options(max_new_tokens=10, show_progress=False, temperature=0.05, draft_sampling="greedy", seed=3)
     summary = evaluate(drafter, adapter, sets, categories={"a": ["math", "writing"]}, **settings)
     assert "T=0.05" in summary["estimate"] and summary["mode"] == "replay"
     overall = summary["overall"]
@@ -260,7 +261,7 @@ def test_the_summary_names_the_draft_temperature(tiny_target, make_drafter):
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter, block_size=4, std=0.2)
     sets = {"a": prompts_for(adapter)[:1]}
-    settings = dict(max_new_tokens=6, show_progress=False, temperature=0.05, draft_sampling="sampled")
+    settings = eval_options(max_new_tokens=6, show_progress=False, temperature=0.05, draft_sampling="sampled")
     summary = evaluate(drafter, adapter, sets, draft_temperature=0.02, **settings)
     assert summary["draft_temperature"] == 0.02
     assert "sampled drafts drawn at T=0.02" in format_table(summary)

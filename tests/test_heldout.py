@@ -26,8 +26,9 @@ from dflash.train.heldout import HeldoutSet, save_heldout_set, write_heldout_fea
 from dflash.train.metrics_log import MetricsLog
 from tests import trainer_harness
 from tests.forked import run_ranks
+from tests.schema_options import HELDOUT_BATCH, answer_options
 
-GEN = dict(max_length=160, max_new_tokens=6, batch_size=3, show_progress=False)
+GEN = answer_options(max_length=160, max_new_tokens=6, batch_size=3, show_progress=False)
 
 
 def make_prompts(n):
@@ -56,7 +57,7 @@ def test_heldout_split_is_seeded_deterministic_and_excluded(tiny_target, tmp_pat
     assert [heldout_ids([p.id for p in prompts], 2, seed=s) for s in range(4)].count(set(held["id"])) < 4
     # What the capture stage does with it: one file that replays as the stored responses.
     path = str(tmp_path / "heldout.safetensors")
-    assert write_heldout_features(adapter, held, [1, 3], path)["samples"] == 2
+    assert write_heldout_features(adapter, held, [1, 3], path, batch_size=HELDOUT_BATCH)["samples"] == 2
     stored = HeldoutSet(path)
     assert stored.tokens.tolist() == [t for ids in held["input_ids"] for t in ids]
     assert stored.prompt_lens == [mask.index(1) for mask in held["loss_mask"]]
@@ -201,12 +202,14 @@ def test_a_shorter_budget_cuts_the_responses(tiny_target, make_drafter, tmp_path
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter)
     prompts = chat_prompts(adapter)[:2]
-    continuations = greedy_continuations(adapter, prompts, max_new_tokens=12, stop_token_ids=[])
+    continuations = greedy_continuations(adapter, prompts, max_new_tokens=12, stop_token_ids=[],
+                                         batch_size=HELDOUT_BATCH)
     path = str(tmp_path / "h.safetensors")
-    write_heldout_features(adapter, heldout_rows(adapter, prompts, continuations), drafter.target_layer_ids, path)
+    write_heldout_features(adapter, heldout_rows(adapter, prompts, continuations), drafter.target_layer_ids, path,
+                           batch_size=HELDOUT_BATCH)
     head = (adapter.embed_tokens().weight, adapter.lm_head_weight())
-    expected = acceptance_metrics([r.trace for r in replay(drafter, adapter, prompts, max_new_tokens=5,
-                                                           stop_token_ids=[])], drafter.block_size)
+    replayed = replay(drafter, adapter, prompts, max_new_tokens=5, stop_token_ids=[], batch_size=HELDOUT_BATCH)
+    expected = acceptance_metrics([r.trace for r in replayed], drafter.block_size)
     got = HeldoutSet(path, max_new_tokens=5).evaluate(drafter, head)
     assert got["tau"] == expected["tau"] and expected["num_tokens"] == 2 * 4
     assert HeldoutSet(path).max_new_tokens == 12  # default: the longest stored response
@@ -218,10 +221,10 @@ def test_bad_heldout_inputs_are_refused(tiny_target, make_drafter, tmp_path):
     prompt = chat_prompts(adapter)[0]
     row = {"id": "x", "input_ids": prompt + [5, 6, 7], "loss_mask": [0] * len(prompt) + [1, 0, 1]}
     with pytest.raises(ValueError, match="'x': loss_mask is not prompt"):
-        write_heldout_features(adapter, [row], [1, 3, 5], str(tmp_path / "h.safetensors"))
+        write_heldout_features(adapter, [row], [1, 3, 5], str(tmp_path / "h.safetensors"), batch_size=HELDOUT_BATCH)
     row["loss_mask"] = [0] * len(prompt) + [1, 1, 1]
     path = str(tmp_path / "h.safetensors")
-    write_heldout_features(adapter, [row], [1, 3], path)
+    write_heldout_features(adapter, [row], [1, 3], path, batch_size=HELDOUT_BATCH)
     with pytest.raises(ValueError, match=r"target layers \[1, 3\], the drafter reads \[1, 3, 5\]"):
         HeldoutSet(path).evaluate(drafter, (adapter.embed_tokens().weight, adapter.lm_head_weight()))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
@@ -496,9 +499,11 @@ def test_heldout_replay_on_gpu_matches_the_evaluator(tmp_path, monkeypatch):
     prompts = [adapter.chat_ids([{"role": "user", "content": f"Tell me fact number {i} about the sea."}])
                for i in range(32)]
     started = time.perf_counter()
-    continuations = greedy_continuations(adapter, prompts, max_new_tokens=256, stop_token_ids=adapter.stop_token_ids())
+    continuations = greedy_continuations(adapter, prompts, max_new_tokens=256,
+                                         stop_token_ids=adapter.stop_token_ids(), batch_size=HELDOUT_BATCH)
     path = str(tmp_path / "heldout.safetensors")
-    write_heldout_features(adapter, heldout_rows(adapter, prompts, continuations), layer_ids, path)
+    write_heldout_features(adapter, heldout_rows(adapter, prompts, continuations), layer_ids, path,
+                           batch_size=HELDOUT_BATCH)
     prepared = time.perf_counter() - started
     evaluator_calls, heldout_calls = [], []
     monkeypatch.setattr(DrafterProposer, "__call__", recording(heldout_calls))
@@ -508,7 +513,8 @@ def test_heldout_replay_on_gpu_matches_the_evaluator(tmp_path, monkeypatch):
     heldout_s = time.perf_counter() - started
     monkeypatch.setattr(DrafterProposer, "__call__", recording(evaluator_calls))
     started = time.perf_counter()
-    expected = acceptance_metrics([r.trace for r in replay(drafter, adapter, prompts, max_new_tokens=256)], 16)
+    expected = acceptance_metrics([r.trace for r in replay(drafter, adapter, prompts, max_new_tokens=256,
+                                                           batch_size=HELDOUT_BATCH)], 16)
     replay_s = time.perf_counter() - started
     print(f"held-out: generation + features {prepared:.1f} s, replay {heldout_s:.1f} s, tau {metrics['tau']:.4f}, "
           f"mismatches {metrics['greedy_mismatches']}; evaluator replay (with generation) {replay_s:.1f} s, "

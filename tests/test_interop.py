@@ -21,6 +21,7 @@ import torch
 from dflash.eval.export import export_zlab, load_drafter
 from dflash.eval.live import live_decode
 from dflash.eval.replay import replay
+from tests.schema_options import EVAL_BATCH
 
 REFERENCE_VERSION = "0.1.0"
 
@@ -113,13 +114,14 @@ def test_reference_generate_matches_replay_and_live(reference, tiny_target, make
     adapter = tiny_target("llama")
     prompts = [adapter.chat_ids([{"role": "user", "content": t}]) for t in ("Hi", "What is two plus two?")]
     stop_ids = adapter.stop_token_ids()
-    first = replay(make_drafter(adapter), adapter, prompts[:1], max_new_tokens=2)[0].continuation[0]
+    (replayed,) = replay(make_drafter(adapter), adapter, prompts[:1], max_new_tokens=2, batch_size=EVAL_BATCH)
+    first = replayed.continuation[0]
     lengths = []
     for scale in (1.0, 1.5):
         drafter = drafter_with_constant_guess(make_drafter, adapter, first, scale)
         folder = export_zlab(drafter, str(tmp_path / f"export{scale}"), dtype=torch.float32)
         theirs = load_reference(reference, folder)
-        for prompt, ours in zip(prompts, replay(drafter, adapter, prompts, max_new_tokens=18)):
+        for prompt, ours in zip(prompts, replay(drafter, adapter, prompts, max_new_tokens=18, batch_size=EVAL_BATCH)):
             stats = reference.dflash_generate(theirs, adapter.model, torch.tensor([prompt]), max_new_tokens=18,
                                               stop_token_ids=stop_ids, return_stats=True)
             assert stats.output_ids[0, len(prompt):].tolist() == ours.continuation
@@ -132,5 +134,5 @@ def test_reference_generate_matches_replay_and_live(reference, tiny_target, make
     # A prefill token that is a stop token: no verify step in either.
     stats = reference.dflash_generate(theirs, adapter.model, torch.tensor([prompts[0]]), max_new_tokens=18,
                                       stop_token_ids=[first], return_stats=True)
-    (ours,) = replay(drafter, adapter, prompts[:1], max_new_tokens=18, stop_token_ids=[first])
+    (ours,) = replay(drafter, adapter, prompts[:1], max_new_tokens=18, stop_token_ids=[first], batch_size=EVAL_BATCH)
     assert stats.acceptance_lengths == ours.trace.committed == []

@@ -10,6 +10,7 @@ from dflash.eval import live
 from dflash.eval.evaluate import evaluate
 from dflash.eval.live import live_decode
 from dflash.eval.replay import DrafterProposer, greedy_continuations, replay
+from tests.schema_options import EVAL_BATCH, eval_options
 
 def test_replay_and_live_traces_agree_when_a_stop_token_lies_in_a_rejected_block(tiny_target, make_drafter,
                                                                                   monkeypatch):
@@ -17,7 +18,7 @@ def test_replay_and_live_traces_agree_when_a_stop_token_lies_in_a_rejected_block
     block_size, budget = 8, 30
     drafter = make_drafter(adapter, block_size=block_size)
     prompt = adapter.chat_ids([{"role": "user", "content": "What is two plus two?"}])
-    free = greedy_continuations(adapter, [prompt], max_new_tokens=budget, stop_token_ids=[])[0]
+    free = greedy_continuations(adapter, [prompt], max_new_tokens=budget, stop_token_ids=[], batch_size=EVAL_BATCH)[0]
     # The stop token: a token the target first says late in its answer.
     offset = next(i for i, t in enumerate(free) if i >= 10 and t not in free[:i])
     stop, sequence = free[offset], list(prompt) + free
@@ -41,7 +42,8 @@ def test_replay_and_live_traces_agree_when_a_stop_token_lies_in_a_rejected_block
     monkeypatch.setattr(live, "draft_block", live_drafts)
     monkeypatch.setattr(DrafterProposer, "__call__", replay_drafts)
     for stop_ids in ([stop], []):  # the answer ends on the stop token; at max_new_tokens
-        replayed = replay(drafter, adapter, [prompt], max_new_tokens=budget, stop_token_ids=stop_ids)[0]
+        replayed = replay(drafter, adapter, [prompt], max_new_tokens=budget, stop_token_ids=stop_ids,
+                          batch_size=EVAL_BATCH)[0]
         decoded = live_decode(drafter, adapter, prompt, max_new_tokens=budget, stop_token_ids=stop_ids,
                               target_engine="hf")
         assert decoded.continuation == replayed.continuation
@@ -72,7 +74,7 @@ def test_live_warm_up_is_neither_timed_nor_counted_and_changes_no_result(tiny_ta
     monkeypatch.setattr(evaluate_module, "live_decode", recorded("spec", evaluate_module.live_decode))
     monkeypatch.setattr(evaluate_module, "target_only_decode", recorded("target", evaluate_module.target_only_decode))
     # T > 0: a warm-up drawing from the timed decodes' generator would change their samples.
-    options = dict(max_new_tokens=12, show_progress=False, mode="live", temperature=0.9, seed=3)
+    options = eval_options(max_new_tokens=12, show_progress=False, mode="live", temperature=0.9, seed=3)
     warm = evaluate(drafter, adapter, sets, **options)
     # Prompt 0 before the timed decodes: speculative decodes until every block size (4, 3, 2) was met, the
     # largest first, then two blocks' worth target-only.

@@ -8,12 +8,13 @@ from dflash.data.dataset import build_dataset, format_stats, heldout_ids, load_h
 from dflash.data.journal import JournalBuffer, read_journal
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import answer_is_sampled, regenerate
+from tests.schema_options import answer_options
 
 TEXTS = ["hi", "what is two plus two?", "tell me a story about a cat", "name three colours", "ok then",
          "why is the sky blue?", "write a haiku", "count to five", "say something kind", "list two fruits"]
 PROMPTS = [Prompt(f"p{i}", [{"role": "user", "content": t}], "test") for i, t in enumerate(TEXTS)]
 # The static engine samples each prompt from its own stream, so an answer does not depend on its batch.
-GEN = dict(max_length=64, max_new_tokens=10, batch_size=3, show_progress=False, engine="static", seed=3)
+GEN = answer_options(max_length=64, max_new_tokens=10, batch_size=3, show_progress=False, engine="static", seed=3)
 
 
 def answers(journal) -> dict[str, list[int]]:
@@ -82,7 +83,7 @@ def test_an_interrupted_mixed_regeneration_resumes_to_the_same_answers(tiny_targ
 
 def test_the_dataset_counts_greedy_and_sampled_answers(tiny_target, tmp_path):
     adapter = tiny_target("llama")
-    build = dict(max_length=64, max_new_tokens=10, batch_size=3, show_progress=False, seed=3, heldout=4)
+    build = answer_options(max_length=64, max_new_tokens=10, batch_size=3, show_progress=False, seed=3, heldout=4)
     plain = build_dataset(PROMPTS, adapter, tmp_path / "plain", temperature=1.0, **build)
     explicit = build_dataset(PROMPTS, adapter, tmp_path / "explicit", temperature=1.0, sampled_share=1.0, **build)
     assert plain["fingerprint"] == explicit["fingerprint"] and "answer_mix" not in plain

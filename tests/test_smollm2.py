@@ -14,6 +14,7 @@ from dflash.models.targets import build_tiny_target, load_target
 from dflash.models.targets import smollm2
 from dflash.models.targets.gguf import DEFAULT_CACHE_DIR
 from dflash.run_files import file_sha256
+from tests.schema_options import capture_options
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +87,8 @@ def test_capture_on_the_real_target(target, tmp_path):
         rows["loss_mask"].append([0] * len(prompt_ids) + [1] * len(answer_ids))
     layer_ids = [1, 8, 14, 21, 27]
     manifest = capture_dataset(
-        target, Dataset.from_dict(rows), tmp_path, layer_ids, fingerprint={"target": "smollm2"}, show_progress=False
+        target, Dataset.from_dict(rows), tmp_path, layer_ids, fingerprint={"target": "smollm2"}, show_progress=False,
+        **capture_options()
     )
     assert manifest["num_target_layers"] == 30 and manifest["hidden_size"] == 576
     store = FeatureStore(tmp_path)

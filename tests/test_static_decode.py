@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from dflash.config.schema import schema_default
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import read_journal, regenerate
 from dflash.inference.static_decode import (
@@ -315,7 +316,8 @@ def test_regenerate_engines_write_the_same_journal(target, tmp_path, monkeypatch
     texts = ["hi", "what is two plus two?", "tell me a story about a cat", "x" * 40, "ok then"]
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": t}], "test") for i, t in enumerate(texts)]
     # max_length cuts the longest prompt's response (finish "length") while others run to max_new_tokens.
-    settings = dict(max_length=65, max_new_tokens=12, batch_size=2, show_progress=False)
+    settings = dict(max_length=65, max_new_tokens=12, batch_size=2, show_progress=False,
+                    refill=schema_default("data.refill"))
     hf = regenerate(prompts, adapter, tmp_path / "hf.jsonl", **settings, engine="hf")
     static = regenerate(prompts, adapter, tmp_path / "static.jsonl", **settings, engine="static")
     timing = ("engine", "generate_seconds", "generate_tokens_per_s", "template_seconds")

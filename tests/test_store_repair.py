@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dflash.config import compose
+from dflash.config.schema import schema_default
 from dflash.extract.capture import capture_dataset
 from dflash.pipeline import Pipeline
 
@@ -75,5 +76,6 @@ def test_a_complete_store_missing_a_shard_is_completed_not_returned(captured):
 
     again = capture_dataset(pipeline.adapter, load_dataset_dir(str(run_dir / "data")), run_dir / "features",
                             manifest["target_layer_ids"], batch_tokens=8192, shard_tokens=400, dtype="float32",
-                            fingerprint=manifest["fingerprint"], show_progress=False, pack=True)
+                            check_every=schema_default("capture.check_every"), fingerprint=manifest["fingerprint"],
+                            show_progress=False, pack=True)
     assert again["complete"] and sha(run_dir / "features" / lost) == shards[lost]

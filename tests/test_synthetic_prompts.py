@@ -7,10 +7,11 @@ import pytest
 from dflash.data.regenerate import read_journal, regenerate
 from dflash.data.synthetic import judge, quotas, select_draws, synthesize_prompts, user_turn_prefix
 from dflash.models.targets import load_target
+from tests.schema_options import answer_options, synthetic_options
 
 SYSTEMS = ["You write Python.", "You solve math problems.", ""]
 # The tiny random target ends about half its user turns within 96 tokens; 8x oversampling fills every quota.
-SYN = dict(max_new_tokens=96, min_chars=4, batch_size=4, max_oversample=8.0, show_progress=False)
+SYN = synthetic_options(max_new_tokens=96, min_chars=4, batch_size=4, max_oversample=8.0, show_progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_quotas_spread_evenly():
 @pytest.mark.slow
 def test_spread_determinism_and_resume_after_a_crash(tiny, tmp_path, engine):
     journal = tmp_path / "one_go.jsonl"
-    prompts, stats = synthesize_prompts(tiny, 7, SYSTEMS, journal, engine=engine, **SYN)
+    prompts, stats = synthesize_prompts(tiny, 7, SYSTEMS, journal, **{**SYN, "engine": engine})
     assert stats["per_system"] == [3, 2, 2] and stats["kept"] == 7 and stats["engine"] == engine
     assert stats["kept"] + sum(stats["dropped"].values()) == stats["draws"] > 7  # some draws were dropped
     assert stats["reused"] == 0 and stats["generated_tokens"] > 0
@@ -92,19 +93,19 @@ def test_spread_determinism_and_resume_after_a_crash(tiny, tmp_path, engine):
         assert len(p.messages[-1]["content"]) >= SYN["min_chars"]
 
     # A second run in a fresh journal draws the same texts.
-    again, _ = synthesize_prompts(tiny, 7, SYSTEMS, tmp_path / "again.jsonl", engine=engine, **SYN)
+    again, _ = synthesize_prompts(tiny, 7, SYSTEMS, tmp_path / "again.jsonl", **{**SYN, "engine": engine})
     assert contents(again) == contents(prompts)
 
     # A run killed mid-line: the journal keeps its header, a few draws and half a line.
     crashed = tmp_path / "crashed.jsonl"
     lines = journal.read_text().splitlines(keepends=True)
     crashed.write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])
-    resumed, resumed_stats = synthesize_prompts(tiny, 7, SYSTEMS, crashed, engine=engine, **SYN)
+    resumed, resumed_stats = synthesize_prompts(tiny, 7, SYSTEMS, crashed, **{**SYN, "engine": engine})
     assert contents(resumed) == contents(prompts)
     assert resumed_stats["reused"] == 3 and resumed_stats["draws"] == stats["draws"]
     assert read_journal(crashed)[1] == read_journal(journal)[1]
     # Nothing left to draw: a finished journal is only read.
-    _, done_stats = synthesize_prompts(tiny, 7, SYSTEMS, journal, engine=engine, **SYN)
+    _, done_stats = synthesize_prompts(tiny, 7, SYSTEMS, journal, **{**SYN, "engine": engine})
     assert done_stats["generated_tokens"] == 0 and done_stats["reused"] == stats["draws"]
 
 
@@ -175,7 +176,7 @@ def test_bounded_oversampling_keeps_fewer(tiny, tmp_path, caplog):
 def test_synthetic_prompts_go_through_regeneration(tiny, tmp_path):
     prompts, _ = synthesize_prompts(tiny, 3, SYSTEMS[:2], tmp_path / "syn.jsonl", **SYN)
     stats = regenerate(prompts, tiny, tmp_path / "journal.jsonl", max_length=256, max_new_tokens=6, batch_size=3,
-                       show_progress=False)
+                       show_progress=False, **answer_options())
     assert (stats["total"], stats["done"], stats["failed"]) == (3, 3, 0)
     records = read_journal(tmp_path / "journal.jsonl")[1]
     assert sorted(records) == sorted(p.id for p in prompts)
@@ -188,8 +189,8 @@ def test_synthetic_prompts_go_through_regeneration(tiny, tmp_path):
 def test_real_smollm2_writes_python_prompts(tmp_path):
     adapter = load_target("smollm2")
     system = "You are a Python programming assistant. Users ask you to write Python functions."
-    prompts, stats = synthesize_prompts(adapter, 8, [system], tmp_path / "j.jsonl", max_new_tokens=64,
-                                        batch_size=8, show_progress=False)
+    prompts, stats = synthesize_prompts(adapter, 8, [system], tmp_path / "j.jsonl",
+                                        **synthetic_options(max_new_tokens=64, batch_size=8, show_progress=False))
     assert stats["kept"] == len(prompts) >= 6
     special = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
     for p in prompts:

@@ -13,6 +13,7 @@ from dflash.extract.colocated import ColocatedFeatureSource
 from dflash.pipeline import Pipeline
 from dflash.train.batches import prepare_micro_batch
 from dflash.train.objective import loss_rows, target_labels
+from tests.schema_options import answer_options
 
 TEXTS = ["hi", "what is two plus two?", "tell me a story about a cat", "name three colours", "ok then",
          "why is the sky blue?"]
@@ -66,7 +67,7 @@ def labels_of(adapter, data_dir):
 
 def test_on_sampled_answers_the_labels_differ_exactly_where_the_answer_left_the_argmax(tiny_target, tmp_path):
     adapter = tiny_target("llama")
-    build = dict(max_length=64, max_new_tokens=16, batch_size=3, show_progress=False)
+    build = answer_options(max_length=64, max_new_tokens=16, batch_size=3, show_progress=False)
     # At T=1 the random tiny target almost never samples its argmax; at 0.1 about 60% of the tokens leave it.
     build_dataset(PROMPTS, adapter, tmp_path / "sampled", temperature=0.1, **build)
     answer, target, argmax, loss = labels_of(adapter, tmp_path / "sampled")

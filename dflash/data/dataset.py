@@ -84,8 +84,8 @@ def heldout_ids(ids: list[str], count: int, seed: int) -> set[str]:
 
 def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str = "hf",
-                  compile_step: bool = False, refill: bool = True, target: dict | None = None,
+                  seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str,
+                  compile_step: bool = False, refill: bool, target: dict | None = None,
                   before_replace: Callable[[], None] | None = None,
                   template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.

@@ -47,7 +47,7 @@ def _grams(sequence: Sequence[str], n: int) -> set[tuple[str, ...]]:
 class EvalIndex:
     """The n-grams of a collection of evaluation prompts, to test training prompts against."""
 
-    def __init__(self, eval_prompts: Iterable[Prompt], n: int = 13) -> None:
+    def __init__(self, eval_prompts: Iterable[Prompt], n: int) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n = n

@@ -158,8 +158,8 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
 
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, show_progress: bool = True, engine: str = "hf", compile_step: bool = False,
-               refill: bool = True, *, target: dict | None = None,
+               seed: int = 0, show_progress: bool = True, *, engine: str, compile_step: bool = False,
+               refill: bool, target: dict | None = None,
                template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0,
                prompt_tokens: list[list[int]] | None = None) -> dict:
     """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", "stale", ...}.

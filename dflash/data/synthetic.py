@@ -244,9 +244,8 @@ class _Drawer:
 
 
 def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], journal_path: str | Path, *,
-                       temperature: float = 1.0, top_p: float = 0.95, max_new_tokens: int = 128,
-                       min_chars: int = 16, batch_size: int = 64, seed: int = 0, engine: str = "auto",
-                       max_oversample: float = 4.0, keep_system: bool = True,
+                       temperature: float, top_p: float, max_new_tokens: int, min_chars: int, batch_size: int,
+                       engine: str, max_oversample: float, keep_system: bool, seed: int = 0,
                        show_progress: bool = True, target: dict | None = None) -> tuple[list[Prompt], dict]:
     """`count` user prompts written by the target, spread evenly over `system_prompts`; returns (prompts, stats).
 

@@ -70,7 +70,7 @@ TURN2_SUFFIX = "_turn2"
 def load_prompt_sets(
     adapter, specs: Mapping[str, PromptSetSettings | Mapping[str, Any]], *, max_new_tokens: int,
     template_kwargs: dict[str, Any] | None = None,
-    batch_size: int = 8,
+    batch_size: int,
     timer: PhaseTimer | None = None,
 ) -> tuple[dict[str, list[list[int]]], dict[str, list[str]]]:
     """Token ids of every configured prompt set, and category labels where the source has them.
@@ -125,17 +125,17 @@ def evaluate(
     prompt_sets: dict[str, list[list[int]]],
     *,
     max_new_tokens: int,
-    batch_size: int = 8,
+    batch_size: int,
+    mode: str,
+    measure_target: bool,
+    live_engine: str,
+    draft_sampling: str,
     show_progress: bool = True,
-    mode: str = "replay",
     temperature: float = 0.0,
     seed: int = 0,
-    measure_target: bool = True,
     categories: dict[str, list[str]] | None = None,
     timer: PhaseTimer | None = None,
-    live_engine: str = "auto",
     warm_up: bool = True,
-    draft_sampling: str = "sampled",
     draft_temperature: float | None = None,
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).

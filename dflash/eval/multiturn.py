@@ -27,7 +27,7 @@ def second_turn_conversations(
     *,
     max_new_tokens: int,
     template_kwargs: dict[str, Any] | None = None,
-    batch_size: int = 8,
+    batch_size: int,
 ) -> list[list[dict]]:
     """Per prompt: its messages + the target's greedy answer (at most `max_new_tokens` tokens) + its first follow-up.
 

@@ -71,7 +71,7 @@ _ANSWERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def greedy_continuations(
-    adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int = 8,
+    adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int,
     engine: str = "auto",
 ) -> list[list[int]]:
     """The target's greedy continuation of each prompt, ending with the first stop token or at max_new_tokens.
@@ -279,7 +279,7 @@ def replay(
     *,
     max_new_tokens: int,
     stop_token_ids: list[int] | None = None,
-    batch_size: int = 8,
+    batch_size: int,
     progress: Callable[[int], None] | None = None,
     timer: PhaseTimer | None = None,
 ) -> list[ReplayResult]:

@@ -22,7 +22,7 @@ from dflash.models.drafter import DFlashDraftModel
 
 
 def sampled_continuations(adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
-                          temperature: float, seed: int, batch_size: int = 8, engine: str = "auto") -> list[list[int]]:
+                          temperature: float, seed: int, batch_size: int, engine: str = "auto") -> list[list[int]]:
     """The target's continuation of each prompt sampled at `temperature` (plain: no top-k / top-p), up to and
     including its first stop token, at most max_new_tokens; seeded per prompt batch (hf) or per prompt (static)."""
     pad = pad_id(adapter, stop_token_ids)
@@ -54,7 +54,7 @@ def target_pass_with_final(adapter, sequences: list[list[int]],
 @torch.inference_mode()
 def replay_estimate(drafter: DFlashDraftModel, adapter, prompts: list[list[int]], *, max_new_tokens: int,
                     temperature: float, draft_sampling: str, draft_temperature: float | None = None, seed: int = 0,
-                    stop_token_ids: list[int] | None = None, batch_size: int = 8,
+                    stop_token_ids: list[int] | None = None, batch_size: int,
                     progress: Callable[[int], None] | None = None,
                     timer: PhaseTimer | None = None) -> list[ExpectedTrace]:
     """The expected step records of `drafter` at `temperature` on `prompts` (module docstring), one per prompt.

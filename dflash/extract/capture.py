@@ -125,7 +125,7 @@ def capture_rows(
     dtype: torch.dtype,
     check_every: int,
     progress: tqdm,
-    pack: bool = False,
+    pack: bool,
 ) -> dict[str, torch.Tensor]:
     """Capture one shard's rows (an Arrow table slice) -> ShardWriter.write_shard's tensors (hidden, input_ids,
     loss_mask, offsets, and scales for fp8). Sample `first_sample + j` is crosschecked when divisible by
@@ -360,16 +360,16 @@ def capture_dataset(
     out_dir: str | Path,
     layer_ids: list[int],
     *,
-    batch_tokens: int = 8192,
-    shard_tokens: int = 1 << 20,
-    dtype: str = "bfloat16",
-    check_every: int = 1000,
-    verify_existing: bool = False,
+    batch_tokens: int,
+    shard_tokens: int,
+    dtype: str,
+    check_every: int,
+    pack: bool,
     fingerprint: dict,
+    verify_existing: bool = False,
     show_progress: bool = True,
     rank: int = 0,
     world_size: int = 1,
-    pack: bool = False,
 ) -> dict[str, Any]:
     """Capture the features of `layer_ids` for every row of `dataset` (columns id, input_ids, loss_mask) into
     the store folder `out_dir`; returns the manifest.

@@ -41,7 +41,7 @@ class ColocatedFeatureSource(FeatureSource):
     `get_many` and indexing return checked single samples.
     """
 
-    def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str = "bfloat16",
+    def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str,
                  final_hidden: bool = False) -> None:
         self.dtype = store_dtype(dtype)
         if self.dtype not in (torch.bfloat16, torch.float32):

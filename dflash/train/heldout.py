@@ -87,7 +87,7 @@ def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.T
 
 
 def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[int], path: str, *,
-                           max_samples: int | None = None, batch_size: int = 8) -> dict[str, int]:
+                           max_samples: int | None = None, batch_size: int) -> dict[str, int]:
     """Run the target once over the held-out samples and save what the replay needs; returns counts.
 
     heldout_dataset: rows {"id", "input_ids", "loss_mask"} (load_heldout_dir); the first `max_samples` are used.
@@ -100,7 +100,7 @@ def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[i
 
 
 def write_sampled_heldout(adapter: Any, heldout_dataset: Any, layer_ids: list[int], path: str, *, temperature: float,
-                          seed: int, max_new_tokens: int, batch_size: int = 8) -> dict[str, int]:
+                          seed: int, max_new_tokens: int, batch_size: int) -> dict[str, int]:
     """The held-out prompts continued by the target itself sampled at `temperature` (seeded), and their target
     pass, saved like write_heldout_features' file with `path_temperature` in its metadata: the passes on which the
     estimate at that temperature is unbiased (docs/eval.md), whatever temperature the data was answered at."""
