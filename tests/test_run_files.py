@@ -160,3 +160,46 @@ def test_swap_in_dir_clears_an_aside_folder_left_by_a_killed_swap(tmp_path):
     swap_in_dir(str(new), str(target), aside=str(aside))
     assert (target / "weights").read_text() == "newer"
     assert sorted(os.listdir(tmp_path)) == ["best"]
+
+
+def folder_with(path, **files):
+    path.mkdir()
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return path
+
+
+def whole(folder: str) -> bool:
+    """A cache folder is whole once its marker (written last) is there."""
+    return os.path.exists(os.path.join(folder, "marker"))
+
+
+def test_swap_in_dir_keeps_a_whole_folder_and_replaces_a_half_written_one(tmp_path):
+    """keep=: a cache another process filled stays (its readers are not disturbed); an interrupted one is
+    replaced."""
+    target = folder_with(tmp_path / "cache", weights="theirs", marker="")
+    swap_in_dir(str(folder_with(tmp_path / "new", weights="ours", marker="")), str(target),
+                aside=str(tmp_path / "old"), keep=whole)
+    assert (target / "weights").read_text() == "theirs" and sorted(os.listdir(tmp_path)) == ["cache"]
+    (target / "marker").unlink()
+    swap_in_dir(str(folder_with(tmp_path / "new", weights="ours", marker="")), str(target),
+                aside=str(tmp_path / "old"), keep=whole)
+    assert (target / "weights").read_text() == "ours" and sorted(os.listdir(tmp_path)) == ["cache"]
+
+
+def test_swap_in_dir_keeps_a_whole_folder_another_writer_put_there_during_the_swap(tmp_path, monkeypatch):
+    target, new = tmp_path / "cache", tmp_path / "new"
+    replace = os.replace
+
+    def other_writer_first(src, dst):
+        if os.fspath(src) == str(new):  # the other writer's rename lands first: ours then meets a non-empty folder
+            folder_with(target, weights="theirs", marker="")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", other_writer_first)
+    swap_in_dir(str(folder_with(new, weights="ours", marker="")), str(target), aside=str(tmp_path / "old"), keep=whole)
+    assert (target / "weights").read_text() == "theirs" and sorted(os.listdir(tmp_path)) == ["cache"]
+    # Without keep=, a folder another writer puts in the way during the swap is an error.
+    (target / "marker").unlink()
+    with pytest.raises(OSError):
+        swap_in_dir(str(folder_with(new, weights="ours", marker="")), str(target), aside=str(tmp_path / "old"))

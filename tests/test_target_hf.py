@@ -97,6 +97,13 @@ def test_a_gguf_file_is_converted_once_and_cached(tmp_path):
     load_target("hf", path=str(source), cache_dir=cache)
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # read from the cache, not converted again
     assert checkpoint_config(str(source), cache).model_type == "llama"
+    # An interrupted conversion (no completion marker) is converted again in its place, through one swap that
+    # leaves nothing beside the cache folder.
+    (folder / gguf.SOURCE_FILE).unlink()
+    (folder / "stray").write_text("")
+    load_target("hf", path=str(source), cache_dir=cache)
+    assert gguf.is_converted(folder) and not (folder / "stray").exists()
+    assert os.listdir(folder.parent) == [folder.name]
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.run_files import file_sha256, fsync_tree
+from dflash.run_files import file_sha256, swap_in_dir
 
 DEFAULT_CACHE_DIR = "~/.cache/dflash"
 # Written last into a converted folder: its presence means the conversion is complete.
@@ -66,16 +66,11 @@ def convert_gguf_file(source: Path, target: Path) -> Path:
         source_info = {"gguf": str(source), "gguf_sha256": file_sha256(source),
                        "transformers_version": transformers.__version__, "dtype": "float32"}
         (tmp / SOURCE_FILE).write_text(json.dumps(source_info, indent=2) + "\n")
-        fsync_tree(tmp)
-        if target.exists() and not is_converted(target):
-            # A folder without the completion marker is an interrupted conversion of this code: replace it.
-            shutil.rmtree(target)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process (e.g. another rank) finished the same conversion first.
-            if not is_converted(target):
-                raise
+        # A folder without the completion marker is an interrupted conversion of this code and is replaced; a
+        # complete one (another process, e.g. another rank, converted the same file first) is kept. The aside name
+        # is this process's own, as several ranks may convert at once.
+        swap_in_dir(str(tmp), str(target), aside=str(target.parent / f".{target.name}.old-{os.getpid()}"),
+                    keep=lambda folder: is_converted(Path(folder)))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
