@@ -12,7 +12,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
-from dflash.config import CONFIG_DIR, compose
+from dflash.config import CONFIG_DIR, compose, settings_from
 from dflash.pipeline import Pipeline, run_command
 from dflash.stages.shapes import drafter_config
 from tests.forked import run_ranks
@@ -258,7 +258,7 @@ SHAPE = {"model_type": "llama", "num_layers": 6, "hidden_size": 64, "vocab_size"
 ])
 def test_bad_drafter_settings_are_named(override, message):
     with pytest.raises(ValueError, match=message):
-        drafter_config(compose(TINY + [override]), SHAPE)
+        drafter_config(settings_from(compose(TINY + [override])), SHAPE)
 
 
 def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):

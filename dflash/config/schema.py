@@ -261,6 +261,7 @@ class DataSettings:
 # capture -----------------------------------------------------------------------------------------------------------
 
 FEATURE_DTYPES = ("bfloat16", "float32", "fp8")
+SHARD_TOKENS = 1_048_576  # tokens per feature shard of an offline store, by default
 
 
 @dataclass
@@ -277,7 +278,7 @@ class CaptureSettings:
     devices: Optional[List[int]] = setting(None, affects=(), doc="offline, online: GPUs of the capture processes")
     gpus_per_worker: Any = setting(1, affects=(), doc="offline, online: GPUs per capture process (the target placed "
                                                       "layer-wise over them): an int dividing len(devices), or auto")
-    shard_tokens: int = setting(1_048_576, affects=(), doc="offline: tokens per feature shard")
+    shard_tokens: int = setting(SHARD_TOKENS, affects=(), doc="offline: tokens per feature shard")
     check_every: int = setting(1000, affects=(), doc="offline: re-forward 1 sample in N alone and compare (0: off)")
     verify_existing: bool = setting(False, affects=(),
                                     doc="offline: on resume, hash the shards written and recapture corrupt or "
@@ -309,7 +310,7 @@ class OfflineCapture(CaptureSettings):
     """A sharded safetensors feature store, captured before training."""
 
     mode: str = setting("offline", affects=("capture",), doc="offline: a feature store on disk")
-    shard_tokens: int = setting(1_048_576, affects=("capture",), doc="tokens per feature shard")
+    shard_tokens: int = setting(SHARD_TOKENS, affects=("capture",), doc="tokens per feature shard")
 
 
 @dataclass

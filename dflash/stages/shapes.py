@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash.config.schema import RunSettings
+
 
 def target_shape(adapter) -> dict[str, Any]:
     config = adapter.config
@@ -21,9 +23,9 @@ def target_shape(adapter) -> dict[str, Any]:
     }
 
 
-def drafter_config(settings: Any, shape: dict[str, Any]):
-    """The DrafterConfig of a run (`settings`: RunSettings or the composed config): the drafter group, with null
-    fields taken from the target. ValueError names a size, tap or mask token the target does not have."""
+def drafter_config(settings: RunSettings, shape: dict[str, Any]):
+    """The DrafterConfig of a run: the drafter group of its settings, with null fields taken from the target.
+    ValueError names a size, tap or mask token the target does not have."""
     from dflash.models.drafter_config import DrafterConfig, default_target_layer_ids
 
     d = settings.drafter
@@ -55,7 +57,7 @@ def drafter_config(settings: Any, shape: dict[str, Any]):
     )
 
 
-def mask_token_for(settings: Any, adapter, used: set[int]) -> tuple[int, str]:
+def mask_token_for(settings: RunSettings, adapter, used: set[int]) -> tuple[int, str]:
     """(id, one line saying which and why) of the run's MASK token: target.mask_token_id checked against the
     target's vocabulary, chat template and `used` (the data's token ids), or one chosen among the tokenizer's
     special tokens (dflash/models/targets/mask_token.py). ConfigError names a given id that cannot be one."""
