@@ -115,7 +115,7 @@ def announce_and_stream(tmp_path, monkeypatch, trainers: list[str], capture_rank
     trainer_link = SimpleNamespace(announce=announced.append, wait_start=lambda: announced[-1], captures=1)
     monkeypatch.setattr(rank_capture, "LinkedFeatureSource", lambda link, stream, *args: stream)
     trainer = RankCapture(trainer_link, settings.capture, str(features), str(checkpoints), str(tmp_path / "run"))
-    stream = trainer.source(t, 0, 1, lengths, block_size, t.group_by)
+    stream = trainer.source(t, 0, 1, lengths)
 
     compiling, sent, posted = [], [], []
     monkeypatch.setattr(compile_target, "compile_target_layers", lambda adapter: compiling.append(adapter) or 0)

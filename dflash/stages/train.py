@@ -187,8 +187,7 @@ class TrainStage(Stage):
                 from dflash.train.rank_capture import RankCapture
 
                 online = RankCapture(self.link, settings.capture, self.capture.out, self.checkpoints, run.run_dir)
-                store = online.source(settings.train, rank, world_size, lengths, config.block_size,
-                                      settings.train.group_by)
+                store = online.source(settings.train, rank, world_size, lengths)
             elif settings.capture.mode == "colocated":
                 store = self.colocated_source()
             else:

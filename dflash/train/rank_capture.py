@@ -72,8 +72,8 @@ class RankCapture:
         self.link, self.capture, self.features = link, capture, features
         self.checkpoint_dir, self.run_dir = checkpoint_dir, run_dir
 
-    def source(self, settings: TrainSettings, rank: int, world_size: int, lengths: tuple[int, ...] | None,
-               block_size: int, group_by: str) -> LinkedFeatureSource:
+    def source(self, settings: TrainSettings, rank: int, world_size: int,
+               lengths: tuple[int, ...] | None) -> LinkedFeatureSource:
         """This trainer rank's source; rank 0 first announces the stream (every rank reads the announcement)."""
         info = read_json(os.path.join(self.features, "online.json"))
         plan = plan_batches(settings, info["num_samples"], world_size, lengths)
