@@ -58,7 +58,7 @@ def test_heldout_split_is_seeded_deterministic_and_excluded(tiny_target, tmp_pat
     # What the capture stage does with it: one file that replays as the stored responses.
     path = str(tmp_path / "heldout.safetensors")
     assert write_heldout_features(adapter, held, [1, 3], path, batch_size=HELDOUT_BATCH)["samples"] == 2
-    stored = HeldoutSet(path)
+    stored = HeldoutSet(path, batch_size=HELDOUT_BATCH)
     assert stored.tokens.tolist() == [t for ids in held["input_ids"] for t in ids]
     assert stored.prompt_lens == [mask.index(1) for mask in held["loss_mask"]]
 
@@ -195,7 +195,7 @@ def test_the_heldout_file_keeps_the_targets_logit_transform(tmp_path):
     save_heldout_set(str(tmp_path / "h.safetensors"), [s["input_ids"].tolist() for s in samples],
                      [s["input_ids"] for s in samples], [s["hidden"] for s in samples], [4, 4], [0, 2],
                      logit_transform=transform)
-    assert HeldoutSet(str(tmp_path / "h.safetensors")).logit_transform == transform
+    assert HeldoutSet(str(tmp_path / "h.safetensors"), batch_size=HELDOUT_BATCH).logit_transform == transform
 
 
 def test_a_shorter_budget_cuts_the_responses(tiny_target, make_drafter, tmp_path):
@@ -210,9 +210,9 @@ def test_a_shorter_budget_cuts_the_responses(tiny_target, make_drafter, tmp_path
     head = (adapter.embed_tokens().weight, adapter.lm_head_weight())
     replayed = replay(drafter, adapter, prompts, max_new_tokens=5, stop_token_ids=[], batch_size=HELDOUT_BATCH)
     expected = acceptance_metrics([r.trace for r in replayed], drafter.block_size)
-    got = HeldoutSet(path, max_new_tokens=5).evaluate(drafter, head)
+    got = HeldoutSet(path, max_new_tokens=5, batch_size=HELDOUT_BATCH).evaluate(drafter, head)
     assert got["tau"] == expected["tau"] and expected["num_tokens"] == 2 * 4
-    assert HeldoutSet(path).max_new_tokens == 12  # default: the longest stored response
+    assert HeldoutSet(path, batch_size=HELDOUT_BATCH).max_new_tokens == 12  # default: the longest stored response
 
 
 def test_bad_heldout_inputs_are_refused(tiny_target, make_drafter, tmp_path):
@@ -226,11 +226,12 @@ def test_bad_heldout_inputs_are_refused(tiny_target, make_drafter, tmp_path):
     path = str(tmp_path / "h.safetensors")
     write_heldout_features(adapter, [row], [1, 3], path, batch_size=HELDOUT_BATCH)
     with pytest.raises(ValueError, match=r"target layers \[1, 3\], the drafter reads \[1, 3, 5\]"):
-        HeldoutSet(path).evaluate(drafter, (adapter.embed_tokens().weight, adapter.lm_head_weight()))
+        HeldoutSet(path, batch_size=HELDOUT_BATCH).evaluate(drafter, (adapter.embed_tokens().weight,
+                                                                      adapter.lm_head_weight()))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 2"):
-        HeldoutSet(path, max_new_tokens=1)
+        HeldoutSet(path, max_new_tokens=1, batch_size=HELDOUT_BATCH)
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
-        HeldoutSet(str(tmp_path / "missing.safetensors"))
+        HeldoutSet(str(tmp_path / "missing.safetensors"), batch_size=HELDOUT_BATCH)
     with pytest.raises(ValueError, match="train.eval_every=-1: expected an int >= 0"):
         dataclasses.replace(trainer_harness.settings(2, 1), eval_every=-1)
 
@@ -240,7 +241,7 @@ def test_training_refuses_a_heldout_set_of_other_taps(tmp_path):
     save_heldout_set(str(tmp_path / "h.safetensors"), [s["input_ids"].tolist() for s in samples],
                      [s["input_ids"] for s in samples], [s["hidden"] for s in samples], [4, 4], [0, 1])
     with pytest.raises(ValueError, match=r"target layers \[0, 1\], the drafter reads \[0, 2\]"):
-        run(tmp_path, heldout=HeldoutSet(str(tmp_path / "h.safetensors")), eval_every=1)
+        run(tmp_path, heldout=HeldoutSet(str(tmp_path / "h.safetensors"), batch_size=HELDOUT_BATCH), eval_every=1)
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -272,7 +273,7 @@ def synthetic_heldout(path: str, num_samples: int = 3, finals: bool = False) -> 
     states = [trainer_harness.frozen_head()[1][g] * 2.0 for g in greedy] if finals else None
     save_heldout_set(path, sequences, greedy, [s["hidden"] for s in samples], [4] * num_samples,
                      trainer_harness.drafter_config().target_layer_ids, states)
-    return HeldoutSet(path)
+    return HeldoutSet(path, batch_size=HELDOUT_BATCH)
 
 
 class ScriptedHeldout:
@@ -453,7 +454,8 @@ def one_process_heldout_run(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]
 
 def two_rank_run(directory: str, zero_stage: int, out: str) -> None:
     """One rank of test_two_ranks_evaluate_like_one's job (tests/forked.py's run_ranks)."""
-    run(pathlib.Path(out), heldout=HeldoutSet(os.path.join(directory, "heldout.safetensors")), eval_every=1,
+    heldout = HeldoutSet(os.path.join(directory, "heldout.safetensors"), batch_size=HELDOUT_BATCH)
+    run(pathlib.Path(out), heldout=heldout, eval_every=1,
         store=learnable_store(6, 0), epochs=4, lr=3e-2, zero_stage=zero_stage)
 
 
@@ -508,7 +510,7 @@ def test_heldout_replay_on_gpu_matches_the_evaluator(tmp_path, monkeypatch):
     evaluator_calls, heldout_calls = [], []
     monkeypatch.setattr(DrafterProposer, "__call__", recording(heldout_calls))
     started = time.perf_counter()
-    metrics = HeldoutSet(path, max_new_tokens=256).evaluate(
+    metrics = HeldoutSet(path, max_new_tokens=256, batch_size=HELDOUT_BATCH).evaluate(
         drafter, (adapter.embed_tokens().weight, adapter.lm_head_weight()))
     heldout_s = time.perf_counter() - started
     monkeypatch.setattr(DrafterProposer, "__call__", recording(evaluator_calls))

@@ -200,4 +200,5 @@ class CaptureStage(Stage):
         path = os.path.join(self.out, "heldout.safetensors")
         if not temperature or not os.path.exists(path) or os.path.exists(sampled_path(path, temperature)):
             return
-        self.capture_sampled_heldout(load_heldout_dir(self.data.out), HeldoutSet(path).layer_ids, path)
+        layer_ids = HeldoutSet(path, batch_size=self.context.settings.train.heldout_batch_size).layer_ids
+        self.capture_sampled_heldout(load_heldout_dir(self.data.out), layer_ids, path)

@@ -183,7 +183,7 @@ class HeldoutSet:
     same prompts continued at the estimate's temperature) whose passes the estimate is computed on instead.
     """
 
-    def __init__(self, path: str, *, max_new_tokens: int | None = None, batch_size: int = 8,
+    def __init__(self, path: str, *, batch_size: int, max_new_tokens: int | None = None,
                  path_temperature: float = 0.0, estimate_from: HeldoutSet | None = None) -> None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"held-out features file {path} is missing: run the capture stage with a "
