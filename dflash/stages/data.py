@@ -113,8 +113,10 @@ class DataStage(Stage):
         if not n:
             return prompts, None
         specs = settings.eval.prompt_sets
+        # As evaluate reads them: first turns (a turns=2 set's second turn is in follow_ups), not data.turns,
+        # which picks the training prompts' turns.
         eval_prompts = [p for name, spec in specs.items()
-                        for p in load_prompts(spec.source, path=spec.path, name=name)]
+                        for p in load_prompts(spec.source, path=spec.path, name=name, turns="first")]
         kept, report = drop_eval_overlaps(prompts, EvalIndex(eval_prompts, n))
         report["eval_sets"] = {name: sum(p.prompt_set == name for p in eval_prompts) for name in specs}
         return kept, report
