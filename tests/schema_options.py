@@ -36,3 +36,5 @@ def eval_options(**given: Any) -> dict[str, Any]:
 
 EVAL_BATCH = EvalSettings().batch_size  # prompts generated and replayed together (eval.batch_size)
 HELDOUT_BATCH = TrainSettings().heldout_batch_size  # held-out samples replayed together (train.heldout_batch_size)
+LIVE_ENGINE = EvalSettings().live_engine  # the live decode's target engine (eval.live_engine)
+DRAFT_SAMPLING = EvalSettings().draft_sampling  # how the drafter proposes at T > 0 (eval.draft_sampling)

@@ -15,6 +15,7 @@ from dflash.eval.live import live_decode, target_only_decode
 from dflash.inference.static_drafter import StaticDrafter
 from dflash.inference.static_target import StaticTarget
 from dflash.models.targets import build_tiny_target
+from tests.schema_options import DRAFT_SAMPLING
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 pytestmark = GPU
@@ -79,7 +80,8 @@ def test_live_through_graphs_is_lossless(adapter, make_drafter):
     plain = target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="static")
     assert plain.engine == "static" and plain.continuation == truth.continuation
     for engine in ("static", "hf"):
-        result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine=engine)
+        result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine=engine,
+                             draft_sampling=DRAFT_SAMPLING)
         assert result.engine == engine and result.continuation == truth.continuation
 
 

@@ -15,7 +15,7 @@ from dflash.inference.drafter_cache import CachedDrafter, TargetHead, context_ke
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.metrics import PhaseTimer
 from dflash.eval.replay import replay
-from tests.schema_options import eval_options
+from tests.schema_options import DRAFT_SAMPLING, LIVE_ENGINE, eval_options
 
 FAMILIES = ["llama", "qwen3_5"]
 TEXTS = ["Hi", "What is two plus two?", "Write a haiku about the sea, please."]
@@ -61,20 +61,24 @@ def test_live_output_equals_target_greedy(family, tiny_target, make_drafter, mon
     prompt = prompts_for(adapter)[1]
     truth = own_greedy(adapter, prompt, 24)
     # A real (random) drafter: mostly rejections, every step rolls the cache back.
-    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[])
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine=LIVE_ENGINE,
+                         draft_sampling=DRAFT_SAMPLING)
     assert result.continuation == truth
     assert sum(result.trace.committed) == 23
     # Profiling the phases of each step changes nothing but the clock.
     timer = PhaseTimer()
-    profiled = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], timer=timer)
+    profiled = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], timer=timer,
+                           target_engine=LIVE_ENGINE, draft_sampling=DRAFT_SAMPLING)
     assert profiled.continuation == truth and profiled.trace == result.trace
     assert sorted(timer.totals) == ["live_accept", "live_draft", "live_prefill", "live_rollback", "live_verify"]
     # An oracle drafter with errors: partial and full acceptance, rollbacks of every length.
     oracle(monkeypatch, adapter, prompt, truth)
-    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[])
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine=LIVE_ENGINE,
+                         draft_sampling=DRAFT_SAMPLING)
     assert result.continuation == truth
     assert len(set(result.trace.committed)) >= 3, result.trace.committed
-    assert target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[]).continuation == truth
+    assert target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[],
+                              target_engine=LIVE_ENGINE).continuation == truth
 
 
 def test_naive_crop_is_not_lossless_on_gdn(tiny_target, make_drafter, monkeypatch):
@@ -85,7 +89,8 @@ def test_naive_crop_is_not_lossless_on_gdn(tiny_target, make_drafter, monkeypatc
     prompt = prompts_for(adapter)[1]
     truth = own_greedy(adapter, prompt, 24)
     oracle(monkeypatch, adapter, prompt, truth)
-    naive = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], restore_linear=False)
+    naive = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], restore_linear=False,
+                        target_engine=LIVE_ENGINE, draft_sampling=DRAFT_SAMPLING)
     assert naive.continuation != truth
     dense = tiny_target("llama")
     dense_prompt = prompts_for(dense)[1]
@@ -93,7 +98,7 @@ def test_naive_crop_is_not_lossless_on_gdn(tiny_target, make_drafter, monkeypatc
     oracle(monkeypatch, dense, dense_prompt, dense_truth)
     # On a dense target cropping the KV cache is all there is to it.
     plain = live_decode(make_drafter(dense, block_size=5), dense, dense_prompt, max_new_tokens=24, stop_token_ids=[],
-                        restore_linear=False)
+                        restore_linear=False, target_engine=LIVE_ENGINE, draft_sampling=DRAFT_SAMPLING)
     assert plain.continuation == dense_truth
 
 
@@ -105,13 +110,15 @@ def test_live_tau_equals_replay_tau(family, tiny_target, make_drafter, monkeypat
     stop_ids = adapter.stop_token_ids()
     replayed = replay(drafter, adapter, prompts, max_new_tokens=16, stop_token_ids=stop_ids, batch_size=3)
     for prompt, expected in zip(prompts, replayed):
-        result = live_decode(drafter, adapter, prompt, max_new_tokens=16, stop_token_ids=stop_ids)
+        result = live_decode(drafter, adapter, prompt, max_new_tokens=16, stop_token_ids=stop_ids,
+                             target_engine=LIVE_ENGINE, draft_sampling=DRAFT_SAMPLING)
         assert result.continuation == expected.continuation
         assert result.trace == expected.trace
     # And with an oracle that accepts often, where blocks are cut by max_new_tokens.
     truth = own_greedy(adapter, prompts[2], 21)
     oracle(monkeypatch, adapter, prompts[2], truth)
-    result = live_decode(drafter, adapter, prompts[2], max_new_tokens=21, stop_token_ids=[])
+    result = live_decode(drafter, adapter, prompts[2], max_new_tokens=21, stop_token_ids=[], target_engine=LIVE_ENGINE,
+                         draft_sampling=DRAFT_SAMPLING)
     assert result.continuation == truth and max(result.trace.committed) == 4
     assert result.trace.committed == oracle_replay_steps(adapter, prompts[2], truth, block_size=4, max_new_tokens=21)
 
@@ -163,14 +170,17 @@ def test_live_rejects_bad_input(tiny_target, make_drafter):
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter)
     with pytest.raises(ValueError, match="empty"):
-        live_decode(drafter, adapter, [], max_new_tokens=4, stop_token_ids=[])
+        live_decode(drafter, adapter, [], max_new_tokens=4, stop_token_ids=[], target_engine=LIVE_ENGINE,
+                    draft_sampling=DRAFT_SAMPLING)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        live_decode(drafter, adapter, [5, 6], max_new_tokens=0, stop_token_ids=[])
+        live_decode(drafter, adapter, [5, 6], max_new_tokens=0, stop_token_ids=[], target_engine=LIVE_ENGINE,
+                    draft_sampling=DRAFT_SAMPLING)
     with pytest.raises(ValueError, match="temperature"):
-        target_only_decode(adapter, [5, 6], max_new_tokens=4, stop_token_ids=[], temperature=-1.0)
+        target_only_decode(adapter, [5, 6], max_new_tokens=4, stop_token_ids=[], temperature=-1.0,
+                           target_engine=LIVE_ENGINE)
     with pytest.raises(ValueError, match="draft_sampling must be one of"):
         live_decode(drafter, adapter, [5, 6], max_new_tokens=4, stop_token_ids=[], temperature=1.0,
-                    draft_sampling="top1")
+                    draft_sampling="top1", target_engine=LIVE_ENGINE)
 
 
 def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_drafter, tmp_path):
@@ -321,7 +331,7 @@ def test_live_target_is_the_adapter_forward(family, tiny_target, make_drafter, m
     try:
         prompt = prompts_for(adapter)[1]
         result = live_decode(make_drafter(adapter, block_size=5), adapter, prompt, max_new_tokens=12,
-                             stop_token_ids=[], target_engine="hf")
+                             stop_token_ids=[], target_engine="hf", draft_sampling=DRAFT_SAMPLING)
     finally:
         hook.remove()
     assert result.continuation == own_greedy(adapter, prompt, 12)
@@ -361,12 +371,13 @@ def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatc
         runs[engine] = (result.continuation, result.trace)
     assert runs["static"] == runs["hf"]
     sampled = live_decode(drafter, dense, prompt, max_new_tokens=20, stop_token_ids=[], temperature=0.9,
-                          generator=torch.Generator().manual_seed(3))
+                          generator=torch.Generator().manual_seed(3), target_engine=LIVE_ENGINE,
+                          draft_sampling="sampled")
     assert (sampled.continuation, sampled.trace) != runs["hf"], "the setting changed nothing"
     hybrid = tiny_target("qwen3_5")
     result = live_decode(make_drafter(hybrid, block_size=4, std=0.2), hybrid, prompts_for(hybrid)[1],
                          max_new_tokens=12, stop_token_ids=[], temperature=0.9,
-                         generator=torch.Generator().manual_seed(0), draft_sampling="greedy")
+                         generator=torch.Generator().manual_seed(0), draft_sampling="greedy", target_engine=LIVE_ENGINE)
     assert len(result.continuation) == 12 and result.trace.num_steps >= 1
     # The proposals are the drafter's argmax at every step, and the deterministic-proposal rule verifies them.
     drafted, verified = [], []
@@ -383,7 +394,7 @@ def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatc
     monkeypatch.setattr(live, "draft_block", recording_draft)
     monkeypatch.setattr(live, "greedy_drafts_outcome", recording_accept)
     live_decode(drafter, dense, prompt, max_new_tokens=12, stop_token_ids=[], temperature=0.9,
-                generator=torch.Generator().manual_seed(1), draft_sampling="greedy")
+                generator=torch.Generator().manual_seed(1), draft_sampling="greedy", target_engine=LIVE_ENGINE)
     assert len(drafted) == len(verified) >= 2
     for (logits, argmax), drafts in zip(drafted, verified):
         assert torch.equal(logits.argmax(dim=-1), drafts) and torch.equal(argmax, drafts)
@@ -392,7 +403,7 @@ def test_live_greedy_drafts_at_temperature(tiny_target, make_drafter, monkeypatc
     truth = own_greedy(dense, prompt, 12)
     for draft_sampling in ("greedy", "sampled"):
         assert live_decode(drafter, dense, prompt, max_new_tokens=12, stop_token_ids=[],
-                           draft_sampling=draft_sampling).continuation == truth
+                           draft_sampling=draft_sampling, target_engine=LIVE_ENGINE).continuation == truth
     assert verified == []
 
 

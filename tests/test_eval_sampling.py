@@ -9,6 +9,7 @@ import torch
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.inference.sampling import (greedy_drafts_outcome, greedy_outcome, probabilities, sample,
                                        sampled_outcome)
+from tests.schema_options import LIVE_ENGINE
 
 VOCAB = 4
 
@@ -121,11 +122,12 @@ def test_live_sampling_matches_target_sampling_on_a_tiny_target(draft_sampling, 
     assert max(exact.values()) < 0.9 and sorted(exact.values())[-2] > 0.1, f"target too peaked for this test: {exact}"
     generator = torch.Generator().manual_seed(0)
     live = [live_decode(drafter, adapter, prompt, max_new_tokens=3, stop_token_ids=[], temperature=temperature,
-                        generator=generator, draft_sampling=draft_sampling).continuation[1] for _ in range(400)]
+                        generator=generator, draft_sampling=draft_sampling, target_engine=LIVE_ENGINE).continuation[1]
+            for _ in range(400)]
     assert total_variation(empirical(live), exact) < 0.1
     if draft_sampling == "sampled":  # the baseline once
         plain = [target_only_decode(adapter, prompt, max_new_tokens=2, stop_token_ids=[], temperature=temperature,
-                                    generator=generator).continuation[1] for _ in range(400)]
+                                    generator=generator, target_engine=LIVE_ENGINE).continuation[1] for _ in range(400)]
         assert total_variation(empirical(plain), exact) < 0.1
 
 

@@ -22,7 +22,7 @@ from dflash.inference.static_drafter import StaticDrafter, static_drafter
 from dflash.inference.static_target import StaticTarget, static_target
 from dflash.inference.target_cache import CachedTarget
 from dflash.models.targets import build_tiny_target, load_target, smollm2
-from tests.schema_options import eval_options
+from tests.schema_options import DRAFT_SAMPLING, LIVE_ENGINE, eval_options
 from tests.test_eval_live import oracle, own_greedy
 
 DENSE = ["llama", "qwen3"]
@@ -179,19 +179,23 @@ def test_live_static_equals_target_greedy(family, target, make_drafter, monkeypa
     truth = own_greedy(adapter, prompt, 24)
     assert len(set(truth)) > 3, truth  # text that varies, so a wrong rollback shows
     # A real (random) drafter: mostly rejections, every step rolls the cache back.
-    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="static")
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="static",
+                         draft_sampling=DRAFT_SAMPLING)
     assert result.engine == "static" and result.continuation == truth
     plain = target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="static")
     assert plain.engine == "static" and plain.continuation == truth
     # An oracle with errors: partial and full acceptance, rollbacks of every length; the same steps as hf.
     oracle(monkeypatch, adapter, prompt, truth)
-    static = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="static")
-    hf = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="hf")
+    static = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="static",
+                         draft_sampling=DRAFT_SAMPLING)
+    hf = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[], target_engine="hf",
+                     draft_sampling=DRAFT_SAMPLING)
     assert static.continuation == hf.continuation == truth and hf.engine == "hf"
     assert static.trace == hf.trace and len(set(static.trace.committed)) >= 3, static.trace.committed
     # Stop tokens end both engines at the same place.
     stop = truth[10]
-    ended = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[stop], target_engine="static")
+    ended = live_decode(drafter, adapter, prompt, max_new_tokens=24, stop_token_ids=[stop], target_engine="static",
+                        draft_sampling=DRAFT_SAMPLING)
     assert ended.continuation == truth[: truth.index(stop) + 1]
 
 
@@ -217,15 +221,18 @@ def test_live_through_graph_dispatch(target, make_drafter, graph_engine, monkeyp
     # A real drafter: per step a drafted block, a verify and a context extend (none after the last step), all
     # replayed, the shorter last blocks near max_new_tokens included.
     before = sum(graph.replays for graph in cpu_graphs)
-    static = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="static")
+    static = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="static",
+                         draft_sampling=DRAFT_SAMPLING)
     assert static.continuation == truth
     assert min(static.trace.drafted) < 4  # shorter blocks were met
     assert sum(graph.replays for graph in cpu_graphs) - before == 3 * static.trace.num_steps - 1
     # An oracle (no drafter forward): acceptance lengths of every size, the same steps as the hf engine.
     oracle(monkeypatch, adapter, prompt, truth)
-    hf = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="hf")
+    hf = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="hf",
+                     draft_sampling=DRAFT_SAMPLING)
     before = sum(graph.replays for graph in cpu_graphs)
-    static = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="static")
+    static = live_decode(drafter, adapter, prompt, max_new_tokens=30, stop_token_ids=[], target_engine="static",
+                         draft_sampling=DRAFT_SAMPLING)
     assert static.continuation == hf.continuation == truth and static.trace == hf.trace
     assert len(set(static.trace.committed)) >= 4, static.trace.committed
     assert sum(graph.replays for graph in cpu_graphs) - before == 2 * static.trace.num_steps - 1
@@ -251,7 +258,8 @@ def test_static_engine_matches_hf_engine(graphs, target, make_drafter, monkeypat
             return logits, drafts
 
         monkeypatch.setattr(live, "draft_block", recording)
-        live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine=engine)
+        live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine=engine,
+                    draft_sampling=DRAFT_SAMPLING)
     # One block per step; the last blocks are cut by max_new_tokens (graphs of their own sizes).
     assert len(drafted["static"]) == len(drafted["hf"]) == 19 and drafted["hf"][-1].shape[0] == 1
     for got, want in zip(drafted["static"], drafted["hf"]):
@@ -261,7 +269,7 @@ def test_static_engine_matches_hf_engine(graphs, target, make_drafter, monkeypat
     for engine in ("static", "hf"):
         generator = torch.Generator().manual_seed(3)
         result = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], temperature=0.9,
-                             generator=generator, target_engine=engine)
+                             generator=generator, target_engine=engine, draft_sampling="sampled")
         plain = target_only_decode(adapter, prompt, max_new_tokens=20, stop_token_ids=[], temperature=0.9,
                                    generator=torch.Generator().manual_seed(3), target_engine=engine)
         runs[engine] = (result.continuation, result.trace, plain.continuation)
@@ -273,12 +281,13 @@ def test_engine_selection(tiny_target, make_drafter):
     dense, hybrid = tiny_target("llama"), tiny_target("qwen3_5")
     prompt = prompt_of(dense)
     # On CPU "auto" keeps the HF engine (static pays off with CUDA graphs); hybrids can only run hf.
-    assert target_only_decode(dense, prompt, max_new_tokens=2, stop_token_ids=[]).engine == "hf"
+    assert target_only_decode(dense, prompt, max_new_tokens=2, stop_token_ids=[], target_engine="auto").engine == "hf"
     drafter = make_drafter(hybrid)
     assert live_decode(drafter, hybrid, prompt_of(hybrid), max_new_tokens=3, stop_token_ids=[],
-                       target_engine="auto").engine == "hf"
+                       target_engine="auto", draft_sampling=DRAFT_SAMPLING).engine == "hf"
     with pytest.raises(ValueError, match="engine 'static' cannot decode this target"):
-        live_decode(drafter, hybrid, prompt_of(hybrid), max_new_tokens=3, stop_token_ids=[], target_engine="static")
+        live_decode(drafter, hybrid, prompt_of(hybrid), max_new_tokens=3, stop_token_ids=[], target_engine="static",
+                    draft_sampling=DRAFT_SAMPLING)
     with pytest.raises(ValueError, match="engine must be one of"):
         target_only_decode(dense, prompt, max_new_tokens=2, stop_token_ids=[], target_engine="fast")
 
@@ -293,7 +302,8 @@ def test_real_smollm2_static_live_is_lossless(make_drafter):
     prompt = prompt_of(adapter, "Write a Python function that reverses a string.")
     truth = own_greedy(adapter, prompt, 16)
     drafter = make_drafter(adapter, block_size=4)
-    result = live_decode(drafter, adapter, prompt, max_new_tokens=16, stop_token_ids=[], target_engine="static")
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=16, stop_token_ids=[], target_engine="static",
+                         draft_sampling=DRAFT_SAMPLING)
     assert result.continuation == truth
     assert target_only_decode(adapter, prompt, max_new_tokens=16, stop_token_ids=[],
                               target_engine="static").continuation == truth

@@ -21,7 +21,7 @@ import torch
 from dflash.eval.export import export_zlab, load_drafter
 from dflash.eval.live import live_decode
 from dflash.eval.replay import replay
-from tests.schema_options import EVAL_BATCH
+from tests.schema_options import DRAFT_SAMPLING, EVAL_BATCH, LIVE_ENGINE
 
 REFERENCE_VERSION = "0.1.0"
 
@@ -127,7 +127,8 @@ def test_reference_generate_matches_replay_and_live(reference, tiny_target, make
             assert stats.output_ids[0, len(prompt):].tolist() == ours.continuation
             assert stats.acceptance_lengths == ours.trace.committed
             # Our live decoder (KV caches, cached drafter context) takes the same steps as the reference loop.
-            live = live_decode(drafter, adapter, prompt, max_new_tokens=18, stop_token_ids=stop_ids)
+            live = live_decode(drafter, adapter, prompt, max_new_tokens=18, stop_token_ids=stop_ids,
+                               target_engine=LIVE_ENGINE, draft_sampling=DRAFT_SAMPLING)
             assert live.continuation == ours.continuation and live.trace.committed == stats.acceptance_lengths
             lengths += stats.acceptance_lengths
     assert len(set(lengths)) >= 3, f"acceptance lengths did not vary: {lengths}"

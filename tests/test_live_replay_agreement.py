@@ -10,7 +10,7 @@ from dflash.eval import live
 from dflash.eval.evaluate import evaluate
 from dflash.eval.live import live_decode
 from dflash.eval.replay import DrafterProposer, greedy_continuations, replay
-from tests.schema_options import EVAL_BATCH, eval_options
+from tests.schema_options import DRAFT_SAMPLING, EVAL_BATCH, eval_options
 
 def test_replay_and_live_traces_agree_when_a_stop_token_lies_in_a_rejected_block(tiny_target, make_drafter,
                                                                                   monkeypatch):
@@ -45,12 +45,12 @@ def test_replay_and_live_traces_agree_when_a_stop_token_lies_in_a_rejected_block
         replayed = replay(drafter, adapter, [prompt], max_new_tokens=budget, stop_token_ids=stop_ids,
                           batch_size=EVAL_BATCH)[0]
         decoded = live_decode(drafter, adapter, prompt, max_new_tokens=budget, stop_token_ids=stop_ids,
-                              target_engine="hf")
+                              target_engine="hf", draft_sampling=DRAFT_SAMPLING)
         assert decoded.continuation == replayed.continuation
         # committed, accepted and drafted of every step
         assert decoded.trace == replayed.trace
     trace = live_decode(drafter, adapter, prompt, max_new_tokens=budget, stop_token_ids=[stop],
-                        target_engine="hf").trace
+                        target_engine="hf", draft_sampling=DRAFT_SAMPLING).trace
     # The case being tested: a step before the last drafted past the stop token (and was rejected before it).
     end = len(prompt) + offset  # the stop token's position
     anchors = [len(prompt) + sum(trace.committed[:s]) for s in range(trace.num_steps)]

@@ -18,6 +18,7 @@ from dflash.inference.static_decode import StaticGenerator, static_generate
 from dflash.inference.static_target import StaticTarget
 from dflash.inference.target_cache import CachedTarget
 from dflash.models.targets import build_tiny_target
+from tests.schema_options import DRAFT_SAMPLING
 from tests.test_eval_live import oracle, own_greedy
 from tests.test_static_decode import REFILL_BUDGETS, REFILL_LENGTHS, hf_alone, hf_greedy, make_prompts
 
@@ -122,14 +123,17 @@ def test_live_static_is_lossless(family, target, make_drafter, monkeypatch):
     truth = own_greedy(adapter, prompt, 20)
     assert len(set(truth)) > 3, truth
     drafter = make_drafter(adapter, block_size=5)
-    result = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine="static")
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine="static",
+                         draft_sampling=DRAFT_SAMPLING)
     assert result.engine == "static" and result.continuation == truth
     plain = target_only_decode(adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine="static")
     assert plain.continuation == truth
     # Partial and full acceptance, rollbacks of every length: the same steps as the hf engine.
     oracle(monkeypatch, adapter, prompt, truth)
-    static = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine="static")
-    hf = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine="hf")
+    static = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine="static",
+                         draft_sampling=DRAFT_SAMPLING)
+    hf = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine="hf",
+                     draft_sampling=DRAFT_SAMPLING)
     assert static.continuation == hf.continuation == truth and static.trace == hf.trace
 
 

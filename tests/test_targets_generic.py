@@ -15,6 +15,7 @@ from dflash.models.targets import generic
 from dflash.models.targets.generic import GenericTargetAdapter
 from dflash.models.targets.logit_transform import LogitTransform
 from dflash.models.targets.tiny import build_builtin_tokenizer
+from tests.schema_options import DRAFT_SAMPLING, LIVE_ENGINE
 
 GENERIC = ["gemma2", "gemma3_text", "granite", "cohere", "phi3", "olmo2", "stablelm", "glm4", "gpt_oss",
            "deepseek_v3"]
@@ -85,7 +86,8 @@ def test_live_decoding_is_lossless(family, make_drafter):
     with torch.no_grad():
         for _ in range(20):
             tokens.append(int(adapter.model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    result = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[])
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine=LIVE_ENGINE,
+                         draft_sampling=DRAFT_SAMPLING)
     assert result.continuation == tokens[len(prompt):]
 
 

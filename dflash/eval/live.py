@@ -93,12 +93,12 @@ def live_decode(
     *,
     max_new_tokens: int,
     stop_token_ids: list[int],
+    target_engine: str,
+    draft_sampling: str,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     restore_linear: bool = True,
     timer: PhaseTimer | None = None,
-    target_engine: str = "auto",
-    draft_sampling: str = "sampled",
     draft_temperature: float | None = None,
 ) -> LiveResult:
     """Speculative decoding of one prompt. `restore_linear=False` only exists to show that without the GDN state
@@ -204,9 +204,9 @@ def target_only_decode(
     *,
     max_new_tokens: int,
     stop_token_ids: list[int],
+    target_engine: str,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    target_engine: str = "auto",
 ) -> LiveResult:
     """Plain autoregressive decoding with the same cached target forward (one token per forward): the baseline
     of the speedup. Its trace has one 1-token step per forward after the prefill. `target_engine` as live_decode.
