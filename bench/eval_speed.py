@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.config import compose  # noqa: E402
+from dflash.config import compose, settings_from  # noqa: E402
 from dflash.data.prompts import load_prompts  # noqa: E402
 from dflash.inference.static_decode import resolve_engine  # noqa: E402
 from dflash.eval import live  # noqa: E402
@@ -89,8 +89,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def untrained_drafter(adapter, block_size: int) -> DFlashDraftModel:
-    cfg = compose(["target=smollm2", f"drafter.block_size={block_size}"])
-    drafter = DFlashDraftModel(drafter_config(cfg, target_shape(adapter)))
+    settings = settings_from(compose(["target=smollm2", f"drafter.block_size={block_size}"]))
+    drafter = DFlashDraftModel(drafter_config(settings, target_shape(adapter)))
     drafter.init_weights(0)
     return drafter.to(device=adapter.device, dtype=adapter.dtype).eval()
 
@@ -193,12 +193,14 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
                     return (perfect, perfect.argmax(dim=-1)) if with_argmax else perfect
 
                 setattr(live, seam, draft)
+            # T=0: the drafts are the drafter's argmax whatever draft_sampling says.
             result = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
-                                      target_engine=engine)
+                                      target_engine=engine, draft_sampling="greedy")
             engines.update((plain.engine, result.engine))
             if index < profile_prompts:
                 profiled = live.live_decode(drafter, adapter, prompt, max_new_tokens=max_new_tokens,
-                                            stop_token_ids=stop_ids, timer=timer, target_engine=engine)
+                                            stop_token_ids=stop_ids, timer=timer, target_engine=engine,
+                                            draft_sampling="greedy")
                 profiled_steps += profiled.trace.num_steps
             if index == 0 and adapter.device.type == "cuda" and breakdowns:
                 row_breakdowns = [step_breakdown(drafter, adapter, prompt, max_new_tokens, engine, *setting)
