@@ -12,7 +12,9 @@ where metrics = acceptance_metrics(...) (tau, tau_prompt_mean, acceptance_rate, 
 committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_drafted) plus, in replay mode,
 greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
 speculative_tokens_per_s and, when the target-only baseline ran, target_seconds, target_new_tokens,
-target_tokens_per_s, speedup and (T=0) lossless_mismatches. summary.csv has one row per prompt set + overall.
+target_tokens_per_s, speedup and (T=0) lossless_mismatches; the speedup's factors: speculative_steps,
+speculative_ms_per_step, tokens_per_step and (with the baseline) target_ms_per_token and step_cost, the
+speculative step's cost in target-only tokens (speedup = tokens_per_step / step_cost). summary.csv has one row per prompt set + overall.
 "timing" (PhaseTimer.summary, metrics.py) says where the wall time went: {"seconds": {phase: s}, "total_seconds",
 "prompt_sets": {set: {phase: s}}}; phases: "load_prompts" and "turn2_answers" (when load_prompt_sets got the same
 timer), "generate", "target_pass", "draft", "accept" (replay), "live_warmup", "live_speculative",
@@ -319,7 +321,7 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
     """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
     stop_ids = adapter.stop_token_ids()
     traces = []
-    extra = {"speculative_seconds": 0.0, "speculative_new_tokens": 0}
+    extra = {"speculative_seconds": 0.0, "speculative_new_tokens": 0, "speculative_steps": 0}
     if measure_target:
         extra.update(target_seconds=0.0, target_new_tokens=0)
         if temperature == 0:
@@ -332,6 +334,7 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
         extra["speculative_seconds"] += result.seconds
         timer.add("live_speculative", result.seconds)
         extra["speculative_new_tokens"] += len(result.continuation)
+        extra["speculative_steps"] += result.trace.num_steps
         if measure_target:
             plain = target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
                                        temperature=temperature, generator=generator, target_engine=engine)
@@ -346,15 +349,26 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
 
 
 def _finish(extra: dict[str, Any]) -> dict[str, Any]:
-    """Add tokens/s and the speedup (target-only time per token / speculative time per token) to timings."""
+    """Add tokens/s, the speedup (target-only time per token / speculative time per token) and its two factors
+    to timings: tokens per speculative step, and the step's cost in target-only tokens (step_cost, ms per step /
+    ms per target-only token; prefills included on both sides), so speedup = tokens_per_step / step_cost."""
     out = dict(extra)
     if "speculative_seconds" in out:
         out["speculative_tokens_per_s"] = _rate(out["speculative_new_tokens"], out["speculative_seconds"])
+        out["speculative_ms_per_step"] = _per(1000 * out["speculative_seconds"], out["speculative_steps"])
+        out["tokens_per_step"] = _per(out["speculative_new_tokens"], out["speculative_steps"])
     if "target_seconds" in out:
         out["target_tokens_per_s"] = _rate(out["target_new_tokens"], out["target_seconds"])
         spec, target = out["speculative_tokens_per_s"], out["target_tokens_per_s"]
         out["speedup"] = spec / target if spec and target else None
+        out["target_ms_per_token"] = _per(1000 * out["target_seconds"], out["target_new_tokens"])
+        step, token = out["speculative_ms_per_step"], out["target_ms_per_token"]
+        out["step_cost"] = step / token if step and token else None
     return out
+
+
+def _per(amount: float, count: int) -> float | None:
+    return amount / count if count else None
 
 
 def _rate(tokens: int, seconds: float) -> float | None:
@@ -363,7 +377,7 @@ def _rate(tokens: int, seconds: float) -> float | None:
 
 CSV_COLUMNS = ("prompt_set", "tau", "tau_prompt_mean", "acceptance_rate", "num_prompts", "num_steps", "num_tokens",
                "num_accepted", "num_drafted", "greedy_mismatches", "speculative_tokens_per_s", "target_tokens_per_s",
-               "speedup", "lossless_mismatches")
+               "speedup", "tokens_per_step", "step_cost", "lossless_mismatches")
 
 
 def summary_csv(summary: dict[str, Any]) -> str:
@@ -410,7 +424,7 @@ def format_table(summary: dict[str, Any]) -> str:
     width = max(12, *(len(name) for name, _ in rows))
     header = f"{'prompt set':<{width}}  {'tau':>6}  {'acc.rate':>8}  {'prompts':>7}  {'steps':>7}  {'tokens':>7}"
     if "speedup" in summary["overall"]:
-        header += f"  {'speedup':>7}"
+        header += f"  {'speedup':>7}  {'step cost':>9}"
     mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
     drafts = f", {summary.get('draft_sampling', 'sampled')} drafts" if temperature > 0 else ""
     if "draft_temperature" in summary:
@@ -423,7 +437,7 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"{name:<{width}}  {number(m['tau'], 2):>6}  {number(m['acceptance_rate'], 3):>8}  "
             f"{m['num_prompts']:>7}  {steps:>7}  {m['num_tokens']:>7}"
-            + (f"  {number(m['speedup'], 2):>7}" if "speedup" in m else "")
+            + (f"  {number(m['speedup'], 2):>7}  {number(m.get('step_cost'), 2):>9}" if "speedup" in m else "")
         )
     if summary.get("timing", {}).get("seconds"):
         lines.append(format_timing(summary["timing"]))
