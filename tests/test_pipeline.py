@@ -116,6 +116,17 @@ def test_max_steps_ends_training_and_its_schedule_there(tiny_run, tmp_path):
     assert rows[-1]["lr"] == 0.0  # the cosine reached its end at the cap, not at the epochs' end
 
 
+def test_warmup_stable_decay_holds_the_peak_lr_then_decays_to_the_end(tmp_path):
+    Pipeline(compose(TINY + [f"run_dir={tmp_path}", "train.max_steps=9", "train.warmup_ratio=0",
+                             "train.decay_ratio=0.5", "stages=[data,capture,train]"])).run()
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        lrs = [json.loads(line)["lr"] for line in f]
+    peak = compose(TINY).train.lr
+    # The 8 steps after the 1-step warmup: 4 at the peak, 4 of cosine decay ending at 0 on the last step.
+    assert lrs[:5] == [pytest.approx(peak)] * 5 and lrs[-1] == 0.0
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:]))
+
+
 def test_eval_out_dir_keeps_a_second_evaluation_beside_the_first(tiny_run, tmp_path):
     run_dir, summary = tiny_run
     first = (Path(run_dir) / "eval" / "summary.json").read_bytes()

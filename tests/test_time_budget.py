@@ -280,7 +280,7 @@ def run_with_saves(save_every: int, window_save_every: int) -> tuple[int, list[i
         run_s += 0.15 + (2.0 if step > 1 and (step - 1) % save_every == 0 else 0.0)  # the save after step - 1
         if budget.after_step(step, run_s) and step > 1:
             news.append(step)
-        multipliers.append(warmup_cosine(step, 330, budget.planned_steps, MIN_LR_RATIO))
+        multipliers.append(warmup_cosine(step, 330, budget.planned_steps, MIN_LR_RATIO, 1.0))
     jump = max(abs(b - a) for a, b in zip(multipliers[21:], multipliers[22:]))
     return step, news, jump
 
@@ -363,8 +363,23 @@ def test_a_resumed_budget_starts_from_the_time_already_spent():
 def test_the_lr_at_the_planned_last_step_is_the_minimum():
     for total in (5, 30, 201):
         for warmup in (1, min(10, total // 2)):
-            assert warmup_cosine(total, warmup, total, 0.1) == pytest.approx(0.1)
-            assert warmup_cosine(total - 1, warmup, total, 0.1) > 0.1
+            for decay_ratio in (1.0, 0.2, 0.01):
+                assert warmup_cosine(total, warmup, total, 0.1, decay_ratio) == pytest.approx(0.1)
+                assert warmup_cosine(total - 1, warmup, total, 0.1, decay_ratio) > 0.1
+
+
+def test_warmup_stable_decay_holds_the_peak_then_decays_over_its_share():
+    warmup, total = 40, 1000
+    cosine = [warmup_cosine(s, warmup, total, 0.0, 1.0) for s in range(total)]
+    # decay_ratio 1 is the plain warmup-cosine.
+    assert cosine[warmup:] == pytest.approx([0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
+                                             for s in range(warmup, total)], abs=1e-12)
+    wsd = [warmup_cosine(s, warmup, total, 0.0, 0.25) for s in range(total)]
+    assert wsd[:warmup] == cosine[:warmup]
+    assert set(wsd[warmup:total - 240]) == {1.0}  # the last quarter of the 960 steps after warmup decays
+    assert all(a > b for a, b in zip(wsd[total - 240:], wsd[total - 239:]))
+    assert wsd[total - 120] == pytest.approx(0.5)
+    assert sum(wsd) > 1.4 * sum(cosine)  # more steps at the peak: the run's LR sum
 
 
 def test_bad_budgets_are_refused():

@@ -387,6 +387,9 @@ class TrainSettings:
     betas: List[float] = setting(affects=("train",), factory=lambda: [0.9, 0.95], doc="AdamW betas")
     warmup_ratio: float = setting(0.04, affects=("train",), doc="share of the steps spent warming up")
     min_lr_ratio: float = setting(0.0, affects=("train",), doc="the cosine's end as a share of lr")
+    decay_ratio: float = setting(1.0, affects=("train",), neutral=1.0,
+                                 doc="share of the steps after warmup spent in the cosine decay: 1 = warmup-cosine; "
+                                     "< 1 = warmup-stable-decay (the peak lr held until the last share)")
     grad_clip: float = setting(1.0, affects=("train",), doc="gradient norm clip (0: off)")
     num_anchors: int = setting(16, affects=("train",), doc="random anchors (blocks) per sequence")
     gamma: float = setting(7.0, affects=("train",), doc="exp_decay: position k weighs exp(-(k-1)/gamma)")
@@ -437,6 +440,7 @@ class TrainSettings:
                 "two numbers in [0, 1)")
         _fraction("train.warmup_ratio", self.warmup_ratio)
         _fraction("train.min_lr_ratio", self.min_lr_ratio)
+        _fraction("train.decay_ratio", self.decay_ratio, open_low=True)
         _fraction("train.dpace_alpha", self.dpace_alpha)
         _fraction("train.kl_weight", self.kl_weight)
         require_choice("train.loss_weighting", self.loss_weighting, LOSS_WEIGHTINGS)

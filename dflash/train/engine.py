@@ -72,12 +72,15 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup, then cosine decay to `min_ratio` (notes section 4: warmup 4%, cosine)."""
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float, decay_ratio: float) -> float:
+    """LR multiplier: linear warmup, then the peak held until the last `decay_ratio` of the steps after warmup,
+    which decay along a cosine to `min_ratio`. decay_ratio 1 is warmup-cosine (notes section 4: warmup 4%, cosine);
+    below 1, warmup-stable-decay: more steps at the peak LR for the same end."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    decay_steps = max(1, round(decay_ratio * (total_steps - warmup_steps)))
+    progress = (step - max(warmup_steps, total_steps - decay_steps)) / decay_steps
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
 
 
 # Gradient bucket (elements) for ZeRO's reduce and all-gather: DeepSpeed's default is 5e8, a 0.93 GiB bf16 staging
@@ -145,7 +148,8 @@ class TrainEngine:
         self.built_warmup = max(1, round(settings.warmup_ratio * total_steps))
         self.warmup_steps, self.total_steps = self.built_warmup, total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.total_steps, settings.min_lr_ratio)
+            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.total_steps, settings.min_lr_ratio,
+                                                  settings.decay_ratio)
         )
         with to_run_log():
             self.engine, _, _, _ = deepspeed.initialize(
