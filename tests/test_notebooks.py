@@ -148,6 +148,24 @@ def test_the_readme_command_executes_a_notebook_from_any_folder(two_runs, tmp_pa
     assert_acceptance_of(replay_dir, page)
 
 
+def test_compare_runs_puts_held_out_tau_against_the_lr_spent(tmp_path):
+    """Two runs' held-out records, one run logging every step at twice the other's LR, the other every second
+    step: the LR of a record stands for the steps since the record before it."""
+    runs = {}
+    for name, lr, log_every in (("short", 4e-3, 1), ("long", 2e-3, 2)):
+        folder = tmp_path / "made" / name
+        folder.mkdir(parents=True)
+        records = [{"step": s, "lr": lr, **({"heldout/tau": 1.0 + s / 10} if s % 4 == 0 else {})}
+                   for s in range(log_every, 9, log_every)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        runs[name] = str(folder)
+    notebook = execute("compare_runs.ipynb", {}, checkout(tmp_path / "checkout", runs))
+    text = printed(notebook)
+    assert "short: held-out tau 1.800 at step 8, LR sum 0.032" in text
+    assert "long: held-out tau 1.800 at step 8, LR sum 0.016" in text
+    assert figures(notebook) == 1  # no loss records: the held-out curves alone
+
+
 @pytest.mark.parametrize("name", ["acceptance.ipynb", "compare_runs.ipynb"])
 def test_with_no_run_a_notebook_says_which_command_makes_one(name, tmp_path):
     notebook = execute(name, {}, checkout(tmp_path))
