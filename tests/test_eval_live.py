@@ -204,12 +204,15 @@ def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_d
     assert overall["speedup"] == pytest.approx(overall["speculative_tokens_per_s"] / overall["target_tokens_per_s"])
     assert overall["speculative_seconds"] == pytest.approx(
         sum(live_summary["prompt_sets"][n]["speculative_seconds"] for n in ("a", "b")))
-    # The speedup's two factors: tokens per speculative step over the step's cost in target-only tokens.
-    assert overall["speculative_steps"] == overall["num_steps"]
+    # The speedup's factors: tokens per speculative step, and a step's cost in target-only steps, both after the
+    # prefills (each decode's first token, read by the host).
+    assert overall["speculative_steps"] == overall["num_steps"] and overall["target_steps"] == 3 * (12 - 1)
+    assert 0 < overall["speculative_prefill_seconds"] < overall["speculative_seconds"]
+    assert 0 < overall["target_prefill_seconds"] < overall["target_seconds"]
     assert overall["tokens_per_step"] == pytest.approx(overall["speculative_new_tokens"] / overall["num_steps"])
-    assert overall["step_cost"] == pytest.approx(
-        (overall["speculative_seconds"] / overall["num_steps"]) / (overall["target_seconds"] / (3 * 12)))
-    assert overall["speedup"] == pytest.approx(overall["tokens_per_step"] / overall["step_cost"])
+    spec_step = (overall["speculative_seconds"] - overall["speculative_prefill_seconds"]) / overall["num_steps"]
+    target_step = (overall["target_seconds"] - overall["target_prefill_seconds"]) / overall["target_steps"]
+    assert overall["step_cost"] == pytest.approx(spec_step / target_step)
     assert "speedup" in format_table(live_summary) and "step cost" in format_table(live_summary)
     assert sorted(live_summary["timing"]["seconds"]) == ["live_speculative", "live_target_only", "live_warmup"]
     assert live_summary["timing"]["seconds"]["live_speculative"] == pytest.approx(

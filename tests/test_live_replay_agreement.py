@@ -85,7 +85,8 @@ def test_live_warm_up_is_neither_timed_nor_counted_and_changes_no_result(tiny_ta
     cold = evaluate(drafter, adapter, sets, warm_up=False, **options)
     assert len(calls) == 2 * len(prompts)
     timings = {"speculative_seconds", "speculative_tokens_per_s", "target_seconds", "target_tokens_per_s", "speedup",
-               "speculative_ms_per_step", "target_ms_per_token", "step_cost"}
+               "speculative_ms_per_step", "target_ms_per_step", "step_cost", "speculative_prefill_seconds",
+               "target_prefill_seconds"}
     for name in ("a", "b"):
         got, want = warm["prompt_sets"][name], cold["prompt_sets"][name]
         assert {k: v for k, v in got.items() if k not in timings} == {k: v for k, v in want.items() if k not in timings}

@@ -13,8 +13,9 @@ committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_draft
 greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
 speculative_tokens_per_s and, when the target-only baseline ran, target_seconds, target_new_tokens,
 target_tokens_per_s, speedup and (T=0) lossless_mismatches; the speedup's factors: speculative_steps,
-speculative_ms_per_step, tokens_per_step and (with the baseline) target_ms_per_token and step_cost, the
-speculative step's cost in target-only tokens (speedup = tokens_per_step / step_cost). summary.csv has one row per prompt set + overall.
+speculative_prefill_seconds, speculative_ms_per_step (after the prefill), tokens_per_step and, with the
+baseline, target_steps, target_prefill_seconds, target_ms_per_step and step_cost, a speculative step's cost in
+target-only steps (speedup ~ tokens_per_step / step_cost, the prefills making up the rest). summary.csv has one row per prompt set + overall.
 "timing" (PhaseTimer.summary, metrics.py) says where the wall time went: {"seconds": {phase: s}, "total_seconds",
 "prompt_sets": {set: {phase: s}}}; phases: "load_prompts" and "turn2_answers" (when load_prompt_sets got the same
 timer), "generate", "target_pass", "draft", "accept" (replay), "live_warmup", "live_speculative",
@@ -321,9 +322,10 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
     """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
     stop_ids = adapter.stop_token_ids()
     traces = []
-    extra = {"speculative_seconds": 0.0, "speculative_new_tokens": 0, "speculative_steps": 0}
+    extra = {"speculative_seconds": 0.0, "speculative_new_tokens": 0, "speculative_steps": 0,
+             "speculative_prefill_seconds": 0.0}
     if measure_target:
-        extra.update(target_seconds=0.0, target_new_tokens=0)
+        extra.update(target_seconds=0.0, target_new_tokens=0, target_steps=0, target_prefill_seconds=0.0)
         if temperature == 0:
             extra["lossless_mismatches"] = 0
     for prompt in prompts:
@@ -335,12 +337,15 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
         timer.add("live_speculative", result.seconds)
         extra["speculative_new_tokens"] += len(result.continuation)
         extra["speculative_steps"] += result.trace.num_steps
+        extra["speculative_prefill_seconds"] += result.prefill_seconds
         if measure_target:
             plain = target_only_decode(adapter, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
                                        temperature=temperature, generator=generator, target_engine=engine)
             extra["target_seconds"] += plain.seconds
             timer.add("live_target_only", plain.seconds)
             extra["target_new_tokens"] += len(plain.continuation)
+            extra["target_steps"] += plain.trace.num_steps
+            extra["target_prefill_seconds"] += plain.prefill_seconds
             if temperature == 0:
                 extra["lossless_mismatches"] += int(plain.continuation != result.continuation)
         if progress is not None:
@@ -349,21 +354,24 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
 
 
 def _finish(extra: dict[str, Any]) -> dict[str, Any]:
-    """Add tokens/s, the speedup (target-only time per token / speculative time per token) and its two factors
-    to timings: tokens per speculative step, and the step's cost in target-only tokens (step_cost, ms per step /
-    ms per target-only token; prefills included on both sides), so speedup = tokens_per_step / step_cost."""
+    """Add tokens/s, the speedup (target-only time per token / speculative time per token) and its factors to
+    timings: tokens per speculative step, and the cost of a speculative step in target-only decode steps
+    (step_cost: wall ms per step after the prefill over wall ms per target-only step after its prefill, both
+    measured in this run), so speedup ~ tokens_per_step / step_cost, the prefills making up the rest."""
     out = dict(extra)
     if "speculative_seconds" in out:
         out["speculative_tokens_per_s"] = _rate(out["speculative_new_tokens"], out["speculative_seconds"])
-        out["speculative_ms_per_step"] = _per(1000 * out["speculative_seconds"], out["speculative_steps"])
+        decoding = out["speculative_seconds"] - out["speculative_prefill_seconds"]
+        out["speculative_ms_per_step"] = _per(1000 * decoding, out["speculative_steps"])
         out["tokens_per_step"] = _per(out["speculative_new_tokens"], out["speculative_steps"])
     if "target_seconds" in out:
         out["target_tokens_per_s"] = _rate(out["target_new_tokens"], out["target_seconds"])
         spec, target = out["speculative_tokens_per_s"], out["target_tokens_per_s"]
         out["speedup"] = spec / target if spec and target else None
-        out["target_ms_per_token"] = _per(1000 * out["target_seconds"], out["target_new_tokens"])
-        step, token = out["speculative_ms_per_step"], out["target_ms_per_token"]
-        out["step_cost"] = step / token if step and token else None
+        decoding = out["target_seconds"] - out["target_prefill_seconds"]
+        out["target_ms_per_step"] = _per(1000 * decoding, out["target_steps"])
+        step, target_step = out["speculative_ms_per_step"], out["target_ms_per_step"]
+        out["step_cost"] = step / target_step if step and target_step else None
     return out
 
 

@@ -42,14 +42,16 @@ from dflash.models.drafter import DFlashDraftModel
 
 @dataclass
 class LiveResult:
-    """One prompt's live decode: the new tokens, per-step records, wall time (seconds, device-synchronised) and
+    """One prompt's live decode: the new tokens, per-step records, wall time (seconds, device-synchronised), the
+    part of it spent on the prefill (the prompt's forward up to its first token, which the host reads: a sync) and
     the target engine that ran ("hf" or "static")."""
 
     prompt_len: int
     continuation: list[int]
     trace: StepTrace
     seconds: float
-    engine: str = "hf"
+    prefill_seconds: float
+    engine: str
 
 
 def _check(prompt: list[int], max_new_tokens: int, temperature: float, draft_sampling: str = "sampled") -> None:
@@ -134,6 +136,7 @@ def live_decode(
         logits, features = target.forward(list(prompt), last_logits_only=True)
         context.extend(features)
         tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
+    prefilled = time.perf_counter()
     start, max_length = len(prompt), len(prompt) + max_new_tokens
     trace = StepTrace()
     while start + 1 < max_length and tokens[-1] not in stops:
@@ -163,7 +166,7 @@ def live_decode(
             context.extend(recomputed if recomputed is not None else verify_features[: accepted + 1])
         start += committed
     synchronize(adapter.device)
-    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)
+    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, prefilled - began, engine)
 
 
 def _propose(draft_logits: torch.Tensor, argmax: torch.Tensor, greedy: bool, temperature: float,
@@ -219,10 +222,11 @@ def target_only_decode(
     began = time.perf_counter()
     logits, _ = target.forward(list(prompt), last_logits_only=True)
     tokens = list(prompt) + [_pick(logits[-1], temperature, generator)]
+    prefilled = time.perf_counter()
     trace = StepTrace()
     while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] not in stops:
         logits, _ = target.forward(tokens[-1:])
         tokens.append(_pick(logits[-1], temperature, generator))
         trace.add(1, 0, 0)
     synchronize(adapter.device)
-    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, engine)
+    return LiveResult(len(prompt), tokens[len(prompt):], trace, time.perf_counter() - began, prefilled - began, engine)
