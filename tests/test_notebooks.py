@@ -150,7 +150,7 @@ def test_the_readme_command_executes_a_notebook_from_any_folder(two_runs, tmp_pa
 
 def test_compare_runs_puts_held_out_tau_against_the_lr_spent(tmp_path):
     """Two runs' held-out records, one run logging every step at twice the other's LR, the other every second
-    step: the LR of a record stands for the steps since the record before it."""
+    step: a record's LR (the next step's) stands for the steps after it up to the next record."""
     runs = {}
     for name, lr, log_every in (("short", 4e-3, 1), ("long", 2e-3, 2)):
         folder = tmp_path / "made" / name
@@ -161,8 +161,8 @@ def test_compare_runs_puts_held_out_tau_against_the_lr_spent(tmp_path):
         runs[name] = str(folder)
     notebook = execute("compare_runs.ipynb", {}, checkout(tmp_path / "checkout", runs))
     text = printed(notebook)
-    assert "short: held-out tau 1.800 at step 8, LR sum 0.032" in text
-    assert "long: held-out tau 1.800 at step 8, LR sum 0.016" in text
+    assert "short: held-out tau 1.800 at step 8, LR sum 0.028" in text  # steps 2..8: 7 x 4e-3
+    assert "long: held-out tau 1.800 at step 8, LR sum 0.012" in text  # steps 3..8: 6 x 2e-3
     assert figures(notebook) == 1  # no loss records: the held-out curves alone
 
 

@@ -1,11 +1,11 @@
 """Training prompts that overlap the evaluation prompts: found by shared word n-grams and left out of training.
 
 Texts are normalised to lower-case words (runs of letters and digits; punctuation, case and spacing do not count).
-A training prompt overlaps an evaluation prompt when they share an n-gram of n consecutive words (n = 13 by
-default, the contamination test of GPT-3, arXiv 2005.14165 appendix C); an evaluation prompt shorter than n words
-overlaps when its whole word sequence appears in the training prompt, if it has at least MIN_WORDS words (fewer,
-such as "Why?", say nothing about where a prompt came from). Every message of a prompt counts (system,
-user and earlier turns), and an evaluation prompt's later turns (MT-Bench turn 2) too.
+A training prompt overlaps an evaluation prompt when they share an n-gram of n consecutive words (n =
+data.eval_overlap_ngram, 13 in the schema, the contamination test of GPT-3, arXiv 2005.14165 appendix C); an
+evaluation prompt shorter than n words overlaps when its whole word sequence appears in the training prompt, if it
+has at least MIN_WORDS words (fewer, such as "Why?", say nothing about where a prompt came from). Every message of
+a prompt counts (system, user and earlier turns), and an evaluation prompt's later turns (MT-Bench turn 2) too.
 
 N-grams found in more than BOILERPLATE evaluation prompts are the evaluation's own template (the instruction every
 HumanEval or GSM8K prompt starts with), not a question: a training prompt that shares only those is kept.

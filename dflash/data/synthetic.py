@@ -251,8 +251,8 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
 
     A system prompt "" means no system message (the template's default, if any). Each system prompt draws its
     quota, then more while draws are dropped, at most ceil(quota * max_oversample) in all; if that is not enough
-    it keeps fewer (stats["kept"] < count, with a warning). Prompts are Prompt("syn-<i>-<k>", [system, user],
-    "synthetic") in (system, k) order; keep_system=False leaves the steering system message out of them.
+    it keeps fewer (stats["kept"] < count, with a warning). Prompts are Prompt("syn-<i>-<k>-<text digest>" (prompt_id),
+    [system, user], "synthetic") in (system, k) order; keep_system=False leaves the steering system message out of them.
     engine: as regenerate's ("auto" = static on a supported CUDA target, else hf); batch_size rows decode at once.
     A rerun with the same settings reuses the journal and draws the same texts; other settings raise ValueError.
     target: the target's identity (a JSON-able dict such as its config), recorded in the journal header, so that

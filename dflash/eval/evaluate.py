@@ -15,7 +15,8 @@ speculative_tokens_per_s and, when the target-only baseline ran, target_seconds,
 target_tokens_per_s, speedup and (T=0) lossless_mismatches; the speedup's factors: speculative_steps,
 speculative_prefill_seconds, speculative_ms_per_step (after the prefill), tokens_per_step and, with the
 baseline, target_steps, target_prefill_seconds, target_ms_per_step and step_cost, a speculative step's cost in
-target-only steps (speedup ~ tokens_per_step / step_cost, the prefills making up the rest). summary.csv has one row per prompt set + overall.
+target-only steps (speedup ~ tokens_per_step / step_cost, the prefills making up the rest). summary.csv has
+one row per prompt set, per "<set>_both_turns", "overall", then one per "set/category".
 "timing" (PhaseTimer.summary, metrics.py) says where the wall time went: {"seconds": {phase: s}, "total_seconds",
 "prompt_sets": {set: {phase: s}}}; phases: "load_prompts" and "turn2_answers" (when load_prompt_sets got the same
 timer), "generate", "target_pass", "draft", "accept" (replay), "live_warmup", "live_speculative",

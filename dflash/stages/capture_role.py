@@ -1,7 +1,8 @@
 """The capture ranks' part of a run (capture=online): load the target on this rank's device (or layer-wise over
 its capture.gpus_per_worker GPUs) while the trainer ranks run the data and capture stages, wait for trainer rank 0's
-start, stream the micro-batches it names (dflash/extract/capture_sender.py), its target's layers compiled with
-capture.compile, then post this rank's counters and exit. Its capture settings and batch plan come from its own
+start, stream the micro-batches of its own batch plan from the step and for the epochs the start names
+(dflash/extract/capture_sender.py), its target's layers compiled with capture.compile, then post this rank's
+counters and exit. Its capture settings and batch plan come from its own
 settings (every rank runs the same command); the start adds what the trainers decide at run time, and their plan,
 which this rank's must equal.
 """

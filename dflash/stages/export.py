@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 class ExportStage(Stage):
     name = "export"
-    runs_with = "train"  # a drafter trained is always exported, as `stages=[train]` has always done
+    runs_with = "train"  # a drafter trained is always exported: `stages=[train]` trains and exports
 
     def __init__(self, run: RunContext, train: TrainStage) -> None:
         self.context, self.train = run, train
