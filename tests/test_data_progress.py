@@ -126,8 +126,10 @@ def test_format_stats_names_failures_staleness_and_reuse():
     stats = {"total": 1200, "done": 1100, "skipped": 90, "failed": 10, "stale": 3, "samples": 1099,
              "dropped_no_loss": 1, "num_tokens": 1234567, "num_response_tokens": 456789, "engine": "static",
              "errors": [{"id": "p7", "error": "RuntimeError: " + "x" * 300}], "generated_tokens": 0,
-             "generate_tokens_per_s": None, "generate_seconds": 0.0, "template_seconds": 1.5}
+             "generate_tokens_per_s": None, "generate_seconds": 0.0, "template_seconds": 1.5,
+             "before_answers": {"prompts": 1.0, "target": 20.3, "synthetic": 30.0, "overlap": 4.5}}
     table = format_stats(stats)
+    assert "before       prompts 1.0 s, target 20.3 s, synthetic 30.0 s, overlap 4.5 s" in table
     assert "total 1,200 | done 1,100 | skipped 90 (too long) | failed 10 | stale 3 (prompt changed" in table
     assert "1,099 (1,234,567 tokens, 456,789 in answers), 1 dropped (no answer token)" in table
     assert "none generated: every answer was in the journal" in table
@@ -161,5 +163,8 @@ def test_synthetic_draws_read_as_one_line_and_join_the_stats_table(tmp_path, cap
     assert saved["synthetic"]["requested"] == 2 and saved["synthetic"]["draws"] >= saved["synthetic"]["kept"]
     rows = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in format_stats(saved).splitlines()}
     assert rows["synthetic"] == format_synthetic(saved["synthetic"])
+    # Where the stage's time went before the answers: the prompts, the target's load, the draws, the overlap check.
+    assert list(saved["before_answers"]) == ["prompts", "target", "synthetic", "overlap"]
+    assert all(seconds >= 0 for seconds in saved["before_answers"].values()) and rows["before"].startswith("prompts ")
     text = console.out + console.err
     assert f"[data] synthetic prompts: {format_synthetic(saved['synthetic'])}" in text and "{'requested'" not in text

@@ -234,6 +234,9 @@ def format_stats(stats: dict) -> str:
         rows.append(("eval overlap", _overlap(stats["eval_overlap"])))
     rows.append(("answers", _answers(stats)))
     rows.append(("time", _times(stats)))
+    if stats.get("before_answers"):  # the data stage's: reading prompts, loading the target, synthetic, overlap
+        rows.append(("before", ", ".join(f"{name} {seconds:,.1f} s"
+                                         for name, seconds in stats["before_answers"].items())))
     if stats.get("errors"):
         first = stats["errors"][0]
         message = (first["error"].splitlines() or [""])[0]

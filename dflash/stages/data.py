@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import textwrap
+import time
+from collections.abc import Callable
 from typing import Any
 
 from dflash.config import fingerprints
@@ -15,6 +17,14 @@ from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prom
 from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
+
+
+def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
+    """work(), its wall seconds recorded in seconds[name]."""
+    started = time.perf_counter()
+    result = work()
+    seconds[name] = round(time.perf_counter() - started, 3)
+    return result
 
 
 class DataStage(Stage):
@@ -61,23 +71,27 @@ class DataStage(Stage):
 
         run, d, out = self.context, self.context.settings.data, self.out
         os.makedirs(out, exist_ok=True)
-        prompts = load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed, turns=d.turns)
+        seconds: dict[str, float] = {}  # where the stage's time goes before the answers (stats.json "before_answers")
+        prompts = timed(seconds, "prompts", lambda: load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed,
+                                                                  turns=d.turns))
+        # The target loads here unless an earlier stage of this process loaded it (a GGUF converts once per cache).
+        timed(seconds, "target", lambda: run.target)
         synthetic = None
         if d.synthetic.count > 0:
-            written, synthetic = self.synthetic_prompts()
+            written, synthetic = timed(seconds, "synthetic", self.synthetic_prompts)
             prompts = prompts + written
-        prompts, overlap = self.drop_eval_overlaps(prompts)
+        prompts, overlap = timed(seconds, "overlap", lambda: self.drop_eval_overlaps(prompts))
         stats = build_dataset(prompts, run.target, out, max_length=d.max_length, max_new_tokens=d.max_new_tokens,
                               batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
                               show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
                               compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
                               before_replace=lambda: clear_done(out),
                               template_kwargs=dict(d.chat_template_kwargs), sampled_share=d.sampled_share)
-        # What the synthetic draws and the overlap check found goes with the dataset's stats (format_stats shows it).
-        extra = {key: value for key, value in (("synthetic", synthetic), ("eval_overlap", overlap)) if value is not None}
-        if extra:
-            stats.update(extra)
-            write_json(os.path.join(out, "stats.json"), stats)
+        # What the synthetic draws and the overlap check found, and the time before the answers, go with the
+        # dataset's stats (format_stats shows them).
+        stats.update({key: value for key, value in (("synthetic", synthetic), ("eval_overlap", overlap))
+                      if value is not None}, before_answers=seconds)
+        write_json(os.path.join(out, "stats.json"), stats)
         logger.info(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
