@@ -249,6 +249,23 @@ def test_renewals_follow_a_slowdown_beyond_the_tolerance_only():
     assert run_s <= 60 and (1 - REPLAN_TOLERANCE) * planned <= step <= planned
 
 
+def test_under_warmup_stable_decay_the_tolerance_is_a_share_of_the_decaying_steps():
+    """decay_ratio 0.25: the LR decays over the last quarter of the plan, four times as steeply, so a plan moves
+    for a quarter of the difference and the run ends as close to its LR minimum as under warmup-cosine."""
+    for decay_ratio, replanned in ((1.0, False), (0.25, True)):
+        budget = TimeBudget(1.0, 1000, eval_every=0, evaluates=False, decay_ratio=decay_ratio)
+        budget.after_step(1, 10.0)
+        step, run_s, _ = feed(budget, 1, 10.0, 0.25, 13)
+        assert budget.planned_steps == 201
+        step, run_s, news = feed(budget, step, run_s, 0.255, 13 + 3 * REPLAN_EVERY)  # 2% slower
+        assert bool(news) == replanned and (budget.planned_steps < 201) == replanned
+        while step < budget.planned_steps:
+            step, run_s = step + 1, run_s + 0.255
+            budget.after_step(step, run_s)
+        assert run_s <= 60 and (1 - REPLAN_TOLERANCE * decay_ratio) * budget.planned_steps <= step
+        assert warmup_cosine(step - 1, 8, budget.planned_steps, 0.0, decay_ratio) < 0.01  # the last step's LR
+
+
 def test_evaluations_are_reserved_then_measured():
     budget = TimeBudget(1.0, 1000, eval_every=20, evaluates=True)
     budget.after_step(1, 10.0)

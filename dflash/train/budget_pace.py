@@ -40,7 +40,8 @@ class BudgetPace:
         self.budget: TimeBudget | None = None
         if settings.max_minutes is not None:
             self.budget = TimeBudget(settings.max_minutes, total_steps, eval_every=settings.eval_every,
-                                     evaluates=evaluates, save_every=settings.save_every, saved=saved)
+                                     evaluates=evaluates, save_every=settings.save_every, saved=saved,
+                                     decay_ratio=settings.decay_ratio)
         self.entered, self.device, self.clock = entered, device, clock
 
     def resumed_plan(self, total_steps: int) -> bool:

@@ -20,7 +20,9 @@ caller) are no samples of the pace: neither judged nor counted among the rate's 
 CALIBRATION_STEPS timed steps, or sooner when the judged steps already used CALIBRATION_SHARE of the budget. Then the
 plan is renewed every REPLAN_EVERY steps and after every held-out evaluation, from the rate of the last rate_window
 steps (evaluations excluded), so a run that slows down still anneals in time; a renewed plan replaces the current one
-only when the totals differ by more than REPLAN_TOLERANCE, so the LR does not jerk at every renewal. Evaluations cost
+only when the totals differ by more than REPLAN_TOLERANCE of the steps the LR decays over (all of them under
+warmup-cosine, the last train.decay_ratio of them under warmup-stable-decay, where the decay is that much steeper),
+so the LR does not jerk at every renewal, and the hard stop ends a plan at most that far from its LR minimum. Evaluations cost
 the seconds of the shortest one measured; before any was measured, UNMEASURED_EVAL_SHARE of the budget is set aside
 for all of them. A hard stop ends training at the current step (its final evaluation and checkpoint as usual) when the
 next step and the final evaluation no longer fit.
@@ -96,11 +98,12 @@ class TimeBudget:
 
     cap: the epochs / max_steps total; eval_every, evaluates: when the loop runs held-out evaluations (`evaluates`
     False: none at all); save_every: the checkpoint interval (the rate window spans whole intervals); saved:
-    `state()` of the checkpoint resumed.
+    `state()` of the checkpoint resumed; decay_ratio: the share of the steps the LR decays over (train.decay_ratio;
+    1, warmup-cosine), which scales REPLAN_TOLERANCE.
     """
 
     def __init__(self, minutes: float, cap: int, *, eval_every: int, evaluates: bool,
-                 save_every: int = 0, saved: dict[str, Any] | None = None) -> None:
+                 save_every: int = 0, saved: dict[str, Any] | None = None, decay_ratio: float = 1.0) -> None:
         check_max_minutes(minutes)
         self.minutes = minutes
         self.budget_s = 60.0 * minutes
@@ -108,6 +111,7 @@ class TimeBudget:
         self.eval_every = eval_every
         self.evaluates = evaluates
         self.save_every = save_every
+        self.tolerance = REPLAN_TOLERANCE * decay_ratio  # a share of the planned total
         saved = saved or {}
         self.spent_before_s = float(saved.get("spent_s", 0.0))  # by the earlier calls of a resumed run
         self.planned_steps = min(cap, int(saved.get("planned_steps", cap)))
@@ -258,7 +262,7 @@ class TimeBudget:
             self.cap, step, self.budget_s - self.elapsed_s, step_s,
             lambda total: self._evaluation_cost(evaluations_in(pending_from, total, self.eval_every)),
         )
-        if self.settled and abs(proposed - self.planned_steps) <= REPLAN_TOLERANCE * self.planned_steps:
+        if self.settled and abs(proposed - self.planned_steps) <= self.tolerance * self.planned_steps:
             return False
         self.planned_steps, self.step_s, self.settled = proposed, step_s, True
         return True
