@@ -103,7 +103,7 @@ def test_a_gguf_file_is_converted_once_and_cached(tmp_path):
     (folder / "stray").write_text("")
     load_target("hf", path=str(source), cache_dir=cache)
     assert gguf.is_converted(folder) and not (folder / "stray").exists()
-    assert os.listdir(folder.parent) == [folder.name]
+    assert sorted(os.listdir(folder.parent)) == [f".{folder.name}.lock", folder.name]  # and the conversion's lock
 
 
 @pytest.mark.slow

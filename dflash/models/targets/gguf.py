@@ -5,11 +5,13 @@ model, so the conversion rebuilds the model from its config (without `quantizati
 and saves float32 safetensors and the tokenizer; later loads read that folder in well under a second. float32
 keeps the dequantised values exact (Q4 values need more mantissa than bfloat16 has). A GGUF given by path is
 cached under <cache_dir>/gguf/<name>-<key>, the key made from the file's path, size and modification time, so an
-edited or replaced file is converted again.
+edited or replaced file is converted again. One process converts a file at a time (a lock file beside the folder):
+the ranks of a job that start on a cold cache wait for the first conversion instead of repeating it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -41,11 +43,21 @@ def cached_folder(source: str | os.PathLike, cache_dir: str | None = None) -> Pa
 
 def convert_gguf_file(source: Path, target: Path) -> Path:
     """Dequantise the GGUF file `source` once into the HF checkpoint folder `target`; returns `target`."""
+    if is_converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if not is_converted(target):  # converted while this process waited
+            _convert(source, target)
+    return target
+
+
+def _convert(source: Path, target: Path) -> None:
+    """convert_gguf_file's work, under its lock."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if is_converted(target):
-        return target
     gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     config = gguf_model.config
@@ -57,7 +69,6 @@ def convert_gguf_file(source: Path, target: Path) -> Path:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     tmp.chmod(0o755)
     try:
@@ -66,12 +77,10 @@ def convert_gguf_file(source: Path, target: Path) -> Path:
         source_info = {"gguf": str(source), "gguf_sha256": file_sha256(source),
                        "transformers_version": transformers.__version__, "dtype": "float32"}
         (tmp / SOURCE_FILE).write_text(json.dumps(source_info, indent=2) + "\n")
-        # A folder without the completion marker is an interrupted conversion of this code and is replaced; a
-        # complete one (another process, e.g. another rank, converted the same file first) is kept. The aside name
-        # is this process's own, as several ranks may convert at once.
-        swap_in_dir(str(tmp), str(target), aside=str(target.parent / f".{target.name}.old-{os.getpid()}"),
+        # A folder without the completion marker is an interrupted conversion and is replaced (an aside left by a
+        # process killed in the swap goes first); a complete one, made by a process that took no lock, is kept.
+        swap_in_dir(str(tmp), str(target), aside=str(target.parent / f".{target.name}.old"),
                     keep=lambda folder: is_converted(Path(folder)))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target

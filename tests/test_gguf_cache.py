@@ -1,0 +1,32 @@
+"""The GGUF conversion cache (dflash/models/targets/gguf.py): one process converts a file at a time, and one that
+waited takes the folder the other converted."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+
+from dflash.models.targets import gguf
+
+
+def test_a_conversion_waits_for_the_lock_and_takes_what_the_holder_converted(tmp_path, monkeypatch):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    target = tmp_path / "cache" / "model-key"
+    converted = []
+    monkeypatch.setattr(gguf, "_convert", lambda source, target: converted.append(target))
+    target.parent.mkdir(parents=True)
+    with open(target.parent / f".{target.name}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process (another rank) is converting
+        returned = []
+        waiting = threading.Thread(target=lambda: returned.append(gguf.convert_gguf_file(source, target)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not returned
+        target.mkdir()
+        (target / gguf.SOURCE_FILE).write_text("{}")  # its conversion is published, then its lock released
+    waiting.join(10)
+    assert returned == [target] and converted == []
+    # With no conversion there, the process that takes the lock converts.
+    other = tmp_path / "cache" / "other-key"
+    assert gguf.convert_gguf_file(source, other) == other and converted == [other]
