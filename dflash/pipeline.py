@@ -86,7 +86,7 @@ class Pipeline:
         if run.rank == 0:
             for warning in self.settings.ignored():
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
-            if not all(stage.records_own_config for stage in chosen):
+            if not chosen or not all(stage.records_own_config for stage in chosen):
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
         for stage in self.stages:
             if stage in chosen:
