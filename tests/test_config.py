@@ -247,6 +247,8 @@ BAD = [
     ("train.grad_accum=0", "train.grad_accum=0"),
     ("train.num_anchors=0", "train.num_anchors=0"),
     ("train.warmup_ratio=1.5", "train.warmup_ratio=1.5: expected a number in [0, 1]"),
+    ("train.decay_ratio=0", "train.decay_ratio=0.0: expected a number in (0, 1]"),
+    ("train.decay_ratio=1.2", "train.decay_ratio=1.2: expected a number in (0, 1]"),
     ("train.kl_weight=2", "train.kl_weight=2.0"),
     ("train.betas=[0.9]", "train.betas=[0.9]: expected two numbers in [0, 1)"),
     ("train.max_steps=0", "train.max_steps=0"),

@@ -98,6 +98,15 @@ def test_the_runner_reads_ranks_and_barriers_from_the_stages(tmp_path):
     assert events == ["barrier", "run three", "barrier"]
 
 
+@pytest.mark.parametrize("selected, written", [([], True), (["one"], True), (["two"], False), (["one", "two"], True)])
+def test_the_run_folder_gets_config_yaml_unless_every_stage_run_keeps_its_own(tmp_path, selected, written):
+    events = []
+    stages = (FakeStage("one", tmp_path / "1", events), FakeStage("two", tmp_path / "2", events))
+    stages[1].records_own_config = True  # as the eval stage does, beside its summary
+    fake_pipeline(tmp_path, 0, selected, stages, events).run_stages()
+    assert os.path.exists(tmp_path / "config.yaml") == written
+
+
 class SplitStage(FakeStage):
     """A stage every rank runs whose done marker rank 1 finds and rank 0 does not (as on a shared file system where
     one node still sees an entry another has replaced)."""
