@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.config.schema import GROUP_KEYS
+from dflash.config.schema import GROUP_KEYS, TrainSettings
 from dflash.data.sample_sizes import sample_anchor_positions, sample_lengths
 
 
@@ -103,3 +103,11 @@ def grouping_keys(dataset: Any, group_by: str, num_anchors: int, block_size: int
     if group_by == "tokens":
         return lengths
     return lengths + block_size * np.minimum(sample_anchor_positions(dataset), num_anchors)
+
+
+def plan_lengths(dataset: Any, train: TrainSettings, block_size: int) -> tuple[int, ...] | None:
+    """Every sample's grouping key (train.group_by) when train.group_by_length groups the batches, else None: the
+    `lengths` of the plan every rank builds (loop.plan_batches), trainers and capture ranks alike."""
+    if not train.group_by_length:
+        return None
+    return tuple(grouping_keys(dataset, train.group_by, train.num_anchors, block_size).tolist())

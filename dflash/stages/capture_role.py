@@ -2,9 +2,8 @@
 its capture.gpus_per_worker GPUs) while the trainer ranks run the data and capture stages, wait for trainer rank 0's
 start, stream the micro-batches of its own batch plan from the step and for the epochs the start names
 (dflash/extract/capture_sender.py), its target's layers compiled with capture.compile, then post this rank's
-counters and exit. Its capture settings and batch plan come from its own
-settings (every rank runs the same command); the start adds what the trainers decide at run time, and their plan,
-which this rank's must equal.
+counters and exit. Its capture settings and batch plan come from its own settings (every rank runs the same
+command); the start adds what the trainers decide at run time, and their plan, which this rank's must equal.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ def serve_capture(cfg: DictConfig, link: RankLink) -> None:
 
 
 def _stream(context: RunContext, link: RankLink) -> None:
-    from dflash.data.batch_plan import grouping_keys
+    from dflash.data.batch_plan import plan_lengths
     from dflash.data.dataset import load_dataset_dir
     from dflash.data.sample_sizes import sample_lengths
     from dflash.extract.capture_sender import CaptureSender, target_producer
@@ -49,10 +48,7 @@ def _stream(context: RunContext, link: RankLink) -> None:
         return
     dataset = load_dataset_dir(start["data"])
     train, capture = context.settings.train, context.settings.capture
-    lengths = None
-    if train.group_by_length:
-        lengths = grouping_keys(dataset, train.group_by, train.num_anchors,
-                                context.settings.drafter.block_size).tolist()
+    lengths = plan_lengths(dataset, train, context.settings.drafter.block_size)
     # The plan deals the samples among the trainer ranks only: their number is its world size.
     plan = plan_batches(train, len(dataset), link.trainers, lengths)
     check_same_plan(plan, start["plan"], link.rank)

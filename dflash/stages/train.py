@@ -209,14 +209,12 @@ class TrainStage(Stage):
     def grouping_keys(self, block_size: int) -> tuple[int, ...] | None:
         """Every sample's grouping key (train.group_by) when batches are grouped, from the token dataset (reading
         it costs nothing, unlike a feature store); else None."""
-        t = self.context.settings.train
-        if not t.group_by_length:
+        if not self.context.settings.train.group_by_length:
             return None
-        from dflash.data.batch_plan import grouping_keys
+        from dflash.data.batch_plan import plan_lengths
         from dflash.data.dataset import load_dataset_dir
 
-        dataset = load_dataset_dir(self.capture.data.out)
-        return tuple(grouping_keys(dataset, t.group_by, t.num_anchors, block_size).tolist())
+        return plan_lengths(load_dataset_dir(self.capture.data.out), self.context.settings.train, block_size)
 
     def heldout_set(self):
         """The HeldoutSet of the capture stage, or None when the data stage held nothing out."""
