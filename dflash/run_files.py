@@ -215,30 +215,22 @@ def _folder_key(directory: str) -> str | None:
     return None
 
 
-def swap_in_dir(new: str, target: str, aside: str, keep: Callable[[str], bool] | None = None) -> None:
+def swap_in_dir(new: str, target: str, aside: str) -> None:
     """Put the finished folder `new` in the place of folder `target` (same parent), so `target` is never
     half-written, also after a power loss (`new` is fsynced first, and the parent folder after the rename).
     os.replace cannot overwrite a non-empty folder: the old one goes to `aside` first, comes back if `new` cannot
     take its place, and is deleted once it has. An `aside` left by a swap killed before that delete is older than
-    `target` and goes first. `keep`: whether a folder at `target` is whole already (a cache another process filled
-    with the same content); such a `target` stays, also one that process puts there during the swap, and `new` is
-    deleted. Writers that may run at once give each its own `aside`."""
+    `target` and goes first."""
     fsync_tree(new)
-    if keep is not None and keep(target):
-        shutil.rmtree(new, ignore_errors=True)
-        return
     if os.path.exists(target):
         shutil.rmtree(aside, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):  # another writer moved it aside first
-            os.replace(target, aside)
+        os.replace(target, aside)
     try:
         os.replace(new, target)
-    except BaseException as error:
+    except BaseException:
         if os.path.exists(aside) and not os.path.exists(target):
             os.replace(aside, target)
-        if not (isinstance(error, OSError) and keep is not None and keep(target)):
-            raise
-        shutil.rmtree(new, ignore_errors=True)  # another writer put a whole folder there first: it stays
+        raise
     fsync_path(os.path.dirname(os.path.abspath(target)))
     shutil.rmtree(aside, ignore_errors=True)
 

@@ -77,10 +77,9 @@ def _convert(source: Path, target: Path) -> None:
         source_info = {"gguf": str(source), "gguf_sha256": file_sha256(source),
                        "transformers_version": transformers.__version__, "dtype": "float32"}
         (tmp / SOURCE_FILE).write_text(json.dumps(source_info, indent=2) + "\n")
-        # A folder without the completion marker is an interrupted conversion and is replaced (an aside left by a
-        # process killed in the swap goes first); a complete one, made by a process that took no lock, is kept.
-        swap_in_dir(str(tmp), str(target), aside=str(target.parent / f".{target.name}.old"),
-                    keep=lambda folder: is_converted(Path(folder)))
+        # Under the lock, a folder at `target` is an interrupted conversion (no completion marker): it is replaced
+        # (an aside left by a process killed in the swap goes first).
+        swap_in_dir(str(tmp), str(target), aside=str(target.parent / f".{target.name}.old"))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
