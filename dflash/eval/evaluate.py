@@ -361,27 +361,24 @@ def _finish(extra: dict[str, Any]) -> dict[str, Any]:
     measured in this run), so speedup ~ tokens_per_step / step_cost, the prefills making up the rest."""
     out = dict(extra)
     if "speculative_seconds" in out:
-        out["speculative_tokens_per_s"] = _rate(out["speculative_new_tokens"], out["speculative_seconds"])
+        out["speculative_tokens_per_s"] = _ratio(out["speculative_new_tokens"], out["speculative_seconds"])
         decoding = out["speculative_seconds"] - out["speculative_prefill_seconds"]
-        out["speculative_ms_per_step"] = _per(1000 * decoding, out["speculative_steps"])
-        out["tokens_per_step"] = _per(out["speculative_new_tokens"], out["speculative_steps"])
+        out["speculative_ms_per_step"] = _ratio(1000 * decoding, out["speculative_steps"])
+        out["tokens_per_step"] = _ratio(out["speculative_new_tokens"], out["speculative_steps"])
     if "target_seconds" in out:
-        out["target_tokens_per_s"] = _rate(out["target_new_tokens"], out["target_seconds"])
+        out["target_tokens_per_s"] = _ratio(out["target_new_tokens"], out["target_seconds"])
         spec, target = out["speculative_tokens_per_s"], out["target_tokens_per_s"]
         out["speedup"] = spec / target if spec and target else None
         decoding = out["target_seconds"] - out["target_prefill_seconds"]
-        out["target_ms_per_step"] = _per(1000 * decoding, out["target_steps"])
+        out["target_ms_per_step"] = _ratio(1000 * decoding, out["target_steps"])
         step, target_step = out["speculative_ms_per_step"], out["target_ms_per_step"]
-        out["step_cost"] = step / target_step if step and target_step else None
+        out["step_cost"] = _ratio(step, target_step) if step is not None and target_step is not None else None
     return out
 
 
-def _per(amount: float, count: int) -> float | None:
-    return amount / count if count else None
-
-
-def _rate(tokens: int, seconds: float) -> float | None:
-    return tokens / seconds if seconds > 0 else None
+def _ratio(amount: float, per: float) -> float | None:
+    """amount / per, None when there is nothing to divide by."""
+    return amount / per if per > 0 else None
 
 
 CSV_COLUMNS = ("prompt_set", "tau", "tau_prompt_mean", "acceptance_rate", "num_prompts", "num_steps", "num_tokens",
