@@ -28,7 +28,9 @@ utilisation (share of the decode row-steps that produced a kept token) come from
 the hf subset, the agreement of static and hf greedy tokens in the run's dtype (bf16 on CUDA: rounding differs, so
 rows may diverge), and, after casting the model to float32, token-for-token equality on --fp32-prompts prompts
 decoded in --fp32-batch rows (fewer rows than prompts: rows are refilled) against HF greedy one prompt at a time.
-Prints a table and writes the JSON to --out (atomically).
+With --profile, one eager static call (no graphs: the same kernels, each visible to the profiler) over the first
+--batch prompts at --profile-new-tokens is profiled; its kernel table, sorted by device time, is printed (top rows)
+and written to OUT.profile.txt. Prints a table and writes the JSON to --out (atomically).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from dflash.eval.replay import greedy_continuations  # noqa: E402
 from dflash.models.targets import load_target, resolve_dtype, wrap_model  # noqa: E402
 from dflash.models.targets import smollm2  # noqa: E402
 from dflash.models.targets.tiny import tiny_tokenizer  # noqa: E402
+from dflash.train.step_profile import self_time_key  # noqa: E402
+from bench.profile_table import profile_calls, write_table  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -84,6 +88,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fp32-new-tokens", type=int, default=64)
     parser.add_argument("--fp32-batch", type=int, default=3, help="rows of the float32 check (refilled)")
     parser.add_argument("--cache-dir", default=None, help="SmolLM2 conversion cache (default ~/.cache/dflash)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one eager static call over --batch prompts (kernel table to OUT.profile.txt)")
+    parser.add_argument("--profile-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None)
     return parser.parse_args()
 
@@ -227,6 +234,22 @@ def main() -> None:
             runs[engine]["schedule"] = schedule
         outputs[engine] = out
         print(f"[bench] {engine}: {runs[engine]}", flush=True)
+
+    if args.profile:
+        rows = prompts[: args.batch]
+        eager = StaticGenerator(adapter, cuda_graphs=False)
+        call = partial(static, eager, rows, args.profile_new_tokens)
+        call()  # warm-up: the first call allocates the cache and loads the kernels
+        events = profile_calls(call, torch.device(args.device))
+        title = (f"one eager static call: {len(rows)} prompts, {args.profile_new_tokens} new tokens, batch "
+                 f"{args.batch}, {eager.last_stats.decode_steps} decode steps")
+        path = f"{args.out or 'bench/generate'}.profile.txt"
+        write_table(path, events, torch.device(args.device), title)
+        print(f"[bench] {title}; kernel table in {path}", flush=True)
+        print(events.table(sort_by=self_time_key(torch.device(args.device)), row_limit=20, max_name_column_width=60))
+        del eager
+        if cuda:
+            torch.cuda.empty_cache()
 
     # The hf subset's rows inside the static outputs (static ran on all prompts, in input order).
     fast = next((e for e in outputs if e.startswith("static")), None)
