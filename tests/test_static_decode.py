@@ -379,3 +379,16 @@ def test_cuda_graphs_replay_the_eager_step(target, dtype):
     sampled = dict(args, temperature=0.9, top_p=0.8, seed=1)
     assert static_generate(adapter, prompts, **sampled, cuda_graphs=True) == static_generate(
         adapter, prompts, **sampled, cuda_graphs=False)
+
+
+def test_a_model_cast_after_a_static_run_decodes_in_its_new_dtype():
+    # The engines size and type their caches by the adapter's layout: casting the model after a static run (as
+    # bench/generate.py does for its float32 check) must give a layout of the new dtype, not the first one's.
+    adapter = build_tiny_target("qwen3", 0, tokenizer="builtin", initializer_range=0.2, dtype="bfloat16")
+    prompts = make_prompts()
+    static_generate(adapter, prompts, max_new_tokens=4, stop_token_ids=[2], pad_id=0, batch_size=3)
+    assert adapter.engine_layout.dtype == torch.bfloat16
+    adapter.model.to(torch.float32)
+    assert adapter.engine_layout.dtype == torch.float32
+    got = static_generate(adapter, prompts, max_new_tokens=12, stop_token_ids=[2], pad_id=0, batch_size=3)
+    assert got == hf_greedy(adapter, prompts, 12, [2])

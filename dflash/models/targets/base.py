@@ -120,10 +120,15 @@ class TargetAdapter:
         overrides this and static_layout_problem()."""
         return TargetLayout.of(self)
 
-    @functools.cached_property
+    @property
     def engine_layout(self) -> TargetLayout:
-        """static_layout(), made once: what the static engines and forward() over an EngineCache run."""
-        return self.static_layout()
+        """static_layout() of the model as it is now: what the static engines and forward() over an EngineCache run.
+        Made once, and made again after the model moved to another device or dtype (the layout records both, and
+        the engines size and type their caches by them)."""
+        layout = getattr(self, "_engine_layout", None)
+        if layout is None or (layout.device, layout.dtype) != (torch.device(self.device), self.dtype):
+            layout = self._engine_layout = self.static_layout()
+        return layout
 
     @classmethod
     def layout_of(cls, model: nn.Module) -> TargetAdapter:
