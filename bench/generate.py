@@ -21,16 +21,18 @@ so the timed run reuses the cache and CUDA graphs built there; a failing engine 
                    static_graphs_batchN: refill at batch N (--sweep); static_graphs_compiled: with compile_step=True
                    (--compile);
   * static_eager:  the static engine without graphs, on all prompts (also _norefill; --no-eager skips both);
+  * each of the above once per --attention: sdpa as named here, flex with `_flex` after `static_graphs` or
+                   `static_eager` (StaticGenerator's decode attention, dflash/inference/row_attention.py);
   * hf:            plain greedy model.generate (greedy_continuations, engine="hf") on the first --hf-prompts prompts
                    (it is slow), in batches of min(--batch, --hf-prompts), longest first like the others.
 tok/s counts the tokens kept (each response up to and including its first stop token); decode_steps and
 utilisation (share of the decode row-steps that produced a kept token) come from the engine's schedule. Then, on
 the hf subset, the agreement of static and hf greedy tokens in the run's dtype (bf16 on CUDA: rounding differs, so
 rows may diverge), and, after casting the model to float32, token-for-token equality on --fp32-prompts prompts
-decoded in --fp32-batch rows (fewer rows than prompts: rows are refilled) against HF greedy one prompt at a time.
-With --profile, one eager static call (no graphs: the same kernels, each visible to the profiler) over the first
---batch prompts at --profile-new-tokens is profiled; its kernel table, sorted by device time, is printed (top rows)
-and written to OUT.profile.txt. Prints a table and writes the JSON to --out (atomically).
+decoded in --fp32-batch rows (fewer rows than prompts: rows are refilled) against HF greedy one prompt at a time,
+once per --attention. With --profile, one eager static call per --attention (no graphs: the same kernels, each
+visible to the profiler) over the first --batch prompts at --profile-new-tokens is profiled; its kernel table,
+sorted by device time, is printed (top rows) and written to OUT.profile.txt (OUT.flex.profile.txt for flex). Prints a table and writes the JSON to --out (atomically).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--refill", choices=("on", "off", "both"), default="both",
                         help="static engines with refill (on), plain batches (off) or both, for comparison")
     parser.add_argument("--no-eager", action="store_true", help="skip the (slow) eager static engines")
+    parser.add_argument("--attention", nargs="+", choices=("sdpa", "flex"), default=["sdpa"],
+                        help="the static engines' decode attention(s): each static engine runs with each")
     parser.add_argument("--turns", choices=("first", "all"), default="first", help="ShareGPT turns as prompts")
     parser.add_argument("--max-length", type=int, default=None,
                         help="prompt + response cap: per-prompt budgets as the data stage (default: none)")
@@ -190,13 +194,19 @@ def main() -> None:
     refills = {"on": [True], "off": [False], "both": [True, False]}[args.refill]
     suffix = {True: "", False: "_norefill"}
     engines: list[tuple[str, dict | None]] = []
-    if cuda:
-        engines += [(f"static_graphs{suffix[r]}", dict(cuda_graphs=True, refill=r)) for r in refills]
-        engines += [(f"static_graphs_batch{b}", dict(cuda_graphs=True, batch=b)) for b in args.sweep]
-        if args.compile:
-            engines.append(("static_graphs_compiled", dict(cuda_graphs=True, compile_step=True)))
-    if not args.no_eager:
-        engines += [(f"static_eager{suffix[r]}", dict(cuda_graphs=False, refill=r)) for r in refills]
+    for attention in args.attention:
+        named = "" if attention == "sdpa" else f"_{attention}"
+        if cuda:
+            engines += [(f"static_graphs{named}{suffix[r]}", dict(cuda_graphs=True, refill=r, attention=attention))
+                        for r in refills]
+            engines += [(f"static_graphs{named}_batch{b}", dict(cuda_graphs=True, batch=b, attention=attention))
+                        for b in args.sweep]
+            if args.compile:
+                engines.append((f"static_graphs{named}_compiled",
+                                dict(cuda_graphs=True, compile_step=True, attention=attention)))
+        if not args.no_eager:
+            engines += [(f"static_eager{named}{suffix[r]}", dict(cuda_graphs=False, refill=r, attention=attention))
+                        for r in refills]
     engines.append(("hf", None))
     runs, outputs = {}, {}
     for engine, settings in engines:
@@ -235,15 +245,16 @@ def main() -> None:
         outputs[engine] = out
         print(f"[bench] {engine}: {runs[engine]}", flush=True)
 
-    if args.profile:
+    for attention in args.attention if args.profile else []:
         rows = prompts[: args.batch]
-        eager = StaticGenerator(adapter, cuda_graphs=False)
+        eager = StaticGenerator(adapter, cuda_graphs=False, attention=attention)
         call = partial(static, eager, rows, args.profile_new_tokens)
-        call()  # warm-up: the first call allocates the cache and loads the kernels
+        call()  # warm-up: the first call allocates the cache and loads (or compiles) the kernels
         events = profile_calls(call, torch.device(args.device))
-        title = (f"one eager static call: {len(rows)} prompts, {args.profile_new_tokens} new tokens, batch "
-                 f"{args.batch}, {eager.last_stats.decode_steps} decode steps")
-        path = f"{args.out or 'bench/generate'}.profile.txt"
+        title = (f"one eager static call ({attention} attention): {len(rows)} prompts, {args.profile_new_tokens} new "
+                 f"tokens, batch {args.batch}, {eager.last_stats.decode_steps} decode steps")
+        named = "" if attention == "sdpa" else f".{attention}"
+        path = f"{args.out or 'bench/generate'}{named}.profile.txt"
         write_table(path, events, torch.device(args.device), title)
         print(f"[bench] {title}; kernel table in {path}", flush=True)
         print(events.table(sort_by=self_time_key(torch.device(args.device)), row_limit=20, max_name_column_width=60))
@@ -261,8 +272,15 @@ def main() -> None:
     run_dtype = str(adapter.dtype).removeprefix("torch.")
     adapter.model.to(torch.float32)
     few = hf_subset[: args.fp32_prompts]
-    fp32_static = static(StaticGenerator(adapter, cuda), few, args.fp32_new_tokens, args.fp32_batch)
-    fp32 = agreement(fp32_static, hf(few, args.fp32_new_tokens, batch=1))
+    fp32_hf = hf(few, args.fp32_new_tokens, batch=1)
+    fp32_by_attention = {}
+    for attention in args.attention:
+        fp32_static = static(StaticGenerator(adapter, cuda, attention=attention), few, args.fp32_new_tokens,
+                             args.fp32_batch)
+        found = agreement(fp32_static, fp32_hf)
+        fp32_by_attention[attention] = {**found, "new_tokens": args.fp32_new_tokens,
+                                        "identical": found["rows_equal"] == found["rows"]}
+    fp32 = fp32_by_attention[args.attention[0]]
 
     report = {
         "target": name, "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -271,8 +289,7 @@ def main() -> None:
         "turns": args.turns,
         "prompt_tokens_mean": round(sum(lengths) / len(lengths), 1), "prompt_tokens_max": max(lengths),
         "runs": runs, "agreement_static_vs_hf": {"engine": fast, "dtype": run_dtype, **(same_dtype or {})},
-        "fp32_token_for_token": {**fp32, "new_tokens": args.fp32_new_tokens,
-                                 "identical": fp32["rows_equal"] == fp32["rows"]},
+        "fp32_token_for_token": fp32, "fp32_token_for_token_by_attention": fp32_by_attention,
     }
     base = runs.get("hf", {}).get("tok_per_s")
     print(f"\n{'engine':<24} {'prompts':>7} {'tokens':>8} {'seconds':>8} {'tok/s':>10} {'vs hf':>7} "
@@ -288,8 +305,9 @@ def main() -> None:
     if same_dtype:
         print(f"{run_dtype} {fast} vs hf on {same_dtype['rows']} prompts: {same_dtype['rows_equal']} rows equal, "
               f"{same_dtype['prefix_token_rate']:.1%} of hf tokens in the common prefix")
-    print(f"float32 static ({args.fp32_batch} rows, refilled) vs hf one prompt at a time on {fp32['rows']} prompts x "
-          f"{args.fp32_new_tokens} tokens: {fp32['rows_equal']} rows identical")
+    for attention, found in fp32_by_attention.items():
+        print(f"float32 static ({attention}, {args.fp32_batch} rows, refilled) vs hf one prompt at a time on "
+              f"{found['rows']} prompts x {args.fp32_new_tokens} tokens: {found['rows_equal']} rows identical")
     if args.out:
         tmp = f"{args.out}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:

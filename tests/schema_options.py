@@ -13,14 +13,14 @@ def _values(settings: Any, names: tuple[str, ...]) -> dict[str, Any]:
 
 def answer_options(**given: Any) -> dict[str, Any]:
     """build_dataset's and regenerate's engine settings: group data's."""
-    return {**_values(DataSettings(), ("engine", "refill")), **given}
+    return {**_values(DataSettings(), ("engine", "refill", "decode_attention")), **given}
 
 
 def synthetic_options(**given: Any) -> dict[str, Any]:
-    """synthesize_prompts' settings: group data.synthetic's, and data's batch_size and engine."""
+    """synthesize_prompts' settings: group data.synthetic's, and data's batch_size, engine and decode_attention."""
     synthetic = _values(SyntheticSettings(), ("temperature", "top_p", "max_new_tokens", "min_chars",
                                               "max_oversample", "keep_system"))
-    return {**synthetic, **_values(DataSettings(), ("batch_size", "engine")), **given}
+    return {**synthetic, **_values(DataSettings(), ("batch_size", "engine", "decode_attention")), **given}
 
 
 def capture_options(**given: Any) -> dict[str, Any]:

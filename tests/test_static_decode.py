@@ -293,22 +293,22 @@ def test_bad_arguments_name_the_argument(target, change, name):
         static_generate(target("llama"), **args)
 
 
-def test_the_data_stage_passes_compile_step_and_refill_to_the_engine(target, tmp_path, monkeypatch):
+def test_the_data_stage_passes_its_engine_settings_to_the_engine(target, tmp_path, monkeypatch):
     import dflash.data.regenerate as regenerate_module
 
     made = []
 
     class Recording(regenerate_module.StaticGenerator):
-        def __init__(self, adapter, cuda_graphs=None, compile_step=False, refill=True):
-            made.append((compile_step, refill))
+        def __init__(self, adapter, cuda_graphs=None, compile_step=False, refill=True, attention="sdpa"):
+            made.append((compile_step, refill, attention))
             # eager here: compiling would only slow the test down
-            super().__init__(adapter, cuda_graphs, refill=refill)
+            super().__init__(adapter, cuda_graphs, refill=refill, attention=attention)
 
     monkeypatch.setattr(regenerate_module, "StaticGenerator", Recording)
     prompts = [Prompt("p0", [{"role": "user", "content": "hi"}], "test")]
     regenerate(prompts, target("llama"), tmp_path / "j.jsonl", max_length=40, max_new_tokens=4, batch_size=1,
-               show_progress=False, engine="static", compile_step=True, refill=False)
-    assert made == [(True, False)]
+               show_progress=False, engine="static", compile_step=True, refill=False, decode_attention="flex")
+    assert made == [(True, False, "flex")]
 
 
 def test_regenerate_engines_write_the_same_journal(target, tmp_path, monkeypatch):
@@ -317,7 +317,7 @@ def test_regenerate_engines_write_the_same_journal(target, tmp_path, monkeypatch
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": t}], "test") for i, t in enumerate(texts)]
     # max_length cuts the longest prompt's response (finish "length") while others run to max_new_tokens.
     settings = dict(max_length=65, max_new_tokens=12, batch_size=2, show_progress=False,
-                    refill=schema_default("data.refill"))
+                    refill=schema_default("data.refill"), decode_attention=schema_default("data.decode_attention"))
     hf = regenerate(prompts, adapter, tmp_path / "hf.jsonl", **settings, engine="hf")
     static = regenerate(prompts, adapter, tmp_path / "static.jsonl", **settings, engine="static")
     timing = ("engine", "generate_seconds", "generate_tokens_per_s", "template_seconds")

@@ -155,6 +155,7 @@ class DrafterSettings:
 
 PROMPT_SOURCES = ("sharegpt", "file", "humaneval", "mtbench", "gsm8k")
 ENGINES = ("auto", "static", "hf")
+DECODE_ATTENTIONS = ("sdpa", "flex", "auto")
 
 
 def _default_system_prompts() -> list[str]:
@@ -224,6 +225,9 @@ class DataSettings:
     refill: bool = setting(True, affects=(), doc="static engine: a row whose answer ended takes the next prompt")
     compile_step: bool = setting(False, affects=(),
                                  doc="static engine: also torch.compile the decode step (slower: 0.41x on an H200)")
+    decode_attention: str = setting("sdpa", affects=(),
+                                    doc="static engine's decode attention: sdpa (every row over the step's span) | "
+                                        "flex (each row over its own keys) | auto (flex on a CUDA target)")
     synthetic: SyntheticSettings = setting(affects=("data",), factory=SyntheticSettings, neutral=_synthetic_off,
                                            doc="prompts the target writes itself")
     chat_template_kwargs: Dict[str, Any] = setting(affects=("data",), factory=dict, neutral={},
@@ -256,6 +260,7 @@ class DataSettings:
         require(self.eval_overlap_ngram >= 0, "data.eval_overlap_ngram", self.eval_overlap_ngram,
                 "an int >= 0 (0: no check)")
         require_choice("data.engine", self.engine, ENGINES)
+        require_choice("data.decode_attention", self.decode_attention, DECODE_ATTENTIONS)
 
 
 # capture -----------------------------------------------------------------------------------------------------------

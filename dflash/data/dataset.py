@@ -85,7 +85,7 @@ def heldout_ids(ids: list[str], count: int, seed: int) -> set[str]:
 def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, max_length: int,
                   max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str,
-                  compile_step: bool = False, refill: bool, target: dict | None = None,
+                  compile_step: bool = False, refill: bool, decode_attention: str, target: dict | None = None,
                   before_replace: Callable[[], None] | None = None,
                   template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
@@ -125,8 +125,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     template_s = time.perf_counter() - template_started
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
-                     compile_step=compile_step, refill=refill, target=target, template_kwargs=template_kwargs,
-                     sampled_share=sampled_share, prompt_tokens=prompt_tokens)
+                     compile_step=compile_step, refill=refill, decode_attention=decode_attention, target=target,
+                     template_kwargs=template_kwargs, sampled_share=sampled_share, prompt_tokens=prompt_tokens)
     gen["template_seconds"] = round(template_s + gen["template_seconds"], 3)
     _, index = scan_journal(journal_path)
     templated = {p.id: ids for p, ids in zip(prompts, prompt_tokens) if p.id in index and index[p.id][0] == "done"}

@@ -159,7 +159,7 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,
                max_new_tokens: int, batch_size: int, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, show_progress: bool = True, *, engine: str, compile_step: bool = False,
-               refill: bool, target: dict | None = None,
+               refill: bool, decode_attention: str, target: dict | None = None,
                template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0,
                prompt_tokens: list[list[int]] | None = None) -> dict:
     """Answer every prompt with the target; returns {"total", "done", "skipped", "failed", "stale", ...}.
@@ -182,7 +182,9 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     finish) or "auto" (static on a CUDA target it supports, else hf). Both give the same greedy tokens in
     float32, so the journal does not record which one ran. compile_step: the static engine also runs its decode
     step through torch.compile. refill=False: the static engine runs plain batches (a batch ends with its longest
-    answer), for comparison. show_progress: a bar that moves with the generated tokens (GenerationProgress).
+    answer), for comparison. decode_attention: the static engine's decode attention (StaticGenerator's
+    `attention`: sdpa, flex or auto); the same tokens either way up to float rounding. show_progress: a bar that
+    moves with the generated tokens (GenerationProgress).
     """
     _check_settings(max_length, max_new_tokens, batch_size, temperature, top_p, sampled_share)
     engine = resolve_engine(engine, adapter)
@@ -195,7 +197,8 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
         settings["sampled_share"] = sampled_share
     journal, done_hashes = open_journal(Path(journal_path), with_target(settings, target))
     with journal:  # closed on every exit, a template or engine error included
-        static = StaticGenerator(adapter, compile_step=compile_step, refill=refill) if engine == "static" else None
+        static = StaticGenerator(adapter, compile_step=compile_step, refill=refill,
+                                 attention=decode_attention) if engine == "static" else None
         started = time.perf_counter()
         if prompt_tokens is None:
             prompt_tokens = prompt_ids_many(adapter.tokenizer, [p.messages for p in prompts], template_kwargs)

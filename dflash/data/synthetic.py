@@ -169,9 +169,10 @@ def _next_wants(kept: list[list[dict]], wants: list[int], quota: list[int], caps
 class _Drawer:
     """Samples user turns with the data stage's engines and journals each draw as it finishes."""
 
-    def __init__(self, adapter: Any, engine: str, prefix_ids: list[list[int]], journal: Any, records: dict,
-                 settings: dict, batch_size: int, progress: GenerationProgress) -> None:
+    def __init__(self, adapter: Any, engine: str, decode_attention: str, prefix_ids: list[list[int]], journal: Any,
+                 records: dict, settings: dict, batch_size: int, progress: GenerationProgress) -> None:
         self.adapter, self.engine, self.prefix_ids = adapter, engine, prefix_ids
+        self.decode_attention = decode_attention
         self.records, self.progress = records, progress
         self.settings, self.batch_size = settings, batch_size
         self.stop_ids = settings["stop_token_ids"]
@@ -186,7 +187,7 @@ class _Drawer:
         """Draw every (system index, k) in `missing` and journal them."""
         started = time.perf_counter()
         if self.engine == "static" and self.static is None:
-            self.static = StaticGenerator(self.adapter)
+            self.static = StaticGenerator(self.adapter, attention=self.decode_attention)
         drawn = missing if self.engine == "static" else self._hf_draws(missing)
         self.progress.expect({f"syn-{i}-{k}": self.settings["max_new_tokens"] for i, k in drawn})
         try:
@@ -245,7 +246,7 @@ class _Drawer:
 
 def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], journal_path: str | Path, *,
                        temperature: float, top_p: float, max_new_tokens: int, min_chars: int, batch_size: int,
-                       engine: str, max_oversample: float, keep_system: bool, seed: int = 0,
+                       engine: str, decode_attention: str, max_oversample: float, keep_system: bool, seed: int = 0,
                        show_progress: bool = True, target: dict | None = None) -> tuple[list[Prompt], dict]:
     """`count` user prompts written by the target, spread evenly over `system_prompts`; returns (prompts, stats).
 
@@ -253,7 +254,8 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     quota, then more while draws are dropped, at most ceil(quota * max_oversample) in all; if that is not enough
     it keeps fewer (stats["kept"] < count, with a warning). Prompts are Prompt("syn-<i>-<k>-<text digest>" (prompt_id),
     [system, user], "synthetic") in (system, k) order; keep_system=False leaves the steering system message out of them.
-    engine: as regenerate's ("auto" = static on a supported CUDA target, else hf); batch_size rows decode at once.
+    engine: as regenerate's ("auto" = static on a supported CUDA target, else hf); batch_size rows decode at once;
+    decode_attention: the static engine's decode attention, as regenerate's.
     A rerun with the same settings reuses the journal and draws the same texts; other settings raise ValueError.
     target: the target's identity (a JSON-able dict such as its config), recorded in the journal header, so that
     another target's draws are refused like other settings; None (unknown) matches only a journal that records none.
@@ -288,7 +290,8 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
         _, records = read_journal(journal_path)
         journaled = set(records)
         progress = GenerationProgress("synthesize prompts", "draws", show_progress)
-        drawer = _Drawer(adapter, engine, prefix_ids, journal, records, settings, batch_size, progress)
+        drawer = _Drawer(adapter, engine, decode_attention, prefix_ids, journal, records, settings, batch_size,
+                         progress)
         try:
             kept, verdicts, wants = settle(records, quota, caps, drawer.draw)
         finally:

@@ -27,6 +27,7 @@ from functools import cache
 import torch
 
 from dflash.inference.cuda_graphs import capture_graphs
+from dflash.inference.row_attention import RowPrefixAttention, resolve_attention
 from dflash.inference.row_schedule import ScheduleStats, round_up, run_schedule
 from dflash.models.targets.static_attention import attention, visibility_masks
 from dflash.models.targets.engine_attention import EngineCache, engine_attention
@@ -97,7 +98,7 @@ class _Decoder:
     """
 
     def __init__(self, adapter, rows: int, length: int, stop_ids: list[int], temperature: float,
-                 top_p: float, use_graph: bool, compile_step: bool = False) -> None:
+                 top_p: float, use_graph: bool, compile_step: bool = False, attention: str = "sdpa") -> None:
         # The target runs through adapter.forward with an EngineCache over this decoder's KV cache.
         self.adapter, self.layout = adapter, adapter.engine_layout
         self.rows, self.length = rows, length
@@ -125,7 +126,11 @@ class _Decoder:
         self.call_prompts: list[list[int]] = []
         self.call_budgets: list[int] = []
         self.call_keys: list[str] = []
-        self.spans = list(range(LENGTH_QUANTUM, length + 1, LENGTH_QUANTUM))
+        # With flex attention each row reads only its own keys, so one span (the whole cache) serves every step.
+        self.row_attention = RowPrefixAttention(rows, lay.kv_heads, lay.heads // lay.kv_heads, length, device,
+                                                lay.mask_windows) if attention == "flex" else None
+        self.span_quantum = length if self.row_attention is not None else LENGTH_QUANTUM
+        self.spans = list(range(self.span_quantum, length + 1, self.span_quantum))
         self.graphs = self._capture() if use_graph else {}
 
     def reset(self) -> None:
@@ -166,13 +171,16 @@ class _Decoder:
 
     def step(self, span: int) -> None:
         """One decode step for every row: feed `tokens` at each row's `column`, attend over the first `span`
-        columns, choose and record the next tokens. Runs inside engine_attention (advance() enters it)."""
+        columns (with flex attention each row over its own columns 0..column), choose and record the next tokens. Runs inside engine_attention (advance() enters it)."""
         lay = self.layout
         rope = {kind: (cos[self.column][:, None], sin[self.column][:, None]) for kind, (cos, sin) in self.rope.items()}
-        # Additive masks made once per step, one per distinct window (SDPA would convert a boolean one in every
-        # layer).
-        masks = visibility_masks(self.columns[:span], self.column, lay.mask_windows, lay.dtype)
-        masks = {window: mask[:, None, None, :] for window, mask in masks.items()}
+        if self.row_attention is not None:
+            self.row_attention.update(self.column)
+        else:
+            # Additive masks made once per step, one per distinct window (SDPA would convert a boolean one in every
+            # layer).
+            masks = visibility_masks(self.columns[:span], self.column, lay.mask_windows, lay.dtype)
+            masks = {window: mask[:, None, None, :] for window, mask in masks.items()}
         write = (self.flat_base + self.column[:, None]).view(-1)
         groups = lay.heads // lay.kv_heads
 
@@ -182,7 +190,10 @@ class _Decoder:
             values.view(-1, lay.head_dim).index_copy_(0, write, v.reshape(-1, lay.head_dim))
             # The query heads of one kv group act as the query rows of that kv head: no copy of the cache.
             q = q.reshape(self.rows, lay.kv_heads, groups, lay.head_dim)
-            context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
+            if self.row_attention is not None:
+                context = self.row_attention(q, keys, values, scaling, window, softcap)
+            else:
+                context = attention(q, keys[:, :, :span], values[:, :, :span], masks[window], scaling, softcap)
             return context.reshape(self.rows, 1, lay.heads, lay.head_dim)
 
         _, logits = self.adapter.forward(self.tokens[:, None], None, [], "logits",
@@ -280,12 +291,14 @@ class StaticGenerator:
     Refill only helps within a call, so pass many prompts per call (stream() yields results as they finish). Keep
     one generator per run when calling several times: a call reuses the decoder when its rows, stop tokens and
     choice rule match and its cache is long enough, so its graphs are not captured again. refill=False runs plain
-    batches (a batch ends when its last row stops), for comparison. `last_stats` holds the ScheduleStats of the
-    last call (decode steps, row utilisation).
+    batches (a batch ends when its last row stops), for comparison. `attention` is the decode step's attention
+    (row_attention.py): "sdpa" (every row over the step's span, masked), "flex" (each row over its own keys; plain
+    causal targets only) or "auto" (flex on a CUDA target it can decode). `last_stats` holds the ScheduleStats of
+    the last call (decode steps, row utilisation).
     """
 
     def __init__(self, adapter, cuda_graphs: bool | None = None, compile_step: bool = False,
-                 refill: bool = True) -> None:
+                 refill: bool = True, attention: str = "sdpa") -> None:
         reason = adapter.static_layout_problem()
         if reason is not None:
             raise ValueError(f"static decoding does not support this target: {reason}")
@@ -299,6 +312,7 @@ class StaticGenerator:
         self.fixed_rows = self.cuda_graphs
         self.compile_step = compile_step
         self.refill = refill
+        self.attention = resolve_attention(attention, self.layout)
         self.last_stats: ScheduleStats | None = None
         self._decoder: _Decoder | None = None
         self._key: tuple | None = None
@@ -309,7 +323,7 @@ class StaticGenerator:
         if key != self._key or self._decoder.length < length:
             self._decoder = self._key = None  # free the old buffers and graphs first
             self._decoder = _Decoder(self.adapter, rows, length, stop_ids, temperature, top_p, self.cuda_graphs,
-                                     self.compile_step)
+                                     self.compile_step, self.attention)
             self._key = key
         return self._decoder
 
@@ -349,7 +363,7 @@ class StaticGenerator:
             yield from run_schedule(
                 decoder, [len(p) for p in prompts], budgets, refill=self.refill,
                 check_every=CHECK_EVERY_CUDA if self.layout.device.type == "cuda" else 1,
-                admit_min=max(1, rows // REFILL_GROUPS), span_quantum=LENGTH_QUANTUM, max_span=decoder.length,
+                admit_min=max(1, rows // REFILL_GROUPS), span_quantum=decoder.span_quantum, max_span=decoder.length,
                 stats=self.last_stats,
             )
 
@@ -386,7 +400,7 @@ def static_generate(adapter, prompts: list[list[int]], *, max_new_tokens: int | 
                     stop_token_ids: list[int], pad_id: int, batch_size: int, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, prompt_seeds: Sequence[int] | None = None,
                     cuda_graphs: bool | None = None, compile_step: bool = False,
-                    refill: bool = True) -> list[list[int]]:
+                    refill: bool = True, attention: str = "sdpa") -> list[list[int]]:
     """The new tokens of each prompt (input order), up to and including its first stop token, at most its budget.
 
     max_new_tokens: one budget for all prompts or one per prompt. batch_size rows decode together; with refill
@@ -397,10 +411,10 @@ def static_generate(adapter, prompts: list[list[int]], *, max_new_tokens: int | 
     row, batch size or refill setting (up to the float rounding of the batch a prompt runs in). cuda_graphs None =
     on for CUDA targets; CPU always runs without graphs. compile_step: run the decode step through torch.compile
     (fuses the norms, RoPE and residual adds into few kernels; compiling takes a while, and each new shape may
-    recompile). pad_id is checked and kept for compatibility (prompts are right padded inside prefill, where
+    recompile). attention: the decode step's, see StaticGenerator. pad_id is checked and kept for compatibility (prompts are right padded inside prefill, where
     padding is never attended). ValueError for a target supports_static_decode refuses and for bad arguments.
     """
-    generator = StaticGenerator(adapter, cuda_graphs, compile_step, refill)
+    generator = StaticGenerator(adapter, cuda_graphs, compile_step, refill, attention)
     return generator.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, pad_id=pad_id,
                               batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed,
                               prompt_seeds=prompt_seeds)

@@ -84,7 +84,8 @@ class DataStage(Stage):
         stats = build_dataset(prompts, run.target, out, max_length=d.max_length, max_new_tokens=d.max_new_tokens,
                               batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
                               show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
-                              compile_step=d.compile_step, refill=d.refill, target=self.target_identity(),
+                              compile_step=d.compile_step, refill=d.refill, decode_attention=d.decode_attention,
+                              target=self.target_identity(),
                               before_replace=lambda: clear_done(out),
                               template_kwargs=dict(d.chat_template_kwargs), sampled_share=d.sampled_share)
         # What the synthetic draws and the overlap check found, and the time before the answers, go with the
@@ -111,7 +112,8 @@ class DataStage(Stage):
             run.target, s.count, list(s.system_prompts), os.path.join(self.out, "synthetic.jsonl"),
             temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, min_chars=s.min_chars,
             max_oversample=s.max_oversample, keep_system=s.keep_system, batch_size=d.batch_size, seed=d.seed,
-            engine=d.engine, show_progress=run.show_progress, target=self.target_identity())
+            engine=d.engine, decode_attention=d.decode_attention, show_progress=run.show_progress,
+            target=self.target_identity())
         logger.info(f"[data] synthetic prompts: {format_synthetic(stats)}")
         return prompts, stats
 

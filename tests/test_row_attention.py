@@ -1,0 +1,135 @@
+"""Decode attention over each row's own keys (flex attention, dflash/inference/row_attention.py): equal to masked
+attention at every row length and sliding window (block boundaries included) and with soft-capped logits; through
+regeneration with refilled rows the same tokens as HF greedy (dense and windowed targets) and the same sampled
+tokens as the SDPA engine; one span for every step; clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash.inference.row_attention import FLEX_BLOCK, RowPrefixAttention, resolve_attention
+from dflash.inference.static_decode import StaticGenerator, static_generate
+from dflash.models.targets import build_tiny_target
+from tests.test_static_decode import REFILL_BUDGETS, REFILL_LENGTHS, hf_alone, make_prompts
+from tests.test_static_windows import WINDOWED
+
+B = FLEX_BLOCK
+# Columns on both sides of block edges, the first and the last column of a 4-block cache.
+COLUMNS = torch.tensor([0, B - 2, B - 1, B, B + 1, 2 * B + 5, 3 * B - 1, 4 * B - 2, 4 * B - 1, 7])
+
+
+def masked_reference(q, keys, values, column, window=None, softcap=None):
+    """float64 attention of q [R, kv, g, D] over cache [R, kv, L, D]: row r sees column[r] - window < p <= column[r]
+    (no lower bound without a window), logits soft-capped (cap * tanh(x / cap)) before the mask when given."""
+    logits = q.double() @ keys.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    p = torch.arange(keys.shape[2])
+    seen = p <= column[:, None]
+    if window is not None:
+        seen &= p > column[:, None] - window
+    logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1) @ values.double()
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, B, B + 1, 2 * B + 3, 10 * B])
+def test_each_row_attends_over_its_own_keys_only(window):
+    rows, kv, groups, dim, length = len(COLUMNS), 2, 3, 16, 4 * B
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, kv, groups, dim, generator=g)
+    keys, values = (torch.randn(rows, kv, length, dim, generator=g) for _ in range(2))
+    attention = RowPrefixAttention(rows, kv, groups, length, torch.device("cpu"), windows=(None, window))
+    attention.update(COLUMNS)
+    got = attention(q, keys, values, 1 / math.sqrt(dim), window)
+    want = masked_reference(q, keys, values, COLUMNS, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # Keys outside a row's range do not matter, whatever they hold (a previous occupant's, or garbage).
+    p = torch.arange(length)
+    outside = (p > COLUMNS[:, None]) | ((p <= COLUMNS[:, None] - window) if window is not None else False)
+    scribbled = keys.clone()
+    scribbled[outside[:, None, :].expand(rows, kv, length)] = 1e4
+    torch.testing.assert_close(attention(q, scribbled, values, 1 / math.sqrt(dim), window), got)
+
+
+def test_soft_capped_logits():
+    rows, kv, groups, dim, length = len(COLUMNS), 1, 2, 8, 4 * B
+    g = torch.Generator().manual_seed(1)
+    q = 4 * torch.randn(rows, kv, groups, dim, generator=g)  # logits well past the cap
+    keys, values = (torch.randn(rows, kv, length, dim, generator=g) for _ in range(2))
+    attention = RowPrefixAttention(rows, kv, groups, length, torch.device("cpu"), windows=(None, 9))
+    attention.update(COLUMNS)
+    for window in (None, 9):
+        got = attention(q, keys, values, 1 / math.sqrt(dim), window, softcap=2.0)
+        want = masked_reference(q, keys, values, COLUMNS, window, softcap=2.0)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(got.double(), masked_reference(q, keys, values, COLUMNS, window), atol=1e-2)
+
+
+def test_a_cache_length_off_the_block_is_refused():
+    with pytest.raises(ValueError, match="not a multiple of the flex block"):
+        RowPrefixAttention(2, 1, 1, FLEX_BLOCK + 8, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_flex_decoding_gives_the_sdpa_engine_and_hf_tokens(family):
+    adapter = build_tiny_target(family, 0, tokenizer="builtin", initializer_range=0.2)
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    expected = hf_alone(adapter, prompts, REFILL_BUDGETS, [2])
+    for batch_size in (3, 5):
+        generator = StaticGenerator(adapter, attention="flex")
+        got = generator.generate(prompts, max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0,
+                                 batch_size=batch_size)
+        assert got == expected, batch_size
+        assert generator.last_stats.admissions > 1  # rows were refilled, over a previous occupant's keys
+    sampled = dict(max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0, batch_size=4, temperature=0.9,
+                   top_p=0.8, seed=3)
+    assert static_generate(adapter, prompts, **sampled, attention="flex") == static_generate(
+        adapter, prompts, **sampled, attention="sdpa")
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_flex_decoding_of_windowed_targets_gives_hf_tokens(family):
+    adapter = build_tiny_target(family, 0, tokenizer="builtin", initializer_range=0.2, **WINDOWED[family])
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    expected = hf_alone(adapter, prompts, REFILL_BUDGETS, [2])
+    got = static_generate(adapter, prompts, max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0,
+                          batch_size=3, attention="flex")
+    assert got == expected
+
+
+def test_flex_decodes_every_step_at_one_span():
+    adapter = build_tiny_target("qwen3", 0, tokenizer="builtin", initializer_range=0.2)
+    spans = []
+    generator = StaticGenerator(adapter, attention="flex")
+    decoder = generator._decoder_for(2, 256, [2], 0.0, 1.0)
+    decode = decoder.decode
+    decoder.decode = lambda steps, span: (spans.append(span), decode(steps, span))
+    generator.generate([[5, 6, 7], [8, 9]], max_new_tokens=3, stop_token_ids=[2], pad_id=0, batch_size=2)
+    assert spans and set(spans) == {256}
+
+
+def test_attention_choices():
+    adapter = build_tiny_target("llama", 0, tokenizer="builtin")
+    assert resolve_attention("auto", adapter.engine_layout) == "sdpa"  # on the CPU
+    assert resolve_attention("flex", adapter.engine_layout) == "flex"
+    assert resolve_attention("sdpa", adapter.engine_layout) == "sdpa"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        StaticGenerator(adapter, attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flex_under_cuda_graphs_replays_the_eager_step(dtype):
+    adapter = build_tiny_target("qwen3", 0, tokenizer="builtin", initializer_range=0.2, device="cuda", dtype=dtype)
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    args = dict(max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0, batch_size=3, attention="flex")
+    graphed = static_generate(adapter, prompts, **args, cuda_graphs=True)
+    assert graphed == static_generate(adapter, prompts, **args, cuda_graphs=False)
+    assert resolve_attention("auto", adapter.engine_layout) == "flex"
+    if dtype == "float32":
+        assert graphed == hf_alone(adapter, prompts, REFILL_BUDGETS, [2])
+        assert static_generate(adapter, prompts, **args, compile_step=True) == graphed
