@@ -32,7 +32,8 @@ rows may diverge), and, after casting the model to float32, token-for-token equa
 decoded in --fp32-batch rows (fewer rows than prompts: rows are refilled) against HF greedy one prompt at a time,
 once per --attention. With --profile, one eager static call per --attention (no graphs: the same kernels, each
 visible to the profiler) over the first --batch prompts at --profile-new-tokens is profiled; its kernel table,
-sorted by device time, is printed (top rows) and written to OUT.profile.txt (OUT.flex.profile.txt for flex). Prints a table and writes the JSON to --out (atomically).
+sorted by device time, is printed (top rows) and written to OUT.profile.txt (OUT.flex.profile.txt for flex).
+Prints a table and writes the JSON to --out (atomically).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fp32-batch", type=int, default=3, help="rows of the float32 check (refilled)")
     parser.add_argument("--cache-dir", default=None, help="SmolLM2 conversion cache (default ~/.cache/dflash)")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile one eager static call over --batch prompts (kernel table to OUT.profile.txt)")
+                        help="also profile one eager static call per --attention over --batch prompts (kernel "
+                             "tables to OUT.profile.txt, OUT.flex.profile.txt)")
     parser.add_argument("--profile-new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None)
     return parser.parse_args()

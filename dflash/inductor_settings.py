@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch._dynamo.config as dynamo_config
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
@@ -37,6 +38,13 @@ def configure_inductor() -> None:
         if hasattr(triton_options, option):
             setattr(triton_options, option, False)
     fx_config.use_duck_shape = False
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep at least `limit` compiled graphs per code object (its default is 8); never lowers it."""
+    # Older torch releases call the limit cache_size_limit.
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
 
 
 def compile_once(layer: nn.Module, compile_layer: Callable[[nn.Module], None]) -> bool:

@@ -5,10 +5,15 @@ tokens as the SDPA engine; one span for every step; clear errors."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import flex_attention
+
+from dflash.inference import static_decode
 
 from dflash.inference.row_attention import FLEX_BLOCK, RowPrefixAttention, resolve_attention
 from dflash.inference.static_decode import StaticGenerator, static_generate
@@ -54,18 +59,77 @@ def test_each_row_attends_over_its_own_keys_only(window):
     torch.testing.assert_close(attention(q, scribbled, values, 1 / math.sqrt(dim), window), got)
 
 
+def keys_read(mask, rows: int, length: int, block: int) -> torch.Tensor:
+    """[rows, length]: how many times a block-sparse kernel reads each key under `mask` (BlockMask): once per
+    listed partial block holding it where mask_mod allows it, once per listed full block holding it."""
+    blocks = length // block
+    slot = torch.arange(blocks)
+    block_of = torch.arange(length) // block
+
+    def listed(count, indices):
+        count, indices = count.view(rows, 1).long(), indices.view(rows, blocks).long()
+        assert indices.min() >= 0 and indices.max() < blocks  # every entry, those past the count too
+        return ((indices[:, :, None] == block_of) & (slot[None, :, None] < count[:, :, None])).sum(1)
+
+    allowed = mask.mask_mod(torch.arange(rows)[:, None], 0, 0, torch.arange(length)[None]).long()
+    return listed(mask.kv_num_blocks, mask.kv_indices) * allowed + listed(mask.full_kv_num_blocks,
+                                                                          mask.full_kv_indices)
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 8])
+def test_the_block_lists_read_every_visible_key_once_and_nothing_else(block):
+    # Eager flex (the CPU path) evaluates mask_mod on every key and never reads the block lists that the compiled
+    # kernel follows, so the lists are checked here on their own: every column of caches of 1-4 blocks, every
+    # window up to past the cache.
+    for blocks in range(1, 5):
+        length = block * blocks
+        column = torch.arange(length)  # one row per column
+        windows = (None, *range(1, length + 3))
+        attention = RowPrefixAttention(length, 1, 1, length, torch.device("cpu"), windows=windows, block=block)
+        attention.update(column)
+        p = torch.arange(length)
+        for window in windows:
+            visible = (p <= column[:, None]) & ((p > column[:, None] - window) if window else True)
+            read = keys_read(attention.block_masks[window], length, length, block)
+            assert torch.equal(read, visible.long()), (block, length, window)
+            # A row reads at most two blocks through the mask (the ones its range cuts).
+            assert attention.block_masks[window].kv_num_blocks.max() <= 2
+
+
+@pytest.mark.slow
+def test_compiled_flex_follows_the_block_lists():
+    # Inductor's CPU flex kernel skips the blocks a row's lists leave out: the lists and the mask together give
+    # the masked reference, with garbage outside each row's range.
+    rows, kv, groups, dim, length = len(COLUMNS), 1, 3, 16, 4 * B
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(rows, kv, groups, dim, generator=g)
+    keys, values = (torch.randn(rows, kv, length, dim, generator=g) for _ in range(2))
+    attention = RowPrefixAttention(rows, kv, groups, length, torch.device("cpu"), windows=(None, B + 3))
+    attention.update(COLUMNS)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    p = torch.arange(length)
+    for window in (None, B + 3):
+        outside = (p > COLUMNS[:, None]) | ((p <= COLUMNS[:, None] - window) if window else False)
+        scribbled = keys.masked_fill(outside[:, None, :, None], 1e4)
+        got = compiled(q, scribbled, values, block_mask=attention.block_masks[window], scale=1 / math.sqrt(dim))
+        want = masked_reference(q, keys, values, COLUMNS, window)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_soft_capped_logits():
     rows, kv, groups, dim, length = len(COLUMNS), 1, 2, 8, 4 * B
     g = torch.Generator().manual_seed(1)
     q = 4 * torch.randn(rows, kv, groups, dim, generator=g)  # logits well past the cap
     keys, values = (torch.randn(rows, kv, length, dim, generator=g) for _ in range(2))
-    attention = RowPrefixAttention(rows, kv, groups, length, torch.device("cpu"), windows=(None, 9))
+    attention = RowPrefixAttention(rows, kv, groups, length, torch.device("cpu"), windows=(None, 9), softcap=2.0)
     attention.update(COLUMNS)
     for window in (None, 9):
         got = attention(q, keys, values, 1 / math.sqrt(dim), window, softcap=2.0)
         want = masked_reference(q, keys, values, COLUMNS, window, softcap=2.0)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(got.double(), masked_reference(q, keys, values, COLUMNS, window), atol=1e-2)
+    with pytest.raises(ValueError, match="soft cap 3.0"):
+        attention(q, keys, values, 1 / math.sqrt(dim), None, softcap=3.0)
 
 
 def test_a_cache_length_off_the_block_is_refused():
@@ -111,6 +175,29 @@ def test_flex_decodes_every_step_at_one_span():
     assert spans and set(spans) == {256}
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_a_compiled_step_with_flex_compiles_nothing_once_warm(family, monkeypatch):
+    # capture_graphs runs a compiled step COMPILED_WARMUPS times to warm up, then again while capturing: that call
+    # must not compile (dynamo only here: the eager backend traces what inductor would get).
+    overrides = WINDOWED.get(family, {}) if family == "gemma2" else {}
+    adapter = build_tiny_target(family, 0, tokenizer="builtin", initializer_range=0.2, num_hidden_layers=2,
+                                **overrides)
+    monkeypatch.setattr(static_decode, "_compiled_step", functools.cache(
+        lambda: torch.compile(static_decode._Decoder.step, fullgraph=True, backend="eager")))
+    generator = StaticGenerator(adapter, attention="flex", compile_step=True)
+    with torch.inference_mode():
+        decoder = generator._decoder_for(3, 128, [2], 0.0, 1.0)
+        for _ in range(static_decode.COMPILED_WARMUPS):
+            decoder.advance(decoder.spans[0])
+        graphs = counters["stats"]["unique_graphs"]
+        decoder.advance(decoder.spans[0])
+        decoder.advance(decoder.spans[0])
+    assert counters["stats"]["unique_graphs"] == graphs
+    prompts = make_prompts()
+    assert generator.generate(prompts, max_new_tokens=6, stop_token_ids=[2], pad_id=0, batch_size=3) == \
+        static_generate(adapter, prompts, max_new_tokens=6, stop_token_ids=[2], pad_id=0, batch_size=3)
+
+
 def test_attention_choices():
     adapter = build_tiny_target("llama", 0, tokenizer="builtin")
     assert resolve_attention("auto", adapter.engine_layout) == "sdpa"  # on the CPU
@@ -118,6 +205,26 @@ def test_attention_choices():
     assert resolve_attention("sdpa", adapter.engine_layout) == "sdpa"
     with pytest.raises(ValueError, match="attention must be one of"):
         StaticGenerator(adapter, attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("window", [None, 5, B + 1])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_compiled_flex_on_cuda_equals_masked_attention(window, softcap):
+    rows, kv, groups, dim, length = len(COLUMNS), 3, 3, 64, 4 * B
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(rows, kv, groups, dim, generator=g)
+    keys, values = (torch.randn(rows, kv, length, dim, generator=g) for _ in range(2))
+    attention = RowPrefixAttention(rows, kv, groups, length, torch.device("cuda"), windows=(None, window),
+                                   softcap=softcap)
+    attention.update(COLUMNS.cuda())
+    p = torch.arange(length)
+    outside = (p > COLUMNS[:, None]) | ((p <= COLUMNS[:, None] - window) if window else False)
+    scribbled = keys.masked_fill(outside[:, None, :, None], 1e4)
+    got = attention(q.cuda(), scribbled.cuda(), values.cuda(), 1 / math.sqrt(dim), window, softcap)
+    want = masked_reference(q, keys, values, COLUMNS, window, softcap)
+    torch.testing.assert_close(got.double().cpu(), want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.gpu

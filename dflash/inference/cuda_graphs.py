@@ -13,11 +13,11 @@ Shape = TypeVar("Shape", bound=Hashable)
 
 
 def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Callable[[Shape], None],
-                   run: Callable[[Shape], Any]) -> dict[Shape, tuple[torch.cuda.CUDAGraph, Any]]:
+                   run: Callable[[Shape], Any], warmups: int = 1) -> dict[Shape, tuple[torch.cuda.CUDAGraph, Any]]:
     """One CUDA graph per shape of `run(shape)` (which reads and writes only static buffers), with its outputs.
 
-    `prepare(shape)` sets the buffers a warm-up run of that shape needs (outside the graph). Warm-up runs on a
-    side stream first (lazy initialisation must not land in a graph). The graphs share one memory pool: they never
+    `prepare(shape)` sets the buffers a warm-up run of that shape needs (outside the graph). `warmups` runs of each
+    shape go on a side stream first (lazy initialisation, and compilation, must not land in a graph). The graphs share one memory pool: they never
     run concurrently and their outputs stay referenced here.
     """
     if device.type != "cuda":
@@ -27,8 +27,9 @@ def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Calla
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for shape in shapes:
-                prepare(shape)
-                run(shape)
+                for _ in range(warmups):
+                    prepare(shape)
+                    run(shape)
         torch.cuda.current_stream(device).wait_stream(side)
         graphs, pool = {}, torch.cuda.graph_pool_handle()
         for shape in shapes:

@@ -40,6 +40,10 @@ LENGTH_QUANTUM = 128
 PREFILL_TOKENS = 32768
 # On CUDA, "has every row stopped?" costs a device sync: ask every few steps only.
 CHECK_EVERY_CUDA = 8
+# Warm-up runs of a compiled step before its graphs are captured: with flex attention the second call compiled
+# the step again (transformers' kernel hooks keep a context variable that the first compiled call leaves set, and
+# dynamo guards on it); a compile must not start inside a capture.
+COMPILED_WARMUPS = 2
 # With refill, free rows are refilled once 1/REFILL_GROUPS of the rows are free: each refill is one eager prefill
 # call (~1k kernel launches), so waiting for a group costs fewer steps than refilling every row alone.
 REFILL_GROUPS = 16
@@ -127,8 +131,10 @@ class _Decoder:
         self.call_budgets: list[int] = []
         self.call_keys: list[str] = []
         # With flex attention each row reads only its own keys, so one span (the whole cache) serves every step.
-        self.row_attention = RowPrefixAttention(rows, lay.kv_heads, lay.heads // lay.kv_heads, length, device,
-                                                lay.mask_windows) if attention == "flex" else None
+        self.row_attention = None
+        if attention == "flex":
+            self.row_attention = RowPrefixAttention(rows, lay.kv_heads, lay.heads // lay.kv_heads, length, device,
+                                                    lay.mask_windows, lay.attention_softcap)
         self.span_quantum = length if self.row_attention is not None else LENGTH_QUANTUM
         self.spans = list(range(self.span_quantum, length + 1, self.span_quantum))
         self.graphs = self._capture() if use_graph else {}
@@ -142,7 +148,8 @@ class _Decoder:
     def _capture(self) -> dict[int, torch.cuda.CUDAGraph]:
         # One graph per attention span (all state lives in the static buffers, so they pass nothing to each other).
         # The warm-up scribbles on the state; reset() clears it.
-        captured = capture_graphs(self.layout.device, self.spans, prepare=lambda span: None, run=self.advance)
+        captured = capture_graphs(self.layout.device, self.spans, prepare=lambda span: None, run=self.advance,
+                                  warmups=COMPILED_WARMUPS if self.compile_step else 1)
         self.reset()
         return {span: graph for span, (graph, _) in captured.items()}
 
@@ -171,7 +178,8 @@ class _Decoder:
 
     def step(self, span: int) -> None:
         """One decode step for every row: feed `tokens` at each row's `column`, attend over the first `span`
-        columns (with flex attention each row over its own columns 0..column), choose and record the next tokens. Runs inside engine_attention (advance() enters it)."""
+        columns (with flex attention each row over its own columns 0..column), choose and record the next tokens.
+        Runs inside engine_attention (advance() enters it)."""
         lay = self.layout
         rope = {kind: (cos[self.column][:, None], sin[self.column][:, None]) for kind, (cos, sin) in self.rope.items()}
         if self.row_attention is not None:
@@ -292,9 +300,9 @@ class StaticGenerator:
     one generator per run when calling several times: a call reuses the decoder when its rows, stop tokens and
     choice rule match and its cache is long enough, so its graphs are not captured again. refill=False runs plain
     batches (a batch ends when its last row stops), for comparison. `attention` is the decode step's attention
-    (row_attention.py): "sdpa" (every row over the step's span, masked), "flex" (each row over its own keys; plain
-    causal targets only) or "auto" (flex on a CUDA target it can decode). `last_stats` holds the ScheduleStats of
-    the last call (decode steps, row utilisation).
+    (row_attention.py): "sdpa" (every row over the step's span, masked), "flex" (each row over its own keys) or
+    "auto" (flex on a CUDA target, else sdpa). `last_stats` holds the ScheduleStats of the last call (decode
+    steps, row utilisation).
     """
 
     def __init__(self, adapter, cuda_graphs: bool | None = None, compile_step: bool = False,
@@ -411,8 +419,9 @@ def static_generate(adapter, prompts: list[list[int]], *, max_new_tokens: int | 
     row, batch size or refill setting (up to the float rounding of the batch a prompt runs in). cuda_graphs None =
     on for CUDA targets; CPU always runs without graphs. compile_step: run the decode step through torch.compile
     (fuses the norms, RoPE and residual adds into few kernels; compiling takes a while, and each new shape may
-    recompile). attention: the decode step's, see StaticGenerator. pad_id is checked and kept for compatibility (prompts are right padded inside prefill, where
-    padding is never attended). ValueError for a target supports_static_decode refuses and for bad arguments.
+    recompile). attention: the decode step's, see StaticGenerator. pad_id is checked and kept for compatibility
+    (prompts are right padded inside prefill, where padding is never attended). ValueError for a target
+    supports_static_decode refuses and for bad arguments.
     """
     generator = StaticGenerator(adapter, cuda_graphs, compile_step, refill, attention)
     return generator.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, pad_id=pad_id,

@@ -18,9 +18,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch._dynamo.config as dynamo_config
 
-from dflash.inductor_settings import COMPILED_MARK, compile_once, configure_inductor
+from dflash.inductor_settings import COMPILED_MARK, compile_once, configure_inductor, raise_recompile_limit
 from dflash.models.targets.base import TargetAdapter
 
 # Graphs one layer code may need: every decoder layer of a family runs the same `forward` code, compiled once per
@@ -34,9 +33,7 @@ def compile_target_layers(adapter: TargetAdapter) -> int:
     """Compile the forward of every decoder layer of `adapter` in place (dynamic shapes) and return how many
     layers this call compiled: 0 when all were compiled already."""
     configure_inductor()
-    # Older torch releases call the limit cache_size_limit.
-    limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, limit_name, max(getattr(dynamo_config, limit_name), RECOMPILE_LIMIT))
+    raise_recompile_limit(RECOMPILE_LIMIT)
 
     def compile_forward(layer: torch.nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
