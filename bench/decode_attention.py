@@ -18,8 +18,9 @@ lacks it):
                      unfolded ([R, 9, D], GQA in the kernel) and folded ([R * 3, 3, D]);
   * memeff_varlen:   the mem-efficient kernel (aten._efficient_attention_forward) on the same packing, with
                      seqlen_k = lengths;
-  * flex_BLOCK:      compiled flex_attention over the [R, kv, L, D] cache with a BlockMask of ceil(lengths / BLOCK)
-                     KV blocks per row (full blocks unmasked, the last one masked by kv < lengths[r]).
+  * flex_BLOCK:      the engine's flex attention (dflash/inference/row_attention.py: compiled flex_attention over the
+                     [R, kv, L, D] cache, a BlockMask of the row's whole blocks unmasked and the one it cuts masked);
+                     flex_BLOCK_with_update also rewrites the block lists in each call, as each step does once.
 Each variant's output is compared with a float32 reference (max abs error). Time per call: CUDA events around
 --iters calls after --warmup, median of --repeats; `gbps` divides the bytes of keys and values the rows need
 (sum of lengths * kv * D * 2 tensors * element size) by that time, so a kernel that reads padding scores lower.
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dflash.inference.row_attention import RowPrefixAttention  # noqa: E402
 from dflash.run_files import write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -118,29 +120,24 @@ def variants(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths:
              "flash_varlen_folded": flash(True), "memeff_varlen": memeff}
     for block in blocks:
         calls[f"flex_{block}"] = flex_call(q, keys, values, lengths, block)
+        calls[f"flex_{block}_with_update"] = flex_call(q, keys, values, lengths, block, with_update=True)
     return calls
 
 
-def flex_call(q, keys, values, lengths, block: int) -> Callable[[], torch.Tensor]:
-    """Compiled flex_attention with a per-row BlockMask made on the device (no host sync), as a decode step would."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
+def flex_call(q, keys, values, lengths, block: int, with_update: bool = False) -> Callable[[], torch.Tensor]:
+    """The regeneration engine's flex attention (dflash/inference/row_attention.py) for rows whose keys are
+    columns 0..lengths - 1; with_update: each call also rewrites the block lists (once per step in the engine,
+    shared by all its layers)."""
     rows, kv, groups, _ = q.shape
-    length = keys.shape[2]
-    compiled = torch.compile(flex_attention, dynamic=False) if q.device.type == "cuda" else flex_attention
-    indices = torch.arange(length // block, device=q.device, dtype=torch.int32).expand(rows, 1, 1, -1)
-
-    def visible(b, h, q_idx, kv_idx):
-        return kv_idx < lengths[b]
+    attention = RowPrefixAttention(rows, kv, groups, keys.shape[2], q.device, block=block)
+    column = lengths - 1
+    attention.update(column)
+    scale = 1 / math.sqrt(q.shape[-1])
 
     def call():
-        full = (lengths // block).to(torch.int32).view(rows, 1, 1)
-        partial = (lengths % block > 0).to(torch.int32).view(rows, 1, 1)
-        # The one partial block of row r is block full[r]: its index list starts there.
-        partial_indices = (indices + full[..., None]).clamp_(max=length // block - 1)
-        mask = BlockMask.from_kv_blocks(partial, partial_indices, full, indices.contiguous(), BLOCK_SIZE=block,
-                                        mask_mod=visible, seq_lengths=(groups, length), compute_q_blocks=False)
-        return compiled(q, keys, values, block_mask=mask)
+        if with_update:
+            attention.update(column)
+        return attention(q, keys, values, scale)
     return call
 
 
