@@ -179,7 +179,8 @@ def test_compiled_step_gives_the_same_tokens():
 
 
 @pytest.mark.slow
-def test_real_smollm2_matches_hf_greedy():
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_real_smollm2_matches_hf_greedy(attention):
     try:
         smollm2.gguf_path()
     except FileNotFoundError as err:
@@ -193,7 +194,7 @@ def test_real_smollm2_matches_hf_greedy():
     assert any(len(c) < 32 and c[-1] in stops for c in expected)  # one answer stops early ("... Paris.")
     # 2 rows for 4 prompts: rows are refilled (the early stopper's row first).
     got = static_generate(adapter, prompts, max_new_tokens=32, stop_token_ids=stops,
-                          pad_id=adapter.tokenizer.pad_token_id, batch_size=2)
+                          pad_id=adapter.tokenizer.pad_token_id, batch_size=2, attention=attention)
     assert got == expected
 
 
