@@ -116,6 +116,21 @@ def test_compiled_flex_follows_the_block_lists():
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_regeneration_through_the_compiled_flex_kernel(monkeypatch):
+    # The CUDA path compiles the flex call, and the compiled kernel reads the block lists each step rewrites in
+    # place; inductor's CPU kernel does the same, so the engine runs it here: HF greedy's tokens with refilled rows.
+    from dflash.inference import row_attention
+
+    monkeypatch.setattr(row_attention, "_flex", functools.cache(lambda device_type: torch.compile(
+        row_attention._row_flex_attention, dynamic=False, fullgraph=True)))
+    adapter = build_tiny_target("qwen3", 0, tokenizer="builtin", initializer_range=0.2, num_hidden_layers=2)
+    prompts = make_prompts(REFILL_LENGTHS, seed=2)
+    got = static_generate(adapter, prompts, max_new_tokens=REFILL_BUDGETS, stop_token_ids=[2], pad_id=0,
+                          batch_size=3, attention="flex")
+    assert got == hf_alone(adapter, prompts, REFILL_BUDGETS, [2])
+
+
 def test_soft_capped_logits():
     rows, kv, groups, dim, length = len(COLUMNS), 1, 2, 8, 4 * B
     g = torch.Generator().manual_seed(1)
