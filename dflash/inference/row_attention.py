@@ -1,4 +1,4 @@
-"""Decode attention over each row's own prefix of a static KV cache: flex_attention with a block mask per step.
+"""Decode attention over each row's own keys in a static KV cache: flex_attention with a block mask per step.
 
 The regeneration engine (static_decode.py) decodes 1,024 rows at once, each at its own column. With SDPA and an
 additive mask every row reads the cache up to the step's span, the longest row's column: on an H200 at SmolLM2's
@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.config.schema import DECODE_ATTENTIONS
 from dflash.inductor_settings import raise_recompile_limit
+
 # KV block of the BlockMask: a row reads at most one block past its column. 64 beat 128 at rows of mixed lengths.
 FLEX_BLOCK = 64
 # Compiled graphs of the flex wrapper (one per rows x cache length x dtype x soft cap): a regeneration retried
