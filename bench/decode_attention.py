@@ -18,8 +18,9 @@ lacks it):
                      unfolded ([R, 9, D], GQA in the kernel) and folded ([R * 3, 3, D]);
   * memeff_varlen:   the mem-efficient kernel (aten._efficient_attention_forward) on the same packing, with
                      seqlen_k = lengths;
-  * flex_BLOCK:      the engine's flex attention (dflash/inference/row_attention.py: compiled flex_attention over the
-                     [R, kv, L, D] cache, a BlockMask of the row's whole blocks unmasked and the one it cuts masked);
+  * flex_BLOCK:      the engine's flex attention (dflash/models/targets/row_attention.py: compiled flex_attention
+                     over the [R, kv, L, D] cache, a BlockMask of the row's whole blocks unmasked and the one it cuts
+                     masked);
                      flex_BLOCK_with_update also rewrites the block lists in each call, as each step does once.
 Each variant's output is compared with a float32 reference (max abs error). Time per call: CUDA events around
 --iters calls after --warmup, median of --repeats; `gbps` divides the bytes of keys and values the rows need
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dflash.inference.row_attention import RowPrefixAttention  # noqa: E402
+from dflash.models.targets.row_attention import RowPrefixAttention  # noqa: E402
 from dflash.run_files import write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -125,7 +126,7 @@ def variants(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths:
 
 
 def flex_call(q, keys, values, lengths, block: int, with_update: bool = False) -> Callable[[], torch.Tensor]:
-    """The regeneration engine's flex attention (dflash/inference/row_attention.py) for rows whose keys are
+    """The regeneration engine's flex attention (dflash/models/targets/row_attention.py) for rows whose keys are
     columns 0..lengths - 1; with_update: each call also rewrites the block lists (once per step in the engine,
     shared by all its layers)."""
     rows, kv, groups, _ = q.shape

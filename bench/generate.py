@@ -22,7 +22,7 @@ so the timed run reuses the cache and CUDA graphs built there; a failing engine 
                    (--compile);
   * static_eager:  the static engine without graphs, on all prompts (also _norefill; --no-eager skips both);
   * each of the above once per --attention: sdpa as named here, flex with `_flex` after `static_graphs` or
-                   `static_eager` (StaticGenerator's decode attention, dflash/inference/row_attention.py);
+                   `static_eager` (StaticGenerator's decode attention, dflash/models/targets/row_attention.py);
   * hf:            plain greedy model.generate (greedy_continuations, engine="hf") on the first --hf-prompts prompts
                    (it is slow), in batches of min(--batch, --hf-prompts), longest first like the others.
 tok/s counts the tokens kept (each response up to and including its first stop token); decode_steps and

@@ -264,6 +264,7 @@ BAD = [
     ("data.path=/no/such/prompts.jsonl", "data.path='/no/such/prompts.jsonl': no such file"),
     ("data.limit=0", "data.limit=0"),
     ("data.engine=vllm", "data.engine='vllm'"),
+    ("data.decode_attention=flash", "data.decode_attention='flash'"),
     ("capture.dtype=float16", "capture.dtype='float16' is not allowed"),
     ("capture.mode=online", "choose the mode with the group, capture=online"),
     ("capture.gpus_per_worker=0", "capture.gpus_per_worker=0: expected an int >= 1 or auto"),

@@ -1,4 +1,4 @@
-"""Decode attention over each row's own keys (flex attention, dflash/inference/row_attention.py): equal to masked
+"""Decode attention over each row's own keys (flex attention, dflash/models/targets/row_attention.py): equal to masked
 attention at every row length and sliding window (block boundaries included) and with soft-capped logits; through
 regeneration with refilled rows the same tokens as HF greedy (dense and windowed targets) and the same sampled
 tokens as the SDPA engine; one span for every step; clear errors."""
@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from dflash.inference import static_decode
 
-from dflash.inference.row_attention import FLEX_BLOCK, RowPrefixAttention, resolve_attention
+from dflash.models.targets.row_attention import FLEX_BLOCK, RowPrefixAttention, resolve_attention
 from dflash.inference.static_decode import StaticGenerator, static_generate
 from dflash.models.targets import build_tiny_target
 from tests.test_static_decode import REFILL_BUDGETS, REFILL_LENGTHS, hf_alone, make_prompts
@@ -120,7 +120,7 @@ def test_compiled_flex_follows_the_block_lists():
 def test_regeneration_through_the_compiled_flex_kernel(monkeypatch):
     # The CUDA path compiles the flex call, and the compiled kernel reads the block lists each step rewrites in
     # place; inductor's CPU kernel does the same, so the engine runs it here: HF greedy's tokens with refilled rows.
-    from dflash.inference import row_attention
+    from dflash.models.targets import row_attention
 
     monkeypatch.setattr(row_attention, "_flex", functools.cache(lambda device_type: torch.compile(
         row_attention._row_flex_attention, dynamic=False, fullgraph=True)))

@@ -27,8 +27,8 @@ from functools import cache
 import torch
 
 from dflash.inference.cuda_graphs import capture_graphs
-from dflash.inference.row_attention import RowPrefixAttention, resolve_attention
 from dflash.inference.row_schedule import ScheduleStats, round_up, run_schedule
+from dflash.models.targets.row_attention import RowPrefixAttention, resolve_attention
 from dflash.models.targets.static_attention import attention, visibility_masks
 from dflash.models.targets.engine_attention import EngineCache, engine_attention
 
@@ -300,9 +300,9 @@ class StaticGenerator:
     one generator per run when calling several times: a call reuses the decoder when its rows, stop tokens and
     choice rule match and its cache is long enough, so its graphs are not captured again. refill=False runs plain
     batches (a batch ends when its last row stops), for comparison. `attention` is the decode step's attention
-    (row_attention.py): "sdpa" (every row over the step's span, masked), "flex" (each row over its own keys) or
-    "auto" (flex on a CUDA target, else sdpa). `last_stats` holds the ScheduleStats of the last call (decode
-    steps, row utilisation).
+    (models/targets/row_attention.py): "sdpa" (every row over the step's span, masked), "flex" (each row over its
+    own keys) or "auto" (flex on a CUDA target, else sdpa). `last_stats` holds the ScheduleStats of the last call
+    (decode steps, row utilisation).
     """
 
     def __init__(self, adapter, cuda_graphs: bool | None = None, compile_step: bool = False,

@@ -1,12 +1,13 @@
 """Decode attention over each row's own keys in a static KV cache: flex_attention with a block mask per step.
 
-The regeneration engine (static_decode.py) decodes 1,024 rows at once, each at its own column. With SDPA and an
-additive mask every row reads the cache up to the step's span, the longest row's column: on an H200 at SmolLM2's
-shape that is 0.47 ms per layer whether rows hold 100 keys or 1,280, and attention is most of the step. flex_attention
-reads only the KV blocks a row's BlockMask lists: the blocks wholly inside the row's keys without a mask, the one or
-two blocks the range cuts through the mask (bench/decode_attention.py: half the time per layer at rows of mixed
-lengths, docs/results/2026-12-05-decode-attention-h200/). One CUDA graph then serves every span, since the shapes
-no longer change with it. Sliding windows are a range that starts later; soft-capped logits (Gemma 2) a score_mod.
+The regeneration engine (dflash/inference/static_decode.py) decodes 1,024 rows at once, each at its own column.
+With SDPA and an additive mask every row reads the cache up to the step's span, the longest row's column: on an
+H200 at SmolLM2's shape that is 0.47 ms per layer whether rows hold 100 keys or 1,280, and attention is most of the
+step. flex_attention reads only the KV blocks a row's BlockMask lists: the blocks wholly inside the row's keys
+without a mask, the one or two blocks the range cuts through the mask (bench/decode_attention.py: half the time
+per layer at rows of mixed lengths, docs/results/2026-12-05-decode-attention-h200/). One CUDA graph then serves
+every span, since the shapes no longer change with it. Sliding windows are a range that starts later; soft-capped
+logits (Gemma 2) a score_mod. It sits beside static_attention.py, the masked SDPA attention it replaces.
 
 On CUDA the attention runs compiled (Triton's flex-decoding kernel); on the CPU it runs eager (the reference
 implementation, which materialises the scores: a correctness path for tests, not a fast one).
