@@ -17,8 +17,8 @@ def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Calla
     """One CUDA graph per shape of `run(shape)` (which reads and writes only static buffers), with its outputs.
 
     `prepare(shape)` sets the buffers a warm-up run of that shape needs (outside the graph). `warmups` runs of each
-    shape go on a side stream first (lazy initialisation, and compilation, must not land in a graph). The graphs share one memory pool: they never
-    run concurrently and their outputs stay referenced here.
+    shape go on a side stream first (lazy initialisation, and compilation, must not land in a graph). The graphs
+    share one memory pool: they never run concurrently and their outputs stay referenced here.
     """
     if device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, got {device}")

@@ -23,9 +23,9 @@ steps (evaluations excluded), so a run that slows down still anneals in time; a 
 only when the totals differ by more than REPLAN_TOLERANCE of the steps the LR decays over (all of them under
 warmup-cosine, the last train.decay_ratio of them under warmup-stable-decay, where the decay is that much steeper),
 so the LR does not jerk at every renewal, and the hard stop ends a plan at most that far from its LR minimum.
-Evaluations cost the seconds of the shortest one measured; before any was measured, UNMEASURED_EVAL_SHARE of the budget is set aside
-for all of them. A hard stop ends training at the current step (its final evaluation and checkpoint as usual) when the
-next step and the final evaluation no longer fit.
+Evaluations cost the seconds of the shortest one measured; before any was measured, UNMEASURED_EVAL_SHARE of the
+budget is set aside for all of them. A hard stop ends training at the current step (its final evaluation and
+checkpoint as usual) when the next step and the final evaluation no longer fit.
 
 Times come from the caller (seconds since the start of this run's training loop), so the arithmetic runs without a
 clock; the loop passes times agreed across ranks, so every rank plans the same steps.
