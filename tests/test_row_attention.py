@@ -255,3 +255,7 @@ def test_flex_under_cuda_graphs_replays_the_eager_step(dtype):
     if dtype == "float32":
         assert graphed == hf_alone(adapter, prompts, REFILL_BUDGETS, [2])
         assert static_generate(adapter, prompts, **args, compile_step=True) == graphed
+        # Sampled rows (the synthetic prompts' draws): each prompt's uniform stream, replayed inside the graph.
+        sampled = dict(args, temperature=0.9, top_p=0.8, seed=3, cuda_graphs=True)
+        assert static_generate(adapter, prompts, **sampled) == static_generate(adapter, prompts,
+                                                                               **dict(sampled, attention="sdpa"))
