@@ -1,10 +1,12 @@
-"""Pruning old checkpoints: a kill inside the delete leaves no half-deleted tag, and the next save finishes it."""
+"""Saving and pruning checkpoints: shards flushed before `complete`, no half-deleted tag after a kill inside a
+delete, and a `latest` that names no complete tag falls back to the newest complete one."""
 
 import os
 import shutil
 
 import pytest
 
+from dflash import run_files
 from dflash.train import checkpoints
 from dflash.train.checkpoints import COMPLETE, complete_tags, prune_checkpoints
 
@@ -57,3 +59,61 @@ def test_a_kill_inside_the_delete_leaves_whole_tags_and_the_next_prune_finishes(
     make_tag(tmp_path, "step4")
     prune_checkpoints(str(tmp_path), keep_last=1, current="step4")
     assert sorted(os.listdir(tmp_path)) == ["step4"]
+
+
+class ShardWriter:
+    """A stand-in for TrainEngine.save: writes one shard with a plain open, as DeepSpeed's torch.save does."""
+
+    zero_stage = 0
+
+    def save(self, directory, tag, client_state):
+        os.makedirs(os.path.join(directory, tag), exist_ok=True)
+        with open(os.path.join(directory, tag, "mp_rank_00_model_states.pt"), "wb") as f:
+            f.write(b"w" * 64)
+
+
+def test_the_shards_are_flushed_before_the_tag_is_marked_complete(tmp_path, monkeypatch):
+    flushed = []
+    real = run_files.fsync_path
+    monkeypatch.setattr(run_files, "fsync_path", lambda path: (flushed.append(os.fspath(path)), real(path)))
+    checkpoints.save_checkpoint(ShardWriter(), str(tmp_path), 3, {}, rank=0, keep_last=1)
+    shard = str(tmp_path / "step3" / "mp_rank_00_model_states.pt")
+    marker = next(i for i, path in enumerate(flushed) if os.path.basename(path).startswith(f".{COMPLETE}"))
+    assert shard in flushed[:marker]
+
+
+def test_a_stale_copy_of_the_tag_being_saved_is_renamed_before_it_is_deleted(tmp_path, monkeypatch):
+    make_tag(tmp_path, "step3")  # e.g. a corrupt newest tag the run resumed past
+    deleted = []
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", lambda path, *a, **k: (deleted.append(path),
+                                                                               real_rmtree(path, *a, **k)))
+    checkpoints.save_checkpoint(ShardWriter(), str(tmp_path), 3, {}, rank=0, keep_last=1)
+    assert deleted and all(os.path.basename(path).startswith(checkpoints.PRUNED) for path in deleted)
+    assert [tag for _, tag in complete_tags(str(tmp_path))] == ["step3"]
+
+
+def test_latest_naming_an_incomplete_tag_falls_back_to_the_newest_complete_one(tmp_path, caplog):
+    # A run resumed from step2 past a corrupt step4, then was killed while saving step4 again: `latest` still
+    # names step4, which has lost its `complete` marker.
+    for step in (1, 2):
+        make_tag(tmp_path, f"step{step}")
+    make_tag(tmp_path, "step4", complete=False)
+    (tmp_path / checkpoints.LATEST).write_text("step4")
+    with caplog.at_level("WARNING"):
+        assert checkpoints.verified_latest_tag(str(tmp_path)) == "step2"
+    assert "names checkpoint 'step4', which is not complete" in caplog.text
+
+
+def test_a_missing_latest_beside_complete_tags_resumes_from_the_newest(tmp_path, caplog):
+    for step in (1, 2):
+        make_tag(tmp_path, f"step{step}")
+    with caplog.at_level("WARNING"):
+        assert checkpoints.verified_latest_tag(str(tmp_path)) == "step2"
+    assert "latest is missing" in caplog.text
+    assert checkpoints.verified_latest_tag(str(tmp_path / "nothing")) is None
+    make_tag(tmp_path, "step5", complete=False)
+    (tmp_path / checkpoints.LATEST).write_text("step5")
+    for step in (1, 2):
+        shutil.rmtree(tmp_path / f"step{step}")
+    assert checkpoints.verified_latest_tag(str(tmp_path)) is None  # nothing complete: the run starts over

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from dflash.run_files import atomic_path, checksum_problem, from_rank0, swap_in_dir, write_checksums, write_text
+from dflash.run_files import (atomic_path, checksum_problem, from_rank0, fsync_tree, swap_in_dir, write_checksums,
+                              write_text)
 from dflash.train.best_checkpoint import read_best
 from dflash.train.engine import TrainEngine
 
@@ -116,13 +117,17 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         if os.path.isdir(folder):  # left half-written by a killed run, or a stale copy: never mix shards
-            shutil.rmtree(folder)
+            _delete(directory, tag)
     _barrier()
     engine.save(directory, tag, client_state)
     os.makedirs(folder, exist_ok=True)
     rng_path = os.path.join(folder, f"rng_rank{rank}.safetensors")
     with atomic_path(rng_path) as tmp:
         save_file(rng_state(), tmp)
+    _barrier()
+    # DeepSpeed writes the shards with plain torch.save: flushed here, on every rank (each node's page cache holds
+    # its own ranks' writes) and before `complete`, so a complete tag is whole after a power loss too.
+    fsync_tree(folder)
     _barrier()
     if rank == 0:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -157,6 +162,12 @@ def prune_checkpoints(directory: str, keep_last: int, current: str) -> None:
         os.remove(os.path.join(directory, "latest_universal"))
 
 
+def _delete(directory: str, name: str) -> None:
+    """Delete folder `name` of `directory` by renaming it to `.pruned-<name>` first (see prune_checkpoints)."""
+    os.replace(os.path.join(directory, name), os.path.join(directory, PRUNED + name))
+    shutil.rmtree(os.path.join(directory, PRUNED + name))
+
+
 def tag_problem(directory: str, tag: str) -> str | None:
     """What is wrong with complete tag `tag`: a file missing or of another sha256 than when it was saved; None
     when it verifies (or predates checksums.json, so cannot be checked)."""
@@ -165,12 +176,24 @@ def tag_problem(directory: str, tag: str) -> str | None:
 
 def verified_latest_tag(directory: str) -> str | None:
     """The newest complete tag whose files verify, starting from the one `latest` names; a corrupt tag is named in
-    a warning and the one before it is tried. ValueError naming each tag when none verifies; None when there is
-    no checkpoint."""
-    tag = latest_tag(directory)
-    if tag is None:
+    a warning and the one before it is tried. `latest` naming a tag that is not complete (a kill while that step
+    was saved again after a resume from an older tag), or missing beside complete tags, is named in a warning and
+    the complete tags are tried, newest first. ValueError naming each tag when none verifies; None when there is
+    no complete checkpoint."""
+    tags = [t for _, t in reversed(complete_tags(directory))]
+    try:
+        named = latest_tag(directory)
+    except ValueError as err:
+        named = None
+        if tags:
+            logger.warning(f"[train] warning: {err}; trying the complete checkpoints, newest first")
+    else:
+        if named is None and tags:
+            logger.warning(f"[train] warning: {os.path.join(directory, LATEST)} is missing; trying the complete "
+                           f"checkpoints, newest first")
+    candidates = ([named] if named is not None else []) + [t for t in tags if t != named]
+    if not candidates:
         return None
-    candidates = [tag] + [t for _, t in reversed(complete_tags(directory)) if t != tag]
     problems = []
     for candidate in candidates:
         problem = tag_problem(directory, candidate)
