@@ -74,6 +74,34 @@ def test_rerun_skips_finished_stages(tiny_run, monkeypatch):
     assert again["overall"]["tau"] == summary["overall"]["tau"]
 
 
+def test_a_finished_training_without_final_weights_or_checkpoints_is_never_retrained(tiny_run, tmp_path,
+                                                                                      monkeypatch):
+    """Final weights and every step checkpoint deleted (say, to free the disk): they come back from the whole
+    export, and without one the command stops, naming them; training from step 0 would replace the run's metrics."""
+    from dflash.config.errors import RunFolderError
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run_dir)
+    for name in os.listdir(run_dir / "checkpoints"):
+        if name == "final" or name.startswith("step"):
+            shutil.rmtree(run_dir / "checkpoints" / name)
+    os.remove(run_dir / "checkpoints" / "latest")
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr("dflash.train.loop.train", must_not_train)
+    again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert again["overall"] == tiny_run[1]["overall"]
+    assert (run_dir / "checkpoints" / "final").is_dir() and (run_dir / "metrics.jsonl").read_bytes() == metrics
+    shutil.rmtree(run_dir / "checkpoints" / "final")
+    shutil.rmtree(run_dir / "export")
+    with pytest.raises(RunFolderError, match="final is missing, and no checkpoint of this finished training"):
+        Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
 def test_a_run_folder_whose_train_stage_marked_its_export_resumes_without_training_or_exporting(tiny_run, tmp_path,
                                                                                                  monkeypatch):
     """The layout in which training and export were one stage: its done.json in export/, the final weights only in

@@ -90,3 +90,24 @@ def test_overwrite_moves_the_trained_drafter_aside_and_going_back_restores_it(tm
     assert snapshot(tmp_path / "export") == first
     assert (tmp_path / "checkpoints" / "done.json").read_text() == (tmp_path / "export" / "done.json").read_text()
     assert sum(p.name.startswith("checkpoints.") for p in tmp_path.iterdir()) == 1
+
+
+def test_overwrite_keeps_the_outputs_of_a_drafter_whose_checkpoints_were_deleted(tmp_path, monkeypatch):
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train,export]", "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    first, metrics = snapshot(tmp_path / "export"), (tmp_path / "metrics.jsonl").read_text()
+    shutil.rmtree(tmp_path / "checkpoints")  # kept the export, freed the disk
+    with pytest.raises(ConfigError, match="holds a drafter trained with other settings"):
+        Pipeline(compose(run + ["train.lr=0.05"])).run()
+    Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
+    assert len(aside) == 1 and snapshot(aside[0] / "export") == first
+    assert (aside[0] / "metrics.jsonl").read_text() == metrics
+    assert snapshot(tmp_path / "export") != first
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr("dflash.train.loop.train", must_not_train)
+    Pipeline(compose(run + ["overwrite=true"])).run()  # back: its export returns and is adopted, nothing retrained
+    assert snapshot(tmp_path / "export") == first and (tmp_path / "metrics.jsonl").read_text() == metrics

@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 from dflash.config import ConfigError, fingerprints
+from dflash.config.errors import RunFolderError
 from dflash.run_files import checksum_problem, claim_checkpoint_dir, container, fingerprint, from_rank0, read_json, \
-    stage_done, write_json, write_text
+    read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.shapes import drafter_config
@@ -75,16 +76,28 @@ class TrainStage(Stage):
             self.adopt_earlier_marker()
 
     def up_to_date(self) -> bool:
-        """Marked done for these settings, with whole final weights. Weights missing or corrupt are named, and the
-        stage runs again: training resumes at its last checkpoint and writes them from it."""
+        """Marked done for these settings, with whole final weights. Weights missing or corrupt are named: training
+        resumes at its last checkpoint and writes them from it; without a checkpoint they are written from this
+        training's whole export; with neither, RunFolderError (training again would start from step 0 and replace
+        the run's best checkpoint and metrics)."""
+        from dflash.train.checkpoints import complete_tags
         from dflash.train.final_weights import final_problem
 
         if not stage_done(self.out, self.fingerprint()):
             return False
         problem = final_problem(self.checkpoints)
-        if problem is not None:
+        if problem is None:
+            return True
+        if complete_tags(self.checkpoints):
             logger.warning(f"[train] warning: {problem}; training resumes at its last checkpoint and writes them")
-        return problem is None
+            return False
+        if self.final_from_export():
+            logger.warning(f"[train] warning: {problem}; written again from {self.context.dirs['export']}")
+            return True
+        raise RunFolderError(
+            f"{problem}, and no checkpoint of this finished training is left to write them from: training again "
+            f"would start from step 0 and replace its best checkpoint and metrics. Restore them, or move "
+            f"{self.checkpoints} aside to train again")
 
     def run(self) -> dict[str, Any] | None:
         """Training on this rank, resumed from its last checkpoint when there is one; rank 0 writes the final
@@ -113,18 +126,25 @@ class TrainStage(Stage):
         are copied to checkpoints/final/ (in the export's dtype, from which an export is the same bytes), then the
         marker to checkpoints/done.json, last, so the stage is done there without training again. An export that
         differs from its checksums is not copied: the stage runs and writes the weights from its last checkpoint."""
+        export = self.context.dirs["export"]
+        if os.path.exists(os.path.join(self.out, "done.json")) or not self.final_from_export():
+            return
+        write_json(os.path.join(self.out, "done.json"), read_json(os.path.join(export, "done.json")))
+        logger.info(f"[train] final weights and done marker copied from {export} to {self.out}")
+
+    def final_from_export(self) -> bool:
+        """Rank 0. checkpoints/final/ written from export/ (in the export's dtype, from which an export is the same
+        bytes) when the export is whole and marked done for this stage's fingerprint; whether it was."""
         from safetensors.torch import load_file
 
         from dflash.eval.export import WEIGHTS_NAME
         from dflash.train.final_weights import write_final
 
         export = self.context.dirs["export"]
-        if os.path.exists(os.path.join(self.out, "done.json")) or not stage_done(export, self.fingerprint()) or \
-                checksum_problem(export) is not None:
-            return
+        if not stage_done(export, self.fingerprint()) or checksum_problem(export) is not None:
+            return False
         write_final(self.checkpoints, load_file(os.path.join(export, WEIGHTS_NAME)))
-        write_json(os.path.join(self.out, "done.json"), read_json(os.path.join(export, "done.json")))
-        logger.info(f"[train] final weights and done marker copied from {export} to {self.out}")
+        return True
 
     def drafter_config(self):
         """The drafter's DrafterConfig: the settings, with the target's shape and taps as the capture stage recorded
@@ -145,7 +165,13 @@ class TrainStage(Stage):
         left to train."""
         run = self.context
         marked = stage_done(self.out, self.fingerprint())  # and yet run: the final weights are missing or corrupt
+        orphaned = self.orphaned_outputs_key()
         moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
+        if moved is None and orphaned is not None:
+            # Outputs of another training whose checkpoints are gone: moved aside all the same, where a folder of
+            # their checkpoints would be (claim_dir brings it back with them when those settings return).
+            moved = f"{self.checkpoints}.{orphaned}"
+            os.makedirs(moved, exist_ok=True)
         if moved:
             logger.info(f"[train] the drafter trained with other settings moved aside to {moved} (overwrite=true)")
         self.carry_trained_outputs(moved)
@@ -155,14 +181,30 @@ class TrainStage(Stage):
         self.adopt_earlier_marker()  # a drafter brought back from a folder of the earlier layout
         return not marked and self.up_to_date()
 
+    def orphaned_outputs_key(self) -> str | None:
+        """Rank 0, before the claim: when checkpoints/ holds nothing, the checkpoint fingerprint of the training
+        whose outputs are in the run folder all the same (its export's done.json; "unfingerprinted" without one),
+        unless that is these settings' own. None when there is nothing of another training to keep."""
+        if os.path.isdir(self.checkpoints) and os.listdir(self.checkpoints):
+            return None  # claim_checkpoint_dir decides, by the checkpoints' own marker
+        if not any(os.path.exists(os.path.join(self.context.run_dir, name)) for name in TRAINED_OUTPUTS):
+            return None
+        done = read_json_or_none(os.path.join(self.context.dirs["export"], "done.json"))
+        key = done.get("checkpoint") if isinstance(done, dict) else None
+        return None if key == self.checkpoint_fingerprint() else key or "unfingerprinted"
+
     def carry_trained_outputs(self, moved: str | None) -> None:
         """A training's outputs travel with its checkpoints: into the folder the other settings' checkpoints were
-        moved to, and back out of restored ones, so that each run's exports and metrics stay its own (the trainer
-        then drops only the records after the step it resumes from, MetricsLog.resume_from)."""
+        moved to (under a free name when that folder holds one of the same name already), and back out of restored
+        ones, so that each run's exports and metrics stay its own (the trainer then drops only the records after
+        the step it resumes from, MetricsLog.resume_from)."""
         for name in TRAINED_OUTPUTS:
             current = os.path.join(self.context.run_dir, name)
             if moved and os.path.exists(current):
-                os.replace(current, os.path.join(moved, name))
+                aside = os.path.join(moved, name)
+                aside = next(f"{aside}.{k}" if k else aside for k in range(10_000)
+                             if not os.path.exists(f"{aside}.{k}" if k else aside))
+                os.replace(current, aside)
             restored = os.path.join(self.checkpoints, name)
             if os.path.exists(restored) and not os.path.exists(current):
                 os.replace(restored, current)
