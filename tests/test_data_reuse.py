@@ -78,6 +78,12 @@ def test_a_journal_matches_only_the_same_recorded_target(targets, tmp_path):
         regenerate(prompts, a, known, **GEN)
     with pytest.raises(ValueError, match=r"max_new_tokens: 6 -> 7"):
         regenerate(prompts, a, known, target=identity(0), **{**GEN, "max_new_tokens": 7})
+    # Greedy answers do not depend on the seed or top_p (say, data.seed changed to draw another held-out set).
+    assert regenerate(prompts, a, known, target=identity(0), **{**GEN, "seed": 5, "top_p": 0.5})["generated"] == 0
+    sampled = tmp_path / "sampled.jsonl"
+    regenerate(prompts, a, sampled, target=identity(0), **{**GEN, "temperature": 0.7})
+    with pytest.raises(ValueError, match=r"seed: 0 -> 5"):
+        regenerate(prompts, a, sampled, target=identity(0), **{**GEN, "temperature": 0.7, "seed": 5})
 
 
 def test_synthetic_draws_of_another_target_are_refused(targets, tmp_path):

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.config.schema import DeepSpeedSettings
-from dflash.data.dataset import build_dataset, fingerprint, heldout_ids, load_dataset_dir, load_heldout_dir
+from dflash.data.dataset import (build_dataset, fingerprint, format_stats, heldout_ids, load_dataset_dir,
+                                 load_heldout_dir)
 from dflash.data.prompts import Prompt
 from dflash.eval.metrics import acceptance_metrics
 from dflash.eval.replay import DrafterProposer, greedy_continuations, replay, target_pass
@@ -66,6 +67,21 @@ def test_heldout_split_is_seeded_deterministic_and_excluded(tiny_target, tmp_pat
         build_dataset(prompts, adapter, tmp_path / "c", heldout=7, **GEN)
     with pytest.raises(ValueError, match="got -1"):
         build_dataset(prompts, adapter, tmp_path / "c", heldout=-1, **GEN)
+
+
+def test_training_copies_of_a_heldout_prompt_are_dropped(tiny_target, tmp_path):
+    adapter = tiny_target("llama")
+    prompts = make_prompts(7)
+    held = heldout_ids([p.id for p in prompts], 2, seed=0)
+    copied = next(p for p in prompts if p.id in held)
+    # The same prompt under other ids, as ShareGPT repeats a question: the copies stay out of training.
+    copies = [Prompt(f"copy{k}", copied.messages, "test") for k in range(3)]
+    assert not held & {p.id for p in copies}  # the split is by id: they would have been training prompts
+    stats = build_dataset(prompts + copies, adapter, tmp_path / "a", heldout=2, **GEN)
+    train_ids = set(load_dataset_dir(tmp_path / "a")["id"])
+    assert stats["dropped_heldout_copies"] == 3 and not train_ids & {p.id for p in copies}
+    assert (stats["samples"], stats["heldout"]) == (5, 2)
+    assert "3 dropped (copies of a held-out prompt)" in format_stats(stats)
 
 
 def test_no_heldout_leaves_the_dataset_as_before(tiny_target, tmp_path):

@@ -222,6 +222,13 @@ def test_sample_tokens_follows_the_distribution(top_p):
     assert (freq - expected.double()).abs().max() < 0.01, (freq, expected)
 
 
+def test_a_draw_of_zero_never_picks_a_token_of_zero_mass():
+    logits = torch.tensor([[-1e4, 5.0, 4.0, 3.0], [2.0, -1e4, 1.0, 0.0]])
+    for top_p in (1.0, 0.9):
+        assert sample_tokens(logits, 1.0, top_p, torch.zeros(2)).tolist() == [1, 0]
+    assert sample_tokens(logits, 1.0, 1.0, torch.full((2,), 1 - 2**-24)).tolist() == [3, 3]
+
+
 def test_sampling_end_to_end(target):
     adapter = target("llama")
     prompt = make_prompts((7,))[0]

@@ -202,6 +202,7 @@ def _stats(fp: str, settings: dict, gen: dict, encoded: Encoded, encode_s: float
              "generate_tokens_per_s": gen["generate_tokens_per_s"], "generate_seconds": gen["generate_seconds"],
              "template_seconds": gen["template_seconds"], "encode_seconds": round(encode_s, 3),
              "samples": encoded.train.samples, "dropped_no_loss": encoded.dropped,
+             "dropped_heldout_copies": encoded.heldout_copies,
              "num_tokens": encoded.train.num_tokens, "num_response_tokens": encoded.train.num_response_tokens}
     if heldout:
         stats.update(heldout=encoded.heldout.samples, heldout_num_tokens=encoded.heldout.num_tokens)
@@ -209,7 +210,8 @@ def _stats(fp: str, settings: dict, gen: dict, encoded: Encoded, encode_s: float
         stats["answer_mix"] = {name: {"greedy": rows.samples - rows.sampled, "sampled": rows.sampled}
                                for name, rows in (("samples", encoded.train), ("heldout", encoded.heldout))}
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"], stats
-    assert stats["samples"] + stats.get("heldout", 0) + stats["dropped_no_loss"] == stats["done"], stats
+    assert stats["samples"] + stats.get("heldout", 0) + stats["dropped_no_loss"] + stats["dropped_heldout_copies"] \
+        == stats["done"], stats
     return stats
 
 
@@ -226,6 +228,8 @@ def format_stats(stats: dict) -> str:
         rows.append(("held out", f"{stats['heldout']:,} ({stats['heldout_num_tokens']:,} tokens)"
                                  f"{_mix(stats, 'heldout')}"))
     dropped = f", {stats['dropped_no_loss']:,} dropped (no answer token)" if stats.get("dropped_no_loss") else ""
+    if stats.get("dropped_heldout_copies"):
+        dropped += f", {stats['dropped_heldout_copies']:,} dropped (copies of a held-out prompt)"
     rows.append(("samples", f"{stats['samples']:,} ({stats['num_tokens']:,} tokens, "
                             f"{stats['num_response_tokens']:,} in answers){dropped}{_mix(stats, 'samples')}"))
     if "synthetic" in stats:

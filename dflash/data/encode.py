@@ -66,6 +66,7 @@ class Encoded:
     train: Rows = field(default_factory=Rows)
     heldout: Rows = field(default_factory=Rows)
     dropped: int = 0
+    heldout_copies: int = 0  # training prompts dropped as token-for-token copies of a held-out prompt
 
 
 def encode_answers(finished: list[Prompt], templated: Mapping[str, list[int]], index: Index, journal_path: Path,
@@ -73,9 +74,11 @@ def encode_answers(finished: list[Prompt], templated: Mapping[str, list[int]], i
                    is_sampled: Callable[[str], bool] | None = None) -> Encoded:
     """Rows of the `finished` prompts (done in the journal, `index` from scan_journal), in their order, from their
     templated ids (`templated`, by prompt id: what regeneration answered); the ids in `held` go to the held-out
-    rows. Reads one record at a time. is_sampled: whether a prompt id's answer was sampled, counted per split
-    (None: none was)."""
+    rows, and a training prompt whose templated ids equal a held-out prompt's is dropped (a source can repeat a
+    prompt; its copy would be learned and then replayed as held out). Reads one record at a time. is_sampled:
+    whether a prompt id's answer was sampled, counted per split (None: none was)."""
     encoded = Encoded()
+    held_prompts = {tuple(templated[i]) for i in held}
     with open(journal_path, "rb") as journal:
         for first in range(0, len(finished), ENCODE_CHUNK):
             for p in finished[first : first + ENCODE_CHUNK]:
@@ -84,6 +87,8 @@ def encode_answers(finished: list[Prompt], templated: Mapping[str, list[int]], i
                 sampled = is_sampled is not None and is_sampled(p.id)
                 if not any(loss_mask):
                     encoded.dropped += 1
+                elif p.id not in held and tuple(templated[p.id]) in held_prompts:
+                    encoded.heldout_copies += 1
                 elif p.id in held:
                     encoded.heldout.add(p, input_ids, loss_mask, sampled)
                 else:

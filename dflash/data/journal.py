@@ -93,14 +93,18 @@ def _differences(header: dict, settings: dict, prefix: str = "") -> list[str]:
     return parts
 
 
-def open_journal(path: Path, settings: dict) -> tuple[Any, dict[str, str | None]]:
-    """Open the journal for appending after dropping a partial tail; check it was made with `settings`.
+def open_journal(path: Path, settings: dict, unused: tuple[str, ...] = ()) -> tuple[Any, dict[str, str | None]]:
+    """Open the journal for appending after dropping a partial tail; check it was made with `settings`, but for
+    the top-level keys in `unused` (settings that change no record, e.g. the seed of greedy answers; the header
+    keeps the values it was written with).
 
     Returns the open file and {id: prompt_hash (None in records from before hashes)} of the ids already done.
     """
     header, index, complete = _scan(path)
-    if header is not None and header != settings:
-        raise ValueError(f"{path} was written with other settings ({'; '.join(_differences(header, settings))}). "
+    differences = [] if header is None else _differences({k: v for k, v in header.items() if k not in unused},
+                                                         {k: v for k, v in settings.items() if k not in unused})
+    if differences:
+        raise ValueError(f"{path} was written with other settings ({'; '.join(differences)}). "
                          f"Delete it or use another output folder.")
     if path.exists() and path.stat().st_size > complete:
         # Appending after a partial line would glue the next record onto it: cut it off first.

@@ -195,7 +195,9 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(adapter.tokenizer)}
     if mixes_answers(temperature, sampled_share):  # absent otherwise: journals written before it stay valid
         settings["sampled_share"] = sampled_share
-    journal, done_hashes = open_journal(Path(journal_path), with_target(settings, target))
+    # Greedy answers do not depend on the seed or top_p: a journal of other values answers the same.
+    unused = ("seed", "top_p") if temperature == 0 else ()
+    journal, done_hashes = open_journal(Path(journal_path), with_target(settings, target), unused)
     with journal:  # closed on every exit, a template or engine error included
         static = StaticGenerator(adapter, compile_step=compile_step, refill=refill,
                                  attention=decode_attention) if engine == "static" else None

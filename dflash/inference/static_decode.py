@@ -79,7 +79,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, unifor
         probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p)
     cdf = probs.cumsum(dim=-1)
     threshold = uniform[:, None] * cdf[:, -1:]
-    choice = (cdf < threshold).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    # The first token whose cdf passes the threshold: `<=` skips tokens of zero mass, even for a draw of exactly 0.
+    choice = (cdf <= threshold).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
     return (order.gather(-1, choice) if top_p < 1.0 else choice).squeeze(-1)
 
 
