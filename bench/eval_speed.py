@@ -24,11 +24,11 @@ On CUDA each live row also decodes its first prompt twice more for "step_breakdo
 --profile-temperature with --profile-draft-sampling drafts when that is > 0): milliseconds per step of each part,
 timed by CUDA events without syncs (draft_block: the drafter's block step from the block's tokens through the
 embedding, the drafter, lm_head and argmax, one graph on the static engine (in a checkout from before that graph,
-the drafter's block forward alone); draft: that plus the choice of drafts; verify: the target's block forward; accept: the
-acceptance rule and its host round trip; rollback: the target rollback and the drafter context extend; between:
-the rest of the step's wall time, host bookkeeping with the device idle), and the device syncs per step, counted as
-the warnings of torch.cuda.set_sync_debug_mode("warn"). Only live_decode's `timer` phases are relied upon, so this
-file also measures an older checkout of the library, before and after a change in one call:
+the drafter's block forward alone); draft: that plus the choice of drafts; verify: the target's block forward;
+accept: the acceptance rule and its host round trip; rollback: the target rollback and the drafter context
+extend; between: the rest of the step's wall time, host bookkeeping with the device idle), and the device syncs
+per step, counted as the warnings of torch.cuda.set_sync_debug_mode("warn"). Only live_decode's `timer` phases are
+relied upon, so this file also measures an older checkout of the library, before and after a change in one call:
 
     git archive COMMIT | tar -x -C before/    # here, into an untracked folder that travels with the tree
     cp bench/eval_speed.py before/bench/ && python before/bench/eval_speed.py --live-drafters random,oracle \

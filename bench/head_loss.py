@@ -69,7 +69,8 @@ def measure(shape: dict, device: torch.device, dtype: torch.dtype, steps: int, c
     weights = torch.rand(shape["rows"], generator=generator).to(device)
     flops = 4.0 * shape["rows"] * shape["vocab"] * shape["hidden"]
     result = {}
-    paths = (("head_cross_entropy", fused_loss), ("eager_chunks", eager_chunk_loss), ("checkpointed", checkpointed_loss))
+    paths = (("head_cross_entropy", fused_loss), ("eager_chunks", eager_chunk_loss),
+             ("checkpointed", checkpointed_loss))
     for name, loss_fn in paths:
         times, grads = [], None
         if device.type == "cuda":

@@ -50,3 +50,10 @@ def test_no_function_in_the_package_is_longer_than_a_screen():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
     assert not long, "\n".join(long)
+
+
+def test_no_line_of_python_is_wider_than_120_columns():
+    wide = [f"{path.relative_to(ROOT)}:{number} ({len(line)})"
+            for folder in ("dflash", "tests", "bench", "launch") for path in (ROOT / folder).rglob("*.py")
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
+    assert not wide, "\n".join(wide)

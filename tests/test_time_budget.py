@@ -19,7 +19,8 @@ from dflash.train.engine import init_distributed, warmup_cosine
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.stop_signal import TrainingStopped
 from dflash.train.time_budget import (
-    CALIBRATION_SHARE, CALIBRATION_STEPS, ONE_OFF_FACTOR, ONE_OFFS, RATE_WINDOW, REPLAN_EVERY, REPLAN_TOLERANCE, UNMEASURED_EVAL_SHARE, TimeBudget,
+    CALIBRATION_SHARE, CALIBRATION_STEPS, ONE_OFF_FACTOR, ONE_OFFS, RATE_WINDOW, REPLAN_EVERY, REPLAN_TOLERANCE,
+    UNMEASURED_EVAL_SHARE, TimeBudget,
     affordable_total, evaluations_in, rate_window,
 )
 from tests import trainer_harness
@@ -40,13 +41,16 @@ def test_evaluations_in_counts_the_periodic_ones_and_the_final_one_once():
 def test_affordable_total_is_the_largest_total_that_fits_never_below_done_plus_one():
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
-        cap, done = int(torch.randint(2, 80, (1,), generator=generator)), int(torch.randint(0, 40, (1,),
-                                                                                              generator=generator))
+        def integer(low: int, high: int) -> int:
+            return int(torch.randint(low, high, (1,), generator=generator))
+
+        def uniform() -> float:
+            return float(torch.rand(1, generator=generator))
+
+        cap, done = integer(2, 80), integer(0, 40)
         cap = max(cap, done + 1)
-        remaining, step_s = float(torch.rand(1, generator=generator)) * 60, 0.1 + float(torch.rand(1,
-                                                                                                    generator=generator))
-        eval_every, eval_s = int(torch.randint(0, 6, (1,), generator=generator)), 3 * float(torch.rand(1,
-                                                                                                      generator=generator))
+        remaining, step_s = uniform() * 60, 0.1 + uniform()
+        eval_every, eval_s = integer(0, 6), 3 * uniform()
 
         def evaluations_s(total: int) -> float:
             return evaluations_in(done + 1, total, eval_every) * eval_s
@@ -348,7 +352,8 @@ def test_plan_lines_show_the_first_plan_moves_of_five_percent_and_the_stop():
     follow(190)
     assert [line.split(": ", 1)[1] for line in lines] == [
         "0.300 s/step -> 200 steps (was 1,000)", "0.300 s/step -> 212 steps (was 200)",
-        "0.300 s/step -> 190 steps (was 212)", f"{budget.elapsed_s / 60:.1f} min spent, stopping after step 189 (was 190)"]
+        "0.300 s/step -> 190 steps (was 212)",
+        f"{budget.elapsed_s / 60:.1f} min spent, stopping after step 189 (was 190)"]
 
 
 def test_a_sudden_slowdown_stops_before_the_budget_with_a_normal_end():

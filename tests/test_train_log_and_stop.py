@@ -127,4 +127,5 @@ def test_a_missing_logger_package_is_refused_before_any_stage(missing, override,
         pipeline.run()
     assert not run_dir.exists()
     # Without the train stage the loggers are not needed.
-    Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "stages=[data]", *override])).run()
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "stages=[data]",
+                      *override])).run()

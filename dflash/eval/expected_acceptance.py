@@ -4,7 +4,8 @@ A DFlash block's drafts are predicted in parallel, so the drafter's distribution
 only on the context up to the anchor, never on the drafts before it. Along a stored pass s (prompt + a
 continuation) the target's distribution p_k = softmax(z_k / T) at block position k is known wherever the drafts
 before k equal the stored tokens (z_k: the target's logits after the stored prefix, read as its logit transform of
-final hidden state @ lm_head^T, as the loss reads them; the drafter's logits go through the same transform). At an anchor the survival S_k = P(drafts 1..k accepted) is estimated by
+final hidden state @ lm_head^T, as the loss reads them; the drafter's logits go through the same transform). At an
+anchor the survival S_k = P(drafts 1..k accepted) is estimated by
 
     S_k = prod_{j<k} f_j * beta_k,   beta_k = P(draft k accepted | drafts < k accepted, prefix),
                                      f_j = P(draft j accepted and equal to s_j) / r(s_j)

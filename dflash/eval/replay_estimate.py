@@ -3,8 +3,9 @@
 Each prompt is continued once by the target, sampled at T (seeded: every drafter evaluated with the same seed is
 measured on the same continuations), the same text distribution a live decode at T commits. One target pass over
 prompt + continuation gives the features the drafter reads and the final hidden states the target's p_T comes
-from (through its lm_head and logit transform, as the drafter's q); every continuation position is then drafted from as an anchor and the steps are walked in expectation. No
-acceptance is sampled, so two drafters differ only by what they propose.
+from (through its lm_head and logit transform, as the drafter's q); every continuation position is then drafted
+from as an anchor and the steps are walked in expectation. No acceptance is sampled, so two drafters differ only
+by what they propose.
 """
 
 from __future__ import annotations

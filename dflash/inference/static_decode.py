@@ -12,9 +12,9 @@ column 0 while the other rows keep their place, so the decode steps approach tot
 At T=0 in float32 the tokens match HF greedy `generate` of each prompt alone: the position of column c is c, row
 r attends over columns 0..column[r] (what its current prompt wrote; keys a previous occupant left beyond are
 masked out), a sliding-window layer over the last `window` of them (models/targets/static_attention.py), the next
-token is the argmax of the float32 logits (after the family's logit transform, e.g. Gemma's final soft cap). Sampling (T > 0)
-is temperature + top-p by inverse CDF from each prompt's own seeded uniform stream: the right distribution, not
-HF's random stream.
+token is the argmax of the float32 logits (after the family's logit transform, e.g. Gemma's final soft cap).
+Sampling (T > 0) is temperature + top-p by inverse CDF from each prompt's own seeded uniform stream: the right
+distribution, not HF's random stream.
 """
 
 from __future__ import annotations

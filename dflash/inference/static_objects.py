@@ -1,8 +1,8 @@
 """The static live engine's objects (static_target.py, static_drafter.py) kept per model across prompts.
 
 Both sides of static live decoding run fixed-shape steps over preallocated buffers, each shape captured once as a
-CUDA graph (dflash/inference/cuda_graphs.py); the object holding the buffers and graphs is kept per model so a new prompt
-does not capture again.
+CUDA graph (dflash/inference/cuda_graphs.py); the object holding the buffers and graphs is kept per model so a new
+prompt does not capture again.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ run eagerly.
 
 Column c of the cache holds position c. A forward of n tokens at `length` writes columns length..length+n-1 and
 each query attends over the columns up to its own position (in a sliding-window layer, the last `window` of them:
-models/targets/static_attention.py), so a rollback only sets `length`: the columns of rejected drafts are masked out until the
-next forward overwrites them. The targets of static decoding (supports_static_decode: dense Llama-layout and Gemma
-2/3 targets, sliding windows included); GDN hybrids keep CachedTarget.
+models/targets/static_attention.py), so a rollback only sets `length`: the columns of rejected drafts are masked
+out until the next forward overwrites them. The targets of static decoding (supports_static_decode: dense
+Llama-layout and Gemma 2/3 targets, sliding windows included); GDN hybrids keep CachedTarget.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class DivergenceGuard:
         if not tags:
             resume = "no checkpoint was saved before it, so the same command starts again from step 0"
         else:
-            resume = (f"the newest checkpoint, {os.path.join(self.checkpoint_dir, tags[-1][1])}, holds finite weights and "
-                      f"the same command resumes from it")
+            newest = os.path.join(self.checkpoint_dir, tags[-1][1])
+            resume = f"the newest checkpoint, {newest}, holds finite weights and the same command resumes from it"
         return TrainingDiverged(f"training diverged at step {step}: {why}. Nothing non-finite was saved: {resume} "
                                 f"(if it diverges again, lower train.lr)")

@@ -247,8 +247,9 @@ def weighted_block_loss(
     position's loss is then (1 - kl_weight) CE + kl_weight KL(p || q), weighted the same way (D-PACE weights still
     come from the drafter's label probability), with both heads' logits made chunk by chunk. rows:
     loss_rows(weights) of these exact weights, when known before the weights reached the device (not checked
-    against them). transform: the target's final logit transform (head_loss). Returns (loss_sum, weight_sum of the weights used, per-position correct counts [B],
-    per-position counts [B]) where the counts cover positions with non-zero weight.
+    against them). transform: the target's final logit transform (head_loss). Returns (loss_sum, weight_sum of the
+    weights used, per-position correct counts [B], per-position counts [B]) where the counts cover positions with
+    non-zero weight.
     """
     check_loss_weighting(weighting, dpace_alpha)
     check_kl_weight(kl_weight)
