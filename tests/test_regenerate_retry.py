@@ -42,7 +42,7 @@ def test_the_failed_stream_is_released_before_the_retries():
         pass
 
     class Generator:
-        cache = None
+        cache = last_stats = None
 
         def stream(self, prompts, **kwargs):
             cache = Cache()
@@ -61,3 +61,36 @@ def test_the_failed_stream_is_released_before_the_retries():
     results = list(_static_results(Generator(), pending, batch_size=2, max_new_tokens=4, max_length=16,
                                    stop_ids=[0], pad_id=0, temperature=0.0, top_p=1.0, seed=0))
     assert results == [(0, [7]), (1, [8])]
+
+
+def test_a_failed_stream_retries_its_rows_alone_and_streams_the_rest(caplog, monkeypatch):
+    """One failing refill of 20 prompts in 3 rows: the prompts that were in rows go one by one, the ones the stream
+    had not reached go on in a new stream (not one by one), and every answer is the uninterrupted run's."""
+    from dflash.data.regenerate import _static_results
+    from dflash.inference import static_decode
+    from dflash.inference.static_decode import StaticGenerator
+    from dflash.models.targets.tiny import build_tiny_target
+
+    class Prompt:
+        def __init__(self, i):
+            self.id = f"p{i}"
+
+    adapter = build_tiny_target("llama", 0, tokenizer="builtin", initializer_range=0.2)
+    pending = [(Prompt(i), [5 + i % 7] * (2 + i % 5)) for i in range(20)]
+    options = dict(batch_size=3, max_new_tokens=5, max_length=32, stop_ids=[2], pad_id=0, temperature=0.0,
+                   top_p=1.0, seed=0)
+    expected = dict(_static_results(StaticGenerator(adapter), pending, **options))
+    admit, calls = static_decode._Decoder.admit, []
+
+    def fails_once(self, rows, prompts):
+        calls.append(len(prompts))
+        if len(calls) == 3:
+            raise RuntimeError("out of memory in a refill")
+        return admit(self, rows, prompts)
+
+    monkeypatch.setattr(static_decode._Decoder, "admit", fails_once)
+    with caplog.at_level(logging.WARNING, logger="dflash.data.regenerate"):
+        got = list(_static_results(StaticGenerator(adapter), pending, **options))
+    assert dict(got) == expected and sorted(i for i, _ in got) == list(range(20))
+    retried = [int(m.split("retrying ")[1].split(" ")[0]) for m in caplog.messages if "retrying" in m]
+    assert len(retried) == 1 and 1 <= retried[0] <= 3

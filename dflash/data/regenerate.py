@@ -129,8 +129,9 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
                     top_p: float, seed: int, part: list[int] | None = None):
     """The same from the static engine: every prompt of `part` (None: all) in one stream whose `batch_size` rows
     are refilled as prompts finish, results in finishing order. Each prompt samples from its own stream (run seed +
-    its id), so a resumed run draws the same tokens. If the stream raises, the prompts it had not finished are
-    retried one by one."""
+    its id), so a resumed run draws the same tokens. If the stream raises, the prompts that were in its rows are
+    retried one by one and the ones it had not reached go on in a new stream (all one by one when it failed before
+    any was in a row)."""
     part = list(range(len(pending))) if part is None else part
     prompts = [pending[i] for i in part]
     budgets = _budgets(prompts, max_new_tokens, max_length)
@@ -152,8 +153,14 @@ def _static_results(generator: StaticGenerator, pending: list[tuple[Prompt, list
         return generator.generate([prompts[j][1]], max_new_tokens=[budgets[j]], batch_size=1,
                                   prompt_seeds=[seeds[j]], **options)[0]
 
-    retried = _retry_one_by_one(failure, generate_one, [j for j in range(len(prompts)) if j not in finished])
-    yield from ((part[j], out) for j, out in retried)
+    unfinished = [j for j in range(len(prompts)) if j not in finished]
+    in_rows = set(generator.last_stats.in_rows) if generator.last_stats is not None else set()
+    alone = [j for j in unfinished if j in in_rows] or unfinished
+    yield from ((part[j], out) for j, out in _retry_one_by_one(failure, generate_one, alone))
+    rest = [part[j] for j in unfinished if j not in set(alone)]
+    if rest:
+        yield from _static_results(generator, pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id,
+                                   temperature, top_p, seed, part=rest)
 
 
 def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, max_length: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -47,6 +47,8 @@ class ScheduleStats:
     decode_steps: int = 0
     admissions: int = 0  # prefill calls (groups of rows refilled at once)
     tokens: int = 0  # kept tokens, the first token of each prompt (chosen by its prefill) included
+    # The prompts in rows (admitted, not yet harvested): after a decoder error, the ones it may concern.
+    in_rows: list[int] = field(default_factory=list)
 
     @property
     def utilisation(self) -> float:
@@ -91,9 +93,10 @@ def run_schedule(decoder: RowDecoder, lengths: list[int], budgets: list[int], *,
         ready = len(free) == rows or (refill and len(free) >= min(admit_min, len(pending)))
         if pending and ready:
             take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-            decoder.admit(free[: len(take)], take)
             for r, i in zip(free, take):
                 occupant[r], admitted_at[r] = i, step
+            stats.in_rows = [i for i in occupant if i is not None]
+            decoder.admit(free[: len(take)], take)
             stats.admissions += 1
         occupied = [r for r in range(rows) if occupant[r] is not None]
         if not occupied:
@@ -108,8 +111,10 @@ def run_schedule(decoder: RowDecoder, lengths: list[int], budgets: list[int], *,
         done = [r for r in occupied if flags[r]]
         if done:
             prompts = [occupant[r] for r in done]
+            harvested = decoder.harvest(done)
             for r in done:
                 occupant[r] = None
-            for i, tokens in zip(prompts, decoder.harvest(done)):
+            stats.in_rows = [i for i in occupant if i is not None]
+            for i, tokens in zip(prompts, harvested):
                 stats.tokens += len(tokens)
                 yield i, tokens
