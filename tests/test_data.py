@@ -121,8 +121,29 @@ def test_batched_prompt_ids_equal_the_chat_template_one_by_one(tiny, real):
     assert any(len(m) > 1 for m in conversations)  # multi-turn contexts are covered
     assert prompt_ids_many(tok, conversations) == expected
     assert prompt_ids_many(tok, []) == []
-    with pytest.raises(ValueError, match="end with a user turn"):
+    with pytest.raises(ValueError, match=r"conversation #1 \(roles \['assistant'\]\): .*end with a user turn"):
         prompt_ids_many(tok, [conversations[0], [{"role": "assistant", "content": "x"}]])
+
+
+def test_a_template_error_names_the_prompt(tiny, monkeypatch):
+    """A template that refuses one record (say, two user turns in a row under an alternating template) stops the
+    data stage naming that prompt, not with a bare jinja error."""
+    from jinja2.exceptions import TemplateError
+
+    tok = tiny.tokenizer
+    render = type(tok).apply_chat_template
+
+    def alternating(self, messages, **kwargs):
+        if [m["role"] for m in messages] == ["user", "user"]:
+            raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return render(self, messages, **kwargs)
+
+    monkeypatch.setattr(type(tok), "apply_chat_template", alternating)
+    prompts = [Prompt("fine", [{"role": "user", "content": "q"}], "s"),
+               Prompt("sharegpt-7#2", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "s")]
+    with pytest.raises(ValueError, match=r"conversation sharegpt-7#2 \(roles \['user', 'user'\]\): the chat "
+                                         r"template refused it \(TemplateError: Conversation roles must alternate"):
+        prompt_ids_many(tok, [p.messages for p in prompts], names=[p.id for p in prompts])
 
 
 # Regeneration ------------------------------------------------------------------------------------------------

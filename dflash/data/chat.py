@@ -15,23 +15,35 @@ def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return prompt_ids_many(tokenizer, [messages])[0]
 
 
-def prompt_ids_many(tokenizer: Any, conversations: list[list[dict]],
-                    template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+def prompt_ids_many(tokenizer: Any, conversations: list[list[dict]], template_kwargs: dict[str, Any] | None = None,
+                    names: list[str] | None = None) -> list[list[int]]:
     """prompt_ids of many conversations: each rendered by the chat template, then all tokenised in one batch call.
 
     That is what `apply_chat_template(tokenize=True)` does one conversation at a time (render, then tokenise
     without adding special tokens); batching lets a fast tokenizer use every core, which matters for the tens of
     thousands of multi-turn prompts of a data stage. template_kwargs: the template's options (enable_thinking...).
+    names: what to call each conversation in an error (a prompt id); its index without them.
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
-    for messages in conversations:
+
+    def problem(i: int, what: str) -> ValueError:
+        name = names[i] if names is not None else f"#{i}"
+        roles = [m.get("role") for m in conversations[i]]
+        return ValueError(f"conversation {name} (roles {roles}): {what}")
+
+    for i, messages in enumerate(conversations):
         if not messages or messages[-1].get("role") != "user":
-            raise ValueError(f"messages must end with a user turn, got roles {[m.get('role') for m in messages]}")
-    if not conversations:
+            raise problem(i, "messages must end with a user turn")
+    texts = []
+    for i, messages in enumerate(conversations):
+        try:
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                       **(template_kwargs or {})))
+        except Exception as err:  # noqa: BLE001 - a template's own error (jinja), named with its conversation
+            raise problem(i, f"the chat template refused it ({type(err).__name__}: {err})") from err
+    if not texts:
         return []
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
-             for m in conversations]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     result = []
     for ids in encoded:

@@ -121,7 +121,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     # Templated once: regeneration and encoding read the same ids (tokenising every multi-turn prompt is most of
     # the CPU time a data stage spends outside generation).
     template_started = time.perf_counter()
-    prompt_tokens = prompt_ids_many(adapter.tokenizer, [p.messages for p in prompts], template_kwargs)
+    prompt_tokens = prompt_ids_many(adapter.tokenizer, [p.messages for p in prompts], template_kwargs,
+                                    [p.id for p in prompts])
     template_s = time.perf_counter() - template_started
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,

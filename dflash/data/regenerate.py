@@ -210,7 +210,8 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
                                  attention=decode_attention) if engine == "static" else None
         started = time.perf_counter()
         if prompt_tokens is None:
-            prompt_tokens = prompt_ids_many(adapter.tokenizer, [p.messages for p in prompts], template_kwargs)
+            prompt_tokens = prompt_ids_many(adapter.tokenizer, [p.messages for p in prompts], template_kwargs,
+                                            [p.id for p in prompts])
         elif len(prompt_tokens) != len(prompts):
             raise ValueError(f"prompt_tokens holds {len(prompt_tokens)} prompts' ids for {len(prompts)} prompts")
         work = _sort_out(prompts, prompt_tokens, done_hashes, max_length)
