@@ -265,6 +265,7 @@ BAD = [
     ("data.limit=0", "data.limit=0"),
     ("data.engine=vllm", "data.engine='vllm'"),
     ("data.decode_attention=flash", "data.decode_attention='flash'"),
+    ("data.heldout=32", "data.heldout=32: expected fewer than the 32 prompts data.limit and data.synthetic.count"),
     ("capture.dtype=float16", "capture.dtype='float16' is not allowed"),
     ("capture.mode=online", "choose the mode with the group, capture=online"),
     ("capture.gpus_per_worker=0", "capture.gpus_per_worker=0: expected an int >= 1 or auto"),
@@ -290,7 +291,7 @@ BAD = [
 @pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
 def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     with pytest.raises(ConfigError) as error:
-        settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}", override]))
+        settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}", *override.split()]))
     assert message in str(error.value)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "run").exists()
@@ -310,6 +311,15 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
 ])
 def test_settings_this_combination_ignores_are_named(overrides, warning):
     assert warning in " ".join(settings_from(compose(["+experiment=tiny", *overrides])).ignored())
+
+
+def test_an_ignored_setting_is_really_ignored_by_its_stage():
+    from dflash.stages.data import training_prompts
+
+    settings = settings_from(compose(["+experiment=tiny", "data.source=gsm8k", "data.turns=all", "data.limit=3"]))
+    assert "data.turns='all' is ignored" in " ".join(settings.ignored())
+    prompts = training_prompts(settings.data)  # the first turns of the source, not an error
+    assert len(prompts) == 3 and {p.prompt_set for p in prompts} == {"gsm8k"}
 
 
 def test_the_shipped_experiments_give_no_ignored_settings():

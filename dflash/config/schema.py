@@ -258,6 +258,10 @@ class DataSettings:
         _fraction("data.top_p", self.top_p, open_low=True)
         _fraction("data.sampled_share", self.sampled_share)
         require(self.heldout >= 0, "data.heldout", self.heldout, "an int >= 0")
+        if self.limit is not None:  # the most prompts the stage can answer: the limited source's plus the synthetic
+            most = self.limit + self.synthetic.count
+            require(self.heldout < most, "data.heldout", self.heldout,
+                    f"fewer than the {most} prompts data.limit and data.synthetic.count allow")
         require(self.eval_overlap_ngram >= 0, "data.eval_overlap_ngram", self.eval_overlap_ngram,
                 "an int >= 0 (0: no check)")
         require_choice("data.engine", self.engine, ENGINES)

@@ -27,6 +27,15 @@ def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
     return result
 
 
+def training_prompts(data) -> list:
+    """The source's training prompts for group `data` (DataSettings). data.turns applies to ShareGPT only; for any
+    other source it is ignored, as the composed config's warning says."""
+    from dflash.data.prompts import load_prompts
+
+    turns = data.turns if data.source == "sharegpt" else "first"
+    return load_prompts(data.source, path=data.path, limit=data.limit, seed=data.seed, turns=turns)
+
+
 class DataStage(Stage):
     name = "data"
     every_rank = False  # rank 0 writes the dataset; the other ranks read it after the next barrier
@@ -67,13 +76,11 @@ class DataStage(Stage):
     def run(self) -> dict[str, Any] | None:
         """The dataset; its stats for done.json, or None while some prompts failed."""
         from dflash.data.dataset import build_dataset, format_stats
-        from dflash.data.prompts import load_prompts
 
         run, d, out = self.context, self.context.settings.data, self.out
         os.makedirs(out, exist_ok=True)
         seconds: dict[str, float] = {}  # where the stage's time goes before the answers (stats.json "before_answers")
-        prompts = timed(seconds, "prompts", lambda: load_prompts(d.source, path=d.path, limit=d.limit, seed=d.seed,
-                                                                  turns=d.turns))
+        prompts = timed(seconds, "prompts", lambda: training_prompts(d))
         # The target loads here unless an earlier stage of this process loaded it (a GGUF converts once per cache).
         timed(seconds, "target", lambda: run.target)
         synthetic = None
