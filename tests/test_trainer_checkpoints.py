@@ -133,8 +133,28 @@ def test_a_checkpoint_of_another_global_batch_is_refused(tmp_path, one_thread):
     """The data position is counted in global batches: a resume with another global batch size would train other
     samples, so it stops with the setting to change."""
     trainer_harness.run(str(tmp_path), micro_batch_size=2, grad_accum=1, epochs=1, save_every=1)
-    with pytest.raises(ValueError, match="global batch of 2 samples, this run has 4 .*global batch is 2"):
+    with pytest.raises(ValueError, match="global batch of 2 samples, this run has 4 .*resume it with the ranks and "
+                                         "settings it was trained with"):
         trainer_harness.run(str(tmp_path), micro_batch_size=2, grad_accum=2, epochs=2, save_every=1)
+
+
+def test_another_global_batch_on_another_rank_count_is_refused_before_converting(tmp_path, monkeypatch):
+    """Converting a tag to a universal checkpoint is costly at large shapes: a tag the run would refuse anyway (its
+    global batch differs) is refused first."""
+    import json
+    import subprocess
+
+    from dflash.train.checkpoints import COMPLETE, LATEST, LAYOUT, resume_tag
+
+    (tmp_path / "step4").mkdir()
+    (tmp_path / "step4" / LAYOUT).write_text(json.dumps({"world_size": 1, "zero_stage": 2, "global_batch_size": 2}))
+    (tmp_path / "step4" / COMPLETE).write_text("4\n")
+    (tmp_path / LATEST).write_text("step4")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("converted a tag it then refuses"))
+    with pytest.raises(ValueError, match="step4 was trained on 1 rank\\(s\\) with a global batch of 2 samples, "
+                                         "this run has 4"):
+        resume_tag(str(tmp_path), world_size=2, rank=0, global_batch_size=4)
+    assert resume_tag(str(tmp_path), world_size=1, rank=0, global_batch_size=2) == ("step4", False)
 
 
 def test_the_resume_step_is_read_from_the_tag():

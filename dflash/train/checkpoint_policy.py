@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash.config.schema import TrainSettings
-from dflash.train.checkpoints import load_checkpoint, save_checkpoint
+from dflash.train.checkpoints import batch_mismatch, load_checkpoint, save_checkpoint
 from dflash.train.engine import TrainEngine
 from dflash.train.time_budget import TimeBudget
 
@@ -35,11 +35,7 @@ class CheckpointPolicy:
         state = load_checkpoint(engine, self.checkpoint_dir, tag, rank=self.rank)
         saved_batch = state.get("global_batch_size", self.global_batch_size)
         if saved_batch != self.global_batch_size:
-            raise ValueError(
-                f"checkpoint {tag} was trained with a global batch of {saved_batch} samples, this run has "
-                f"{self.global_batch_size} (micro_batch_size x ranks x grad_accum): the data position would not "
-                f"match; set train.grad_accum so the global batch is {saved_batch}"
-            )
+            raise batch_mismatch(tag, saved_batch, self.global_batch_size)
         return state
 
     def due(self, step: int, last_step: int, stopping: bool) -> bool:

@@ -131,8 +131,10 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
     _barrier()
     if rank == 0:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        write_text(os.path.join(folder, LAYOUT), json.dumps({"world_size": world_size,
-                                                                "zero_stage": engine.zero_stage}))
+        layout = {"world_size": world_size, "zero_stage": engine.zero_stage}
+        if "global_batch_size" in client_state:  # read before a conversion to another rank count (resume_tag)
+            layout["global_batch_size"] = client_state["global_batch_size"]
+        write_text(os.path.join(folder, LAYOUT), json.dumps(layout))
         write_checksums(folder)  # before `complete`, so every complete tag has them
         write_text(os.path.join(folder, COMPLETE), f"{step}\n")
         write_text(os.path.join(directory, LATEST), tag)
@@ -206,35 +208,57 @@ def verified_latest_tag(directory: str) -> str | None:
                      f"from the start, or restore its files")
 
 
-def saved_world_size(directory: str, tag: str) -> int | None:
-    """The number of ranks that wrote `tag` (None for a tag without layout.json, from before it was recorded)."""
+def saved_layout(directory: str, tag: str) -> dict[str, Any]:
+    """layout.json of `tag`: world_size, zero_stage and (since it was recorded) global_batch_size; {} for a tag
+    from before layouts were recorded."""
     path = os.path.join(directory, tag, LAYOUT)
     if not os.path.exists(path):
-        return None
+        return {}
     with open(path, encoding="utf-8") as f:
-        return int(json.load(f)["world_size"])
+        return json.load(f)
 
 
-def resume_tag(directory: str, world_size: int, rank: int) -> tuple[str | None, bool]:
+def saved_world_size(directory: str, tag: str) -> int | None:
+    """The number of ranks that wrote `tag` (None for a tag without layout.json, from before it was recorded)."""
+    saved = saved_layout(directory, tag).get("world_size")
+    return None if saved is None else int(saved)
+
+
+def batch_mismatch(tag: str, saved: int, now: int, saved_ranks: int | None = None) -> ValueError:
+    """The error for a checkpoint counted in another global batch than this run's: its data position would not
+    match."""
+    where = f" on {saved_ranks} rank(s)" if saved_ranks is not None else ""
+    return ValueError(f"checkpoint {tag} was trained{where} with a global batch of {saved} samples, this run has {now} "
+                      f"(micro_batch_size x ranks x grad_accum): the data position would not match; resume it with "
+                      f"the ranks and settings it was trained with")
+
+
+def resume_tag(directory: str, world_size: int, rank: int,
+               global_batch_size: int | None = None) -> tuple[str | None, bool]:
     """(tag to load or None, whether it is a universal checkpoint) for a run with `world_size` ranks: the newest
     tag that verifies (verified_latest_tag); a resume also verifies the best checkpoint it carries on with.
 
     Saved by the same number of ranks: the tag itself. Saved by another number: ZeRO shards cannot be loaded as
     they are, so rank 0 converts the tag with DeepSpeed's ds_to_universal (into a temporary folder, renamed when
-    whole) and every rank loads the conversion; the engine must then be built with `load_universal`.
+    whole) and every rank loads the conversion; the engine must then be built with `load_universal`. A tag counted
+    in another global batch than `global_batch_size` (when given and recorded) is refused before any conversion.
     """
     # Rank 0 reads `latest` for everyone: on a shared file system another node may still see a directory entry
     # it cached before the folder changed (say, moved aside by claim_checkpoint_dir), and ranks that resumed
     # different steps would train apart without an error.
-    def read() -> tuple[str | None, int | None]:
+    def read() -> tuple[str | None, dict[str, Any]]:
         tag = verified_latest_tag(directory)
         if tag is not None:
             read_best(directory, verify=True)  # the best checkpoint it resumes with (CorruptFile on every rank)
-        return tag, None if tag is None else saved_world_size(directory, tag)
+        return tag, {} if tag is None else saved_layout(directory, tag)
 
-    tag, saved = from_rank0(read, "the checkpoint folder")
+    tag, layout = from_rank0(read, "the checkpoint folder")
+    saved = layout.get("world_size")
     if tag is None or saved in (None, world_size):
         return tag, False
+    saved_batch = layout.get("global_batch_size")
+    if global_batch_size is not None and saved_batch is not None and saved_batch != global_batch_size:
+        raise batch_mismatch(tag, saved_batch, global_batch_size, saved)
     universal = tag + UNIVERSAL
     target = os.path.join(directory, universal)
     if rank == 0 and not os.path.isdir(target):

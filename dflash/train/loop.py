@@ -259,7 +259,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     embed_weight, lm_head = (w.to(device) for w in frozen_head)
     plan = plan_batches(settings, len(store), world_size, lengths)
     total_steps = count_steps(settings, plan)
-    tag, universal = resume_tag(checkpoint_dir, world_size, rank)
+    tag, universal = resume_tag(checkpoint_dir, world_size, rank, plan.global_batch_size)
     engine = build_engine(settings, deepspeed, drafter_config, total_steps, world_size, device, universal)
     attention = resolve_attention(settings.attention, device)
     peak_tflops = resolve_peak_tflops(settings.peak_tflops, device)
