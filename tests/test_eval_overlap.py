@@ -43,9 +43,8 @@ def test_overlap_by_hand():
                                                                       ("e", "math/q")]
 
 
-def test_a_planted_eval_prompt_is_dropped_by_the_data_stage(tmp_path):
-    """The tiny pipeline's data stage with a GSM8K question of the eval set planted among its training prompts:
-    it is dropped, counted in stats.json and the console table, and is not in the dataset; the others are."""
+def planted_prompts(tmp_path) -> tuple[str, object]:
+    """A prompt file of five training prompts and one GSM8K question of the eval set; (its path, that question)."""
     gsm8k = load_prompts("gsm8k")[7]
     question = gsm8k.messages[-1]["content"].split("\n\n")[0]  # the question without the eval's instruction
     rows = [{"id": f"p{i}", "conversations": [{"from": "human", "value": f"Write one sentence about topic {i}."}]}
@@ -53,6 +52,13 @@ def test_a_planted_eval_prompt_is_dropped_by_the_data_stage(tmp_path):
     rows.insert(2, {"id": "planted", "conversations": [{"from": "human", "value": "Help me: " + question}]})
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), gsm8k
+
+
+def test_a_planted_eval_prompt_is_dropped_by_the_data_stage(tmp_path):
+    """The tiny pipeline's data stage with a GSM8K question of the eval set planted among its training prompts:
+    it is dropped, counted in stats.json and the console table, and is not in the dataset; the others are."""
+    path, gsm8k = planted_prompts(tmp_path)
     run_dir = tmp_path / "run"
     Pipeline(compose(["+experiment=tiny", "show_progress=false", "stages=[data]", f"run_dir={run_dir}",
                       "data.source=file", f"data.path={path}", "data.limit=null"])).run()
@@ -63,3 +69,25 @@ def test_a_planted_eval_prompt_is_dropped_by_the_data_stage(tmp_path):
     assert overlap["eval_sets"]["gsm8k"] > 2  # the whole set, not only the evaluated subset
     assert "1 of 6 training prompts dropped" in format_stats(stats)
     assert sorted(load_dataset_dir(str(run_dir / "data"))["id"]) == [f"p{i}" for i in range(5)]
+
+
+def test_an_eval_set_added_after_the_build_is_checked_from_the_journal(tmp_path, monkeypatch, capsys):
+    path, _ = planted_prompts(tmp_path)
+    run = ["+experiment=tiny", "show_progress=false", "stages=[data]", f"run_dir={tmp_path / 'run'}",
+           "data.source=file", f"data.path={path}", "data.limit=null", "data.max_length=512"]
+    Pipeline(compose(run + ["~eval.prompt_sets.gsm8k"])).run()  # built without GSM8K among the eval sets
+    data = tmp_path / "run" / "data"
+    assert "planted" in load_dataset_dir(str(data))["id"]
+
+    def must_not_generate(*args, **kwargs):
+        raise AssertionError("answered again")
+
+    monkeypatch.setattr("dflash.data.regenerate._static_results", must_not_generate)
+    monkeypatch.setattr("dflash.data.regenerate._hf_results", must_not_generate)
+    capsys.readouterr()
+    Pipeline(compose(run)).run()
+    assert "not checked for overlap with gsm8k" in "".join(capsys.readouterr())
+    assert sorted(load_dataset_dir(str(data))["id"]) == [f"p{i}" for i in range(5)]
+    assert read_json(str(data / "stats.json"))["eval_overlap"]["dropped"] == {"prompts": 1}
+    Pipeline(compose(run)).run()  # checked now: kept
+    assert "not checked for overlap" not in "".join(capsys.readouterr())

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.run_files import clear_done, stage_done, write_json
+from dflash.run_files import clear_done, read_json_or_none, stage_done, write_json
 from dflash.stages.context import RunContext
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
@@ -48,11 +48,35 @@ class DataStage(Stage):
     def fingerprint(self) -> str:
         return fingerprints.data_fingerprint(self.context.settings)
 
+    def up_to_date(self) -> bool:
+        """Marked done for these settings, and (with the overlap check on) checked against every evaluation set
+        eval.prompt_sets names now. A set added since is named, and the stage runs again: the answers come from its
+        journal, and the dataset changes only if training prompts overlap the new set (then so does what follows)."""
+        if not stage_done(self.out, self.fingerprint()):
+            return False
+        unchecked = self.unchecked_eval_sets()
+        if unchecked:
+            logger.warning(f"[data] the training prompts were not checked for overlap with {', '.join(unchecked)} "
+                           f"(added to eval.prompt_sets since): checking them, the answers come from the journal")
+        return not unchecked
+
+    def unchecked_eval_sets(self) -> list[str]:
+        """The evaluation sets the finished build's overlap check did not cover (its stats.json eval_overlap); none
+        when the check is off or the build predates it."""
+        settings = self.context.settings
+        if not settings.data.eval_overlap_ngram:
+            return []
+        report = (read_json_or_none(os.path.join(self.out, "stats.json")) or {}).get("eval_overlap")
+        if not isinstance(report, dict):
+            return []
+        return sorted(set(settings.eval.prompt_sets) - set(report.get("eval_sets", {})))
+
     def preflight(self, selected: bool) -> None:
         """When it will run (selected, not up to date): its prompts and, for the overlap check, every evaluation
         prompt set must be readable. Rank 0 alone reads prompts; a launcher ends the other ranks when it stops."""
         s = self.context.settings
-        if self.context.rank != 0 or not selected or stage_done(self.out, self.fingerprint()):
+        if self.context.rank != 0 or not selected or stage_done(self.out, self.fingerprint()) and \
+                not self.unchecked_eval_sets():
             return
         files = [("data", s.data.source, s.data.path)]
         if s.data.eval_overlap_ngram:
