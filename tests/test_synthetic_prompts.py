@@ -122,6 +122,17 @@ def test_other_settings_are_refused(tiny, tmp_path):
         synthesize_prompts(tiny, 2, SYSTEMS[:1], tmp_path / "greedy.jsonl", **{**SYN, "temperature": 0.0})
 
 
+def test_draws_of_another_engine_or_batch_size_are_reused(tiny, tmp_path):
+    """data.engine and data.batch_size are speed settings: a build under other ones reads the journal's draws
+    instead of refusing it (a later change of another data setting would otherwise stop the stage)."""
+    journal = tmp_path / "j.jsonl"
+    first, stats = synthesize_prompts(tiny, 3, SYSTEMS[:1], journal, **{**SYN, "max_new_tokens": 24, "engine": "hf"})
+    for engine, batch_size in (("static", 4), ("hf", 8)):
+        again, again_stats = synthesize_prompts(tiny, 3, SYSTEMS[:1], journal, **{
+            **SYN, "max_new_tokens": 24, "engine": engine, "batch_size": batch_size})
+        assert contents(again) == contents(first) and again_stats["generated_tokens"] == 0
+
+
 def test_a_target_on_the_plain_prompt_format_is_refused_before_any_draw(tmp_path):
     """A base model's plain 'User: ... / Assistant:' format ends a user turn in text, not in a stop token: the
     draws would all run to max_new_tokens and be dropped, so the setting is refused, naming it, before a draw."""

@@ -285,7 +285,9 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     quota = quotas(count, len(system_prompts))
     caps = [max(q, math.ceil(q * max_oversample)) for q in quota]
     refuse_plain_format(tokenizer, count, journal_path, settings, quota, caps)  # before the journal is written
-    journal, _ = open_journal(journal_path, settings)
+    # data.engine and data.batch_size are speed settings: draws journaled under another engine or group stay valid
+    # (new draws follow the new ones), so a later data change is not refused for them.
+    journal, _ = open_journal(journal_path, settings, unused=("engine", "hf_group"))
     with journal:
         _, records = read_journal(journal_path)
         journaled = set(records)
