@@ -278,6 +278,7 @@ BAD = [
     ("train.best_by=tau_T0", "train.best_by='tau_T0': expected tau (greedy replay) or tau_T<x>"),
     ("train.best_by=tau_T1", "train.best_by=tau_T1 picks the best checkpoint by held-out"),
     ("eval.mode=offline", "eval.mode='offline'"),
+    ("eval.max_new_tokens=1", "eval.max_new_tokens=1: expected an int >= 2"),
     ("eval.prompt_sets.gsm8k.limit=0", "eval.prompt_sets.gsm8k.limit=0"),
     ("eval.checkpoint=last", "eval.checkpoint='last': expected one of 'best', 'final'"),
     ("logging.wandb.mode=on", "logging.wandb.mode='on'"),

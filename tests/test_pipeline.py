@@ -38,6 +38,8 @@ def test_tiny_run_writes_one_folder_with_every_stage(tiny_run):
     for path in ["config.yaml", "data/dataset", "data/stats.json", "features/manifest.json", "checkpoints/latest",
                  "export/config.json", "export/model.safetensors", "eval/summary.json", "metrics.jsonl"]:
         assert os.path.exists(os.path.join(run_dir, path)), path
+    with open(os.path.join(run_dir, "export", "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["max_position_embeddings"] == 4096  # the tiny target's context, as it serves beside it
     with open(os.path.join(run_dir, "eval", "summary.json"), encoding="utf-8") as f:
         on_disk = json.load(f)
     for name in ["humaneval", "gsm8k", "overall"]:
@@ -100,6 +102,31 @@ def test_a_finished_training_without_final_weights_or_checkpoints_is_never_retra
     with pytest.raises(RunFolderError, match="final is missing, and no checkpoint of this finished training"):
         Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_an_incompatible_drafter_is_refused_before_the_target_answers_the_prompt_sets(tiny_run, tmp_path,
+                                                                                      monkeypatch):
+    def incompatible(drafter, adapter):
+        raise ValueError("drafter hidden_size 128 != target hidden_size 64")
+
+    def must_not_generate(*args, **kwargs):
+        raise AssertionError("the target answered the prompt sets before the drafter was checked")
+
+    monkeypatch.setattr("dflash.eval.evaluate.check_compatible", incompatible)
+    monkeypatch.setattr("dflash.eval.evaluate.load_prompt_sets", must_not_generate)
+    with pytest.raises(ValueError, match="hidden_size 128 != target hidden_size 64"):
+        Pipeline(compose(TINY + [f"run_dir={tiny_run[0]}", "stages=[eval]", f"eval.out_dir={tmp_path / 'e'}"])).run()
+
+
+def test_the_closing_rows_of_an_evaluation_without_a_draft_step(tiny_run):
+    """Every prompt stopped at its first token (the prefill's): no draft step, tau None, and the closing block
+    still prints."""
+    from dflash.stages.evaluation import EvalStage
+
+    stage = EvalStage.__new__(EvalStage)
+    stage.out, stage.context = tiny_run[0], None
+    stage.summary = {"prompt_sets": {"gsm8k": {"tau": None}}, "overall": {"tau": None}}
+    assert stage.closing_rows()[1] == ("tau", "gsm8k -; overall -")
 
 
 def test_a_run_folder_whose_train_stage_marked_its_export_resumes_without_training_or_exporting(tiny_run, tmp_path,

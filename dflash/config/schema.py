@@ -568,7 +568,8 @@ class EvalSettings:
         require_choice("eval.draft_sampling", self.draft_sampling, ("greedy", "sampled"))
         _positive("eval.temperature", self.temperature, allow_zero=True)
         _optional_positive("eval.draft_temperature", self.draft_temperature)
-        require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "an int >= 1")
+        require(self.max_new_tokens >= 2, "eval.max_new_tokens", self.max_new_tokens,
+                "an int >= 2 (the first token comes from the prefill: one token makes no draft step)")
         require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "an int >= 1")
         require(len(self.prompt_sets) >= 1, "eval.prompt_sets", self.prompt_sets, "at least one prompt set")
         for name, spec in self.prompt_sets.items():

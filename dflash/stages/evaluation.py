@@ -115,16 +115,19 @@ class EvalStage(Stage):
     def closing_rows(self) -> list[tuple[str, str]]:
         if self.summary is None:
             return []
-        taus = ", ".join(f"{name} {s['tau']:.2f}" for name, s in self.summary.get("prompt_sets", {}).items())
+        def tau(entry: dict) -> str:
+            return "-" if entry.get("tau") is None else f"{entry['tau']:.2f}"  # None: no draft step was made
+
+        taus = ", ".join(f"{name} {tau(s)}" for name, s in self.summary.get("prompt_sets", {}).items())
         return [("evaluation", f"{shown(self.out)}/summary.json, per_position.png"),
-                ("tau", f"{taus}; overall {self.summary['overall']['tau']:.2f}")]
+                ("tau", f"{taus}; overall {tau(self.summary['overall'])}")]
 
     def next_rows(self) -> list[tuple[str, str]]:
         """A short CPU run's tau explained, else after a replay the command that measures real decoding."""
         run = self.context
         if self.summary is None:
             return []
-        if run.device.type == "cpu" and self.summary["overall"]["tau"] < 1.5:
+        if run.device.type == "cpu" and (self.summary["overall"].get("tau") or 0.0) < 1.5:
             return [("", "This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau "
                          "near 1 is expected). A real drafter: the same `python -m dflash.train` on a machine with a "
                          "GPU (+experiment=smollm2_quick, about 10 minutes), or the full recipe +experiment=smollm2 "
@@ -137,7 +140,7 @@ class EvalStage(Stage):
 
     def evaluate(self, folder: str) -> dict[str, Any]:
         """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml."""
-        from dflash.eval.evaluate import evaluate, load_prompt_sets, write_summary
+        from dflash.eval.evaluate import check_compatible, evaluate, load_prompt_sets, write_summary
         from dflash.eval.export import load_drafter
         from dflash.eval.metrics import PhaseTimer
 
@@ -151,6 +154,7 @@ class EvalStage(Stage):
         except CorruptFile as error:
             raise CorruptFile(f"{error}; the export stage exports it again from the checkpoints: rerun training with "
                               f"the same settings (python -m dflash.train ...), which exports") from None
+        check_compatible(drafter, target)  # before the target answers the prompt sets (MT-Bench's first turns)
         template_kwargs = dict(e.chat_template_kwargs)
         timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
         prompt_sets, categories = load_prompt_sets(

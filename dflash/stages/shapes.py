@@ -20,6 +20,9 @@ def target_shape(adapter) -> dict[str, Any]:
         "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
         "head_dim": int(getattr(config, "head_dim", None) or adapter.hidden_size // heads),
         "intermediate_size": int(config.intermediate_size),
+        # The drafter serves at the target's positions: the export's config carries the target's context length
+        # (a serving engine may build its RoPE table from it).
+        "max_position_embeddings": int(getattr(config, "max_position_embeddings", None) or 40960),
     }
 
 
@@ -54,6 +57,8 @@ def drafter_config(settings: RunSettings, shape: dict[str, Any]):
         layer_types=list(d.layer_types) if d.layer_types is not None else [],
         sliding_window=d.sliding_window,
         rope_theta=float(d.rope_theta),
+        # target.json of runs captured before it was recorded: the config's former fixed value.
+        max_position_embeddings=int(shape.get("max_position_embeddings", 40960)),
     )
 
 
