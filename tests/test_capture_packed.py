@@ -166,9 +166,28 @@ def test_a_leaking_packed_capture_is_caught_by_the_crosscheck(tmp_path, monkeypa
         return adapter.capture(input_ids[None], None, layer_ids)[0]
 
     monkeypatch.setattr(adapter, "capture_packed", leaking)
-    with pytest.raises(ValueError, match=r"sample 'b': tap 2 differs from output_hidden_states\[3\]"):
-        capture_dataset(adapter, data, tmp_path, [2], fingerprint={}, show_progress=False,
-                        **capture_options(pack=True, check_every=1))
+    # check_every=1000 selects sample 0 alone, the first of its run (nothing before it to leak from): its run's
+    # last sample is checked instead.
+    for check_every in (1, 1000):
+        with pytest.raises(ValueError, match=r"sample 'b': tap 2 differs from output_hidden_states\[3\]"):
+            capture_dataset(adapter, data, tmp_path / str(check_every), [2], fingerprint={}, show_progress=False,
+                            **capture_options(pack=True, check_every=check_every))
+
+
+def test_a_target_packing_cannot_serve_is_captured_in_padded_batches_within_batch_tokens(tmp_path, monkeypatch):
+    adapter = build_tiny_target("llama", tokenizer="builtin")
+    monkeypatch.setattr(adapter, "packing_problem", lambda: "its attention soft-caps its logits")
+    sequences = random_sequences([60] + [4] * 30, seed=3)
+    data = Dataset.from_dict({"id": [f"s{i}" for i in range(len(sequences))],
+                              "input_ids": [s.tolist() for s in sequences],
+                              "loss_mask": [[1] * len(s) for s in sequences]})
+    shapes = []
+    capture = adapter.capture
+    monkeypatch.setattr(adapter, "capture", lambda ids, mask, taps: (shapes.append(tuple(ids.shape)),
+                                                                      capture(ids, mask, taps))[1])
+    capture_dataset(adapter, data, tmp_path, [2], fingerprint={}, show_progress=False,
+                    **capture_options(pack=True, batch_tokens=180, check_every=0))
+    assert shapes and max(rows * width for rows, width in shapes) <= 180  # not 31 rows x 60 in one batch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlashAttention's varlen kernel, fla)")

@@ -139,7 +139,9 @@ def capture_rows(
     num_tokens = int(offsets[-1])
     hidden = torch.empty(num_tokens, len(layer_ids) * adapter.hidden_size, dtype=dtype)
     scales = torch.empty(num_tokens, len(layer_ids), dtype=torch.float32) if dtype == FP8_DTYPE else None
-    capture = _capture_packed_rows if pack else _capture_padded_rows
+    # A target packed capture cannot serve (packing_problem) takes padded batches, which keep to batch_tokens
+    # (its packed fallback would pad a whole run of samples to the longest one).
+    capture = _capture_packed_rows if pack and adapter.packing_problem() is None else _capture_padded_rows
     capture(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids, batch_tokens, check_every,
             progress, hidden, scales)
     return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
@@ -242,9 +244,11 @@ def _capture_packed_rows(
         raise_on_bad_features(flags.cpu(), sample_ids[first:end], layer_ids)
         for j in range(first, end):
             if check_every and (first_sample + j) % check_every == 0:
-                crosscheck_sample(adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(),
-                                  features[int(offsets[j]) - start:int(offsets[j + 1]) - start], layer_ids,
-                                  sample_ids[j])
+                # The first sample of a run has nothing before it to leak from: its run's last sample is checked.
+                k = end - 1 if j == first else j
+                crosscheck_sample(adapter, flat_ids[offsets[k]:offsets[k + 1]].tolist(),
+                                  features[int(offsets[k]) - start:int(offsets[k + 1]) - start], layer_ids,
+                                  sample_ids[k])
         if scales is not None:
             q, run_scales = quantize_fp8(features, len(layer_ids))
             hidden[start:stop] = q.cpu()
