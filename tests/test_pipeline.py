@@ -118,6 +118,23 @@ def test_an_incompatible_drafter_is_refused_before_the_target_answers_the_prompt
         Pipeline(compose(TINY + [f"run_dir={tiny_run[0]}", "stages=[eval]", f"eval.out_dir={tmp_path / 'e'}"])).run()
 
 
+@pytest.mark.parametrize("capture", ["offline", "colocated"])
+def test_the_target_leaves_rank_0_for_training_unless_training_runs_it(capture, tmp_path, monkeypatch):
+    """Rank 0 writes the capture stage's files with the target, then (but for colocated capture, where the trainer
+    runs the target) frees it before training: at the 27B shape that is ~54 GB of a training GPU."""
+    resident = []
+
+    def record(*args, **kwargs):
+        resident.append(pipeline.context._target is not None)
+        raise KeyboardInterrupt  # enough: training itself is not under test
+
+    monkeypatch.setattr("dflash.train.loop.train", record)
+    pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path}", f"capture={capture}"]))
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run()
+    assert resident == [capture == "colocated"]
+
+
 def test_the_closing_rows_of_an_evaluation_without_a_draft_step(tiny_run):
     """Every prompt stopped at its first token (the prefill's): no draft step, tau None, and the closing block
     still prints."""

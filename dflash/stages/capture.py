@@ -90,13 +90,15 @@ class CaptureStage(Stage):
         else:
             summary = self.capture_store(dataset, config.target_layer_ids, self.fingerprint())
         if run.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
-            run.release_target()  # frees this rank's device for training (rank 0 keeps the target for eval)
+            run.release_target()  # frees this rank's device for training
             return None
         self.capture_heldout(config.target_layer_ids)
         save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(),
                          os.path.join(out, "frozen_head.safetensors"), run.target.logit_transform)
         write_json(os.path.join(out, "target.json"), shape)
         logger.info(f"[capture] {summary} -> {out}")
+        if mode != "colocated":  # training reads features, not the target: its device memory goes to training
+            run.release_target()  # (the eval stage loads it again when it runs)
         return {}
 
     def layer_ids(self) -> list[int] | None:
