@@ -55,6 +55,14 @@ def test_the_exported_best_follows_best_by(tmp_path):
     Pipeline(compose(HELDOUT + [f"run_dir={tmp_path}", "train.best_by=tau_T0.5", "stages=[data,capture]",
                               "overwrite=true"])).run()
     assert (tmp_path / "features" / "heldout_T0.5.safetensors").exists()
+    # Another budget for the continuations: the passes at that temperature are made again with it.
+    from dflash.train.heldout import sampled_budget
+
+    sampled = str(tmp_path / "features" / "heldout_T0.5.safetensors")
+    before = sampled_budget(sampled)
+    Pipeline(compose(HELDOUT + [f"run_dir={tmp_path}", "train.best_by=tau_T0.5", "stages=[data,capture]",
+                              f"train.heldout_max_new_tokens={before + 5}", "overwrite=true"])).run()
+    assert sampled_budget(sampled) == before + 5
 
 
 def test_training_curve_keeps_the_last_record_of_a_step(tmp_path):

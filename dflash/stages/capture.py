@@ -186,21 +186,29 @@ class CaptureStage(Stage):
             return
         target = sampled_path(path, temperature)
         info = write_sampled_heldout(self.context.target, rows, layer_ids, target, temperature=temperature,
-                                     seed=s.data.seed, max_new_tokens=s.train.heldout_max_new_tokens
-                                     or s.data.max_new_tokens, batch_size=s.train.heldout_batch_size)
+                                     seed=s.data.seed, max_new_tokens=self.sampled_heldout_budget(),
+                                     batch_size=s.train.heldout_batch_size)
         logger.info(f"[capture] held-out continued at T={temperature:g}: {info['samples']} samples, "
                     f"{info['tokens']} tokens -> {target}")
 
+    def sampled_heldout_budget(self) -> int:
+        s = self.context.settings
+        return s.train.heldout_max_new_tokens or s.data.max_new_tokens
+
     def ensure_sampled_heldout(self) -> None:
         """An up-to-date capture whose held-out set lacks the passes train.best_by's temperature needs (best_by
-        changed since it ran) gets them; the target is loaded only then."""
+        changed since it ran), or holds them continued with another budget than train.heldout_max_new_tokens'
+        (recorded since), gets them anew; the target is loaded only then."""
         from dflash.config.schema import best_by_temperature
         from dflash.data.dataset import load_heldout_dir
-        from dflash.train.heldout import HeldoutSet, sampled_path
+        from dflash.train.heldout import HeldoutSet, sampled_budget, sampled_path
 
         temperature = best_by_temperature(self.context.settings.train.best_by)
         path = os.path.join(self.out, "heldout.safetensors")
-        if not temperature or not os.path.exists(path) or os.path.exists(sampled_path(path, temperature)):
+        if not temperature or not os.path.exists(path):
+            return
+        sampled = sampled_path(path, temperature)
+        if os.path.exists(sampled) and sampled_budget(sampled) in (None, self.sampled_heldout_budget()):
             return
         layer_ids = HeldoutSet(path, batch_size=self.context.settings.train.heldout_batch_size).layer_ids
         self.capture_sampled_heldout(load_heldout_dir(self.data.out), layer_ids, path)

@@ -61,9 +61,10 @@ def _prompt_len(sample_id: str, loss_mask: Sequence[int]) -> int:
 def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.Tensor],
                      features: list[torch.Tensor], prompt_lens: list[int], layer_ids: list[int],
                      finals: list[torch.Tensor] | None = None, logit_transform: LogitTransform | None = None,
-                     path_temperature: float = 0.0) -> None:
+                     path_temperature: float = 0.0, max_new_tokens: int | None = None) -> None:
     """Write one held-out file (layout in the module docstring) atomically; `finals` None leaves out "final";
-    path_temperature > 0: the continuations were sampled at it (recorded in the metadata)."""
+    path_temperature > 0: the continuations were sampled at it, with at most max_new_tokens new tokens (both
+    recorded in the metadata)."""
     if not sequences:
         raise ValueError("a held-out set needs at least one sample")
     lengths = [len(s) for s in sequences]
@@ -81,6 +82,8 @@ def save_heldout_set(path: str, sequences: list[list[int]], greedy: list[torch.T
                 "num_samples": str(len(sequences)), **(logit_transform or LogitTransform()).metadata()}
     if path_temperature > 0:
         metadata["path_temperature"] = repr(float(path_temperature))
+    if max_new_tokens is not None:
+        metadata["max_new_tokens"] = str(int(max_new_tokens))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
@@ -110,8 +113,17 @@ def write_sampled_heldout(adapter: Any, heldout_dataset: Any, layer_ids: list[in
                                           stop_token_ids=adapter.stop_token_ids(), temperature=temperature, seed=seed,
                                           batch_size=batch_size)
     sequences = [p + c for p, c in zip(prompts, continuations)]
-    _write_passes(adapter, sequences, [len(p) for p in prompts], layer_ids, path, batch_size, temperature)
+    _write_passes(adapter, sequences, [len(p) for p in prompts], layer_ids, path, batch_size, temperature,
+                  max_new_tokens)
     return {"samples": len(rows), "tokens": sum(len(s) for s in sequences)}
+
+
+def sampled_budget(path: str) -> int | None:
+    """The max_new_tokens the sampled held-out file `path` was continued with (None: not recorded, a file from
+    before it was)."""
+    with safe_open(path, framework="pt") as f:
+        value = (f.metadata() or {}).get("max_new_tokens")
+    return None if value is None else int(value)
 
 
 def sampled_path(path: str, temperature: float) -> str:
@@ -131,7 +143,7 @@ def _rows(heldout_dataset: Any, max_samples: int | None, batch_size: int) -> lis
 
 
 def _write_passes(adapter: Any, sequences: list[list[int]], prompt_lens: list[int], layer_ids: list[int], path: str,
-                  batch_size: int, path_temperature: float = 0.0) -> None:
+                  batch_size: int, path_temperature: float = 0.0, max_new_tokens: int | None = None) -> None:
     """One target pass over each sequence, batch by batch, saved as a held-out file."""
     features: list[torch.Tensor] = []
     finals: list[torch.Tensor] = []
@@ -143,7 +155,7 @@ def _write_passes(adapter: Any, sequences: list[list[int]], prompt_lens: list[in
     head = adapter.lm_head_weight()
     greedy = [greedy_tokens(f, head) for f in finals]
     save_heldout_set(path, sequences, greedy, features, prompt_lens, layer_ids, finals,
-                     adapter.logit_transform, path_temperature)
+                     adapter.logit_transform, path_temperature, max_new_tokens)
 
 
 @torch.inference_mode()
