@@ -169,6 +169,14 @@ def test_static_target_errors_and_reuse(target):
     assert again is first and again.length == 0 and again.capacity == 1024
     assert static_target(adapter, [1], length=1500, graph_sizes=(4,)).capacity == 2048
     assert static_target(adapter, [2], length=50, graph_sizes=(4,)) is not first
+    # The kept objects do not keep their target alive: dropping the target drops them (and their caches) too.
+    own = load_target("tiny", tiny={"family": "llama", "seed": 0, "tokenizer": "builtin"})
+    count = len(_KEPT_PER_MODEL)
+    kept = static_target(own, [1], length=50)
+    assert len(_KEPT_PER_MODEL) == count + 1
+    del own, kept
+    gc.collect()
+    assert len(_KEPT_PER_MODEL) == count
 
 
 @pytest.mark.parametrize("family", DENSE)

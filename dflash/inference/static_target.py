@@ -19,6 +19,7 @@ Llama-layout and Gemma 2/3 targets, sliding windows included); GDN hybrids keep 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -56,8 +57,9 @@ class StaticTarget:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 position, got {capacity}")
         self.layer_ids = adapter.check_layer_ids(layer_ids) if layer_ids else []
-        # The target runs through adapter.forward with an EngineCache over this KV row.
-        self.adapter, self.layout = adapter, adapter.engine_layout
+        # The target runs through adapter.forward with an EngineCache over this KV row. Held weakly: this object is
+        # kept per model (static_target), and a strong hold on the adapter would keep the model, its key, alive.
+        self._adapter, self.layout = weakref.ref(adapter), adapter.engine_layout
         lay = self.layout
         self.capacity = round_up(capacity, LENGTH_QUANTUM)
         shape = (1, lay.kv_heads, self.capacity, lay.head_dim)
@@ -81,6 +83,13 @@ class StaticTarget:
                 lay.device, [(n, span) for n in self.graph_sizes for span in spans if n <= span],
                 prepare=lambda shape: self.start.fill_(shape[1] - shape[0]),
                 run=lambda shape: self._graph_run(*shape))
+
+    @property
+    def adapter(self):
+        adapter = self._adapter()
+        if adapter is None:
+            raise ValueError("the target of this StaticTarget no longer exists")
+        return adapter
 
     def reset(self) -> None:
         """An empty sequence (the cache columns are left as they are: nothing reads them before they are written)."""
