@@ -60,6 +60,10 @@ class DataStage(Stage):
                            f"(added to eval.prompt_sets since): checking them, the answers come from the journal")
         return not unchecked
 
+    def current(self) -> bool:
+        """up_to_date without its warning."""
+        return stage_done(self.out, self.fingerprint()) and not self.unchecked_eval_sets()
+
     def unchecked_eval_sets(self) -> list[str]:
         """The evaluation sets the finished build's overlap check did not cover (its stats.json eval_overlap); none
         when the check is off or the build predates it."""
@@ -75,8 +79,7 @@ class DataStage(Stage):
         """When it will run (selected, not up to date): its prompts and, for the overlap check, every evaluation
         prompt set must be readable. Rank 0 alone reads prompts; a launcher ends the other ranks when it stops."""
         s = self.context.settings
-        if self.context.rank != 0 or not selected or stage_done(self.out, self.fingerprint()) and \
-                not self.unchecked_eval_sets():
+        if self.context.rank != 0 or not selected or self.current():
             return
         files = [("data", s.data.source, s.data.path)]
         if s.data.eval_overlap_ngram:

@@ -201,10 +201,7 @@ class TrainStage(Stage):
         for name in TRAINED_OUTPUTS:
             current = os.path.join(self.context.run_dir, name)
             if moved and os.path.exists(current):
-                aside = os.path.join(moved, name)
-                aside = next(f"{aside}.{k}" if k else aside for k in range(10_000)
-                             if not os.path.exists(f"{aside}.{k}" if k else aside))
-                os.replace(current, aside)
+                os.replace(current, _unused_path(os.path.join(moved, name)))
             restored = os.path.join(self.checkpoints, name)
             if os.path.exists(restored) and not os.path.exists(current):
                 os.replace(restored, current)
@@ -295,3 +292,12 @@ class TrainStage(Stage):
         final_hidden = t.kl_weight > 0 or t.labels == "target"
         return ColocatedFeatureSource(self.context.target, load_dataset_dir(info["data"]), info["target_layer_ids"],
                                       info["dtype"], final_hidden=final_hidden)
+
+
+def _unused_path(path: str) -> str:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist."""
+    candidate, k = path, 0
+    while os.path.exists(candidate):
+        k += 1
+        candidate = f"{path}.{k}"
+    return candidate
