@@ -117,3 +117,11 @@ def test_a_missing_latest_beside_complete_tags_resumes_from_the_newest(tmp_path,
     for step in (1, 2):
         shutil.rmtree(tmp_path / f"step{step}")
     assert checkpoints.verified_latest_tag(str(tmp_path)) is None  # nothing complete: the run starts over
+
+
+def test_a_tag_set_aside_again_replaces_what_an_earlier_kill_left_under_its_aside_name(tmp_path):
+    make_tag(tmp_path, "step1")
+    make_tag(tmp_path, "step2")
+    make_tag(tmp_path, checkpoints.PRUNED + "step1", complete=False)  # a delete of an older step1, killed midway
+    prune_checkpoints(str(tmp_path), keep_last=1, current="step2")
+    assert sorted(os.listdir(tmp_path)) == ["step2"]

@@ -156,7 +156,7 @@ def prune_checkpoints(directory: str, keep_last: int, current: str) -> None:
         obsolete += [old for _, old in complete_tags(directory)[:-keep_last] if old != current]
     obsolete += [name for name in os.listdir(directory) if _UNIVERSAL_TAG.match(name)]
     for name in obsolete:
-        os.replace(os.path.join(directory, name), os.path.join(directory, PRUNED + name))
+        _set_aside(directory, name)
     for name in os.listdir(directory):
         if name.startswith(PRUNED):
             shutil.rmtree(os.path.join(directory, name))
@@ -164,10 +164,19 @@ def prune_checkpoints(directory: str, keep_last: int, current: str) -> None:
         os.remove(os.path.join(directory, "latest_universal"))
 
 
+def _set_aside(directory: str, name: str) -> str:
+    """Rename folder `name` of `directory` to `.pruned-<name>` (atomic; what a kill inside an earlier delete left
+    under that name goes first); the new path."""
+    aside = os.path.join(directory, PRUNED + name)
+    if os.path.isdir(aside):
+        shutil.rmtree(aside)
+    os.replace(os.path.join(directory, name), aside)
+    return aside
+
+
 def _delete(directory: str, name: str) -> None:
-    """Delete folder `name` of `directory` by renaming it to `.pruned-<name>` first (see prune_checkpoints)."""
-    os.replace(os.path.join(directory, name), os.path.join(directory, PRUNED + name))
-    shutil.rmtree(os.path.join(directory, PRUNED + name))
+    """Delete folder `name` of `directory`, set aside first (see prune_checkpoints)."""
+    shutil.rmtree(_set_aside(directory, name))
 
 
 def tag_problem(directory: str, tag: str) -> str | None:
