@@ -3,8 +3,10 @@ is certain, and on a tiny target it agrees with live rejection sampling averaged
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -63,8 +65,8 @@ def test_walk_with_certain_acceptance_is_the_replay(seed):
 
 
 def test_survival_rules_on_a_hand_example():
-    """Greedy drafts on a greedy pass: the product of p(d) up to the first draft off the pass; sampled drafts on a
-    pass sampled at T: min(1, q/p) of the stored tokens times sum min(p, q)."""
+    """Greedy drafts on a greedy pass: the product of p(d) up to the first draft off the pass. On a pass sampled at
+    T: greedy drafts survive while they are the stored tokens; sampled drafts by min(1, q/p) of the stored tokens."""
     p = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.1, 0.8, 0.1]])
     q = torch.tensor([[0.2, 0.7, 0.1], [0.6, 0.2, 0.2], [0.3, 0.3, 0.4]])
     target, draft = p.log()[None], q.log()[None]
@@ -72,12 +74,138 @@ def test_survival_rules_on_a_hand_example():
     # Drafts (argmax q) are 1, 0, 2: they agree with the pass at positions 1 and 2, not 3.
     greedy = block_survival(draft, target, stored, temperature=1.0, path_temperature=0.0, draft_sampling="greedy")
     assert greedy[0].tolist() == pytest.approx([0.3, 0.3 * 0.6, 0.3 * 0.6 * 0.1])
-    unbiased = block_survival(draft, target, stored, temperature=1.0, path_temperature=1.0, draft_sampling="greedy")
-    assert unbiased[0].tolist() == pytest.approx([0.3, 0.6, 0.1])
+    on_sampled = block_survival(draft, target, stored, temperature=1.0, path_temperature=1.0, draft_sampling="greedy")
+    assert on_sampled[0].tolist() == [1.0, 1.0, 0.0]
     sampled = block_survival(draft, target, stored, temperature=1.0, path_temperature=1.0, draft_sampling="sampled")
-    beta = torch.minimum(p, q).sum(-1).tolist()
     kept = torch.minimum(torch.ones(3), q[[0, 1, 2], stored[0]] / p[[0, 1, 2], stored[0]]).tolist()
-    assert sampled[0].tolist() == pytest.approx([beta[0], kept[0] * beta[1], kept[0] * kept[1] * beta[2]])
+    assert sampled[0].tolist() == pytest.approx([kept[0], kept[0] * kept[1], kept[0] * kept[1] * kept[2]])
+    # On a pass sampled at another temperature the stored tokens are weighed by p_T / r and the last position
+    # counts its acceptance whatever its token: S_k = prod_{j<k} f_j * beta_k.
+    other = block_survival(draft, target, stored, temperature=1.0, path_temperature=0.5, draft_sampling="sampled")
+    r = torch.softmax(p.log() / 0.5, dim=-1)[[0, 1, 2], stored[0]]
+    f = (torch.minimum(p, q)[[0, 1, 2], stored[0]] / r).tolist()
+    beta = torch.minimum(p, q).sum(-1).tolist()
+    assert other[0].tolist() == pytest.approx([beta[0], f[0] * beta[1], f[0] * f[1] * beta[2]])
+
+
+class _ToyModels:
+    """A target and a drafter over a 3-token vocabulary whose logits are fixed pseudo-random functions of the
+    prefix, small enough to enumerate every continuation and every outcome of live rejection sampling. The
+    drafter's logits at block position k depend only on the prefix up to the anchor (as a DFlash drafter's do):
+    the target's along its own greedy rollout from the anchor, plus noise, so blocks are accepted in part."""
+
+    vocab = 3
+
+    def __init__(self, temperature: float):
+        self.temperature, self._memo = temperature, {}
+
+    def _noise(self, key: tuple, scale: float) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+        return torch.randn(self.vocab, generator=generator, dtype=torch.float64) * scale
+
+    def target_logits(self, prefix: list[int]) -> torch.Tensor:
+        key = ("target", *prefix)
+        if key not in self._memo:
+            self._memo[key] = self._noise(key, 2.0)
+        return self._memo[key]
+
+    def p(self, prefix: list[int]) -> torch.Tensor:
+        return torch.softmax(self.target_logits(prefix) / self.temperature, dim=-1)
+
+    def draft_logits(self, prefix: list[int], size: int) -> torch.Tensor:
+        """[size - 1, V]: block positions 1..size-1 of the block anchored at prefix[-1]."""
+        tokens, rows = list(prefix), []
+        for k in range(1, size):
+            logits = self.target_logits(tokens)
+            rows.append(logits + self._noise(("drafter", *prefix, k), 1.5))
+            tokens.append(int(logits.argmax()))
+        return torch.stack(rows)
+
+
+def _live_outcomes(toy: _ToyModels, prefix: list[int], size: int, draft_sampling: str,
+                   draft_temperature: float) -> list[tuple[float, list[int], int]]:
+    """Every outcome of one live speculative step from the anchor prefix[-1] with a block of `size`, as the
+    serving rules define it: (probability, the prefix after the committed tokens, drafts accepted)."""
+    q = torch.softmax(toy.draft_logits(prefix, size) / draft_temperature, dim=-1)
+    outcomes: list[tuple[float, list[int], int]] = []
+
+    def position(k: int, context: list[int], mass: float) -> None:  # draft k after k - 1 accepted drafts
+        p = toy.p(context)
+        if k == size:  # every draft accepted: the bonus token from p
+            outcomes.extend((mass * float(p[t]), context + [t], k - 1) for t in range(toy.vocab))
+            return
+        if draft_sampling == "greedy":  # the argmax, accepted with p(d); else a token != d from p
+            d = int(q[k - 1].argmax())
+            outcomes.extend((mass * float(p[t]), context + [t], k - 1) for t in range(toy.vocab) if t != d)
+            position(k + 1, context + [d], mass * float(p[d]))
+            return
+        accept = torch.minimum(torch.ones(()), p / q[k - 1])  # d ~ q, accepted with min(1, p/q)
+        rejected = float((q[k - 1] * (1 - accept)).sum())
+        residual = torch.clamp(p - q[k - 1], min=0)
+        if rejected > 0:
+            outcomes.extend((mass * rejected * float(residual[t] / residual.sum()), context + [t], k - 1)
+                            for t in range(toy.vocab) if residual[t] > 0)
+        for d in range(toy.vocab):
+            position(k + 1, context + [d], mass * float(q[k - 1, d] * accept[d]))
+
+    position(1, list(prefix), 1.0)
+    return outcomes
+
+
+def _exact_live(toy, prefix, *, max_length, block_size, draft_sampling, draft_temperature, memo) -> tuple:
+    """(expected steps, expected accepted drafts) of live decoding from the anchor prefix[-1] to max_length
+    tokens, every outcome enumerated (committed tokens past max_length are cut, as the decoder cuts them)."""
+    if len(prefix) >= max_length:
+        return 0.0, 0.0
+    key = tuple(prefix)
+    if key not in memo:
+        size = min(block_size, max_length - (len(prefix) - 1))
+        steps, accepted = 1.0, 0.0
+        for mass, after, a in _live_outcomes(toy, prefix, size, draft_sampling, draft_temperature):
+            more = _exact_live(toy, after[:max_length], max_length=max_length, block_size=block_size,
+                               draft_sampling=draft_sampling, draft_temperature=draft_temperature, memo=memo)
+            steps, accepted = steps + mass * more[0], accepted + mass * (a + more[1])
+        memo[key] = (steps, accepted)
+    return memo[key]
+
+
+@pytest.mark.parametrize("draft_sampling,draft_temperature", [("greedy", None), ("sampled", None), ("sampled", 0.5)])
+def test_estimate_on_passes_sampled_at_t_is_live_decoding_exactly(draft_sampling, draft_temperature):
+    """Averaged over every continuation, weighted by its probability at T, the estimate's expected steps and
+    accepted drafts are those of live rejection sampling, every outcome of which is enumerated on a toy target."""
+    temperature, block_size, prompt, max_new_tokens = 1.0, 4, [0, 2], 6
+    toy = _ToyModels(temperature)
+    max_length = len(prompt) + max_new_tokens
+    sequences, weights = [], []
+    for continuation in itertools.product(range(toy.vocab), repeat=max_new_tokens):
+        sequence = prompt + list(continuation)
+        sequences.append(sequence)
+        weights.append(math.prod(float(toy.p(sequence[:t])[sequence[t]]) for t in range(len(prompt), max_length)))
+    assert sum(weights) == pytest.approx(1.0)
+    finals = [torch.stack([toy.target_logits(s[: t + 1]) for t in range(len(s))]).float() for s in sequences]
+
+    def draft_logits(rows, starts, sizes):
+        out = torch.zeros(len(rows), max(sizes) - 1, toy.vocab)
+        for i, (row, start, size) in enumerate(zip(rows, starts, sizes)):
+            out[i, : size - 1] = toy.draft_logits(sequences[row][: start + 1], size)
+        return out
+
+    traces = expected_traces(draft_logits, torch.eye(toy.vocab), finals, sequences, [len(prompt)] * len(sequences),
+                             block_size=block_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                             path_temperature=temperature, draft_sampling=draft_sampling,
+                             draft_temperature=draft_temperature)
+    estimated_steps = sum(w * t.steps for w, t in zip(weights, traces))
+    estimated_accepted = sum(w * t.accepted for w, t in zip(weights, traces))
+    memo, steps, accepted = {}, 0.0, 0.0
+    first = toy.p(prompt)
+    for token in range(toy.vocab):  # the first token comes from the prefill; steps start at it
+        more = _exact_live(toy, prompt + [token], max_length=max_length, block_size=block_size,
+                           draft_sampling=draft_sampling, draft_temperature=draft_temperature or temperature,
+                           memo=memo)
+        steps, accepted = steps + float(first[token]) * more[0], accepted + float(first[token]) * more[1]
+    assert 1.2 < (max_new_tokens - 1) / steps < block_size - 0.5  # blocks are accepted in part
+    assert estimated_steps == pytest.approx(steps, rel=1e-5)
+    assert estimated_accepted == pytest.approx(accepted, rel=1e-5)
 
 
 def test_near_zero_temperature_on_the_greedy_pass_is_the_greedy_replay(tiny_target, make_drafter):
@@ -274,7 +402,8 @@ def test_the_summary_names_the_draft_temperature(tiny_target, make_drafter):
 def test_the_logit_transform_reaches_both_distributions(draft_sampling):
     """A target whose logit transform doubles its logits (a scale of 2, dflash/models/targets/logit_transform.py)
     shares its head with the drafter: the estimate at T equals the one without the transform at T/2, where the
-    target's p, the drafter's q and the pass's own temperature all sharpen alike."""
+    target's p, the drafter's q and the pass's own temperature all sharpen alike. Greedy drafts read p on a greedy
+    pass (on a pass sampled at T they survive by matching its tokens alone)."""
     from dflash.models.targets.logit_transform import LogitTransform
 
     generator = torch.Generator().manual_seed(0)
@@ -291,7 +420,8 @@ def test_the_logit_transform_reaches_both_distributions(draft_sampling):
     def estimate(transform, temperature):
         traces = expected_traces(head_logits(hidden_of, head, transform), head, finals, sequences, [3, 4],
                                  block_size=block_size, max_new_tokens=10, temperature=temperature,
-                                 path_temperature=temperature, draft_sampling=draft_sampling, transform=transform)
+                                 path_temperature=temperature if draft_sampling == "sampled" else 0.0,
+                                 draft_sampling=draft_sampling, transform=transform)
         return expected_metrics(traces, block_size)
 
     doubled, halved = estimate(LogitTransform(scale=2.0), 1.0), estimate(None, 0.5)

@@ -1,23 +1,31 @@
-"""Expected acceptance at a temperature T > 0 along stored target passes: tau without sampling noise.
+"""Expected acceptance at a temperature T > 0 along stored target passes: tau with no draw in the acceptance.
 
 A DFlash block's drafts are predicted in parallel, so the drafter's distribution q_k at block position k depends
 only on the context up to the anchor, never on the drafts before it. Along a stored pass s (prompt + a
 continuation) the target's distribution p_k = softmax(z_k / T) at block position k is known wherever the drafts
 before k equal the stored tokens (z_k: the target's logits after the stored prefix, read as its logit transform of
-final hidden state @ lm_head^T, as the loss reads them; the drafter's logits go through the same transform). At an
-anchor the survival S_k = P(drafts 1..k accepted) is estimated by
+final hidden state @ lm_head^T, as the loss reads them; the drafter's logits go through the same transform).
+With r the distribution the stored token was drawn from (1 for a greedy pass; p_{T_path}(s_j) for a pass sampled
+at T_path), let
 
-    S_k = prod_{j<k} f_j * beta_k,   beta_k = P(draft k accepted | drafts < k accepted, prefix),
-                                     f_j = P(draft j accepted and equal to s_j) / r(s_j)
+    f_j = P(draft j accepted and equal to s_j) / r(s_j),   beta_k = P(draft k accepted | drafts < k accepted, prefix)
 
-with r the distribution the stored token was drawn from (1 for a greedy pass; p_{T_path}(s_j) for a pass sampled
-at T_path). Under the serving engines' rule (`greedy` drafts d_k = argmax q_k, accepted with probability p_k(d_k))
-beta_k = p_k(d_k) and f_j = [d_j = s_j] p_j(d_j) / r(s_j); under the `sampled` rule (d_k drawn from q_k, accepted
-with min(1, p/q)) beta_k = sum_x min(p_k(x), q_k(x)) and f_j = min(p_j(s_j), q_j(s_j)) / r(s_j).
-On a greedy pass this is the exact product of acceptance probabilities up to the first draft that leaves the
-stored tokens and 0 after it (a lower bound: what the target would say after a draft it did not write is not
-stored). On a pass sampled at T itself it is an unbiased estimate of the survival (the importance weights are 1:
-a sampled pass agrees with drafts 1..k-1 with exactly their acceptance probability). docs/eval.md has the rule.
+Under the serving engines' rule (`greedy` drafts d_k = argmax q_k, accepted with probability p_k(d_k))
+f_j = [d_j = s_j] p_j(d_j) / r(s_j) and beta_k = p_k(d_k); under the `sampled` rule (d_k drawn from q_k, accepted
+with min(1, p/q)) f_j = min(p_j(s_j), q_j(s_j)) / r(s_j) and beta_k = sum_x min(p_k(x), q_k(x)).
+
+On a pass sampled at T itself (T_path = T) the survival of an anchor is S_k = prod_{j<=k} f_j, and the walk below
+is exact in expectation over the passes. Rejection sampling commits tokens distributed as the target's own at T,
+so a pass sampled at T is a live decode's committed text, and given that text draft j is accepted with probability
+P(accepted, token s_j) / P(token s_j) = f_j (r = p_T), independently of the other positions: [d_j = s_j] for
+greedy drafts (accepted exactly where the draft is the token the target's draw kept), min(1, q/p) for sampled ones.
+The only noise left is the pass's own draw, the same as a live decode's.
+
+On any other pass (a greedy pass, or one sampled at another temperature) S_k = prod_{j<k} f_j * beta_k: on a
+greedy pass the exact product of acceptance probabilities up to the first draft that leaves the stored tokens and 0
+after it (a lower bound: what the target would say after a draft it did not write is not stored). There beta_k
+counts a rejection at k while the walk goes on along s_k, so it is a score, not a prediction of live tau at T.
+docs/eval.md has the rule.
 
 Steps are then walked in expectation (`walk_expected`): from each anchor the step commits a + 1 tokens with
 probability S_a - S_{a+1}, blocks shrinking near max_new_tokens and counted as the replay counts them (replay.py),
@@ -86,6 +94,10 @@ def block_survival(draft_logits: torch.Tensor, target_logits: torch.Tensor, stor
         log_q = torch.log_softmax(draft_logits.float().to(log_p.device) / (draft_temperature or temperature), dim=-1)
         beta = torch.minimum(log_p, log_q).exp().sum(dim=-1)
         kept = (torch.minimum(log_p_stored, log_q.gather(-1, stored).squeeze(-1)) - log_r).exp()
+    if path_temperature == temperature:
+        # The pass is what a live decode at T commits: walking it with the acceptance given its own tokens is exact
+        # (module docstring). beta_k would count a rejection at k while the walk goes on along s_k.
+        return torch.cumprod(kept, dim=1)
     before = torch.cumprod(torch.cat([torch.ones_like(kept[:, :1]), kept[:, :-1]], dim=1), dim=1)
     return before * beta
 
