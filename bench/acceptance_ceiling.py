@@ -10,9 +10,9 @@ with probability p_T(d_k | prefix) (docs/eval.md). The best any drafter can do i
 continuation from the anchor, accepted at position k with probability max_x p_T(x | prefix): a ceiling set by the
 target's confidence at T alone. Measured with the replay estimate (dflash/eval/expected_acceptance.py), the perfect
 drafter's logits being the target's own: along the target's continuations sampled at T (seed 0, plain sampling)
-the survival of draft k is prod_{j<k} [d_j = s_j] * max p_T at position k, an unbiased estimate; along the target's
-greedy continuation (T=0 path) the survival is the exact product of the max p_T: the ceiling from greedy contexts,
-which sampled decoding does not stay in.
+the survival of draft k is prod_{j<=k} [d_j = s_j], the steps of a live decode of that drafter coupled to the pass
+(exact in expectation); along the target's greedy continuation (T=0 path) the survival is the exact product of the
+max p_T: the ceiling from greedy contexts, which sampled decoding does not stay in.
 
 `sampled` rule (speculative rejection sampling): draft y_k ~ q_k, accepted with min(1, p_T(y_k | c, y_<k) / q_k(y_k)).
 A DFlash drafter predicts the whole block in one forward, so q_k cannot depend on the drafts y_<k of its own block,

@@ -62,7 +62,7 @@ class Pipeline:
         Every stage's preflight comes first, so a bad setting or a missing file stops the command before any work.
         Everything the run prints is also written to <run_dir>/logs/."""
         run = self.context
-        refuse_unusable_target(self.settings.target)
+        refuse_unusable_target(self.settings)
         selected = selected_stages(self.settings.stages, self.stages)
         for stage in self.stages:
             stage.preflight(stage.name in selected)

@@ -66,6 +66,18 @@ def test_a_mask_token_outside_the_vocabulary_is_refused_before_any_stage(tmp_pat
     assert not (run_dir / "data").exists()
 
 
+@pytest.mark.parametrize("override,message", [
+    ("drafter.target_layer_ids=[1,40]", r"drafter.target_layer_ids=\[1, 40\]: \[40\] outside the target's"),
+    ("drafter.hidden_size=24", r"drafter.hidden_size=24: the target's hidden size is"),
+])
+def test_a_drafter_an_hf_target_cannot_feed_is_refused_before_any_stage(tmp_path, override, message):
+    folder = hf_folder(tmp_path, "phi3")
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        Pipeline(compose(TINY + ["target=hf", f"target.path={folder}", override, f"run_dir={run_dir}"])).run()
+    assert not (run_dir / "data").exists()
+
+
 @pytest.mark.slow
 def test_a_mask_token_the_data_produces_is_refused_at_capture(tmp_path):
     letter = build_tiny_target("llama", tokenizer="builtin").tokenizer.convert_tokens_to_ids("d")

@@ -12,7 +12,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
-from dflash.config import CONFIG_DIR, compose, settings_from
+from dflash.config import CONFIG_DIR, ConfigError, compose, settings_from
 from dflash.pipeline import Pipeline, run_command
 from dflash.stages.shapes import drafter_config
 from tests.forked import run_ranks
@@ -230,6 +230,23 @@ def test_a_drafter_setting_retrains_without_redoing_data_or_capture(tiny_run, tm
         assert exported["dflash_config"]["mask_token_id"] == 4
 
 
+def test_a_mask_token_given_after_capture_is_checked_before_training(tiny_run, tmp_path, monkeypatch):
+    """A target.mask_token_id given after capture keeps the features, and is still refused where the data produce
+    it, before any step trains on it (with stages=[train] too)."""
+    from dflash.models.targets.tiny import build_tiny_target
+
+    run_dir, _ = tiny_run
+    for stage in ("data", "features"):
+        subprocess.run(["cp", "-r", os.path.join(run_dir, stage), str(tmp_path / stage)], check=True)
+    letter = build_tiny_target("llama", tokenizer="builtin").tokenizer.convert_tokens_to_ids("d")
+    monkeypatch.setattr("dflash.extract.capture.capture_dataset", lambda *a, **k: pytest.fail("capture ran again"))
+    for stages in ("[data,capture,train]", "[train]"):
+        with pytest.raises(ConfigError, match=rf"target.mask_token_id={letter}: 'd' occurs in the training data"):
+            Pipeline(compose(TINY + [f"run_dir={tmp_path}", f"target.mask_token_id={letter}",
+                                     f"stages={stages}"])).run()
+        assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
 def test_a_changed_train_setting_with_overwrite_trains_afresh_beside_the_old_checkpoints(tiny_run, tmp_path):
     """The old run's checkpoints are not this run's: resuming them would export the old weights as the new run's."""
     run_dir, _ = tiny_run
@@ -334,9 +351,9 @@ SHAPE = {"model_type": "llama", "num_layers": 6, "hidden_size": 64, "vocab_size"
 
 
 @pytest.mark.parametrize("override,message", [
-    ("drafter.target_layer_ids=[1,9]", "target layer id 9 is out of range"),
+    ("drafter.target_layer_ids=[1,9]", r"drafter.target_layer_ids=\[1, 9\]: \[9\] outside the target's 6 layers"),
     ("target.mask_token_id=100000", "mask_token_id 100000 is outside the target vocabulary"),
-    ("drafter.hidden_size=32", "drafter.hidden_size 32 differs from the target's hidden size 64"),
+    ("drafter.hidden_size=32", "drafter.hidden_size=32: the target's hidden size is 64"),
     ("drafter.num_attention_heads=3", "not a multiple"),
 ])
 def test_bad_drafter_settings_are_named(override, message):
@@ -348,9 +365,19 @@ def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):
     run_dir, _ = tiny_run
     subprocess.run(["cp", "-r", os.path.join(run_dir, "data"), str(tmp_path / "data")], check=True)
     cfg = compose(TINY + [f"run_dir={tmp_path}", "drafter.target_layer_ids=[0,40]", "stages=[data,capture]"])
-    with pytest.raises(ValueError, match="target layer id 40"):
+    with pytest.raises(ConfigError, match=r"drafter.target_layer_ids=\[0, 40\]: \[40\] outside"):
         Pipeline(cfg).run()
     assert not os.path.exists(tmp_path / "features" / "manifest.json")
+
+
+@pytest.mark.parametrize("override", ["drafter.target_layer_ids=[0,40]", "drafter.hidden_size=32"])
+def test_a_drafter_the_target_cannot_feed_stops_before_the_answers(tmp_path, monkeypatch, override):
+    """The data stage checks the taps and hidden size once the target is loaded, before it regenerates anything
+    (an hf target's config is checked before any stage: test_mask_token.py)."""
+    monkeypatch.setattr("dflash.data.dataset.build_dataset", lambda *a, **k: pytest.fail("answers regenerated"))
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", override, "stages=[data]"])).run()
+    assert not (tmp_path / "data" / "done.json").exists()
 
 
 @pytest.mark.parametrize("content,message", [("", "empty"), ('{"messages": [\n', "prompts.jsonl:1: malformed")])

@@ -75,7 +75,7 @@ def test_overwrite_moves_the_trained_drafter_aside_and_going_back_restores_it(tm
     assert len(aside) == 1 and snapshot(aside[0] / "export") == first  # moved with its checkpoints, not deleted
     assert snapshot(tmp_path / "export") != first
     second = snapshot(tmp_path / "export")
-    with pytest.raises(ValueError, match="target layer id 40"):  # an overwrite that fails before training
+    with pytest.raises(ConfigError, match=r"target_layer_ids=\[0, 40\]"):  # an overwrite that fails before training
         Pipeline(compose(run + ["train.lr=0.07", "overwrite=true", "drafter.target_layer_ids=[0,40]"])).run()
     assert snapshot(aside[0] / "export") == first and snapshot(tmp_path / "export") == second
 
@@ -111,3 +111,25 @@ def test_overwrite_keeps_the_outputs_of_a_drafter_whose_checkpoints_were_deleted
     monkeypatch.setattr("dflash.train.loop.train", must_not_train)
     Pipeline(compose(run + ["overwrite=true"])).run()  # back: its export returns and is adopted, nothing retrained
     assert snapshot(tmp_path / "export") == first and (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
+def test_another_rank_count_keeps_a_finished_training_and_refuses_to_resume_an_unfinished_one(tmp_path):
+    """A rank count is not a setting: a training these settings finished on 1 rank is kept by a launch of 2 (export
+    included), while an unfinished one, whose steps count another global batch, is refused before any work."""
+    from dflash.config.errors import RunFolderError
+
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train,export]", "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    two = Pipeline(compose(run))
+    two.context.world_size = 2
+    assert two.train.up_to_date() and two.export.up_to_date()
+    two.train.preflight(selected=True)  # finished: nothing to resume
+    os.remove(tmp_path / "checkpoints" / "done.json")  # as if killed before the end
+    one = Pipeline(compose(run))
+    one.train.preflight(selected=True)  # its own rank count resumes it
+    two = Pipeline(compose(run))
+    two.context.world_size = 2
+    assert not two.train.up_to_date()
+    with pytest.raises(RunFolderError, match=r"trained on 1 rank\(s\) with a global batch of (\d+) samples; this "
+                                             r"launch of 2 rank\(s\) has"):
+        two.train.preflight(selected=True)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError, settings_from
-from dflash.config.schema import RunSettings, TargetSettings
+from dflash.config.schema import RunSettings
 from dflash.console import transformers_progress_bars
 
 # The folders of a run, each a stage's output (docs/outputs.md).
@@ -80,18 +80,23 @@ class RunContext:
         return OmegaConf.to_yaml(self.cfg, resolve=True)
 
 
-def refuse_unusable_target(target: TargetSettings) -> None:
+def refuse_unusable_target(settings: RunSettings) -> None:
     """ConfigError in one line when target.path names a checkpoint no adapter can take (its family, what is
-    missing) or target.mask_token_id lies outside its vocabulary, found from its config alone before any stage
-    runs (dflash/models/targets/preflight.py). The rest of a given mask token's checks need the data (capture)."""
+    missing), target.mask_token_id lies outside its vocabulary, or the drafter settings ask for a hidden size or a
+    tap it does not have, found from its config alone before any stage runs (dflash/models/targets/preflight.py).
+    The rest of a given mask token's checks need the data (capture)."""
+    target = settings.target
     if target.kind != "hf":
         return  # smollm2 and the tiny families are known adapters' targets, checked when loaded
     from dflash.models.targets.preflight import checkpoint_config, target_problem
+    from dflash.stages.shapes import check_drafter_fits
 
     problem = target_problem(str(target.path), target.cache_dir)
     if problem is not None:
         raise ConfigError(f"target.path={target.path!r}: {problem}")
-    vocab_size = int(checkpoint_config(str(target.path), target.cache_dir).get_text_config().vocab_size)
+    text_config = checkpoint_config(str(target.path), target.cache_dir).get_text_config()
+    check_drafter_fits(settings.drafter, int(text_config.num_hidden_layers), int(text_config.hidden_size))
+    vocab_size = int(text_config.vocab_size)
     if target.mask_token_id is not None and not 0 <= target.mask_token_id < vocab_size:
         raise ConfigError(f"target.mask_token_id={target.mask_token_id}: outside the vocabulary of {target.path} "
                           f"(0..{vocab_size - 1}); leave it null to have one chosen")

@@ -14,6 +14,7 @@ from dflash.config import fingerprints
 from dflash.run_files import clear_done, read_json_or_none, stage_done, write_json
 from dflash.stages.context import RunContext
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
+from dflash.stages.shapes import check_drafter_fits
 from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class DataStage(Stage):
         prompts = timed(seconds, "prompts", lambda: training_prompts(d))
         # The target loads here unless an earlier stage of this process loaded it (a GGUF converts once per cache).
         timed(seconds, "target", lambda: run.target)
+        # Before minutes of answers: taps or a hidden size this target does not have stop the run at capture.
+        check_drafter_fits(run.settings.drafter, run.target.num_layers, run.target.hidden_size)
         synthetic = None
         if d.synthetic.count > 0:
             written, synthetic = timed(seconds, "synthetic", self.synthetic_prompts)

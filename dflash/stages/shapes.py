@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash.config.schema import RunSettings
+from dflash.config.schema import DrafterSettings, RunSettings
 
 
 def target_shape(adapter) -> dict[str, Any]:
@@ -26,17 +26,28 @@ def target_shape(adapter) -> dict[str, Any]:
     }
 
 
+def check_drafter_fits(d: DrafterSettings, num_layers: int, hidden_size: int) -> None:
+    """ConfigError in one line when the drafter settings ask for a hidden size or a tap the target does not have:
+    found from the target's config before any stage runs where that is readable (dflash/stages/context.py), else
+    when capture reads the loaded target's shape."""
+    from dflash.config import ConfigError
+
+    if d.hidden_size is not None and int(d.hidden_size) != hidden_size:
+        raise ConfigError(f"drafter.hidden_size={d.hidden_size}: the target's hidden size is {hidden_size}, and the "
+                          f"drafter shares its embedding and lm_head, so they must be equal (leave it null)")
+    outside = [i for i in d.target_layer_ids or () if not 0 <= int(i) < num_layers]
+    if outside:
+        raise ConfigError(f"drafter.target_layer_ids={list(d.target_layer_ids)}: {outside} outside the target's "
+                          f"{num_layers} layers (0..{num_layers - 1})")
+
+
 def drafter_config(settings: RunSettings, shape: dict[str, Any]):
     """The DrafterConfig of a run: the drafter group of its settings, with null fields taken from the target.
-    ValueError names a size, tap or mask token the target does not have."""
+    ConfigError names a size or tap the target does not have; ValueError a mask token outside its vocabulary."""
     from dflash.models.drafter_config import DrafterConfig, default_target_layer_ids
 
     d = settings.drafter
-    if d.hidden_size is not None and int(d.hidden_size) != shape["hidden_size"]:
-        raise ValueError(
-            f"drafter.hidden_size {d.hidden_size} differs from the target's hidden size {shape['hidden_size']}: "
-            f"the drafter shares the target's embedding and lm_head, so they must be equal"
-        )
+    check_drafter_fits(d, shape["num_layers"], shape["hidden_size"])
     layer_ids = list(d.target_layer_ids) if d.target_layer_ids is not None else \
         default_target_layer_ids(shape["num_layers"], int(d.num_taps))
     mask = settings.target.mask_token_id

@@ -55,6 +55,13 @@ class TrainStage(Stage):
         return fingerprints.checkpoint_fingerprint(self.context.settings, self.capture.fingerprint())
 
     def fingerprint(self) -> str:
+        """The checkpoint fingerprint and the rank count; for a training of these settings finished on another rank
+        count, the one it finished with: a rerun on other ranks keeps that drafter instead of resuming it in
+        another global batch (which resume_tag refuses)."""
+        done = read_json_or_none(os.path.join(self.out, "done.json"))
+        if isinstance(done, dict) and done.get("checkpoint") == self.checkpoint_fingerprint() \
+                and isinstance(done.get("fingerprint"), str):
+            return done["fingerprint"]
         return fingerprint(self.checkpoint_fingerprint(), self.context.world_size)
 
     def preflight(self, selected: bool) -> None:
@@ -64,12 +71,36 @@ class TrainStage(Stage):
 
         refuse_other_trained_settings(self)
         if selected:
+            self.refuse_other_global_batch()
             from dflash.train.metrics_log import missing_logger_package
 
             logging_settings = self.context.settings.logging
             missing = missing_logger_package(logging_settings.tensorboard, logging_settings.wandb.mode)
             if missing:
                 raise ConfigError(missing)
+
+    def refuse_other_global_batch(self) -> None:
+        """RunFolderError before any work when checkpoints/ holds an unfinished training of these settings whose
+        last checkpoint counts steps in another global batch than this launch's (it was trained on another rank
+        count): its data position would not match, so it resumes only on the ranks it was trained with."""
+        from dflash.run_files import claimed_key
+        from dflash.train.checkpoints import complete_tags, saved_layout
+
+        done = read_json_or_none(os.path.join(self.out, "done.json"))
+        finished = isinstance(done, dict) and done.get("checkpoint") == self.checkpoint_fingerprint()
+        if finished or claimed_key(self.checkpoints) != self.checkpoint_fingerprint():
+            return  # kept as it is, or another training's checkpoints, which the claim moves aside
+        tags = complete_tags(self.checkpoints)  # the newest is what a resume loads, unless it fails to verify
+        tag = tags[-1][1] if tags else None
+        layout = saved_layout(self.checkpoints, tag) if tag is not None else {}
+        t, ranks = self.context.settings.train, self.context.world_size
+        now, saved = t.micro_batch_size * ranks * t.grad_accum, layout.get("global_batch_size")
+        if saved is not None and saved != now:
+            raise RunFolderError(
+                f"{os.path.join(self.checkpoints, tag)} was trained on {layout.get('world_size', '?')} rank(s) with a "
+                f"global batch of {saved} samples; this launch of {ranks} rank(s) has {now} (train.micro_batch_size "
+                f"x ranks x train.grad_accum): resume it on the ranks it was trained with, or train in another "
+                f"run_dir")
 
     def prepare(self) -> None:
         if self.context.rank == 0:
@@ -99,6 +130,12 @@ class TrainStage(Stage):
             f"would start from step 0 and replace its best checkpoint and metrics. Restore them, or move "
             f"{self.checkpoints} aside to train again")
 
+    def kept(self) -> None:
+        if self.context.rank == 0 and self.fingerprint() != fingerprint(self.checkpoint_fingerprint(),
+                                                                         self.context.world_size):
+            logger.info(f"[train] kept: these settings' drafter was trained on another number of ranks than this "
+                        f"launch's {self.context.world_size}")
+
     def run(self) -> dict[str, Any] | None:
         """Training on this rank, resumed from its last checkpoint when there is one; rank 0 writes the final
         weights. The settings of the checkpoints behind them go into done.json: the export carries them to the eval
@@ -109,6 +146,7 @@ class TrainStage(Stage):
 
         run = self.context
         rank, _, _ = init_distributed()
+        from_rank0(self.check_changed_mask_token, "whether the mask token is free")
         if from_rank0(self.claim_checkpoints, f"{self.checkpoints} (claiming it for these settings)"):
             if rank == 0:
                 logger.info(f"[train] restored: {self.out}")
@@ -119,6 +157,20 @@ class TrainStage(Stage):
             write_final(self.checkpoints, state)
             logger.info(f"[train] final weights -> {final_dir(self.checkpoints)}")
         return {"checkpoint": self.checkpoint_fingerprint()}
+
+    def check_changed_mask_token(self) -> None:
+        """Rank 0. A target.mask_token_id given after the features were captured (it changes the drafter, not the
+        features, so capture is kept) is checked as capture checks it, against the chat template and the data,
+        before any step trains on it. The target is loaded only then, and freed again unless it captures."""
+        from dflash.data.dataset import load_dataset_dir
+
+        given = self.context.settings.target.mask_token_id
+        recorded = read_json_or_none(os.path.join(self.capture.out, "target.json")) or {}
+        if given is None or given == recorded.get("mask_token_id"):
+            return
+        self.capture.mask_token(load_dataset_dir(self.capture.data.out))
+        if self.context.settings.capture.mode != "colocated":
+            self.context.release_target()
 
     def adopt_earlier_marker(self) -> None:
         """Rank 0. A run folder whose export/done.json holds this stage's fingerprint and which has no
@@ -147,9 +199,15 @@ class TrainStage(Stage):
         return True
 
     def drafter_config(self):
-        """The drafter's DrafterConfig: the settings, with the target's shape and taps as the capture stage recorded
-        them. ConfigError when its features were taken at other layers than these settings' taps."""
+        """The drafter's DrafterConfig: the settings, with the target's shape, taps and final logit transform as the
+        capture stage recorded them. ConfigError when its features were taken at other layers than these settings'
+        taps."""
+        from dflash.train.frozen_head import load_logit_transform
+
         config = drafter_config(self.context.settings, read_json(os.path.join(self.capture.out, "target.json")))
+        # The transform the training loss applies, so that the export writes it for the serving engines.
+        config = config.with_logit_transform(load_logit_transform(os.path.join(self.capture.out,
+                                                                               "frozen_head.safetensors")))
         captured = self.capture.layer_ids()
         if captured is not None and captured != config.target_layer_ids:
             taps = ",".join(str(i) for i in captured)
