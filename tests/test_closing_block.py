@@ -65,3 +65,19 @@ def test_the_runner_names_no_stage():
         tree = ast.parse(f.read())
     named = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in STAGES]
     assert named == []
+
+
+def test_the_next_command_is_quoted_for_a_shell(tmp_path, monkeypatch):
+    """A list override is a glob to bash and zsh, and a run folder may hold a space: each word is quoted where it
+    needs to be, so the line pastes into a shell as it is."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("dflash.stages.evaluation.command_overrides",
+                        lambda settings: ["name=tiny", "drafter.target_layer_ids=[1,3]"])
+    pipeline = finished_run(tmp_path / "my runs", 2.5)
+    line = closing_block(pipeline.context.run_dir, pipeline.stages, "x.log").splitlines()[-1]
+    command = line.split("next: real decoding", 1)[1].strip()
+    assert shlex.split(command) == ["python", "-m", "dflash.eval", "name=tiny", "drafter.target_layer_ids=[1,3]",
+                                    "eval.mode=live", "eval.out_dir=my runs/run/eval_live"]
+    assert "'drafter.target_layer_ids=[1,3]'" in command

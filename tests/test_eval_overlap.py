@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dflash.config import compose
 from dflash.data.dataset import format_stats, load_dataset_dir
 from dflash.data.eval_overlap import EvalIndex, drop_eval_overlaps, words
@@ -91,3 +93,31 @@ def test_an_eval_set_added_after_the_build_is_checked_from_the_journal(tmp_path,
     assert read_json(str(data / "stats.json"))["eval_overlap"]["dropped"] == {"prompts": 1}
     Pipeline(compose(run)).run()  # checked now: kept
     assert "not checked for overlap" not in "".join(capsys.readouterr())
+
+
+def test_an_eval_set_that_reads_another_source_or_file_since_is_checked_again(tmp_path, monkeypatch, capsys):
+    """The overlap check records each set's source and file, not only its name: a set renamed onto another source,
+    or whose file changed, is checked again from the journal."""
+    path, gsm8k = planted_prompts(tmp_path)
+    run = ["+experiment=tiny", "show_progress=false", "stages=[data]", f"run_dir={tmp_path / 'run'}",
+           "data.source=file", f"data.path={path}", "data.limit=null", "data.max_length=512"]
+    Pipeline(compose(run + ["eval.prompt_sets.gsm8k.source=humaneval"])).run()  # "gsm8k" read HumanEval
+    data = tmp_path / "run" / "data"
+    assert "planted" in load_dataset_dir(str(data))["id"]
+    monkeypatch.setattr("dflash.data.regenerate._static_results", lambda *a, **k: pytest.fail("answered again"))
+    monkeypatch.setattr("dflash.data.regenerate._hf_results", lambda *a, **k: pytest.fail("answered again"))
+    capsys.readouterr()
+    Pipeline(compose(run)).run()
+    assert "not checked for overlap with gsm8k" in "".join(capsys.readouterr())
+    assert "planted" not in load_dataset_dir(str(data))["id"]
+    evals = tmp_path / "eval.jsonl"  # a file set, then the same file with GSM8K's question in it
+    evals.write_text(json.dumps({"id": "e", "conversations": [{"from": "human", "value": "Say hi."}]}) + "\n")
+    mine = ["eval.prompt_sets.humaneval.source=file", f"eval.prompt_sets.humaneval.path={evals}"]
+    Pipeline(compose(run + mine)).run()
+    capsys.readouterr()
+    Pipeline(compose(run + mine)).run()
+    assert "not checked for overlap" not in "".join(capsys.readouterr())
+    evals.write_text(evals.read_text() + json.dumps(
+        {"id": "q", "conversations": [{"from": "human", "value": gsm8k.messages[-1]["content"]}]}) + "\n")
+    Pipeline(compose(run + mine)).run()
+    assert "not checked for overlap with humaneval" in "".join(capsys.readouterr())

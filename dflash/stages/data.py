@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.run_files import clear_done, read_json_or_none, stage_done, write_json
+from dflash.run_files import clear_done, file_sha256, read_json_or_none, stage_done, write_json
 from dflash.stages.context import RunContext
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.shapes import check_drafter_fits
@@ -58,7 +58,8 @@ class DataStage(Stage):
         unchecked = self.unchecked_eval_sets()
         if unchecked:
             logger.warning(f"[data] the training prompts were not checked for overlap with {', '.join(unchecked)} "
-                           f"(added to eval.prompt_sets since): checking them, the answers come from the journal")
+                           f"(added to eval.prompt_sets, or reading another source, since): checking them, the answers come from "
+                           f"the journal")
         return not unchecked
 
     def current(self) -> bool:
@@ -66,15 +67,20 @@ class DataStage(Stage):
         return stage_done(self.out, self.fingerprint()) and not self.unchecked_eval_sets()
 
     def unchecked_eval_sets(self) -> list[str]:
-        """The evaluation sets the finished build's overlap check did not cover (its stats.json eval_overlap); none
-        when the check is off or the build predates it."""
+        """The evaluation sets the finished build's overlap check did not cover (its stats.json eval_overlap): a
+        name it did not check, or one whose source or file is another now; none when the check is off or the build
+        predates it (a build before the sources were recorded is compared by name)."""
         settings = self.context.settings
         if not settings.data.eval_overlap_ngram:
             return []
         report = (read_json_or_none(os.path.join(self.out, "stats.json")) or {}).get("eval_overlap")
         if not isinstance(report, dict):
             return []
-        return sorted(set(settings.eval.prompt_sets) - set(report.get("eval_sets", {})))
+        checked = report.get("eval_set_sources")
+        if not isinstance(checked, dict):
+            return sorted(set(settings.eval.prompt_sets) - set(report.get("eval_sets", {})))
+        return sorted(name for name, spec in settings.eval.prompt_sets.items()
+                      if checked.get(name) != eval_set_source(spec))
 
     def preflight(self, selected: bool) -> None:
         """When it will run (selected, not up to date): its prompts and, for the overlap check, every evaluation
@@ -172,4 +178,12 @@ class DataStage(Stage):
                         for p in load_prompts(spec.source, path=spec.path, name=name, turns="first")]
         kept, report = drop_eval_overlaps(prompts, EvalIndex(eval_prompts, n))
         report["eval_sets"] = {name: sum(p.prompt_set == name for p in eval_prompts) for name in specs}
+        report["eval_set_sources"] = {name: eval_set_source(spec) for name, spec in specs.items()}
         return kept, report
+
+
+def eval_set_source(spec) -> dict[str, Any]:
+    """What an evaluation prompt set's overlap check read (PromptSetSettings): its source, and the sha256 of the
+    file its path names (a packaged set without one is named by its source alone)."""
+    path = spec.path
+    return {"source": spec.source, "sha256": file_sha256(path) if path and os.path.isfile(path) else None}

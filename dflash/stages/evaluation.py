@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from typing import Any
 
 from dflash.config import fingerprints
@@ -134,8 +135,9 @@ class EvalStage(Stage):
                          "(about 25 minutes on an H200, tau ~3.1, docs/results.md).")]
         if run.settings.eval.mode == "replay":
             live = os.path.join(shown(run.run_dir), "eval_live")
-            return [("next: real decoding", f"python -m dflash.eval {' '.join(command_overrides(run.settings))} "
-                                            f"eval.mode=live eval.out_dir={live}")]
+            # Quoted for a shell: `[0,40]` is a glob to bash and zsh, and a path may hold spaces.
+            words = [*command_overrides(run.settings), "eval.mode=live", f"eval.out_dir={live}"]
+            return [("next: real decoding", "python -m dflash.eval " + " ".join(shlex.quote(w) for w in words))]
         return []
 
     def evaluate(self, folder: str) -> dict[str, Any]:
