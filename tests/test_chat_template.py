@@ -4,6 +4,7 @@ tokenizer's own, each said in one line; a missing file is refused before any sta
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -11,7 +12,8 @@ from dflash.config import compose
 from dflash.config.errors import ConfigPathError
 from dflash.data.dataset import load_dataset_dir
 from dflash.models.targets import load_target
-from dflash.models.targets.chat_template import PLAIN_TEMPLATE, set_chat_template
+from dflash.data.chat import prompt_ids
+from dflash.models.targets.chat_template import PLAIN_TEMPLATE, PLAIN_TEMPLATE_WITH_BOS, set_chat_template
 from dflash.models.targets.tiny import build_builtin_tokenizer
 from dflash.pipeline import Pipeline
 from tests.schema_options import answer_options
@@ -39,6 +41,55 @@ def test_plain_format_for_a_tokenizer_without_a_template():
     assert tokenizer.chat_template == PLAIN_TEMPLATE
     text = tokenizer.apply_chat_template(TURNS, tokenize=False, add_generation_prompt=True)
     assert text == "Be brief.\n\nUser: Hi\n\nAssistant:"
+
+
+def bos_adding_tokenizer():
+    """The built-in tokenizer, putting its BOS token (<|im_start|>) before plain text as Gemma's and Llama's do."""
+    from tokenizers import processors
+
+    tokenizer = build_builtin_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    assert tokenizer("Hi").input_ids[0] == tokenizer.bos_token_id
+    return tokenizer
+
+
+def test_the_plain_format_starts_with_bos_where_the_tokenizer_puts_one_before_text(tmp_path):
+    """Prompts are tokenized without special tokens, so only the template can give them the BOS token that a base
+    model such as Gemma 3 was trained with (it degenerates without)."""
+    tokenizer = bos_adding_tokenizer()
+    tokenizer.chat_template = None
+    line = set_chat_template(tokenizer, None, "gemma3_text")
+    assert "prompts use the plain format '<|im_start|>User: ...' / 'Assistant:'" in line
+    assert tokenizer.chat_template == PLAIN_TEMPLATE_WITH_BOS
+    ids = prompt_ids(tokenizer, TURNS)
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.decode(ids[1:]) == "Be brief.\n\nUser: Hi\n\nAssistant:"
+    # Through load_target, as a base model's HF folder whose tokenizer adds a BOS token.
+    folder = base_model_folder(tmp_path)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(folder)
+    adapter = load_target("hf", path=str(folder))
+    ids = adapter.chat_ids(TURNS)
+    assert ids[0] == adapter.tokenizer.bos_token_id and ids.count(adapter.tokenizer.bos_token_id) == 1
+
+
+def test_a_template_file_without_the_bos_the_tokenizer_adds_is_warned_about_once(tmp_path, caplog):
+    without, starting = tmp_path / "without.jinja", tmp_path / "starting.jinja"
+    body = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    without.write_text(body)
+    starting.write_text("{{ bos_token }}" + body)
+    for _ in range(2):
+        set_chat_template(bos_adding_tokenizer(), str(without), "gemma3_text")
+    warned = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warned == [f"[target] warning: the chat template {without} (target.chat_template) does not start with the "
+                      "BOS token '<|im_start|>', which the gemma3_text tokenizer puts before plain text; prompts are "
+                      "tokenized without special tokens, so they will lack it"]
+    set_chat_template(bos_adding_tokenizer(), str(starting), "gemma3_text")
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(body)
+    set_chat_template(build_builtin_tokenizer(), str(plain), "llama")  # a tokenizer that adds no BOS
+    assert [record.levelno for record in caplog.records] == [logging.WARNING]
 
 
 def test_a_template_file_replaces_the_tokenizers_own(tmp_path, capsys):

@@ -9,12 +9,14 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash.eval import live
 from dflash.inference.drafter_cache import CachedDrafter, TargetHead, context_keys_values
 from dflash.eval.live import live_decode, target_only_decode
 from dflash.eval.metrics import PhaseTimer
-from dflash.eval.replay import replay
+from dflash.eval.replay import DrafterProposer, replay
+from dflash.train.heldout import _FrozenHead
 from tests.schema_options import DRAFT_SAMPLING, LIVE_ENGINE, eval_options
 
 FAMILIES = ["llama", "qwen3_5"]
@@ -164,6 +166,32 @@ def test_cached_drafter_equals_full_forward(layer_types, tiny_target, make_draft
         cached.extend(features[:2, :5])
     with pytest.raises(ValueError, match=rf"features must be \[batch, n, {width}\]"):
         context_keys_values(drafter, features, torch.arange(len(features))[None])
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2"])
+def test_replay_and_live_embed_the_block_as_training_does(family, tiny_target, make_drafter):
+    """Gemma's embedding module multiplies by sqrt(hidden_size); training embeds the block with the raw weight
+    (train/forward.py, and the held-out replay through _FrozenHead), so replay and live drafting must too."""
+    adapter = tiny_target(family)
+    drafter = make_drafter(adapter, std=0.2)
+    weight, head = adapter.embed_tokens().weight, adapter.lm_head_weight()
+    prompt = prompts_for(adapter)[2]
+    features = adapter.capture(torch.tensor([prompt]), None, drafter.target_layer_ids)[0]
+    replayed = DrafterProposer(drafter, adapter, [prompt], [features])
+    heldout = DrafterProposer(drafter, _FrozenHead(weight, head), [prompt], [features])
+    cached = CachedDrafter(drafter, TargetHead.of(adapter))
+    cached.extend(features[:20])
+    for start in (20, 27):
+        cached.extend(features[cached.length:start])
+        hidden = replayed.hidden([0], [start], 4)[0]
+        assert torch.equal(hidden, heldout.hidden([0], [start], 4)[0])
+        block = torch.tensor([prompt[start]] + [drafter.mask_token_id] * 3)
+        with torch.no_grad():
+            trained = drafter(torch.arange(start + 4)[None], F.embedding(block, weight)[None], features[None, :start])
+        torch.testing.assert_close(hidden, trained[0], atol=1e-5, rtol=1e-4)
+        logits, drafts = cached.draft(prompt[start], 4)
+        torch.testing.assert_close(logits, adapter.logit_transform(hidden[1:] @ head.T), atol=1e-5, rtol=1e-4)
+        assert drafts.tolist() == replayed([0], [start], 4)[0].tolist()
 
 
 def test_live_rejects_bad_input(tiny_target, make_drafter):

@@ -14,6 +14,7 @@ from dflash.config.errors import CorruptFile
 from dflash.eval.export import export_zlab, load_drafter
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
+from dflash.models.targets.logit_transform import LogitTransform
 
 
 def small_drafter(layer_types=("sliding_attention", "full_attention")) -> DFlashDraftModel:
@@ -75,6 +76,47 @@ def test_config_json_is_zlab(tmp_path):
     assert config["sliding_window"] == 6 and config["use_sliding_window"] is True
     assert config["vocab_size"] == 100 and config["tie_word_embeddings"] is False
     assert DrafterConfig.from_zlab(config) == drafter.config
+
+
+@pytest.mark.parametrize("transform, written", [
+    (LogitTransform(scale=0.25), {"output_multiplier": 0.25}),  # Granite's logits_scaling of 4
+    (LogitTransform(softcap=30.0), {"final_logit_softcapping": 30.0}),  # Gemma's soft cap
+    (LogitTransform(scale=0.5, softcap=20.0), {"output_multiplier": 0.5, "final_logit_softcapping": 20.0}),
+])
+def test_the_targets_logit_transform_is_exported_and_loaded_back(transform, written, tmp_path):
+    """The drafter's logits go through the target's transform in training and eval; the reference applies the
+    config's output_multiplier, then final_logit_softcapping, so the export writes them (only when not the identity)."""
+    plain = small_drafter()
+    drafter = DFlashDraftModel(plain.config.with_logit_transform(transform))
+    drafter.load_state_dict(plain.state_dict())
+    out = export_zlab(drafter, str(tmp_path / "export"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["dflash_config"] == {"mask_token_id": 99, "target_layer_ids": [1, 3, 5], "block_size": 4, **written}
+    loaded = load_drafter(out)
+    assert loaded.config == drafter.config and loaded.config.logit_transform == transform
+    assert DrafterConfig.from_zlab(loaded.config.to_zlab()) == drafter.config
+    # The reference reads them at the top level too when dflash_config has none.
+    top = {**config, **written, "dflash_config": {k: v for k, v in config["dflash_config"].items() if k not in written}}
+    assert DrafterConfig.from_zlab(top) == drafter.config
+    # The identity writes nothing new: the exports for other targets stay byte-identical.
+    identity = DFlashDraftModel(drafter.config.with_logit_transform(LogitTransform()))
+    identity.load_state_dict(plain.state_dict())
+    export_zlab(identity, str(tmp_path / "identity"))
+    export_zlab(plain, str(tmp_path / "plain"))
+    assert (tmp_path / "identity" / "config.json").read_bytes() == (tmp_path / "plain" / "config.json").read_bytes()
+
+
+def test_a_zlab_window_is_dropped_without_use_sliding_window_as_hugging_face_does():
+    config = small_drafter().config.to_zlab()
+    assert DrafterConfig.from_zlab(config).sliding_window == 6
+    for off in ({"use_sliding_window": False}, {}):
+        changed = {k: v for k, v in config.items() if k != "use_sliding_window"} | off
+        with pytest.raises(ValueError, match=r"sliding_attention layers \[0\] but use_sliding_window=.*drops "
+                                             r"sliding_window=6"):
+            DrafterConfig.from_zlab(changed)
+    # Full layers only: the window is dropped, as it is unused.
+    full = small_drafter(("full_attention",)).config.to_zlab()
+    assert DrafterConfig.from_zlab({**full, "use_sliding_window": False, "sliding_window": 6}).sliding_window is None
 
 
 def test_safetensors_holds_only_drafter_tensors(tmp_path):

@@ -69,8 +69,7 @@ def zlab_config() -> dict:
 
 
 @pytest.mark.parametrize("where", ["dflash_config", "top"])
-@pytest.mark.parametrize("name, value", [("input_embedding_scale", 2.0), ("output_multiplier", 0.5),
-                                         ("final_logit_softcapping", 30.0)])
+@pytest.mark.parametrize("name, value", [("input_embedding_scale", 2.0)])
 def test_zlab_config_with_a_reference_option_on_is_refused(where, name, value, tmp_path):
     config = zlab_config()
     (config["dflash_config"] if where == "dflash_config" else config)[name] = value

@@ -33,6 +33,12 @@ def test_the_joined_file_loads_as_a_generic_target(gguf):
     out = adapter.model.generate(ids, max_new_tokens=20, do_sample=False)
     # A real model, not random weights: "\n    if n == 0 or n == 1:\n        return 1"
     assert "return 1" in adapter.tokenizer.decode(out[0, ids.shape[1]:])
+    # No chat template: prompts take the plain format, after the <bos> the tokenizer puts before plain text (the
+    # model degenerates without it).
+    prompt = adapter.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
+    assert prompt[0] == adapter.tokenizer.bos_token_id and prompt.count(adapter.tokenizer.bos_token_id) == 1
+    out = adapter.model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    assert "Paris" in adapter.tokenizer.decode(out[0, len(prompt):])
     features, final = adapter.capture_with_final(ids, None, [1, 9, 15])
     with torch.no_grad():
         logits = adapter.model(ids).logits

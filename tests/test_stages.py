@@ -6,12 +6,14 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash.config import ConfigError, compose
 from dflash.config.schema import schema_default
 from dflash.config.errors import RunFolderError
+from dflash.models.targets.logit_transform import LogitTransform
 from dflash.pipeline import Pipeline, run_stage, selected_stages, timed
 from dflash.run_files import read_json_or_none, write_json
 from dflash.stages.capture import CaptureStage
@@ -20,6 +22,7 @@ from dflash.stages.evaluation import EvalStage
 from dflash.stages.export import ExportStage
 from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
+from dflash.train.frozen_head import save_frozen_head
 from tests.forked import process_context
 from tests.test_rank_stream import free_port
 
@@ -165,12 +168,14 @@ def test_a_stages_time_is_shown_by_rank_0_only(monkeypatch, capsys, rank, shown)
     assert ("[train] stage took" in out) == shown and out.count("\n") == int(shown)
 
 
-def tiny_capture_output(features, layer_ids):
+def tiny_capture_output(features, layer_ids, transform=None):
     os.makedirs(features, exist_ok=True)
     shape = {"model_type": "llama", "num_layers": 8, "hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "mask_token_id": 3}
     write_json(os.path.join(features, "target.json"), shape)
     write_json(os.path.join(features, "manifest.json"), {"target_layer_ids": layer_ids})
+    head = torch.zeros(shape["vocab_size"], shape["hidden_size"])
+    save_frozen_head(head, head, os.path.join(features, "frozen_head.safetensors"), transform)
 
 
 def test_the_train_stage_reads_the_taps_the_capture_stage_recorded(tmp_path):
@@ -178,6 +183,17 @@ def test_the_train_stage_reads_the_taps_the_capture_stage_recorded(tmp_path):
     tiny_capture_output(pipeline.capture.out, [1, 5])
     assert pipeline.capture.layer_ids() == [1, 5]
     assert pipeline.train.drafter_config().target_layer_ids == [1, 5]  # num_taps=2 over 8 layers: the same
+    assert pipeline.train.drafter_config().logit_transform.identity
+
+
+def test_the_drafter_config_carries_the_logit_transform_training_applies(tmp_path):
+    """The frozen head's transform, which the training loss applies, goes into the drafter config the export writes
+    (so the serving engines apply it to the drafter's logits too)."""
+    pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path}"]))
+    tiny_capture_output(pipeline.capture.out, [1, 5], LogitTransform(scale=0.25, softcap=30.0))
+    config = pipeline.train.drafter_config()
+    assert config.logit_transform == LogitTransform(scale=0.25, softcap=30.0)
+    assert config.to_zlab()["dflash_config"]["output_multiplier"] == 0.25
 
 
 def test_features_captured_at_other_taps_are_refused_before_training(tmp_path, monkeypatch):

@@ -106,6 +106,11 @@ def test_a_gguf_file_is_converted_once_and_cached(tmp_path):
     assert sorted(os.listdir(folder.parent)) == [f".{folder.name}.lock", folder.name]  # and the conversion's lock
 
 
+# The export's config carries the target's final logit transform, as the reference drafter reads it.
+EXPORTED_TRANSFORMS = {"gemma2": {"final_logit_softcapping": 2.0}, "granite": {"output_multiplier": 0.125},
+                       "gemma3_text": {"final_logit_softcapping": 30.0}, "cohere": {"output_multiplier": 0.5}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [("gemma2", {"final_logit_softcapping": 2.0}), ("gpt_oss", {}),
                                               ("deepseek_v3", {}), ("granite", {"logits_scaling": 8.0}),
@@ -118,3 +123,6 @@ def test_every_stage_runs_on_an_hf_folder_with_no_mask_token_given(tmp_path, fam
     assert 1.0 <= summary["overall"]["tau"] <= 4.0
     exported = json.loads((run_dir / "export" / "config.json").read_text())
     assert exported["dflash_config"]["mask_token_id"] == 3  # <|mask|> of the built-in tokenizer, chosen
+    transform = {k: v for k, v in exported["dflash_config"].items()
+                 if k in ("output_multiplier", "final_logit_softcapping")}
+    assert transform == EXPORTED_TRANSFORMS.get(family, {})

@@ -34,7 +34,7 @@ from dflash.data.journal import JournalBuffer, open_journal, read_journal, with_
 from dflash.data.progress import GenerationProgress
 from dflash.data.prompts import Prompt
 from dflash.inference.static_decode import StaticGenerator, resolve_engine
-from dflash.models.targets.chat_template import PLAIN_TEMPLATE
+from dflash.models.targets.chat_template import PLAIN_TEMPLATES
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def refuse_plain_format(tokenizer: Any, count: int, journal_path: Path, settings
     template) and a draw is still to be made: its user turns end in text ("\n\nAssistant:"), never in a stop
     token, so every draw would run to max_new_tokens and be dropped. A journal of these `settings` that already
     holds every draw the selection considers is only read, so a folder drawn to the end is not refused."""
-    if getattr(tokenizer, "chat_template", None) != PLAIN_TEMPLATE:
+    if getattr(tokenizer, "chat_template", None) not in PLAIN_TEMPLATES:
         return
     header, records = read_journal(journal_path) if journal_path.exists() else (None, {})
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dflash.eval.metrics import PhaseTimer, StepTrace
 from dflash.inference.drafter_cache import KeysValues, block_hidden, context_keys_values
@@ -192,7 +193,8 @@ class DrafterProposer:
         block = [[self.sequences[r][s]] + [config.mask_token_id] * (size - 1) for r, s in zip(rows, starts)]
         host = torch.tensor([*rows, *starts, *sizes, *(t for b in block for t in b)]).to(self.device)
         index, start, lengths = host[:n], host[n : 2 * n], host[2 * n : 3 * n]
-        noise = self.adapter.embed_tokens()(host[3 * n :].view(n, size).to(self.adapter.device))
+        # The raw embedding rows, as training takes them (train/forward.py): Gemma's module would scale them.
+        noise = F.embedding(host[3 * n :].view(n, size).to(self.adapter.device), self.adapter.embed_tokens().weight)
         # Key column j of row i holds position j - (num_context - start_i); negative positions are left padding.
         positions = torch.arange(num_context + size, device=self.device)[None] - (num_context - start)[:, None]
         source = positions[:, :num_context].clamp(min=0)

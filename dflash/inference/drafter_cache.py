@@ -8,7 +8,8 @@ k/v projections on each call: O(context) work per drafted block. Verified positi
 `tests/test_eval.py` check that the result equals the forward on target features (full and sliding layers, context
 longer than the window, left-padded batches).
 - `CachedDrafter`: one live sequence; `extend` appends the positions verified since the last step and `draft` runs
-  a block [anchor, MASK...] through the target's embedding, the drafter and the target's head (`block_drafts`).
+  a block [anchor, MASK...] through the target's embedding weight, the drafter and the target's head
+  (`block_drafts`).
 - `DrafterProposer` (replay.py): many stored sequences; keys/values of all their positions are computed once and
   each step gathers the context of its rows.
 """
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash.models.drafter import DFlashDraftModel, sliding_mask_from_positions
@@ -79,8 +81,9 @@ def block_hidden(
 
 @dataclass(frozen=True, eq=False)
 class TargetHead:
-    """The target's frozen parts a live drafter drafts through: the input embedding of the block's tokens, the
-    output head weight [V, H] and the logit transform (models/targets/logit_transform.py; None = raw logits)."""
+    """The target's frozen parts a live drafter drafts through: the input embedding of the block's tokens (its
+    weight is what is used, see `embed`), the output head weight [V, H] and the logit transform
+    (models/targets/logit_transform.py; None = raw logits)."""
 
     embedding: nn.Embedding
     weight: torch.Tensor
@@ -95,13 +98,19 @@ class TargetHead:
         """Where the block's token ids go: the embedding's device."""
         return self.embedding.weight.device
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [..., H] of `tokens`: rows of the embedding weight."""
+        # Not the module's output: training embeds the block this way (train/forward.py), as serving engines do with
+        # the target's shared weight, whereas Gemma's module also multiplies by sqrt(hidden_size).
+        return F.embedding(tokens, self.embedding.weight)
+
 
 def block_drafts(head: TargetHead, tokens: torch.Tensor,
                  hidden: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafter logits [n-1, V] of the block `tokens` [n] = [anchor, MASK x (n-1)] and their argmax [n-1]: the
-    tokens through the target's embedding, `hidden` (the drafter's output [n, H] of the embedded block [n, H]) and
-    the target's head; the anchor's own output is not a draft."""
-    logits = logits_from_hidden(hidden(head.embedding(tokens))[1:], head.weight, head.transform)
+    tokens through the target's embedding weight (`TargetHead.embed`), `hidden` (the drafter's output [n, H] of the
+    embedded block [n, H]) and the target's head; the anchor's own output is not a draft."""
+    logits = logits_from_hidden(hidden(head.embed(tokens))[1:], head.weight, head.transform)
     return logits, logits.argmax(dim=-1)
 
 

@@ -1,13 +1,18 @@
 """Configuration of a DFlash drafter, and its z-lab `config.json` form.
 
 The z-lab checkpoints are Qwen3 configs with a few extra keys (notes section 3); `block_size` sits at the top
-level in old checkpoints and inside `dflash_config` in new ones, so both are written and both are read.
+level in old checkpoints and inside `dflash_config` in new ones, so both are written and both are read. The target's
+final logit transform (models/targets/logit_transform.py), which the drafter's logits go through as the target's do,
+is written as the reference's `output_multiplier` and `final_logit_softcapping` (in `dflash_config`) when it is not
+the identity.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from dflash.models.targets.logit_transform import LogitTransform
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -24,12 +29,17 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
 
 # Options of newer reference drafters that change what the drafter computes (the reference reads each from
 # dflash_config, else from the top level), with the test for the value that leaves them off. DFlashDraftModel has
-# none of them: a drafter trained with one on would load here and draft differently.
+# none of them: a drafter trained with one on would load here and draft differently. (The reference's
+# output_multiplier and final_logit_softcapping are the logit transform, which DrafterConfig holds.)
 REFERENCE_OPTIONS_OFF = {
     "input_embedding_scale": lambda value: float(value) == 1.0,  # scales the block's token embeddings
-    "output_multiplier": lambda value: float(value) == 1.0,  # scales the drafter's logits
-    "final_logit_softcapping": lambda value: value is None or float(value) <= 0,  # cap * tanh(logits / cap)
 }
+
+
+def reference_option(config: dict[str, Any], name: str) -> Any:
+    """A reference option of a z-lab `config`: from dflash_config, else from the top level (None when unset)."""
+    dflash = config.get("dflash_config") or {}
+    return dflash[name] if name in dflash else config.get(name)
 
 
 def check_unsupported_options(config: dict[str, Any]) -> None:
@@ -52,6 +62,21 @@ def check_unsupported_options(config: dict[str, Any]) -> None:
                              f"causal and full ones bidirectional (it would draft differently)")
 
 
+def zlab_sliding_window(config: dict[str, Any], layer_types: list[str]) -> int | None:
+    """The window of a z-lab config's sliding layers (None when it has none); ValueError when it has some but not
+    use_sliding_window true."""
+    if "sliding_attention" not in layer_types:
+        return None
+    # Hugging Face's Qwen3Config, which the serving engines and the reference read the config with, drops
+    # sliding_window unless use_sliding_window is true (its default is false): the layers would have no window.
+    if not config.get("use_sliding_window", False):
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        raise ValueError(f"drafter config has sliding_attention layers {sliding} but use_sliding_window="
+                         f"{config.get('use_sliding_window')!r}: Hugging Face's Qwen3Config then drops sliding_window="
+                         f"{config.get('sliding_window')!r}, so those layers would have no window")
+    return config.get("sliding_window")
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -70,6 +95,9 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
+    # The target's final logit transform, which the drafter's logits go through: a scale, then a soft cap.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -105,6 +133,18 @@ class DrafterConfig:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the target vocabulary (size {self.vocab_size})"
             )
+        softcap = self.final_logit_softcapping
+        if not self.output_multiplier > 0 or (softcap is not None and not softcap > 0):
+            raise ValueError(f"output_multiplier must be > 0 and final_logit_softcapping > 0 or None, got "
+                             f"{self.output_multiplier} and {softcap}")
+
+    @property
+    def logit_transform(self) -> LogitTransform:
+        return LogitTransform(scale=float(self.output_multiplier), softcap=self.final_logit_softcapping)
+
+    def with_logit_transform(self, transform: LogitTransform) -> "DrafterConfig":
+        """This config with the target's final logit `transform`."""
+        return replace(self, output_multiplier=transform.scale, final_logit_softcapping=transform.softcap)
 
     @property
     def num_taps(self) -> int:
@@ -113,7 +153,7 @@ class DrafterConfig:
     def to_zlab(self) -> dict[str, Any]:
         """The `config.json` that vLLM (`method: dflash`), SGLang (`DFLASH`) and the reference code read."""
         uses_sliding = "sliding_attention" in self.layer_types
-        return {
+        config = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
@@ -144,6 +184,12 @@ class DrafterConfig:
             },
             "dtype": "bfloat16",
         }
+        # Only a transform that does something is written: the configs of other targets stay as they were.
+        if self.output_multiplier != 1.0:
+            config["dflash_config"]["output_multiplier"] = float(self.output_multiplier)
+        if self.final_logit_softcapping is not None:
+            config["dflash_config"]["final_logit_softcapping"] = float(self.final_logit_softcapping)
+        return config
 
     @classmethod
     def from_zlab(cls, config: dict[str, Any]) -> "DrafterConfig":
@@ -159,6 +205,8 @@ class DrafterConfig:
         mask_token_id = dflash.get("mask_token_id", config.get("mask_token_id"))
         if mask_token_id is None:
             raise ValueError("drafter config has no mask_token_id (expected in dflash_config)")
+        multiplier = reference_option(config, "output_multiplier")
+        softcap = reference_option(config, "final_logit_softcapping")
         return cls(
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -172,10 +220,13 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             block_size=int(dflash.get("block_size", config.get("block_size", 16))),
             layer_types=layer_types,
-            sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
+            sliding_window=zlab_sliding_window(config, layer_types),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))),
             max_position_embeddings=config.get("max_position_embeddings", 40960),
+            output_multiplier=float(multiplier) if multiplier is not None else 1.0,
+            # A cap of 0 or less is off, as in the reference.
+            final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

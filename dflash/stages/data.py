@@ -58,8 +58,8 @@ class DataStage(Stage):
         unchecked = self.unchecked_eval_sets()
         if unchecked:
             logger.warning(f"[data] the training prompts were not checked for overlap with {', '.join(unchecked)} "
-                           f"(added to eval.prompt_sets, or reading another source, since): checking them, the answers come from "
-                           f"the journal")
+                           f"(added to eval.prompt_sets, or reading another source, since): checking them, the "
+                           f"answers come from the journal")
         return not unchecked
 
     def current(self) -> bool:

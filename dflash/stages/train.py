@@ -205,9 +205,6 @@ class TrainStage(Stage):
         from dflash.train.frozen_head import load_logit_transform
 
         config = drafter_config(self.context.settings, read_json(os.path.join(self.capture.out, "target.json")))
-        # The transform the training loss applies, so that the export writes it for the serving engines.
-        config = config.with_logit_transform(load_logit_transform(os.path.join(self.capture.out,
-                                                                               "frozen_head.safetensors")))
         captured = self.capture.layer_ids()
         if captured is not None and captured != config.target_layer_ids:
             taps = ",".join(str(i) for i in captured)
@@ -215,7 +212,9 @@ class TrainStage(Stage):
                 f"the features in {self.capture.out} were captured at target layers {captured}, these settings' "
                 f"taps are {config.target_layer_ids} (drafter.target_layer_ids, drafter.num_taps): run the capture "
                 f"stage again (stages=[capture,train]) or set drafter.target_layer_ids=[{taps}]")
-        return config
+        # The transform the training loss applies, so that the export writes it for the serving engines.
+        return config.with_logit_transform(load_logit_transform(os.path.join(self.capture.out,
+                                                                             "frozen_head.safetensors")))
 
     def claim_checkpoints(self) -> bool:
         """checkpoints/ made this training's (rank 0): those of other settings moved aside with their outputs.

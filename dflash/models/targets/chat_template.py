@@ -2,13 +2,18 @@
 (target.chat_template), or, for a base model that has none, a plain "User: ... / Assistant:" format.
 
 The template decides the prompts of regeneration and of evaluation alike, so it is set on the tokenizer once, when
-the target is loaded, and every stage renders through `tokenizer.apply_chat_template`.
+the target is loaded, and every stage renders through `tokenizer.apply_chat_template`. Prompts are tokenized without
+special tokens (data/chat.py), so a BOS token comes only from the template: the plain format starts with it when the
+tokenizer itself puts one before plain text (Gemma, Llama), and a template file that lacks it there is warned about.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # A plain prompt format for base models: system text first, then "User:" / "Assistant:" turns.
 PLAIN_TEMPLATE = (
@@ -19,6 +24,29 @@ PLAIN_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+# The plain format for a tokenizer that puts its BOS token before plain text (a model trained on text that starts
+# with it, such as Gemma 3, degenerates without it).
+PLAIN_TEMPLATE_WITH_BOS = "{{ bos_token }}" + PLAIN_TEMPLATE
+PLAIN_TEMPLATES = (PLAIN_TEMPLATE, PLAIN_TEMPLATE_WITH_BOS)
+
+# Template files already warned about (a target is loaded again by later stages).
+_warned_without_bos: set[str] = set()
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether `tokenizer` puts its BOS token before plain text when it adds special tokens."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("x").input_ids
+    return len(ids) > 0 and ids[0] == bos
+
+
+def starts_with_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a user turn starting with the BOS token."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                         add_generation_prompt=True)
+    return text.startswith(tokenizer.bos_token)
 
 
 def set_chat_template(tokenizer: Any, template_file: str | None, model_type: str) -> str | None:
@@ -28,9 +56,15 @@ def set_chat_template(tokenizer: Any, template_file: str | None, model_type: str
         path = os.path.expanduser(template_file)
         with open(path, encoding="utf-8") as f:
             tokenizer.chat_template = f.read()
+        if adds_bos(tokenizer) and not starts_with_bos(tokenizer) and path not in _warned_without_bos:
+            _warned_without_bos.add(path)
+            logger.warning(f"[target] warning: the chat template {path} (target.chat_template) does not start with "
+                           f"the BOS token {tokenizer.bos_token!r}, which the {model_type} tokenizer puts before "
+                           f"plain text; prompts are tokenized without special tokens, so they will lack it")
         return f"[target] {model_type}: prompts use the chat template of {path} (target.chat_template)"
     if getattr(tokenizer, "chat_template", None):
         return None
-    tokenizer.chat_template = PLAIN_TEMPLATE
+    bos = tokenizer.bos_token if adds_bos(tokenizer) else ""
+    tokenizer.chat_template = PLAIN_TEMPLATE_WITH_BOS if bos else PLAIN_TEMPLATE
     return (f"[target] {model_type} has no chat template (a base model): prompts use the plain format "
-            "'User: ...' / 'Assistant:'; set target.chat_template=<file> to give one")
+            f"'{bos}User: ...' / 'Assistant:'; set target.chat_template=<file> to give one")
