@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,9 @@ MADE = {"fingerprint": "d", "samples": 7, "num_tokens": 700}
 # Fingerprints computed by the hand-kept code before the schema (commit 3e00386): run folders made then keep them.
 # Two cases moved: qwen36 with capture=online no longer takes the offline shard size, which online capture never used;
 # a live evaluation at T > 0 now proposes the drafter's argmax (eval.draft_sampling=greedy, what serving engines do):
-# another measurement, so another fingerprint (with draft_sampling=sampled it keeps a8abc084df6af5a4).
+# another measurement, so another fingerprint (with draft_sampling=sampled it keeps a8abc084df6af5a4). A third
+# moved with the `unused` stand-ins: train.group_by=work without grouping (group_by_length 0) trains as the default
+# does, so its checkpoint fingerprint is now the default's (it was 02f9957828251239).
 GOLDEN = [
     ([], "15acf81feaafbe57", "8e0ab70bba607911", "c3a15bba0e6da0c7", "aa32e96bce02bd1e"),
     (["+experiment=tiny"], "226f545c08a9e29e", "cc8a9ec544f4ca58", "160e8e3701a6ed9e", "cc6f5a9dbc8f9d25"),
@@ -32,13 +35,21 @@ GOLDEN = [
     (["+experiment=tiny", "capture=colocated", "train.kl_weight=0.5"], "226f545c08a9e29e", "b3bf1e4ca864afd6",
      "9320faa49157001d", "cc6f5a9dbc8f9d25"),
     (["+experiment=tiny", "train.max_minutes=2.5", "train.group_by=work", "data.synthetic.count=4"],
-     "1289b376390a4b5c", "ce54f4965056feb3", "02f9957828251239", "cc6f5a9dbc8f9d25"),
+     "1289b376390a4b5c", "ce54f4965056feb3", "6263d8d25b00ccb5", "cc6f5a9dbc8f9d25"),
     (["+experiment=smollm2", "deepspeed=zero3", "eval.mode=live", "eval.temperature=1.0"], "74e0db4d5c18fafc",
      "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "cec404e923ebbe38"),
     (["+experiment=smollm2", "deepspeed=zero3", "eval.mode=live", "eval.temperature=1.0",
       "eval.draft_sampling=sampled"], "74e0db4d5c18fafc", "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "a8abc084df6af5a4"),
     (["+experiment=tiny", "+eval.chat_template_kwargs.enable_thinking=false", "drafter.target_layer_ids=[0,1]"],
      "226f545c08a9e29e", "7a5cce3cf2481128", "71ff126fbf0a69e8", "30305e9b324edc1a"),
+    # Computed at commit 36caee6, before the `unused` stand-ins: every setting there that has an `unused` reason is
+    # in use and keeps its fingerprint.
+    (["+experiment=tiny", "train.group_by_length=8", "train.group_by=work", "train.loss_weighting=dpace",
+      "train.dpace_alpha=0.3", "data.heldout=4", "train.heldout_batch_size=2", "eval.mode=live", "eval.seed=3",
+      "eval.live_engine=hf", "eval.measure_target=false"],
+     "6ac8869406d417ff", "21f38fd5d775a717", "d890fa973465ef17", "7f5088d46ee8c3eb"),
+    (["+experiment=tiny", "data.temperature=0.7", "data.top_p=0.9", "data.sampled_share=0.5"], "84f818ed00ff28ab",
+     "1585532798ce8bcb", "149605b58756f39f", "cc6f5a9dbc8f9d25"),
 ]
 
 
@@ -147,9 +158,11 @@ def downstream(affects: set[str]) -> set[str]:
 
 @pytest.mark.parametrize("capture", ["offline", "online", "colocated"])
 def test_changing_a_setting_reruns_exactly_the_stages_it_affects(capture):
-    # Synthetic prompts on, sampled answers and live sampling with sampled drafts: their fields are not at the
-    # neutral values that leave them out.
+    # Synthetic prompts on, sampled answers, dpace weighting, grouped batches, held-out prompts and live sampling
+    # with sampled drafts: their fields are not at the neutral values that leave them out, and are in use. A setting
+    # the run does not use (its schema `unused` reason) reruns nothing: test_a_setting_the_run_does_not_use_...
     base = settings_of(["+experiment=tiny", f"capture={capture}", "data.synthetic.count=4", "data.temperature=0.7",
+                        "train.loss_weighting=dpace", "train.group_by_length=4", "data.heldout=4",
                         "eval.mode=live", "eval.temperature=0.7", "eval.draft_sampling=sampled"])
     before = stage_keys(base)
     tested = 0
@@ -161,7 +174,9 @@ def test_changing_a_setting_reruns_exactly_the_stages_it_affects(capture):
         set_at(s, path, changed(getattr(node, path[-1]), f.type))
         after = stage_keys(s)
         rerun = {stage for stage in STAGES if after[stage] != before[stage]}
-        assert rerun == downstream(affects), f"{'.'.join(path)}: reruns {sorted(rerun)}, declares {sorted(affects)}"
+        unused = ".".join(path) in unused_keys(s)
+        expected = set() if unused else downstream(affects)
+        assert rerun == expected, f"{'.'.join(path)}: reruns {sorted(rerun)}, declares {sorted(affects)}"
         tested += 1
     assert tested > 60
 
@@ -169,7 +184,7 @@ def test_changing_a_setting_reruns_exactly_the_stages_it_affects(capture):
 # One field of each stage's, a field of two stages' and speed-only ones, as overrides of the tiny experiment.
 STAGE_FIELDS = ["data.max_new_tokens=50", "capture.dtype=bfloat16", "capture.batch_tokens=4096", "train.lr=0.01",
                 "drafter.block_size=8", "eval.max_new_tokens=32", "target.dtype=bfloat16",
-                "data.batch_size=4", "capture.shard_tokens=4096", "train.log_every=5", "eval.seed=3"]
+                "data.batch_size=4", "capture.shard_tokens=4096", "train.log_every=5", "eval.batch_size=4"]
 
 
 def stage_object_keys(run_dir, *overrides: str) -> dict[str, str]:
@@ -237,6 +252,97 @@ def test_neutral_values_leave_a_field_out():
     assert "draft_temperature" not in fingerprints.stage_settings(greedy.eval, "eval")  # drafts are argmax
 
 
+# (key, a change of it, overrides of the tiny experiment where the run does not use it, where it does)
+UNUSED = [
+    ("target.path", "target.path=/models/other", [], ["target=hf", "target.path=/models/x"]),
+    ("target.tiny", "target.tiny.seed=9", ["target.kind=smollm2"], []),
+    ("drafter.num_taps", "drafter.num_taps=3", ["drafter.target_layer_ids=[0,1]"], []),
+    ("drafter.sliding_window", "drafter.sliding_window=64", ["drafter.layer_types=null"], []),
+    ("data.turns", "data.turns=all", ["data.source=gsm8k"], []),
+    ("data.temperature", "data.temperature=0.9", ["data.temperature=0.7", "data.sampled_share=0"],
+     ["data.temperature=0.7"]),
+    ("data.top_p", "data.top_p=0.9", ["data.temperature=0.7", "data.sampled_share=0"], ["data.temperature=0.7"]),
+    ("data.sampled_share", "data.sampled_share=0.5", [], ["data.temperature=0.7"]),
+    ("capture.shard_tokens", "capture.shard_tokens=4096", ["capture=online"], []),
+    ("capture.check_every", "capture.check_every=5", ["capture=online"], []),
+    ("capture.verify_existing", "capture.verify_existing=true", ["capture=colocated"], []),
+    ("capture.pack", "capture.pack=false", ["capture=colocated"], []),
+    ("capture.devices", "capture.devices=[0]", ["capture=colocated"], []),
+    ("capture.gpus_per_worker", "capture.gpus_per_worker=2", ["capture=colocated"], []),
+    ("train.dpace_alpha", "train.dpace_alpha=0.3", [], ["train.loss_weighting=dpace"]),
+    ("train.group_by", "train.group_by=work", [], ["train.group_by_length=4"]),
+    ("train.heldout_max_new_tokens", "train.heldout_max_new_tokens=8", [], ["data.heldout=4"]),
+    ("train.heldout_batch_size", "train.heldout_batch_size=2", [], ["data.heldout=4"]),
+    ("eval.seed", "eval.seed=3", [], ["eval.temperature=0.7"]),
+    ("eval.measure_target", "eval.measure_target=false", [], ["eval.mode=live"]),
+    ("eval.live_engine", "eval.live_engine=hf", [], ["eval.mode=live"]),
+    ("eval.draft_temperature", "eval.draft_temperature=0.5", ["eval.temperature=0.7"],
+     ["eval.temperature=0.7", "eval.draft_sampling=sampled"]),
+]
+
+
+def unused_keys(s: RunSettings) -> set[str]:
+    return {key for key, *_ in schema.unused_settings(s)}
+
+
+def affects_of(s: RunSettings, key: str) -> set[str]:
+    """The stages the field at `key` affects, as the class of its group in `s` declares (capture: per mode)."""
+    *groups, name = key.split(".")
+    node = s
+    for group in groups:
+        node = getattr(node, group)
+    return set({f.name: f for f in dataclasses.fields(node)}[name].metadata["affects"])
+
+
+@pytest.mark.parametrize("key,change,unused,used", UNUSED, ids=[row[0] for row in UNUSED])
+def test_a_setting_the_run_does_not_use_reruns_nothing(key, change, unused, used, monkeypatch):
+    before = settings_of(["+experiment=tiny", *unused], monkeypatch)
+    after = settings_of(["+experiment=tiny", *unused, change], monkeypatch)
+    assert key in unused_keys(after) and f"{key}=" in " ".join(after.ignored())
+    assert stage_keys(after) == stage_keys(before)
+    assert fingerprints.settings_fingerprint(after) == fingerprints.settings_fingerprint(before)
+    assert fingerprints.target_identity(after) == fingerprints.target_identity(before)
+    # Where the run uses it, the change reruns the stages it affects.
+    before = settings_of(["+experiment=tiny", *used], monkeypatch)
+    after = settings_of(["+experiment=tiny", *used, change], monkeypatch)
+    assert key not in unused_keys(after) and key not in " ".join(after.ignored())
+    keys = stage_keys(before)
+    rerun = {stage for stage, value in stage_keys(after).items() if value != keys[stage]}
+    assert rerun == downstream(affects_of(after, key))
+
+
+def test_every_setting_with_an_unused_reason_is_in_the_table():
+    s = settings_of(["+experiment=tiny", "capture=colocated"])  # the capture fields as every mode declares them
+    declared = {".".join(path) for path, f, _ in leaves(s) if "unused" in f.metadata}
+    assert declared == {row[0] for row in UNUSED}
+
+
+def test_a_trained_run_folder_lets_through_a_setting_its_training_does_not_use(tmp_path):
+    # An eval-only command that repeats the training command plus a setting the run does not use ran into the
+    # guard: "holds a drafter trained with other settings (train.dpace_alpha: 0.5 -> 0.3)".
+    from dflash.pipeline import Pipeline
+    from dflash.run_files import write_json
+    from dflash.stages.guard import refuse_other_trained_settings
+    from dflash.stages.train import SETTINGS_KEY
+
+    run = ["+experiment=tiny", f"run_dir={tmp_path}"]
+    trained = Pipeline(compose(run))
+    os.makedirs(trained.train.checkpoints)
+    write_json(os.path.join(trained.train.checkpoints, "fingerprint.json"), {"fingerprint": "trained"})
+    write_json(os.path.join(trained.train.checkpoints, SETTINGS_KEY),
+               {"fingerprint": fingerprints.settings_fingerprint(trained.settings)})
+    write_json(os.path.join(trained.train.out, "done.json"), {"checkpoint": "trained"})
+    OmegaConf.save(compose(run), tmp_path / "config.yaml", resolve=True)
+    unused = ["train.dpace_alpha=0.3", "train.group_by=work", "drafter.layer_types=[full_attention,full_attention]",
+              "drafter.sliding_window=64"]
+    refuse_other_trained_settings(Pipeline(compose(run + unused[:2] + ["stages=[eval]"])).train)
+    with pytest.raises(ConfigError) as error:
+        refuse_other_trained_settings(Pipeline(compose(run + unused + ["train.lr=0.01"])).train)
+    message = str(error.value)
+    assert "train.lr: 0.0006 -> 0.01" in message and "drafter.layer_types: ['sliding_attention'," in message
+    assert "dpace_alpha" not in message and "group_by" not in message and "sliding_window" not in message
+
+
 # Bad input: one line naming the key, before any work -----------------------------------------------------------
 
 BAD = [
@@ -280,13 +386,67 @@ BAD = [
     ("eval.mode=offline", "eval.mode='offline'"),
     ("eval.max_new_tokens=1", "eval.max_new_tokens=1: expected an int >= 2"),
     ("eval.prompt_sets.gsm8k.limit=0", "eval.prompt_sets.gsm8k.limit=0"),
+    ("~eval.prompt_sets.humaneval ~eval.prompt_sets.mtbench ~eval.prompt_sets.gsm8k",
+     "eval.prompt_sets={}: expected at least one prompt set"),
+    ("+eval.prompt_sets.mine={sourc:gsm8k}", "eval.prompt_sets.mine.sourc: no such setting of a prompt set; its "
+                                             "settings: source, path, limit, turns, answer_max_new_tokens"),
+    ("+eval.prompt_sets.mine={limit:2}", "eval.prompt_sets.mine.source=None: expected one of 'sharegpt'"),
+    ("+eval.prompt_sets.mine={source:gsm8k,limit:two}", "eval.prompt_sets.mine.limit='two': expected an int >= 1"),
+    ("+eval.prompt_sets.mine=3", "eval.prompt_sets.mine=3: expected {source, path, limit"),
+    ("eval.prompt_sets.humaneval.turns=2", "eval.prompt_sets.humaneval.turns=2: expected 1: source humaneval has no "
+                                           "second user turn (turns: 2 needs source mtbench)"),
+    ("+eval.prompt_sets.mine={source:file,path:mine.jsonl,turns:2}", "eval.prompt_sets.mine.turns=2: expected 1"),
+    ("+eval.prompt_sets.mtbench_turn2={source:gsm8k}", "eval.prompt_sets.mtbench_turn2: this name is the one of the "
+                                                      "second-turn set that eval.prompt_sets.mtbench.turns=2 adds"),
+    ("eval.prompt_sets.mtbench.answer_max_new_tokens=0",
+     "eval.prompt_sets.mtbench.answer_max_new_tokens=0: expected an int >= 1, or null"),
     ("eval.checkpoint=last", "eval.checkpoint='last': expected one of 'best', 'final'"),
     ("logging.wandb.mode=on", "logging.wandb.mode='on'"),
     ("stages=[train,serve]", "unknown stages ['serve']"),
     ("device=tpu", "device='tpu': expected auto, cpu or cuda[:N]"),
+    ("device=cuda:x", "device='cuda:x': expected auto, cpu or cuda[:N]"),
     ("target.mask_token_id=-1", "target.mask_token_id=-1"),
     ("train.eval_every=5", "train.eval_every=5 replays held-out prompts while training; set data.heldout"),
 ]
+
+
+def test_prompt_sets_are_added_and_dropped_from_the_command_line():
+    # `+eval.prompt_sets.NAME={...}` and `+eval.prompt_sets.NAME.source=...` were refused by OmegaConf ("dict is not
+    # a subclass of PromptSetSettings"); `+eval.prompt_sets={NAME: {...}}` and `~eval.prompt_sets.NAME` worked.
+    def prompt_sets(*overrides: str) -> dict:
+        return settings_of(["+experiment=tiny", *overrides]).eval.prompt_sets
+
+    added = prompt_sets("+eval.prompt_sets.mine={source: humaneval, limit: 3}")
+    assert list(added) == ["humaneval", "mtbench", "gsm8k", "mine"]
+    assert added["mine"] == schema.PromptSetSettings(source="humaneval", limit=3)
+    assert added["humaneval"] == schema.PromptSetSettings(source="humaneval", limit=2)  # the experiment's, kept
+    assert prompt_sets("+eval.prompt_sets.mine.source=gsm8k")["mine"] == schema.PromptSetSettings(source="gsm8k")
+    assert prompt_sets("+eval.prompt_sets={mine: {source: gsm8k}}")["mine"] == schema.PromptSetSettings(source="gsm8k")
+    only = prompt_sets("~eval.prompt_sets.humaneval", "~eval.prompt_sets.mtbench", "~eval.prompt_sets.gsm8k",
+                       "+eval.prompt_sets.chat={source: mtbench, turns: 2, answer_max_new_tokens: 8}")
+    assert only == {"chat": schema.PromptSetSettings(source="mtbench", turns=2, answer_max_new_tokens=8)}
+    # A set added on the command line is a new evaluation of the same drafter.
+    before = stage_keys(settings_of(["+experiment=tiny"]))
+    after = stage_keys(settings_of(["+experiment=tiny", "+eval.prompt_sets.mine={source: gsm8k}"]))
+    assert {stage for stage in STAGES if after[stage] != before[stage]} == {"eval"}
+
+
+def test_the_multi_turn_sources_are_those_whose_prompts_have_a_second_turn(tmp_path):
+    from dflash.data.prompts import load_prompts
+    from dflash.eval.evaluate import TURN2_SUFFIX
+
+    assert schema.TURN2_SUFFIX == TURN2_SUFFIX
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+             {"role": "user", "content": "And then?"}]
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text(json.dumps({"id": "c", "messages": turns}) + "\n")
+    sharegpt = tmp_path / "sharegpt.json"  # the packaged ShareGPT file is large: the same loader on a small one
+    sharegpt.write_text(json.dumps([{"id": "s", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "More?"}]}]))
+    paths = {"file": str(conversations), "sharegpt": str(sharegpt)}
+    for source in schema.PROMPT_SOURCES:
+        prompts = load_prompts(source, path=paths.get(source), limit=20)
+        assert any(p.follow_ups for p in prompts) == (source in schema.MULTI_TURN_SOURCES), source
 
 
 @pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
@@ -309,6 +469,10 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     (["data.source=gsm8k", "data.turns=all"], "data.turns='all' is ignored: only data.source=sharegpt has turns"),
     (["eval.draft_temperature=0.5"], "eval.draft_temperature=0.5 is ignored: only sampled drafts at eval.temperature"),
     (["eval.temperature=1", "eval.draft_temperature=0.5"], "eval.draft_temperature=0.5 is ignored: only sampled"),
+    (["drafter.layer_types=null", "drafter.sliding_window=64"],
+     "drafter.sliding_window=64 is ignored: no drafter.layer_types entry is sliding"),
+    (["drafter.target_layer_ids=[0,1]", "drafter.num_taps=3"],
+     "drafter.num_taps=3 is ignored: drafter.target_layer_ids names the taps"),
 ])
 def test_settings_this_combination_ignores_are_named(overrides, warning):
     assert warning in " ".join(settings_from(compose(["+experiment=tiny", *overrides])).ignored())

