@@ -86,7 +86,8 @@ def ceiling_tau(adapter, prompts: list[list[int]], continuations: list[list[int]
         for trace in traces:
             steps, committed = steps + trace.steps, committed + trace.committed
             hits, eligible = hits + trace.hits, eligible + trace.eligible
-    return {"tau": round(committed / steps, 4) if steps else None,
+    # Tokens and expected steps as well, so that sets pool into an overall tau (tokens over steps).
+    return {"tau": round(committed / steps, 4) if steps else None, "num_tokens": committed, "num_steps": steps,
             "per_position": [round(h / e, 4) if e else None for h, e in zip(hits, eligible)][:6]}
 
 
