@@ -405,6 +405,8 @@ BAD = [
     ("stages=[train,serve]", "unknown stages ['serve']"),
     ("device=tpu", "device='tpu': expected auto, cpu or cuda[:N]"),
     ("device=cuda:x", "device='cuda:x': expected auto, cpu or cuda[:N]"),
+    ("eval.prompt_sets={}", r"eval.prompt_sets={}: a dict override adds to the prompt sets and never empties them"),
+    ("+eval.prompt_sets={}", r"eval.prompt_sets={}: a dict override adds"),
     ("target.mask_token_id=-1", "target.mask_token_id=-1"),
     ("train.eval_every=5", "train.eval_every=5 replays held-out prompts while training; set data.heldout"),
 ]
@@ -466,6 +468,7 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     (["train.dpace_alpha=0.2"], "train.dpace_alpha=0.2 is ignored: only train.loss_weighting=dpace uses it"),
     (["train.group_by=work"], "train.group_by='work' is ignored: train.group_by_length is 0"),
     (["train.heldout_batch_size=4"], "train.heldout_batch_size=4 is ignored: data.heldout is 0"),
+    (["data.top_p=0.9"], "data.top_p=0.9 is ignored: data.temperature is 0 (every answer greedy)"),
     (["data.source=gsm8k", "data.turns=all"], "data.turns='all' is ignored: only data.source=sharegpt has turns"),
     (["eval.draft_temperature=0.5"], "eval.draft_temperature=0.5 is ignored: only sampled drafts at eval.temperature"),
     (["eval.temperature=1", "eval.draft_temperature=0.5"], "eval.draft_temperature=0.5 is ignored: only sampled"),

@@ -17,13 +17,17 @@ from dflash.models.drafter_config import DrafterConfig
 from dflash.models.targets.logit_transform import LogitTransform
 
 
-def small_drafter(layer_types=("sliding_attention", "full_attention")) -> DFlashDraftModel:
-    config = DrafterConfig(
+def small_config(layer_types=("sliding_attention", "full_attention"), sliding_window=6) -> DrafterConfig:
+    return DrafterConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, vocab_size=100, num_target_layers=8, target_layer_ids=[1, 3, 5],
-        mask_token_id=99, block_size=4, layer_types=list(layer_types), sliding_window=6, rope_theta=10000.0,
+        mask_token_id=99, block_size=4, layer_types=list(layer_types), sliding_window=sliding_window,
+        rope_theta=10000.0,
     )
-    drafter = DFlashDraftModel(config)
+
+
+def small_drafter(layer_types=("sliding_attention", "full_attention")) -> DFlashDraftModel:
+    drafter = DFlashDraftModel(small_config(layer_types))
     drafter.init_weights(seed=1, std=0.1)
     return drafter.eval()
 
@@ -174,3 +178,11 @@ def test_a_non_finite_drafter_is_never_exported_nor_loaded(tmp_path):
     os.remove(os.path.join(out, "checksums.json"))  # written by another tool: no checksums
     with pytest.raises(NonFiniteWeights, match=f"drafter weights in {out}: 1 tensor"):
         load_drafter(out)
+
+
+def test_a_window_is_checked_against_the_block_only_where_a_layer_slides():
+    """sliding_window below block_size is refused for a sliding layer (it would not see its own anchor) and ignored
+    without one, as drafter.sliding_window is where no layer slides (the schema's `unused`)."""
+    with pytest.raises(ValueError, match="sliding_window 2 is smaller than block_size 4"):
+        small_config(["sliding_attention", "full_attention"], sliding_window=2)
+    assert small_config(["full_attention", "full_attention"], sliding_window=2).to_zlab()["sliding_window"] is None

@@ -1,5 +1,6 @@
-"""Settings that no longer exist, each with what replaces it. A command or a `compose` that names one stops before
-any work with one line saying what to use instead (Hydra alone would only call the key unknown)."""
+"""Settings that no longer exist, each with what replaces it, and overrides that change nothing. A command or a
+`compose` that names one stops before any work with one line saying what to use instead (Hydra alone would only call
+the key unknown, or accept the override and do nothing)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,21 @@ REMOVED = {
 }
 
 
+# Overrides Hydra accepts and that change nothing (a dict override merges into the dict), with what does what they
+# seem to ask. Written without spaces.
+NO_OP = {
+    "eval.prompt_sets={}": "a dict override adds to the prompt sets and never empties them: drop a set with "
+                           "~eval.prompt_sets.NAME, add one with +eval.prompt_sets.NAME={source: ..., limit: ...}",
+}
+
+
 def refuse_removed_settings(overrides: list[str]) -> None:
-    """ConfigError naming the first override of a removed setting, why it is gone and what replaces it."""
+    """ConfigError naming the first override of a removed setting, why it is gone and what replaces it, or of one
+    that changes nothing (NO_OP) and what to write instead."""
     for override in overrides:
         key = override.lstrip("+~").split("=", 1)[0]
         if key in REMOVED:
             raise ConfigError(f"{key}: {ONLINE_IS_RANKS}; instead: {REMOVED[key]}")
+        written = override.lstrip("+").replace(" ", "")
+        if written in NO_OP:
+            raise ConfigError(f"{written}: {NO_OP[written]}")

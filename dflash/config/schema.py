@@ -242,6 +242,11 @@ def _all_greedy(data: Any, run: Any) -> str:
     return "" if data.temperature else "data.temperature is 0 (every answer greedy)"
 
 
+def _greedy_or_none_sampled(data: Any, run: Any) -> str:
+    """Why data.top_p is unused: no answer is sampled."""
+    return _all_greedy(data, run) or _none_sampled(data, run)
+
+
 def _none_sampled(data: Any, run: Any) -> str:
     """Why data.temperature and data.top_p are unused: no answer is sampled (at T = 0 data.sampled_share is the one
     named)."""
@@ -263,7 +268,8 @@ class DataSettings:
     batch_size: int = setting(24, affects=(), doc="answers generated together (each prompt samples its own stream)")
     temperature: float = setting(0.0, affects=("data",), unused=_none_sampled,
                                  doc="0 = greedy answers; > 0 = sampled (with top_p)")
-    top_p: float = setting(1.0, affects=("data",), unused=_none_sampled, doc="nucleus sampling of the answers")
+    top_p: float = setting(1.0, affects=("data",), unused=_greedy_or_none_sampled,
+                           doc="nucleus sampling of the answers")
     sampled_share: float = setting(1.0, affects=("data",), neutral=_answers_unmixed, unused=_all_greedy,
                                    doc="temperature > 0: the share of prompts answered by sampling, the others "
                                        "greedily (chosen by a seeded hash of the prompt id); 1 = all sampled")

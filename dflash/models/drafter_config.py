@@ -111,7 +111,8 @@ class DrafterConfig:
             raise ValueError(f"unknown layer_types {unknown}; known: {list(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
-        if self.sliding_window is not None and self.sliding_window < self.block_size:
+        sliding = "sliding_attention" in self.layer_types  # without such a layer the window is never read
+        if sliding and self.sliding_window < self.block_size:
             # A sliding query must at least see its own anchor, which is up to block_size-1 positions back.
             raise ValueError(f"sliding_window {self.sliding_window} is smaller than block_size {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
