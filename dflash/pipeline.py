@@ -182,9 +182,14 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
     pipeline.train.link = link
     try:
         return pipeline.run()
+    except BaseException as error:
+        if link.trainer_index == 0 and not link.announced():
+            # The other ranks wait for the announcement: they end naming this rank's error, not a symptom of it.
+            link.announce({"failed": f"{type(error).__name__}: {error}"})
+        raise
     finally:
         if link.trainer_index == 0 and not link.announced():
-            link.announce(None)  # no training in this start (stages, up to date, or failed): the capture ranks exit
+            link.announce(None)  # no training in this start (stages, or up to date): the capture ranks exit
 
 
 def remove_hydra_only_dir(run_dir: str) -> None:

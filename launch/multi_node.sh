@@ -36,6 +36,11 @@ run() {  # print a command, then run it unless DRY_RUN=1
   echo "+ $*"
   if [ "${DRY_RUN:-0}" != 1 ]; then "$@"; fi
 }
+if [ "$capture_mode" = online ] && [ "$nnodes" != 1 ]; then
+  # A store per start: torchrun counts restarts per node, so one store kept for every start cannot tell the nodes'
+  # ranks which start's keys are theirs (dflash/extract/rank_link.py, start_prefix).
+  run export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+fi
 rendezvous=(--master_addr "$master" --master_port "${MASTER_PORT:-29500}")
 if [ "$backend" = c10d ]; then
   rendezvous=(--rdzv_backend c10d --rdzv_endpoint "$master:${MASTER_PORT:-29500}")

@@ -100,7 +100,10 @@ def test_dry_run_of_several_nodes_runs_trainer_gpus_plus_capture_ranks_on_each()
     assert "--max-restarts" not in plain and plain.endswith("stages=[train]")
     # The job's last 8 ranks capture (node 1's GPUs): every node runs 8 ranks, restarted after a rank dies, all nodes
     # together (the c10d rendezvous); a static one only when asked for.
-    [last] = torchrun_lines(multi_node(0, *online, "capture.ranks=8"))
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in multi_node(1).stdout
+    launched = multi_node(0, *online, "capture.ranks=8")
+    assert "+ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in launched.stdout  # a store per start (rank_link.py)
+    [last] = torchrun_lines(launched)
     assert last.startswith("+ torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --max-restarts 3 --rdzv_backend "
                            "c10d --rdzv_endpoint nodeA:29500 ")
     [static] = torchrun_lines(multi_node(0, *online, "capture.ranks=8", env={"RDZV_BACKEND": "static"}))

@@ -172,3 +172,17 @@ def test_a_sigkilled_rank_restarts_the_job_which_resumes_exactly(tmp_path, data_
     killed = {"capture": trainers, "trainer": 0}[point]  # the first capture rank's job rank, or trainer rank 0
     assert (run_dir / f"killed-{killed}").exists(), job.stderr[-4000:]
     assert_offline_losses(run_dir, job)
+
+
+def test_trainer_rank_0_failing_before_the_stream_is_the_error_every_rank_names(tmp_path, data_dir):
+    """A refusal on trainer rank 0 after the data stage (capture.cache=true over its budget): it prints its one line,
+    and the other trainer and the capture rank end naming it, not with a symptom of the missing stream (the second
+    trainer read the start of a stream that did not exist: TypeError)."""
+    job = run_job(tmp_path / "run", data_dir, 1, 2, extra=("capture.cache=true", "capture.cache_budget_bytes=1"))
+    assert job.returncode != 0
+    assert "dflash: error: capture.cache=true: one epoch of features takes" in job.stderr
+    # Here job rank 0 holds the store (no torchrun agent), so a rank may find it gone before it reads the reason.
+    for rank in (1, 2):  # the other trainer rank, the capture rank
+        last = Path(f"{tmp_path / 'run'}-console-rank{rank}.err").read_text().strip().splitlines()[-1]
+        assert last.startswith(("RuntimeError: trainer rank 0 stopped before the feature stream started: "
+                                "ConfigError: capture.cache=true", "RuntimeError: the job's store went away")), last

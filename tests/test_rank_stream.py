@@ -290,3 +290,44 @@ def test_the_capture_gpus_must_make_whole_capture_ranks(monkeypatch):
     assert capture_gpus(capture([4, 5, 6, 7], 1, ranks_per_node=2), target) == 2  # a node's capture GPUs
     with pytest.raises(ConfigError, match="capture.devices lists 4 GPU.*capture.ranks=1 .* need 2"):
         capture_gpus(capture([0, 1, 2, 3], 1), target)
+
+
+def test_each_start_of_a_job_takes_store_keys_no_earlier_start_wrote():
+    """torchrun counts restarts per node: on one node the count names the start; on several the job needs a store
+    per start (a fixed prefix is then new), and without one a job that may restart is refused before it opens."""
+    from dflash.config import ConfigError
+    from dflash.extract.rank_link import start_prefix
+
+    assert start_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}, one_node=True) == "dflash/start2"
+    restarting = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert start_prefix({**restarting, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, one_node=False) == "dflash/start"
+    with pytest.raises(ConfigError, match="several nodes with torchrun --max-restarts needs "
+                                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        start_prefix(restarting, one_node=False)
+    assert start_prefix({"TORCHELASTIC_MAX_RESTARTS": "0"}, one_node=False) == "dflash/start0"  # never restarts
+
+
+@pytest.mark.slow
+def test_a_job_on_two_nodes_meets_again_after_a_restart(tmp_path):
+    """Two torchrun agents (two "nodes" of 2 ranks, c10d rendezvous, a store per start as launch/multi_node.sh sets):
+    job rank 0 dies in the first start, torchrun restarts both nodes with restart counts 1 and 0, and every rank of
+    the second start opens its link. With one store for every start the nodes' prefixes differed and the second
+    start hung until capture.timeout_s."""
+    import subprocess
+    import sys
+
+    from tests.test_trainer import free_port, launcher_env
+
+    port, child = free_port(), os.path.join(os.path.dirname(__file__), "rank_link_restart_child.py")
+    env = {**launcher_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                                "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+                                "restart", "--max-restarts", "1", "--monitor-interval", "1", child, str(tmp_path)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), outputs[0][-2000:] + outputs[1][-2000:]
+    counts = {p.name: p.read_text().split() for p in tmp_path.iterdir()}
+    assert sorted(counts) == ["rank0", "rank1", "rank2", "rank3"]
+    # Both starts met on both nodes: node 0 (ranks 0, 1) restarted as the failed node, node 1 kept its count.
+    assert counts["rank0"] == counts["rank1"] == ["0", "1"] and counts["rank2"] == counts["rank3"] == ["0", "0"]

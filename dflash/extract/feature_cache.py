@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.config.errors import ConfigError
 from dflash.extract.sample_format import encode, load
 from dflash.run_files import atomic_write
 
@@ -55,17 +56,17 @@ class FeatureCache:
 
 
 def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, free_bytes: int) -> bool:
-    """Whether to keep the first epoch: mode "true" (must fit, else ValueError), "false", or "auto" (if it fits).
+    """Whether to keep the first epoch: mode "true" (must fit, else ConfigError), "false", or "auto" (if it fits).
 
     It fits when the estimate is within `budget_bytes` (None: no budget of its own) and within `free_bytes`, the
     disk room the cache may use (cache_room).
     """
     if mode not in ("auto", "true", "false"):
-        raise ValueError(f"capture.cache={mode!r}: expected auto, true or false")
+        raise ConfigError(f"capture.cache={mode!r}: expected auto, true or false")
     room = free_bytes if budget_bytes is None else min(int(budget_bytes), free_bytes)
     fits = estimated_bytes <= room
     if mode == "true" and not fits:
-        raise ValueError(f"capture.cache=true: one epoch of features takes {estimated_bytes / 2**30:.2f} GiB, more "
+        raise ConfigError(f"capture.cache=true: one epoch of features takes {estimated_bytes / 2**30:.2f} GiB, more "
                          f"than the {room / 2**30:.2f} GiB the cache may use (its budget; the free disk less a "
                          "margin for checkpoints)")
     return mode == "true" or (mode == "auto" and fits)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -145,7 +146,8 @@ class RankLink:
         return f"trainer rank {trainer}" + (f" (job rank {rank})" if trainer != rank else "")
 
     def announce(self, start: dict | None) -> None:
-        """Trainer rank 0: what the capture ranks stream (None: nothing, they exit)."""
+        """Trainer rank 0: what the capture ranks stream (None: nothing, they exit; {"failed": its error}: trainer
+        rank 0 stopped before the stream, see `stream_start`)."""
         self.store.set(START_KEY, json.dumps(start))
 
     def announced(self) -> bool:
@@ -157,6 +159,21 @@ class RankLink:
         while not self.announced():
             time.sleep(_START_POLL_S)
         return json.loads(self.store.get(START_KEY))
+
+    def stream_start(self) -> dict | None:
+        """wait_start, or None where there is no stream. RuntimeError naming trainer rank 0's error when it
+        stopped before the stream started: the ranks waiting for it end with the cause, not a symptom of it."""
+        try:
+            start = self.wait_start()
+        except dist.DistNetworkError as error:
+            # Where torchrun does not hold the store (a store per start, launch/multi_node.sh), job rank 0 does,
+            # and a trainer rank 0 that stopped may take it with it before the others read why.
+            raise RuntimeError(f"the job's store went away while waiting for trainer rank 0 to start the feature "
+                               f"stream: it most likely stopped, and its output has the error ({error})") from error
+        if isinstance(start, dict) and "failed" in start:
+            raise RuntimeError(f"trainer rank 0 stopped before the feature stream started: {start['failed']} "
+                               f"(its own output has the whole error)")
+        return start
 
     def post_stats(self, stats: dict) -> None:
         self.store.set(f"dflash/online/stats/{self.capture_index}", json.dumps(stats))
@@ -178,10 +195,10 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_c
                                         local_rank, capture_ranks, ranks_per_node)
     devices = rank_devices(device_name, local_rank, local_trainers, gpus_per_capture)
     device = devices[0]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = start_prefix(os.environ, one_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-    # torchrun keeps its store across the restarts of a job: each start uses keys of its own, or the groups would
-    # meet the addresses of the ranks of an earlier start.
-    store = dist.PrefixStore(f"dflash/start{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    store = dist.PrefixStore(prefix, store)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
@@ -198,6 +215,28 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_c
             "dflash/trainers", store), rank=link.trainer_index, world_size=link.trainers,
             timeout=timedelta(minutes=240), device_id=device if device.type == "cuda" else None)
     return link
+
+
+# What lets torchrun give each start of a job a store of its own (a free port per rendezvous round).
+FRESH_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def start_prefix(env: Mapping[str, str], *, one_node: bool) -> str:
+    """The store prefix of this start of the job: keys no earlier start wrote, or the groups would meet the addresses
+    of an earlier start's ranks.
+
+    By default torchrun keeps one store across the restarts of a job, so each start takes keys of its own, by
+    TORCHELASTIC_RESTART_COUNT. That count is each node's agent's own: a restart raises it only on the node whose
+    rank failed, so on several nodes the starts would not meet. There the job needs a store per start (FRESH_STORE=1,
+    which launch/multi_node.sh sets), and any fixed prefix is new; without it a job that may restart is refused
+    (ConfigError) before it opens anything."""
+    if env.get(FRESH_STORE) == "1":
+        return "dflash/start"
+    if not one_node and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ConfigError(f"capture=online on several nodes with torchrun --max-restarts needs {FRESH_STORE}=1 in "
+                          f"every node's environment (launch/multi_node.sh sets it): torchrun counts restarts per "
+                          f"node, so after a restart the nodes' ranks would not find each other")
+    return f"dflash/start{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def job_layout(world_size: int, rank: int, local_rank: int, capture_ranks: int,

@@ -42,7 +42,7 @@ def _stream(context: RunContext, link: RankLink) -> None:
     from dflash.train.rank_capture import check_same_plan
 
     target = context.target  # loaded while the trainers prepare the data
-    start = link.wait_start()
+    start = link.stream_start()
     if start is None:
         logger.info(f"[online] capture rank {link.rank}: nothing to stream", extra=EVERY_RANK)
         return

@@ -86,7 +86,9 @@ class RankCapture:
             self.link.announce({"data": info["data"], "layer_ids": info["target_layer_ids"],
                                 "epochs": 1 if cache["cache"] else settings.epochs, "first_step": first_step,
                                 "cache": cache, "plan": plan_fields(plan)})
-        start = self.link.wait_start()
+        start = self.link.stream_start()
+        if start is None:
+            raise RuntimeError("trainer rank 0 announced no feature stream while this trainer rank trains")
         stream = UnitStream(plan, settings.epochs)
         cache = FeatureCache(start["cache"]["dir"]) if start["cache"]["cache"] else None
         logger.info(f"[online] {self.link.captures} capture rank(s) stream to {world_size} trainer rank(s) from step "
