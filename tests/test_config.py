@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import re
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import typing
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from dflash.config import ConfigError, compose, fingerprints, settings_from
 from dflash.config import schema
@@ -495,13 +496,43 @@ def test_the_shipped_experiments_give_no_ignored_settings():
         assert settings_from(compose([f"+experiment={name}"])).ignored() == []
 
 
-@pytest.mark.parametrize("override,key", [("train.lerning_rate=1e-3", "train.lerning_rate"),
-                                          ("train.lr=fast", "train.lr"), ("capture=streaming", "capture"),
-                                          ("capture.shard_tokns=1", "capture.shard_tokns")])
-def test_unknown_keys_types_and_options_stop_the_composition(override, key):
+@pytest.mark.parametrize("override,key", [("train.lr=fast", "train.lr"), ("capture=streaming", "capture")])
+def test_bad_types_and_options_stop_the_composition(override, key):
     with pytest.raises(ConfigCompositionException) as error:
         compose(["+experiment=tiny", override])
     assert key in str(error.value) or key in str(error.value.__cause__)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lerning_rate=1e-3", "train.lerning_rate: no such setting; `python -m dflash.train --help` lists"),
+    ("+train.lrr=0.1", "train.lrr: no such setting (did you mean train.lr?)"),  # Hydra appended it without a word
+    ("capture.shard_tokns=1", "capture.shard_tokns: no such setting (did you mean capture.shard_tokens?)"),
+    ("capture=online capture.timeout_ss=3", "capture.timeout_ss: no such setting (did you mean capture.timeout_s?)"),
+    ("trian.lr=1", "trian: no such setting (did you mean train?)"),
+])
+def test_a_key_that_names_no_setting_is_refused_with_the_nearest_one(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose(["+experiment=tiny", *override.split()])
+
+
+def test_free_form_settings_take_new_keys_and_a_composed_config_is_checked_too():
+    compose(["+experiment=tiny", "+eval.chat_template_kwargs.enable_thinking=false", "target.tiny.seed=3",
+             "+eval.prompt_sets.mine={source: gsm8k}", "hydra.run.dir=/tmp/x"])
+    cfg = compose(["+experiment=tiny"])
+    with open_dict(cfg.train):
+        cfg.train.lrr = 0.1  # what an experiment file or a Hydra append can bring in
+    with pytest.raises(ConfigError, match=re.escape("train.lrr: no such setting (did you mean train.lr?)")):
+        settings_from(cfg)
+
+
+def test_a_key_that_names_no_setting_ends_the_command_with_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", f"run_dir={tmp_path / 'run'}",
+                           "train.lrr=0.1"], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("dflash: error: train.lrr: no such setting (did you mean train.lr?)")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_bad_setting_ends_the_command_with_one_line_and_no_run_folder(tmp_path):

@@ -11,6 +11,7 @@ from dflash.config.errors import ConfigError
 from dflash.config.removed import refuse_removed_settings
 from dflash.config.schema import RunSettings
 from dflash.config.store import register
+from dflash.config.unknown_keys import refuse_unknown_override_keys, refuse_unknown_settings
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 
@@ -20,6 +21,7 @@ register()
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
     """The config `python -m dflash.train <overrides>` would run with (ConfigError for a removed setting)."""
     refuse_removed_settings(list(overrides or []))
+    refuse_unknown_override_keys(list(overrides or []))
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -30,6 +32,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
 def settings_from(cfg: DictConfig) -> RunSettings:
     """The composed config as checked RunSettings: every group's ranges, choices and combinations are checked
     here (ConfigError naming the key), before any stage starts."""
+    refuse_unknown_settings(cfg)
     return OmegaConf.to_object(cfg)
 
 

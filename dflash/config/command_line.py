@@ -15,6 +15,7 @@ import sys
 
 from dflash.config.errors import ConfigError
 from dflash.config.removed import refuse_removed_settings
+from dflash.config.unknown_keys import refuse_unknown_override_keys
 
 GPU_DEFAULT = "+experiment=smollm2_quick"
 # Keys whose presence means the user chose what to run: the GPU default would override their choice.
@@ -67,6 +68,7 @@ def command_arguments(argv: list[str]) -> list[str]:
     kept = strip_local_rank(argv)
     try:
         refuse_removed_settings(kept)
+        refuse_unknown_override_keys(kept)
     except ConfigError as error:
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

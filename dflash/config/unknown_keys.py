@@ -1,0 +1,82 @@
+"""Keys that name no setting, refused in one line with the nearest setting's name: in a command's overrides (before
+Hydra, whose own error for `train.lrr=0.1` takes eight lines) and in a composed config (Hydra adds `+train.lrr=0.1`
+without a word, and the run would go on without the learning rate its user meant to set)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.config.errors import ConfigError
+from dflash.config.schema import RunSettings
+
+# First parts of override keys that are not settings: Hydra's own, and the experiment group an override selects.
+NOT_SETTINGS = ("hydra", "experiment")
+
+
+def settings_fields(cls: type) -> dict[str, Any]:
+    """Field name -> type of a settings dataclass and of its subclasses (the capture modes add fields of their
+    own), with Optional[...] unwrapped."""
+    found: dict[str, Any] = {}
+    for klass in (cls, *cls.__subclasses__()):
+        for name, hint in typing.get_type_hints(klass).items():
+            if name in {f.name for f in dataclasses.fields(klass)}:
+                args = [a for a in typing.get_args(hint) if a is not type(None)]
+                found[name] = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+    return found
+
+
+def unknown_key_problem(key: str) -> str | None:
+    """Why the dotted `key` of an override names no setting (with the nearest one), or None when it names one (or
+    lies below a free-form field such as eval.prompt_sets or target.tiny, or is not a setting at all)."""
+    parts = key.split(".")
+    if parts[0] in NOT_SETTINGS or any(c in key for c in "@/"):
+        return None
+    cls: Any = RunSettings
+    for depth, part in enumerate(parts):
+        fields = settings_fields(cls)
+        if part not in fields:
+            return _no_such(".".join(parts[:depth + 1]), ".".join(parts[:depth]), fields)
+        cls = fields[part]
+        if not dataclasses.is_dataclass(cls):
+            return None  # a value, or a free-form mapping whose keys the schema checks itself
+    return None
+
+
+def refuse_unknown_override_keys(overrides: list[str]) -> None:
+    """ConfigError naming the first override whose key names no setting. Hydra's flags and their values (`--cfg
+    job`) are not overrides: an override sets (`key=value`) or deletes (`~key`)."""
+    for override in overrides:
+        if override.startswith("-") or ("=" not in override and not override.startswith("~")):
+            continue
+        problem = unknown_key_problem(override.lstrip("+~").split("=", 1)[0])
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def refuse_unknown_settings(cfg: DictConfig) -> None:
+    """ConfigError naming the first key of the composed config that no setting of its group has."""
+    _walk(cfg, "")
+
+
+def _walk(node: DictConfig, prefix: str) -> None:
+    cls = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(cls):
+        return
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in node.keys():
+        if key not in fields:
+            raise ConfigError(_no_such(f"{prefix}{key}", prefix.rstrip("."), settings_fields(cls)))
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _walk(child, f"{prefix}{key}.")
+
+
+def _no_such(key: str, group: str, fields: dict[str, Any]) -> str:
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(fields), n=1)
+    hint = f" (did you mean {group + '.' if group else ''}{near[0]}?)" if near else ""
+    return f"{key}: no such setting{hint}; `python -m dflash.train --help` lists the groups, docs/config.md every key"
