@@ -81,3 +81,25 @@ def test_the_next_command_is_quoted_for_a_shell(tmp_path, monkeypatch):
     assert shlex.split(command) == ["python", "-m", "dflash.eval", "name=tiny", "drafter.target_layer_ids=[1,3]",
                                     "eval.mode=live", "eval.out_dir=my runs/run/eval_live"]
     assert "'drafter.target_layer_ids=[1,3]'" in command
+
+
+def test_evaluating_a_run_folder_that_does_not_exist_names_it_and_the_runs_beside_it(tmp_path, monkeypatch):
+    """A misspelt name= was blamed on unfinished training, and the command left an empty run folder behind."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from dflash.config.errors import NothingToEvaluate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "good").mkdir(parents=True)
+    (tmp_path / "runs" / "good" / "config.yaml").write_text("")
+    with pytest.raises(NothingToEvaluate, match=r"no run folder runs/godo to evaluate \(runs in runs: good\)"):
+        Pipeline(compose(["+experiment=tiny", "run_dir=runs/godo", "stages=[eval]"])).run()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run([sys.executable, "-m", "dflash.eval", "+experiment=tiny", "run_dir=runs/godo"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("dflash: error: no run folder runs/godo to evaluate")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["good"]  # nothing left behind

@@ -255,7 +255,6 @@ def test_neutral_values_leave_a_field_out():
 
 # (key, a change of it, overrides of the tiny experiment where the run does not use it, where it does)
 UNUSED = [
-    ("target.path", "target.path=/models/other", [], ["target=hf", "target.path=/models/x"]),
     ("target.tiny", "target.tiny.seed=9", ["target.kind=smollm2"], []),
     ("drafter.num_taps", "drafter.num_taps=3", ["drafter.target_layer_ids=[0,1]"], []),
     ("drafter.sliding_window", "drafter.sliding_window=64", ["drafter.layer_types=null"], []),
@@ -406,6 +405,8 @@ BAD = [
     ("stages=[train,serve]", "unknown stages ['serve']"),
     ("device=tpu", "device='tpu': expected auto, cpu or cuda[:N]"),
     ("device=cuda:x", "device='cuda:x': expected auto, cpu or cuda[:N]"),
+    ("target.path=/does/not/exist", "target.path='/does/not/exist': only target=hf reads a path (this target is "
+                                    "tiny): add target=hf to run that checkpoint"),
     ("eval.prompt_sets={}", r"eval.prompt_sets={}: a dict override adds to the prompt sets and never empties them"),
     ("+eval.prompt_sets={}", r"eval.prompt_sets={}: a dict override adds"),
     ("target.mask_token_id=-1", "target.mask_token_id=-1"),
@@ -462,7 +463,6 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,warning", [
-    (["target.path=/does/not/exist"], "target.path='/does/not/exist' is ignored: only target.kind=hf reads it"),
     (["capture=colocated", "capture.shard_tokens=400"], "capture.shard_tokens=400 is ignored: only capture=offline"),
     (["capture=colocated", "capture.devices=[0,1]"], "capture.devices=[0, 1] is ignored: capture=colocated runs"),
     (["eval.seed=3"], "eval.seed=3 is ignored: only eval.mode=live uses it"),
@@ -509,10 +509,12 @@ def test_bad_types_and_options_stop_the_composition(override, key):
     ("capture.shard_tokns=1", "capture.shard_tokns: no such setting (did you mean capture.shard_tokens?)"),
     ("capture=online capture.timeout_ss=3", "capture.timeout_ss: no such setting (did you mean capture.timeout_s?)"),
     ("trian.lr=1", "trian: no such setting (did you mean train?)"),
+    ("+experiment=tyni", "+experiment=tyni: no such experiment (conf/experiment/ holds qwen36, smollm2, "
+                         "smollm2_quick, tiny)"),
 ])
 def test_a_key_that_names_no_setting_is_refused_with_the_nearest_one(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        compose(["+experiment=tiny", *override.split()])
+        compose(([] if "experiment" in override else ["+experiment=tiny"]) + override.split())
 
 
 def test_free_form_settings_take_new_keys_and_a_composed_config_is_checked_too():

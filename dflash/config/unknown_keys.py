@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from typing import Any
 
@@ -47,15 +48,26 @@ def unknown_key_problem(key: str) -> str | None:
     return None
 
 
-def refuse_unknown_override_keys(overrides: list[str]) -> None:
-    """ConfigError naming the first override whose key names no setting. Hydra's flags and their values (`--cfg
-    job`) are not overrides: an override sets (`key=value`) or deletes (`~key`)."""
+def refuse_unknown_override_keys(overrides: list[str], config_dir: str) -> None:
+    """ConfigError naming the first override whose key names no setting, or that selects an experiment
+    `config_dir`/experiment/ does not hold. Hydra's flags and their values (`--cfg job`) are not overrides: an
+    override sets (`key=value`) or deletes (`~key`)."""
     for override in overrides:
         if override.startswith("-") or ("=" not in override and not override.startswith("~")):
             continue
-        problem = unknown_key_problem(override.lstrip("+~").split("=", 1)[0])
+        key, _, value = override.lstrip("+~").partition("=")
+        problem = unknown_key_problem(key) if key != "experiment" else unknown_experiment_problem(value, config_dir)
         if problem is not None:
             raise ConfigError(problem)
+
+
+def unknown_experiment_problem(name: str, config_dir: str) -> str | None:
+    """Why `+experiment=name` selects nothing (Hydra's own error names its config 'train' and its search path)."""
+    folder = os.path.join(config_dir, "experiment")
+    known = sorted(f[: -len(".yaml")] for f in os.listdir(folder) if f.endswith(".yaml"))
+    if not name or name in known:
+        return None
+    return f"+experiment={name}: no such experiment (conf/experiment/ holds {', '.join(known)})"
 
 
 def refuse_unknown_settings(cfg: DictConfig) -> None:

@@ -33,9 +33,25 @@ class EvalStage(Stage):
         self.summary: dict[str, Any] | None = None  # what the evaluation measured (summary.json), once it ran
 
     def preflight(self, selected: bool) -> None:
-        """Selected: every prompt set must be readable (rank 0, which alone reads them)."""
+        """Selected: every prompt set must be readable (rank 0, which alone reads them), and a command that trains
+        nothing needs a run folder to evaluate."""
         if selected and self.context.rank == 0:
+            self.refuse_missing_run_folder()
             refuse_unreadable_prompts(eval_prompt_files(self.context.settings))
+
+    def refuse_missing_run_folder(self) -> None:
+        """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a
+        drafter and the folder does not exist (a misspelt name=): before the command writes its logs there."""
+        run = self.context
+        if set(run.settings.stages) & {"data", "capture", "train", "export"} or os.path.isdir(run.dirs["export"]) \
+                or os.path.isdir(run.dirs["checkpoints"]):
+            return
+        parent = os.path.dirname(run.run_dir)
+        runs = sorted(name for name in (os.listdir(parent) if os.path.isdir(parent) else [])
+                      if os.path.isfile(os.path.join(parent, name, "config.yaml")))
+        beside = f"runs in {shown(parent)}: {', '.join(runs)}" if runs else f"no run in {shown(parent)}"
+        raise NothingToEvaluate(f"no run folder {shown(run.run_dir)} to evaluate ({beside}): name one with name=... "
+                                f"or run_dir=..., or train it first with python -m dflash.train")
 
     def describe(self) -> str:
         e = self.context.settings.eval
