@@ -73,7 +73,7 @@ def run_job(run_dir: Path, data_dir: Path, captures: int, trainers: int, point: 
     launches = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
          "--nproc_per_node", str((captures + trainers) // nodes), "--master_addr", "127.0.0.1", "--master_port",
-         str(port), "--max-restarts", "1", str(CHILD), point, *overrides],
+         str(port), "--max-restarts", "0" if point == "none" else "1", str(CHILD), point, *overrides],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(nodes)]
     outputs = [launch.communicate(timeout=400) for launch in launches]
     return subprocess.CompletedProcess(

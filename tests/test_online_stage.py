@@ -112,7 +112,8 @@ def announce_and_stream(tmp_path, monkeypatch, trainers: list[str], capture_rank
     t, block_size = settings.train, settings.drafter.block_size
     lengths = grouping_keys(dataset, t.group_by, t.num_anchors, block_size).tolist() if t.group_by_length else None
     announced = []
-    trainer_link = SimpleNamespace(announce=announced.append, wait_start=lambda: announced[-1], captures=1)
+    trainer_link = SimpleNamespace(announce=announced.append, wait_start=lambda: announced[-1],
+                                   stream_start=lambda: announced[-1], captures=1)
     monkeypatch.setattr(rank_capture, "LinkedFeatureSource", lambda link, stream, *args: stream)
     trainer = RankCapture(trainer_link, settings.capture, str(features), str(checkpoints), str(tmp_path / "run"))
     stream = trainer.source(t, 0, 1, lengths)
@@ -132,7 +133,7 @@ def announce_and_stream(tmp_path, monkeypatch, trainers: list[str], capture_rank
 
     monkeypatch.setattr(capture_sender, "CaptureSender", Sender)
     link = SimpleNamespace(rank=1, trainers=1, devices=[torch.device("cpu")], wait_start=lambda: announced[-1],
-                           post_stats=posted.append)
+                           stream_start=lambda: announced[-1], post_stats=posted.append)
     capture_role._stream(RunContext(compose(base + capture_rank)), link)
     return stream.plan, sent, posted
 

@@ -217,7 +217,7 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_c
     return link
 
 
-# What lets torchrun give each start of a job a store of its own (a free port per rendezvous round).
+# What makes torchrun give each start of a job a store of its own (made by job rank 0 on a free port), with c10d.
 FRESH_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
@@ -225,17 +225,19 @@ def start_prefix(env: Mapping[str, str], *, one_node: bool) -> str:
     """The store prefix of this start of the job: keys no earlier start wrote, or the groups would meet the addresses
     of an earlier start's ranks.
 
-    By default torchrun keeps one store across the restarts of a job, so each start takes keys of its own, by
-    TORCHELASTIC_RESTART_COUNT. That count is each node's agent's own: a restart raises it only on the node whose
-    rank failed, so on several nodes the starts would not meet. There the job needs a store per start (FRESH_STORE=1,
-    which launch/multi_node.sh sets), and any fixed prefix is new; without it a job that may restart is refused
-    (ConfigError) before it opens anything."""
-    if env.get(FRESH_STORE) == "1":
+    Where the ranks share torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True: the default), it outlives the
+    job's starts, so each start takes keys of its own, by TORCHELASTIC_RESTART_COUNT. That count is each node's
+    agent's own: a restart raises it only on the node whose rank failed, so on several nodes the starts would not
+    meet, and a job there that may restart is refused (ConfigError) before it opens anything; it needs a store per
+    start (FRESH_STORE=1 with the c10d rendezvous, which launch/multi_node.sh sets). A store of the ranks' own is new
+    at every start, and any fixed prefix is free."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return "dflash/start"
     if not one_node and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        raise ConfigError(f"capture=online on several nodes with torchrun --max-restarts needs {FRESH_STORE}=1 in "
-                          f"every node's environment (launch/multi_node.sh sets it): torchrun counts restarts per "
-                          f"node, so after a restart the nodes' ranks would not find each other")
+        raise ConfigError(f"capture=online on several nodes with torchrun --max-restarts needs a store per start: "
+                          f"the c10d rendezvous with {FRESH_STORE}=1 in every node's environment (launch/multi_node.sh "
+                          f"sets both), or --max-restarts 0. torchrun counts restarts per node, so after a restart the "
+                          f"nodes' ranks would not find each other in the store they share")
     return f"dflash/start{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
