@@ -12,7 +12,8 @@
 #        run_dir=/shared/runs/qwen36                                    # node R of 2: 6 trainers + 2 capture ranks
 # The rendezvous is at MASTER_ADDR:MASTER_PORT (29500): torchrun's c10d one (RDZV_BACKEND=c10d, launch/slurm.sbatch) or
 # a static one (RDZV_BACKEND=static). capture=online on several nodes takes c10d unless told otherwise: its restarts
-# need every node's agent to restart together, which only the c10d rendezvous tells the healthy nodes to do.
+# need every node's agent to restart together, which only the c10d rendezvous tells the healthy nodes to do (with a
+# static one it runs without restarts).
 # DRY_RUN=1 prints the command without running it.
 set -euo pipefail
 nnodes=$1 node_rank=$2 master=$3; shift 3
@@ -37,9 +38,13 @@ run() {  # print a command, then run it unless DRY_RUN=1
   if [ "${DRY_RUN:-0}" != 1 ]; then "$@"; fi
 }
 if [ "$capture_mode" = online ] && [ "$nnodes" != 1 ]; then
-  # A store per start: torchrun counts restarts per node, so one store kept for every start cannot tell the nodes'
-  # ranks which start's keys are theirs (dflash/extract/rank_link.py, start_prefix).
-  run export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  if [ "$backend" = c10d ]; then
+    # A store per start: torchrun counts restarts per node, so one store kept for every start cannot tell the nodes'
+    # ranks which start's keys are theirs (dflash/extract/rank_link.py, start_prefix).
+    run export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  else
+    restarts=()  # a static rendezvous never restarts the healthy nodes: a restart could not meet them
+  fi
 fi
 rendezvous=(--master_addr "$master" --master_port "${MASTER_PORT:-29500}")
 if [ "$backend" = c10d ]; then

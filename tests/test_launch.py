@@ -108,6 +108,7 @@ def test_dry_run_of_several_nodes_runs_trainer_gpus_plus_capture_ranks_on_each()
                            "c10d --rdzv_endpoint nodeA:29500 ")
     [static] = torchrun_lines(multi_node(0, *online, "capture.ranks=8", env={"RDZV_BACKEND": "static"}))
     assert "--master_addr nodeA --master_port 29500 " in static and "--rdzv_backend" not in static
+    assert "--max-restarts" not in static  # its healthy nodes would never restart: no restart at all
     # Every node's last 2 ranks capture on 2 GPUs each: 4 trainer GPUs + 2 capture ranks a node.
     [every] = torchrun_lines(multi_node(1, *online, "capture.ranks_per_node=2", "capture.gpus_per_worker=2"))
     assert every.startswith("+ torchrun --nnodes 2 --node_rank 1 --nproc_per_node 6 --max-restarts 3 ")
