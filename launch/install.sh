@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install dflash and the real assets it runs on, into the active Python environment (about 2.5 minutes in a fresh one,
+# Install dflash and the real assets it runs on, into the active Python environment (about 2 minutes in a fresh one,
 # most of it step 2). pip shows what it collects, downloads and builds as it goes.
 # torch is pinned in the SAME pip command as the rest, so pip never swaps it for another build.
 set -euo pipefail
