@@ -58,11 +58,19 @@ class TrainStage(Stage):
         """The checkpoint fingerprint and the rank count; for a training of these settings finished on another rank
         count, the one it finished with: a rerun on other ranks keeps that drafter instead of resuming it in
         another global batch (which resume_tag refuses)."""
+        return self.finished_fingerprint() or self.launch_fingerprint()
+
+    def launch_fingerprint(self) -> str:
+        return fingerprint(self.checkpoint_fingerprint(), self.context.world_size)
+
+    def finished_fingerprint(self) -> str | None:
+        """The done marker's fingerprint where a training of these settings finished (on any rank count), else
+        None."""
         done = read_json_or_none(os.path.join(self.out, "done.json"))
         if isinstance(done, dict) and done.get("checkpoint") == self.checkpoint_fingerprint() \
                 and isinstance(done.get("fingerprint"), str):
             return done["fingerprint"]
-        return fingerprint(self.checkpoint_fingerprint(), self.context.world_size)
+        return None
 
     def preflight(self, selected: bool) -> None:
         """Any command: the run folder must not hold a drafter of other settings (dflash/stages/guard.py). Selected:
@@ -86,9 +94,7 @@ class TrainStage(Stage):
         from dflash.run_files import claimed_key
         from dflash.train.checkpoints import complete_tags, saved_layout
 
-        done = read_json_or_none(os.path.join(self.out, "done.json"))
-        finished = isinstance(done, dict) and done.get("checkpoint") == self.checkpoint_fingerprint()
-        if finished or claimed_key(self.checkpoints) != self.checkpoint_fingerprint():
+        if self.finished_fingerprint() or claimed_key(self.checkpoints) != self.checkpoint_fingerprint():
             return  # kept as it is, or another training's checkpoints, which the claim moves aside
         tags = complete_tags(self.checkpoints)  # the newest is what a resume loads, unless it fails to verify
         tag = tags[-1][1] if tags else None
@@ -131,8 +137,7 @@ class TrainStage(Stage):
             f"{self.checkpoints} aside to train again")
 
     def kept(self) -> None:
-        if self.context.rank == 0 and self.fingerprint() != fingerprint(self.checkpoint_fingerprint(),
-                                                                         self.context.world_size):
+        if self.context.rank == 0 and self.fingerprint() != self.launch_fingerprint():
             logger.info(f"[train] kept: these settings' drafter was trained on another number of ranks than this "
                         f"launch's {self.context.world_size}")
 
