@@ -411,6 +411,11 @@ BAD = [
     ("+eval.prompt_sets={}", r"eval.prompt_sets={}: a dict override adds"),
     ("target.mask_token_id=-1", "target.mask_token_id=-1"),
     ("train.eval_every=5", "train.eval_every=5 replays held-out prompts while training; set data.heldout"),
+    ("train.attention=flex", "train.attention=flex trains only on CUDA (torch has no FlexAttention backward on CPU) "
+                             "and this run trains on the CPU (device=cpu): set train.attention=auto or sdpa"),
+    ("train.heldout_max_new_tokens=1", "train.heldout_max_new_tokens=1: expected an int >= 2"),
+    ("data.max_new_tokens=1 data.heldout=2", "data.max_new_tokens=1: expected an int >= 2 with data.heldout=2"),
+    ("data.max_new_tokens=1 data.heldout=2 train.heldout_max_new_tokens=8", "data.max_new_tokens=1: expected"),
 ]
 
 
@@ -460,6 +465,20 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     assert message in str(error.value)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_flex_attention_is_refused_only_where_the_train_stage_would_run_on_the_cpu(monkeypatch):
+    import torch
+
+    def check(has_gpu: bool, *overrides: str) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: has_gpu)
+        settings_from(compose(["+experiment=tiny", "train.attention=flex", *overrides]))
+
+    with pytest.raises(ConfigError, match=re.escape("trains on the CPU (device=auto finds no GPU here)")):
+        check(False, "device=auto")
+    check(True, "device=auto")
+    check(False, "device=cuda:1")
+    check(False, "stages=[eval]")  # evaluating a drafter trained with flex elsewhere
 
 
 @pytest.mark.parametrize("overrides,warning", [

@@ -542,7 +542,9 @@ class TrainSettings:
             require(self.max_steps >= 1, "train.max_steps", self.max_steps, "an int >= 1, or null for all epochs")
         if self.max_minutes is not None:
             _positive("train.max_minutes", self.max_minutes)
-        _optional_positive("train.heldout_max_new_tokens", self.heldout_max_new_tokens)
+        if self.heldout_max_new_tokens is not None:
+            require(self.heldout_max_new_tokens >= 2, "train.heldout_max_new_tokens", self.heldout_max_new_tokens,
+                    "an int >= 2 (the first token comes from the prefill: one token makes no draft step), or null")
         best_by_temperature(self.best_by)
         if self.peak_tflops is not None and self.peak_tflops != "auto":
             require(isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0, "train.peak_tflops",
@@ -789,6 +791,14 @@ class RunSettings:
         if self.train.eval_every and not self.data.heldout:
             raise ConfigError(f"train.eval_every={self.train.eval_every} replays held-out prompts while training; "
                               f"set data.heldout (how many prompts to keep out of training) or train.eval_every=0")
+        if self.data.heldout and self.data.max_new_tokens < 2:
+            raise ConfigError(f"data.max_new_tokens={self.data.max_new_tokens}: expected an int >= 2 with data.heldout="
+                              f"{self.data.heldout} (the held-out replay drafts after an answer's first token), or "
+                              f"data.heldout=0")
+        if self.train.attention == "flex" and "train" in self.stages and not _is_cuda(self.device):
+            where = "device=auto finds no GPU here" if self.device == "auto" else f"device={self.device}"
+            raise ConfigError(f"train.attention=flex trains only on CUDA (torch has no FlexAttention backward on CPU) "
+                              f"and this run trains on the CPU ({where}): set train.attention=auto or sdpa")
         if self.target.kind == "hf":
             problem = target_path_problem(self.target.path)
             if problem is not None:
@@ -802,6 +812,16 @@ class RunSettings:
         why."""
         return [f"{key}={value!r} is ignored: {why}" for key, value, stand_in, why in unused_settings(self)
                 if value != stand_in]
+
+
+def _is_cuda(device: str) -> bool:
+    """Whether setting `device` (checked: auto, cpu or cuda[:N]) is a CUDA device here; auto is when one is
+    available, as the stages resolve it (dflash/stages/context.py)."""
+    if device != "auto":
+        return device.startswith("cuda")
+    import torch  # only here: composing and checking a config otherwise never loads torch
+
+    return torch.cuda.is_available()
 
 
 def unused_settings(run: RunSettings) -> list[tuple[str, Any, Any, str]]:

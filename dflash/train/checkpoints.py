@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from dflash.config.errors import CorruptFile
 from dflash.run_files import (atomic_path, checksum_problem, from_rank0, fsync_tree, swap_in_dir, write_checksums,
                               write_text)
 from dflash.train.best_checkpoint import read_best
@@ -189,7 +190,7 @@ def verified_latest_tag(directory: str) -> str | None:
     """The newest complete tag whose files verify, starting from the one `latest` names; a corrupt tag is named in
     a warning and the one before it is tried. `latest` naming a tag that is not complete (a kill while that step
     was saved again after a resume from an older tag), or missing beside complete tags, is named in a warning and
-    the complete tags are tried, newest first. ValueError naming each tag when none verifies; None when there is
+    the complete tags are tried, newest first. CorruptFile naming each tag when none verifies; None when there is
     no complete checkpoint."""
     tags = [t for _, t in reversed(complete_tags(directory))]
     try:
@@ -213,8 +214,8 @@ def verified_latest_tag(directory: str) -> str | None:
                 logger.warning(f"[train] warning: {'; '.join(problems)}; resuming from {candidate} instead")
             return candidate
         problems.append(f"checkpoint {os.path.join(directory, candidate)} is corrupt: {problem}")
-    raise ValueError(f"no checkpoint in {directory} verifies: {'; '.join(problems)}. Move the folder aside to train "
-                     f"from the start, or restore its files")
+    raise CorruptFile(f"no checkpoint in {directory} verifies: {'; '.join(problems)}. Restore its files from a copy, "
+                      f"or move {directory} aside to train from the start")
 
 
 def saved_layout(directory: str, tag: str) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from dflash.train.objective import block_target_hidden, loss_normaliser, target_
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
 from dflash.train.step_profile import StepProfiler, profile_path
 from dflash.train.step_records import StepRecords
-from dflash.train.stop_signal import StopSignal, TrainingStopped
+from dflash.train.stop_signal import StopSignal
 from dflash.train.time_budget import TimeBudget
 
 logger = logging.getLogger(__name__)
@@ -280,6 +280,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
                           steps_per_epoch=plan.steps_per_epoch, peak_tflops=peak_tflops, world_size=world_size,
                           budgeted=pace.budget is not None, entered=entered, announce=rank == 0, clock=clock)
     with StopSignal() as stop, contextlib.ExitStack() as cleanup:  # a SIGTERM: finish the step, save it, stop
+        cleanup.callback(progress.close)
         cleanup.callback(lambda: profiler.close(step))  # however the loop ends, the profiler stops here
         while step < total_steps:
             profiler.before_step(step + 1)
@@ -306,7 +307,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
                 divergence.check_weights(engine, step)  # no checkpoint with a non-finite weight
                 checkpoints.save(engine, step, pace.budget)
             if stopping:
-                progress.close()
-                raise TrainingStopped(step, stop.received or "a signal on another rank")
-    progress.close()
+                raise stop.stopped(step)
+        if stop.requested(device):  # received while the last step was saved: that step is kept, export is not run
+            raise stop.stopped(step)
     return engine.consolidated_state_dict()

@@ -59,3 +59,7 @@ class StopSignal:
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def stopped(self, step: int) -> TrainingStopped:
+        """The error that ends training after the checkpoint of `step`, naming the signal this rank received."""
+        return TrainingStopped(step, self.received or "a signal on another rank")

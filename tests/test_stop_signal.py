@@ -1,0 +1,64 @@
+"""A stop signal (dflash/train/stop_signal.py) that arrives while the last step's checkpoint is saved still stops
+training: that step is kept and the run ends with TrainingStopped, on every rank, instead of going on to export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from dflash.train.checkpoint_policy import CheckpointPolicy
+from dflash.train.checkpoints import latest_tag
+from dflash.train.stop_signal import TrainingStopped
+from tests import trainer_harness
+from tests.forked import run_ranks
+from tests.scripted_clock import budget_run
+
+STEPS = 6  # budget_run and trainer_harness.run(1, 1) on 2 ranks: 3 steps per epoch, 2 epochs, saved at the last only
+
+
+def signal_while_saving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every checkpoint save ends with a SIGTERM to this process, received through the loop's handler."""
+    save = CheckpointPolicy.save
+
+    def save_then_signal(self, engine, step, budget):
+        save(self, engine, step, budget)
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            pytest.fail("the loop's SIGTERM handler is not installed")
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(CheckpointPolicy, "save", save_then_signal)
+
+
+def test_a_signal_while_the_last_step_is_saved_stops_with_that_step_kept(tmp_path, monkeypatch):
+    signal_while_saving(monkeypatch)
+    with pytest.raises(TrainingStopped, match=f"by SIGTERM after step {STEPS}"):
+        budget_run(tmp_path, None, epochs=2)
+    assert latest_tag(str(tmp_path / "checkpoints")) == f"step{STEPS}"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the loop's handler is gone with the loop
+
+
+def rank_signalled_while_saving(out: str) -> None:
+    """One rank of test_a_signal_on_one_rank_while_saving_stops_every_rank's job (tests/forked.py's run_ranks): rank
+    1 alone receives the signal; each rank records how its training ended."""
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        signal_while_saving(pytest.MonkeyPatch())
+    try:
+        trainer_harness.run(out, 1, 1)
+        ended = {"stopped": None}
+    except TrainingStopped as stopped:
+        ended = {"stopped": stopped.step, "signal": stopped.signal_name}
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(ended, f)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_signal_on_one_rank_while_saving_stops_every_rank(tmp_path):
+    assert run_ranks(rank_signalled_while_saving, 2, str(tmp_path)) == [0, 0]
+    ended = [json.loads((tmp_path / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
+    assert ended == [{"stopped": STEPS, "signal": "a signal on another rank"}, {"stopped": STEPS, "signal": "SIGTERM"}]
+    assert latest_tag(str(tmp_path / "checkpoints")) == f"step{STEPS}"
