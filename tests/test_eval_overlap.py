@@ -4,6 +4,7 @@ by hand, and a GSM8K question planted in the training prompts of the tiny pipeli
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -43,6 +44,35 @@ def test_overlap_by_hand():
     assert report["checked"] == {"train": 4, "synthetic": 1} and report["dropped"] == {"train": 2, "synthetic": 1}
     assert [(e["prompt"], e["eval"]) for e in report["examples"]] == [("a", "math/q"), ("c", "train/short"),
                                                                       ("e", "math/q")]
+
+
+def test_verbatim_chinese_and_japanese_eval_prompts_are_found():
+    """Each ideograph, kana or Thai letter is a word (a run of them is a clause): a Chinese or Japanese evaluation
+    prompt copied into a training prompt is found, 12 characters of it are not enough, and a short one counts when
+    whole; punctuation of those scripts is no word, and Hangul, written with spaces, keeps its words."""
+    chinese = "小明有五个苹果，他给了小红两个，又买了三个，请问小明现在有几个苹果？"
+    japanese = "次の文章を読んで、筆者が最も伝えたいことを三十字以内で説明してください。"
+    evals = [user("zh", chinese, prompt_set="zh"), user("ja", japanese, prompt_set="ja"),
+             user("short", "東京タワーの高さは？", prompt_set="ja")]  # 9 words, fewer than n
+    prompts = [user("a", chinese), user("b", "请帮我：" + japanese + "谢谢"), user("c", "有五个苹果，他给了小红两个"),
+               user("d", "質問：東京タワーの高さを教えて"), user("e", "東京タワーの高さは？")]
+    kept, report = drop_eval_overlaps(prompts, EvalIndex(evals, n=13))
+    assert [p.id for p in kept] == ["c", "d"]
+    assert [(e["prompt"], e["eval"]) for e in report["examples"]] == [("a", "zh/zh"), ("b", "ja/ja"),
+                                                                      ("e", "ja/short")]
+    assert words("東京・タワー。ไทย 한국어 문장") == ["東", "京", "タ", "ワ", "ー", "ไ", "ท", "ย", "한국어", "문장"]
+    assert words("AI模型") == ["ai", "模", "型"]
+
+
+def test_texts_without_those_scripts_split_as_runs_of_letters_and_digits():
+    """Outside ideographs, kana and Thai a word is a run of letters and digits, as it always was: the shipped
+    evaluation prompts (English) and other alphabets split the same, so the same training prompts are dropped."""
+    texts = [m["content"] for name in ("humaneval", "mtbench", "gsm8k") for p in load_prompts(name)
+             for m in p.messages]
+    texts += ["Ünïcode café_au_lait 3.14 Привет, мир! Γειά σου ١٢٣ Ｆｕｌｌ"]
+    for text in texts:
+        if not any("\u3040" <= c <= "\u9fff" for c in text):
+            assert words(text) == re.findall(r"[^\W_]+", text.lower())
 
 
 def planted_prompts(tmp_path) -> tuple[str, object]:

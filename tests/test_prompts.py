@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dflash.config.errors import ConfigError
 from dflash.data.prompts import Prompt, load_prompts
 
 
@@ -188,8 +189,46 @@ def test_malformed_line_names_file_and_line(tmp_path):
 def test_bad_record_names_file_and_line(tmp_path, record, message):
     path = tmp_path / "recs.jsonl"
     path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(record) + "\n")
-    with pytest.raises(ValueError, match=rf"recs\.jsonl:2: .*{message}"):
+    with pytest.raises(ConfigError, match=rf"recs\.jsonl:2: .*{message}"):
         load_prompts("file", path=str(path))
+
+
+def test_sharegpt_conversations_without_an_id_are_named_by_their_record(tmp_path):
+    """As in a prompt file: `<name>-<index>`, the index counting every record of the file (a skipped one too)."""
+    human, gpt = {"from": "human", "value": "Hi there."}, {"from": "gpt", "value": "Hello."}
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps([{"conversations": [gpt, human]}, {"conversations": [human, gpt, human]},
+                                {"id": "k", "conversations": [human]}]))
+    assert [p.id for p in load_prompts("sharegpt", path=str(path))] == ["sharegpt-1", "k"]
+    assert [p.id for p in load_prompts("sharegpt", path=str(path), turns="all")] == ["sharegpt-1", "sharegpt-1#1",
+                                                                                      "k"]
+
+
+@pytest.mark.parametrize("source, good, bad, message", [
+    ("humaneval", {"task_id": "t", "prompt": "def f():"}, {"task_id": "u"}, "needs 'prompt'"),
+    ("humaneval", {"task_id": "t", "prompt": "def f():"}, {"task_id": "u", "prompt": 3}, "needs 'prompt'"),
+    ("mtbench", {"question_id": 1, "turns": ["Hi?"]}, {"question_id": 2, "turns": []}, "needs 'turns'"),
+    ("mtbench", {"question_id": 1, "turns": ["Hi?"]}, {"question_id": 2, "turns": [" ", "b"]}, "needs 'turns'"),
+    ("mtbench", {"question_id": 1, "turns": ["Hi?"]}, {"question_id": 2}, "needs 'turns'"),
+    ("gsm8k", {"id": "g", "prompt": "1 + 1?"}, {"id": "h", "question": "2 + 2?"}, "needs 'prompt'"),
+    ("gsm8k", {"id": "g", "prompt": "1 + 1?"}, ["h", "2 + 2?"], "must be a JSON object"),
+])
+def test_a_bad_record_of_a_benchmark_file_names_file_and_line(tmp_path, source, good, bad, message):
+    """A file in a packaged set's format (path=) with a record that lacks what the set reads: one line naming the
+    file and the record's line, as for a prompt file."""
+    path = tmp_path / "bench.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ConfigError, match=rf"bench\.jsonl:2: .*{message}") as error:
+        load_prompts(source, path=str(path))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("source, record", [("humaneval", {"prompt": "def f():"}), ("mtbench", {"turns": ["Hi?"]}),
+                                            ("gsm8k", {"prompt": "1 + 1?"})])
+def test_benchmark_records_without_an_id_are_named_by_their_index(tmp_path, source, record):
+    path = tmp_path / "bench.jsonl"
+    path.write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+    assert [p.id for p in load_prompts(source, path=str(path), name="mine")] == ["mine-0", "mine-1"]
 
 
 def test_duplicate_ids_are_refused(tmp_path):

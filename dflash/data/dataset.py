@@ -21,6 +21,7 @@ from typing import Any
 
 import datasets
 
+from dflash.config.errors import ConfigError
 from dflash.data.chat import prompt_ids_many
 from dflash.data.encode import COLUMNS, Encoded, Rows, encode_answers
 from dflash.data.encode import FEATURES  # noqa: F401 - the dataset's schema, where readers look for it
@@ -124,6 +125,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     prompt_tokens = prompt_ids_many(adapter.tokenizer, [p.messages for p in prompts], template_kwargs,
                                     [p.id for p in prompts])
     template_s = time.perf_counter() - template_started
+    _check_heldout_fits(prompt_tokens, heldout, max_length)
     gen = regenerate(prompts, adapter, journal_path, max_length, max_new_tokens, batch_size,
                      temperature=temperature, top_p=top_p, seed=seed, show_progress=show_progress, engine=engine,
                      compile_step=compile_step, refill=refill, decode_attention=decode_attention, target=target,
@@ -174,6 +176,20 @@ def _finished_build(out_dir: Path, fp: str, heldout: int) -> dict | None:
     if previous.get("fingerprint") == fp and not previous.get("failed"):
         return previous
     return None
+
+
+def _check_heldout_fits(prompt_tokens: list[list[int]], heldout: int, max_length: int) -> None:
+    """ConfigError naming data.heldout when it holds out every prompt that max_length leaves room to answer (no
+    training sample would be left), found before any answer is generated. Prompts that fail while answering are
+    counted later (_choose_heldout)."""
+    if not heldout:
+        return
+    # regenerate skips a prompt with no room for one answer token, as here.
+    skipped = sum(len(ids) + 1 > max_length for ids in prompt_tokens)
+    left = len(prompt_tokens) - skipped
+    if heldout >= left:
+        raise ConfigError(f"data.heldout={heldout}: expected fewer than the {left} prompts left after skipping the "
+                          f"{skipped} longer than data.max_length - 1 = {max_length - 1} tokens once templated")
 
 
 def _choose_heldout(finished: list[Prompt], heldout: int, seed: int, journal_path: Path) -> set[str]:

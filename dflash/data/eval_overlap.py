@@ -1,6 +1,8 @@
 """Training prompts that overlap the evaluation prompts: found by shared word n-grams and left out of training.
 
 Texts are normalised to lower-case words (runs of letters and digits; punctuation, case and spacing do not count).
+In the scripts written without spaces between words (Chinese and Japanese ideographs, kana, Thai) each letter is a
+word of its own.
 A training prompt overlaps an evaluation prompt when they share an n-gram of n consecutive words (n =
 data.eval_overlap_ngram, 13 in the schema, the contamination test of GPT-3, arXiv 2005.14165 appendix C); an
 evaluation prompt shorter than n words overlaps when its whole word sequence appears in the training prompt, if it
@@ -21,11 +23,19 @@ from dflash.data.prompts import Prompt
 
 BOILERPLATE = 5
 MIN_WORDS = 8
-_WORD = re.compile(r"[^\W_]+")
+# Scripts written without spaces: a run of their letters is a clause, not a word, so each letter counts as one.
+# Hangul is written with spaces between words: its runs stay words.
+_LETTER_WORDS = ("\u0e00-\u0e7f"  # Thai
+                 "\u3005-\u3007"  # the ideographic iteration and closing marks, ideographic zero
+                 "\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f"  # hiragana, katakana (full and half width)
+                 "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003ffff")  # CJK ideographs
+# The lookahead keeps the punctuation and marks of those blocks (the katakana middle dot ・, ฿) out, as elsewhere.
+_WORD = re.compile(rf"(?=[^\W_])[{_LETTER_WORDS}]|[^\W_{_LETTER_WORDS}]+")
 
 
 def words(text: str) -> list[str]:
-    """The normalised words of `text`: lower-case runs of letters and digits."""
+    """The normalised words of `text`: lower-case runs of letters and digits, and each letter of a script written
+    without spaces (ideographs, kana, Thai)."""
     return _WORD.findall(text.lower())
 
 
