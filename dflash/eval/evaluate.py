@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from dflash.config.errors import ConfigError
 from dflash.config.schema import PromptSetSettings
 from dflash.inference.static_decode import resolve_engine
 from dflash.eval.expected_acceptance import ExpectedTrace, expected_metrics
@@ -65,6 +66,15 @@ def check_compatible(drafter: DFlashDraftModel, adapter) -> None:
         raise ValueError(
             f"drafter mask_token_id {config.mask_token_id} is outside the target vocabulary ({adapter.vocab_size})"
         )
+
+
+def live_engine_of(live_engine: str, adapter) -> str:
+    """The engine live decoding runs this target on, "hf" or "static" ("auto" resolved); ConfigError naming
+    eval.live_engine when the engine asked for cannot decode this target."""
+    try:
+        return resolve_engine(live_engine, adapter)
+    except ValueError as error:
+        raise ConfigError(f"eval.live_engine={live_engine}: {error}") from None
 
 
 MODES = ("replay", "live")
@@ -163,7 +173,7 @@ def evaluate(
     """
     _check_arguments(prompt_sets, mode, temperature, draft_sampling, draft_temperature, categories or {})
     check_compatible(drafter, adapter)
-    engine = resolve_engine(live_engine, adapter) if mode == "live" else None
+    engine = live_engine_of(live_engine, adapter) if mode == "live" else None  # before any prompt is decoded
     timer = timer if timer is not None else PhaseTimer(adapter.device)
     drafter.eval()
     block_size = drafter.config.block_size

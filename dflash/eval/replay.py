@@ -99,6 +99,7 @@ def _generate_greedy(
 ) -> list[list[int]]:
     from transformers import GenerationConfig
 
+    from dflash.inference.generation import model_defaults_hidden
     from dflash.inference.static_decode import resolve_engine, static_generate
 
     if max_new_tokens < 1:
@@ -115,10 +116,8 @@ def _generate_greedy(
     stops = set(stop_token_ids)
     results: list[list[int]] = []
     model = adapter.model
-    # generate() fills fields left at their global default from model.generation_config, which may carry a
-    # repetition penalty or other logits processors; greedy means plain argmax, so hide the model's defaults.
-    saved, model.generation_config = model.generation_config, GenerationConfig()
-    try:
+    # Greedy means plain argmax: no logits processor from the model's own generation_config.
+    with model_defaults_hidden(model):
         for chunk in _chunks(prompts, batch_size):
             width = max(len(p) for p in chunk)
             # Left padding keeps every prompt's last token in the last column, where generation continues.
@@ -126,8 +125,6 @@ def _generate_greedy(
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=adapter.device)
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
             results += [_cut(row, max_new_tokens, stops) for row in out[:, width:].tolist()]
-    finally:
-        model.generation_config = saved
     return results
 
 

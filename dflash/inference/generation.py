@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,8 +23,9 @@ def generation_config(max_new_tokens: int, stop_ids: list[int], pad_id: int, tem
                       top_p: float) -> GenerationConfig:
     """Plain greedy (temperature 0) or temperature + top-p sampling.
 
-    Every knob a checkpoint's generation_config.json could set (and generate() would inherit, since it only
-    fills unset values) is pinned to neutral: the responses must be the target's own distribution.
+    The knobs whose global defaults are not neutral (top_k 50) and those a checkpoint's generation_config.json
+    commonly sets are pinned to neutral; generate() fills the rest from the model's generation_config, which
+    `model_defaults_hidden` (used by hf_generate) blanks: the responses must be the target's own distribution.
     """
     neutral = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0}
     if temperature > 0:
@@ -45,6 +48,19 @@ def cut_response(tokens: list[int], stop_ids: set[int], budget: int) -> tuple[li
     return tokens, ("stop" if tokens and tokens[-1] in stop_ids else "length")
 
 
+@contextlib.contextmanager
+def model_defaults_hidden(model: Any) -> Iterator[None]:
+    """`model.generation_config` blank inside the block, restored after it."""
+    # generate() fills every field its config leaves unset from model.generation_config (a checkpoint's
+    # generation_config.json: suppress_tokens, min_new_tokens, bad_words_ids, a repetition penalty ...), each a
+    # logits processor that would change what is drawn or picked.
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 def hf_generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pad_id: int, seed: int,
                 streamer: BaseStreamer | None = None) -> list[list[int]]:
     """New tokens for each left-padded prompt of the batch (one call of model.generate); `streamer` sees every
@@ -59,7 +75,8 @@ def hf_generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, 
     # Passed only when given: generate's callers (and stand-ins for it) need not know the keyword otherwise.
     extra = {} if streamer is None else {"streamer": streamer}
     # Sampling draws from the global RNG inside generate: seed it per batch and restore it afterwards.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
+            model_defaults_hidden(adapter.model):
         torch.manual_seed(seed)
         out = adapter.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                      generation_config=config, **extra)

@@ -8,7 +8,7 @@ import shlex
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.config.errors import CorruptFile, NothingToEvaluate
+from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
     write_text
 from dflash.stages.closing import shown
@@ -33,11 +33,12 @@ class EvalStage(Stage):
         self.summary: dict[str, Any] | None = None  # what the evaluation measured (summary.json), once it ran
 
     def preflight(self, selected: bool) -> None:
-        """Selected: every prompt set must be readable (rank 0, which alone reads them), and a command that trains
-        nothing needs a run folder to evaluate."""
+        """Selected: every prompt set must be readable (rank 0, which alone reads them), a command that trains
+        nothing needs a run folder to evaluate, and eval.live_engine=static a target family it can decode."""
         if selected and self.context.rank == 0:
             self.refuse_missing_run_folder()
             refuse_unreadable_prompts(eval_prompt_files(self.context.settings))
+            refuse_static_engine_family(self.context.settings)
 
     def refuse_missing_run_folder(self) -> None:
         """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a
@@ -123,11 +124,13 @@ class EvalStage(Stage):
         print(format_table(self.summary))
 
     def run(self) -> dict[str, Any]:
+        """Measure the drafter; its done.json names the drafter's checkpoint fingerprint, by which the evaluation
+        folder travels with it when overwrite=true moves it aside (dflash/stages/train.py, eval_folders)."""
         from dflash.eval.evaluate import format_table
 
         self.summary = self.evaluate(self.measured()[0])
         print(format_table(self.summary))
-        return {}
+        return {"checkpoint": self.train.checkpoint_fingerprint()}
 
     def closing_rows(self) -> list[tuple[str, str]]:
         if self.summary is None:
@@ -158,7 +161,7 @@ class EvalStage(Stage):
 
     def evaluate(self, folder: str) -> dict[str, Any]:
         """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml."""
-        from dflash.eval.evaluate import check_compatible, evaluate, load_prompt_sets, write_summary
+        from dflash.eval.evaluate import check_compatible, evaluate, live_engine_of, load_prompt_sets, write_summary
         from dflash.eval.export import load_drafter
         from dflash.eval.metrics import PhaseTimer
 
@@ -172,7 +175,9 @@ class EvalStage(Stage):
         except CorruptFile as error:
             raise CorruptFile(f"{error}; the export stage exports it again from the checkpoints: rerun training with "
                               f"the same settings (python -m dflash.train ...), which exports") from None
-        check_compatible(drafter, target)  # before the target answers the prompt sets (MT-Bench's first turns)
+        # Both before the target answers the prompt sets (MT-Bench's first turns).
+        check_compatible(drafter, target)
+        live_engine = live_engine_of(e.live_engine, target) if e.mode == "live" else e.live_engine
         template_kwargs = dict(e.chat_template_kwargs)
         timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
         prompt_sets, categories = load_prompt_sets(
@@ -181,12 +186,49 @@ class EvalStage(Stage):
         summary = evaluate(drafter, target, prompt_sets, max_new_tokens=e.max_new_tokens,
                            show_progress=run.show_progress, mode=e.mode, temperature=e.temperature, seed=e.seed,
                            measure_target=e.measure_target, categories=categories, batch_size=e.batch_size,
-                           timer=timer, live_engine=e.live_engine, draft_sampling=e.draft_sampling,
+                           timer=timer, live_engine=live_engine, draft_sampling=e.draft_sampling,
                            draft_temperature=e.draft_temperature)
         summary["chat_template_kwargs"] = template_kwargs
         write_summary(summary, self.out)
         write_text(os.path.join(self.out, "config.yaml"), run.config_yaml())
         return summary
+
+
+def refuse_static_engine_family(settings) -> None:
+    """ConfigError in one line when eval.live_engine=static names a target whose family the static engines do not
+    decode (a GDN hybrid such as Qwen3.5), known from its config without loading weights. Other reasons the engine
+    refuses a target (its placement, its RoPE) are found once the target is loaded, before any prompt is answered."""
+    from dflash.models.targets.layout import FAMILIES
+
+    e = settings.eval
+    if e.mode != "live" or e.live_engine != "static":
+        return
+    model_type = target_model_type(settings.target)
+    if model_type is not None and model_type not in FAMILIES:
+        raise ConfigError(f"eval.live_engine=static: the static engine cannot decode this target, of model_type "
+                          f"{model_type!r} (it decodes {', '.join(FAMILIES)}); use eval.live_engine=auto or hf")
+
+
+def target_model_type(target) -> str | None:
+    """The model_type of the model the target settings load, from its config alone (no weights); None for the
+    smollm2 GGUF (a llama) and an unknown tiny family (which loading names)."""
+    if target.kind == "tiny":
+        import transformers
+
+        from dflash.models.targets.tiny import TINY_FAMILIES
+
+        family = TINY_FAMILIES.get(target.tiny["family"])
+        return None if family is None else getattr(transformers, family[0]).model_type
+    if target.kind != "hf":
+        return None
+    import torch
+
+    from dflash.models.targets.placement import empty_model
+    from dflash.models.targets.preflight import checkpoint_config
+
+    # The model AutoModelForCausalLM builds, as loading does, on the meta device: a multimodal checkpoint's config
+    # may name another model_type than the model loaded from it.
+    return empty_model(checkpoint_config(str(target.path), target.cache_dir), torch.bfloat16).config.model_type
 
 
 def command_overrides(settings) -> list[str]:

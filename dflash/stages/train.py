@@ -4,7 +4,8 @@ export stage, dflash/stages/export.py, reads). Its done.json is `checkpoints/don
 
 Its checkpoints belong to one set of settings (their fingerprint in checkpoints/fingerprint.json). Checkpoints of
 other settings reach this stage only with overwrite=true (dflash/stages/guard.py): they are moved aside with what
-their training left in the run folder, never deleted, and come back when those settings return.
+their training left in the run folder and the evaluations of their drafter there, never deleted, and come back when
+those settings return.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of the training that wrote them
 # What a training leaves in the run folder beside its checkpoints: its logs (metrics_log.py), exports, curve and the
-# evaluation of its export. They travel with the checkpoints when those are moved aside (overwrite=true) or back.
+# evaluation of its export. They travel with the checkpoints when those are moved aside (overwrite=true) or back, as
+# do the other evaluation folders of its drafter in the run folder (eval_folders).
 TRAINED_OUTPUTS = ("metrics.jsonl", "tensorboard", "export", "export_best", "training_curve.png", "eval")
 
 
@@ -256,15 +258,20 @@ class TrainStage(Stage):
         return None if key == self.checkpoint_fingerprint() else key or "unfingerprinted"
 
     def carry_trained_outputs(self, moved: str | None) -> None:
-        """A training's outputs travel with its checkpoints: into the folder the other settings' checkpoints were
-        moved to (under a free name when that folder holds one of the same name already), and back out of restored
-        ones, so that each run's exports and metrics stay its own (the trainer then drops only the records after
-        the step it resumes from, MetricsLog.resume_from)."""
-        for name in TRAINED_OUTPUTS:
-            current = os.path.join(self.context.run_dir, name)
-            if moved and os.path.exists(current):
-                os.replace(current, _unused_path(os.path.join(moved, name)))
-            restored = os.path.join(self.checkpoints, name)
+        """A training's outputs and the evaluations of its drafter travel with its checkpoints: into the folder the
+        other settings' checkpoints were moved to (under a free name when that folder holds one of the same name
+        already), and back out of restored ones, so that each run's exports, metrics and evaluations stay its own
+        (the trainer then drops only the records after the step it resumes from, MetricsLog.resume_from)."""
+        run_dir = self.context.run_dir
+        if moved:
+            # claim_dir names the folder <checkpoints>.<checkpoint fingerprint of the drafter moved aside>.
+            drafter = moved.rsplit(".", 1)[1]
+            for name in [*TRAINED_OUTPUTS, *eval_folders(run_dir, drafter)]:
+                current = os.path.join(run_dir, name)
+                if os.path.exists(current):
+                    os.replace(current, _unused_path(os.path.join(moved, name)))
+        for name in [*TRAINED_OUTPUTS, *eval_folders(self.checkpoints)]:
+            restored, current = os.path.join(self.checkpoints, name), os.path.join(run_dir, name)
             if os.path.exists(restored) and not os.path.exists(current):
                 os.replace(restored, current)
 
@@ -354,6 +361,23 @@ class TrainStage(Stage):
         final_hidden = t.kl_weight > 0 or t.labels == "target"
         return ColocatedFeatureSource(self.context.target, load_dataset_dir(info["data"]), info["target_layer_ids"],
                                       info["dtype"], final_hidden=final_hidden)
+
+
+def eval_folders(folder: str, drafter: str | None = None) -> list[str]:
+    """Names of the evaluation folders in `folder` besides `eval` (eval.out_dir=<run_dir>/eval_live, ...): those
+    holding a summary.json. With `drafter` (a checkpoint fingerprint) only those of that drafter, and those whose done
+    marker names none (an evaluation stopped halfway, or older than the record), which evaluated the drafter that
+    was in the run folder then."""
+    names = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        if name in TRAINED_OUTPUTS or not os.path.isfile(os.path.join(path, "summary.json")):
+            continue
+        marker = read_json_or_none(os.path.join(path, "done.json"))
+        measured = marker.get("checkpoint") if isinstance(marker, dict) else None
+        if drafter is None or measured in (None, drafter):
+            names.append(name)
+    return names
 
 
 def _unused_path(path: str) -> str:
