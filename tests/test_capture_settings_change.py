@@ -115,13 +115,13 @@ def test_two_ranks_run_colocated_capture_and_training_in_one_launch(tmp_path):
     assert read_json(str(tmp_path / "export" / "done.json"))["fingerprint"]
 
 
-def test_a_data_stage_refused_before_it_writes_leaves_the_earlier_data_finished(tmp_path, monkeypatch):
+def test_another_answer_length_and_back_reuses_the_first_answers_and_features(tmp_path, monkeypatch):
     run = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "stages=[data,capture]"]
     Pipeline(compose(run)).run()
-    # Another answer length: the journal of the first settings is refused before anything is replaced.
-    with pytest.raises(ValueError, match="written with other settings"):
-        Pipeline(compose(run + ["data.max_new_tokens=24"])).run()
-    with monkeypatch.context() as patch:  # back to the first settings: nothing to redo
-        patch.setattr("dflash.data.dataset.build_dataset", must_not_run)
+    # Another answer length: a journal of its own, the first settings' journal and features moved aside.
+    Pipeline(compose(run + ["data.max_new_tokens=24"])).run()
+    with monkeypatch.context() as patch:  # back to the first settings: their answers and features come back
+        patch.setattr("dflash.data.regenerate._hf_results", must_not_run)
+        patch.setattr("dflash.data.regenerate._static_results", must_not_run)
         patch.setattr("dflash.extract.capture.capture_dataset", must_not_run)
         Pipeline(compose(run)).run()

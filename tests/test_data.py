@@ -309,10 +309,12 @@ def test_sampling_is_seeded_and_leaves_the_global_rng_alone(tiny, tmp_path):
     assert responses[0] != responses[2]
 
 
-def test_journal_from_other_settings_is_refused(tiny, tmp_path):
+def test_journal_from_other_settings_is_moved_aside(tiny, tmp_path):
     regenerate(make_prompts(1), tiny, tmp_path / "j.jsonl", **GEN)
-    with pytest.raises(ValueError, match="other settings"):
-        regenerate(make_prompts(1), tiny, tmp_path / "j.jsonl", **{**GEN, "max_new_tokens": 7})
+    first = (tmp_path / "j.jsonl").read_bytes()
+    assert regenerate(make_prompts(1), tiny, tmp_path / "j.jsonl", **{**GEN, "max_new_tokens": 7})["generated"] == 1
+    [aside] = tmp_path.glob("j.*.jsonl")
+    assert aside.read_bytes() == first
 
 
 def test_malformed_journal_line_names_the_line(tiny, tmp_path):

@@ -13,7 +13,6 @@ from dflash.models.targets import load_target
 from tests.schema_options import answer_options, synthetic_options
 
 GEN = answer_options(max_length=96, max_new_tokens=6, batch_size=2, show_progress=False)
-SEED_0_TO_1 = r"\(target\.tiny\.seed: 0 -> 1\)"  # the only difference, named down to the nested key
 
 
 def identity(seed):
@@ -50,16 +49,17 @@ def test_a_build_for_another_target_is_neither_reused_nor_resumed(targets, tmp_p
     prompts = prompts_of("What is the capital of France?", "Sort a list.")
     first = build_dataset(prompts, a, tmp_path, target=identity(0), **GEN)
     assert first["settings"]["target"] == identity(0)
-    # The stored stats are not returned: the fingerprint covers the target, so the journal is checked, and refused.
-    with pytest.raises(ValueError, match=r"journal\.jsonl was written with other settings " + SEED_0_TO_1):
-        build_dataset(prompts, b, tmp_path, target=identity(1), **GEN)
-    # The refusal came before anything was replaced: for the same target the finished build is as it was.
-    again = build_dataset(prompts, a, tmp_path, target=identity(0), **GEN)
-    assert again == first
+    first_ids = load_dataset_dir(tmp_path)["input_ids"]
+    # The stored stats are not returned: the fingerprint covers the target, so the journal is checked, and moved
+    # aside: the other target answers every prompt itself.
+    other = build_dataset(prompts, b, tmp_path, target=identity(1), **GEN)
+    assert other["fingerprint"] != first["fingerprint"] and other["generated_tokens"] > 0
     # The other target's answers really differ: reusing them would have been wrong data.
-    other = build_dataset(prompts, b, tmp_path / "b", target=identity(1), **GEN)
-    assert other["fingerprint"] != first["fingerprint"]
-    assert load_dataset_dir(tmp_path / "b")["input_ids"] != load_dataset_dir(tmp_path)["input_ids"]
+    assert load_dataset_dir(tmp_path)["input_ids"] != first_ids
+    # Back to the first target: its journal comes back, and nothing is answered again.
+    again = build_dataset(prompts, a, tmp_path, target=identity(0), **GEN)
+    assert again["fingerprint"] == first["fingerprint"] and again["generated_tokens"] == 0
+    assert load_dataset_dir(tmp_path)["input_ids"] == first_ids
 
 
 def test_a_journal_matches_only_the_same_recorded_target(targets, tmp_path):
@@ -69,34 +69,31 @@ def test_a_journal_matches_only_the_same_recorded_target(targets, tmp_path):
     regenerate(prompts, a, unknown, **GEN)  # as before targets were recorded: no target in the header
     assert "target" not in json.loads(unknown.read_text().splitlines()[0])["header"]
     assert regenerate(prompts, a, unknown, **GEN)["generated"] == 0
-    with pytest.raises(ValueError, match=r"unknown\.jsonl .*target: 'not recorded' -> \{"):
-        regenerate(prompts, a, unknown, target=identity(0), **GEN)
+    # A journal that names no target is not taken for a known one (nor one of a target for none): answered again.
+    assert regenerate(prompts, a, unknown, target=identity(0), **GEN)["generated"] == 1
 
     regenerate(prompts, a, known, target=identity(0), **GEN)
     assert regenerate(prompts, a, known, target=identity(0), **GEN)["generated"] == 0
-    with pytest.raises(ValueError, match=r"target: \{.*\} -> 'not given'"):
-        regenerate(prompts, a, known, **GEN)
-    with pytest.raises(ValueError, match=r"max_new_tokens: 6 -> 7"):
-        regenerate(prompts, a, known, target=identity(0), **{**GEN, "max_new_tokens": 7})
+    assert regenerate(prompts, a, known, **GEN)["generated"] == 1
+    assert regenerate(prompts, a, known, target=identity(0), **{**GEN, "max_new_tokens": 7})["generated"] == 1
     # Greedy answers do not depend on the seed or top_p (say, data.seed changed to draw another held-out set).
     assert regenerate(prompts, a, known, target=identity(0), **{**GEN, "seed": 5, "top_p": 0.5})["generated"] == 0
     sampled = tmp_path / "sampled.jsonl"
     regenerate(prompts, a, sampled, target=identity(0), **{**GEN, "temperature": 0.7})
-    with pytest.raises(ValueError, match=r"seed: 0 -> 5"):
-        regenerate(prompts, a, sampled, target=identity(0), **{**GEN, "temperature": 0.7, "seed": 5})
+    reseeded = regenerate(prompts, a, sampled, target=identity(0), **{**GEN, "temperature": 0.7, "seed": 5})
+    assert reseeded["generated"] == 1
 
 
-def test_synthetic_draws_of_another_target_are_refused(targets, tmp_path):
+def test_synthetic_draws_of_another_target_are_not_reused(targets, tmp_path):
     a, b = targets
     journal = tmp_path / "synthetic.jsonl"
     options = synthetic_options(max_new_tokens=8, min_chars=4, batch_size=4, max_oversample=2.0, show_progress=False)
     synthesize_prompts(a, 2, ["You write Python."], journal, target=identity(0), **options)
     before = journal.read_bytes()
-    with pytest.raises(ValueError, match=r"synthetic\.jsonl was written with other settings " + SEED_0_TO_1):
-        synthesize_prompts(b, 2, ["You write Python."], journal, target=identity(1), **options)
-    assert journal.read_bytes() == before
+    _, stats = synthesize_prompts(b, 2, ["You write Python."], journal, target=identity(1), **options)
+    assert stats["reused"] == 0 and stats["generated_tokens"] > 0
     _, stats = synthesize_prompts(a, 2, ["You write Python."], journal, target=identity(0), **options)
-    assert stats["generated_tokens"] == 0  # the same target: every draw reused
+    assert stats["generated_tokens"] == 0 and journal.read_bytes() == before  # the same target: every draw reused
 
 
 # Issue: an edited prompt under the same id ---------------------------------------------------------------------

@@ -109,15 +109,17 @@ def test_spread_determinism_and_resume_after_a_crash(tiny, tmp_path, engine):
     assert done_stats["generated_tokens"] == 0 and done_stats["reused"] == stats["draws"]
 
 
-def test_other_settings_are_refused(tiny, tmp_path):
+def test_other_settings_draw_in_a_journal_of_their_own_and_going_back_reuses_the_first(tiny, tmp_path):
     journal = tmp_path / "j.jsonl"
     synthesize_prompts(tiny, 2, SYSTEMS[:1], journal, **{**SYN, "max_new_tokens": 8})
     before = journal.read_bytes()
-    with pytest.raises(ValueError, match="other settings"):
-        synthesize_prompts(tiny, 2, SYSTEMS[:1], journal, **{**SYN, "max_new_tokens": 8, "temperature": 0.7})
-    with pytest.raises(ValueError, match="other settings"):
-        synthesize_prompts(tiny, 2, ["You write Go."], journal, **{**SYN, "max_new_tokens": 8})
-    assert journal.read_bytes() == before
+    for other in ({"temperature": 0.7}, {"system_prompts": ["You write Go."]}):
+        options = {**SYN, "max_new_tokens": 8, **other}
+        _, stats = synthesize_prompts(tiny, 2, options.pop("system_prompts", SYSTEMS[:1]), journal, **options)
+        assert stats["reused"] == 0
+    assert len(list(tmp_path.glob("j.*.jsonl"))) == 2  # the first two journals, moved aside
+    _, stats = synthesize_prompts(tiny, 2, SYSTEMS[:1], journal, **{**SYN, "max_new_tokens": 8})
+    assert stats["generated_tokens"] == 0 and journal.read_bytes() == before
     with pytest.raises(ValueError, match="temperature > 0"):
         synthesize_prompts(tiny, 2, SYSTEMS[:1], tmp_path / "greedy.jsonl", **{**SYN, "temperature": 0.0})
 

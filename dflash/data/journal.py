@@ -2,19 +2,24 @@
 
 A journal starts with a header {"header": {...settings}}; every other line is a record with an "id" and a
 "status", and the latest line of an id is its state. A run checks the header against its own settings before
-appending, so answers made under other settings are never mixed in. Records are written in groups and fsynced
-(`JournalBuffer`), so a hard kill loses at most the last unwritten group; a partial last line is dropped when
-the journal is opened again.
+appending, so answers made under other settings are never mixed in: a journal of other settings is moved aside to
+`<name>.<its header's fingerprint>.jsonl` (never deleted), and one moved aside earlier whose header matches the
+settings now takes its place again, so going back to those settings reuses its answers. Records are written in
+groups and fsynced (`JournalBuffer`), so a hard kill loses at most the last unwritten group; a partial last line is
+dropped when the journal is opened again.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from dflash.run_files import fingerprint
 
 logger = logging.getLogger(__name__)
 JOURNAL_EVERY_S = 30.0  # the static engine streams every prompt in one call: write what finished this often
@@ -93,26 +98,71 @@ def _differences(header: dict, settings: dict, prefix: str = "") -> list[str]:
     return parts
 
 
+def _settings_differences(header: dict, settings: dict, unused: tuple[str, ...]) -> list[str]:
+    """_differences of a header and the settings now, but for the top-level keys in `unused`."""
+    return _differences({k: v for k, v in header.items() if k not in unused},
+                        {k: v for k, v in settings.items() if k not in unused})
+
+
+def _first_line(path: Path) -> bytes:
+    """The first line of the file at `path` (b"" when there is none), its newline kept."""
+    if not path.exists():
+        return b""
+    with open(path, "rb") as f:
+        return f.readline()
+
+
+def _header_of(line: bytes) -> dict | None:
+    """The settings of a journal's header line, or None when the line is no header."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    return record.get("header") if isinstance(record, dict) else None
+
+
+def switch_journal(path: Path, settings: dict, unused: tuple[str, ...] = ()) -> None:
+    """Make `path` the journal of `settings` (but for the top-level keys in `unused`): a journal there of other
+    settings is moved aside to <stem>.<its header's fingerprint><suffix>, never deleted, and one moved aside
+    earlier whose header matches takes its place, so going back to earlier settings reuses their records."""
+    first = _first_line(path)
+    if first.endswith(b"\n"):  # a journal is there (a partial first line: one killed before its header was out)
+        header = _header_of(first)
+        differences = _settings_differences(header, settings, unused) if header is not None else []
+        if not differences:
+            return  # this journal is the settings' own, or not a journal (open_journal names the bad line)
+        stem = f"{path.stem}.{fingerprint(header)}"
+        aside, k = path.with_name(stem + path.suffix), 2
+        while aside.exists():  # a name taken (a copy made by hand) is never written over
+            aside, k = path.with_name(f"{stem}-{k}{path.suffix}"), k + 1
+        os.replace(path, aside)
+        logger.info("%s was written with other settings (%s): moved aside to %s, whose records come back when "
+                    "those settings do", path, "; ".join(differences), aside.name)
+    # Matched by header, not by name: a journal also serves settings that differ from it only in `unused` keys.
+    for earlier in sorted(path.parent.glob(f"{glob.escape(path.stem)}.*{path.suffix}")):
+        header = _header_of(_first_line(earlier))
+        if header is not None and not _settings_differences(header, settings, unused):
+            os.replace(earlier, path)
+            logger.info("%s: the records of these settings are back from %s", path, earlier.name)
+            return
+
+
 def open_journal(path: Path, settings: dict, unused: tuple[str, ...] = ()) -> tuple[Any, dict[str, str | None]]:
-    """Open the journal for appending after dropping a partial tail; check it was made with `settings`, but for
-    the top-level keys in `unused` (settings that change no record, e.g. the seed of greedy answers; the header
-    keeps the values it was written with).
+    """Open the journal of `settings` for appending after dropping a partial tail: a journal at `path` of other
+    settings, but for the top-level keys in `unused` (settings that change no record, e.g. the seed of greedy
+    answers; the header keeps the values it was written with), is moved aside first (switch_journal).
 
     Returns the open file and {id: prompt_hash (None in records from before hashes)} of the ids already done.
     """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    switch_journal(path, settings, unused)
     header, index, complete = _scan(path)
-    differences = [] if header is None else _differences({k: v for k, v in header.items() if k not in unused},
-                                                         {k: v for k, v in settings.items() if k not in unused})
-    if differences:
-        raise ValueError(f"{path} was written with other settings ({'; '.join(differences)}). "
-                         f"Delete it or use another output folder.")
     if path.exists() and path.stat().st_size > complete:
         # Appending after a partial line would glue the next record onto it: cut it off first.
         logger.warning("%s: dropping a partial last line (%d bytes) from an interrupted run", path,
                        path.stat().st_size - complete)
         with open(path, "r+b") as f:
             f.truncate(complete)
-    path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "a", encoding="utf-8")
     if header is None:
         f.write(json.dumps({"header": settings}) + "\n")

@@ -174,7 +174,8 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     Prompts already done in the journal are not generated again, unless their templated tokens changed since
     (counted as "stale" and answered again). target: the target's identity (a JSON-able dict, e.g. its config),
     recorded in the journal header; a journal written for another target, or without a recorded target while one
-    is given now, is refused like other settings. None (unknown) matches only a journal that records none.
+    is given now, is of other settings: it is moved aside (journal.switch_journal) and these settings' own journal,
+    if one was moved aside earlier, is used. None (unknown) matches only a journal that records none.
     template_kwargs: the chat template's options for the prompts (enable_thinking...). prompt_tokens: each prompt's
     templated ids (prompt_ids_many with the same options), in the order of `prompts`, when the caller already has
     them; None: templated here.

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from dflash.config.errors import ConfigError
 from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
-from dflash.data.journal import JournalBuffer, open_journal, read_journal, with_target
+from dflash.data.journal import JournalBuffer, open_journal, read_journal, switch_journal, with_target
 from dflash.data.progress import GenerationProgress
 from dflash.data.prompts import Prompt
 from dflash.inference.static_decode import StaticGenerator, resolve_engine
@@ -256,9 +256,10 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     [system, user], "synthetic") in (system, k) order; keep_system=False leaves the steering system message out of them.
     engine: as regenerate's ("auto" = static on a supported CUDA target, else hf); batch_size rows decode at once;
     decode_attention: the static engine's decode attention, as regenerate's.
-    A rerun with the same settings reuses the journal and draws the same texts; other settings raise ValueError.
-    target: the target's identity (a JSON-able dict such as its config), recorded in the journal header, so that
-    another target's draws are refused like other settings; None (unknown) matches only a journal that records none.
+    A rerun with the same settings reuses the journal and draws the same texts; a journal of other settings is
+    moved aside, and comes back when they do (journal.switch_journal). target: the target's identity (a JSON-able
+    dict such as its config), recorded in the journal header, so that another target's draws are not reused; None
+    (unknown) matches only a journal that records none.
     """
     if count < 0 or not system_prompts:
         raise ValueError(f"need count >= 0 and at least one system prompt; got {count}, {system_prompts!r}")
@@ -284,10 +285,12 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     journal_path = Path(journal_path)
     quota = quotas(count, len(system_prompts))
     caps = [max(q, math.ceil(q * max_oversample)) for q in quota]
-    refuse_plain_format(tokenizer, count, journal_path, settings, quota, caps)  # before the journal is written
     # data.engine and data.batch_size are speed settings: draws journaled under another engine or group stay valid
-    # (new draws follow the new ones), so a later data change is not refused for them.
-    journal, _ = open_journal(journal_path, settings, unused=("engine", "hf_group"))
+    # (new draws follow the new ones), so their journal is kept for them.
+    unused = ("engine", "hf_group")
+    switch_journal(journal_path, settings, unused)  # these settings' draws, if journaled, are what the refusal reads
+    refuse_plain_format(tokenizer, count, journal_path, settings, quota, caps)  # before the journal is written
+    journal, _ = open_journal(journal_path, settings, unused)
     with journal:
         _, records = read_journal(journal_path)
         journaled = set(records)

@@ -50,21 +50,27 @@ class DataStage(Stage):
         return fingerprints.data_fingerprint(self.context.settings)
 
     def up_to_date(self) -> bool:
-        """Marked done for these settings, and (with the overlap check on) checked against every evaluation set
-        eval.prompt_sets names now. A set added since is named, and the stage runs again: the answers come from its
-        journal, and the dataset changes only if training prompts overlap the new set (then so does what follows)."""
+        """Marked done for these settings, built from the input files as they are now (changed_input_files), and
+        (with the overlap check on) checked against every evaluation set eval.prompt_sets names now. A file changed
+        or a set added since is named, and the stage runs again: the answers of unchanged prompts come from its
+        journal, and the dataset changes only if its prompts did (then so does what follows)."""
         if not stage_done(self.out, self.fingerprint()):
             return False
+        changed = changed_input_files(self.context.settings, self.out)
+        for key, path, recorded, now in changed:
+            logger.warning(f"[data] {key} {path} changed since the dataset was built (sha256 {recorded[:12]}... -> "
+                           f"{now[:12]}...): building it again, the answers of unchanged prompts come from the journal")
         unchecked = self.unchecked_eval_sets()
         if unchecked:
             logger.warning(f"[data] the training prompts were not checked for overlap with {', '.join(unchecked)} "
                            f"(added to eval.prompt_sets, or reading another source, since): checking them, the "
                            f"answers come from the journal")
-        return not unchecked
+        return not changed and not unchecked
 
     def current(self) -> bool:
-        """up_to_date without its warning."""
-        return stage_done(self.out, self.fingerprint()) and not self.unchecked_eval_sets()
+        """up_to_date without its warnings."""
+        return stage_done(self.out, self.fingerprint()) and \
+            not changed_input_files(self.context.settings, self.out) and not self.unchecked_eval_sets()
 
     def unchecked_eval_sets(self) -> list[str]:
         """The evaluation sets the finished build's overlap check did not cover (its stats.json eval_overlap): a
@@ -113,6 +119,7 @@ class DataStage(Stage):
 
         run, d, out = self.context, self.context.settings.data, self.out
         os.makedirs(out, exist_ok=True)
+        inputs = input_files(run.settings)  # hashed before they are read: an edit made during the run shows next time
         seconds: dict[str, float] = {}  # where the stage's time goes before the answers (stats.json "before_answers")
         prompts = timed(seconds, "prompts", lambda: training_prompts(d))
         # The target loads here unless an earlier stage of this process loaded it (a GGUF converts once per cache).
@@ -134,7 +141,7 @@ class DataStage(Stage):
         # What the synthetic draws and the overlap check found, and the time before the answers, go with the
         # dataset's stats (format_stats shows them).
         stats.update({key: value for key, value in (("synthetic", synthetic), ("eval_overlap", overlap))
-                      if value is not None}, before_answers=seconds)
+                      if value is not None}, before_answers=seconds, input_files=inputs)
         write_json(os.path.join(out, "stats.json"), stats)
         logger.info(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
@@ -187,3 +194,26 @@ def eval_set_source(spec) -> dict[str, Any]:
     file its path names (a packaged set without one is named by its source alone)."""
     path = spec.path
     return {"source": spec.source, "sha256": file_sha256(path) if path and os.path.isfile(path) else None}
+
+
+def input_files(settings) -> dict[str, dict[str, str]]:
+    """The files whose contents decide the dataset beyond the settings (RunSettings): {key: {"path", "sha256"}} for
+    data.path and target.chat_template, each when set."""
+    named = {"data.path": settings.data.path, "target.chat_template": settings.target.chat_template}
+    return {key: {"path": path, "sha256": file_sha256(os.path.expanduser(path))}
+            for key, path in named.items() if path}
+
+
+def changed_input_files(settings, data_dir: str) -> list[tuple[str, str, str, str]]:
+    """(key, path, recorded sha256, sha256 now) of each input file (input_files) whose contents differ from those
+    the data stage's stats.json in `data_dir` recorded; none when it recorded none (a build from before the record,
+    trusted as it is)."""
+    recorded = (read_json_or_none(os.path.join(data_dir, "stats.json")) or {}).get("input_files")
+    if not isinstance(recorded, dict):
+        return []
+    changed = []
+    for key, now in input_files(settings).items():
+        then = recorded.get(key)
+        if isinstance(then, dict) and then.get("sha256") != now["sha256"]:
+            changed.append((key, now["path"], str(then.get("sha256")), now["sha256"]))
+    return changed

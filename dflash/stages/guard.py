@@ -1,6 +1,7 @@
 """A trained run is never lost: a run folder that holds a drafter trained under other data, capture or train
 settings refuses a command of these settings before any work, unless it says overwrite=true (the train stage then
-moves that drafter aside, never deletes it). Other eval settings evaluate the same drafter and are fine."""
+moves that drafter aside, never deletes it); so does a command whose data stage would read an input file changed
+since the run's data stage. Other eval settings evaluate the same drafter and are fine."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from omegaconf import OmegaConf
 from dflash.config import fingerprints
 from dflash.config.errors import RunFolderError
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
+from dflash.stages.data import changed_input_files
 from dflash.stages.train import SETTINGS_KEY, TrainStage
 
 
@@ -34,27 +36,51 @@ def trained_keys(train: TrainStage) -> tuple[str, str | None] | None:
 
 
 def refuse_other_trained_settings(train: TrainStage) -> None:
-    """RunFolderError (one line naming what changed and the two ways on) when the run folder's trained drafter is
-    of other data, capture or train settings than this command's."""
+    """RunFolderError (one line naming what changed and the ways on) when the run folder's trained drafter is of
+    other data, capture or train settings than this command's, or when this command's data stage would read an
+    input file (data.path, target.chat_template) whose contents changed since the run's data stage."""
     run = train.context
     trained = trained_keys(train)
     if run.settings.overwrite or trained is None:
         return
     # The settings alone when recorded: the data stage may not have (re)made its files yet.
-    if trained[1] == fingerprints.settings_fingerprint(run.settings) or \
-            trained[1] is None and trained[0] == train.checkpoint_fingerprint():
-        return
-    old = None
+    if not (trained[1] == fingerprints.settings_fingerprint(run.settings) or
+            trained[1] is None and trained[0] == train.checkpoint_fingerprint()):
+        config, changes = trained_config(train)
+        shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+        if not set(run.settings.stages) & {"data", "capture", "train"}:
+            # overwrite=true cannot help a command that trains nothing: it needs the drafter's own settings.
+            raise RunFolderError(
+                f"{run.run_dir} holds a drafter trained with other settings than this command's "
+                f"({shown or 'see ' + config}); nothing was changed. This command trains nothing: give it the "
+                f"overrides the drafter was trained with (its settings: {config}), e.g. the +experiment= of its "
+                f"training command")
+        raise RunFolderError(f"{run.run_dir} holds a drafter trained with other settings ({shown or 'see ' + config});"
+                             f" nothing was changed. {ways_on(train, 'train these settings')}")
+    changed = changed_input_files(run.settings, run.dirs["data"]) if "data" in run.settings.stages else []
+    if changed:
+        key, path, recorded, now = changed[0]
+        raise RunFolderError(
+            f"{key} {path} changed since this run's data stage (sha256 {recorded[:12]}... -> {now[:12]}...), whose "
+            f"data trained the drafter in {run.run_dir}; nothing was changed. "
+            f"{ways_on(train, 'train on the file as it is now')}")
+
+
+def trained_config(train: TrainStage) -> tuple[str, list[str]]:
+    """(the config.yaml of the run folder's trained drafter, `key: trained -> now` of each data, capture or train
+    setting of this command that differs from it); the changes are unknown (none) when no config.yaml reads."""
+    run = train.context
     for path in (os.path.join(train.checkpoints, "config.yaml"), os.path.join(run.run_dir, "config.yaml")):
         if os.path.exists(path):
             old = OmegaConf.to_container(OmegaConf.load(path))
-            break
-    changes = fingerprints.training_changes(old, run.settings) if isinstance(old, dict) else []
-    shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
-    parent, name = os.path.split(run.run_dir)
+            return path, fingerprints.training_changes(old, run.settings) if isinstance(old, dict) else []
+    return os.path.join(run.run_dir, "config.yaml"), []
+
+
+def ways_on(train: TrainStage, doing: str) -> str:
+    """The two ways on, for a refused command that would do `doing`: another run folder, or overwrite=true."""
+    parent, name = os.path.split(train.context.run_dir)
     free = next(f"{name}-{k}" for k in range(2, 10_000) if not os.path.exists(os.path.join(parent, f"{name}-{k}")))
-    raise RunFolderError(
-        f"{run.run_dir} holds a drafter trained with other settings ({shown or 'see its config.yaml'}); nothing "
-        f"was changed. To train these settings beside it, run the same command with name={free} (or another "
-        f"run_dir); to move the trained drafter aside (kept in {train.checkpoints}.<its fingerprint>) and train "
-        f"these settings in its place, add overwrite=true")
+    return (f"To {doing} beside it, run the same command with name={free} (or another run_dir); to move the trained "
+            f"drafter aside (kept in {train.checkpoints}.<its fingerprint>) and {doing} in its place, add "
+            f"overwrite=true")

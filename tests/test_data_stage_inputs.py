@@ -1,0 +1,87 @@
+"""The data stage's input files: the prompt file (data.path) and the chat template file (target.chat_template) are
+recorded by their sha256 in data/stats.json, and an edit to either rebuilds the dataset (the answers of unchanged
+prompts from the journal), and so reruns the capture that reads it."""
+
+import json
+
+from dflash.config import compose
+from dflash.pipeline import Pipeline
+from dflash.data.dataset import load_dataset_dir
+from dflash.run_files import file_sha256, read_json, write_json
+
+TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def prompt_file(path, texts):
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n" for i, text in enumerate(texts)))
+    return path
+
+
+def data_command(tmp_path, *extra):
+    prompts = tmp_path / "prompts.jsonl"
+    return ["+experiment=tiny", "show_progress=false", "stages=[data]", f"run_dir={tmp_path / 'run'}",
+            "data.source=file", f"data.path={prompts}", "data.limit=null", "data.eval_overlap_ngram=0", *extra]
+
+
+def count_generated(monkeypatch) -> list[int]:
+    """The number of prompts each regenerate call answers (not reused from the journal)."""
+    import dflash.data.regenerate as regenerate
+
+    answered, sort_out = [], regenerate._sort_out
+
+    def counted(*args, **kwargs):
+        work = sort_out(*args, **kwargs)
+        answered.append(len(work.pending))
+        return work
+
+    monkeypatch.setattr(regenerate, "_sort_out", counted)
+    return answered
+
+
+def test_an_edited_prompt_file_rebuilds_the_dataset_from_the_journal(tmp_path, monkeypatch, capsys):
+    path = prompt_file(tmp_path / "prompts.jsonl", [f"Tell me about the number {i}." for i in range(4)])
+    command = data_command(tmp_path)
+    Pipeline(compose(command)).run()
+    data = tmp_path / "run" / "data"
+    recorded = read_json(str(data / "stats.json"))["input_files"]
+    assert recorded == {"data.path": {"path": str(path), "sha256": file_sha256(path)}}
+    answered = count_generated(monkeypatch)
+    prompt_file(path, [f"Tell me about the number {i}." for i in range(4)] + ["A new question?"])
+    capsys.readouterr()
+    Pipeline(compose(command)).run()
+    shown = "".join(capsys.readouterr()).splitlines()
+    assert len([line for line in shown if f"data.path {path} changed since the dataset was built" in line]) == 1
+    assert answered == [1]  # only the new prompt: the others' answers come from the journal
+    assert sorted(load_dataset_dir(str(data))["id"]) == [f"p{i}" for i in range(5)]
+    Pipeline(compose(command)).run()  # recorded now: up to date
+    assert answered == [1]
+
+
+def test_an_edited_chat_template_file_rebuilds_the_dataset_and_the_capture_after_it(tmp_path):
+    prompt_file(tmp_path / "prompts.jsonl", [f"Tell me about the number {i}." for i in range(4)])
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    command = data_command(tmp_path, f"target.chat_template={template}")
+    Pipeline(compose(command)).run()
+    capture = Pipeline(compose(command)).capture.fingerprint()
+    before = read_json(str(tmp_path / "run" / "data" / "stats.json"))
+    assert before["input_files"]["target.chat_template"]["sha256"] == file_sha256(template)
+    template.write_text(TEMPLATE.replace("'<|im_start|>' + message['role']", "'<|im_start|>' + message['role'] + ':'"))
+    assert not Pipeline(compose(command)).data.current()
+    Pipeline(compose(command)).run()
+    after = read_json(str(tmp_path / "run" / "data" / "stats.json"))
+    assert after["fingerprint"] != before["fingerprint"] and after["stale"] == 4
+    assert Pipeline(compose(command)).capture.fingerprint() != capture  # what follows the data stage reruns
+
+
+def test_a_build_that_recorded_no_input_files_is_trusted(tmp_path):
+    path = prompt_file(tmp_path / "prompts.jsonl", [f"Tell me about the number {i}." for i in range(4)])
+    command = data_command(tmp_path)
+    Pipeline(compose(command)).run()
+    stats_path = str(tmp_path / "run" / "data" / "stats.json")
+    stats = read_json(stats_path)
+    del stats["input_files"]  # as a data stage wrote it before the files were recorded
+    write_json(stats_path, stats)
+    prompt_file(path, ["Another question."])
+    assert Pipeline(compose(command)).data.current()
