@@ -763,7 +763,8 @@ class RunSettings:
     show_progress: bool = setting(True, affects=(), doc="progress bars")
     overwrite: bool = setting(False, affects=(),
                               doc="run_dir holds a drafter trained under other data, capture or train settings: "
-                                  "move it aside (kept, never deleted) and train these settings there; without it "
+                                  "move it aside (kept, never deleted) with its logs, exports and the evaluation "
+                                  "folders of that drafter in run_dir, and train these settings there; without it "
                                   "such a command is refused")
     target: TargetSettings = setting(MISSING, affects=(), doc="group target")
     drafter: DrafterSettings = setting(affects=(), factory=DrafterSettings, doc="group drafter")
