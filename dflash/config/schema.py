@@ -265,7 +265,8 @@ class DataSettings:
     seed: int = setting(0, affects=("data",), doc="prompt subset and sampling seed")
     max_length: int = setting(320, affects=("data",), doc="prompt + response tokens")
     max_new_tokens: int = setting(96, affects=("data",), doc="response tokens at most")
-    batch_size: int = setting(24, affects=(), doc="answers generated together (each prompt samples its own stream)")
+    batch_size: int = setting(24, affects=(), doc="answers generated together (the static engine samples each "
+                                                  "prompt's own stream; under data.engine=hf a batch shares one seed)")
     temperature: float = setting(0.0, affects=("data",), unused=_none_sampled,
                                  doc="0 = greedy answers; > 0 = sampled (with top_p)")
     top_p: float = setting(1.0, affects=("data",), unused=_greedy_or_none_sampled,
