@@ -137,11 +137,13 @@ class CaptureStage(Stage):
             clear_done(self.out)
 
     def describe_streamed(self, mode: str, num_samples: int, layer_ids: list[int]) -> str:
-        """online.json / colocated.json: what the train stage's capture ranks and trainers need."""
+        """online.json / colocated.json: what the train stage's capture ranks and trainers need. The data they read
+        is this run folder's data stage output, not a path recorded here: that would go stale when the folder moves
+        (the readers ignore a "data" path in a record)."""
         c = self.context.settings.capture
         write_json(os.path.join(self.out, f"{mode}.json"), {
-            "data": self.data.out, "num_samples": num_samples, "target_layer_ids": layer_ids,
-            "dtype": c.dtype, "batch_tokens": c.batch_tokens})
+            "num_samples": num_samples, "target_layer_ids": layer_ids, "dtype": c.dtype,
+            "batch_tokens": c.batch_tokens})
         return f"{num_samples} samples whose features are made during training ({mode} capture)"
 
     def capture_store(self, dataset, layer_ids: list[int], key: str) -> str:

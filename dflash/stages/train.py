@@ -294,7 +294,8 @@ class TrainStage(Stage):
             if settings.capture.mode == "online":
                 from dflash.train.rank_capture import RankCapture
 
-                online = RankCapture(self.link, settings.capture, self.capture.out, self.checkpoints, run.run_dir)
+                online = RankCapture(self.link, settings.capture, self.capture.out, self.checkpoints, run.run_dir,
+                                     data=self.capture.data.out)
                 store = online.source(settings.train, rank, world_size, lengths)
             elif settings.capture.mode == "colocated":
                 store = self.colocated_source()
@@ -351,7 +352,8 @@ class TrainStage(Stage):
         return target_layers_compiled(self.context.target)
 
     def colocated_source(self):
-        """This rank's ColocatedFeatureSource: the target on this rank's device makes each micro-batch's features."""
+        """This rank's ColocatedFeatureSource: the target on this rank's device makes each micro-batch's features
+        from this run folder's data (not a "data" path in colocated.json: it is stale once the folder moved)."""
         from dflash.data.dataset import load_dataset_dir
         from dflash.extract.colocated import ColocatedFeatureSource
 
@@ -359,8 +361,9 @@ class TrainStage(Stage):
         t = self.context.settings.train
         # The KL loss and the target's labels both read the target's final hidden states.
         final_hidden = t.kl_weight > 0 or t.labels == "target"
-        return ColocatedFeatureSource(self.context.target, load_dataset_dir(info["data"]), info["target_layer_ids"],
-                                      info["dtype"], final_hidden=final_hidden)
+        dataset = load_dataset_dir(self.capture.data.out)
+        return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
+                                      final_hidden=final_hidden)
 
 
 def eval_folders(folder: str, drafter: str | None = None) -> list[str]:

@@ -28,7 +28,8 @@ def choose_feature_cache(capture, *, run_dir: str, info: dict, hidden_size: int,
     """{"cache": on, "dir": its folder, "checkpoint": checkpoint_key}, also written to capture_logs/cache.json.
 
     capture: the online capture settings (cache, cache_dir, cache_budget_bytes, dtype); info: the capture stage's
-    online.json (data folder, taps); epochs: of training (one epoch has no later epoch to read a cache: off).
+    online.json (taps) with "data", this run's data folder; epochs: of training (one epoch has no later epoch to
+    read a cache: off).
     """
     log_dir = os.path.join(run_dir, "capture_logs")
     cache_dir = os.path.abspath(str(capture.cache_dir or os.path.join(run_dir, "feature_cache")))

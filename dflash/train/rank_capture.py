@@ -62,20 +62,24 @@ def check_same_plan(plan: BatchPlan, announced: dict, rank: int) -> None:
 
 
 class RankCapture:
-    """`features`: the capture stage's folder (online.json); `capture`: the capture settings."""
+    """`features`: the capture stage's folder (online.json); `capture`: the capture settings; `data`: the data stage's
+    folder of this run, by default the `data` folder beside `features` (as in a run folder)."""
 
-    def __init__(self, link: RankLink | None, capture, features: str, checkpoint_dir: str, run_dir: str) -> None:
+    def __init__(self, link: RankLink | None, capture, features: str, checkpoint_dir: str, run_dir: str,
+                 data: str | None = None) -> None:
         if link is None:
             raise RuntimeError("capture=online: this process was started without capture ranks; run the command "
                                "under torchrun (python -m dflash.train, dflash.pipeline.run_command), not "
                                "Pipeline(...).run()")
         self.link, self.capture, self.features = link, capture, features
         self.checkpoint_dir, self.run_dir = checkpoint_dir, run_dir
+        self.data = data or os.path.join(os.path.dirname(os.path.abspath(features)), "data")
 
     def source(self, settings: TrainSettings, rank: int, world_size: int,
                lengths: tuple[int, ...] | None) -> LinkedFeatureSource:
         """This trainer rank's source; rank 0 first announces the stream (every rank reads the announcement)."""
-        info = read_json(os.path.join(self.features, "online.json"))
+        # This run's data, not a "data" path in online.json: that one is stale once the run folder moved.
+        info = {**read_json(os.path.join(self.features, "online.json")), "data": self.data}
         plan = plan_batches(settings, info["num_samples"], world_size, lengths)
         if rank == 0:
             c, first_step = self.capture, resume_step(self.checkpoint_dir)
