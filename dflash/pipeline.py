@@ -15,12 +15,13 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from typing import Any
 
 from omegaconf import DictConfig
 
 from dflash.config import ConfigError
-from dflash.console import console_copied_to
+from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.closing import closing_block
@@ -70,7 +71,13 @@ class Pipeline:
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
         with console_copied_to(log), third_party_records_to_run_log():
-            summary = self.run_stages()
+            try:
+                summary = self.run_stages()
+            except Exception as error:
+                # The console shows it once the copy has ended (run_command, or Python's traceback): the log,
+                # which holds everything the command printed, gets it here.
+                run_log().write(ending(error))
+                raise
             if run.rank == 0:
                 print(closing_block(run.run_dir, self.stages, log), flush=True)
         return summary
@@ -145,20 +152,35 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
         cfg.stages = stages
     try:
         return run_role(cfg)
-    except ConfigError as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except (ConfigError, TrainingDiverged) as error:
+        if full_error():
             raise
-        print(f"dflash: error: {error}", file=sys.stderr, flush=True)
+        print(ending(error), end="", file=sys.stderr, flush=True)
+        if isinstance(error, TrainingDiverged):
+            sys.exit(1)
         remove_hydra_only_dir(str(cfg.run_dir))
         sys.exit(2)
-    except TrainingDiverged as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"dflash: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
     except TrainingStopped as stopped:
-        print(f"[train] {stopped}", flush=True)
+        print(ending(stopped), end="", flush=True)
         sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable
+
+
+def full_error() -> bool:
+    """Whether a user error shows its traceback (HYDRA_FULL_ERROR=1) rather than one line."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def ending(error: Exception) -> str:
+    """What the command shows for the error that ends it: a stop's line, a user error's one line (run_command),
+    else the traceback."""
+    from dflash.train.divergence import TrainingDiverged
+    from dflash.train.stop_signal import TrainingStopped
+
+    if isinstance(error, TrainingStopped):
+        return f"[train] {error}\n"
+    if isinstance(error, (ConfigError, TrainingDiverged)) and not full_error():
+        return f"dflash: error: {error}\n"
+    return "".join(traceback.format_exception(error))
 
 
 def run_role(cfg: DictConfig) -> dict[str, Any] | None:
@@ -168,7 +190,9 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
 
     s = settings_from(cfg)
     c = s.capture
-    if c.mode != "online":
+    # Only training streams from the capture ranks (the capture stage merely prepares, on one process): a command
+    # without it, such as the data step of launch/one_node.sh or an evaluation, is one process running the pipeline.
+    if c.mode != "online" or TrainStage.name not in selected_stages(s.stages):
         return Pipeline(cfg).run()
     from dflash.extract.rank_link import capture_gpus, open_link
 

@@ -7,7 +7,8 @@
 # per capture worker of g GPUs (dflash/extract/rank_link.py); MAX_RESTARTS (default 3) restarts of the job after a
 # rank dies.
 # Usage: launch/one_node.sh [hydra overrides...]   e.g. launch/one_node.sh +experiment=qwen36 target.path=/models/x
-# DRY_RUN=1 prints the commands without running them.
+# DRY_RUN=1 prints the commands without running them; CAPTURE_ONLY=1 ends after the data and capture steps (a capture
+# node: launch/slurm_capture.sbatch).
 set -euo pipefail
 settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed config's settings as shell assignments
 eval "$settings"
@@ -19,7 +20,9 @@ ncapture=$(awk -F, '{print NF}' <<<"$capture_devices")
 nworkers=$((ncapture / gpus_per_worker))
 first_worker=$(cut -d, -f1-"$gpus_per_worker" <<<"$capture_devices")  # the GPUs of capture worker 0
 ntrain=$(awk -F, '{print NF}' <<<"$train_devices")
-if [ "$capture_mode" = online ] && [ -n "$ranks_per_node" ] && [ "$ranks_per_node" != "$nworkers" ]; then
+capture_only=${CAPTURE_ONLY:-0}
+if [ "$capture_only" != 1 ] && [ "$capture_mode" = online ] && [ -n "$ranks_per_node" ] \
+    && [ "$ranks_per_node" != "$nworkers" ]; then
   echo "one_node.sh: capture.ranks_per_node=$ranks_per_node, but capture.devices=[$capture_devices] makes" \
     "$nworkers capture rank(s) of $gpus_per_worker GPU(s) on this node: list them in capture.devices" >&2
   exit 2
@@ -30,6 +33,9 @@ if [ "$capture_mode" = offline ]; then
     -m dflash.train "$@" 'stages=[capture]'
 else  # online / colocated: the capture stage only prepares what the train stage's capture needs
   run env CUDA_VISIBLE_DEVICES="$first_worker" python -m dflash.train "$@" 'stages=[capture]'
+fi
+if [ "$capture_only" = 1 ]; then
+  exit 0
 fi
 if [ "$capture_mode" = online ]; then
   # One job: trainer ranks 0..ntrain-1 on train.devices (one GPU each), then one capture rank per capture worker of

@@ -33,6 +33,19 @@ def test_one_node_script_captures_with_one_process_per_capture_worker(tmp_path):
     assert json.loads((run_dir / "eval" / "summary.json").read_text())["overall"]["tau"] >= 1.0
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_one_node_script_trains_with_online_capture(tmp_path):
+    # Its data, capture and eval steps are one process each; only the train step is a job of trainer and capture
+    # ranks.
+    run_dir = tmp_path / "run"
+    done = one_node("capture=online", f"run_dir={run_dir}", "show_progress=false", "capture.devices=[1]",
+                    "train.devices=[0]", "logging.tensorboard=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "final").is_dir()
+    assert json.loads((run_dir / "eval" / "summary.json").read_text())["overall"]["tau"] >= 1.0
+
+
 def commands(done: subprocess.CompletedProcess) -> list[str]:
     assert done.returncode == 0, done.stderr[-3000:]
     return [line for line in done.stdout.splitlines() if line.startswith("+ env ")]
@@ -132,3 +145,19 @@ def test_dry_run_of_the_slurm_job_runs_multi_node_on_every_node(tmp_path):
     assert [line.split("--node_rank ")[1].split()[0] for line in nodes] == ["0", "1"]
     assert all("--nproc_per_node 8 --max-restarts 3 --rdzv_backend c10d --rdzv_endpoint nodeA:29500 " in line
                for line in nodes)
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_slurm_capture_job_captures_with_one_process_per_capture_gpu(tmp_path):
+    """An srun stand-in that runs its command once, as one task on one node does."""
+    (tmp_path / "srun").write_text('#!/usr/bin/env bash\nexec "$@"\n')
+    (tmp_path / "srun").chmod(0o755)
+    env = {**ENV, "DRY_RUN": "1", "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO)}
+    run_dir = tmp_path / "with space" / "run"  # an override with a space reaches every command whole
+    done = subprocess.run(["bash", str(REPO / "launch" / "slurm_capture.sbatch"), "+experiment=tiny",
+                           f"run_dir={run_dir}", "capture.devices=[0,1,2,3,4,5,6,7]"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    data, capture = commands(done)  # data and capture only: the trainer job trains
+    assert data.startswith("+ env CUDA_VISIBLE_DEVICES=0 python -m dflash.train") and "stages=[data]" in data
+    assert capture.startswith("+ env CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 torchrun --standalone --nproc_per_node 8 ")
+    assert f"run_dir={run_dir} " in capture and "stages=[capture]" in capture
