@@ -79,15 +79,19 @@ def test_a_target_whose_logits_differ_from_its_transform_is_refused(monkeypatch)
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "deepseek_v3", "granite"])
 def test_live_decoding_is_lossless(family, make_drafter):
-    adapter = tiny(family)
+    assert_live_decoding_lossless(tiny(family), make_drafter)
+
+
+def assert_live_decoding_lossless(adapter, make_drafter, new_tokens=20):
+    """Live decoding with a random drafter gives the target's own greedy continuation."""
     drafter = make_drafter(adapter, block_size=5)
     prompt = chat(adapter, "What is two plus two?")[0].tolist()
     tokens = list(prompt)
     with torch.no_grad():
-        for _ in range(20):
+        for _ in range(new_tokens):
             tokens.append(int(adapter.model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    result = live_decode(drafter, adapter, prompt, max_new_tokens=20, stop_token_ids=[], target_engine=LIVE_ENGINE,
-                         draft_sampling=DRAFT_SAMPLING)
+    result = live_decode(drafter, adapter, prompt, max_new_tokens=new_tokens, stop_token_ids=[],
+                         target_engine=LIVE_ENGINE, draft_sampling=DRAFT_SAMPLING)
     assert result.continuation == tokens[len(prompt):]
 
 
@@ -127,3 +131,55 @@ def test_packed_capture_equals_each_sequence_alone(family):
     alone = torch.cat([adapter.capture(torch.tensor([s]), None, [1, 5])[0] for s in sequences])
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert (adapter.packing_problem() is not None) == (family in ("gemma2", "gpt_oss", "stablelm"))
+
+
+def llama4_text(tok):
+    tokens = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = transformers.Llama4TextConfig(**{**_SMALL, **tokens, "num_hidden_layers": 8}, intermediate_size_mlp=128,
+                                           num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=8)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_llama4_text_is_taken_through_its_model_stack(make_drafter):
+    """Llama4ForCausalLM.get_decoder() is the LM itself; its stack at `.model` is taken. Its chunked attention
+    (chunks of 8, shorter than the sequences) is captured padded, and the static engines refuse it."""
+    tok = build_builtin_tokenizer()
+    adapter = wrap_model(llama4_text(tok), tok)
+    assert type(adapter) is GenericTargetAdapter and adapter.text_model() is adapter.model.model
+    ids = chat(adapter)
+    with torch.no_grad():
+        out = adapter.model(input_ids=ids, output_hidden_states=True)
+    features, final = adapter.capture_with_final(ids, None, [0, 2])
+    torch.testing.assert_close(features, torch.cat([out.hidden_states[1], out.hidden_states[3]], dim=-1),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(final, out.hidden_states[-1], rtol=0, atol=0)
+    sequences = [ids[0, :7].tolist(), ids[0].tolist()]
+    packed = adapter.capture_packed(torch.tensor(sum(sequences, [])), [len(s) for s in sequences], [1, 3])
+    alone = torch.cat([adapter.capture(torch.tensor([s]), None, [1, 3])[0] for s in sequences])
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert "chunked" in adapter.packing_problem()
+    assert "llama4_text" in adapter.static_layout_problem()
+    assert_live_decoding_lossless(adapter, make_drafter)
+
+
+def gemma3n_text_config():
+    return transformers.Gemma3nTextConfig(**_SMALL, laurel_rank=8, hidden_size_per_layer_input=8,
+                                          vocab_size_per_layer_input=320, num_kv_shared_layers=0,
+                                          layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                          activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2)
+
+
+def test_layers_that_output_stacked_streams_are_refused(monkeypatch):
+    """Gemma 3n's decoder layers output AltUp's streams [altup, b, T, H]: refused by its config before loading, and
+    by the adapter's own forward when a family's layers output any other shape than [b, T, H]."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(gemma3n_text_config())
+    with pytest.raises(UnsupportedTarget, match=r"'gemma3n_text' \(Gemma3nForCausalLM\) runs AltUp: its decoder "
+                                                r"layers output 2 stacked streams"):
+        adapter_for(model)
+    monkeypatch.setattr(generic, "unsupported_reason", lambda model: None)
+    model = AutoModelForCausalLM.from_config(gemma3n_text_config(), dtype=torch.float32)
+    with pytest.raises(UnsupportedTarget, match=r"its decoder layers output a tensor of shape \(2, 1, 8, 64\), not "
+                                                r"the \[batch, tokens, hidden\] \(1, 8, 64\)"):
+        GenericTargetAdapter(model, build_builtin_tokenizer())

@@ -361,7 +361,8 @@ class TargetAdapter:
 
     def packing_problem(self) -> str | None:
         """Why packed capture would not equal a plain forward on this target (attention sinks, soft-capped
-        attention logits: packed_attention_forward has neither; layers that drop the offsets), or None."""
+        attention logits, chunked attention: packed_attention_forward has none of them; query scales taken from
+        the row's positions; layers that drop the offsets), or None."""
         if self.unpacked_reason is not None:
             return self.unpacked_reason
         softcap = getattr(self.config, "attn_logit_softcapping", None)
@@ -369,6 +370,12 @@ class TargetAdapter:
             return f"its attention soft-caps its logits (attn_logit_softcapping={softcap})"
         if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self.decoder_layers().modules()):
             return "its attention has sinks"
+        if "chunked_attention" in (getattr(self.config, "layer_types", None) or []):
+            chunk = getattr(self.config, "attention_chunk_size", None)
+            return f"its attention is chunked (attention_chunk_size={chunk})"
+        if getattr(self.config, "attn_temperature_tuning", False):
+            # Llama 4's NoPE layers scale each query by its index in the row, not in its own sequence.
+            return "its NoPE layers scale their queries by the token's place in the row (attn_temperature_tuning)"
         return None
 
     def _capture_padded(self, input_ids: torch.Tensor, lengths: list[int], layer_ids: list[int]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Any decoder-only causal LM of transformers with the standard layout, taken without a registry line.
 
-The standard layout: `model.get_decoder()` is the decoder stack; it holds one nn.ModuleList of
-`config.num_hidden_layers` decoder layers and a final norm whose output is the lm_head's input;
+The standard layout: `model.get_decoder()` (or `model.model` where that returns the LM itself) is the decoder
+stack; it holds one nn.ModuleList of `config.num_hidden_layers` decoder layers and a final norm whose output is
+the lm_head's input;
 `get_input_embeddings()` and `get_output_embeddings()` are the embedding and the head. Families whose layers keep
 a recurrent state (Mamba mixers, GDN, short convolutions) are not taken: speculative decoding rolls a target back
 after a rejected draft, which needs an adapter that snapshots that state (HybridTargetAdapter does it for GDN).
@@ -32,14 +33,24 @@ FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "norm_f", "ln
 
 
 def decoder_stack(model: nn.Module) -> nn.Module | None:
-    """`model.get_decoder()`, or None when the model has none."""
+    """The decoder stack: `model.get_decoder()`, else `model.model` or `model.base_model` when that one holds the
+    layer list; None when neither is there."""
     get_decoder = getattr(model, "get_decoder", None)
-    if get_decoder is None:
-        return None
     try:
-        return get_decoder()
+        decoder = get_decoder() if get_decoder is not None else None
     except (AttributeError, NotImplementedError):
-        return None
+        decoder = None
+    if decoder is not None and decoder is not model:
+        return decoder
+    # Some text LMs' get_decoder() returns the LM itself (Llama4ForCausalLM in transformers 5.25), though their
+    # decoder stack sits at `.model` as in any other *ForCausalLM.
+    num_layers = int(getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0)
+    for name in ("model", "base_model"):
+        candidate = getattr(model, name, None)
+        if isinstance(candidate, nn.Module) and candidate is not model and \
+                layer_list(candidate, num_layers) is not None:
+            return candidate
+    return None
 
 
 def layer_list(decoder: nn.Module, num_layers: int) -> nn.ModuleList | None:
@@ -86,7 +97,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"{family} is an encoder-decoder model; a target must be a decoder-only causal LM"
     decoder = decoder_stack(model)
     if decoder is None:
-        return f"{family} has no get_decoder(): the generic adapter needs the decoder stack"
+        return f"{family} has no decoder stack (get_decoder(), .model or .base_model) holding its layer list"
     num_layers = int(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0)
     layers = layer_list(decoder, num_layers)
     if layers is None:
@@ -95,6 +106,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
     head = model.get_output_embeddings()
     if head is None or model.get_input_embeddings() is None:
         return f"{family} has no input or output embeddings (get_input_embeddings / get_output_embeddings)"
+    altup = getattr(config.get_text_config(), "altup_num_inputs", None)
+    if altup:
+        return (f"{family} runs AltUp: its decoder layers output {altup} stacked streams [altup, batch, tokens, "
+                "hidden] (config.altup_num_inputs), not the [batch, tokens, hidden] state a tap captures")
     if getattr(head, "bias", None) is not None:
         return f"{family} has an lm_head bias, which the drafter's shared head (a weight only) does not carry"
     state = stateful_part(model, layers)
@@ -114,8 +129,9 @@ class UnsupportedTarget(ValueError):
 class GenericTargetAdapter(TargetAdapter):
     """A decoder-only *ForCausalLM found through `get_decoder()` (module docstring).
 
-    At construction one short forward checks that the model's logits are `logit_transform(final @ lm_head^T)`: a
-    family that does something else to its logits is refused rather than trained against the wrong distribution.
+    At construction one short forward checks that the model's logits are `logit_transform(final @ lm_head^T)` and
+    that its decoder layers output [batch, tokens, hidden]: a family that does something else to its logits or its
+    layer outputs is refused rather than trained against the wrong distribution or features.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
@@ -132,15 +148,22 @@ class GenericTargetAdapter(TargetAdapter):
         return final_norm_of(self.text_model())
 
     def check_logits(self, length: int = 8) -> None:
-        """UnsupportedTarget unless the model's logits of a few tokens equal the head applied to the final state."""
+        """UnsupportedTarget unless the model's logits of a few tokens equal the head applied to the final state and
+        its first decoder layer's output has the final state's shape."""
         ids = torch.arange(length, device=self.device)[None] % self.vocab_size
         with torch.no_grad():
             # The decoder stack's own output, not output_hidden_states: asking for that once leaves transformers'
             # output-recording hooks on the layers, which torch.compile of the static engine's step cannot trace.
-            final = self.text_model()(input_ids=ids, use_cache=False).last_hidden_state
+            with self.taps([0]) as taps:
+                final = self.text_model()(input_ids=ids, use_cache=False).last_hidden_state
             head = self.lm_head_weight()
             ours = self.logit_transform(final.to(device=head.device, dtype=torch.float32) @ head.float().T)
             theirs = self.model(input_ids=ids, use_cache=False).logits
+        if tuple(taps[0].shape) != tuple(final.shape):
+            raise UnsupportedTarget(
+                f"target {self.model_type!r} ({type(self.model).__name__}): its decoder layers output a tensor of "
+                f"shape {tuple(taps[0].shape)}, not the [batch, tokens, hidden] {tuple(final.shape)} of its final "
+                "state, which a tap captures")
         theirs = theirs.to(device=ours.device, dtype=torch.float32)
         error = float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-6))
         if not error <= (1e-4 if self.dtype == torch.float32 else 2e-2):

@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from dflash.config.target_path import is_gguf_path
 from dflash.models.targets.gguf import cached_folder, is_converted
+
+# What transformers raises on a config it rejects: a missing or unparsable file, a bad field, and its strict
+# dataclasses' validators (e.g. layer_types longer than num_hidden_layers in a pruned checkpoint).
+CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
 
 
 def checkpoint_config(path: str, cache_dir: str | None = None) -> Any:
@@ -35,15 +40,23 @@ def target_problem(path: str, cache_dir: str | None = None) -> str | None:
 
     try:
         config = checkpoint_config(path, cache_dir)
-    except (OSError, ValueError, KeyError) as error:
-        return f"its config cannot be read: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    except CONFIG_ERRORS as error:
+        return f"its config cannot be read: {first_line(error)}"
     try:
         model = empty_model(config, torch.bfloat16)
-    except (ValueError, KeyError) as error:
+    except CONFIG_ERRORS as error:
         return f"transformers cannot build a causal LM of model_type {getattr(config, 'model_type', '?')!r}: " \
-               f"{str(error).splitlines()[0]}"
+               f"{first_line(error)}"
     try:
         adapter_for(model)
     except UnsupportedTarget as error:
         return str(error)
     return None
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of what went wrong: the message of the error `error` was raised from when there is one
+    (huggingface_hub's validation error heads the ValueError that names the field), else of `error` itself."""
+    reason = error.__cause__ or error
+    lines = str(reason).strip().splitlines()
+    return lines[0] if lines else type(reason).__name__
