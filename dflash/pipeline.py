@@ -142,9 +142,10 @@ def timed(stage: str, work):
 
 
 def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, Any] | None:
-    """What the commands run: the pipeline over `stages` (default: cfg.stages). A bad setting, or a run folder that
-    holds a drafter of other settings, ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1 shows the
-    traceback) before any work; so does training that diverged (exit status 1)."""
+    """What the commands run: the pipeline over `stages` (default: cfg.stages). A user error (ConfigError: a bad
+    setting or a run folder that holds a drafter of other settings, found before any work; a bad prompt record or a
+    corrupt checkpoint, found when it is read) ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1
+    shows the traceback); so does training that diverged (exit status 1)."""
     from dflash.train.divergence import TrainingDiverged
     from dflash.train.stop_signal import TrainingStopped
 

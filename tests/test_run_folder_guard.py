@@ -133,3 +133,18 @@ def test_another_rank_count_keeps_a_finished_training_and_refuses_to_resume_an_u
     with pytest.raises(RunFolderError, match=r"trained on 1 rank\(s\) with a global batch of (\d+) samples; this "
                                              r"launch of 2 rank\(s\) has"):
         two.train.preflight(selected=True)
+
+
+def test_a_refusal_names_no_config_file_when_none_was_kept(tmp_path):
+    from dflash.config.errors import RunFolderError
+
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train]", "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    for config in (tmp_path / "config.yaml", tmp_path / "checkpoints" / "config.yaml"):
+        config.unlink()
+    with pytest.raises(RunFolderError, match=r"other settings \(its config.yaml was not kept\); nothing") as error:
+        Pipeline(compose(run[:-1] + ["train.epochs=2"])).run()
+    assert "see " not in str(error.value)
+    with pytest.raises(RunFolderError, match="This command trains nothing") as error:
+        Pipeline(compose(run[:-2] + ["stages=[eval]", "train.epochs=2"])).run()
+    assert "its settings:" not in str(error.value)

@@ -763,7 +763,8 @@ class RunSettings:
     device: str = setting("auto", affects=(), doc="auto = cuda when available, else cpu")
     show_progress: bool = setting(True, affects=(), doc="progress bars")
     overwrite: bool = setting(False, affects=(),
-                              doc="run_dir holds a drafter trained under other data, capture or train settings: "
+                              doc="run_dir holds a drafter trained under other data, capture or train settings "
+                                  "(or on a prompt or template file edited since): "
                                   "move it aside (kept, never deleted) with its logs, exports and the evaluation "
                                   "folders of that drafter in run_dir, and train these settings there; without it "
                                   "such a command is refused")

@@ -48,15 +48,16 @@ def refuse_other_trained_settings(train: TrainStage) -> None:
             trained[1] is None and trained[0] == train.checkpoint_fingerprint()):
         config, changes = trained_config(train)
         shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+        shown = shown or (f"see {config}" if config else "its config.yaml was not kept")
         if not set(run.settings.stages) & {"data", "capture", "train"}:
             # overwrite=true cannot help a command that trains nothing: it needs the drafter's own settings.
             raise RunFolderError(
                 f"{run.run_dir} holds a drafter trained with other settings than this command's "
-                f"({shown or 'see ' + config}); nothing was changed. This command trains nothing: give it the "
-                f"overrides the drafter was trained with (its settings: {config}), e.g. the +experiment= of its "
+                f"({shown}); nothing was changed. This command trains nothing: give it the overrides the drafter "
+                f"was trained with{f' (its settings: {config})' if config else ''}, e.g. the +experiment= of its "
                 f"training command")
-        raise RunFolderError(f"{run.run_dir} holds a drafter trained with other settings ({shown or 'see ' + config});"
-                             f" nothing was changed. {ways_on(train, 'train these settings')}")
+        raise RunFolderError(f"{run.run_dir} holds a drafter trained with other settings ({shown}); nothing was "
+                             f"changed. {ways_on(train, 'train these settings')}")
     changed = changed_input_files(run.settings, run.dirs["data"]) if "data" in run.settings.stages else []
     if changed:
         key, path, recorded, now = changed[0]
@@ -66,15 +67,15 @@ def refuse_other_trained_settings(train: TrainStage) -> None:
             f"{ways_on(train, 'train on the file as it is now')}")
 
 
-def trained_config(train: TrainStage) -> tuple[str, list[str]]:
+def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
     """(the config.yaml of the run folder's trained drafter, `key: trained -> now` of each data, capture or train
-    setting of this command that differs from it); the changes are unknown (none) when no config.yaml reads."""
+    setting of this command that differs from it); (None, no changes: unknown) when no config.yaml was kept."""
     run = train.context
     for path in (os.path.join(train.checkpoints, "config.yaml"), os.path.join(run.run_dir, "config.yaml")):
         if os.path.exists(path):
             old = OmegaConf.to_container(OmegaConf.load(path))
             return path, fingerprints.training_changes(old, run.settings) if isinstance(old, dict) else []
-    return os.path.join(run.run_dir, "config.yaml"), []
+    return None, []
 
 
 def ways_on(train: TrainStage, doing: str) -> str:
