@@ -200,8 +200,22 @@ def input_files(settings) -> dict[str, dict[str, str]]:
     """The files whose contents decide the dataset beyond the settings (RunSettings): {key: {"path", "sha256"}} for
     data.path and target.chat_template, each when set."""
     named = {"data.path": settings.data.path, "target.chat_template": settings.target.chat_template}
-    return {key: {"path": path, "sha256": file_sha256(os.path.expanduser(path))}
+    return {key: {"path": path, "sha256": _sha256_once(os.path.expanduser(path))}
             for key, path in named.items() if path}
+
+
+# sha256 by (path, size, modification time): a command asks for an input file's hash several times (the run
+# folder's guard, the data stage's checks and its run); an edit changes the key, so it is hashed again.
+_hashes: dict[tuple[str, int, int], str] = {}
+
+
+def _sha256_once(path: str) -> str:
+    """file_sha256 of `path`, read once per process for each version of the file."""
+    status = os.stat(path)
+    key = (os.path.abspath(path), status.st_size, status.st_mtime_ns)
+    if key not in _hashes:
+        _hashes[key] = file_sha256(path)
+    return _hashes[key]
 
 
 def changed_input_files(settings, data_dir: str) -> list[tuple[str, str, str, str]]:
