@@ -75,6 +75,39 @@ def test_rerun_skips_finished_stages(tiny_run, monkeypatch):
     assert again["overall"]["tau"] == summary["overall"]["tau"]
 
 
+def test_a_copied_run_folder_is_up_to_date_evaluation_included(tiny_run, tmp_path, monkeypatch):
+    """Every stage's fingerprint names no folder: a run folder copied elsewhere (or moved) is a finished run there,
+    its evaluation kept. The evaluation once named its drafter by absolute path and ran again."""
+    run_dir = tmp_path / "copied"
+    shutil.copytree(tiny_run[0], run_dir)
+    evaluated = (run_dir / "eval" / "summary.json").read_bytes()
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    for work in ("dflash.data.dataset.build_dataset", "dflash.extract.capture.capture_dataset",
+                 "dflash.train.loop.train", "dflash.eval.export.export_zlab", "dflash.eval.evaluate.evaluate"):
+        monkeypatch.setattr(work, must_not_run)
+    again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert again["overall"] == tiny_run[1]["overall"] and (run_dir / "eval" / "summary.json").read_bytes() == evaluated
+
+
+def test_an_evaluation_marked_with_its_drafter_s_absolute_path_is_kept(tiny_run, tmp_path, monkeypatch):
+    """Run folders evaluated before the evaluation named its drafter by folder name are not evaluated again."""
+    from dflash.config import fingerprints
+    from dflash.run_files import read_json, write_json
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run_dir)
+    marker = run_dir / "eval" / "done.json"
+    settings = settings_from(compose(TINY + [f"run_dir={run_dir}"]))
+    export_key = read_json(str(run_dir / "export" / "done.json"))["fingerprint"]
+    old_key = fingerprints.eval_fingerprint(settings, export_key, str(run_dir / "export"))
+    write_json(str(marker), {**read_json(str(marker)), "fingerprint": old_key})
+    monkeypatch.setattr("dflash.eval.evaluate.evaluate", lambda *args, **kwargs: pytest.fail("evaluated again"))
+    assert Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()["overall"] == tiny_run[1]["overall"]
+
+
 def test_a_finished_training_without_final_weights_or_checkpoints_is_never_retrained(tiny_run, tmp_path,
                                                                                       monkeypatch):
     """Final weights and every step checkpoint deleted (say, to free the disk): they come back from the whole
@@ -152,7 +185,6 @@ def test_a_run_folder_whose_train_stage_marked_its_export_resumes_without_traini
     is done; the export and the evaluation of it are kept as they were."""
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_run[0], run_dir)
-    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()  # evaluated here: an evaluation names its drafter's folder
     os.remove(run_dir / "checkpoints" / "done.json")
     shutil.rmtree(run_dir / "checkpoints" / "final")
     exported = {name: (run_dir / "export" / name).read_bytes() for name in os.listdir(run_dir / "export")}

@@ -123,10 +123,11 @@ def settings_fingerprint(s: RunSettings) -> str:
     return _checkpoint_fingerprint(effective, _capture_fingerprint(effective, {}))
 
 
-def eval_fingerprint(s: RunSettings, drafter_key: str, drafter_dir: str) -> str:
+def eval_fingerprint(s: RunSettings, drafter_key: str, drafter_folder: str) -> str:
+    """`drafter_key`: the measured drafter's own fingerprint; `drafter_folder`: which of the run's exports it is."""
     effective = in_effect(s)
     return fingerprint(drafter_key, stage_settings(effective.eval, "eval"), stage_settings(effective.target, "eval"),
-                       drafter_dir)
+                       drafter_folder)
 
 
 def _data_fingerprint(effective: RunSettings) -> str:

@@ -111,11 +111,17 @@ class EvalStage(Stage):
         return self.drafter if self.drafter is not None else self.drafter_to_evaluate()
 
     def fingerprint(self) -> str:
+        """Names the drafter's folder by its name in the run folder (export or export_best), so a moved or copied
+        run folder keeps its evaluation."""
         folder, drafter_key = self.measured()
-        return fingerprints.eval_fingerprint(self.context.settings, drafter_key, folder)
+        return fingerprints.eval_fingerprint(self.context.settings, drafter_key, os.path.basename(folder))
 
     def up_to_date(self) -> bool:
-        return stage_done(self.out, self.fingerprint()) and os.path.exists(os.path.join(self.out, "summary.json"))
+        folder, drafter_key = self.measured()
+        # Evaluations first named the drafter's absolute path: such a marker still counts where the folder is.
+        named_by_path = fingerprints.eval_fingerprint(self.context.settings, drafter_key, folder)
+        return (stage_done(self.out, self.fingerprint()) or stage_done(self.out, named_by_path)) \
+            and os.path.exists(os.path.join(self.out, "summary.json"))
 
     def kept(self) -> None:
         from dflash.eval.evaluate import format_table
