@@ -25,6 +25,16 @@ def losses(run_dir):
         return [json.loads(line)["loss"] for line in f]
 
 
+def forbid_every_stage(monkeypatch) -> None:
+    """Any stage's work fails the test: for commands that must find every stage finished."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    for work in ("dflash.data.dataset.build_dataset", "dflash.extract.capture.capture_dataset",
+                 "dflash.train.loop.train", "dflash.eval.export.export_zlab", "dflash.eval.evaluate.evaluate"):
+        monkeypatch.setattr(work, must_not_run)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("tiny"))
@@ -82,12 +92,7 @@ def test_a_copied_run_folder_is_up_to_date_evaluation_included(tiny_run, tmp_pat
     shutil.copytree(tiny_run[0], run_dir)
     evaluated = (run_dir / "eval" / "summary.json").read_bytes()
 
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("a finished stage ran again")
-
-    for work in ("dflash.data.dataset.build_dataset", "dflash.extract.capture.capture_dataset",
-                 "dflash.train.loop.train", "dflash.eval.export.export_zlab", "dflash.eval.evaluate.evaluate"):
-        monkeypatch.setattr(work, must_not_run)
+    forbid_every_stage(monkeypatch)
     again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
     assert again["overall"] == tiny_run[1]["overall"] and (run_dir / "eval" / "summary.json").read_bytes() == evaluated
 
@@ -190,12 +195,7 @@ def test_a_run_folder_whose_train_stage_marked_its_export_resumes_without_traini
     exported = {name: (run_dir / "export" / name).read_bytes() for name in os.listdir(run_dir / "export")}
     evaluated = (run_dir / "eval" / "summary.json").read_bytes()
 
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("a finished stage ran again")
-
-    for work in ("dflash.data.dataset.build_dataset", "dflash.extract.capture.capture_dataset",
-                 "dflash.train.loop.train", "dflash.eval.export.export_zlab", "dflash.eval.evaluate.evaluate"):
-        monkeypatch.setattr(work, must_not_run)
+    forbid_every_stage(monkeypatch)
     again = Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
     assert again["overall"] == tiny_run[1]["overall"] and (run_dir / "eval" / "summary.json").read_bytes() == evaluated
     assert {name: (run_dir / "export" / name).read_bytes() for name in exported} == exported
