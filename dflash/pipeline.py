@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 import time
-import traceback
 from typing import Any
 
 from omegaconf import DictConfig
@@ -25,6 +24,7 @@ from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.closing import closing_block
+from dflash.stages.command_ending import ending, full_error
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
@@ -164,24 +164,6 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     except TrainingStopped as stopped:
         print(ending(stopped), end="", flush=True)
         sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable
-
-
-def full_error() -> bool:
-    """Whether a user error shows its traceback (HYDRA_FULL_ERROR=1) rather than one line."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
-
-
-def ending(error: Exception) -> str:
-    """What the command shows for the error that ends it: a stop's line, a user error's one line (run_command),
-    else the traceback."""
-    from dflash.train.divergence import TrainingDiverged
-    from dflash.train.stop_signal import TrainingStopped
-
-    if isinstance(error, TrainingStopped):
-        return f"[train] {error}\n"
-    if isinstance(error, (ConfigError, TrainingDiverged)) and not full_error():
-        return f"dflash: error: {error}\n"
-    return "".join(traceback.format_exception(error))
 
 
 def run_role(cfg: DictConfig) -> dict[str, Any] | None:

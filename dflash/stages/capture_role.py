@@ -14,8 +14,9 @@ import time
 
 from omegaconf import DictConfig
 
-from dflash.console import EVERY_RANK, console_copied_to
+from dflash.console import EVERY_RANK, console_copied_to, run_log
 from dflash.extract.rank_link import RankLink
+from dflash.stages.command_ending import ending
 from dflash.stages.context import RunContext
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,11 @@ def serve_capture(cfg: DictConfig, link: RankLink) -> None:
     context.target_devices = [str(device) for device in link.devices]  # one GPU, or capture.gpus_per_worker of them
     started = time.strftime("%Y%m%d-%H%M%S")
     with console_copied_to(os.path.join(context.run_dir, "logs", f"{started}-capture-rank{link.rank}.log")):
-        _stream(context, link)
+        try:
+            _stream(context, link)
+        except Exception as error:
+            run_log().write(ending(error))  # the console shows it once the copy has ended
+            raise
 
 
 def _stream(context: RunContext, link: RankLink) -> None:

@@ -1,0 +1,26 @@
+"""What a command shows, and writes to its run's log, for the error that ends it: a stop's line, a user error's one
+line (the traceback with HYDRA_FULL_ERROR=1), else the traceback."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+from dflash.config import ConfigError
+
+
+def full_error() -> bool:
+    """Whether a user error shows its traceback (HYDRA_FULL_ERROR=1) rather than one line."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def ending(error: BaseException) -> str:
+    """The text that ends a command for `error`."""
+    from dflash.train.divergence import TrainingDiverged
+    from dflash.train.stop_signal import TrainingStopped
+
+    if isinstance(error, TrainingStopped):
+        return f"[train] {error}\n"
+    if isinstance(error, (ConfigError, TrainingDiverged)) and not full_error():
+        return f"dflash: error: {error}\n"
+    return "".join(traceback.format_exception(error))
