@@ -201,6 +201,9 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
     pad_id = adapter.tokenizer.pad_token_id if adapter.tokenizer.pad_token_id is not None else stop_ids[0]
     settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed, "stop_token_ids": stop_ids, "vocab": len(adapter.tokenizer)}
+    stop_strings = adapter.stop_strings()
+    if stop_strings:  # absent otherwise: journals written before it stay valid
+        settings["stop_strings"] = stop_strings
     if mixes_answers(temperature, sampled_share):  # absent otherwise: journals written before it stay valid
         settings["sampled_share"] = sampled_share
     # Greedy answers do not depend on the seed or top_p: a journal of other values answers the same.
@@ -230,7 +233,10 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
 
             parts = _answer_parts(work.pending, temperature, sampled_share, seed)
             results = itertools.chain.from_iterable(part_results(part, t) for t, part in parts if part)
-            tally = _journal_answers(journal, work.pending, results, stop_ids, max_length, batch_size, progress)
+            def cut(tokens: list[int], budget: int) -> tuple[list[int], str]:
+                return cut_response(tokens, set(stop_ids), budget, stop_strings, adapter.tokenizer)
+
+            tally = _journal_answers(journal, work.pending, results, cut, max_length, batch_size, progress)
     return _stats(len(prompts), engine, work, tally)
 
 
@@ -315,10 +321,12 @@ class _Tally:
 
 
 def _journal_answers(journal: Any, pending: list[tuple[Prompt, list[int]]],
-                     results: Iterator[tuple[int, list[int] | Exception]], stop_ids: list[int], max_length: int,
-                     batch_size: int, progress: GenerationProgress) -> _Tally:
+                     results: Iterator[tuple[int, list[int] | Exception]],
+                     cut: Callable[[list[int], int], tuple[list[int], str]], max_length: int, batch_size: int,
+                     progress: GenerationProgress) -> _Tally:
     """Journal every result (index into pending, new tokens or the exception) as done or failed, in groups of
-    `batch_size` (JournalBuffer), and end its answer on the progress bar."""
+    `batch_size` (JournalBuffer), each answer cut (new tokens, budget) at its end, and end it on the progress
+    bar."""
     tally, buffer = _Tally(), JournalBuffer(journal, every=batch_size)
     started = time.perf_counter()
     try:
@@ -330,7 +338,7 @@ def _journal_answers(journal: Any, pending: list[tuple[Prompt, list[int]]],
                 buffer.add({"id": p.id, "prompt_set": p.prompt_set, "status": "failed", "error": error})
                 progress.end(i, 0)
                 continue
-            response, finish = cut_response(out, set(stop_ids), max_length - len(ids_p))
+            response, finish = cut(out, max_length - len(ids_p))
             buffer.add({"id": p.id, "prompt_set": p.prompt_set, "status": "done", "prompt_len": len(ids_p),
                         "prompt_hash": prompt_hash(ids_p), "response_ids": response, "finish": finish})
             tally.done += 1

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from dflash.eval.metrics import PhaseTimer, StepTrace
 from dflash.inference.drafter_cache import KeysValues, block_hidden, context_keys_values
+from dflash.inference.generation import cut_at_stop_strings
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.targets.logit_transform import logits_from_hidden
 
@@ -75,7 +76,8 @@ def greedy_continuations(
     adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int], batch_size: int,
     engine: str = "auto",
 ) -> list[list[int]]:
-    """The target's greedy continuation of each prompt, ending with the first stop token or at max_new_tokens.
+    """The target's greedy continuation of each prompt, ending with the first stop token, before the first stop
+    string (adapter.stop_strings) or at max_new_tokens.
 
     engine: "hf" (model.generate), "static" (dflash.inference.static_decode) or "auto" (static on a CUDA target it
     supports, else hf). A prompt answered before under the same settings is not generated again.
@@ -88,7 +90,8 @@ def greedy_continuations(
     if missing:
         made = _generate_greedy(adapter, [list(k[0]) for k in missing], max_new_tokens=max_new_tokens,
                                 stop_token_ids=stop_token_ids, batch_size=batch_size, engine=engine)
-        answered.update(zip(missing, made))
+        answered.update((key, cut_at_stop_strings(tokens, adapter.stop_strings(), adapter.tokenizer)[0])
+                        for key, tokens in zip(missing, made))
     return [list(answered[k]) for k in keys]
 
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
+from dflash.inference.generation import batch_seed, cut_at_stop_strings, cut_response, generation_config, \
+    hf_generate
 from dflash.inference.static_decode import resolve_engine, static_generate
 from dflash.eval.expected_acceptance import ExpectedTrace, check_rule, expected_traces, head_logits
 from dflash.eval.metrics import PhaseTimer
@@ -25,18 +26,20 @@ from dflash.models.drafter import DFlashDraftModel
 def sampled_continuations(adapter, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: list[int],
                           temperature: float, seed: int, batch_size: int, engine: str = "auto") -> list[list[int]]:
     """The target's continuation of each prompt sampled at `temperature` (plain: no top-k / top-p), up to and
-    including its first stop token, at most max_new_tokens; seeded per prompt batch (hf) or per prompt (static)."""
+    including its first stop token (or before its first stop string), at most max_new_tokens; seeded per prompt
+    batch (hf) or per prompt (static)."""
     pad = pad_id(adapter, stop_token_ids)
     if resolve_engine(engine, adapter) == "static":
-        return static_generate(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
+        made = static_generate(adapter, prompts, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
                                pad_id=pad, batch_size=batch_size, temperature=temperature, seed=seed)
-    config = generation_config(max_new_tokens, list(stop_token_ids), pad, temperature, 1.0)
-    stops, results = set(stop_token_ids), []
-    for first in range(0, len(prompts), batch_size):
-        batch = prompts[first : first + batch_size]
-        rows = hf_generate(adapter, batch, config, pad, batch_seed(seed, [str(first)]))
-        results += [cut_response(row, stops, max_new_tokens)[0] for row in rows]
-    return results
+    else:
+        config = generation_config(max_new_tokens, list(stop_token_ids), pad, temperature, 1.0)
+        stops, made = set(stop_token_ids), []
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first : first + batch_size]
+            rows = hf_generate(adapter, batch, config, pad, batch_seed(seed, [str(first)]))
+            made += [cut_response(row, stops, max_new_tokens)[0] for row in rows]
+    return [cut_at_stop_strings(tokens, adapter.stop_strings(), adapter.tokenizer)[0] for tokens in made]
 
 
 @torch.inference_mode()

@@ -1,11 +1,12 @@
-"""Plain model.generate for the data stage: neutral settings, seeded sampling, responses cut at the first stop."""
+"""Plain model.generate for the data stage: neutral settings, seeded sampling, responses cut at the first stop
+(token or text)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,15 +38,38 @@ def generation_config(max_new_tokens: int, stop_ids: list[int], pad_id: int, tem
                             use_cache=True, **neutral)
 
 
-def cut_response(tokens: list[int], stop_ids: set[int], budget: int) -> tuple[list[int], str]:
-    """Response up to and including the first stop token, at most `budget` tokens."""
+def cut_response(tokens: list[int], stop_ids: set[int], budget: int, stop_strings: Sequence[str] = (),
+                 tokenizer: Any = None) -> tuple[list[int], str]:
+    """Response up to and including the first stop token, at most `budget` tokens, and ended before the first of
+    `stop_strings` (decoded with `tokenizer`) it holds; finish "stop" when a stop token or string ended it."""
     for i, t in enumerate(tokens):
         if t in stop_ids:
             tokens = tokens[: i + 1]
             break
     if len(tokens) > budget:
         tokens = tokens[:budget]
-    return tokens, ("stop" if tokens and tokens[-1] in stop_ids else "length")
+    tokens, at_string = cut_at_stop_strings(tokens, stop_strings, tokenizer)
+    return tokens, ("stop" if at_string or (tokens and tokens[-1] in stop_ids) else "length")
+
+
+def cut_at_stop_strings(tokens: list[int], stop_strings: Sequence[str], tokenizer: Any) -> tuple[list[int], bool]:
+    """The longest prefix of `tokens` whose text ends before the first stop string in their text, and whether one
+    was there. A token that holds the start of the stop string goes with it."""
+    if not stop_strings or not tokens:
+        return tokens, False
+    text = tokenizer.decode(tokens)
+    found = [at for at in (text.find(stop) for stop in stop_strings) if at >= 0]
+    if not found:
+        return tokens, False
+    end = min(found)
+    low, high = 0, len(tokens)  # the answer: the most tokens whose text is at most `end` characters long
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(tokenizer.decode(tokens[:middle])) <= end:
+            low = middle
+        else:
+            high = middle - 1
+    return tokens[:low], True
 
 
 @contextlib.contextmanager

@@ -429,6 +429,12 @@ class TargetAdapter:
                 add(vocab[token])
         return found
 
+    def stop_strings(self) -> list[str]:
+        """Texts that end an answer where no stop token does (the plain format's next turn, chat_template.py)."""
+        from dflash.models.targets.chat_template import answer_stop_strings
+
+        return answer_stop_strings(self.tokenizer)
+
     def chat_ids(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
         """Token ids of `messages` through the chat template, with the generation prompt added."""
         if not getattr(self.tokenizer, "chat_template", None):

@@ -28,6 +28,9 @@ PLAIN_TEMPLATE = (
 # with it, such as Gemma 3, degenerates without it).
 PLAIN_TEMPLATE_WITH_BOS = "{{ bos_token }}" + PLAIN_TEMPLATE
 PLAIN_TEMPLATES = (PLAIN_TEMPLATE, PLAIN_TEMPLATE_WITH_BOS)
+# Where an answer in the plain format ends: a base model has no end-of-turn token, so after its answer it goes on
+# with the conversation's next turn, which is made-up text, not the answer.
+PLAIN_ANSWER_END = "\n\nUser:"
 
 # Template files already warned about (a target is loaded again by later stages).
 _warned_without_bos: set[str] = set()
@@ -47,6 +50,11 @@ def starts_with_bos(tokenizer: Any) -> bool:
     text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                          add_generation_prompt=True)
     return text.startswith(tokenizer.bos_token)
+
+
+def answer_stop_strings(tokenizer: Any) -> list[str]:
+    """The texts that end an answer besides the stop tokens: the next turn of the plain format, else none."""
+    return [PLAIN_ANSWER_END] if getattr(tokenizer, "chat_template", None) in PLAIN_TEMPLATES else []
 
 
 def set_chat_template(tokenizer: Any, template_file: str | None, model_type: str) -> str | None:
