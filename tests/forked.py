@@ -30,12 +30,18 @@ def process_context():
 
 def run_ranks(target: Callable, world_size: int, *args, **kwargs) -> list[int | None]:
     """target(*args, **kwargs) in `world_size` such processes, the ranks of one job on this machine, given the
-    variables torchrun gives its ranks; returns their exit codes (a rank still running after 300 s is killed)."""
-    from dflash.train.engine import free_local_port
+    variables torchrun gives its ranks; returns their exit codes (a rank still running after 300 s is killed).
 
-    port = free_local_port()
+    As under torchrun, the ranks meet in a store the launcher holds (here this process, listening before any rank
+    starts): a port merely found free and handed on could be taken by another test's listener before rank 0 bound
+    it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
     context = process_context()
-    processes = [context.Process(target=_as_rank, args=(rank, world_size, port, target, args, kwargs))
+    processes = [context.Process(target=_as_rank, args=(rank, world_size, store.port, target, args, kwargs))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -45,11 +51,13 @@ def run_ranks(target: Callable, world_size: int, *args, **kwargs) -> list[int | 
         if process.is_alive():
             process.kill()
             process.join()
+    del store
     return [process.exitcode for process in processes]
 
 
 def _as_rank(rank: int, world_size: int, port: int, target: Callable, args: tuple, kwargs: dict) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"})
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 does for the launched processes of the other tests
     target(*args, **kwargs)

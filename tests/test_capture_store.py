@@ -129,7 +129,7 @@ def test_sigkill_then_rerun_recomputes_nothing_complete(tmp_path, dense, monkeyp
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(out)], cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # guards against a hang only: a loaded CI machine is slow
         while True:
             manifest = read_manifest(out) if out.is_dir() else None
             if manifest and len(manifest["shards"]) >= 2 and list(out.glob(".shard-00002.safetensors.tmp-*")):
