@@ -263,6 +263,7 @@ UNUSED = [
      ["data.temperature=0.7"]),
     ("data.top_p", "data.top_p=0.9", ["data.temperature=0.7", "data.sampled_share=0"], ["data.temperature=0.7"]),
     ("data.sampled_share", "data.sampled_share=0.5", [], ["data.temperature=0.7"]),
+    ("capture.batch_tokens", "capture.batch_tokens=4096", ["capture=colocated"], []),
     ("capture.shard_tokens", "capture.shard_tokens=4096", ["capture=online"], []),
     ("capture.check_every", "capture.check_every=5", ["capture=online"], []),
     ("capture.verify_existing", "capture.verify_existing=true", ["capture=colocated"], []),
@@ -341,6 +342,50 @@ def test_a_trained_run_folder_lets_through_a_setting_its_training_does_not_use(t
     message = str(error.value)
     assert "train.lr: 0.0006 -> 0.01" in message and "drafter.layer_types: ['sliding_attention'," in message
     assert "dpace_alpha" not in message and "group_by" not in message and "sliding_window" not in message
+
+
+def test_the_target_cache_folder_changes_no_fingerprint():
+    """target.cache_dir is where a GGUF target is dequantised: the same weights wherever it is. The run-folder guard
+    compares the settings fingerprint and training_changes (tests/test_pipeline.py runs a trained folder with it)."""
+    null, cached = settings_of(["+experiment=tiny"]), settings_of(["+experiment=tiny", "target.cache_dir=/tmp/gguf"])
+    assert stage_keys(cached) == stage_keys(null)
+    assert fingerprints.settings_fingerprint(cached) == fingerprints.settings_fingerprint(null)
+    assert fingerprints.target_identity(cached) == fingerprints.target_identity(null)
+    old = OmegaConf.to_container(compose(["+experiment=tiny", "run_dir=/nonexistent/run"]), resolve=True)
+    assert fingerprints.training_changes(old, cached) == []
+
+
+@pytest.mark.parametrize("inside", ["", "checkpoints", "data", "features", "export", "export_best", "logs",
+                                    "checkpoints/step1", "eval/live", "checkpoints.0123456789abcdef"])
+def test_an_evaluation_folder_among_the_run_s_own_is_refused(inside, tmp_path):
+    """eval.out_dir=<run_dir>/checkpoints replaced checkpoints/done.json and config.yaml with the evaluation's."""
+    run_dir = tmp_path / "run"
+    out = str(run_dir / inside) if inside else str(run_dir)
+    with pytest.raises(ConfigError) as error:
+        settings_from(compose(["+experiment=tiny", f"run_dir={run_dir}", f"eval.out_dir={out}"]))
+    message = str(error.value)
+    assert message.startswith(f"eval.out_dir={out!r}: ") and "\n" not in message
+    assert f"own folder {inside.split('/')[0]}," in message if inside else "the run folder itself" in message
+    assert not run_dir.exists()
+
+
+def test_an_evaluation_folder_of_its_own_is_taken(tmp_path):
+    run_dir = tmp_path / "run"
+    link = tmp_path / "link"
+    os.makedirs(run_dir / "checkpoints")
+    os.symlink(run_dir / "checkpoints", link)
+    for out in (run_dir / "eval", run_dir / "eval_live", tmp_path / "elsewhere", "${run_dir}/eval_t1"):
+        settings_from(compose(["+experiment=tiny", f"run_dir={run_dir}", f"eval.out_dir={out}"]))
+    for out in (link, "${run_dir}/checkpoints"):  # the same folder by another name
+        with pytest.raises(ConfigError, match="own folder checkpoints"):
+            settings_from(compose(["+experiment=tiny", f"run_dir={run_dir}", f"eval.out_dir={out}"]))
+
+
+def test_the_run_folders_an_evaluation_may_not_name_are_those_the_stages_write():
+    from dflash.stages.context import FOLDERS
+    from dflash.stages.train import TRAINED_OUTPUTS
+
+    assert set(FOLDERS) | {name for name in TRAINED_OUTPUTS if "." not in name} <= set(schema.RUN_FOLDERS)
 
 
 # Bad input: one line naming the key, before any work -----------------------------------------------------------

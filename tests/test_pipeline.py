@@ -452,3 +452,44 @@ def test_synthetic_prompts_join_the_data_stage_and_only_then_change_its_fingerpr
     assert (tmp_path / "data" / "synthetic.jsonl").is_file()
     sets = list(load_dataset_dir(str(tmp_path / "data"))["prompt_set"])
     assert 1 <= sets.count("synthetic") <= 3 and len(sets) > sets.count("synthetic")
+
+
+def test_an_edited_evaluation_prompt_file_is_evaluated_again(tiny_run, tmp_path, monkeypatch):
+    """An evaluation's done.json records the sha256 of its prompt files: the same path with other contents measures
+    again. An evaluation marked before the record is kept as it is."""
+    from dflash.run_files import file_sha256, read_json, write_json
+
+    run_dir, prompts = tmp_path / "run", tmp_path / "p.jsonl"
+    shutil.copytree(tiny_run[0], run_dir)
+
+    def write_prompts(count: int) -> None:
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"What is {i} + {i}?"}) + "\n"
+                                   for i in range(count)))
+
+    command = TINY + [f"run_dir={run_dir}", "stages=[eval]", "~eval.prompt_sets.humaneval", "~eval.prompt_sets.mtbench",
+                      "~eval.prompt_sets.gsm8k", f"+eval.prompt_sets.mine={{source: file, path: '{prompts}'}}"]
+    write_prompts(1)
+    assert Pipeline(compose(command)).run()["prompt_sets"]["mine"]["num_prompts"] == 1
+    marker = run_dir / "eval" / "done.json"
+    assert read_json(str(marker))["input_files"] == {
+        "eval.prompt_sets.mine.path": {"path": str(prompts), "sha256": file_sha256(prompts)}}
+    write_prompts(2)
+    assert Pipeline(compose(command)).run()["prompt_sets"]["mine"]["num_prompts"] == 2
+
+    monkeypatch.setattr("dflash.eval.evaluate.evaluate", lambda *args, **kwargs: pytest.fail("evaluated again"))
+    assert Pipeline(compose(command)).run()["prompt_sets"]["mine"]["num_prompts"] == 2  # recorded: up to date
+    write_prompts(3)
+    write_json(str(marker), {key: value for key, value in read_json(str(marker)).items() if key != "input_files"})
+    assert Pipeline(compose(command)).run()["prompt_sets"]["mine"]["num_prompts"] == 2  # no record: trusted
+
+
+def test_another_target_cache_folder_finds_every_stage_of_a_trained_run_finished(tiny_run, tmp_path, monkeypatch):
+    """target.cache_dir names where a GGUF target is dequantised, not which weights: a trained run folder refused it
+    ("holds a drafter trained with other settings (target.cache_dir: None -> ...)")."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run_dir)
+    forbid_every_stage(monkeypatch)
+    for stages in ("[eval]", "[data,capture,train,export,eval]"):
+        again = Pipeline(compose(TINY + [f"run_dir={run_dir}", f"target.cache_dir={tmp_path / 'gguf'}",
+                                         f"stages={stages}"])).run()
+        assert again["overall"] == tiny_run[1]["overall"]

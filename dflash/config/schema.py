@@ -91,8 +91,9 @@ class TargetSettings:
                                       "into cache_dir)")
     dtype: str = setting("auto", affects=("data", "eval"), doc="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
                                                                "float32; never float16")
-    cache_dir: Optional[str] = setting(None, affects=("data", "eval"),
-                                       doc="where a GGUF target is dequantised once; null: ~/.cache/dflash")
+    cache_dir: Optional[str] = setting(None, affects=(),
+                                       doc="where a GGUF target is dequantised once (a place: the same weights "
+                                           "wherever they are cached); null: ~/.cache/dflash")
     tiny: Optional[Dict[str, Any]] = setting(None, affects=("data", "eval"), unused=_unless_tiny,
                                              doc="kind=tiny: {family, seed, tokenizer, config overrides...}")
     mask_token_id: Optional[int] = setting(None, affects=("train", "eval"),
@@ -277,14 +278,17 @@ class DataSettings:
     heldout: int = setting(0, affects=("data",),
                            doc="prompts kept out of training; their acceptance is replayed during training")
     engine: str = setting("auto", affects=(),
-                          doc="generation: auto = static KV cache + CUDA graphs on a supported GPU target, else hf")
+                          doc="generation: auto = static KV cache + CUDA graphs on a supported GPU target, else hf. "
+                              "Speed only, as data.batch_size: at temperature > 0 the engines draw from the same "
+                              "distribution, each its own samples")
     refill: bool = setting(True, affects=(), doc="static engine: a row whose answer ended takes the next prompt")
     compile_step: bool = setting(False, affects=(),
                                  doc="static engine: also torch.compile the decode step (slower: 0.41x on an H200)")
     decode_attention: str = setting("auto", affects=(),
                                     doc="static engine's decode attention: auto (flex on a CUDA target, else sdpa) | "
                                         "flex (each row over its own keys; 1.9x sdpa's tok/s on an H200) | "
-                                        "sdpa (every row over the step's span)")
+                                        "sdpa (every row over the step's span). Speed only, as data.batch_size: "
+                                        "the kernels' rounding may change a near-tied token")
     synthetic: SyntheticSettings = setting(affects=("data",), factory=SyntheticSettings, neutral=_synthetic_off,
                                            doc="prompts the target writes itself")
     chat_template_kwargs: Dict[str, Any] = setting(affects=("data",), factory=dict, neutral={},
@@ -338,12 +342,17 @@ def _if_colocated(capture: Any, run: Any) -> str:
     return "capture=colocated runs the target on each trainer rank's own device" if capture.mode == "colocated" else ""
 
 
+def _one_forward_a_micro_batch(capture: Any, run: Any) -> str:
+    return "capture=colocated runs one target forward per micro-batch" if capture.mode == "colocated" else ""
+
+
 @dataclass
 class CaptureSettings:
     """How the target's hidden states reach the trainer (group `capture`: offline, online, colocated)."""
 
     mode: str = setting("offline", affects=("capture",), doc="chosen by the group: capture=offline|online|colocated")
-    batch_tokens: int = setting(8192, affects=("capture",), doc="tokens per target forward")
+    batch_tokens: int = setting(8192, affects=("capture",), unused=_one_forward_a_micro_batch,
+                                doc="offline, online: tokens per target forward")
     dtype: str = setting("bfloat16", affects=("capture",),
                          doc="feature dtype: bfloat16 | float32 | fp8 (e4m3, per-token scales); never float16")
     compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
@@ -423,8 +432,7 @@ class OnlineCapture(CaptureSettings):
 @dataclass
 class ColocatedCapture(CaptureSettings):
     """Every trainer rank runs the frozen target itself, one forward per micro-batch; nothing touches the disk.
-    The settings of the other modes are unused here; batch_tokens too (a micro-batch is one forward), but it stays
-    part of the fingerprint of such runs."""
+    The settings of the other modes are unused here, batch_tokens too (a micro-batch is one forward)."""
 
     mode: str = setting("colocated", affects=("capture",), doc="colocated: each trainer rank runs the target")
 
@@ -751,6 +759,14 @@ class LoggingSettings:
 
 # the run -----------------------------------------------------------------------------------------------------------
 
+# The folders the stages, the logs and the metrics loggers write in a run folder (dflash/stages/context.py FOLDERS,
+# export_best, logs, tensorboard, wandb, online capture's feature_cache); claim_dir (dflash/run_files.py) moves the
+# features and checkpoints of other settings aside to <folder>.<fingerprint>.
+RUN_FOLDERS = ("data", "features", "checkpoints", "export", "export_best", "eval", "logs", "tensorboard", "wandb",
+               "feature_cache")
+MOVED_ASIDE = ("features", "checkpoints")
+
+
 @dataclass
 class RunSettings:
     """One run: target -> data -> capture -> train -> export -> eval, all written under run_dir."""
@@ -802,6 +818,8 @@ class RunSettings:
             where = "device=auto finds no GPU here" if self.device == "auto" else f"device={self.device}"
             raise ConfigError(f"train.attention=flex trains only on CUDA (torch has no FlexAttention backward on CPU) "
                               f"and this run trains on the CPU ({where}): set train.attention=auto or sdpa")
+        if self.eval.out_dir:
+            _refuse_a_run_folder_of_its_own(self.run_dir, self.eval.out_dir)
         if self.target.kind == "hf":
             problem = target_path_problem(self.target.path)
             if problem is not None:
@@ -815,6 +833,26 @@ class RunSettings:
         why."""
         return [f"{key}={value!r} is ignored: {why}" for key, value, stand_in, why in unused_settings(self)
                 if value != stand_in]
+
+
+def _refuse_a_run_folder_of_its_own(run_dir: str, out_dir: str) -> None:
+    """ConfigError where eval.out_dir is the run folder, one of its own folders (RUN_FOLDERS, or one moved aside) or
+    a folder inside one, where the evaluation's done.json and config.yaml would replace the run's. <run_dir>/eval,
+    the default's folder, and a new folder beside the run's own (<run_dir>/eval_live) are the evaluation's."""
+    run, out = (os.path.realpath(os.path.expanduser(path)) for path in (run_dir, out_dir))
+    if out == run:
+        where = "the run folder itself (run_dir)"
+    elif os.path.commonpath([run, out]) == run:
+        inside = os.path.relpath(out, run)
+        folder = inside.split(os.sep)[0]
+        if inside == "eval" or not (folder in RUN_FOLDERS or folder.split(".")[0] in MOVED_ASIDE):
+            return
+        where = f"the run's own folder {folder}" if inside == folder else f"inside the run's own folder {folder}"
+    else:
+        return
+    raise ConfigError(f"eval.out_dir={out_dir!r}: {where}, where an evaluation's done.json and config.yaml would "
+                      f"replace the run's: name a folder of its own, e.g. "
+                      f"eval.out_dir={os.path.join(run_dir, 'eval_live')}")
 
 
 def _is_cuda(device: str) -> bool:

@@ -13,6 +13,7 @@ from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json,
     write_text
 from dflash.stages.closing import shown
 from dflash.stages.context import RunContext
+from dflash.stages.data import _sha256_once
 from dflash.stages.export import ExportStage, export_best
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
@@ -117,11 +118,19 @@ class EvalStage(Stage):
         return fingerprints.eval_fingerprint(self.context.settings, drafter_key, os.path.basename(folder))
 
     def up_to_date(self) -> bool:
+        """Marked done for these settings and this drafter, with its summary, and measured on the input files as
+        they are now (changed_eval_inputs): a file changed since is named, and the evaluation runs again."""
         folder, drafter_key = self.measured()
         # Evaluations first named the drafter's absolute path: such a marker still counts where the folder is.
         named_by_path = fingerprints.eval_fingerprint(self.context.settings, drafter_key, folder)
-        return (stage_done(self.out, self.fingerprint()) or stage_done(self.out, named_by_path)) \
-            and os.path.exists(os.path.join(self.out, "summary.json"))
+        if not ((stage_done(self.out, self.fingerprint()) or stage_done(self.out, named_by_path))
+                and os.path.exists(os.path.join(self.out, "summary.json"))):
+            return False
+        changed = changed_eval_inputs(self.context.settings, self.out)
+        for key, path, recorded, now in changed:
+            logger.warning(f"[eval] {key} {path} changed since this evaluation (sha256 {recorded[:12]}... -> "
+                           f"{now[:12]}...): evaluating again")
+        return not changed
 
     def kept(self) -> None:
         from dflash.eval.evaluate import format_table
@@ -134,9 +143,10 @@ class EvalStage(Stage):
         folder travels with it when overwrite=true moves it aside (dflash/stages/train.py, eval_folders)."""
         from dflash.eval.evaluate import format_table
 
+        inputs = eval_input_files(self.context.settings)  # hashed before they are read: an edit meanwhile shows next
         self.summary = self.evaluate(self.measured()[0])
         print(format_table(self.summary))
-        return {"checkpoint": self.train.checkpoint_fingerprint()}
+        return {"checkpoint": self.train.checkpoint_fingerprint(), "input_files": inputs}
 
     def closing_rows(self) -> list[tuple[str, str]]:
         if self.summary is None:
@@ -198,6 +208,31 @@ class EvalStage(Stage):
         write_summary(summary, self.out)
         write_text(os.path.join(self.out, "config.yaml"), run.config_yaml())
         return summary
+
+
+def eval_input_files(settings) -> dict[str, dict[str, str]]:
+    """The files whose contents decide an evaluation beyond its settings (RunSettings): {key: {"path", "sha256"}}
+    for each prompt set's file (eval.prompt_sets.NAME.path) and target.chat_template, each when set."""
+    named = {f"eval.prompt_sets.{name}.path": spec.path for name, spec in settings.eval.prompt_sets.items()}
+    named["target.chat_template"] = settings.target.chat_template
+    return {key: {"path": path, "sha256": _sha256_once(os.path.expanduser(path))}
+            for key, path in named.items() if path}
+
+
+def changed_eval_inputs(settings, eval_dir: str) -> list[tuple[str, str, str, str]]:
+    """(key, path, recorded sha256 or 'none', sha256 now) of each input file (eval_input_files) whose contents differ
+    from those the evaluation's done.json in `eval_dir` recorded, or that it did not record; none when it recorded
+    none (an evaluation from before the record, trusted as it is)."""
+    recorded = (read_json_or_none(os.path.join(eval_dir, "done.json")) or {}).get("input_files")
+    if not isinstance(recorded, dict):
+        return []
+    changed = []
+    for key, now in eval_input_files(settings).items():
+        then = recorded.get(key)
+        was = then.get("sha256") if isinstance(then, dict) else None
+        if was != now["sha256"]:
+            changed.append((key, now["path"], str(was or "none"), now["sha256"]))
+    return changed
 
 
 def refuse_static_engine_family(settings) -> None:
