@@ -41,7 +41,7 @@ def test_an_edited_prompt_file_is_refused_like_a_changed_setting(trained, tmp_pa
         with pytest.raises(ConfigError, match=f"data.path {prompts} changed since this run's data stage") as error:
             Pipeline(compose(command)).run()
         assert folder_checksums(run_dir) == before
-        assert "name=run-2" in str(error.value) and "overwrite=true" in str(error.value)
+        assert f"run_dir={run_dir}-2;" in str(error.value) and "overwrite=true" in str(error.value)
         Pipeline(compose(command + ["overwrite=true"])).run()  # the data, its capture and the drafter made again
     finally:
         write_prompts(prompts, PROMPTS)

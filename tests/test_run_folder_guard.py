@@ -42,7 +42,7 @@ def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path)
         messages.append(str(error.value))
         assert snapshot(tmp_path) == before, change
     assert "train.epochs: 3 -> 4" in messages[0] and "drafter.target_layer_ids: None -> [0, 40]" in messages[0]
-    assert f"name={os.path.basename(tmp_path)}-2" in messages[0] and "overwrite=true" in messages[0]
+    assert f"run_dir={tmp_path}-2;" in messages[0] and "overwrite=true" in messages[0]
     assert "data.limit: 32 -> 16" in messages[1]
     # Other eval settings are another look at the same drafter: allowed, into their own folder. Each command that
     # runs adds its console log under logs/; every file of the trained run stays as it was.
@@ -61,7 +61,8 @@ def test_the_command_refuses_with_one_line_naming_what_changed(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dflash.train", *TINY, f"run_dir={run_dir}", "train.epochs=2"],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.count("\n") == 1 and "train.epochs: 1 -> 2" in done.stderr and "name=run-2" in done.stderr
+    assert done.stderr.count("\n") == 1 and "train.epochs: 1 -> 2" in done.stderr
+    assert f"run_dir={run_dir}-2;" in done.stderr  # given outright: name= would not move it
     hydra_log = os.path.join("hydra", "__main__.log")  # Hydra's log of the commands run here, made before the check
     assert {k: v for k, v in snapshot(run_dir).items() if k != hydra_log} == before
 

@@ -25,9 +25,11 @@ logger = logging.getLogger(__name__)
 
 class CaptureStage(Stage):
     name = "capture"
+    made = "captured"
 
     def __init__(self, run: RunContext, data: DataStage) -> None:
         self.context, self.data = run, data
+        self.input_stage = data
         self.out = run.dirs["features"]
 
     @property

@@ -39,6 +39,7 @@ def training_prompts(data) -> list:
 
 class DataStage(Stage):
     name = "data"
+    made = "built"
     every_rank = False  # rank 0 writes the dataset; the other ranks read it after the next barrier
     barrier_after = False  # the ranks meet after the capture stage (or before it, when every rank captures)
 
@@ -136,7 +137,7 @@ class DataStage(Stage):
                               show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
                               compile_step=d.compile_step, refill=d.refill, decode_attention=d.decode_attention,
                               target=self.target_identity(),
-                              before_replace=lambda: clear_done(out),
+                              before_replace=self.before_replace,
                               template_kwargs=dict(d.chat_template_kwargs), sampled_share=d.sampled_share)
         # What the synthetic draws and the overlap check found, and the time before the answers, go with the
         # dataset's stats (format_stats shows them).
@@ -150,6 +151,22 @@ class DataStage(Stage):
                         "without them, and running the data stage again retries them")
             return None
         return {"stats": stats}
+
+    def before_replace(self) -> None:
+        """Right before a new dataset replaces the finished one: its done marker goes, and with overwrite=true the
+        drafter trained in the run folder is moved aside (set_drafter_aside), as the train stage moves one of other
+        settings. Its fingerprint follows data/: left beside other data, it would be no drafter of its own settings
+        until data/ is rebuilt for them, and the next training of them would replace it."""
+        clear_done(self.out)
+        # Without overwrite=true the run-folder guard let only the drafter's own settings through: the train stage
+        # decides whether it still fits the data rebuilt for them (failed prompts answered on a rerun).
+        if self.context.settings.overwrite:
+            from dflash.stages.train import set_drafter_aside  # imported here: train.py imports this module
+
+            moved = set_drafter_aside(self.context)
+            if moved:
+                logger.info(f"[data] the drafter trained on the data replaced now moved aside to {moved} "
+                            f"(overwrite=true); the training command of its settings brings it back")
 
     def synthetic_prompts(self) -> tuple[list, dict]:
         """data.synthetic: prompts the target writes itself (dflash/data/synthetic.py), journaled in the data folder,

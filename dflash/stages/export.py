@@ -27,10 +27,12 @@ logger = logging.getLogger(__name__)
 
 class ExportStage(Stage):
     name = "export"
+    made = "exported"
     runs_with = "train"  # a drafter trained is always exported: `stages=[train]` trains and exports
 
     def __init__(self, run: RunContext, train: TrainStage) -> None:
         self.context, self.train = run, train
+        self.input_stage = train
         self.out = run.dirs["export"]
         self.best = os.path.join(run.run_dir, "export_best")
 

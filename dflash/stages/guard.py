@@ -1,17 +1,20 @@
 """A trained run is never lost: a run folder that holds a drafter trained under other data, capture or train
-settings refuses a command of these settings before any work, unless it says overwrite=true (the train stage then
-moves that drafter aside, never deletes it); so does a command whose data stage would read an input file changed
-since the run's data stage. Other eval settings evaluate the same drafter and are fine."""
+settings refuses a command of these settings before any work, unless it says overwrite=true (the data or train
+stage then moves that drafter aside, never deletes it); so does a command whose data stage would rebuild the
+drafter's data: an input file changed since the run's data stage, or evaluation sets its overlap check has not
+covered. Other eval settings evaluate the same drafter and are fine."""
 
 from __future__ import annotations
 
 import os
+import shlex
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from dflash.config import fingerprints
 from dflash.config.errors import RunFolderError
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
+from dflash.stages.context import RunContext
 from dflash.stages.data import changed_input_files
 from dflash.stages.train import SETTINGS_KEY, TrainStage
 
@@ -58,13 +61,32 @@ def refuse_other_trained_settings(train: TrainStage) -> None:
                 f"training command")
         raise RunFolderError(f"{run.run_dir} holds a drafter trained with other settings ({shown}); nothing was "
                              f"changed. {ways_on(train, 'train these settings')}")
-    changed = changed_input_files(run.settings, run.dirs["data"]) if "data" in run.settings.stages else []
+    if "data" in run.settings.stages:
+        refuse_rebuilt_data(train)
+
+
+def refuse_rebuilt_data(train: TrainStage) -> None:
+    """RunFolderError when this command's data stage would rebuild the data of the run folder's trained drafter,
+    its settings unchanged: an input file (data.path, target.chat_template) changed since, or evaluation sets its
+    overlap check has not covered (DataStage.unchecked_eval_sets)."""
+    run = train.context
+    changed = changed_input_files(run.settings, run.dirs["data"])
     if changed:
         key, path, recorded, now = changed[0]
         raise RunFolderError(
             f"{key} {path} changed since this run's data stage (sha256 {recorded[:12]}... -> {now[:12]}...), whose "
             f"data trained the drafter in {run.run_dir}; nothing was changed. "
             f"{ways_on(train, 'train on the file as it is now')}")
+    unchecked = train.capture.data.unchecked_eval_sets()
+    if unchecked:
+        sets = ", ".join(unchecked)
+        raise RunFolderError(
+            f"the training prompts of the drafter in {run.run_dir} were not checked for overlap with eval.prompt_sets "
+            f"{sets} (added, or reading another source or file, since its data stage): this command's data stage "
+            f"would check them and drop the training prompts that overlap, replacing the drafter's data if any do "
+            f"(a training of these settings then trains it again); nothing was changed. To evaluate this drafter on "
+            f"them as it was trained (its training prompts unchecked against them), run python -m dflash.eval with "
+            f"the same overrides. {ways_on(train, 'train on the checked prompts')}")
 
 
 def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
@@ -80,8 +102,24 @@ def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
 
 def ways_on(train: TrainStage, doing: str) -> str:
     """The two ways on, for a refused command that would do `doing`: another run folder, or overwrite=true."""
-    parent, name = os.path.split(train.context.run_dir)
-    free = next(f"{name}-{k}" for k in range(2, 10_000) if not os.path.exists(os.path.join(parent, f"{name}-{k}")))
-    return (f"To {doing} beside it, run the same command with name={free} (or another run_dir); to move the trained "
-            f"drafter aside (kept in {train.checkpoints}.<its fingerprint>) and {doing} in its place, add "
+    return (f"To {doing} beside it, run the same command with {another_run_folder(train.context)}; to move the "
+            f"trained drafter aside (kept in {train.checkpoints}.<its fingerprint>) and {doing} in its place, add "
             f"overwrite=true")
+
+
+def another_run_folder(run: RunContext) -> str:
+    """The override that gives the same command a run folder of its own that does not exist yet: name=<name>-<k>
+    where the run folder follows the name (run_dir's default, runs/${name}), else run_dir=<its parent>/<its
+    name>-<k> (a run_dir given outright, which name= does not move)."""
+    for k in range(2, 10_000):
+        named = run.cfg.copy()
+        with open_dict(named):
+            named.name = f"{run.settings.name}-{k}"
+        folder = os.path.abspath(str(named.run_dir))
+        if folder == run.run_dir:
+            break
+        if not os.path.exists(folder):
+            return f"name={named.name}"
+    parent, name = os.path.split(run.run_dir)
+    free = next(f"{name}-{k}" for k in range(2, 10_000) if not os.path.exists(os.path.join(parent, f"{name}-{k}")))
+    return "run_dir=" + shlex.quote(os.path.join(parent, free))

@@ -5,7 +5,8 @@ export stage, dflash/stages/export.py, reads). Its done.json is `checkpoints/don
 Its checkpoints belong to one set of settings (their fingerprint in checkpoints/fingerprint.json). Checkpoints of
 other settings reach this stage only with overwrite=true (dflash/stages/guard.py): they are moved aside with what
 their training left in the run folder and the evaluations of their drafter there, never deleted, and come back when
-those settings return.
+those settings return. With overwrite=true the data stage moves them aside the same way when it replaces the data
+they were trained on (set_drafter_aside).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 
 from dflash.config import ConfigError, fingerprints
 from dflash.config.errors import RunFolderError
-from dflash.run_files import checksum_problem, claim_checkpoint_dir, container, fingerprint, from_rank0, read_json, \
-    read_json_or_none, stage_done, write_json, write_text
+from dflash.run_files import checksum_problem, claim_checkpoint_dir, claimed_key, container, fingerprint, from_rank0, \
+    read_json, read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.shapes import drafter_config
@@ -36,10 +37,12 @@ TRAINED_OUTPUTS = ("metrics.jsonl", "tensorboard", "export", "export_best", "tra
 
 class TrainStage(Stage):
     name = "train"
+    made = "trained"
     every_rank = True
 
     def __init__(self, run: RunContext, capture: CaptureStage) -> None:
         self.context, self.capture = run, capture
+        self.input_stage = capture
         self.checkpoints = self.out = run.dirs["checkpoints"]
         self.link = None  # this trainer rank's link to the capture ranks (capture=online), set by run_role
 
@@ -74,12 +77,19 @@ class TrainStage(Stage):
             return done["fingerprint"]
         return None
 
+    def done(self) -> bool:
+        """Marked done for these settings: in checkpoints/, or (a run folder where training and export were one
+        stage, which prepare() adopts) in export/."""
+        return super().done() or stage_done(self.context.dirs["export"], self.fingerprint())
+
     def preflight(self, selected: bool) -> None:
         """Any command: the run folder must not hold a drafter of other settings (dflash/stages/guard.py). Selected:
-        the logger packages the logging settings name must be installed."""
+        features finished for these settings unless the command captures (refuse_unfinished_input), and the logger
+        packages the logging settings name must be installed."""
         from dflash.stages.guard import refuse_other_trained_settings
 
         refuse_other_trained_settings(self)
+        self.refuse_unfinished_input(selected)
         if selected:
             self.refuse_other_global_batch()
             from dflash.train.metrics_log import missing_logger_package
@@ -93,7 +103,6 @@ class TrainStage(Stage):
         """RunFolderError before any work when checkpoints/ holds an unfinished training of these settings whose
         last checkpoint counts steps in another global batch than this launch's (it was trained on another rank
         count): its data position would not match, so it resumes only on the ranks it was trained with."""
-        from dflash.run_files import claimed_key
         from dflash.train.checkpoints import complete_tags, saved_layout
 
         if self.finished_fingerprint() or claimed_key(self.checkpoints) != self.checkpoint_fingerprint():
@@ -229,51 +238,34 @@ class TrainStage(Stage):
         left to train."""
         run = self.context
         marked = stage_done(self.out, self.fingerprint())  # and yet run: the final weights are missing or corrupt
-        orphaned = self.orphaned_outputs_key()
+        orphaned = outputs_key(run)
+        recorded = (read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
         moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
-        if moved is None and orphaned is not None:
-            # Outputs of another training whose checkpoints are gone: moved aside all the same, where a folder of
-            # their checkpoints would be (claim_dir brings it back with them when those settings return).
-            moved = f"{self.checkpoints}.{orphaned}"
-            os.makedirs(moved, exist_ok=True)
+        if moved is None and orphaned not in (None, self.checkpoint_fingerprint()):
+            moved = outputs_aside(self.checkpoints, orphaned)
         if moved:
-            logger.info(f"[train] the drafter trained with other settings moved aside to {moved} (overwrite=true)")
-        self.carry_trained_outputs(moved)
+            logger.info(f"[train] {self.moved_line(moved, recorded)}")
+        carry_trained_outputs(run.run_dir, self.checkpoints, moved)
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
         write_json(os.path.join(self.checkpoints, SETTINGS_KEY),
                    {"fingerprint": fingerprints.settings_fingerprint(run.settings)})
         self.adopt_earlier_marker()  # a drafter brought back from a folder of the earlier layout
         return not marked and self.up_to_date()
 
-    def orphaned_outputs_key(self) -> str | None:
-        """Rank 0, before the claim: when checkpoints/ holds nothing, the checkpoint fingerprint of the training
-        whose outputs are in the run folder all the same (its export's done.json; "unfingerprinted" without one),
-        unless that is these settings' own. None when there is nothing of another training to keep."""
-        if os.path.isdir(self.checkpoints) and os.listdir(self.checkpoints):
-            return None  # claim_checkpoint_dir decides, by the checkpoints' own marker
-        if not any(os.path.exists(os.path.join(self.context.run_dir, name)) for name in TRAINED_OUTPUTS):
-            return None
-        done = read_json_or_none(os.path.join(self.context.dirs["export"], "done.json"))
-        key = done.get("checkpoint") if isinstance(done, dict) else None
-        return None if key == self.checkpoint_fingerprint() else key or "unfingerprinted"
-
-    def carry_trained_outputs(self, moved: str | None) -> None:
-        """A training's outputs and the evaluations of its drafter travel with its checkpoints: into the folder the
-        other settings' checkpoints were moved to (under a free name when that folder holds one of the same name
-        already), and back out of restored ones, so that each run's exports, metrics and evaluations stay its own
-        (the trainer then drops only the records after the step it resumes from, MetricsLog.resume_from)."""
-        run_dir = self.context.run_dir
-        if moved:
-            # claim_dir names the folder <checkpoints>.<checkpoint fingerprint of the drafter moved aside>.
-            drafter = moved.rsplit(".", 1)[1]
-            for name in [*TRAINED_OUTPUTS, *eval_folders(run_dir, drafter)]:
-                current = os.path.join(run_dir, name)
-                if os.path.exists(current):
-                    os.replace(current, _unused_path(os.path.join(moved, name)))
-        for name in [*TRAINED_OUTPUTS, *eval_folders(self.checkpoints)]:
-            restored, current = os.path.join(self.checkpoints, name), os.path.join(run_dir, name)
-            if os.path.exists(restored) and not os.path.exists(current):
-                os.replace(restored, current)
+    def moved_line(self, moved: str, recorded: str | None) -> str:
+        """The log line of claim_checkpoints for the checkpoints it moved aside to `moved`: what they were (by
+        `recorded`, the settings fingerprint they recorded) and why they went."""
+        same = recorded == fingerprints.settings_fingerprint(self.context.settings)
+        if self.context.settings.overwrite:
+            what = "the drafter trained with these settings on other data" if same else \
+                "the drafter trained with other settings"
+            return f"{what} moved aside to {moved} (overwrite=true)"
+        if same:  # the run-folder guard lets these settings through: the data stage's output changed under them
+            return (f"the drafter trained with these settings moved aside to {moved}: the data stage's output changed "
+                    f"under them since (failed prompts answered on a rerun, or data/ built again), and they train on "
+                    f"it now")
+        # Otherwise the guard found no finished drafter to refuse for.
+        return f"the checkpoints of an unfinished training of other settings moved aside to {moved}"
 
     def train(self, config, rank: int, world_size: int) -> dict:
         """The training loop on this rank, fed by the capture mode's feature source; the final state dict."""
@@ -364,6 +356,63 @@ class TrainStage(Stage):
         dataset = load_dataset_dir(self.capture.data.out)
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
                                       final_hidden=final_hidden)
+
+
+def set_drafter_aside(run: RunContext) -> str | None:
+    """Rank 0: the training in the run folder (its checkpoints, finished or not, or the outputs of one whose
+    checkpoints are gone) moved aside with its outputs to checkpoints.<its checkpoint fingerprint>, where
+    claim_checkpoints moves a drafter of other settings and brings it back from when they return. Where it went, or
+    None when there was none."""
+    checkpoints, orphaned = run.dirs["checkpoints"], outputs_key(run)
+    if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+        moved = f"{checkpoints}.{claimed_key(checkpoints) or 'unfingerprinted'}"
+        os.replace(checkpoints, moved)
+    elif orphaned is not None:
+        moved = outputs_aside(checkpoints, orphaned)
+    else:
+        return None
+    carry_trained_outputs(run.run_dir, checkpoints, moved)
+    return moved
+
+
+def outputs_key(run: RunContext) -> str | None:
+    """When checkpoints/ holds nothing: the checkpoint fingerprint of the training whose outputs are in the run
+    folder all the same (its export's done.json; "unfingerprinted" without one). None when checkpoints/ holds
+    something (its own marker names it) or there are no such outputs."""
+    checkpoints = run.dirs["checkpoints"]
+    if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+        return None
+    if not any(os.path.exists(os.path.join(run.run_dir, name)) for name in TRAINED_OUTPUTS):
+        return None
+    done = read_json_or_none(os.path.join(run.dirs["export"], "done.json"))
+    key = done.get("checkpoint") if isinstance(done, dict) else None
+    return key or "unfingerprinted"
+
+
+def outputs_aside(checkpoints: str, key: str) -> str:
+    """Where the outputs of a training whose checkpoints are gone go aside: where a folder of its checkpoints would
+    be (claim_dir brings it back with them when its settings return), made now."""
+    moved = f"{checkpoints}.{key}"
+    os.makedirs(moved, exist_ok=True)
+    return moved
+
+
+def carry_trained_outputs(run_dir: str, checkpoints: str, moved: str | None) -> None:
+    """A training's outputs and the evaluations of its drafter travel with its checkpoints: into the folder the
+    other settings' checkpoints were moved to (under a free name when that folder holds one of the same name
+    already), and back out of restored ones, so that each run's exports, metrics and evaluations stay its own
+    (the trainer then drops only the records after the step it resumes from, MetricsLog.resume_from)."""
+    if moved:
+        # claim_dir names the folder <checkpoints>.<checkpoint fingerprint of the drafter moved aside>.
+        drafter = moved.rsplit(".", 1)[1]
+        for name in [*TRAINED_OUTPUTS, *eval_folders(run_dir, drafter)]:
+            current = os.path.join(run_dir, name)
+            if os.path.exists(current):
+                os.replace(current, _unused_path(os.path.join(moved, name)))
+    for name in [*TRAINED_OUTPUTS, *eval_folders(checkpoints)]:
+        restored, current = os.path.join(checkpoints, name), os.path.join(run_dir, name)
+        if os.path.exists(restored) and not os.path.exists(current):
+            os.replace(restored, current)
 
 
 def eval_folders(folder: str, drafter: str | None = None) -> list[str]:
