@@ -103,3 +103,20 @@ def test_evaluating_a_run_folder_that_does_not_exist_names_it_and_the_runs_besid
                           capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.startswith("dflash: error: no run folder runs/godo to evaluate")
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["good"]  # nothing left behind
+
+
+def test_evaluating_a_run_folder_whose_drafters_were_moved_aside_says_so(tmp_path):
+    """After a data-only overwrite=true moved the drafter aside, the eval said there was no such run folder."""
+    import pytest
+
+    from dflash.config.errors import NothingToEvaluate
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints.0123456789abcdef").mkdir(parents=True)
+    (run_dir / "data").mkdir()
+    with pytest.raises(NothingToEvaluate, match=r"holds no drafter to evaluate: its drafters of other settings were "
+                                                 r"moved aside \(checkpoints.0123456789abcdef\)"):
+        Pipeline(compose(["+experiment=tiny", f"run_dir={run_dir}", "stages=[eval]"])).run()
+    (run_dir / "checkpoints.0123456789abcdef").rmdir()
+    with pytest.raises(NothingToEvaluate, match="holds no drafter to evaluate: no drafter was trained there yet"):
+        Pipeline(compose(["+experiment=tiny", f"run_dir={run_dir}", "stages=[eval]"])).run()

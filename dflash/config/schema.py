@@ -780,10 +780,11 @@ class RunSettings:
     show_progress: bool = setting(True, affects=(), doc="progress bars")
     overwrite: bool = setting(False, affects=(),
                               doc="run_dir holds a drafter trained under other data, capture or train settings "
-                                  "(or on a prompt or template file edited since): "
-                                  "move it aside (kept, never deleted) with its logs, exports and the evaluation "
-                                  "folders of that drafter in run_dir, and train these settings there; without it "
-                                  "such a command is refused")
+                                  "(or on a prompt or template file edited since, or before an eval set was "
+                                  "checked for overlap): move it aside (kept, never deleted) with its logs, "
+                                  "exports and the evaluation folders of that drafter in run_dir, and train these "
+                                  "settings there (a data stage that replaces its data moves it aside too); "
+                                  "without it such a command is refused")
     target: TargetSettings = setting(MISSING, affects=(), doc="group target")
     drafter: DrafterSettings = setting(affects=(), factory=DrafterSettings, doc="group drafter")
     data: DataSettings = setting(affects=(), factory=DataSettings, doc="group data")

@@ -217,7 +217,7 @@ def input_files(settings) -> dict[str, dict[str, str]]:
     """The files whose contents decide the dataset beyond the settings (RunSettings): {key: {"path", "sha256"}} for
     data.path and target.chat_template, each when set."""
     named = {"data.path": settings.data.path, "target.chat_template": settings.target.chat_template}
-    return {key: {"path": path, "sha256": _sha256_once(os.path.expanduser(path))}
+    return {key: {"path": path, "sha256": sha256_once(os.path.expanduser(path))}
             for key, path in named.items() if path}
 
 
@@ -226,7 +226,7 @@ def input_files(settings) -> dict[str, dict[str, str]]:
 _hashes: dict[tuple[str, int, int], str] = {}
 
 
-def _sha256_once(path: str) -> str:
+def sha256_once(path: str) -> str:
     """file_sha256 of `path`, read once per process for each version of the file."""
     status = os.stat(path)
     key = (os.path.abspath(path), status.st_size, status.st_mtime_ns)

@@ -13,7 +13,7 @@ from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json,
     write_text
 from dflash.stages.closing import shown
 from dflash.stages.context import RunContext
-from dflash.stages.data import _sha256_once
+from dflash.stages.data import sha256_once
 from dflash.stages.export import ExportStage, export_best
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
@@ -43,11 +43,19 @@ class EvalStage(Stage):
 
     def refuse_missing_run_folder(self) -> None:
         """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a
-        drafter and the folder does not exist (a misspelt name=): before the command writes its logs there."""
+        drafter and the folder holds none: it does not exist (a misspelt name=), or its drafters were moved aside
+        (checkpoints.<fingerprint>: overwrite=true) or never trained. Before the command writes its logs there."""
         run = self.context
         if set(run.settings.stages) & {"data", "capture", "train", "export"} or os.path.isdir(run.dirs["export"]) \
                 or os.path.isdir(run.dirs["checkpoints"]):
             return
+        # Hydra makes <run_dir>/hydra/ for its log before any stage: a folder holding only that does not exist yet.
+        if os.path.isdir(run.run_dir) and set(os.listdir(run.run_dir)) - {"hydra"}:
+            aside = sorted(name for name in os.listdir(run.run_dir) if name.startswith("checkpoints."))
+            held = (f"its drafters of other settings were moved aside ({', '.join(aside)}): the training command of "
+                    f"their settings brings one back" if aside else "no drafter was trained there yet")
+            raise NothingToEvaluate(f"{shown(run.run_dir)} holds no drafter to evaluate: {held}; train one with "
+                                    f"python -m dflash.train")
         parent = os.path.dirname(run.run_dir)
         runs = sorted(name for name in (os.listdir(parent) if os.path.isdir(parent) else [])
                       if os.path.isfile(os.path.join(parent, name, "config.yaml")))
@@ -215,7 +223,7 @@ def eval_input_files(settings) -> dict[str, dict[str, str]]:
     for each prompt set's file (eval.prompt_sets.NAME.path) and target.chat_template, each when set."""
     named = {f"eval.prompt_sets.{name}.path": spec.path for name, spec in settings.eval.prompt_sets.items()}
     named["target.chat_template"] = settings.target.chat_template
-    return {key: {"path": path, "sha256": _sha256_once(os.path.expanduser(path))}
+    return {key: {"path": path, "sha256": sha256_once(os.path.expanduser(path))}
             for key, path in named.items() if path}
 
 
