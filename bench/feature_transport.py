@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,8 +36,10 @@ def samples(count: int, tokens: int, width: int) -> list[dict[str, torch.Tensor]
 
 
 def ranks_role(rank: int, port: int, args: argparse.Namespace, out) -> None:
+    # The ranks meet in the store main() holds, as torchrun's ranks meet in its agent's store.
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2",
-                       "LOCAL_RANK": str(rank)})
+                       "LOCAL_RANK": str(rank), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "TORCHELASTIC_RESTART_COUNT": "0"})
     from dflash.extract.capture_sender import CaptureSender
     from dflash.extract.linked_source import LinkedFeatureSource
     from dflash.extract.rank_link import open_link
@@ -67,12 +70,12 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=4)
     args = parser.parse_args()
     feature_bytes = args.units * args.micro_batch * args.tokens * args.width * 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Listening before either rank starts: a port found free here and handed to rank 0 could be taken by another
+    # listener in the seconds before rank 0 bound it.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=600), wait_for_workers=False)
     out = mp.Manager().dict()
     context = mp.get_context("spawn")
-    processes = [context.Process(target=ranks_role, args=(r, port, args, out)) for r in range(2)]
+    processes = [context.Process(target=ranks_role, args=(r, store.port, args, out)) for r in range(2)]
     for process in processes:
         process.start()
     for process in processes:

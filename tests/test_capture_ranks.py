@@ -20,7 +20,7 @@ from dflash.models.targets import build_tiny_target
 from dflash.pipeline import Pipeline
 from tests.schema_options import capture_options
 from tests.test_capture import FINGERPRINT, make_dataset
-from tests.test_trainer import free_port, launcher_env
+from tests.test_trainer import launcher_env
 
 # 400 tokens per shard splits the tiny run's ~2.3k tokens into about 6 shards.
 TINY = ["+experiment=tiny", "show_progress=false", "capture.shard_tokens=400"]
@@ -43,6 +43,19 @@ def assert_same_store(got: Path, want: Path) -> None:
         assert (got / name).read_bytes() == path.read_bytes(), name
 
 
+def two_rank_capture(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node 2 -m dflash.extract` of the tiny run in run_dir, which must succeed. --standalone:
+    torchrun's stores listen at ports the OS gives them as they bind (a port found free here and handed on could be
+    taken by another listener before torchrun bound it)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dflash.extract",
+         *TINY, f"run_dir={run_dir}", *overrides],
+        env=launcher_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> Path:
     """The tiny run's data and a 1-process capture of it."""
@@ -57,13 +70,7 @@ def two_ranks(one_rank, tmp_path_factory) -> tuple[Path, str]:
     """The same capture by `torchrun --nproc_per_node 2 -m dflash.extract` (data stage already done)."""
     run_dir = tmp_path_factory.mktemp("two")
     shutil.copytree(one_rank / "data", run_dir / "data")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "dflash.extract", *TINY, f"run_dir={run_dir}"],
-        env=launcher_env(), capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return run_dir, done.stdout
+    return run_dir, two_rank_capture(run_dir).stdout
 
 
 @pytest.mark.multiproc
@@ -130,12 +137,7 @@ def test_two_ranks_resume_a_partial_store_and_repair_a_corrupt_shard(one_rank, t
     write_sidecar(features, 3, entries[3])
     for entry in entries[2:3] + entries[4:]:
         os.remove(features / entry["file"])
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "dflash.extract", *TINY, f"run_dir={run_dir}", "capture.verify_existing=true"],
-        env=launcher_env(), capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = two_rank_capture(run_dir, "capture.verify_existing=true")
     n = len(entries)
     assert f"rank 0 of 2: {len(range(2, n, 2))} of {n} shards" in done.stdout  # all but shard 0
     assert f"rank 1 of 2: {1 + len(range(5, n, 2))} of {n} shards" in done.stdout  # 1 (corrupt) and 5, 7, ...

@@ -10,15 +10,15 @@ import torch.multiprocessing as mp
 
 from dflash.config.errors import CorruptFile
 from tests.forked import process_context
-from tests.test_rank_stream import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
-def _rank(rank: int, port: int, failure: str, results) -> None:
+def _rank(rank: int, store_file: str, failure: str, results) -> None:
     from dflash.run_files import from_rank0
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # A file store, not a TCP one: a port found free and handed to rank 0 could be taken by another listener first.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
 
     def read():
         if failure == "corrupt":
@@ -38,11 +38,10 @@ def _rank(rank: int, port: int, failure: str, results) -> None:
     ("corrupt", "CorruptFile", "checkpoints/best/model.safetensors differs from when it was saved; move best/ aside"),
     ("other", "ValueError", "rank 0 could not read the checkpoint folder: OSError: disk gone"),
 ])
-def test_every_rank_raises_what_rank_0_met(failure, kind, text):
+def test_every_rank_raises_what_rank_0_met(tmp_path, failure, kind, text):
     results = mp.Manager().dict()
     context = process_context()
-    port = free_port()
-    processes = [context.Process(target=_rank, args=(r, port, failure, results)) for r in range(2)]
+    processes = [context.Process(target=_rank, args=(r, str(tmp_path / "store"), failure, results)) for r in range(2)]
     for process in processes:
         process.start()
     for process in processes:

@@ -23,7 +23,7 @@ from tests.forked import process_context
 from tests.test_checkpoint_integrity import flip, model_states
 from tests.test_divergence import poison_optimizer_state
 from tests.test_store_repair import TINY, flip as flip_shard, sha
-from tests.test_trainer_checkpoints import free_port
+from tests.test_trainer import held_rendezvous
 
 pytestmark = pytest.mark.slow
 
@@ -214,11 +214,12 @@ def leftovers(run_dir):
     return found
 
 
-def killed_child(point, run_dir, port):
-    """The child process of test_a_sigkill_...: kill_at with a rendezvous port and one thread of its own."""
+def killed_child(point, run_dir, rendezvous):
+    """The child process of test_a_sigkill_...: kill_at with one thread of its own, meeting itself in the store of
+    the test's held_rendezvous (a port it picked itself could be taken by another listener before it bound it)."""
     import torch
 
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ.update(rendezvous)
     torch.set_num_threads(1)
     kill_at(point, run_dir)
 
@@ -226,9 +227,10 @@ def killed_child(point, run_dir, port):
 @pytest.mark.parametrize("point", ["capture", "step", "checkpoint save", "pruning"])
 def test_a_sigkill_at_each_point_then_the_same_command_ends_as_the_reference(reference, tmp_path, point):
     run_dir = untrained(reference, tmp_path / "run", keep_features=point != "capture")
-    child = process_context().Process(target=killed_child, args=(point, run_dir, free_port()))
-    child.start()
-    child.join(timeout=300)
+    with held_rendezvous() as rendezvous:
+        child = process_context().Process(target=killed_child, args=(point, run_dir, rendezvous))
+        child.start()
+        child.join(timeout=300)
     assert child.exitcode == -signal.SIGKILL, f"the child ended with {child.exitcode} (its output is above)"
     Pipeline(config(run_dir)).run()
     assert_same_drafter(run_dir, reference)

@@ -24,7 +24,6 @@ from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
 from dflash.train.frozen_head import save_frozen_head
 from tests.forked import process_context
-from tests.test_rank_stream import free_port
 
 TINY = ["+experiment=tiny", "show_progress=false"]
 
@@ -118,8 +117,9 @@ class SplitStage(FakeStage):
         return dist.get_rank() == 1
 
 
-def _run_split_stage(rank, port, out, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _run_split_stage(rank, store_file, out, results):
+    # A file store, not a TCP one: a port found free and handed to rank 0 could be taken by another listener first.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     try:
         events = []
         run_stage(SplitStage("split", out, events, record={}, every_rank=True), rank)
@@ -133,8 +133,8 @@ def _run_split_stage(rank, port, out, results):
 def test_rank_0_decides_for_every_rank_whether_a_stage_is_up_to_date(tmp_path):
     results = mp.Manager().dict()
     context = process_context()
-    port = free_port()
-    processes = [context.Process(target=_run_split_stage, args=(r, port, str(tmp_path), results)) for r in range(2)]
+    store = str(tmp_path / "store")
+    processes = [context.Process(target=_run_split_stage, args=(r, store, str(tmp_path), results)) for r in range(2)]
     for process in processes:
         process.start()
     for process in processes:

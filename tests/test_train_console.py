@@ -9,7 +9,6 @@ import io
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from dflash import console
 from dflash.train import third_party_output
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.third_party_output import quiet_deepspeed_logger, third_party_records_to_run_log, to_run_log
+from tests.test_trainer import held_rendezvous
 
 # Lines a tiny CPU run printed before: the op builder's probe, DeepSpeed's op build, wandb's banner and summary; and
 # any record below WARNING that Hydra's root handler formats ("[datasets][INFO] - JAX version ... available").
@@ -143,14 +143,14 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
     the run's log file has (on a machine where DeepSpeed's op probe runs the compiler)."""
     repository = str(Path(__file__).resolve().parent.parent)
     env = {key: value for key, value in os.environ.items() if key != third_party_output.VERBOSE_ENV}
-    with socket.socket() as sock:  # the default port (from the process id) can collide with a concurrent run
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    env.update(PYTHONPATH=repository, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_PORT=port)
-    done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", f"run_dir={tmp_path}",
-                           "stages=[data,capture,train]", "train.max_steps=2", "logging.wandb.mode=offline",
-                           "show_progress=false"], env=env, cwd=repository, timeout=600, capture_output=True,
-                          text=True)
+    env.update(PYTHONPATH=repository, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    # The run meets itself in a store this test holds, listening already: a port it picked itself or was handed
+    # could be taken by another listener (the other xdist worker's) before its store bound it.
+    with held_rendezvous() as rendezvous:
+        done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", f"run_dir={tmp_path}",
+                               "stages=[data,capture,train]", "train.max_steps=2", "logging.wandb.mode=offline",
+                               "show_progress=false"], env={**env, **rendezvous}, cwd=repository, timeout=600,
+                              capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     console = done.stdout + done.stderr
     assert "[export] drafter ->" in console

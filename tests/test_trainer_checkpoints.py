@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,10 @@ from dflash.train.checkpoints import COMPLETE, LATEST, complete_tags, latest_tag
 from dflash.train.step_metrics import expected_acceptance_length, layer_parameters, step_flops
 from tests import trainer_harness
 from tests.forked import process_context
+from tests.test_trainer import held_rendezvous
 
 # 6 samples, global batch 2: 3 steps per epoch, 4 epochs = 12 steps, a checkpoint after every step, 2 kept.
 RUN = dict(micro_batch_size=2, grad_accum=1, epochs=4, save_every=1, keep_last=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_latest_step(checkpoints: str) -> int:
@@ -76,19 +70,22 @@ def test_sigterm_saves_the_step_in_flight_and_resumes_to_the_same_weights(tmp_pa
     out = tmp_path / "stopped"
     command = [sys.executable, "tests/trainer_harness.py", str(out), "2", "1", "2", "--epochs", "4",
                "--delay", "0.15"]
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "MASTER_PORT": str(free_port())}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     metrics = out / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 300
-        while process.poll() is None and time.monotonic() < deadline and (
-                not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-            time.sleep(0.02)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        process.kill()
+    # The run meets itself in a store this test holds, listening already: a port handed to it could be taken by
+    # another listener (the other xdist worker's) before its own store bound it.
+    with held_rendezvous() as rendezvous:
+        process = subprocess.Popen(command, env={**env, **rendezvous}, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            while process.poll() is None and time.monotonic() < deadline and (
+                    not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+                time.sleep(0.02)
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=120)
+        finally:
+            process.kill()
     assert process.returncode not in (0, -signal.SIGTERM), stderr[-2000:]
     assert "TrainingStopped" in stderr
     stopped_at = read_latest_step(str(out / "checkpoints"))

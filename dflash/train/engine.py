@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -29,38 +28,34 @@ quiet_deepspeed_logger()  # DeepSpeed's INFO lines (its import's too) go to the 
 import deepspeed  # noqa: E402  (must follow the accelerator choice above)
 
 
-def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
     """Join (or create, for a plain single process) the process group. Returns (rank, world_size, local_rank)."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     if not dist.is_initialized():
-        # A plain single process meets only itself, at a port the OS picks where no launcher gave one. What is
-        # filled in here leaves the environment afterwards: a process started later from this one (a second run
-        # from a notebook or a test, a checkpoint conversion) would inherit the address and fail to listen where
-        # this process's store already does.
-        own_rendezvous = {}
-        if "MASTER_ADDR" not in os.environ:
-            own_rendezvous["MASTER_ADDR"] = "127.0.0.1"
-        if "MASTER_PORT" not in os.environ:
-            own_rendezvous["MASTER_PORT"] = str(free_local_port())
+        # A plain single process (no launcher gave an address) meets only itself, in a store of its own memory: a
+        # port picked free and bound later could be taken by another process meanwhile. DeepSpeed adopts the group
+        # but asks for an address in the environment: one is given while it starts, then taken out again, or a
+        # process started later from this one (a second run from a notebook or a test, a checkpoint conversion)
+        # would take it for a launcher's.
+        alone = "MASTER_PORT" not in os.environ and os.environ["WORLD_SIZE"] == "1"
+        own_rendezvous = {key: value for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0"))
+                          if alone and key not in os.environ}
         os.environ.update(own_rendezvous)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         try:
             timeout = timedelta(minutes=timeout_minutes)
             with to_run_log():  # on CPU DeepSpeed probes and builds its ops here, printing a line per compiler call
-                if torch.cuda.is_available():
-                    # The group bound to this rank's GPU: NCCL would otherwise guess it from the global rank (and
-                    # warn at every barrier). DeepSpeed adopts a group that exists.
-                    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+                # On a GPU, the group bound to this rank's GPU: NCCL would otherwise guess it from the global rank
+                # (and warn at every barrier).
+                device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else None
+                if device is not None:
                     torch.cuda.set_device(device)
+                if alone:
+                    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                            device_id=device)
+                elif device is not None:
                     dist.init_process_group(backend, timeout=timeout, device_id=device)
                 deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         finally:
