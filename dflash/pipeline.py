@@ -24,11 +24,12 @@ from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.closing import closing_block
-from dflash.stages.command_ending import ending, full_error
+from dflash.stages.command_ending import ending, ending_status, full_error
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
 from dflash.stages.export import ExportStage
+from dflash.stages.job_ending import EarlierEnding, ending_recorded, refuse_after_earlier_ending
 from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
 from dflash.train.third_party_output import third_party_records_to_run_log
@@ -145,25 +146,30 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     """What the commands run: the pipeline over `stages` (default: cfg.stages). A user error (ConfigError: a bad
     setting or a run folder that holds a drafter of other settings, found before any work; a bad prompt record or a
     corrupt checkpoint, found when it is read) ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1
-    shows the traceback); so does training that diverged (exit status 1)."""
+    shows the traceback); so does training that diverged (exit status 1), and a stop on a signal (143). A restarted
+    start of a capture=online torchrun job whose earlier start ended in a user error or divergence stops at once with
+    that status (EarlierEnding)."""
     from dflash.train.divergence import TrainingDiverged
-    from dflash.train.stop_signal import TrainingStopped
+    from dflash.train.stop_signal import CaptureStopped, TrainingStopped
 
     if stages is not None:
         cfg.stages = stages
     try:
         return run_role(cfg)
+    except EarlierEnding as earlier:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node, not one a rank
+            print(f"dflash: error: {earlier}", file=sys.stderr, flush=True)
+        sys.exit(earlier.status)
     except (ConfigError, TrainingDiverged) as error:
         if full_error():
             raise
         print(ending(error), end="", file=sys.stderr, flush=True)
-        if isinstance(error, TrainingDiverged):
-            sys.exit(1)
-        remove_hydra_only_dir(str(cfg.run_dir))
-        sys.exit(2)
-    except TrainingStopped as stopped:
+        if isinstance(error, ConfigError):
+            remove_hydra_only_dir(str(cfg.run_dir))
+        sys.exit(ending_status(error))
+    except (TrainingStopped, CaptureStopped) as stopped:
         print(ending(stopped), end="", flush=True)
-        sys.exit(128 + 15)  # the exit status of a process ended by SIGTERM: not done, resumable
+        sys.exit(ending_status(stopped))
 
 
 def run_role(cfg: DictConfig) -> dict[str, Any] | None:
@@ -179,16 +185,19 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
         return Pipeline(cfg).run()
     from dflash.extract.rank_link import capture_gpus, open_link
 
+    refuse_after_earlier_ending(s.run_dir)  # before the target loads, and before this start's ranks meet
     link = open_link(c.ranks, s.device, c.timeout_s, capture_gpus(c, s.target), c.ranks_per_node)
     if link.is_capture:
         from dflash.stages.capture_role import serve_capture
 
-        serve_capture(cfg, link)
+        with ending_recorded(s.run_dir, link.name(link.rank)):
+            serve_capture(cfg, link)
         return None
     pipeline = Pipeline(cfg)
     pipeline.train.link = link
     try:
-        return pipeline.run()
+        with ending_recorded(s.run_dir, link.name(link.rank)):
+            return pipeline.run()
     except BaseException as error:
         if link.trainer_index == 0 and not link.announced():
             # The other ranks wait for the announcement: they end naming this rank's error, not a symptom of it.

@@ -2,7 +2,7 @@
 # Several nodes, one call per node, run_dir on a shared filesystem; data + capture must have run already
 # (launch/one_node.sh ... 'stages=[data,capture]' on one node). Every node has GPUS_PER_NODE (8) GPUs, one trainer
 # rank each, except with capture=online (dflash/extract/rank_link.py), where some ranks capture and torchrun also
-# restarts the job MAX_RESTARTS (3) times after a rank dies:
+# restarts the job MAX_RESTARTS (3) times after a rank dies (a user error or divergence ends it: the run id below):
 #   capture.ranks=C             the job's last C ranks capture, one GPU each: every node runs GPUS_PER_NODE ranks,
 #                               the last node(s)' GPUs capturing (capture.gpus_per_worker > 1: one node only)
 #   capture.ranks_per_node=k    every node's last k ranks capture on capture.gpus_per_worker = g GPUs each:
@@ -49,6 +49,14 @@ fi
 rendezvous=(--master_addr "$master" --master_port "${MASTER_PORT:-29500}")
 if [ "$backend" = c10d ]; then
   rendezvous=(--rdzv_backend c10d --rdzv_endpoint "$master:${MASTER_PORT:-29500}")
+fi
+if [ "${#restarts[@]}" != 0 ]; then
+  # The job's run id (TORCHELASTIC_RUN_ID), one per launch and the same on every node: a restarted start stops at once
+  # after an error that an earlier start of this job recorded and a restart would meet again (a user error,
+  # divergence: dflash/pipeline.py). RDZV_ID, else SLURM's job id and requeue count, else on one node a new one.
+  job_id=${RDZV_ID:-${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}}}
+  if [ -z "$job_id" ] && [ "$nnodes" = 1 ]; then job_id=$(python -c 'import uuid; print(uuid.uuid4())'); fi
+  if [ -n "$job_id" ]; then rendezvous+=(--rdzv_id "$job_id"); fi
 fi
 run torchrun --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" "${restarts[@]}" \
   "${rendezvous[@]}" -m dflash.train "$@" 'stages=[train]'

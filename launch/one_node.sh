@@ -5,7 +5,7 @@
 # len(capture.devices)/g processes that all see every capture GPU, and local rank r takes GPUs r*g .. r*g+g-1.
 # capture=online: the train stage is one torchrun job of the trainer GPUs, one rank each, and then one capture rank
 # per capture worker of g GPUs (dflash/extract/rank_link.py); MAX_RESTARTS (default 3) restarts of the job after a
-# rank dies.
+# rank dies (a user error or divergence ends it at its first start: dflash/pipeline.py, refuse_after_earlier_ending).
 # Usage: launch/one_node.sh [hydra overrides...]   e.g. launch/one_node.sh +experiment=qwen36 target.path=/models/x
 # DRY_RUN=1 prints the commands without running them; CAPTURE_ONLY=1 ends after the data and capture steps (a capture
 # node: launch/slurm_capture.sbatch).

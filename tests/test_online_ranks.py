@@ -12,8 +12,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ import torch
 from dflash.config import compose
 from dflash.pipeline import Pipeline, run_command
 from tests.forked import run_ranks
-from tests.test_rank_stream import free_port
+from tests.test_trainer import held_rendezvous
 
 ONLINE = ["+experiment=tiny", "show_progress=false", "capture=online"]
 STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"
@@ -49,17 +52,13 @@ def forked_rank(console: str, overrides: list[str]) -> None:
 
 
 def run_job(run_dir: Path, data_dir: Path, captures: int, trainers: int, point: str = "none",
-            extra: tuple[str, ...] = (), nodes: int = 1) -> subprocess.CompletedProcess:
-    """One job of captures + trainers ranks, launched by torchrun when a rank is to be killed (and restarted) or when
-    it spans nodes: with nodes > 1, one torchrun per node (static rendezvous on this machine), each node's last
-    captures / nodes ranks capturing (capture.ranks_per_node)."""
-    run_dir.mkdir()
-    shutil.copytree(data_dir, run_dir / "data")
-    overrides = ONLINE + [f"run_dir={run_dir}", "stages=[data,capture,train]", f"capture.ranks={captures}",
-                          f"train.micro_batch_size={4 // trainers}", *extra]
-    if nodes > 1:
-        overrides.append(f"capture.ranks_per_node={captures // nodes}")
-    if point == "none" and nodes == 1:
+            extra: tuple[str, ...] = (), nodes: int = 1, restarts: int | None = None) -> subprocess.CompletedProcess:
+    """One job of captures + trainers ranks, launched by torchrun when a rank is to be killed (and restarted), when
+    it may restart (`restarts`: --max-restarts; 1 when a rank is killed) or when it spans nodes: with nodes > 1, one
+    torchrun per node (static rendezvous on this machine), each node's last captures / nodes ranks capturing
+    (capture.ranks_per_node)."""
+    overrides = job_overrides(run_dir, data_dir, captures, trainers, extra, nodes)
+    if point == "none" and nodes == 1 and restarts is None:
         # No rank killed, so no restart to ask of torchrun: the ranks fork from a server that imported dflash once
         # (tests/forked.py), where torchrun's processes would each import it again, most of these tests' time.
         console = f"{run_dir}-console"
@@ -68,17 +67,41 @@ def run_job(run_dir: Path, data_dir: Path, captures: int, trainers: int, point: 
                    for rank in range(captures + trainers)]
         return subprocess.CompletedProcess("forked", max(abs(code) for code in codes),
                                            "".join(out for out, _ in outputs), "".join(err for _, err in outputs))
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launches = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
-         "--nproc_per_node", str((captures + trainers) // nodes), "--master_addr", "127.0.0.1", "--master_port",
-         str(port), "--max-restarts", "0" if point == "none" else "1", str(CHILD), point, *overrides],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(nodes)]
-    outputs = [launch.communicate(timeout=400) for launch in launches]
+    restarts = restarts if restarts is not None else 0 if point == "none" else 1
+    with held_rendezvous() as rendezvous:
+        launches = torchrun_job(overrides, captures + trainers, point, nodes, restarts, rendezvous["MASTER_PORT"])
+        outputs = [launch.communicate(timeout=400) for launch in launches]
     return subprocess.CompletedProcess(
         [launch.args for launch in launches], max(launch.returncode for launch in launches),
         "".join(out for out, _ in outputs), "".join(err for _, err in outputs))
+
+
+def job_overrides(run_dir: Path, data_dir: Path, captures: int, trainers: int, extra: tuple[str, ...],
+                  nodes: int = 1) -> list[str]:
+    """The command of run_job's ranks, in a new run folder holding the tiny data stage."""
+    run_dir.mkdir()
+    shutil.copytree(data_dir, run_dir / "data")
+    overrides = ONLINE + [f"run_dir={run_dir}", "stages=[data,capture,train]", f"capture.ranks={captures}",
+                          f"train.micro_batch_size={4 // trainers}", *extra]
+    if nodes > 1:
+        overrides.append(f"capture.ranks_per_node={captures // nodes}")
+    return overrides
+
+
+def torchrun_job(overrides: list[str], ranks: int, point: str, nodes: int, restarts: int,
+                 port: str) -> list[subprocess.Popen]:
+    """The torchrun launches (one a node) of a job of `ranks` ranks running tests/online_ranks_child.py, under a run id
+    of its own (TORCHELASTIC_RUN_ID: what a restarted start finds an earlier start's ending by,
+    dflash/stages/job_ending.py). They meet by torchrun's c10d rendezvous in the store at `port` that the test holds
+    (held_rendezvous), every agent its client: a port found free and handed on could be taken meanwhile."""
+    job = f"test-{uuid.uuid4().hex}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", str(ranks // nodes),
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false",
+         "--rdzv_id", job, "--max-restarts", str(restarts), str(CHILD), point, *overrides],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for _ in range(nodes)]
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -186,3 +209,50 @@ def test_trainer_rank_0_failing_before_the_stream_is_the_error_every_rank_names(
         last = Path(f"{tmp_path / 'run'}-console-rank{rank}.err").read_text().strip().splitlines()[-1]
         assert last.startswith(("RuntimeError: trainer rank 0 stopped before the feature stream started: "
                                 "ConfigError: capture.cache=true", "RuntimeError: the job's store went away")), last
+
+
+def test_a_user_error_ends_the_job_at_its_first_start_though_torchrun_may_restart_it(tmp_path, data_dir):
+    """Trainer rank 0 refuses the cache's budget at the stream's start; its restarted start stops before the ranks
+    meet (the target is not loaded again), printing one line that names the earlier start's error."""
+    run_dir = tmp_path / "run"
+    job = run_job(run_dir, data_dir, 1, 1, extra=("capture.cache=true", "capture.cache_budget_bytes=1"), restarts=1)
+    assert job.returncode != 0
+    assert job.stderr.count("dflash: error: capture.cache=true: one epoch of features takes") == 1, job.stderr[-4000:]
+    assert job.stderr.count("dflash: error: an earlier start of this job (torchrun run test-") == 1, job.stderr[-4000:]
+    assert "exitcode  : 2 " in job.stderr  # the restarted start's ranks end with the error's status
+    assert len(list((run_dir / "logs").glob("*-capture-rank*.log"))) == 1  # no capture rank served again
+
+
+def wait_for(launch: subprocess.Popen, *paths: Path) -> None:
+    """Until every path exists; AssertionError with the job's output if it ended first."""
+    deadline = time.monotonic() + 300
+    while not all(path.exists() for path in paths):
+        if launch.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):  # torchrun and its ranks (a session of their own)
+                os.killpg(launch.pid, signal.SIGKILL)
+            out, err = launch.communicate()
+            raise AssertionError(f"{[p.name for p in paths if not p.exists()]} not written\n{out[-3000:]}{err[-4000:]}")
+        time.sleep(0.1)
+
+
+def test_a_sigterm_to_torchrun_finishes_the_step_saves_it_and_ends_every_rank_without_a_restart(tmp_path, data_dir):
+    """What SLURM, `timeout` and Kubernetes do. The capture rank holds the third step's micro-batch and trainer rank
+    0 waits for it when torchrun is told to stop, and both go on only once their handler ran: the capture rank keeps
+    serving, the trainer finishes the step, saves it and stops (143), and the capture rank ends once the trainer is
+    gone (143). torchrun itself ends on the signal, restarting nothing."""
+    run_dir = tmp_path / "run"
+    overrides = job_overrides(run_dir, data_dir, 1, 1, ("capture.cache=false", "capture.batch_tokens=1"))
+    with held_rendezvous() as rendezvous:
+        [launch] = torchrun_job(overrides, 2, "sigterm", 1, 1, rendezvous["MASTER_PORT"])
+        wait_for(launch, run_dir / "held-capture", run_dir / "held-trainer")
+        launch.send_signal(signal.SIGTERM)  # torchrun sends it on to its ranks
+        wait_for(launch, run_dir / "signalled-0", run_dir / "signalled-1")
+        (run_dir / "go").write_text("")
+        out, err = launch.communicate(timeout=400)
+    assert launch.returncode != 0  # torchrun's own status on a signal
+    assert "[train] training stopped by SIGTERM after step 3; a checkpoint of step 3 was saved" in out, err[-4000:]
+    assert "[online] capture rank 1 stopped by SIGTERM once the trainer ranks had stopped" in out, err[-4000:]
+    assert len(losses(run_dir)) == 3 and (run_dir / "checkpoints" / "step3").is_dir()
+    assert len(list((run_dir / "logs").glob("*-capture-rank*.log"))) == 1  # one start
+    assert not (run_dir / "logs" / "job-ending.json").exists()  # a stop is not an ending a restart would repeat
+

@@ -4,7 +4,6 @@ wire form, and capture ranks sending them to trainer ranks over gloo (CPU) with 
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -20,12 +19,6 @@ from tests.forked import run_ranks
 
 LENGTHS = [5 + (7 * i) % 11 for i in range(13)]
 WIDTH = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stored_sample(index: int, fp8: bool = False) -> dict[str, torch.Tensor]:
@@ -318,16 +311,20 @@ def test_a_job_on_two_nodes_meets_again_after_a_restart(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_trainer import free_port, launcher_env
+    from tests.test_trainer import held_rendezvous, launcher_env
 
-    port, child = free_port(), os.path.join(os.path.dirname(__file__), "rank_link_restart_child.py")
+    child = os.path.join(os.path.dirname(__file__), "rank_link_restart_child.py")
     env = {**launcher_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-                                "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
-                                "restart", "--max-restarts", "1", "--monitor-interval", "1", child, str(tmp_path)],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]
-    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    # The rendezvous store is the test's, both agents its clients: a port found free and handed on could be taken.
+    with held_rendezvous() as rendezvous:
+        agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                                    "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                    f"127.0.0.1:{rendezvous['MASTER_PORT']}", "--rdzv-conf", "is_host=false",
+                                    "--rdzv-id", "restart", "--max-restarts", "1", "--monitor-interval", "1", child,
+                                    str(tmp_path)],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for _ in range(2)]
+        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
     assert all(agent.returncode == 0 for agent in agents), outputs[0][-2000:] + outputs[1][-2000:]
     counts = {p.name: p.read_text().split() for p in tmp_path.iterdir()}
     assert sorted(counts) == ["rank0", "rank1", "rank2", "rank3"] and all(len(c) == 2 for c in counts.values())

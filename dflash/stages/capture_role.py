@@ -4,6 +4,11 @@ start, stream the micro-batches of its own batch plan from the step and for the 
 (dflash/extract/capture_sender.py), its target's layers compiled with capture.compile, then post this rank's
 counters and exit. Its capture settings and batch plan come from its own settings (every rank runs the same
 command); the start adds what the trainers decide at run time, and their plan, which this rank's must equal.
+
+A stop signal (SIGTERM, SIGUSR1) once the stream started does not end this rank at once: the trainers stop on the
+same signal (torchrun and the schedulers signal every rank) after finishing their step, which needs this rank's
+features, and saving it. The rank ends once they stopped the stream or closed their connections (CaptureStopped: exit
+status 143, as theirs), or at torchrun's SIGKILL after its grace.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dflash.console import EVERY_RANK, console_copied_to, run_log
 from dflash.extract.rank_link import RankLink
 from dflash.stages.command_ending import ending
 from dflash.stages.context import RunContext
+from dflash.train.stop_signal import CaptureStopped, StopSignal
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,29 @@ def serve_capture(cfg: DictConfig, link: RankLink) -> None:
 
 
 def _stream(context: RunContext, link: RankLink) -> None:
+    target = context.target  # loaded while the trainers prepare the data
+    start = link.stream_start()
+    if start is None:
+        logger.info(f"[online] capture rank {link.rank}: nothing to stream", extra=EVERY_RANK)
+        return
+    # Only now: before the start a signal ends this rank at once, as it ends the trainers (no handler there yet).
+    with StopSignal() as stop:
+        try:
+            sender = _send_stream(context, link, target, start)
+        except (RuntimeError, TimeoutError) as error:
+            # Trainers that stopped on the signal close the connections this rank waits on: after a signal that is
+            # how its stream ends, not an error.
+            if stop.received is None:
+                raise
+            raise CaptureStopped(link.rank, stop.received, f"{type(error).__name__}: {error}") from error
+        if stop.received is not None:  # the trainers, stopping on a signal, read no counters
+            raise CaptureStopped(link.rank, stop.received, "they ended the stream")
+    link.post_stats({**sender.stats(), "gpus": len(link.devices)})
+    logger.info(f"[online] capture rank {link.rank}: sent {sender.units_sent} micro-batches", extra=EVERY_RANK)
+
+
+def _send_stream(context: RunContext, link: RankLink, target, start: dict):
+    """This rank's units of the stream `start` names, captured and sent; the CaptureSender that sent them."""
     from dflash.data.batch_plan import plan_lengths
     from dflash.data.dataset import load_dataset_dir
     from dflash.data.sample_sizes import sample_lengths
@@ -46,11 +75,6 @@ def _stream(context: RunContext, link: RankLink) -> None:
     from dflash.train.loop import plan_batches
     from dflash.train.rank_capture import check_same_plan
 
-    target = context.target  # loaded while the trainers prepare the data
-    start = link.stream_start()
-    if start is None:
-        logger.info(f"[online] capture rank {link.rank}: nothing to stream", extra=EVERY_RANK)
-        return
     dataset = load_dataset_dir(start["data"])
     train, capture = context.settings.train, context.settings.capture
     lengths = plan_lengths(dataset, train, context.settings.drafter.block_size)
@@ -63,5 +87,4 @@ def _stream(context: RunContext, link: RankLink) -> None:
                            in_flight=capture.in_flight)
     with target_layers_compiled(target, capture.compile):
         sender.run()
-    link.post_stats({**sender.stats(), "gpus": len(link.devices)})
-    logger.info(f"[online] capture rank {link.rank}: sent {sender.units_sent} micro-batches", extra=EVERY_RANK)
+    return sender

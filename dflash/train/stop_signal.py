@@ -2,7 +2,9 @@
 
 Schedulers (SLURM before a time limit or preemption, Kubernetes, `timeout`) send SIGTERM and kill a little later.
 Without a handler that is a SIGKILL in slow motion: the work since the last periodic checkpoint is lost. With it,
-the step in flight finishes, every rank saves the same step, and rerunning the same command resumes there.
+the step in flight finishes, every rank saves the same step, and rerunning the same command resumes there. The
+capture ranks of capture=online (dflash/stages/capture_role.py) catch the same signals and keep serving the
+trainers until these have stopped, then end in CaptureStopped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ class TrainingStopped(Exception):
         super().__init__(f"training stopped by {signal_name} after step {step}; a checkpoint of step {step} was "
                          "saved: rerun the same command to resume")
         self.step = step
+        self.signal_name = signal_name
+
+
+class CaptureStopped(Exception):
+    """A capture rank of capture=online stopped on a signal once the trainer ranks it serves had stopped (they stop on
+    the same signal, saving a checkpoint); rerun the same command to resume."""
+
+    def __init__(self, rank: int, signal_name: str, how: str) -> None:
+        super().__init__(f"capture rank {rank} stopped by {signal_name} once the trainer ranks had stopped ({how}): "
+                         "they save a checkpoint when they stop on a signal; rerun the same command to resume")
         self.signal_name = signal_name
 
 

@@ -1,0 +1,72 @@
+"""BatchPlan computes each epoch's order once (dflash/data/batch_plan.py, _epoch_order): a trainer asks for its
+micro-batches every step and an online capture rank for every unit of every trainer rank, and each ask used to
+shuffle (and length-sort) the whole epoch again. The micro-batches are those the plan dealt before."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from dflash.data.batch_plan import BatchPlan
+from dflash.extract.rank_stream import UnitStream
+
+LENGTHS = tuple((i * 37) % 101 + 1 for i in range(103))
+# Plans of 103 samples (a partial last batch of placeholders) and the digest of every micro-batch of their first 3
+# epochs as the plan dealt them before the order was cached (computed at d2e9f34).
+PLANS = [(dict(micro_batch_size=2, world_size=3, grad_accum=2, seed=7), "d628a8ebf65f429e"),
+         (dict(micro_batch_size=1, world_size=2, grad_accum=4, seed=1, group_by_length=3, lengths=LENGTHS),
+          "e038cde6981cd335")]
+
+
+def every_micro_batch(plan: BatchPlan, epochs: int) -> list:
+    return [plan.micro_batches(epoch, step, rank) for epoch in range(epochs) for step in range(plan.steps_per_epoch)
+            for rank in range(plan.world_size)]
+
+
+@pytest.fixture
+def shuffles(monkeypatch) -> list[int]:
+    """The sizes of the permutations drawn (torch.randperm): one of every sample per epoch order computed."""
+    calls, real = [], torch.randperm
+
+    def randperm(n, *args, **kwargs):
+        calls.append(n)
+        return real(n, *args, **kwargs)
+    monkeypatch.setattr(torch, "randperm", randperm)
+    return calls
+
+
+@pytest.mark.parametrize("fields,digest", PLANS)
+def test_the_plan_deals_the_micro_batches_it_dealt_before(fields, digest):
+    plan = BatchPlan(103, **fields)
+    walk = every_micro_batch(plan, 3)
+    assert hashlib.sha256(json.dumps(walk).encode()).hexdigest()[:16] == digest
+    assert sorted(plan.epoch_order(1)) == list(range(103))
+
+
+@pytest.mark.parametrize("group_by_length", [0, 2])
+def test_each_epochs_order_is_computed_once(shuffles, group_by_length):
+    """A trainer's micro-batches of every step and rank; the seed is this test's own, so no other test's plan
+    computed these orders in this process already."""
+    plan = BatchPlan(103, 2, 3, 2, seed=424_242 + group_by_length, group_by_length=group_by_length,
+                     lengths=LENGTHS)
+    every_micro_batch(plan, 3)
+    assert shuffles.count(103) == 3
+
+
+def test_a_capture_rank_walking_every_unit_computes_each_epochs_order_once(shuffles):
+    """A capture rank serving 12 trainer ranks of 4 micro-steps asks for the micro-batches of 48 units a step: each
+    asked for the whole epoch's order before."""
+    plan = BatchPlan(300, 1, 12, 4, seed=434_343)
+    stream = UnitStream(plan, 2)
+    indices = [stream.indices(u) for u in range(stream.num_units)]
+    assert shuffles.count(300) == 2
+    expected = []  # unit u = (step x grad_accum + micro-step) x trainers + rank
+    for step in range(2 * plan.steps_per_epoch):
+        for micro_step in range(4):
+            for rank in range(12):
+                micro = plan.micro_batches(*divmod(step, plan.steps_per_epoch), rank)[micro_step]
+                expected.append([i for i, _ in micro])
+    assert indices == expected
