@@ -32,8 +32,29 @@ def launch_settings(overrides: list[str]) -> dict[str, object]:
     unlisted = (per_node or 1) * (1 if str(setting) == "auto" else int(setting))
     gpus = gpus_per_worker(setting, OmegaConf.to_container(cfg.target, resolve=True),
                            len(capture.split(",")) if capture else unlisted)
-    return {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
-            "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus, "ranks_per_node": per_node or ""}
+    settings = {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
+                "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus, "ranks_per_node": per_node or ""}
+    if settings["capture_mode"] == "online":
+        refuse_shared_gpus(settings["train_devices"], settings["capture_devices"], str(cfg.device))
+    return settings
+
+
+def refuse_shared_gpus(train: str, capture: str, device: str) -> None:
+    """ConfigError when capture=online's trainer and capture ranks, which run at once with a GPU each, would share
+    one (CUDA_VISIBLE_DEVICES listing a GPU twice): train.devices and capture.devices both default to [0]. A run on
+    the CPU (device=cpu, or auto without a GPU) has no GPUs to share."""
+    shared = sorted(set(train.split(",")) & set(capture.split(",")), key=int)
+    if not shared or device == "cpu":
+        return
+    if device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+    free = next(str(g) for g in range(1024) if str(g) not in train.split(","))
+    raise ConfigError(f"capture=online runs its trainer and capture ranks at once, one GPU each, but train.devices="
+                      f"[{train}] and capture.devices=[{capture}] share GPU {', '.join(shared)} (each defaults to [0]): "
+                      f"list GPUs of their own, e.g. train.devices=[{train}] capture.devices=[{free}]")
 
 
 if __name__ == "__main__":

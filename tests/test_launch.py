@@ -161,3 +161,14 @@ def test_dry_run_of_the_slurm_capture_job_captures_with_one_process_per_capture_
     assert data.startswith("+ env CUDA_VISIBLE_DEVICES=0 python -m dflash.train") and "stages=[data]" in data
     assert capture.startswith("+ env CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 torchrun --standalone --nproc_per_node 8 ")
     assert f"run_dir={run_dir} " in capture and "stages=[capture]" in capture
+
+
+def test_online_capture_on_gpus_shared_by_trainer_and_capture_ranks_is_refused_in_one_line():
+    """Both device lists default to [0]: the online job's CUDA_VISIBLE_DEVICES listed GPU 0 twice."""
+    done = one_node("capture=online", "device=cuda", dry_run=True)
+    assert done.returncode == 2 and "+ env" not in done.stdout
+    assert done.stderr.startswith("dflash: error: capture=online runs its trainer and capture ranks at once, one GPU "
+                                  "each, but train.devices=[0] and capture.devices=[0] share GPU 0")
+    assert "capture.devices=[1]" in done.stderr
+    # On the CPU there are no GPUs to share.
+    assert one_node("capture=online", "device=cpu", dry_run=True).returncode == 0
