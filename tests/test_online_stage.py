@@ -64,6 +64,33 @@ def test_one_epoch_keeps_no_cache_whatever_capture_cache_says(tmp_path):
     assert read_json(str(tmp_path / "capture_logs" / "cache.json")) == decided
 
 
+def test_a_cache_folder_a_trainer_rank_does_not_share_is_refused_not_read(tmp_path):
+    """Trainer rank 0 prepares the cache folder and names it with a token of the run; a rank on another node whose
+    capture.cache_dir is a folder of its own (not shared) would read nothing, or an earlier run's samples left
+    there: it stops at the start, naming the folder."""
+    from dflash.config import ConfigError
+    from dflash.extract.feature_cache import FeatureCache
+
+    run_dir = tmp_path / "run"
+    put_json(str(tmp_path / "data" / "stats.json"), {"num_tokens": 10})
+    settings = SimpleNamespace(cache="true", cache_dir=None, cache_budget_bytes=None, dtype="bfloat16")
+    decided = choose_feature_cache(settings, run_dir=str(run_dir), info={"target_layer_ids": [1], "data": str(
+        tmp_path / "data")}, hidden_size=8, epochs=3, checkpoint_key="aaaa", resume_step=0)
+    assert decided["cache"] and len(decided["token"]) == 32
+    assert FeatureCache(decided["dir"], decided["token"]).token() == decided["token"]  # the folder rank 0 prepared
+    with pytest.raises(ConfigError, match=r"does not see the feature cache trainer rank 0 prepared for this run "
+                                          r"\(no run.token there\)"):
+        FeatureCache(tmp_path / "another-node", decided["token"])
+    stale = FeatureCache(tmp_path / "stale")
+    stale.write_token("an earlier run")
+    with pytest.raises(ConfigError, match="the run.token of another run there"):
+        FeatureCache(stale.path, decided["token"])
+    # A resumed run keeps its token; a decision recorded without one (before tokens) is not checked.
+    assert choose_feature_cache(settings, run_dir=str(run_dir), info={}, hidden_size=8, epochs=3,
+                                checkpoint_key="aaaa", resume_step=2) == decided
+    FeatureCache(tmp_path / "before-tokens", None)
+
+
 @pytest.mark.parametrize("capture_rate,trainer_rate,devices,split", [
     (1000.0, 500.0, (2, 6), [3, 5]),   # capture twice as fast per device: a third of the devices capture
     (100.0, 900.0, (4, 4), [7, 1]),    # a slow target: every device but one trainer captures

@@ -24,12 +24,33 @@ from dflash.run_files import atomic_write
 DISK_MARGIN_FRACTION = 0.05
 
 
-class FeatureCache:
-    """Sample index -> its stored tensors ("hidden", "input_ids", "loss_mask", "offsets", optional "scales")."""
+# The file naming the run a cache folder was prepared for (trainer rank 0 writes it, every trainer rank checks it).
+TOKEN_FILE = "run.token"
 
-    def __init__(self, path: str | Path) -> None:
+
+class FeatureCache:
+    """Sample index -> its stored tensors ("hidden", "input_ids", "loss_mask", "offsets", optional "scales").
+
+    `token`: the run's, written into the folder when trainer rank 0 prepared it (write_token); a rank that finds
+    another (or none) does not see that folder, and reading its samples would read another run's: ConfigError."""
+
+    def __init__(self, path: str | Path, token: str | None = None) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        found = self.token() if token is not None else token
+        if found != token:
+            held = f"no {TOKEN_FILE}" if found is None else f"the {TOKEN_FILE} of another run"
+            raise ConfigError(
+                f"capture.cache_dir {self.path}: this trainer rank does not see the feature cache trainer rank 0 "
+                f"prepared for this run ({held} there): trainer ranks on several nodes need a folder on a file "
+                f"system they all share; name one with capture.cache_dir, or set capture.cache=false")
+
+    def token(self) -> str | None:
+        file = self.path / TOKEN_FILE
+        return file.read_text(encoding="utf-8").strip() if file.is_file() else None
+
+    def write_token(self, token: str) -> None:
+        atomic_write(self.path / TOKEN_FILE, token)
 
     def file(self, index: int) -> Path:
         return self.path / f"s{int(index):010d}.safetensors"

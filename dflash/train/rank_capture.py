@@ -94,7 +94,8 @@ class RankCapture:
         if start is None:
             raise RuntimeError("trainer rank 0 announced no feature stream while this trainer rank trains")
         stream = UnitStream(plan, settings.epochs)
-        cache = FeatureCache(start["cache"]["dir"]) if start["cache"]["cache"] else None
+        decided = start["cache"]
+        cache = FeatureCache(decided["dir"], decided.get("token")) if decided["cache"] else None
         logger.info(f"[online] {self.link.captures} capture rank(s) stream to {world_size} trainer rank(s) from step "
                     f"{start['first_step']} ({int(self.capture.in_flight)} micro-batches in flight per trainer rank"
                     + ("; the first epoch only, later ones from the feature cache)" if cache is not None else ")"))
