@@ -1,6 +1,9 @@
 """The composed config's settings the launchers need, printed as shell assignments (one config composition for all
-of them): `eval "$(python launch/launch_settings.py OVERRIDES...)"` in launch/one_node.sh and launch/multi_node.sh."""
+of them): `eval "$(python launch/launch_settings.py OVERRIDES...)"` in launch/one_node.sh and launch/multi_node.sh.
+DFLASH_ONE_NODE_JOB=1 (one_node.sh, unless CAPTURE_ONLY=1): the node runs capture=online's job on its device lists,
+which may then share no GPU."""
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -34,7 +37,7 @@ def launch_settings(overrides: list[str]) -> dict[str, object]:
                            len(capture.split(",")) if capture else unlisted)
     settings = {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
                 "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus, "ranks_per_node": per_node or ""}
-    if settings["capture_mode"] == "online":
+    if settings["capture_mode"] == "online" and os.environ.get("DFLASH_ONE_NODE_JOB") == "1":
         refuse_shared_gpus(settings["train_devices"], settings["capture_devices"], str(cfg.device))
     return settings
 
@@ -53,8 +56,8 @@ def refuse_shared_gpus(train: str, capture: str, device: str) -> None:
             return
     free = next(str(g) for g in range(1024) if str(g) not in train.split(","))
     raise ConfigError(f"capture=online runs its trainer and capture ranks at once, one GPU each, but train.devices="
-                      f"[{train}] and capture.devices=[{capture}] share GPU {', '.join(shared)} (each defaults to [0]): "
-                      f"list GPUs of their own, e.g. train.devices=[{train}] capture.devices=[{free}]")
+                      f"[{train}] and capture.devices=[{capture}] share GPU {', '.join(shared)} (each defaults to "
+                      f"[0]): list GPUs of their own, e.g. train.devices=[{train}] capture.devices=[{free}]")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@
 # DRY_RUN=1 prints the commands without running them; CAPTURE_ONLY=1 ends after the data and capture steps (a capture
 # node: launch/slurm_capture.sbatch).
 set -euo pipefail
-settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed config's settings as shell assignments
+# The composed config's settings as shell assignments; with an online job to run, its device lists checked too.
+one_node_job=$([ "${CAPTURE_ONLY:-0}" = 1 ] && echo 0 || echo 1)
+settings=$(DFLASH_ONE_NODE_JOB="$one_node_job" python "$(dirname "$0")/launch_settings.py" "$@")
 eval "$settings"
 run() {  # print a command, then run it unless DRY_RUN=1
   echo "+ $*"

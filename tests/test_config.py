@@ -263,7 +263,6 @@ UNUSED = [
      ["data.temperature=0.7"]),
     ("data.top_p", "data.top_p=0.9", ["data.temperature=0.7", "data.sampled_share=0"], ["data.temperature=0.7"]),
     ("data.sampled_share", "data.sampled_share=0.5", [], ["data.temperature=0.7"]),
-    ("capture.batch_tokens", "capture.batch_tokens=4096", ["capture=colocated"], []),
     ("capture.shard_tokens", "capture.shard_tokens=4096", ["capture=online"], []),
     ("capture.check_every", "capture.check_every=5", ["capture=online"], []),
     ("capture.verify_existing", "capture.verify_existing=true", ["capture=colocated"], []),
@@ -342,17 +341,6 @@ def test_a_trained_run_folder_lets_through_a_setting_its_training_does_not_use(t
     message = str(error.value)
     assert "train.lr: 0.0006 -> 0.01" in message and "drafter.layer_types: ['sliding_attention'," in message
     assert "dpace_alpha" not in message and "group_by" not in message and "sliding_window" not in message
-
-
-def test_the_target_cache_folder_changes_no_fingerprint():
-    """target.cache_dir is where a GGUF target is dequantised: the same weights wherever it is. The run-folder guard
-    compares the settings fingerprint and training_changes (tests/test_pipeline.py runs a trained folder with it)."""
-    null, cached = settings_of(["+experiment=tiny"]), settings_of(["+experiment=tiny", "target.cache_dir=/tmp/gguf"])
-    assert stage_keys(cached) == stage_keys(null)
-    assert fingerprints.settings_fingerprint(cached) == fingerprints.settings_fingerprint(null)
-    assert fingerprints.target_identity(cached) == fingerprints.target_identity(null)
-    old = OmegaConf.to_container(compose(["+experiment=tiny", "run_dir=/nonexistent/run"]), resolve=True)
-    assert fingerprints.training_changes(old, cached) == []
 
 
 @pytest.mark.parametrize("inside", ["", "checkpoints", "data", "features", "export", "export_best", "logs",

@@ -6,13 +6,14 @@ that show it whole are in tests/test_online_ranks.py."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 import dflash.extract.rank_link as rank_link
 from dflash.config import ConfigError, compose
 from dflash.pipeline import run_command
-from dflash.stages.job_ending import ENDING_FILE, ending_recorded
+from dflash.stages.job_ending import ENDING_FILE, ending_recorded, this_command
 from dflash.train.divergence import TrainingDiverged
 from dflash.train.stop_signal import CaptureStopped, TrainingStopped
 
@@ -52,8 +53,8 @@ def online_train(run_dir) -> list[str]:
 def test_a_restarted_start_after_a_user_error_or_divergence_stops_before_its_ranks_meet(tmp_path, job, capsys,
                                                                                        error, status):
     record = end_with(tmp_path, error)
-    assert record == {"job": "job-a", "restart": 0, "rank": "trainer rank 0", "status": status,
-                      "error": f"{type(error).__name__}: {error}"}
+    assert record == {"job": "job-a", "command": this_command(), "restart": 0, "rank": "trainer rank 0",
+                      "status": status, "error": f"{type(error).__name__}: {error}"}
     job.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(SystemExit) as ended:
         run_command(compose(online_train(tmp_path)))
@@ -61,7 +62,8 @@ def test_a_restarted_start_after_a_user_error_or_divergence_stops_before_its_ran
     [line] = capsys.readouterr().err.splitlines()
     assert line == (f"dflash: error: an earlier start of this job (torchrun run job-a, restart 0) ended on trainer "
                     f"rank 0 with {type(error).__name__}: {error}; a restart would end the same way, so this one "
-                    f"stops before any work (exit status {status}; recorded in {tmp_path / ENDING_FILE})")
+                    f"stops before any work (exit status {status}; recorded in {tmp_path / ENDING_FILE}: delete it "
+                    f"to launch the same command under the same run id again)")
 
 
 @pytest.mark.parametrize("error", [TrainingStopped(4, "SIGTERM"), CaptureStopped(1, "SIGTERM", "they ended the stream"),
@@ -81,6 +83,15 @@ def test_another_launch_or_a_job_that_cannot_restart_is_not_stopped_by_a_record(
     without restarts has none to save."""
     end_with(tmp_path, ConfigError("train.lr=-1: expected > 0"))
     job.setenv(variable, value)
+    job.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(Opened):
+        run_command(compose(online_train(tmp_path)))
+
+
+def test_another_command_under_the_same_run_id_is_not_stopped_by_a_record(tmp_path, job, monkeypatch):
+    """A fixed command launched again in one SLURM allocation (the same job id, so the same run id) is no restart."""
+    end_with(tmp_path, ConfigError("holds a drafter trained with other settings"))
+    monkeypatch.setattr("sys.argv", [*sys.argv, "overwrite=true"])
     job.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(Opened):
         run_command(compose(online_train(tmp_path)))

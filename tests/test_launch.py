@@ -172,3 +172,15 @@ def test_online_capture_on_gpus_shared_by_trainer_and_capture_ranks_is_refused_i
     assert "capture.devices=[1]" in done.stderr
     # On the CPU there are no GPUs to share.
     assert one_node("capture=online", "device=cpu", dry_run=True).returncode == 0
+
+
+def test_the_shared_gpu_check_is_one_node_s_online_job_s_only(tmp_path):
+    """multi_node.sh gives every node all its GPUs and never reads the two lists; CAPTURE_ONLY runs no job."""
+    done = subprocess.run(["bash", str(REPO / "launch" / "multi_node.sh"), "2", "0", "nodeA", "+experiment=tiny",
+                           "capture=online", "capture.ranks_per_node=1", "device=cuda"],
+                          capture_output=True, text=True, env={**os.environ, "DRY_RUN": "1"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run(["bash", str(REPO / "launch" / "one_node.sh"), "+experiment=tiny", "capture=online",
+                           "device=cuda"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DRY_RUN": "1", "CAPTURE_ONLY": "1"})
+    assert done.returncode == 0, done.stderr

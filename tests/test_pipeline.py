@@ -481,15 +481,3 @@ def test_an_edited_evaluation_prompt_file_is_evaluated_again(tiny_run, tmp_path,
     write_prompts(3)
     write_json(str(marker), {key: value for key, value in read_json(str(marker)).items() if key != "input_files"})
     assert Pipeline(compose(command)).run()["prompt_sets"]["mine"]["num_prompts"] == 2  # no record: trusted
-
-
-def test_another_target_cache_folder_finds_every_stage_of_a_trained_run_finished(tiny_run, tmp_path, monkeypatch):
-    """target.cache_dir names where a GGUF target is dequantised, not which weights: a trained run folder refused it
-    ("holds a drafter trained with other settings (target.cache_dir: None -> ...)")."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(tiny_run[0], run_dir)
-    forbid_every_stage(monkeypatch)
-    for stages in ("[eval]", "[data,capture,train,export,eval]"):
-        again = Pipeline(compose(TINY + [f"run_dir={run_dir}", f"target.cache_dir={tmp_path / 'gguf'}",
-                                         f"stages={stages}"])).run()
-        assert again["overall"] == tiny_run[1]["overall"]

@@ -86,3 +86,23 @@ def test_a_data_stage_rebuilt_with_overwrite_moves_the_drafter_aside_and_its_set
             Pipeline(compose(command + [f"stages={stages}"])).run()
     Pipeline(compose(command + ["stages=[data,capture,train]"])).run()  # its data again, and the drafter back
     assert folder_checksums(run_dir / "export") == exported and not aside.exists()
+
+
+def test_a_data_stage_with_failed_prompts_feeds_the_capture_stage_of_another_command(tmp_path, monkeypatch):
+    """A build whose failed prompts are left out has no done marker (a rerun retries them) but is built for these
+    settings: launch/one_node.sh's capture step after its data step captures it."""
+    import dflash.data.regenerate as regenerate
+
+    answers = regenerate._journal_answers
+
+    def one_fails(journal, pending, results, *args, **kwargs):
+        failing = ((i, RuntimeError("out of memory") if n == 0 else out) for n, (i, out) in enumerate(results))
+        return answers(journal, pending, failing, *args, **kwargs)
+
+    run = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}"]
+    with monkeypatch.context() as patch:
+        patch.setattr(regenerate, "_journal_answers", one_fails)
+        Pipeline(compose(run + ["stages=[data]"])).run()
+    assert not (tmp_path / "data" / "done.json").exists()
+    Pipeline(compose(run + ["stages=[capture]"])).run()
+    assert (tmp_path / "features" / "done.json").exists()

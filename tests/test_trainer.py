@@ -150,6 +150,18 @@ def test_a_single_process_leaves_its_rendezvous_to_itself():
     assert done.stdout.strip().splitlines()[-1] == "(0, 1, 0)"
 
 
+def test_a_single_process_given_only_a_port_meets_itself_there():
+    """MASTER_PORT without MASTER_ADDR (a port reserved by a scheduler, say): the address is this machine's, as a
+    launcher would give it; DeepSpeed otherwise looks for MPI."""
+    with held_rendezvous() as rendezvous:
+        env = {**launcher_env(), **rendezvous}
+        env.pop("MASTER_ADDR")
+        done = subprocess.run([sys.executable, "-c", "from dflash.train.engine import init_distributed; "
+                               "print(init_distributed())"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "(0, 1, 0)"
+
+
 def launcher_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 

@@ -90,9 +90,11 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
 
 
 def target_identity(s: RunSettings) -> dict[str, Any]:
-    """Which target wrote the data stage's answers: the target settings that affect the data stage. Journals record
-    it."""
-    return stage_settings(in_effect(s).target, "data")
+    """Which target wrote the data stage's answers: the target settings that affect the data stage, less the folder
+    a GGUF target is dequantised into (the same weights wherever they are cached). Journals record it."""
+    identity = stage_settings(in_effect(s).target, "data")
+    identity.pop("cache_dir", None)
+    return identity
 
 
 # Each public fingerprint below puts the settings in effect once (in_effect) and hands them to the _private forms:
@@ -124,18 +126,12 @@ def settings_fingerprint(s: RunSettings) -> str:
 def eval_fingerprint(s: RunSettings, drafter_key: str, drafter_folder: str) -> str:
     """`drafter_key`: the measured drafter's own fingerprint; `drafter_folder`: which of the run's exports it is."""
     effective = in_effect(s)
-    return fingerprint(drafter_key, stage_settings(effective.eval, "eval"), _target_part(effective, "eval"),
+    return fingerprint(drafter_key, stage_settings(effective.eval, "eval"), stage_settings(effective.target, "eval"),
                        drafter_folder)
 
 
-def _target_part(effective: RunSettings, stage: str) -> dict[str, Any]:
-    """The target settings that affect `stage` (data or eval), and "cache_dir": null, whatever folder
-    target.cache_dir names: the layout of this part holds that place, which affects no stage, at its null default."""
-    return {**stage_settings(effective.target, stage), "cache_dir": None}
-
-
 def _data_fingerprint(effective: RunSettings) -> str:
-    return fingerprint(stage_settings(effective.data, "data"), _target_part(effective, "data"))
+    return fingerprint(stage_settings(effective.data, "data"), stage_settings(effective.target, "data"))
 
 
 def _capture_fingerprint(effective: RunSettings, made: dict[str, Any]) -> str:

@@ -91,9 +91,8 @@ class TargetSettings:
                                       "into cache_dir)")
     dtype: str = setting("auto", affects=("data", "eval"), doc="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
                                                                "float32; never float16")
-    cache_dir: Optional[str] = setting(None, affects=(),
-                                       doc="where a GGUF target is dequantised once (a place: the same weights "
-                                           "wherever they are cached); null: ~/.cache/dflash")
+    cache_dir: Optional[str] = setting(None, affects=("data", "eval"),
+                                       doc="where a GGUF target is dequantised once; null: ~/.cache/dflash")
     tiny: Optional[Dict[str, Any]] = setting(None, affects=("data", "eval"), unused=_unless_tiny,
                                              doc="kind=tiny: {family, seed, tokenizer, config overrides...}")
     mask_token_id: Optional[int] = setting(None, affects=("train", "eval"),
@@ -342,17 +341,12 @@ def _if_colocated(capture: Any, run: Any) -> str:
     return "capture=colocated runs the target on each trainer rank's own device" if capture.mode == "colocated" else ""
 
 
-def _one_forward_a_micro_batch(capture: Any, run: Any) -> str:
-    return "capture=colocated runs one target forward per micro-batch" if capture.mode == "colocated" else ""
-
-
 @dataclass
 class CaptureSettings:
     """How the target's hidden states reach the trainer (group `capture`: offline, online, colocated)."""
 
     mode: str = setting("offline", affects=("capture",), doc="chosen by the group: capture=offline|online|colocated")
-    batch_tokens: int = setting(8192, affects=("capture",), unused=_one_forward_a_micro_batch,
-                                doc="offline, online: tokens per target forward")
+    batch_tokens: int = setting(8192, affects=("capture",), doc="tokens per target forward")
     dtype: str = setting("bfloat16", affects=("capture",),
                          doc="feature dtype: bfloat16 | float32 | fp8 (e4m3, per-token scales); never float16")
     compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
@@ -432,7 +426,8 @@ class OnlineCapture(CaptureSettings):
 @dataclass
 class ColocatedCapture(CaptureSettings):
     """Every trainer rank runs the frozen target itself, one forward per micro-batch; nothing touches the disk.
-    The settings of the other modes are unused here, batch_tokens too (a micro-batch is one forward)."""
+    The settings of the other modes are unused here; batch_tokens too (a micro-batch is one forward), but it stays
+    part of the fingerprint of such runs."""
 
     mode: str = setting("colocated", affects=("capture",), doc="colocated: each trainer rank runs the target")
 

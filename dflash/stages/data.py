@@ -68,6 +68,14 @@ class DataStage(Stage):
                            f"answers come from the journal")
         return not changed and not unchecked
 
+    def done(self) -> bool:
+        """Built for these settings: marked done, or built with prompts that failed to answer (its stats.json
+        "built_for" these settings beside the dataset, no done marker: the stages after it go on without those
+        prompts, and a rerun of this stage retries them)."""
+        stats = read_json_or_none(os.path.join(self.out, "stats.json")) or {}
+        return super().done() or (stats.get("built_for") == self.fingerprint()
+                                  and os.path.isdir(os.path.join(self.out, "dataset")))
+
     def current(self) -> bool:
         """up_to_date without its warnings."""
         return stage_done(self.out, self.fingerprint()) and \
@@ -143,6 +151,8 @@ class DataStage(Stage):
         # dataset's stats (format_stats shows them).
         stats.update({key: value for key, value in (("synthetic", synthetic), ("eval_overlap", overlap))
                       if value is not None}, before_answers=seconds, input_files=inputs)
+        if stats["failed"]:  # built for these settings though not marked done (done())
+            stats["built_for"] = self.fingerprint()
         write_json(os.path.join(out, "stats.json"), stats)
         logger.info(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:

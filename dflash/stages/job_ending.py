@@ -7,8 +7,10 @@ at 27B) and fail again."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import sys
 
 from dflash.config import ConfigError
 from dflash.run_files import read_json_or_none, write_json
@@ -48,7 +50,8 @@ def ending_recorded(run_dir: str, who: str):
     except BaseException as error:
         job = restartable_job()
         if job is not None and repeats_on_restart(error):
-            record = {"job": job, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "rank": who,
+            record = {"job": job, "command": this_command(),
+                      "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "rank": who,
                       "status": ending_status(error), "error": " ".join(f"{type(error).__name__}: {error}".split())}
             try:
                 os.makedirs(os.path.join(run_dir, os.path.dirname(ENDING_FILE)), exist_ok=True)
@@ -64,15 +67,23 @@ class EarlierEnding(Exception):
     def __init__(self, record: dict, path: str) -> None:
         super().__init__(f"an earlier start of this job (torchrun run {record['job']}, restart {record['restart']}) "
                          f"ended on {record['rank']} with {record['error']}; a restart would end the same way, so "
-                         f"this one stops before any work (exit status {record['status']}; recorded in {path})")
+                         f"this one stops before any work (exit status {record['status']}; recorded in {path}: "
+                         f"delete it to launch the same command under the same run id again)")
         self.status = int(record["status"])
 
 
 def refuse_after_earlier_ending(run_dir: str) -> None:
     """EarlierEnding where <run_dir>/ENDING_FILE names this job. Called before the ranks meet, and a rank records
-    only after they met (ending_recorded): a record of this job is an earlier start's, on every node (a restart
-    count would not tell: torchrun counts restarts per node). Another launch has another run id."""
+    only after they met (ending_recorded): a record of this job and command is an earlier start's, on every node (a
+    restart count would not tell: torchrun counts restarts per node). Another launch has another run id, or runs
+    another command."""
     job, path = restartable_job(), os.path.join(run_dir, ENDING_FILE)
     record = read_json_or_none(path) if job is not None else None
-    if record is not None and record.get("job") == job:
+    # A launch of another command under the same run id (a fixed command in one SLURM allocation) is not a restart.
+    if record is not None and record.get("job") == job and record.get("command") == this_command():
         raise EarlierEnding(record, path)
+
+
+def this_command() -> str:
+    """This process's command line (a restart runs the same one), as a short digest."""
+    return hashlib.sha256("\0".join(sys.argv).encode()).hexdigest()[:16]

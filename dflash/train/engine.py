@@ -41,7 +41,7 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
         # would take it for a launcher's.
         alone = "MASTER_PORT" not in os.environ and os.environ["WORLD_SIZE"] == "1"
         own_rendezvous = {key: value for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0"))
-                          if alone and key not in os.environ}
+                          if key not in os.environ and (alone or key == "MASTER_ADDR")}
         os.environ.update(own_rendezvous)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         try:

@@ -54,11 +54,12 @@ def choose_feature_cache(capture, *, run_dir: str, info: dict, hidden_size: int,
 
 
 def _resumed(log_dir: str, key: str | None, cache_dir: str, run_dir: str) -> tuple[bool, str, str | None]:
-    """(cache on, its folder, its token: None where the decision recorded none) of a resumed run: the epochs already passed decided it. With the cache off then,
-    later epochs have nothing cached for the samples read before the restart; with it on, the capture made the
-    first epoch only. A decision recorded for other checkpoints (settings changed, then changed back: the old
-    checkpoints are restored while cache.json and the cache are another run's) is not used: cache off, every epoch
-    captured, which is right whatever the cache holds."""
+    """(cache on, its folder, its token: None where the decision recorded none) of a resumed run: the epochs
+    already passed decided it. With the cache off then, later epochs have nothing cached for the samples read
+    before the restart; with it on, the capture made the first epoch only. A decision recorded for other
+    checkpoints (settings changed, then changed back: the old checkpoints are restored while cache.json and the
+    cache are another run's) is not used: cache off, every epoch captured, which is right whatever the cache
+    holds."""
     previous = read_json_or_none(os.path.join(log_dir, "cache.json"))
     if previous is None or key is None or previous.get("checkpoint") != key:
         if previous is not None and previous["cache"]:  # another run's features: no resume will read them
