@@ -226,7 +226,11 @@ def eval_set_source(spec) -> dict[str, Any]:
 def input_files(settings) -> dict[str, dict[str, str]]:
     """The files whose contents decide the dataset beyond the settings (RunSettings): {key: {"path", "sha256"}} for
     data.path and target.chat_template, each when set."""
-    named = {"data.path": settings.data.path, "target.chat_template": settings.target.chat_template}
+    return hashed_files({"data.path": settings.data.path, "target.chat_template": settings.target.chat_template})
+
+
+def hashed_files(named: dict[str, str | None]) -> dict[str, dict[str, str]]:
+    """{key: {"path", "sha256"}} of each file `named` names (None: not set, left out)."""
     return {key: {"path": path, "sha256": sha256_once(os.path.expanduser(path))}
             for key, path in named.items() if path}
 
@@ -250,11 +254,20 @@ def changed_input_files(settings, data_dir: str) -> list[tuple[str, str, str, st
     the data stage's stats.json in `data_dir` recorded; none when it recorded none (a build from before the record,
     trusted as it is)."""
     recorded = (read_json_or_none(os.path.join(data_dir, "stats.json")) or {}).get("input_files")
+    return changed_files(recorded, input_files(settings), unrecorded_changed=False)
+
+
+def changed_files(recorded: Any, now: dict[str, dict[str, str]], *,
+                  unrecorded_changed: bool) -> list[tuple[str, str, str, str]]:
+    """(key, path, recorded sha256 or 'none', sha256 now) of each file of `now` (hashed_files) whose sha256 differs
+    from the one `recorded` (a record's "input_files") holds, or, with unrecorded_changed, that it does not hold;
+    none when there is no record (written before records were kept: trusted as it is)."""
     if not isinstance(recorded, dict):
         return []
     changed = []
-    for key, now in input_files(settings).items():
+    for key, file in now.items():
         then = recorded.get(key)
-        if isinstance(then, dict) and then.get("sha256") != now["sha256"]:
-            changed.append((key, now["path"], str(then.get("sha256")), now["sha256"]))
+        was = then.get("sha256") if isinstance(then, dict) else None
+        if was != file["sha256"] and (was is not None or unrecorded_changed):
+            changed.append((key, file["path"], str(was or "none"), file["sha256"]))
     return changed

@@ -13,7 +13,7 @@ from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json,
     write_text
 from dflash.stages.closing import shown
 from dflash.stages.context import RunContext
-from dflash.stages.data import sha256_once
+from dflash.stages.data import changed_files, hashed_files
 from dflash.stages.export import ExportStage, export_best
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
@@ -222,9 +222,7 @@ def eval_input_files(settings) -> dict[str, dict[str, str]]:
     """The files whose contents decide an evaluation beyond its settings (RunSettings): {key: {"path", "sha256"}}
     for each prompt set's file (eval.prompt_sets.NAME.path) and target.chat_template, each when set."""
     named = {f"eval.prompt_sets.{name}.path": spec.path for name, spec in settings.eval.prompt_sets.items()}
-    named["target.chat_template"] = settings.target.chat_template
-    return {key: {"path": path, "sha256": sha256_once(os.path.expanduser(path))}
-            for key, path in named.items() if path}
+    return hashed_files({**named, "target.chat_template": settings.target.chat_template})
 
 
 def changed_eval_inputs(settings, eval_dir: str) -> list[tuple[str, str, str, str]]:
@@ -232,15 +230,7 @@ def changed_eval_inputs(settings, eval_dir: str) -> list[tuple[str, str, str, st
     from those the evaluation's done.json in `eval_dir` recorded, or that it did not record; none when it recorded
     none (an evaluation from before the record, trusted as it is)."""
     recorded = (read_json_or_none(os.path.join(eval_dir, "done.json")) or {}).get("input_files")
-    if not isinstance(recorded, dict):
-        return []
-    changed = []
-    for key, now in eval_input_files(settings).items():
-        then = recorded.get(key)
-        was = then.get("sha256") if isinstance(then, dict) else None
-        if was != now["sha256"]:
-            changed.append((key, now["path"], str(was or "none"), now["sha256"]))
-    return changed
+    return changed_files(recorded, eval_input_files(settings), unrecorded_changed=True)
 
 
 def refuse_static_engine_family(settings) -> None:
