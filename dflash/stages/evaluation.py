@@ -129,7 +129,7 @@ class EvalStage(Stage):
         """Marked done for these settings and this drafter, with its summary, and measured on the input files as
         they are now (changed_eval_inputs): a file changed since is named, and the evaluation runs again."""
         folder, drafter_key = self.measured()
-        # Evaluations first named the drafter's absolute path: such a marker still counts where the folder is.
+        # A marker of the older form, naming the drafter by its absolute path, counts where that folder is.
         named_by_path = fingerprints.eval_fingerprint(self.context.settings, drafter_key, folder)
         if not ((stage_done(self.out, self.fingerprint()) or stage_done(self.out, named_by_path))
                 and os.path.exists(os.path.join(self.out, "summary.json"))):
