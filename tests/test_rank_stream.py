@@ -105,6 +105,7 @@ def _role(captures: int, spec: dict, results) -> None:
     from dflash.extract.linked_source import LinkedFeatureSource
     from dflash.extract.rank_link import open_link
 
+    time.sleep(spec.get("late", {}).get(rank, 0.0))  # a rank whose start took that much longer
     link = open_link(captures, "cpu", spec["timeout_s"], ranks_per_node=captures // nodes if nodes else None)
     plan = BatchPlan(len(LENGTHS), spec["micro_batch_size"], link.trainers, spec["grad_accum"], seed=3)
     stream = UnitStream(plan, spec["epochs"])
@@ -218,6 +219,15 @@ def test_trainers_that_stop_early_end_the_stream_cleanly():
 def test_a_hung_capture_rank_ends_in_a_timeout_naming_it():
     results = run_roles(1, 1, hang=0, timeout_s=3.0)
     assert "TimeoutError" in results[0] and "capture rank 1" in results[0], results
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_rank_that_starts_later_than_the_receive_timeout_still_joins():
+    # capture.timeout_s is how long a rank waits for a hung peer's message; the ranks of a start arrive as far apart
+    # as their startup takes (more on a loaded machine), which must not count against it.
+    results = run_roles(1, 1, timeout_s=2.0, late={1: 5.0})
+    assert isinstance(results[0], list) and isinstance(results[1], int), results
 
 
 def test_a_job_without_room_for_both_roles_is_refused_in_one_line(tmp_path, monkeypatch, capsys):

@@ -40,6 +40,10 @@ from dflash.models.targets.placement import job_rank_devices, resolve_gpus_per_w
 
 START_KEY = "dflash/online/start"
 _START_POLL_S = 1.0
+# The ranks of a start reach the link as far apart as their startup takes (imports, CUDA; longer on a loaded
+# machine). They first meet in the store, waiting at least this long, so that capture.timeout_s, meant for a hung
+# peer, need not cover that spread: the groups are made once all have arrived.
+ARRIVAL_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -197,8 +201,11 @@ def open_link(capture_ranks: int, device_name: str, timeout_s: float, gpus_per_c
     device = devices[0]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     prefix = start_prefix(os.environ, one_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world)
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    arrival = timedelta(seconds=max(timeout_s, ARRIVAL_TIMEOUT_S))
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=arrival))
     store = dist.PrefixStore(prefix, store)
+    store.set(f"dflash/arrived/{rank}", "1")
+    store.wait([f"dflash/arrived/{r}" for r in range(world_size)], arrival)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
