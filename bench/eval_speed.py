@@ -37,7 +37,8 @@ relied upon, so this file also measures an older checkout of the library, before
         --replay-prompts 1 --profile-temperature 1.0 --out after.json
 Replay: the exact greedy replay (the evaluator's `evaluate`) over --replay-prompts prompts x --max-new-tokens tokens
 (issue target: 100 x 256 in under a minute on one GPU), with its seconds per phase ("timing": generate,
-target_pass, draft, accept).
+target_pass, draft, accept). --replay-profile N replays N prompts once more under torch.profiler ("replay_profile":
+drafting steps, wall and device milliseconds and operators per step; its top operators go to stderr).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from dflash.inference.static_decode import resolve_engine  # noqa: E402
 from dflash.eval import live  # noqa: E402
 from dflash.eval.evaluate import evaluate  # noqa: E402
 from dflash.eval.metrics import PhaseTimer  # noqa: E402
+from dflash.eval.replay import DrafterProposer  # noqa: E402
 from dflash.eval.export import load_drafter  # noqa: E402
 from dflash.inference.drafter_cache import CachedDrafter  # noqa: E402
 from dflash.inference.static_drafter import StaticDrafter  # noqa: E402
@@ -84,6 +86,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-draft-sampling", default="greedy", help="greedy | sampled (with the above)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--replay-batch-size", type=int, default=64)
+    parser.add_argument("--replay-profile", type=int, default=0,
+                        help="> 0: replay this many prompts once more under torch.profiler (report's replay_profile)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser.parse_args()
 
@@ -233,6 +237,39 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
     return row
 
 
+def replay_profile(drafter, adapter, prompt_sets: dict, max_new_tokens: int, options: dict) -> dict:
+    """One more replay under torch.profiler: how many drafting steps (proposals) it took, their wall time, and the
+    operators and device time per step, to tell host-bound steps from device-bound ones. The profiler inflates
+    host time; the wall time per proposal is measured the same way in both cases."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walls: list[tuple[int, float]] = []  # (rows, seconds) per proposal
+    original = DrafterProposer.__call__
+
+    def counted(self, rows, starts, size):
+        began = time.perf_counter()
+        drafts = original(self, rows, starts, size)
+        walls.append((len(rows), time.perf_counter() - began))
+        return drafts
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if adapter.device.type == "cuda" else [])
+    DrafterProposer.__call__ = counted
+    try:
+        with profile(activities=activities) as prof:
+            evaluate(drafter, adapter, prompt_sets, max_new_tokens=max_new_tokens, **options)
+    finally:
+        DrafterProposer.__call__ = original
+    events = prof.key_averages()
+    steps = max(len(walls), 1)
+    device_us = sum(e.self_device_time_total for e in events)
+    sort = "self_cuda_time_total" if adapter.device.type == "cuda" else "self_cpu_time_total"
+    return {"proposals": len(walls), "mean_rows": sum(r for r, _ in walls) / steps,
+            "ms_per_proposal": 1000 * sum(w for _, w in walls) / steps,
+            "aten_ops_per_proposal": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+            "device_ms_per_proposal": device_us / 1000 / steps,
+            "table": events.table(sort_by=sort, row_limit=15)}
+
+
 def main() -> None:
     args = parse_args()
     adapter = load_target("smollm2", device=args.device)
@@ -294,6 +331,10 @@ def main() -> None:
                         "greedy_mismatches": summary["overall"]["greedy_mismatches"],
                         "timing": summary["timing"]["seconds"]}
     print(f"[eval_speed] replay: {json.dumps(report['replay'])}", file=sys.stderr, flush=True)
+    if args.replay_profile:
+        report["replay_profile"] = replay_profile(replay_drafter, adapter, {args.prompt_source: prompts[
+            : args.replay_profile]}, args.max_new_tokens, replay_options)
+        print(report["replay_profile"].pop("table"), file=sys.stderr, flush=True)
     report["bench_seconds"] = time.perf_counter() - began
     text = json.dumps(report, indent=2)
     print(text)
