@@ -89,6 +89,9 @@ class Pipeline:
             from dflash.train.engine import init_distributed
 
             init_distributed()
+            # Every rank's preflight has read the run folder (the guard, the checkpoints) before rank 0's first
+            # stage may change it (config.yaml, an older drafter moved aside).
+            run.barrier()
         selected = selected_stages(self.settings.stages, self.stages)
         chosen = [stage for stage in self.stages if stage.name in selected]
         if run.rank == 0:

@@ -100,6 +100,18 @@ def test_the_runner_reads_ranks_and_barriers_from_the_stages(tmp_path):
     assert events == ["barrier", "run three", "barrier"]
 
 
+def test_no_rank_starts_a_stage_before_every_rank_has_checked_the_run_folder(tmp_path, monkeypatch):
+    # Each rank's preflight reads the run folder (the guard, the checkpoints); rank 0's first stage may change it
+    # (config.yaml, an older drafter moved aside), so the ranks meet in between.
+    monkeypatch.setattr("dflash.train.engine.init_distributed", lambda: (0, 2, 0))
+    events = []
+    stages = (FakeStage("one", tmp_path / "1", events, barrier_after=False), FakeStage("two", tmp_path / "2", events))
+    pipeline = fake_pipeline(tmp_path, 0, ["one", "two"], stages, events)
+    pipeline.context.world_size = 2
+    pipeline.run_stages()
+    assert events == ["barrier", "run one", "run two", "barrier"]
+
+
 @pytest.mark.parametrize("selected, written", [([], True), (["one"], True), (["two"], False), (["one", "two"], True)])
 def test_the_run_folder_gets_config_yaml_unless_every_stage_run_keeps_its_own(tmp_path, selected, written):
     events = []
