@@ -78,6 +78,25 @@ def test_a_drafter_an_hf_target_cannot_feed_is_refused_before_any_stage(tmp_path
     assert not (run_dir / "data").exists()
 
 
+def test_a_targets_vocabulary_loads_without_its_weights(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models.targets.load import load_target, load_target_vocabulary
+
+    folder = hf_folder(tmp_path, "phi3")
+    target = load_target("hf", path=str(folder))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were read"))
+    vocabulary = load_target_vocabulary("hf", path=str(folder))
+    assert vocabulary.vocab_size == target.vocab_size and vocabulary.model_type == target.model_type
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert vocabulary.tokenizer.apply_chat_template(messages, tokenize=False) == \
+        target.tokenizer.apply_chat_template(messages, tokenize=False)
+    assert template_ids(vocabulary.tokenizer) == template_ids(target.tokenizer)
+    assert vocabulary.tokenizer.pad_token_id == target.tokenizer.pad_token_id is not None
+    assert choose_mask_token(vocabulary.tokenizer, vocabulary.vocab_size, {3}) == \
+        choose_mask_token(target.tokenizer, target.vocab_size, {3})
+
+
 @pytest.mark.slow
 def test_a_mask_token_the_data_produces_is_refused_at_capture(tmp_path):
     letter = build_tiny_target("llama", tokenizer="builtin").tokenizer.convert_tokens_to_ids("d")

@@ -271,6 +271,9 @@ def test_a_mask_token_given_after_capture_is_checked_before_training(tiny_run, t
         subprocess.run(["cp", "-r", os.path.join(run_dir, stage), str(tmp_path / stage)], check=True)
     letter = build_tiny_target("llama", tokenizer="builtin").tokenizer.convert_tokens_to_ids("d")
     monkeypatch.setattr("dflash.extract.capture.capture_dataset", lambda *a, **k: pytest.fail("capture ran again"))
+    # Captured features (not colocated): the check reads the target's tokenizer and vocabulary, not its weights.
+    monkeypatch.setattr("dflash.stages.context.RunContext.target",
+                        property(lambda self: pytest.fail("the whole target was loaded")))
     for stages in ("[data,capture,train]", "[train]"):
         with pytest.raises(ConfigError, match=rf"target.mask_token_id={letter}: 'd' occurs in the training data"):
             Pipeline(compose(TINY + [f"run_dir={tmp_path}", f"target.mask_token_id={letter}",

@@ -110,13 +110,14 @@ class CaptureStage(Stage):
         record = read_json_or_none(os.path.join(self.out, "manifest.json" if mode == "offline" else f"{mode}.json"))
         return None if record is None else [int(i) for i in record["target_layer_ids"]]
 
-    def mask_token(self, dataset) -> int:
-        """The run's MASK token, checked against (or chosen clear of) the ids of the data and held-out sets."""
+    def mask_token(self, dataset, adapter=None) -> int:
+        """The run's MASK token, checked against (or chosen clear of) the ids of the data and held-out sets; `adapter`:
+        the target (or its vocabulary alone, load_target_vocabulary) to check it with, by default the run's target."""
         from dflash.data.dataset import load_heldout_dir
         from dflash.data.token_ids import token_ids_in
 
         used = token_ids_in(dataset) | token_ids_in(load_heldout_dir(self.data.out))
-        token_id, line = mask_token_for(self.context.settings, self.context.target, used)
+        token_id, line = mask_token_for(self.context.settings, adapter or self.context.target, used)
         if self.context.rank == 0:
             logger.info(f"[capture] {line}")
         return token_id

@@ -177,16 +177,20 @@ class TrainStage(Stage):
     def check_changed_mask_token(self) -> None:
         """Rank 0. A target.mask_token_id given after the features were captured (it changes the drafter, not the
         features, so capture is kept) is checked as capture checks it, against the chat template and the data,
-        before any step trains on it. The target is loaded only then, and freed again unless it captures."""
+        before any step trains on it: with the target under colocated capture (it captures), else with its
+        tokenizer and vocabulary alone (no weight is read)."""
         from dflash.data.dataset import load_dataset_dir
+        from dflash.models.targets.load import load_target_vocabulary
 
-        given = self.context.settings.target.mask_token_id
+        s = self.context.settings
+        given = s.target.mask_token_id
         recorded = read_json_or_none(os.path.join(self.capture.out, "target.json")) or {}
         if given is None or given == recorded.get("mask_token_id"):
             return
-        self.capture.mask_token(load_dataset_dir(self.capture.data.out))
-        if self.context.settings.capture.mode != "colocated":
-            self.context.release_target()
+        t = s.target
+        adapter = None if s.capture.mode == "colocated" else load_target_vocabulary(
+            t.kind, path=t.path, tiny=t.tiny, cache_dir=t.cache_dir, chat_template=t.chat_template)
+        self.capture.mask_token(load_dataset_dir(self.capture.data.out), adapter)
 
     def adopt_earlier_marker(self) -> None:
         """Rank 0. A run folder whose export/done.json holds this stage's fingerprint and which has no

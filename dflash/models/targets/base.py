@@ -36,6 +36,14 @@ class _StopForward(Exception):
     """Raised from the deepest tap's hook so the forward stops once every requested feature is captured."""
 
 
+def ensure_pad_token(tokenizer: Any) -> Any:
+    """`tokenizer`, given its end-of-sequence token as pad token where it has none: some tokenizer releases (SmolLM2
+    under transformers 5.17) have none, and batches need one."""
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
     """Map "auto" / "bfloat16" / "float32" (or a torch dtype) to a torch dtype; float16 is refused.
 
@@ -71,9 +79,7 @@ class TargetAdapter:
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
         model.eval()
         model.requires_grad_(False)
-        if getattr(tokenizer, "pad_token_id", None) is None:
-            # Some tokenizer releases (SmolLM2 under transformers 5.17) have no pad token; batches need one.
-            tokenizer.pad_token = tokenizer.eos_token
+        ensure_pad_token(tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         text_config = model.config.get_text_config()

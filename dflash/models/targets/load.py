@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash.models.targets.base import TargetAdapter, resolve_dtype
+from dflash.models.targets.base import TargetAdapter, ensure_pad_token, resolve_dtype
 from dflash.models.targets.chat_template import set_chat_template
 from dflash.config.target_path import is_gguf_path, target_path_problem
 from dflash.models.targets.gguf import cached_folder, convert_gguf_file
@@ -46,6 +47,41 @@ def load_target(
     if line is not None:
         logger.info(line)
     return adapter
+
+
+@dataclass(frozen=True)
+class TargetVocabulary:
+    """What a mask token is checked against: the target's tokenizer, with the chat template and pad token
+    load_target gives it, and the rows of its embedding table."""
+
+    tokenizer: Any
+    vocab_size: int
+    model_type: str
+
+
+def load_target_vocabulary(kind: str, path: str | None = None, tiny: dict | None = None, cache_dir: str | None = None,
+                           chat_template: str | None = None) -> TargetVocabulary:
+    """The target's vocabulary without its weights (a 27B target's take minutes to read): the tokenizer, and the
+    embedding's rows from a meta-device model of its config. Kind "tiny" has no weights to read: it is built as
+    load_target builds it."""
+    if kind == "tiny":
+        adapter = load_target(kind, tiny=tiny, cache_dir=cache_dir, chat_template=chat_template)
+        return TargetVocabulary(adapter.tokenizer, adapter.vocab_size, adapter.model_type)
+    from transformers import AutoConfig, AutoTokenizer
+
+    if kind == "smollm2":
+        from dflash.models.targets.smollm2 import convert_gguf
+
+        folder = str(convert_gguf(cache_dir))
+    elif kind == "hf":
+        folder = _checkpoint(path, cache_dir)
+    else:
+        raise ValueError(f"unknown target kind {kind!r}; use one of {list(TARGET_KINDS)}")
+    config = AutoConfig.from_pretrained(folder)
+    model = empty_model(config, torch.bfloat16)
+    tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(folder))
+    set_chat_template(tokenizer, chat_template, config.model_type)
+    return TargetVocabulary(tokenizer, int(model.get_input_embeddings().weight.shape[0]), config.model_type)
 
 
 def _load(kind: str, path: str | None, dtype: str, device: str | torch.device | Sequence[str | int],
