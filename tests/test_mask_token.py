@@ -78,12 +78,13 @@ def test_a_drafter_an_hf_target_cannot_feed_is_refused_before_any_stage(tmp_path
     assert not (run_dir / "data").exists()
 
 
-def test_a_targets_vocabulary_loads_without_its_weights(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["phi3", "qwen3_5", "gemma3_text"])
+def test_a_targets_vocabulary_loads_without_its_weights(tmp_path, monkeypatch, family):
     from transformers import AutoModelForCausalLM
 
     from dflash.models.targets.load import load_target, load_target_vocabulary
 
-    folder = hf_folder(tmp_path, "phi3")
+    folder = hf_folder(tmp_path, family)
     target = load_target("hf", path=str(folder))
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were read"))
     vocabulary = load_target_vocabulary("hf", path=str(folder))

@@ -77,11 +77,11 @@ def load_target_vocabulary(kind: str, path: str | None = None, tiny: dict | None
         folder = _checkpoint(path, cache_dir)
     else:
         raise ValueError(f"unknown target kind {kind!r}; use one of {list(TARGET_KINDS)}")
-    config = AutoConfig.from_pretrained(folder)
-    model = empty_model(config, torch.bfloat16)
+    # The model loading builds, on the meta device: a multimodal checkpoint's config may name another model_type.
+    model = empty_model(AutoConfig.from_pretrained(folder), torch.bfloat16)
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(folder))
-    set_chat_template(tokenizer, chat_template, config.model_type)
-    return TargetVocabulary(tokenizer, int(model.get_input_embeddings().weight.shape[0]), config.model_type)
+    set_chat_template(tokenizer, chat_template, model.config.model_type)
+    return TargetVocabulary(tokenizer, int(model.get_input_embeddings().weight.shape[0]), model.config.model_type)
 
 
 def _load(kind: str, path: str | None, dtype: str, device: str | torch.device | Sequence[str | int],
