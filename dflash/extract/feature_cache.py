@@ -37,8 +37,7 @@ class FeatureCache:
     def __init__(self, path: str | Path, token: str | None = None) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        found = self.token() if token is not None else token
-        if found != token:
+        if token is not None and (found := self.token()) != token:
             held = f"no {TOKEN_FILE}" if found is None else f"the {TOKEN_FILE} of another run"
             raise ConfigError(
                 f"capture.cache_dir {self.path}: this trainer rank does not see the feature cache trainer rank 0 "

@@ -40,8 +40,9 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
         # process started later from this one (a second run from a notebook or a test, a checkpoint conversion)
         # would take it for a launcher's.
         alone = "MASTER_PORT" not in os.environ and os.environ["WORLD_SIZE"] == "1"
-        own_rendezvous = {key: value for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0"))
-                          if key not in os.environ and (alone or key == "MASTER_ADDR")}
+        own_rendezvous = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": "127.0.0.1"}
+        if alone:
+            own_rendezvous["MASTER_PORT"] = "0"
         os.environ.update(own_rendezvous)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         try:

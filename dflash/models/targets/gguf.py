@@ -58,6 +58,8 @@ def _convert(source: Path, target: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.models.targets.base import ensure_pad_token
+
     gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     config = gguf_model.config
@@ -66,8 +68,7 @@ def _convert(source: Path, target: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.generation_config = gguf_model.generation_config
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ensure_pad_token(tokenizer)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     tmp.chmod(0o755)

@@ -56,7 +56,6 @@ class TargetVocabulary:
 
     tokenizer: Any
     vocab_size: int
-    model_type: str
 
 
 def load_target_vocabulary(kind: str, path: str | None = None, tiny: dict | None = None, cache_dir: str | None = None,
@@ -66,7 +65,7 @@ def load_target_vocabulary(kind: str, path: str | None = None, tiny: dict | None
     load_target builds it."""
     if kind == "tiny":
         adapter = load_target(kind, tiny=tiny, cache_dir=cache_dir, chat_template=chat_template)
-        return TargetVocabulary(adapter.tokenizer, adapter.vocab_size, adapter.model_type)
+        return TargetVocabulary(adapter.tokenizer, adapter.vocab_size)
     from transformers import AutoConfig, AutoTokenizer
 
     if kind == "smollm2":
@@ -81,7 +80,7 @@ def load_target_vocabulary(kind: str, path: str | None = None, tiny: dict | None
     model = empty_model(AutoConfig.from_pretrained(folder), torch.bfloat16)
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(folder))
     set_chat_template(tokenizer, chat_template, model.config.model_type)
-    return TargetVocabulary(tokenizer, int(model.get_input_embeddings().weight.shape[0]), model.config.model_type)
+    return TargetVocabulary(tokenizer, int(model.get_input_embeddings().weight.shape[0]))
 
 
 def _load(kind: str, path: str | None, dtype: str, device: str | torch.device | Sequence[str | int],
