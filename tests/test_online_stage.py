@@ -81,6 +81,7 @@ def test_a_cache_folder_a_trainer_rank_does_not_share_is_refused_not_read(tmp_pa
     with pytest.raises(ConfigError, match=r"does not see the feature cache trainer rank 0 prepared for this run "
                                           r"\(no run.token there\)"):
         FeatureCache(tmp_path / "another-node", decided["token"])
+    assert not (tmp_path / "another-node").exists()  # refused before it made a folder of its own
     stale = FeatureCache(tmp_path / "stale")
     stale.write_token("an earlier run")
     with pytest.raises(ConfigError, match="the run.token of another run there"):

@@ -36,13 +36,14 @@ class FeatureCache:
 
     def __init__(self, path: str | Path, token: str | None = None) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        # Checked before the folder is made: a refused rank leaves no empty folder of its own behind.
         if token is not None and (found := self.token()) != token:
             held = f"no {TOKEN_FILE}" if found is None else f"the {TOKEN_FILE} of another run"
             raise ConfigError(
                 f"capture.cache_dir {self.path}: this trainer rank does not see the feature cache trainer rank 0 "
                 f"prepared for this run ({held} there): trainer ranks on several nodes need a folder on a file "
                 f"system they all share; name one with capture.cache_dir, or set capture.cache=false")
+        self.path.mkdir(parents=True, exist_ok=True)
 
     def token(self) -> str | None:
         file = self.path / TOKEN_FILE
