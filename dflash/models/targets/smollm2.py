@@ -11,7 +11,6 @@ import importlib.util
 import os
 from pathlib import Path
 
-import torch
 
 from dflash.models.targets.gguf import DEFAULT_CACHE_DIR, SOURCE_FILE, convert_gguf_file
 
@@ -47,15 +46,3 @@ def convert_gguf(cache_dir: str | None = None) -> Path:
     if is_cached(cache_dir):
         return cache_path(cache_dir)
     return convert_gguf_file(gguf_path(), cache_path(cache_dir))
-
-
-def load_smollm2(
-    dtype: torch.dtype, device: str | torch.device = "cpu", cache_dir: str | None = None
-) -> tuple[torch.nn.Module, object]:
-    """(model, tokenizer) of SmolLM2-135M-Instruct, converting the GGUF into the cache on first use."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = convert_gguf(cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model, tokenizer
