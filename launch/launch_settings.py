@@ -1,9 +1,8 @@
 """The composed config's settings the launchers need, printed as shell assignments (one config composition for all
 of them): `eval "$(python launch/launch_settings.py OVERRIDES...)"` in launch/one_node.sh and launch/multi_node.sh.
-DFLASH_ONE_NODE_JOB=1 (one_node.sh, unless CAPTURE_ONLY=1): the node runs capture=online's job on its device lists,
-which may then share no GPU."""
+shared_gpus_problem: why capture=online's device lists cannot run as one node's job (one_node.sh refuses with it
+where it runs that job), empty when they can."""
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -37,27 +36,28 @@ def launch_settings(overrides: list[str]) -> dict[str, object]:
                            len(capture.split(",")) if capture else unlisted)
     settings = {"capture_devices": capture or "0", "train_devices": listed(cfg.train.devices) or "0",
                 "capture_mode": str(cfg.capture.mode), "gpus_per_worker": gpus, "ranks_per_node": per_node or ""}
-    if settings["capture_mode"] == "online" and os.environ.get("DFLASH_ONE_NODE_JOB") == "1":
-        refuse_shared_gpus(settings["train_devices"], settings["capture_devices"], str(cfg.device))
+    online = settings["capture_mode"] == "online"
+    settings["shared_gpus_problem"] = (shared_gpus_problem(settings["train_devices"], settings["capture_devices"],
+                                                           str(cfg.device)) if online else "")
     return settings
 
 
-def refuse_shared_gpus(train: str, capture: str, device: str) -> None:
-    """ConfigError when capture=online's trainer and capture ranks, which run at once with a GPU each, would share
-    one (CUDA_VISIBLE_DEVICES listing a GPU twice): train.devices and capture.devices both default to [0]. A run on
-    the CPU (device=cpu, or auto without a GPU) has no GPUs to share."""
+def shared_gpus_problem(train: str, capture: str, device: str) -> str:
+    """Why capture=online's trainer and capture ranks, which run at once with a GPU each, cannot run as one node's
+    job on these lists: they share a GPU (CUDA_VISIBLE_DEVICES would list it twice; train.devices and capture.devices
+    both default to [0]). Empty when they share none, or on the CPU (device=cpu, or auto without a GPU)."""
     shared = sorted(set(train.split(",")) & set(capture.split(",")), key=int)
     if not shared or device == "cpu":
-        return
+        return ""
     if device == "auto":
         import torch
 
         if not torch.cuda.is_available():
-            return
+            return ""
     free = next(str(g) for g in range(1024) if str(g) not in train.split(","))
-    raise ConfigError(f"capture=online runs its trainer and capture ranks at once, one GPU each, but train.devices="
-                      f"[{train}] and capture.devices=[{capture}] share GPU {', '.join(shared)} (each defaults to "
-                      f"[0]): list GPUs of their own, e.g. train.devices=[{train}] capture.devices=[{free}]")
+    return (f"capture=online runs its trainer and capture ranks at once, one GPU each, but train.devices=[{train}] "
+            f"and capture.devices=[{capture}] share GPU {', '.join(shared)} (each defaults to [0]): list GPUs of "
+            f"their own, e.g. train.devices=[{train}] capture.devices=[{free}]")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@
 # DRY_RUN=1 prints the commands without running them; CAPTURE_ONLY=1 ends after the data and capture steps (a capture
 # node: launch/slurm_capture.sbatch).
 set -euo pipefail
-# The composed config's settings as shell assignments; with an online job to run, its device lists checked too.
-one_node_job=$([ "${CAPTURE_ONLY:-0}" = 1 ] && echo 0 || echo 1)
-settings=$(DFLASH_ONE_NODE_JOB="$one_node_job" python "$(dirname "$0")/launch_settings.py" "$@")
+# The composed config's settings as shell assignments.
+settings=$(python "$(dirname "$0")/launch_settings.py" "$@")
 eval "$settings"
 run() {  # print a command, then run it unless DRY_RUN=1
   echo "+ $*"
@@ -23,6 +22,10 @@ nworkers=$((ncapture / gpus_per_worker))
 first_worker=$(cut -d, -f1-"$gpus_per_worker" <<<"$capture_devices")  # the GPUs of capture worker 0
 ntrain=$(awk -F, '{print NF}' <<<"$train_devices")
 capture_only=${CAPTURE_ONLY:-0}
+if [ "$capture_only" != 1 ] && [ -n "$shared_gpus_problem" ]; then  # the online job this node would run
+  echo "dflash: error: $shared_gpus_problem" >&2
+  exit 2
+fi
 if [ "$capture_only" != 1 ] && [ "$capture_mode" = online ] && [ -n "$ranks_per_node" ] \
     && [ "$ranks_per_node" != "$nworkers" ]; then
   echo "one_node.sh: capture.ranks_per_node=$ranks_per_node, but capture.devices=[$capture_devices] makes" \
