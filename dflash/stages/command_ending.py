@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from typing import NamedTuple
 
 from dflash.config import ConfigError
 
@@ -14,34 +15,42 @@ def full_error() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def ending(error: BaseException) -> str:
-    """The text that ends a command for `error`."""
+# The exit status of a process ended by SIGTERM: not done, resumable.
+STOPPED = 128 + 15
+
+
+class _Ending(NamedTuple):
+    """How an error of `kind` ends a command without a traceback: its one line's prefix, the exit status, and
+    whether HYDRA_FULL_ERROR=1 shows its traceback instead."""
+
+    kind: type[BaseException]
+    prefix: str
+    status: int
+    traceback_on_request: bool
+
+
+def _ending_of(error: BaseException) -> _Ending | None:
     from dflash.train.divergence import TrainingDiverged
     from dflash.train.stop_signal import CaptureStopped, TrainingStopped
 
-    if isinstance(error, TrainingStopped):
-        return f"[train] {error}\n"
-    if isinstance(error, CaptureStopped):
-        return f"[online] {error}\n"
-    if isinstance(error, (ConfigError, TrainingDiverged)) and not full_error():
-        return f"dflash: error: {error}\n"
-    return "".join(traceback.format_exception(error))
+    endings = (_Ending(TrainingStopped, "[train] ", STOPPED, False),
+               _Ending(CaptureStopped, "[online] ", STOPPED, False),
+               _Ending(ConfigError, "dflash: error: ", 2, True),
+               _Ending(TrainingDiverged, "dflash: error: ", 1, True))
+    return next((e for e in endings if isinstance(error, e.kind)), None)
 
 
-# The exit status of a process ended by SIGTERM: not done, resumable.
-STOPPED = 128 + 15
+def ending(error: BaseException) -> str:
+    """The text that ends a command for `error`: a stop's line, a user error's or divergence's one line (the
+    traceback with HYDRA_FULL_ERROR=1), else the traceback."""
+    known = _ending_of(error)
+    if known is None or (known.traceback_on_request and full_error()):
+        return "".join(traceback.format_exception(error))
+    return f"{known.prefix}{error}\n"
 
 
 def ending_status(error: BaseException) -> int | None:
     """The exit status of a command that `error` ends without a traceback: a user error 2, divergence 1, a stop on a
     signal 143 (not done, resumable); None for the others."""
-    from dflash.train.divergence import TrainingDiverged
-    from dflash.train.stop_signal import CaptureStopped, TrainingStopped
-
-    if isinstance(error, ConfigError):
-        return 2
-    if isinstance(error, TrainingDiverged):
-        return 1
-    if isinstance(error, (TrainingStopped, CaptureStopped)):
-        return STOPPED
-    return None
+    known = _ending_of(error)
+    return None if known is None else known.status

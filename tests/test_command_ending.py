@@ -1,0 +1,41 @@
+"""How each error ends a command (dflash/stages/command_ending.py): its line or traceback and its exit status."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.config import ConfigError
+from dflash.config.errors import CorruptFile
+from dflash.stages.command_ending import STOPPED, ending, ending_status
+from dflash.train.divergence import TrainingDiverged
+from dflash.train.stop_signal import CaptureStopped, TrainingStopped
+
+
+@pytest.mark.parametrize("error,line,status", [
+    (TrainingStopped(7, "SIGTERM"), f"[train] {TrainingStopped(7, 'SIGTERM')}\n", STOPPED),
+    (CaptureStopped(2, "SIGTERM", "they said so"), f"[online] {CaptureStopped(2, 'SIGTERM', 'they said so')}\n",
+     STOPPED),
+    (ConfigError("train.lr=-1: must be > 0"), "dflash: error: train.lr=-1: must be > 0\n", 2),
+    (CorruptFile("a.safetensors is corrupt"), "dflash: error: a.safetensors is corrupt\n", 2),  # a subclass
+    (TrainingDiverged("loss is nan"), "dflash: error: loss is nan\n", 1),
+])
+def test_known_errors_end_in_one_line_with_their_status(error, line, status, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    assert (ending(error), ending_status(error)) == (line, status)
+
+
+def test_full_error_shows_a_user_error_s_traceback_and_other_errors_always_do(monkeypatch):
+    def raised(error):
+        try:
+            raise error
+        except BaseException as caught:
+            return caught
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    user = raised(ConfigError("bad key"))
+    assert ending(user).startswith("Traceback") and ending(user).endswith("ConfigError: bad key\n")
+    assert ending_status(user) == 2
+    assert ending(TrainingStopped(3, "SIGUSR1")).startswith("[train] training stopped")  # a stop: never a traceback
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
+    other = raised(KeyError("x"))
+    assert ending(other).startswith("Traceback") and ending_status(other) is None
