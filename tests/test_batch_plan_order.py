@@ -1,4 +1,4 @@
-"""BatchPlan computes each epoch's order once (dflash/data/batch_plan.py, _epoch_order): a trainer asks for its
+"""BatchPlan computes each epoch's order once (dflash/data/batch_plan.py, BatchPlan._order): a trainer asks for its
 micro-batches every step and an online capture rank for every unit of every trainer rank, and each ask used to
 shuffle (and length-sort) the whole epoch again. The micro-batches are those the plan dealt before."""
 

@@ -63,16 +63,19 @@ class BatchPlan:
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Every sample index once, in the order epoch `epoch` deals them (a copy of the plan's cached order)."""
-        return list(_epoch_order(self, epoch))
+        return list(self._order(epoch))
 
-    def shuffled(self, epoch: int) -> list[int]:
-        """Epoch `epoch`'s order, computed: the seeded permutation, length-grouped when group_by_length is set.
-        Costs tens of milliseconds at 200k samples (more when grouped): read it through epoch_order / _epoch_order,
-        which compute it once per plan and epoch."""
+    # Each (plan, epoch)'s order is computed once: a trainer asks for it every step and a capture rank for every unit
+    # (its micro-batches of all trainer ranks), tens of milliseconds each time at 200k samples. Two entries: a capture
+    # rank's stream crosses from one epoch into the next. 8 bytes a sample (an int64 array, not a list of Python
+    # ints), as every rank of a job holds them.
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (two plans at most are kept alive by it)
+    def _order(self, epoch: int) -> array:
+        """Epoch `epoch`'s order: the seeded permutation, length-grouped when group_by_length is set."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(self.num_samples, generator=generator).tolist()
         if not self.group_by_length:
-            return order
+            return array("q", order)
         size, run = self.global_batch_size, self.group_by_length * self.global_batch_size
         lengths = self.lengths
         grouped = []
@@ -81,11 +84,11 @@ class BatchPlan:
         full = len(grouped) // size
         # The partial last batch stays last: micro_batches fills it with placeholders.
         batches = [grouped[b * size : (b + 1) * size] for b in torch.randperm(full, generator=generator).tolist()]
-        return [i for batch in batches for i in batch] + grouped[full * size :]
+        return array("q", [i for batch in batches for i in batch] + grouped[full * size :])
 
     def micro_batches(self, epoch: int, step: int, rank: int) -> list[list[tuple[int, bool]]]:
         """For this rank and optimizer step: grad_accum lists of (sample index, is_real) pairs."""
-        order = _epoch_order(self, epoch)
+        order = self._order(epoch)
         start = step * self.global_batch_size
         chunk = order[start : start + self.global_batch_size]
         slots = [(index, True) for index in chunk]
@@ -96,15 +99,6 @@ class BatchPlan:
             group = slots[micro * per_micro : (micro + 1) * per_micro]
             result.append(group[rank * self.micro_batch_size : (rank + 1) * self.micro_batch_size])
         return result
-
-
-# Each (plan, epoch)'s order, computed once: a trainer asks for it every step and a capture rank for every unit (its
-# micro-batches of all trainer ranks), tens of milliseconds each time at 200k samples. Two entries: a capture rank's
-# stream crosses from one epoch into the next. 8 bytes a sample (an int64 array, not a tuple of Python ints), as
-# every rank of a job holds them.
-@functools.lru_cache(maxsize=2)
-def _epoch_order(plan: BatchPlan, epoch: int) -> array:
-    return array("q", plan.shuffled(epoch))
 
 
 def grouping_keys(dataset: Any, group_by: str, num_anchors: int, block_size: int) -> np.ndarray:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -64,7 +63,7 @@ class UnitStream:
         step, rest = divmod(u, self.units_per_step)
         micro, rank = divmod(rest, self.trainers)
         epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
-        return [index for index, _ in _micro_batches(self.plan, epoch, in_epoch, rank)[micro]]
+        return [index for index, _ in self.plan.micro_batches(epoch, in_epoch, rank)[micro]]
 
     def trainer_of(self, u: int) -> int:
         return u % self.trainers
@@ -92,11 +91,6 @@ class UnitStream:
         for v in range(start + (capture - start) % captures, end, captures):
             micro, rank = divmod(v, len(trainers))
             yield micro * self.trainers + trainers.start + rank
-
-
-@lru_cache(maxsize=8)
-def _micro_batches(plan: BatchPlan, epoch: int, step: int, rank: int) -> list[list[tuple[int, bool]]]:
-    return plan.micro_batches(epoch, step, rank)
 
 
 def header_length(micro_batch_size: int) -> int:
