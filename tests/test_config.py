@@ -264,6 +264,7 @@ UNUSED = [
     ("data.top_p", "data.top_p=0.9", ["data.temperature=0.7", "data.sampled_share=0"], ["data.temperature=0.7"]),
     ("data.sampled_share", "data.sampled_share=0.5", [], ["data.temperature=0.7"]),
     ("capture.shard_tokens", "capture.shard_tokens=4096", ["capture=online"], []),
+    ("capture.batch_tokens", "capture.batch_tokens=4096", ["capture=colocated"], ["capture=online"]),
     ("capture.check_every", "capture.check_every=5", ["capture=online"], []),
     ("capture.verify_existing", "capture.verify_existing=true", ["capture=colocated"], []),
     ("capture.pack", "capture.pack=false", ["capture=colocated"], []),

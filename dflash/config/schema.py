@@ -341,12 +341,17 @@ def _if_colocated(capture: Any, run: Any) -> str:
     return "capture=colocated runs the target on each trainer rank's own device" if capture.mode == "colocated" else ""
 
 
+def _if_colocated_one_forward(capture: Any, run: Any) -> str:
+    return "capture=colocated forwards each micro-batch at once" if capture.mode == "colocated" else ""
+
+
 @dataclass
 class CaptureSettings:
     """How the target's hidden states reach the trainer (group `capture`: offline, online, colocated)."""
 
     mode: str = setting("offline", affects=("capture",), doc="chosen by the group: capture=offline|online|colocated")
-    batch_tokens: int = setting(8192, affects=("capture",), doc="tokens per target forward")
+    batch_tokens: int = setting(8192, affects=("capture",), unused=_if_colocated_one_forward,
+                                doc="offline, online: tokens per target forward")
     dtype: str = setting("bfloat16", affects=("capture",),
                          doc="feature dtype: bfloat16 | float32 | fp8 (e4m3, per-token scales); never float16")
     compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
@@ -426,8 +431,7 @@ class OnlineCapture(CaptureSettings):
 @dataclass
 class ColocatedCapture(CaptureSettings):
     """Every trainer rank runs the frozen target itself, one forward per micro-batch; nothing touches the disk.
-    The settings of the other modes are unused here; batch_tokens too (a micro-batch is one forward), but it stays
-    part of the fingerprint of such runs."""
+    The settings of the other modes are unused here; batch_tokens too (a micro-batch is one forward)."""
 
     mode: str = setting("colocated", affects=("capture",), doc="colocated: each trainer rank runs the target")
 
