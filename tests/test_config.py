@@ -685,3 +685,15 @@ def test_the_settings_reference_in_the_docs_is_current():
         text = f.read()
     assert text[text.index(START):text.index(END) + len(END)] == reference(), \
         "docs/config.md: paste the output of `python -m dflash.config`"
+
+
+def test_moving_the_gguf_cache_reruns_and_refuses_nothing():
+    """target.cache_dir says where the dequantised weights are kept, not which: a trained run whose cache moved keeps
+    every fingerprint (the GOLDEN table above holds those of runs at the default), and its guard sees no change."""
+    base = ["+experiment=smollm2", "run_dir=/nonexistent/run"]
+    before, after = settings_of(base), settings_of([*base, "target.cache_dir=/elsewhere/cache"])
+    assert after.target.cache_dir == "/elsewhere/cache"
+    assert stage_keys(after) == stage_keys(before)
+    assert fingerprints.settings_fingerprint(after) == fingerprints.settings_fingerprint(before)
+    assert fingerprints.training_changes(OmegaConf.to_container(compose(base)), after) == []
+    assert "cache_dir" not in " ".join(after.ignored())  # used, so not called ignored

@@ -21,15 +21,19 @@ import copy
 import dataclasses
 from typing import Any
 
-from dflash.config.schema import RunSettings, unused_settings
+from dflash.config.schema import RunSettings, field_default, unused_settings
 from dflash.run_files import fingerprint
 
 
 def stage_settings(node: Any, stage: str) -> dict[str, Any]:
     """The fields of a settings object that affect `stage`, as plain values; nested settings (a dataclass, or a
-    dict of them) are taken the same way field by field. A field at its `neutral` value is left out."""
+    dict of them) are taken the same way field by field. A field at its `neutral` value is left out; a field that
+    `stage` fingerprinted before (schema `fingerprinted_before`) enters at its default."""
     taken: dict[str, Any] = {}
     for f in dataclasses.fields(node):
+        if stage in f.metadata["fingerprinted_before"]:
+            taken[f.name] = field_default(f)
+            continue
         if stage not in f.metadata["affects"]:
             continue
         value = getattr(node, f.name)
@@ -91,7 +95,7 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
 
 def target_identity(s: RunSettings) -> dict[str, Any]:
     """Which target wrote the data stage's answers: the target settings that affect the data stage, less the folder
-    a GGUF target is dequantised into (the same weights wherever they are cached). Journals record it."""
+    a GGUF target is dequantised into (which journals never recorded). Journals record it."""
     identity = stage_settings(in_effect(s).target, "data")
     identity.pop("cache_dir", None)
     return identity

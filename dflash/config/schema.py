@@ -34,13 +34,14 @@ _NO_NEUTRAL = object()
 
 def setting(default: Any = MISSING, *, affects: tuple[str, ...], doc: str, neutral: Any = _NO_NEUTRAL,
             factory: Callable[[], Any] | None = None, unused: Callable[[Any, Any], str] | None = None,
-            stand_in: Callable[[Any], Any] | None = None) -> Any:
+            stand_in: Callable[[Any], Any] | None = None, fingerprinted_before: tuple[str, ...] = ()) -> Any:
     """A dataclass field with the metadata the fingerprints, the warnings and the docs read (`affects`, `doc`,
-    `neutral`, `unused`, `stand_in`)."""
-    unknown = set(affects) - set(STAGES)
+    `neutral`, `unused`, `stand_in`, `fingerprinted_before`: stages whose fingerprints took the field before it was
+    found to decide nothing of theirs, and now hold its default in its place, so runs keep their fingerprints)."""
+    unknown = (set(affects) | set(fingerprinted_before)) - set(STAGES)
     if unknown:
         raise ValueError(f"affects names unknown stages {sorted(unknown)}; stages: {STAGES}")
-    metadata: dict[str, Any] = {"affects": tuple(affects), "doc": doc}
+    metadata: dict[str, Any] = {"affects": tuple(affects), "doc": doc, "fingerprinted_before": fingerprinted_before}
     if neutral is not _NO_NEUTRAL:
         metadata["neutral"] = neutral
     if unused is not None:
@@ -91,7 +92,8 @@ class TargetSettings:
                                       "into cache_dir)")
     dtype: str = setting("auto", affects=("data", "eval"), doc="auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
                                                                "float32; never float16")
-    cache_dir: Optional[str] = setting(None, affects=("data", "eval"),
+    # Where the dequantised weights are kept, not which: the same target wherever they are.
+    cache_dir: Optional[str] = setting(None, affects=(), fingerprinted_before=("data", "eval"),
                                        doc="where a GGUF target is dequantised once; null: ~/.cache/dflash")
     tiny: Optional[Dict[str, Any]] = setting(None, affects=("data", "eval"), unused=_unless_tiny,
                                              doc="kind=tiny: {family, seed, tokenizer, config overrides...}")
@@ -881,11 +883,11 @@ def _collect_unused(node: Any, prefix: str, run: RunSettings, found: list[tuple[
             continue
         why = f.metadata["unused"](node, run) if "unused" in f.metadata else ""
         if why:
-            stand_in = f.metadata["stand_in"](node) if "stand_in" in f.metadata else _field_default(f)
+            stand_in = f.metadata["stand_in"](node) if "stand_in" in f.metadata else field_default(f)
             found.append((prefix + f.name, value, stand_in, why))
 
 
-def _field_default(spec: dataclasses.Field) -> Any:
+def field_default(spec: dataclasses.Field) -> Any:
     return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
 
 
@@ -897,5 +899,5 @@ GROUP_SETTINGS = {"target": TargetSettings, "data": DataSettings, "capture": Cap
 def schema_default(key: str) -> Any:
     """The schema's default of a dotted key of a group's settings, e.g. 'train.dpace_alpha' -> 0.5."""
     group, name = key.split(".", 1)
-    return _field_default({f.name: f for f in dataclasses.fields(GROUP_SETTINGS[group])}[name])
+    return field_default({f.name: f for f in dataclasses.fields(GROUP_SETTINGS[group])}[name])
 
