@@ -90,3 +90,27 @@ def test_the_evaluator_s_continuations_end_before_the_next_turn(monkeypatch, pla
     options = dict(max_new_tokens=64, stop_token_ids=target.stop_token_ids(), batch_size=1, engine="hf")
     assert greedy_continuations(target, [prompt], **options) == [expected]
     assert sampled_continuations(target, [prompt], temperature=1.0, seed=0, **options) == [expected]
+
+
+def byte_fallback_tokenizer():
+    """A tokenizer that spells every character outside a-z (and a few more) in UTF-8 byte tokens, as Gemma's and
+    Llama 2's do for rare ones, decoding an incomplete byte sequence to one replacement character per byte."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for char in [*"abcdefghijklmnopqrstuvwxyzUS:\n", "\u2581"]:
+        vocab.setdefault(char, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+@pytest.mark.parametrize("kept", ["漢字テスト", "a 🎉🎉", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "ok 𝔘𝔫 é", "déjà vu"])
+def test_byte_fallback_characters_before_the_stop_string_are_kept_whole(kept):
+    tokenizer = byte_fallback_tokenizer()
+    tokens = tokenizer.encode(kept + "\n\nUser: more", add_special_tokens=False)
+    assert any(token.startswith("<0x") for token in tokenizer.convert_ids_to_tokens(tokens))  # spelled in bytes
+    cut, found = cut_at_stop_strings(tokens, ["\n\nUser:"], tokenizer)
+    assert found and tokenizer.decode(cut) == kept

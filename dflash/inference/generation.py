@@ -65,7 +65,10 @@ def cut_at_stop_strings(tokens: list[int], stop_strings: Sequence[str], tokenize
     low, high = 0, len(tokens)  # the answer: the most tokens whose text is at most `end` characters long
     while low < high:
         middle = (low + high + 1) // 2
-        if len(tokenizer.decode(tokens[:middle])) <= end:
+        # A byte-fallback tokenizer (Gemma, Llama 2) spells a rare character in byte tokens, and a prefix that ends
+        # inside one decodes to a replacement character per byte so far: lengths with them would not grow with the
+        # prefix (the search could stop early, or inside the character). Without them they do.
+        if len(tokenizer.decode(tokens[:middle]).rstrip("\ufffd")) <= end:
             low = middle
         else:
             high = middle - 1
