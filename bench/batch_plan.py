@@ -7,7 +7,7 @@ At each shape (group_by_length 0 and 8) it times, over --steps steps of the seco
   capture_step_ms  a capture rank serving every trainer rank: UnitStream.indices of the step's
                    trainers x grad_accum units (the micro-batches it captures), on its critical path
   trainer_step_ms  a trainer rank: BatchPlan.micro_batches of its step (what prepare_batches reads)
-  order_ms         one computation of the epoch's order (BatchPlan.shuffled)
+  order_ms         one computation of the epoch's order (BatchPlan._order, uncached)
 each "cached" (each epoch's order computed once per plan and epoch, dflash/data/batch_plan.py) and "recomputed"
 (the order computed again on every call, as before that cache: the cache is cleared before each call). The first
 epoch's order is computed before the cached timing starts, as it is once per epoch in a run.
@@ -24,7 +24,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.data import batch_plan  # noqa: E402
 from dflash.data.batch_plan import BatchPlan  # noqa: E402
 from dflash.extract.rank_stream import UnitStream  # noqa: E402
 
@@ -47,20 +46,20 @@ def measure(plan: BatchPlan, steps: int) -> dict:
         first = stream.first_unit(epoch * plan.steps_per_epoch + step)
         for u in range(first, first + units):
             if recompute:
-                batch_plan._epoch_order.cache_clear()
+                BatchPlan._order.cache_clear()
             stream.indices(u)
 
     def trainer_step(step: int, recompute: bool) -> None:
         if recompute:
-            batch_plan._epoch_order.cache_clear()
+            BatchPlan._order.cache_clear()
         plan.micro_batches(epoch, step, 0)
 
     started = time.perf_counter()
-    plan.shuffled(epoch)
+    BatchPlan._order.__wrapped__(plan, epoch)
     result = {"order_ms": round(1000 * (time.perf_counter() - started), 1)}
     for name, work in (("capture_step_ms", capture_step), ("trainer_step_ms", trainer_step)):
         recomputed = per_step_ms(work, steps, True)
-        batch_plan._epoch_order.cache_clear()
+        BatchPlan._order.cache_clear()
         plan.epoch_order(epoch)  # computed once when the epoch starts
         result[name] = {"recomputed": round(recomputed, 1), "cached": round(per_step_ms(work, steps, False), 3)}
     return result

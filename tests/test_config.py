@@ -697,3 +697,30 @@ def test_moving_the_gguf_cache_reruns_and_refuses_nothing():
     assert fingerprints.settings_fingerprint(after) == fingerprints.settings_fingerprint(before)
     assert fingerprints.training_changes(OmegaConf.to_container(compose(base)), after) == []
     assert "cache_dir" not in " ".join(after.ignored())  # used, so not called ignored
+
+
+def test_a_run_fingerprinted_before_a_stand_in_is_refused_naming_that_setting(tmp_path):
+    """A run that an older dflash made with target.cache_dir=/x (then in the data fingerprint) or a colocated
+    capture.batch_tokens of its own (then in the capture fingerprint) has fingerprints no setting of this command
+    explains: the guard names the setting, not only the config.yaml to compare."""
+    from dflash.pipeline import Pipeline
+    from dflash.run_files import write_json
+    from dflash.stages.guard import refuse_other_trained_settings
+    from dflash.stages.train import SETTINGS_KEY
+
+    run = ["+experiment=tiny", "capture=colocated", f"run_dir={tmp_path}"]
+    older = run + ["target.cache_dir=/x", "capture.batch_tokens=4096"]
+    trained = Pipeline(compose(run))
+    os.makedirs(trained.train.checkpoints)
+    write_json(os.path.join(trained.train.checkpoints, "fingerprint.json"), {"fingerprint": "trained"})
+    write_json(os.path.join(trained.train.checkpoints, SETTINGS_KEY), {"fingerprint": "an older form"})
+    write_json(os.path.join(trained.train.out, "done.json"), {"checkpoint": "trained"})
+    OmegaConf.save(compose(older), tmp_path / "config.yaml", resolve=True)
+    with pytest.raises(ConfigError) as error:
+        refuse_other_trained_settings(Pipeline(compose(older + ["stages=[eval]"])).train)
+    message = str(error.value)
+    assert "target.cache_dir: /x (the dflash that made the run fingerprinted this value; this one holds None" in message
+    assert "capture.batch_tokens: 4096 (" in message and "see " not in message.split("(")[1]
+    # A setting that did change is named as before, alone.
+    with pytest.raises(ConfigError, match=r"other settings \(train.lr: 0.0006 -> 0.01\)"):
+        refuse_other_trained_settings(Pipeline(compose(older + ["train.lr=0.01"])).train)

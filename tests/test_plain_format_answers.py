@@ -107,7 +107,8 @@ def byte_fallback_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-@pytest.mark.parametrize("kept", ["漢字テスト", "a 🎉🎉", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "ok 𝔘𝔫 é", "déjà vu"])
+@pytest.mark.parametrize("kept", ["漢字テスト", "a 🎉🎉", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "ok 𝔘𝔫 é", "déjà vu",
+                                  "x \ufffd\ufffd", "é\ufffd"])  # replacement characters of the text itself kept
 def test_byte_fallback_characters_before_the_stop_string_are_kept_whole(kept):
     tokenizer = byte_fallback_tokenizer()
     tokens = tokenizer.encode(kept + "\n\nUser: more", add_special_tokens=False)

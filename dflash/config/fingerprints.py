@@ -9,7 +9,10 @@ it. No setting affects the export alone: its fingerprint is the train stage's (d
 A setting the run does not use (its schema `unused` reason, e.g. train.dpace_alpha without dpace weighting) enters
 as its stand-in, not as its value (`in_effect`), so changing it reruns nothing and the run folder's guard lets it
 through. The stand-in is the value such a setting had in the runs fingerprinted before (its default; the taps'
-count for drafter.num_taps), so those keep their fingerprints.
+count for drafter.num_taps), so those keep their fingerprints; a run made with another value gets new ones, and the
+run folder's guard names that setting (stand_in_changes). A field that was found to decide nothing of a stage that
+fingerprinted it (target.cache_dir: where the weights are kept) enters that stage's fingerprints at its default
+(schema `fingerprinted_before`), the same way.
 
 The parts keep one fixed layout, so that a run folder made by an earlier version of dflash keeps its fingerprints;
 tests/test_config.py pins them.
@@ -90,6 +93,33 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
                     changes.append(f"{key}: {was} -> {_plain(value, 'train')}")
 
     walk(new, old, "")
+    return changes
+
+
+def stand_in_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
+    """`key: value (...)` for each setting that `new` fingerprints at a stand-in (its `unused` stand-in, or the default
+    a `fingerprinted_before` field enters at) where the resolved config `old` recorded another value: the
+    fingerprints of a run that dflash made before the stand-in took that value, so they differ from `new`'s where
+    no setting does (what a guard names when training_changes finds nothing)."""
+    standing = {key: stand_in for key, _, stand_in, _ in unused_settings(new)}
+
+    def walk(node: Any, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, prefix + f.name + ".")
+            elif f.metadata["fingerprinted_before"]:
+                standing[prefix + f.name] = field_default(f)
+
+    walk(new, "")
+    changes = []
+    for key, stand_in in standing.items():
+        recorded: Any = old
+        for part in key.split("."):
+            recorded = recorded.get(part, stand_in) if isinstance(recorded, dict) else stand_in
+        if recorded != stand_in:
+            changes.append(f"{key}: {recorded} (the dflash that made the run fingerprinted this value; this one holds "
+                           f"{stand_in} in its place)")
     return changes
 
 

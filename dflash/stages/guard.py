@@ -91,12 +91,16 @@ def refuse_rebuilt_data(train: TrainStage) -> None:
 
 def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
     """(the config.yaml of the run folder's trained drafter, `key: trained -> now` of each data, capture or train
-    setting of this command that differs from it); (None, no changes: unknown) when no config.yaml was kept."""
+    setting of this command that differs from it, else each setting whose value there an older dflash fingerprinted
+    and this one holds at a stand-in); (None, no changes: unknown) when no config.yaml was kept."""
     run = train.context
     for path in (os.path.join(train.checkpoints, "config.yaml"), os.path.join(run.run_dir, "config.yaml")):
         if os.path.exists(path):
             old = OmegaConf.to_container(OmegaConf.load(path))
-            return path, fingerprints.training_changes(old, run.settings) if isinstance(old, dict) else []
+            if not isinstance(old, dict):
+                return path, []
+            return path, (fingerprints.training_changes(old, run.settings)
+                          or fingerprints.stand_in_changes(old, run.settings))
     return None, []
 
 

