@@ -103,6 +103,47 @@ def deepspeed_config(settings: TrainSettings, deepspeed_settings: DeepSpeedSetti
     }
 
 
+def lighten_gradient_checks(optimizer: Any) -> bool:
+    """One pass over the gradients before a ZeRO-1/2 step instead of two per gradient; whether it applied.
+
+    DeepSpeed's ZeRO-1/2 optimizer in bf16 first checks each gradient for a non-finite value (amax, amin, isfinite,
+    logical ops: seven operators each, then a host wait), then takes each gradient's norm (a float64 copy and a norm
+    each) for the global norm: some 650 of a step's 930 operators for the SmolLM2 recipe's drafter (58 tensors), in
+    a step the host bounds (docs/benchmarks.md). Here the global norm is one foreach norm (in float64, as
+    DeepSpeed's), and a non-finite gradient makes it non-finite, which DeepSpeed's step already treats as an
+    overflow: the update is skipped and the norm reported as inf. So the per-gradient check goes wherever that norm
+    is taken (zero_optimization.compute_grad_norm, on by default, clipping or not). Not with model parallelism or
+    optimizer offload, whose norms DeepSpeed takes otherwise.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    # Read with defaults: a DeepSpeed without these attributes keeps its own checks.
+    if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and getattr(optimizer, "compute_grad_norm", False)
+            and getattr(optimizer, "check_grad_overflow", False)
+            and getattr(optimizer, "model_parallel_world_size", None) == 1
+            and getattr(optimizer, "cpu_offload", True) is False):
+        return False
+    original_norm = optimizer.get_grad_norm_direct
+
+    def global_norm(gradients: list[torch.Tensor], params: list[torch.Tensor], norm_type: float = 2) -> torch.Tensor:
+        if float(norm_type) != 2.0:
+            return original_norm(gradients, params, norm_type)
+        gradients = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+        if gradients:
+            # float64, as DeepSpeed's own norm: float32 sums of millions of squares round visibly (1e-5).
+            squares = torch.stack(torch._foreach_norm(gradients, 2, dtype=torch.float64)).square().sum()
+        else:
+            squares = torch.zeros((), dtype=torch.double, device=torch.device(optimizer.device))
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        total = squares.sqrt().float()
+        # DeepSpeed's mark of an invalid norm, which its step reads as an overflow.
+        return total.masked_fill(~torch.isfinite(total), -1.0)
+
+    optimizer.get_grad_norm_direct = global_norm
+    optimizer.check_overflow = lambda partition_gradients=True: None  # step() has set overflow False before it
+    return True
+
+
 def steps_beside_params(optimizer: torch.optim.Optimizer) -> None:
     """Fused AdamW needs each state's step tensor on its parameter's device, as float32.
 
@@ -126,12 +167,13 @@ class TrainEngine:
     another number of ranks). fused_adamw: torch's one-kernel AdamW instead of the multi-tensor one; None = on CUDA
     only. The foreach version walks the fp32 master weights and Adam state about 12 times and allocates a full-size
     sqrt(v) temporary; the fused kernel reads and writes each once (same update rule; rounding may differ in the
-    last bit).
+    last bit). light_checks: the ZeRO-1/2 step's gradient checks as one foreach norm (lighten_gradient_checks);
+    False keeps DeepSpeed's own (a benchmark's baseline).
     """
 
     def __init__(self, model: nn.Module, settings: TrainSettings, deepspeed_settings: DeepSpeedSettings,
                  total_steps: int, world_size: int, *, bf16: bool, load_universal: bool = False,
-                 fused_adamw: bool | None = None) -> None:
+                 fused_adamw: bool | None = None, light_checks: bool = True) -> None:
         if total_steps < 1:
             raise ValueError(f"training would run {total_steps} optimizer steps; check epochs and data size")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -153,6 +195,7 @@ class TrainEngine:
                 config=deepspeed_config(settings, deepspeed_settings, bf16, world_size, load_universal),
                 dist_init_required=False,
             )
+        self.light_gradient_checks = light_checks and lighten_gradient_checks(self.engine.optimizer)
         self.zero_stage = deepspeed_settings.zero_stage
 
     @property

@@ -1,0 +1,110 @@
+"""The ZeRO-1/2 step's lighter gradient checks (dflash/train/engine.py, lighten_gradient_checks), in bf16 on the CPU
+as on a GPU: the same global norm and update as DeepSpeed's own per-gradient checks, a step with a non-finite
+gradient still skipped, and far fewer operators for the host to issue."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from dflash.config.schema import DeepSpeedSettings
+from dflash.models.drafter import DFlashDraftModel
+from dflash.train.engine import TrainEngine, init_distributed
+from tests import trainer_harness
+
+
+def make_engine(light: bool, grad_clip: float = 1.0, zero_stage: int = 2) -> TrainEngine:
+    init_distributed()
+    drafter = DFlashDraftModel(trainer_harness.drafter_config())
+    drafter.init_weights(0)
+    settings = dataclasses.replace(trainer_harness.settings(micro_batch_size=2, grad_accum=1), grad_clip=grad_clip)
+    return TrainEngine(drafter, settings, DeepSpeedSettings(zero_stage=zero_stage), total_steps=4, world_size=1,
+                       bf16=True, light_checks=light)
+
+
+def step(engine: TrainEngine, scale: float = 1.0, poison: bool = False) -> None:
+    """A backward of a loss that reaches every parameter (NaN with `poison`), then the optimizer step."""
+    loss = sum((p.float() * (i + 1)).square().sum() for i, p in enumerate(engine.module.parameters())) * scale
+    engine.backward(loss * float("nan") if poison else loss)
+    with record_function("optimizer step"):
+        engine.step()
+
+
+def weights(engine: TrainEngine) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("grad_clip", [1e9, 1.0])  # the clip inactive (its factor exactly 1), then active
+def test_the_same_norm_and_update_as_deepspeed_s_own_checks(grad_clip):
+    light, plain = make_engine(True, grad_clip), make_engine(False, grad_clip)
+    assert light.light_gradient_checks and not plain.light_gradient_checks
+    for scale in (1e-4, 1.0):
+        step(light, scale)
+        step(plain, scale)
+        assert light.grad_norm() == pytest.approx(plain.grad_norm(), rel=1e-6) and light.grad_norm() > 0
+        for ours, theirs in zip(weights(light), weights(plain)):
+            if grad_clip > 1e6:
+                assert torch.equal(ours, theirs)
+            else:  # the clip factor from a norm rounded otherwise: the last bit of a bf16 weight at most
+                torch.testing.assert_close(ours, theirs, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])  # DeepSpeed takes the global norm without clipping too
+def test_a_step_with_a_non_finite_gradient_is_still_skipped(grad_clip):
+    light = make_engine(True, grad_clip)
+    assert light.light_gradient_checks
+    step(light, 1e-4)
+    before = weights(light)
+    step(light, poison=True)
+    assert light.grad_norm() == float("inf")  # what DivergenceGuard reads: a non-finite, skipped step
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(light)))
+    step(light, 1e-4)  # training goes on from the kept weights
+    assert all(torch.isfinite(w).all() for w in weights(light)) and light.grad_norm() > 0
+
+
+def test_zero_3_keeps_deepspeed_s_checks():
+    assert not make_engine(True, zero_stage=3).light_gradient_checks  # its optimizer is another class
+
+
+def test_the_step_drops_its_two_passes_of_operators_per_gradient():
+    counts = {}
+    for light in (True, False):
+        engine = make_engine(light)
+        step(engine)  # the first step builds the optimizer's state
+        with profile(activities=[ProfilerActivity.CPU]) as trace:
+            step(engine)
+        optimizer_step = next(e for e in trace.events() if e.name == "optimizer step")
+        counts[light] = sum(1 for child in optimizer_step.cpu_children for _ in iter_top_level(child))
+    tensors = len(list(make_engine(True).module.parameters()))
+    # DeepSpeed's own: a check (seven operators) and a norm (three) per gradient, beside the update's four (views,
+    # the bf16 weights pointed at their new values: no kernel) and a few dozen for the whole step.
+    assert counts[False] - counts[True] >= 10 * tensors, counts
+    assert counts[True] <= 4 * tensors + 60, counts
+
+
+def iter_top_level(event):
+    """The operators Python dispatched under `event` (an aten call inside another counts once, with its caller)."""
+    if event.name.startswith("aten::"):
+        yield event
+        return
+    for child in event.cpu_children:
+        yield from iter_top_level(child)
+
+
+@pytest.mark.slow
+def test_the_optimizer_step_bench_runs():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(repo, "bench", "optimizer_step.py"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    assert report["light_checks"]["applied"] and not report["deepspeed_checks"]["applied"]
+    assert report["light_checks"]["dispatched_operators"] < report["deepspeed_checks"]["dispatched_operators"] / 2
