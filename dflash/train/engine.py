@@ -117,11 +117,14 @@ def lighten_gradient_checks(optimizer: Any) -> bool:
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    # Read with defaults: a DeepSpeed without these attributes keeps its own checks.
+    # Read with defaults: a DeepSpeed without these attributes keeps its own checks. The norm below counts every
+    # gradient once, which DeepSpeed's does too only without model parallelism, experts or pipeline-tied weights.
     if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and getattr(optimizer, "compute_grad_norm", False)
             and getattr(optimizer, "check_grad_overflow", False)
             and getattr(optimizer, "model_parallel_world_size", None) == 1
-            and getattr(optimizer, "cpu_offload", True) is False):
+            and getattr(optimizer, "cpu_offload", True) is False and not getattr(optimizer, "has_moe_layers", True)
+            and not any(getattr(p, "ds_pipe_replicated", False)
+                        for group in optimizer.params_in_partition for p in group)):
         return False
     original_norm = optimizer.get_grad_norm_direct
 
@@ -129,13 +132,15 @@ def lighten_gradient_checks(optimizer: Any) -> bool:
         if float(norm_type) != 2.0:
             return original_norm(gradients, params, norm_type)
         gradients = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+        # As DeepSpeed's own: each norm in float64 (float32 sums of millions of squares round visibly), their
+        # squares summed in float64, then reduced across ranks and rooted in float32, so the norm is the same to
+        # the last bit, and a sum past float32's range is an overflow here too.
         if gradients:
-            # float64, as DeepSpeed's own norm: float32 sums of millions of squares round visibly (1e-5).
-            squares = torch.stack(torch._foreach_norm(gradients, 2, dtype=torch.float64)).square().sum()
+            squares = torch.stack(torch._foreach_norm(gradients, 2, dtype=torch.float64)).square().sum().float()
         else:
-            squares = torch.zeros((), dtype=torch.double, device=torch.device(optimizer.device))
+            squares = torch.zeros((), dtype=torch.float32, device=torch.device(optimizer.device))
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
-        total = squares.sqrt().float()
+        total = squares.sqrt()
         # DeepSpeed's mark of an invalid norm, which its step reads as an overflow.
         return total.masked_fill(~torch.isfinite(total), -1.0)
 
