@@ -588,10 +588,17 @@ class DeepSpeedSettings:
     zero_stage: int = setting(2, affects=("train",), doc="1: optimizer state sharded; 2: and gradients; 3: and "
                                                          "parameters")
     bf16: Any = setting("auto", affects=("train",), doc="auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
+    # Off: a small drafter's step is bound by the host, and DeepSpeed's copy of each gradient into one buffer as
+    # backward makes it costs ~10 host operators per parameter tensor a step (docs/benchmarks.md, session 30).
+    contiguous_gradients: bool = setting(False, affects=(),
+                                         doc="each gradient copied into one buffer as backward makes it (less "
+                                             "memory fragmentation for a large drafter; more host work a step)")
 
     def __post_init__(self) -> None:
         require_choice("deepspeed.zero_stage", self.zero_stage, (1, 2, 3))
         require(self.bf16 in ("auto", True, False), "deepspeed.bf16", self.bf16, "auto, true or false")
+        require(isinstance(self.contiguous_gradients, bool), "deepspeed.contiguous_gradients",
+                self.contiguous_gradients, "true or false")
 
 
 @dataclass

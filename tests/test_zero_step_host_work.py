@@ -1,6 +1,7 @@
-"""The ZeRO-1/2 step's lighter gradient checks (dflash/train/engine.py, lighten_gradient_checks), in bf16 on the CPU
-as on a GPU: the same global norm and update as DeepSpeed's own per-gradient checks, a step with a non-finite
-gradient still skipped, and far fewer operators for the host to issue."""
+"""The host's work in a ZeRO step (dflash/train/engine.py), in bf16 on the CPU accelerator as on a GPU: the ZeRO-1/2
+step's lighter gradient checks (lighten_gradient_checks) give DeepSpeed's own norm and update and still skip a step
+with a non-finite gradient; gradients left where backward makes them (deepspeed.contiguous_gradients=false) train
+the same weights; both leave the host far fewer operators to issue."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from dflash.train.engine import TrainEngine, init_distributed
 from tests import trainer_harness
 
 
-def make_engine(light: bool, grad_clip: float = 1.0, zero_stage: int = 2, grad_accum: int = 1) -> TrainEngine:
+def make_engine(light: bool, grad_clip: float = 1.0, zero_stage: int = 2, grad_accum: int = 1,
+                contiguous: bool = False) -> TrainEngine:
     _, world_size, _ = init_distributed()
     drafter = DFlashDraftModel(trainer_harness.drafter_config())
     drafter.init_weights(0)
     settings = dataclasses.replace(trainer_harness.settings(micro_batch_size=2, grad_accum=grad_accum),
                                    grad_clip=grad_clip)
-    return TrainEngine(drafter, settings, DeepSpeedSettings(zero_stage=zero_stage), total_steps=4,
-                       world_size=world_size, bf16=True, light_checks=light)
+    deepspeed = DeepSpeedSettings(zero_stage=zero_stage, contiguous_gradients=contiguous)
+    return TrainEngine(drafter, settings, deepspeed, total_steps=4, world_size=world_size, bf16=True,
+                       light_checks=light)
 
 
 def step(engine: TrainEngine, scale: float = 1.0, poison: bool = False) -> None:
@@ -112,20 +115,50 @@ def test_zero_3_keeps_deepspeed_s_checks():
     assert not make_engine(True, zero_stage=3).light_gradient_checks  # its optimizer is another class
 
 
+def dispatched(engine: TrainEngine, phase: str) -> int:
+    """Operators dispatched in the second step's `phase` ("backward" or "optimizer step")."""
+    step(engine)  # the first step builds the optimizer's state
+    loss = loss_of(engine, 1.0)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        with record_function("backward"):
+            engine.backward(loss)
+        with record_function("optimizer step"):
+            engine.step()
+    event = next(e for e in trace.events() if e.name == phase)
+    return sum(1 for child in event.cpu_children for _ in iter_top_level(child))
+
+
 def test_the_step_drops_its_two_passes_of_operators_per_gradient():
-    counts = {}
-    for light in (True, False):
-        engine = make_engine(light)
-        step(engine)  # the first step builds the optimizer's state
-        with profile(activities=[ProfilerActivity.CPU]) as trace:
-            step(engine)
-        optimizer_step = next(e for e in trace.events() if e.name == "optimizer step")
-        counts[light] = sum(1 for child in optimizer_step.cpu_children for _ in iter_top_level(child))
+    counts = {light: dispatched(make_engine(light), "optimizer step") for light in (True, False)}
     tensors = len(list(make_engine(True).module.parameters()))
     # DeepSpeed's own: a check (seven operators) and a norm (three) per gradient, beside the update's four (views,
     # the bf16 weights pointed at their new values: no kernel) and a few dozen for the whole step.
     assert counts[False] - counts[True] >= 10 * tensors, counts
     assert counts[True] <= 4 * tensors + 60, counts
+
+
+def test_gradients_left_in_place_train_the_same_weights_with_less_host_work_in_backward():
+    kept, copied = make_engine(True), make_engine(True, contiguous=True)
+    for scale in (1e-4, 1.0, 1e-2):
+        step(kept, scale)
+        step(copied, scale)
+        assert kept.grad_norm() == copied.grad_norm() > 0
+    assert all(torch.equal(a, b) for a, b in zip(weights(kept), weights(copied)))
+    tensors = len(list(kept.module.parameters()))
+    # DeepSpeed's copy into its gradient buffer: a copy, views and a pointer swap per gradient.
+    assert dispatched(copied, "backward") - dispatched(kept, "backward") >= 8 * tensors
+
+
+def test_a_checkpoint_of_contiguous_gradients_resumes_without_them(tmp_path):
+    copied = make_engine(True, contiguous=True)
+    step(copied, 1e-3)
+    copied.save(str(tmp_path), "step1", {})
+    kept = make_engine(True)
+    kept.load(str(tmp_path), "step1")
+    assert all(torch.equal(a, b) for a, b in zip(weights(kept), weights(copied)))
+    step(copied, 1e-3)
+    step(kept, 1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(weights(kept), weights(copied)))
 
 
 def iter_top_level(event):
@@ -138,16 +171,19 @@ def iter_top_level(event):
 
 
 @pytest.mark.slow
-def test_the_optimizer_step_bench_runs():
+def test_the_zero_step_bench_runs():
     import json
     import os
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, os.path.join(repo, "bench", "optimizer_step.py"), "--steps", "1"],
+    done = subprocess.run([sys.executable, os.path.join(repo, "bench", "zero_step_host_work.py"), "--steps", "1"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout[done.stdout.index("{"):])
-    assert report["light_checks"]["applied"] and not report["deepspeed_checks"]["applied"]
-    assert report["light_checks"]["dispatched_operators"] < report["deepspeed_checks"]["dispatched_operators"] / 2
+    ours, theirs = report["dflash_defaults"], report["deepspeed_defaults"]
+    assert ours["light_checks"] and not theirs["light_checks"]
+    for phase in ("backward", "step"):
+        assert ours[phase]["dispatched_operators"] < theirs[phase]["dispatched_operators"] / 2, phase
+    assert ours["grad_norm"] == theirs["grad_norm"]
