@@ -120,12 +120,13 @@ def lighten_gradient_checks(optimizer: Any) -> bool:
 
     # Read with defaults: a DeepSpeed without these attributes keeps its own checks. The norm below counts every
     # gradient once, which DeepSpeed's does too only without model parallelism, experts or pipeline-tied weights.
+    partitions = getattr(optimizer, "params_in_partition", None)
     if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and getattr(optimizer, "compute_grad_norm", False)
             and getattr(optimizer, "check_grad_overflow", False)
             and getattr(optimizer, "model_parallel_world_size", None) == 1
             and getattr(optimizer, "cpu_offload", True) is False and not getattr(optimizer, "has_moe_layers", True)
-            and not any(getattr(p, "ds_pipe_replicated", False)
-                        for group in optimizer.params_in_partition for p in group)):
+            and partitions is not None
+            and not any(getattr(p, "ds_pipe_replicated", False) for group in partitions for p in group)):
         return False
     original_norm = optimizer.get_grad_norm_direct
 
