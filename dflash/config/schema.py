@@ -588,9 +588,9 @@ class DeepSpeedSettings:
     zero_stage: int = setting(2, affects=("train",), doc="1: optimizer state sharded; 2: and gradients; 3: and "
                                                          "parameters")
     bf16: Any = setting("auto", affects=("train",), doc="auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
-    # Off: a small drafter's step is bound by the host, and DeepSpeed's copy of each gradient into one buffer as
-    # backward makes it costs ~10 host operators per parameter tensor a step (docs/benchmarks.md, session 30).
-    contiguous_gradients: bool = setting(False, affects=(),
+    # DeepSpeed's default, right for a large drafter; the SmolLM2 recipe turns it off (its step is bound by the host,
+    # and the copy costs ~10 host operators per parameter tensor a step: docs/benchmarks.md, session 30).
+    contiguous_gradients: bool = setting(True, affects=(),
                                          doc="each gradient copied into one buffer as backward makes it (less "
                                              "memory fragmentation for a large drafter; more host work a step)")
 
