@@ -6,7 +6,8 @@ off); print JSON.
     python bench/zero_step_host_work.py --steps 20 --zero-stage 1
 
 For each variant and phase (engine.backward of a loss that reaches every parameter, engine.step): the operators
-Python dispatched (an aten call inside another counts with its caller), all aten calls, and the phase's wall
+Python dispatched (step_profile.phase_counts: an aten call inside another counts with its caller, autograd's
+threads included), and the phase's wall
 milliseconds (mean of --steps after two warm-up steps; on a GPU the host's time to issue it, which a host-bound
 training step waits for, the device synchronised between phases). On a CPU the operator counts are those of a GPU
 run, the milliseconds are not.
@@ -29,6 +30,7 @@ from dflash.config.schema import DeepSpeedSettings, TrainSettings  # noqa: E402
 from dflash.models.drafter import DFlashDraftModel  # noqa: E402
 from dflash.models.drafter_config import DrafterConfig  # noqa: E402
 from dflash.train.engine import TrainEngine, init_distributed  # noqa: E402
+from dflash.train.step_profile import PHASE_PREFIX, phase_counts  # noqa: E402
 
 # The SmolLM2 recipe's drafter (conf/experiment/smollm2.yaml): 5 layers of the target's shape, 5 taps.
 RECIPE_DRAFTER = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=5, num_attention_heads=9,
@@ -70,29 +72,12 @@ def measure(engine: TrainEngine, steps: int, device: torch.device) -> dict:
     value = loss(engine)
     with profile(activities=[ProfilerActivity.CPU]) as trace:
         for name, run in phases.items():
-            with record_function(name):
+            with record_function(PHASE_PREFIX + name):
                 run(value)
-    report = {}
-    for name in phases:
-        event = next(e for e in trace.events() if e.name == name)
-        dispatched, every, pending = 0, 0, list(event.cpu_children)
-        while pending:
-            child = pending.pop()
-            if child.name.startswith("aten::"):
-                dispatched += 1
-                every += 1 + sum(1 for _ in nested_aten(child))
-            else:
-                pending.extend(child.cpu_children)
-        report[name] = {"dispatched_operators": dispatched, "aten_calls": every,
-                        "ms": round(1000 * seconds[name] / steps, 2)}
+    counts = phase_counts(trace.events())
+    report = {name: {"dispatched_operators": counts[PHASE_PREFIX + name].operators,
+                     "ms": round(1000 * seconds[name] / steps, 2)} for name in phases}
     return {**report, "grad_norm": engine.grad_norm()}
-
-
-def nested_aten(event):
-    for child in event.cpu_children:
-        if child.name.startswith("aten::"):
-            yield child
-        yield from nested_aten(child)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from dflash.config.schema import DeepSpeedSettings
 from dflash.models.drafter import DFlashDraftModel
 from dflash.train.engine import TrainEngine, init_distributed
+from dflash.train.step_profile import PHASE_PREFIX, phase_counts
 from tests import trainer_harness
 
 
@@ -32,8 +33,7 @@ def make_engine(light: bool, grad_clip: float = 1.0, zero_stage: int = 2, grad_a
 def step(engine: TrainEngine, scale: float = 1.0, poison: bool = False) -> None:
     """A backward of a loss that reaches every parameter (NaN with `poison`), then the optimizer step."""
     engine.backward(loss_of(engine, scale) * float("nan") if poison else loss_of(engine, scale))
-    with record_function("optimizer step"):
-        engine.step()
+    engine.step()
 
 
 def loss_of(engine: TrainEngine, scale: float) -> torch.Tensor:
@@ -120,12 +120,11 @@ def dispatched(engine: TrainEngine, phase: str) -> int:
     step(engine)  # the first step builds the optimizer's state
     loss = loss_of(engine, 1.0)
     with profile(activities=[ProfilerActivity.CPU]) as trace:
-        with record_function("backward"):
+        with record_function(PHASE_PREFIX + "backward"):
             engine.backward(loss)
-        with record_function("optimizer step"):
+        with record_function(PHASE_PREFIX + "optimizer step"):
             engine.step()
-    event = next(e for e in trace.events() if e.name == phase)
-    return sum(1 for child in event.cpu_children for _ in iter_top_level(child))
+    return phase_counts(trace.events())[PHASE_PREFIX + phase].operators
 
 
 def test_the_step_drops_its_two_passes_of_operators_per_gradient():
@@ -159,15 +158,6 @@ def test_a_checkpoint_of_contiguous_gradients_resumes_without_them(tmp_path):
     step(copied, 1e-3)
     step(kept, 1e-3)
     assert all(torch.equal(a, b) for a, b in zip(weights(kept), weights(copied)))
-
-
-def iter_top_level(event):
-    """The operators Python dispatched under `event` (an aten call inside another counts once, with its caller)."""
-    if event.name.startswith("aten::"):
-        yield event
-        return
-    for child in event.cpu_children:
-        yield from iter_top_level(child)
 
 
 @pytest.mark.slow

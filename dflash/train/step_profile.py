@@ -12,6 +12,7 @@ import bisect
 import logging
 import os
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd import DeviceType
@@ -106,14 +107,22 @@ def self_time_key(device: torch.device) -> str:
     return "self_device_time_total" if torch.device(device).type == "cuda" else "self_cpu_time_total"
 
 
-def phase_table(events, steps: int) -> str:
-    """Per step, for each of dflash's named ranges: host milliseconds, operators called and GPU kernels launched.
+@dataclass
+class PhaseCount:
+    """One of dflash's named ranges, summed over its occurrences: host milliseconds, operators called (the outermost
+    aten calls: an aten op inside another one is part of its caller) and GPU kernels launched, and which operators."""
 
-    When the host is the bound (a small drafter, a colocated target), the step takes as long as the host needs
-    to issue it, so operators and launches per phase say where the time goes on any machine. An event counts for a
-    range when it starts inside it on any thread: autograd runs a CUDA backward on its own threads. Operators are
-    the outermost aten calls (an aten op inside another one is part of its caller).
-    """
+    host_ms: float = 0.0
+    operators: int = 0
+    launches: int = 0
+    called: Counter = field(default_factory=Counter)
+
+
+def phase_counts(events) -> dict[str, PhaseCount]:
+    """Each of dflash's named ranges (PHASE_PREFIX) among a profiler's `events`, with what ran inside it.
+
+    An event counts for a range when it starts inside it on any thread: autograd runs a CUDA backward on its own
+    threads."""
     # Host events only: on CUDA each range also appears as a GPU-side annotation of the same name, timed on the
     # GPU's timeline, which would count the GPU's lag behind the host as host time.
     host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
@@ -122,25 +131,35 @@ def phase_table(events, steps: int) -> str:
                        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
     operators = [start for start, _ in outermost]
     launches = sorted(e.time_range.start for e in host if "LaunchKernel" in e.name)
-    totals: dict[str, list[float]] = {}
-    called: dict[str, Counter] = {}
+    counts: dict[str, PhaseCount] = {}
     for start, end, name in ranges:
-        row = totals.setdefault(name, [0.0, 0, 0])
+        count = counts.setdefault(name, PhaseCount())
         first, last = bisect.bisect_left(operators, start), bisect.bisect_left(operators, end)
-        row[0] += (end - start) / 1000
-        row[1] += last - first
-        row[2] += bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
-        called.setdefault(name, Counter()).update(op for _, op in outermost[first:last])
-    width = max([len(name) for name in totals] + [5])
-    order = sorted(totals, key=lambda name: -totals[name][0])
+        count.host_ms += (end - start) / 1000
+        count.operators += last - first
+        count.launches += bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
+        count.called.update(op for _, op in outermost[first:last])
+    return counts
+
+
+def phase_table(events, steps: int) -> str:
+    """Per step, for each of dflash's named ranges: host milliseconds, operators called and GPU kernels launched.
+
+    When the host is the bound (a small drafter, a colocated target), the step takes as long as the host needs
+    to issue it, so operators and launches per phase say where the time goes on any machine (phase_counts).
+    """
+    counts = phase_counts(events)
+    width = max([len(name) for name in counts] + [5])
+    order = sorted(counts, key=lambda name: -counts[name].host_ms)
     lines = [f"the step's phases, per step ({steps} steps; nested ranges count in each):",
              f"{'phase':<{width}}  {'host ms':>9}  {'operators':>9}  {'kernel launches':>15}"]
     for name in order:
-        ms, ops, kernels = totals[name]
-        lines.append(f"{name:<{width}}  {ms / steps:9.1f}  {ops / steps:9.0f}  {kernels / steps:15.0f}")
+        c = counts[name]
+        lines.append(f"{name:<{width}}  {c.host_ms / steps:9.1f}  {c.operators / steps:9.0f}  "
+                     f"{c.launches / steps:15.0f}")
     # Which operators a phase calls most: a count that grows with the parameters or the sequences is a loop to fuse.
     lines.append("\nthe operators each phase calls most, per step:")
     for name in order:
-        common = ", ".join(f"{op} {count / steps:.3g}" for op, count in called[name].most_common(MOST_CALLED))
+        common = ", ".join(f"{op} {count / steps:.3g}" for op, count in counts[name].called.most_common(MOST_CALLED))
         lines.append(f"{name}: {common or '-'}")
     return "\n".join(lines) + "\n"
