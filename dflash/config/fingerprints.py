@@ -24,7 +24,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from dflash.config.schema import RunSettings, field_default, unused_settings
+from dflash.config.schema import RunSettings, field_default, setting_leaves, unused_settings
 from dflash.run_files import fingerprint
 
 
@@ -78,21 +78,14 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
     differs between the resolved config `old` (a run folder's config.yaml, as a dict) and `new`."""
     changes: list[str] = []
     unused = {key for key, *_ in unused_settings(new)}
-
-    def walk(node: Any, before: Any, prefix: str) -> None:
-        for f in dataclasses.fields(node):
-            value, key = getattr(node, f.name), prefix + f.name
-            was = before.get(f.name, "(absent)") if isinstance(before, dict) else "(absent)"
-            if dataclasses.is_dataclass(value):
-                walk(value, was, key + ".")
-            elif key in unused:
-                continue
-            elif set(f.metadata["affects"]) & {"data", "capture", "train"} and _plain(value, "train") != was:
-                neutral = "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], value, node)
-                if not (was == "(absent)" and neutral):  # a setting added since, at its neutral value
-                    changes.append(f"{key}: {was} -> {_plain(value, 'train')}")
-
-    walk(new, old, "")
+    for key, f, value, group in setting_leaves(new):
+        if key in unused or not set(f.metadata["affects"]) & {"data", "capture", "train"}:
+            continue
+        was = recorded_value(old, key, "(absent)")
+        if _plain(value, "train") != was:
+            neutral = "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], value, group)
+            if not (was == "(absent)" and neutral):  # a setting added since, at its neutral value
+                changes.append(f"{key}: {was} -> {_plain(value, 'train')}")
     return changes
 
 
@@ -102,25 +95,23 @@ def stand_in_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
     fingerprints of a run that dflash made before the stand-in took that value, so they differ from `new`'s where
     no setting does (what a guard names when training_changes finds nothing)."""
     standing = {key: stand_in for key, _, stand_in, _ in unused_settings(new)}
-
-    def walk(node: Any, prefix: str) -> None:
-        for f in dataclasses.fields(node):
-            value = getattr(node, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, prefix + f.name + ".")
-            elif f.metadata["fingerprinted_before"]:
-                standing[prefix + f.name] = field_default(f)
-
-    walk(new, "")
+    standing.update((key, field_default(f)) for key, f, _, _ in setting_leaves(new)
+                    if f.metadata["fingerprinted_before"])
     changes = []
     for key, stand_in in standing.items():
-        recorded: Any = old
-        for part in key.split("."):
-            recorded = recorded.get(part, stand_in) if isinstance(recorded, dict) else stand_in
+        recorded = recorded_value(old, key, stand_in)
         if recorded != stand_in:
             changes.append(f"{key}: {recorded} (the dflash that made the run fingerprinted this value; this one holds "
                            f"{stand_in} in its place)")
     return changes
+
+
+def recorded_value(config: dict[str, Any], key: str, missing: Any) -> Any:
+    """The value at dotted `key` of a resolved config (a dict), `missing` where it has none."""
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part, missing) if isinstance(node, dict) else missing
+    return node
 
 
 def target_identity(s: RunSettings) -> dict[str, Any]:

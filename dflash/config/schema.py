@@ -21,6 +21,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import MISSING
@@ -874,24 +875,27 @@ def _is_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
+def setting_leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any, Any]]:
+    """(dotted key, field, value, the settings group holding it) of every setting under `node` that is not itself a
+    group of settings (a dataclass, whose fields are walked instead)."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from setting_leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, f, value, node
+
+
 def unused_settings(run: RunSettings) -> list[tuple[str, Any, Any, str]]:
     """(dotted key, value, stand-in, why) of each setting `run` does not use, by the `unused` reasons of the schema:
     the stand-in is what the fingerprints take instead of the value (dflash/config/fingerprints.py)."""
     found: list[tuple[str, Any, Any, str]] = []
-    _collect_unused(run, "", run, found)
-    return found
-
-
-def _collect_unused(node: Any, prefix: str, run: RunSettings, found: list[tuple[str, Any, Any, str]]) -> None:
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            _collect_unused(value, f"{prefix}{f.name}.", run, found)
-            continue
-        why = f.metadata["unused"](node, run) if "unused" in f.metadata else ""
+    for key, f, value, group in setting_leaves(run):
+        why = f.metadata["unused"](group, run) if "unused" in f.metadata else ""
         if why:
-            stand_in = f.metadata["stand_in"](node) if "stand_in" in f.metadata else field_default(f)
-            found.append((prefix + f.name, value, stand_in, why))
+            stand_in = f.metadata["stand_in"](group) if "stand_in" in f.metadata else field_default(f)
+            found.append((key, value, stand_in, why))
+    return found
 
 
 def field_default(spec: dataclasses.Field) -> Any:
