@@ -598,8 +598,6 @@ class DeepSpeedSettings:
     def __post_init__(self) -> None:
         require_choice("deepspeed.zero_stage", self.zero_stage, (1, 2, 3))
         require(self.bf16 in ("auto", True, False), "deepspeed.bf16", self.bf16, "auto, true or false")
-        require(isinstance(self.contiguous_gradients, bool), "deepspeed.contiguous_gradients",
-                self.contiguous_gradients, "true or false")
 
 
 @dataclass
