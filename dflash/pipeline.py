@@ -36,6 +36,9 @@ from dflash.train.third_party_output import third_party_records_to_run_log
 
 logger = logging.getLogger(__name__)
 
+# How long a rank other than local rank 0 waits before it ends a restart that an earlier start's error stops.
+EARLIER_ENDING_WAIT_S = 60
+
 # The stages in the order they run (a Pipeline wires one of each to the stage whose output it reads).
 STAGE_CLASSES: tuple[type[Stage], ...] = (DataStage, CaptureStage, TrainStage, ExportStage, EvalStage)
 
@@ -162,6 +165,10 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     except EarlierEnding as earlier:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node, not one a rank
             print(f"dflash: error: {earlier}", file=sys.stderr, flush=True)
+        else:
+            # torchrun ends a node's ranks once one of them exits: the others wait for local rank 0, whose exit
+            # after its line ends them, so a rank that got here first cannot end it before it printed.
+            time.sleep(EARLIER_ENDING_WAIT_S)
         sys.exit(earlier.status)
     except (ConfigError, TrainingDiverged) as error:
         if full_error():
