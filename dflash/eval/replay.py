@@ -19,7 +19,8 @@ step, the padded keys masked out in every layer, which is also only float noise.
 rollback here: nothing is decoded incrementally after generation.
 
 Cost: the drafter's context keys/values are computed once per chunk (drafter_cache.py), and each step is ONE
-drafter forward over the block tokens of all active rows plus a few host-side tensor ops for their acceptance.
+drafter forward over the block tokens of all active rows plus a few host-side tensor ops for their acceptance. On
+CUDA every step of a chunk has one shape and replays one CUDA graph (chunk_drafts.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.eval.chunk_drafts import ChunkDrafts
 from dflash.eval.metrics import PhaseTimer, StepTrace
 from dflash.inference.drafter_cache import KeysValues, block_hidden, context_keys_values
 from dflash.inference.generation import cut_at_stop_strings
@@ -164,10 +166,13 @@ class DrafterProposer:
     tensor per layer on the drafter's device (drafter_cache.py): a step only gathers its rows' left-padded contexts
     with a few indexing kernels (or slices them, see `contexts`) and runs the block tokens through the layers,
     instead of re-projecting the whole context through fc and every k/v projection: replay runs hundreds of steps.
+    fixed_shape (None: on CUDA, with the target's embedding and head on the drafter's device) drafts every step of
+    the chunk at one shape instead, captured once as a CUDA graph (chunk_drafts.py); `hidden` stays gathered.
     """
 
     def __init__(
-        self, drafter: DFlashDraftModel, adapter, sequences: list[list[int]], features: list[torch.Tensor]
+        self, drafter: DFlashDraftModel, adapter, sequences: list[list[int]], features: list[torch.Tensor],
+        fixed_shape: bool | None = None,
     ) -> None:
         self.drafter = drafter
         self.adapter = adapter
@@ -176,6 +181,24 @@ class DrafterProposer:
         padded = torch.nn.utils.rnn.pad_sequence([f.to(self.device) for f in features], batch_first=True)
         positions = torch.arange(padded.shape[1], device=self.device)[None].expand(padded.shape[0], -1)
         self.context = context_keys_values(drafter, padded, positions)
+        if fixed_shape is None:
+            # A GPU step is bound by the host's dispatch, which one graph a chunk removes; on a CPU the full blocks
+            # over every cached column are only more arithmetic.
+            fixed_shape = self.device.type == "cuda" and self._head_device() == self.device
+        self.fixed_shape = fixed_shape
+        self._chunk_drafts: ChunkDrafts | None = None
+
+    def _head_device(self) -> torch.device:
+        return self.adapter.embed_tokens().weight.device
+
+    @property
+    def chunk_drafts(self) -> ChunkDrafts:
+        """The fixed-shape drafting step of this chunk (chunk_drafts.py), built (on CUDA, captured) on first use."""
+        if self._chunk_drafts is None:
+            self._chunk_drafts = ChunkDrafts(self.drafter, self.adapter.embed_tokens().weight,
+                                             self.adapter.lm_head_weight(), self.context, self.sequences,
+                                             cuda_graph=self.device.type == "cuda")
+        return self._chunk_drafts
 
     @torch.inference_mode()
     def hidden(self, rows: list[int], starts: list[int], size: int | list[int]) -> torch.Tensor:
@@ -223,7 +246,10 @@ class DrafterProposer:
 
     @torch.inference_mode()
     def __call__(self, rows: list[int], starts: list[int], size: int | list[int]) -> torch.Tensor:
-        """Greedy drafts [len(rows), max size - 1] on the host (the Proposer of replay_steps)."""
+        """Greedy drafts [len(rows), max size - 1] on the host (the Proposer of replay_steps); with fixed_shape,
+        from the chunk's fixed-shape step."""
+        if self.fixed_shape:
+            return self.chunk_drafts(rows, starts, [size] * len(rows) if isinstance(size, int) else list(size))
         hidden = self.hidden(rows, starts, size)[:, 1:]
         return logits_from_hidden(hidden, self.adapter.lm_head_weight()).argmax(dim=-1).cpu()
 
