@@ -84,11 +84,17 @@ def test_an_hf_folder_loads_through_the_generic_adapter(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_gguf_file_is_converted_once_and_cached(tmp_path):
+def test_a_gguf_file_is_converted_once_and_cached(tmp_path, monkeypatch):
+    import gguf as gguf_package
+
     source = smollm2.gguf_path()
     cache = str(tmp_path / "cache")  # fresh: the suite's one real conversion (the others load the user's cache)
     assert checkpoint_config(str(source), cache).model_type == "llama"  # from the GGUF's metadata
+    parses, reader = [], gguf_package.GGUFReader
+    monkeypatch.setattr(gguf_package, "GGUFReader", lambda *args: parses.append(args) or reader(*args))
     adapter = load_target("hf", path=str(source), cache_dir=cache)
+    # transformers' loader reads the file for the config, the weights and the tokenizer: one parse serves all three.
+    assert len(parses) == 1
     folder = gguf.cached_folder(source, cache)
     assert gguf.is_converted(folder) and adapter.num_layers == 30 and adapter.vocab_size == 49152
     info = json.loads((folder / gguf.SOURCE_FILE).read_text())
