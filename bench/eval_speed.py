@@ -39,6 +39,8 @@ Replay: the exact greedy replay (the evaluator's `evaluate`) over --replay-promp
 (issue target: 100 x 256 in under a minute on one GPU), with its seconds per phase ("timing": generate,
 target_pass, draft, accept). --replay-profile N replays N prompts once more under torch.profiler ("replay_profile":
 its drafting steps, and per step the wall and device milliseconds, the operator calls and the top operators).
+"replay_drafting" replays the same prompts again, drafted by the gathered step and by the fixed-shape step
+(dflash/eval/chunk_drafts.py, on CUDA one graph a chunk): seconds per phase, steps and tau of each.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ from dflash.data.prompts import load_prompts  # noqa: E402
 from dflash.inference.static_decode import resolve_engine  # noqa: E402
 from dflash.eval import live  # noqa: E402
 from dflash.eval.evaluate import evaluate  # noqa: E402
-from dflash.eval.metrics import PhaseTimer  # noqa: E402
-from dflash.eval.replay import DrafterProposer  # noqa: E402
+from dflash.eval.metrics import PhaseTimer, acceptance_metrics  # noqa: E402
+from dflash.eval.replay import DrafterProposer, replay  # noqa: E402
 from dflash.eval.export import load_drafter  # noqa: E402
 from dflash.inference.drafter_cache import CachedDrafter  # noqa: E402
 from dflash.inference.static_drafter import StaticDrafter  # noqa: E402
@@ -237,6 +239,20 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
     return row
 
 
+def replay_drafting(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> dict:
+    """The same replay (prompts answered before, so no generation) drafted by the gathered step and by the
+    fixed-shape step (dflash/eval/chunk_drafts.py; on CUDA one graph a chunk, its capture included): seconds per
+    phase, steps and tau of each."""
+    rows = {}
+    for name, fixed_shape in (("gathered", False), ("fixed_shape", True)):
+        timer = PhaseTimer(adapter.device)
+        results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                         timer=timer, fixed_shape=fixed_shape)
+        metrics = acceptance_metrics([r.trace for r in results], drafter.config.block_size)
+        rows[name] = {"seconds": timer.summary()["seconds"], "tau": metrics["tau"], "num_steps": metrics["num_steps"]}
+    return rows
+
+
 PROPOSAL = "dflash: replay proposal"  # the profiler range around one drafting step
 
 
@@ -348,6 +364,9 @@ def main() -> None:
                         "greedy_mismatches": summary["overall"]["greedy_mismatches"],
                         "timing": summary["timing"]["seconds"]}
     print(f"[eval_speed] replay: {json.dumps(report['replay'])}", file=sys.stderr, flush=True)
+    report["replay_drafting"] = replay_drafting(replay_drafter, adapter, prompts[: args.replay_prompts],
+                                                args.max_new_tokens, args.replay_batch_size)
+    print(f"[eval_speed] replay_drafting: {json.dumps(report['replay_drafting'])}", file=sys.stderr, flush=True)
     if args.replay_profile:
         report["replay_profile"] = replay_profile(replay_drafter, adapter, {args.prompt_source: prompts[
             : args.replay_profile]}, args.max_new_tokens, replay_options)

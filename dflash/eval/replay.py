@@ -310,6 +310,7 @@ def replay(
     batch_size: int,
     progress: Callable[[int], None] | None = None,
     timer: PhaseTimer | None = None,
+    fixed_shape: bool | None = None,
 ) -> list[ReplayResult]:
     """Replay greedy speculative decoding of `drafter` on `prompts` (token ids); one result per prompt.
 
@@ -317,6 +318,7 @@ def replay(
     chunks of `batch_size` so only one chunk's features are held at a time. `progress` is called with the number
     of prompts finished after each chunk. `timer` (optional) is charged with the phases "generate" (greedy
     continuations), "target_pass", "draft" (drafter forwards + head) and "accept" (the rest of the step loop).
+    fixed_shape: DrafterProposer's (None: the fixed-shape step on CUDA).
     """
     if not prompts:
         return []
@@ -339,7 +341,7 @@ def replay(
         with timer.phase("target_pass"):
             features, greedy = target_pass(adapter, sequences, config.target_layer_ids)
             greedy = [g.cpu() for g in greedy]
-        propose = DrafterProposer(drafter, adapter, sequences, features)
+        propose = DrafterProposer(drafter, adapter, sequences, features, fixed_shape)
         draft_seconds = 0.0
 
         def timed_propose(rows: list[int], starts: list[int], size: int) -> torch.Tensor:
