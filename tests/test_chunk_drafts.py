@@ -68,13 +68,6 @@ def test_every_step_of_a_replay_walk_drafts_what_the_gathered_step_drafts(family
     assert acceptance_metrics(traces, 5)["num_steps"] == sum(len(rows) for rows, _, _, _ in steps)
 
 
-def test_the_fixed_shape_step_is_the_default_only_on_cuda(tiny_target, make_drafter):
-    adapter = tiny_target("llama")
-    drafter = make_drafter(adapter)
-    sequences, _, _, features = chunk(adapter, drafter)
-    assert DrafterProposer(drafter, adapter, sequences, features).fixed_shape is False
-
-
 def test_the_target_weights_must_be_on_the_drafters_device(tiny_target, make_drafter):
     adapter = tiny_target("llama")
     drafter = make_drafter(adapter)
@@ -89,13 +82,12 @@ def test_the_target_weights_must_be_on_the_drafters_device(tiny_target, make_dra
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_graphed_step_on_cuda_drafts_what_the_gathered_step_drafts(dtype, make_drafter):
-    # On the GPU the fixed-shape step is the default and replays one graph a chunk. In float32 it drafts what the
-    # gathered step drafts; in bf16 the two round differently (other kernels, other key counts): nearly all of it.
+    # On the GPU the fixed-shape step replays one graph a chunk. In float32 it drafts what the gathered step drafts;
+    # in bf16 the two round differently (other kernels, other key counts): nearly all of it.
     adapter = build_tiny_target("llama", 0, tokenizer="builtin", initializer_range=0.2, device="cuda", dtype=dtype)
     drafter = make_drafter(adapter, block_size=5, std=0.2).to("cuda", getattr(torch, dtype))
     sequences, _, _, features = chunk(adapter, drafter, device="cuda")
-    default = DrafterProposer(drafter, adapter, sequences, features)
-    assert default.fixed_shape is True and default.chunk_drafts.graph is not None
+    assert DrafterProposer(drafter, adapter, sequences, features, fixed_shape=True).chunk_drafts.graph is not None
     steps, _ = walk(adapter, drafter, block_size=5, device="cuda")
     same = total = 0
     for rows, sizes, gathered, fixed in steps:
@@ -119,7 +111,7 @@ def test_a_drafter_with_compiled_layers_is_graphed_too(make_drafter):
     sequences, greedy, prompt_lens, features = chunk(adapter, eager, device="cuda")
     drafts = {}
     for name, drafter in (("eager", eager), ("compiled", compiled)):
-        proposer = DrafterProposer(drafter, adapter, sequences, features)
+        proposer = DrafterProposer(drafter, adapter, sequences, features, fixed_shape=True)
         assert proposer.chunk_drafts.graph is not None
         traces = replay_steps(sequences, greedy, prompt_lens, proposer, block_size=5, max_new_tokens=23)
         drafts[name] = acceptance_metrics(traces, 5)

@@ -74,9 +74,7 @@ def test_replay_is_unchanged_by_slicing(device, tiny_target, make_drafter, monke
             return outputs[-1]
 
         monkeypatch.setattr(DrafterProposer, "hidden", recording_hidden)
-        # The gathered step (on CUDA the fixed-shape one is the default, chunk_drafts.py): it is what slices.
-        results = replay(drafter, adapter, prompts, max_new_tokens=14, stop_token_ids=[], batch_size=2,
-                         fixed_shape=False)
+        results = replay(drafter, adapter, prompts, max_new_tokens=14, stop_token_ids=[], batch_size=2)
         return results, outputs
 
     monkeypatch.setattr(DrafterProposer, "contexts", counting_contexts)

@@ -19,8 +19,8 @@ step, the padded keys masked out in every layer, which is also only float noise.
 rollback here: nothing is decoded incrementally after generation.
 
 Cost: the drafter's context keys/values are computed once per chunk (drafter_cache.py), and each step is ONE
-drafter forward over the block tokens of all active rows plus a few host-side tensor ops for their acceptance. On
-CUDA every step of a chunk has one shape and replays one CUDA graph (chunk_drafts.py).
+drafter forward over the block tokens of all active rows plus a few host-side tensor ops for their acceptance.
+With fixed_shape every step of a chunk has one shape and, on CUDA, replays one CUDA graph (chunk_drafts.py).
 """
 
 from __future__ import annotations
@@ -166,13 +166,13 @@ class DrafterProposer:
     tensor per layer on the drafter's device (drafter_cache.py): a step only gathers its rows' left-padded contexts
     with a few indexing kernels (or slices them, see `contexts`) and runs the block tokens through the layers,
     instead of re-projecting the whole context through fc and every k/v projection: replay runs hundreds of steps.
-    fixed_shape (None: on CUDA, with the target's embedding and head on the drafter's device) drafts every step of
-    the chunk at one shape instead, captured once as a CUDA graph (chunk_drafts.py); `hidden` stays gathered.
+    fixed_shape drafts every step of the chunk at one shape instead, on CUDA captured once as a CUDA graph
+    (chunk_drafts.py; the target's embedding and head on the drafter's device); `hidden` stays gathered.
     """
 
     def __init__(
         self, drafter: DFlashDraftModel, adapter, sequences: list[list[int]], features: list[torch.Tensor],
-        fixed_shape: bool | None = None,
+        fixed_shape: bool = False,
     ) -> None:
         self.drafter = drafter
         self.adapter = adapter
@@ -181,15 +181,8 @@ class DrafterProposer:
         padded = torch.nn.utils.rnn.pad_sequence([f.to(self.device) for f in features], batch_first=True)
         positions = torch.arange(padded.shape[1], device=self.device)[None].expand(padded.shape[0], -1)
         self.context = context_keys_values(drafter, padded, positions)
-        if fixed_shape is None:
-            # A GPU step is bound by the host's dispatch, which one graph a chunk removes; on a CPU the full blocks
-            # over every cached column are only more arithmetic.
-            fixed_shape = self.device.type == "cuda" and self._head_device() == self.device
         self.fixed_shape = fixed_shape
         self._chunk_drafts: ChunkDrafts | None = None
-
-    def _head_device(self) -> torch.device:
-        return self.adapter.embed_tokens().weight.device
 
     @property
     def chunk_drafts(self) -> ChunkDrafts:
@@ -310,7 +303,7 @@ def replay(
     batch_size: int,
     progress: Callable[[int], None] | None = None,
     timer: PhaseTimer | None = None,
-    fixed_shape: bool | None = None,
+    fixed_shape: bool = False,
 ) -> list[ReplayResult]:
     """Replay greedy speculative decoding of `drafter` on `prompts` (token ids); one result per prompt.
 
@@ -318,7 +311,7 @@ def replay(
     chunks of `batch_size` so only one chunk's features are held at a time. `progress` is called with the number
     of prompts finished after each chunk. `timer` (optional) is charged with the phases "generate" (greedy
     continuations), "target_pass", "draft" (drafter forwards + head) and "accept" (the rest of the step loop).
-    fixed_shape: DrafterProposer's (None: the fixed-shape step on CUDA).
+    fixed_shape: DrafterProposer's (True: every step of a chunk at one shape, on CUDA one graph).
     """
     if not prompts:
         return []
