@@ -37,8 +37,9 @@ relied upon, so this file also measures an older checkout of the library, before
         --replay-prompts 1 --profile-temperature 1.0 --out after.json
 Replay: the exact greedy replay (the evaluator's `evaluate`) over --replay-prompts prompts x --max-new-tokens tokens
 (issue target: 100 x 256 in under a minute on one GPU), with its seconds per phase ("timing": generate,
-target_pass, draft, accept). --replay-profile N replays N prompts once more under torch.profiler ("replay_profile":
-its drafting steps, and per step the wall and device milliseconds, the operator calls and the top operators).
+target_pass, draft, accept). --replay-profile N replays N prompts twice more under torch.profiler ("replay_profile",
+for the gathered and the fixed-shape drafting step: the drafting steps, and per step the wall and device
+milliseconds, the operators, the kernel launches and the top operators).
 "replay_drafting" replays the same prompts again, drafted by the gathered step and by the fixed-shape step
 (dflash/eval/chunk_drafts.py, on CUDA one graph a chunk): seconds per phase, steps and tau of each.
 """
@@ -70,6 +71,7 @@ from dflash.inference.static_drafter import StaticDrafter  # noqa: E402
 from dflash.models.drafter import DFlashDraftModel  # noqa: E402
 from dflash.models.targets import load_target  # noqa: E402
 from dflash.stages.shapes import drafter_config, target_shape  # noqa: E402
+from dflash.train.step_profile import PhaseCount, phase_counts  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -256,51 +258,65 @@ def replay_drafting(drafter, adapter, prompts: list[list[int]], max_new_tokens: 
 PROPOSAL = "dflash: replay proposal"  # the profiler range around one drafting step
 
 
-def replay_profile(drafter, adapter, prompt_sets: dict, max_new_tokens: int, options: dict) -> dict:
-    """One more replay under torch.profiler, each drafting step (proposal) in a range of its own: how many steps it
-    took, and per step its wall time, its operator calls and the device time of the kernels it launched, to tell
-    host-bound steps from device-bound ones (the rest of the evaluation, generation and the target pass, is left
-    out). The profiler inflates host time; the wall time per proposal is measured the same way in both cases."""
+def replay_profile(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> dict:
+    """The replay of `prompts` once more under torch.profiler for each drafting step (gathered and fixed-shape), each
+    drafting step (proposal) in a range of its own: how many steps it took, and per step its wall time, its
+    operators (the outermost aten calls, on every thread, as step_profile.phase_counts counts them; and every aten
+    call, nested ones included, of the profiled thread), its kernel launches (a graph replay is one) and the device
+    time of the kernels it launched, to tell host-bound steps from device-bound ones (generation and the target pass
+    are left out). The profiler inflates host time; the wall time per proposal is measured the same way in both."""
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    walls: list[tuple[int, float]] = []  # (rows, seconds) per proposal
-    original = DrafterProposer.__call__
-
-    def counted(self, rows, starts, size):
-        began = time.perf_counter()
-        with record_function(PROPOSAL):
-            drafts = original(self, rows, starts, size)
-        walls.append((len(rows), time.perf_counter() - began))
-        return drafts
 
     def descendants(event) -> list:
         return [e for child in event.cpu_children for e in (child, *descendants(child))]
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if adapter.device.type == "cuda" else [])
-    DrafterProposer.__call__ = counted
-    try:
-        with profile(activities=activities) as prof:
-            evaluate(drafter, adapter, prompt_sets, max_new_tokens=max_new_tokens, **options)
-    finally:
-        DrafterProposer.__call__ = original
-    ranges = [e for e in prof.events() if e.name == PROPOSAL]
-    inside = [e for r in ranges for e in descendants(r)]
-    steps = max(len(walls), 1)
+    original = DrafterProposer.__call__
+    rows = {}
+    for name, fixed_shape in (("gathered", False), ("fixed_shape", True)):
+        walls: list[tuple[int, float]] = []  # (rows, seconds) per proposal
+
+        def counted(self, rows, starts, size):
+            began = time.perf_counter()
+            with record_function(PROPOSAL):
+                drafts = original(self, rows, starts, size)
+            walls.append((len(rows), time.perf_counter() - began))
+            return drafts
+
+        DrafterProposer.__call__ = counted
+        try:
+            with profile(activities=activities) as prof:
+                replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                       fixed_shape=fixed_shape)
+        finally:
+            DrafterProposer.__call__ = original
+        events = prof.events()
+        ranges = [e for e in events if e.name == PROPOSAL]
+        inside = [e for r in ranges for e in descendants(r)]
+        steps = max(len(walls), 1)
+        counts = phase_counts(events).get(PROPOSAL, PhaseCount())
+        rows[name] = {
+            "proposals": len(walls), "mean_rows": sum(r for r, _ in walls) / steps,
+            "ms_per_proposal": 1000 * sum(w for _, w in walls) / steps,
+            "operators_per_proposal": counts.operators / steps, "launches_per_proposal": counts.launches / steps,
+            "aten_calls_per_proposal": sum(e.name.startswith("aten::") for e in inside) / steps,
+            # A range's device time is that of the kernels its operators launched, each counted once.
+            "device_ms_per_proposal": sum(r.device_time_total for r in ranges) / 1000 / steps,
+            "top_operators": top_operators(inside, steps, by_device=adapter.device.type == "cuda")}
+    return rows
+
+
+def top_operators(events, steps: int, by_device: bool) -> list[dict]:
+    """The 15 operators of `events` with the most self time (device time when `by_device`), per proposal."""
     per_operator: dict[str, list[float]] = {}  # name -> [calls, self host ms, self device ms] per proposal
-    for e in inside:
+    for e in events:
         row = per_operator.setdefault(e.name, [0.0, 0.0, 0.0])
         row[0] += 1 / steps
         row[1] += e.self_cpu_time_total / 1000 / steps
         row[2] += e.self_device_time_total / 1000 / steps
-    by = 2 if adapter.device.type == "cuda" else 1
-    top = sorted(per_operator.items(), key=lambda item: -item[1][by])[:15]
-    return {"proposals": len(walls), "mean_rows": sum(r for r, _ in walls) / steps,
-            "ms_per_proposal": 1000 * sum(w for _, w in walls) / steps,
-            "aten_calls_per_proposal": sum(e.name.startswith("aten::") for e in inside) / steps,
-            # A range's device time is that of the kernels its operators launched, each counted once.
-            "device_ms_per_proposal": sum(r.device_time_total for r in ranges) / 1000 / steps,
-            "top_operators": [{"name": name, "calls": round(calls, 2), "self_host_ms": round(host, 4),
-                               "self_device_ms": round(device, 4)} for name, (calls, host, device) in top]}
+    top = sorted(per_operator.items(), key=lambda item: -item[1][2 if by_device else 1])[:15]
+    return [{"name": name, "calls": round(calls, 2), "self_host_ms": round(host, 4), "self_device_ms": round(device, 4)}
+            for name, (calls, host, device) in top]
 
 
 def main() -> None:
@@ -368,8 +384,8 @@ def main() -> None:
                                                 args.max_new_tokens, args.replay_batch_size)
     print(f"[eval_speed] replay_drafting: {json.dumps(report['replay_drafting'])}", file=sys.stderr, flush=True)
     if args.replay_profile:
-        report["replay_profile"] = replay_profile(replay_drafter, adapter, {args.prompt_source: prompts[
-            : args.replay_profile]}, args.max_new_tokens, replay_options)
+        report["replay_profile"] = replay_profile(replay_drafter, adapter, prompts[: args.replay_profile],
+                                                  args.max_new_tokens, args.replay_batch_size)
         print(f"[eval_speed] replay_profile: {json.dumps(report['replay_profile'])}", file=sys.stderr, flush=True)
     report["bench_seconds"] = time.perf_counter() - began
     text = json.dumps(report, indent=2)
