@@ -40,8 +40,8 @@ Replay: the exact greedy replay (the evaluator's `evaluate`) over --replay-promp
 target_pass, draft, accept). --replay-profile N replays N prompts twice more under torch.profiler ("replay_profile",
 for the gathered and the fixed-shape drafting step: the drafting steps, and per step the wall and device
 milliseconds, the operators, the kernel launches and the top operators).
-"replay_drafting" replays the same prompts again, drafted by the gathered step and by the fixed-shape step
-(dflash/eval/chunk_drafts.py, on CUDA one graph a chunk): seconds per phase, steps and tau of each.
+--replay-drafting ("replay_drafting") replays the same prompts twice more, drafted by the gathered step and by the
+fixed-shape step (dflash/eval/chunk_drafts.py, on CUDA one graph a chunk): seconds per phase, steps and tau of each.
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-draft-sampling", default="greedy", help="greedy | sampled (with the above)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--replay-batch-size", type=int, default=64)
+    parser.add_argument("--replay-drafting", action="store_true",
+                        help="replay once more with each drafting step, gathered and fixed-shape (replay_drafting)")
     parser.add_argument("--replay-profile", type=int, default=0,
                         help="> 0: replay this many prompts once more under torch.profiler (report's replay_profile)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
@@ -245,14 +247,15 @@ def replay_drafting(drafter, adapter, prompts: list[list[int]], max_new_tokens: 
     """The same replay (prompts answered before, so no generation) drafted by the gathered step and by the
     fixed-shape step (dflash/eval/chunk_drafts.py; on CUDA one graph a chunk, its capture included): seconds per
     phase, steps and tau of each."""
-    rows = {}
+    by_step = {}
     for name, fixed_shape in (("gathered", False), ("fixed_shape", True)):
         timer = PhaseTimer(adapter.device)
         results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                          timer=timer, fixed_shape=fixed_shape)
         metrics = acceptance_metrics([r.trace for r in results], drafter.config.block_size)
-        rows[name] = {"seconds": timer.summary()["seconds"], "tau": metrics["tau"], "num_steps": metrics["num_steps"]}
-    return rows
+        by_step[name] = {"seconds": timer.summary()["seconds"], "tau": metrics["tau"],
+                         "num_steps": metrics["num_steps"]}
+    return by_step
 
 
 PROPOSAL = "dflash: replay proposal"  # the profiler range around one drafting step
@@ -272,15 +275,15 @@ def replay_profile(drafter, adapter, prompts: list[list[int]], max_new_tokens: i
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if adapter.device.type == "cuda" else [])
     original = DrafterProposer.__call__
-    rows = {}
+    by_step = {}
     for name, fixed_shape in (("gathered", False), ("fixed_shape", True)):
         walls: list[tuple[int, float]] = []  # (rows, seconds) per proposal
 
-        def counted(self, rows, starts, size):
+        def counted(self, batch_rows, starts, size, walls=walls):
             began = time.perf_counter()
             with record_function(PROPOSAL):
-                drafts = original(self, rows, starts, size)
-            walls.append((len(rows), time.perf_counter() - began))
+                drafts = original(self, batch_rows, starts, size)
+            walls.append((len(batch_rows), time.perf_counter() - began))
             return drafts
 
         DrafterProposer.__call__ = counted
@@ -295,7 +298,7 @@ def replay_profile(drafter, adapter, prompts: list[list[int]], max_new_tokens: i
         inside = [e for r in ranges for e in descendants(r)]
         steps = max(len(walls), 1)
         counts = phase_counts(events).get(PROPOSAL, PhaseCount())
-        rows[name] = {
+        by_step[name] = {
             "proposals": len(walls), "mean_rows": sum(r for r, _ in walls) / steps,
             "ms_per_proposal": 1000 * sum(w for _, w in walls) / steps,
             "operators_per_proposal": counts.operators / steps, "launches_per_proposal": counts.launches / steps,
@@ -303,7 +306,7 @@ def replay_profile(drafter, adapter, prompts: list[list[int]], max_new_tokens: i
             # A range's device time is that of the kernels its operators launched, each counted once.
             "device_ms_per_proposal": sum(r.device_time_total for r in ranges) / 1000 / steps,
             "top_operators": top_operators(inside, steps, by_device=adapter.device.type == "cuda")}
-    return rows
+    return by_step
 
 
 def top_operators(events, steps: int, by_device: bool) -> list[dict]:
@@ -380,9 +383,10 @@ def main() -> None:
                         "greedy_mismatches": summary["overall"]["greedy_mismatches"],
                         "timing": summary["timing"]["seconds"]}
     print(f"[eval_speed] replay: {json.dumps(report['replay'])}", file=sys.stderr, flush=True)
-    report["replay_drafting"] = replay_drafting(replay_drafter, adapter, prompts[: args.replay_prompts],
-                                                args.max_new_tokens, args.replay_batch_size)
-    print(f"[eval_speed] replay_drafting: {json.dumps(report['replay_drafting'])}", file=sys.stderr, flush=True)
+    if args.replay_drafting:
+        report["replay_drafting"] = replay_drafting(replay_drafter, adapter, prompts[: args.replay_prompts],
+                                                    args.max_new_tokens, args.replay_batch_size)
+        print(f"[eval_speed] replay_drafting: {json.dumps(report['replay_drafting'])}", file=sys.stderr, flush=True)
     if args.replay_profile:
         report["replay_profile"] = replay_profile(replay_drafter, adapter, prompts[: args.replay_profile],
                                                   args.max_new_tokens, args.replay_batch_size)

@@ -77,6 +77,9 @@ class ChunkDrafts:
     def __call__(self, rows: list[int], starts: list[int], sizes: list[int]) -> torch.Tensor:
         """Greedy drafts [len(rows), max(sizes) - 1] on the host of the blocks of `sizes` anchored at `starts` in
         the sequences `rows` (the Proposer of replay_steps); a row's drafts past its size - 1 mean nothing."""
+        if max(sizes) > self.block_size:
+            raise ValueError(f"blocks of {max(sizes)} positions: the fixed-shape step drafts blocks of at most the "
+                             f"drafter's block_size {self.block_size}")
         inputs = self._resting.clone()
         inputs[:, rows] = torch.tensor([starts, sizes, [self.sequences[r][s] for r, s in zip(rows, starts)]])
         self.inputs.copy_(inputs)

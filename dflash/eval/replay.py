@@ -358,6 +358,8 @@ def replay(
             results.append(ReplayResult(len(prompt), continuation, trace, mismatches))
         timer.add("draft", draft_seconds)
         timer.add("accept", time.perf_counter() - began - draft_seconds)
+        # The next chunk's proposer is built before this name is rebound: free this one's context (and graph) first.
+        del propose
         if progress is not None:
             progress(len(chunk))
     return results
