@@ -243,12 +243,16 @@ def live_row(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, or
     return row
 
 
+# The replay's two drafting steps (DrafterProposer's fixed_shape): the gathered one and chunk_drafts.py's.
+DRAFTING_STEPS = {"gathered": False, "fixed_shape": True}
+
+
 def replay_drafting(drafter, adapter, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> dict:
     """The same replay (prompts answered before, so no generation) drafted by the gathered step and by the
     fixed-shape step (dflash/eval/chunk_drafts.py; on CUDA one graph a chunk, its capture included): seconds per
     phase, steps and tau of each."""
     by_step = {}
-    for name, fixed_shape in (("gathered", False), ("fixed_shape", True)):
+    for name, fixed_shape in DRAFTING_STEPS.items():
         timer = PhaseTimer(adapter.device)
         results = replay(drafter, adapter, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                          timer=timer, fixed_shape=fixed_shape)
@@ -276,7 +280,7 @@ def replay_profile(drafter, adapter, prompts: list[list[int]], max_new_tokens: i
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if adapter.device.type == "cuda" else [])
     original = DrafterProposer.__call__
     by_step = {}
-    for name, fixed_shape in (("gathered", False), ("fixed_shape", True)):
+    for name, fixed_shape in DRAFTING_STEPS.items():
         walls: list[tuple[int, float]] = []  # (rows, seconds) per proposal
 
         def counted(self, batch_rows, starts, size, walls=walls):
