@@ -110,6 +110,26 @@ def test_the_graphed_step_on_cuda_drafts_what_the_gathered_step_drafts(dtype, ma
     assert total > 20 and (same == total if dtype == "float32" else same >= 0.9 * total)
 
 
+def test_the_default_on_the_cpu_is_the_gathered_step(tiny_target, make_drafter):
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, block_size=4)
+    sequences, _, _, features = chunk(adapter, drafter)
+    assert DrafterProposer(drafter, adapter, sequences, features).fixed_shape is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_default_on_cuda_is_the_graph_unless_the_target_pieces_are_elsewhere(make_drafter):
+    # The evaluator's replay and the trainer's held-out replay build their proposers without fixed_shape.
+    adapter = build_tiny_target("llama", 0, tokenizer="builtin", initializer_range=0.2, device="cuda",
+                                dtype="bfloat16")
+    drafter = make_drafter(adapter, block_size=5, std=0.2).to("cuda", torch.bfloat16)
+    sequences, _, _, features = chunk(adapter, drafter, device="cuda")
+    assert DrafterProposer(drafter, adapter, sequences, features).fixed_shape is True
+    elsewhere = DrafterProposer(drafter.to("cpu", torch.float32), adapter, sequences, features)
+    assert elsewhere.fixed_shape is False
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_drafter_with_compiled_layers_is_graphed_too(make_drafter):
@@ -126,7 +146,7 @@ def test_a_drafter_with_compiled_layers_is_graphed_too(make_drafter):
     sequences, greedy, prompt_lens, features = chunk(adapter, eager, device="cuda")
     counters.clear()
     fixed = DrafterProposer(compiled, adapter, sequences, features, fixed_shape=True)
-    both = Both(DrafterProposer(eager, adapter, sequences, features), fixed)
+    both = Both(DrafterProposer(eager, adapter, sequences, features, fixed_shape=False), fixed)
     replay_steps(sequences, greedy, prompt_lens, both, block_size=5, max_new_tokens=23)
     assert fixed.chunk_drafts.graph is not None and counters["stats"]["unique_graphs"] > 0
     same = total = 0

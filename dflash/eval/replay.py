@@ -20,7 +20,7 @@ rollback here: nothing is decoded incrementally after generation.
 
 Cost: the drafter's context keys/values are computed once per chunk (drafter_cache.py), and each step is ONE
 drafter forward over the block tokens of all active rows plus a few host-side tensor ops for their acceptance.
-With fixed_shape every step of a chunk has one shape and, on CUDA, replays one CUDA graph (chunk_drafts.py).
+On CUDA every step of a chunk has one shape and replays one CUDA graph (fixed_shape, chunk_drafts.py).
 """
 
 from __future__ import annotations
@@ -167,12 +167,13 @@ class DrafterProposer:
     with a few indexing kernels (or slices them, see `contexts`) and runs the block tokens through the layers,
     instead of re-projecting the whole context through fc and every k/v projection: replay runs hundreds of steps.
     fixed_shape drafts every step of the chunk at one shape instead, on CUDA captured once as a CUDA graph
-    (chunk_drafts.py; the target's embedding and head on the drafter's device); `hidden` stays gathered.
+    (chunk_drafts.py; the target's embedding and head on the drafter's device); `hidden` stays gathered. None
+    (the default): fixed_shape where it is one graph, on CUDA with the embedding and head on the drafter's device.
     """
 
     def __init__(
         self, drafter: DFlashDraftModel, adapter, sequences: list[list[int]], features: list[torch.Tensor],
-        fixed_shape: bool = False,
+        fixed_shape: bool | None = None,
     ) -> None:
         self.drafter = drafter
         self.adapter = adapter
@@ -181,6 +182,9 @@ class DrafterProposer:
         padded = torch.nn.utils.rnn.pad_sequence([f.to(self.device) for f in features], batch_first=True)
         positions = torch.arange(padded.shape[1], device=self.device)[None].expand(padded.shape[0], -1)
         self.context = context_keys_values(drafter, padded, positions)
+        if fixed_shape is None:
+            pieces = (adapter.embed_tokens().weight, adapter.lm_head_weight())
+            fixed_shape = self.device.type == "cuda" and all(p.device == self.device for p in pieces)
         self.fixed_shape = fixed_shape
         self._chunk_drafts: ChunkDrafts | None = None
 
@@ -303,7 +307,7 @@ def replay(
     batch_size: int,
     progress: Callable[[int], None] | None = None,
     timer: PhaseTimer | None = None,
-    fixed_shape: bool = False,
+    fixed_shape: bool | None = None,
 ) -> list[ReplayResult]:
     """Replay greedy speculative decoding of `drafter` on `prompts` (token ids); one result per prompt.
 
@@ -311,7 +315,8 @@ def replay(
     chunks of `batch_size` so only one chunk's features are held at a time. `progress` is called with the number
     of prompts finished after each chunk. `timer` (optional) is charged with the phases "generate" (greedy
     continuations), "target_pass", "draft" (drafter forwards + head) and "accept" (the rest of the step loop).
-    fixed_shape: DrafterProposer's (True: every step of a chunk at one shape, on CUDA one graph).
+    fixed_shape: DrafterProposer's (True: every step of a chunk at one shape, on CUDA one graph; None: where it is
+    one graph).
     """
     if not prompts:
         return []
