@@ -155,3 +155,37 @@ def test_a_drafter_with_compiled_layers_is_graphed_too(make_drafter):
             same += drafts[i, : size - 1].tolist() == gathered[i, : size - 1].tolist()
             total += 1
     assert total > 20 and same >= 0.9 * total
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_trainers_drafter_under_deepspeed_is_graphed_too(make_drafter):
+    # The held-out replay drafts with the module the DeepSpeed engine wraps, whose forward hooks run inside the
+    # capture: none of them may wait for the device (dflash/train/engine.py turns DeepSpeed's throughput timer off).
+    from dflash.config.schema import DeepSpeedSettings
+    from dflash.train.engine import TrainEngine, init_distributed
+    from tests import trainer_harness
+
+    _, world_size, _ = init_distributed()
+    adapter = build_tiny_target("llama", 0, tokenizer="builtin", initializer_range=0.2, device="cuda",
+                                dtype="bfloat16")
+    settings = trainer_harness.settings(micro_batch_size=1, grad_accum=1)
+    engine = TrainEngine(make_drafter(adapter, block_size=5, std=0.2).to("cuda", torch.bfloat16), settings,
+                         DeepSpeedSettings(zero_stage=2), total_steps=8, world_size=world_size, bf16=True)
+    config = engine.config
+    for _ in range(3):  # DeepSpeed's timer would start waiting at its third step
+        hidden = engine(torch.arange(7, device="cuda")[None],
+                        torch.randn(1, 4, config.hidden_size, device="cuda", dtype=torch.bfloat16),
+                        target_hidden=torch.randn(1, 3, config.num_taps * config.hidden_size, device="cuda",
+                                                  dtype=torch.bfloat16))
+        engine.backward(hidden.float().square().mean() * 1e-3)
+        engine.step()
+    drafter = engine.module.eval()
+    sequences, greedy, prompt_lens, features = chunk(adapter, drafter, device="cuda")
+    fixed = DrafterProposer(drafter, adapter, sequences, features)
+    both = Both(DrafterProposer(drafter, adapter, sequences, features, fixed_shape=False), fixed)
+    replay_steps(sequences, greedy, prompt_lens, both, block_size=5, max_new_tokens=23)
+    assert fixed.chunk_drafts.graph is not None
+    same = sum(d[i, : s - 1].tolist() == g[i, : s - 1].tolist()
+               for _, sizes, g, d in both.steps for i, s in enumerate(sizes))
+    assert same >= 0.9 * sum(len(sizes) for _, sizes, _, _ in both.steps)

@@ -100,6 +100,10 @@ def deepspeed_config(settings: TrainSettings, deepspeed_settings: DeepSpeedSetti
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (a figure dflash never prints) waits for the device at each forward and step,
+        # from a forward hook on the module: that wait holds the host back in a launch-bound step, and breaks a CUDA
+        # graph captured through the module (the held-out replay's fixed-shape step, dflash/eval/chunk_drafts.py).
+        "timers": {"throughput": {"enabled": False}},
         "checkpoint": {"load_universal": load_universal},
     }
 
