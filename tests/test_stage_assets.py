@@ -80,6 +80,22 @@ def test_split_then_receive_part_by_part_restores_every_file(tmp_path, with_gemm
     assert printed.strip().startswith(f"export PYTHONPATH={site}")
 
 
+@pytest.mark.skipif(shutil.which("xz") is None, reason="needs xz")
+def test_every_file_travels_compressed(tmp_path):
+    # The GGUF too: compressed, the pack goes in two transfers beside the wheels instead of three.
+    packages = tmp_path / "packages"
+    for relative in staged_files():
+        (packages / relative).parent.mkdir(parents=True, exist_ok=True)
+        (packages / relative).write_bytes(bytes(200_000))
+    python = tmp_path / "python-nosite"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "PYTHONPATH": str(packages), "PARTS": str(tmp_path / "parts")}
+    run("split", env)
+    packed = sum(f.stat().st_size for f in (tmp_path / "parts").rglob("part-0*"))
+    assert packed < 0.1 * 200_000 * len(staged_files())
+
+
 def test_receive_refuses_parts_of_another_split(tmp_path):
     stage = tmp_path / "stage" / "parts"
     stage.mkdir(parents=True)
