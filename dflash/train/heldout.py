@@ -284,6 +284,7 @@ class HeldoutSet:
                             prompt_lens, block_size=config.block_size, max_new_tokens=self.max_new_tokens,
                             temperature=temperature, path_temperature=self.path_temperature, draft_sampling="greedy",
                             transform=transform)
+                    del propose  # this chunk's context (and graph) before the next chunk's is built
         finally:
             drafter.train(was_training)
         result = _figures(acceptance_metrics(traces, config.block_size))
