@@ -21,10 +21,11 @@ def test_no_device_wait_in_the_module_s_forward_or_the_step(monkeypatch):
                          bf16=False)
     waits = []
     monkeypatch.setattr(get_accelerator(), "synchronize", lambda *args: waits.append(args))
-    config = engine.config
+    config, device = engine.config, engine.device  # DeepSpeed moves the module to the machine's accelerator
     for _ in range(4):  # DeepSpeed's timer starts waiting at its third step
-        hidden = engine.module(torch.arange(7)[None], torch.randn(1, 4, config.hidden_size),
-                               target_hidden=torch.randn(1, 3, config.num_taps * config.hidden_size))
+        hidden = engine.module(torch.arange(7, device=device)[None],
+                               torch.randn(1, 4, config.hidden_size, device=device),
+                               target_hidden=torch.randn(1, 3, config.num_taps * config.hidden_size, device=device))
         engine.backward(hidden.float().square().mean())
         engine.step()
     assert waits == []
