@@ -92,6 +92,24 @@ def tiny_target() -> Callable:
     return get
 
 
+@pytest.fixture(scope="session")
+def varied_target() -> Callable:
+    """varied_target(family, device="cpu", dtype="float32") -> a tiny dense target whose weights are large enough
+    that greedy text varies (std 0.2; 0.02 repeats one token), with the built-in tokenizer; cached."""
+    from dflash.models.targets import build_tiny_target
+
+    cache: dict = {}
+
+    def get(family: str, device: str = "cpu", dtype: str = "float32"):
+        key = (family, device, dtype)
+        if key not in cache:
+            cache[key] = build_tiny_target(family, 0, tokenizer="builtin", initializer_range=0.2, device=device,
+                                           dtype=dtype)
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture
 def make_drafter() -> Callable:
     """make_drafter(adapter, layer_types=..., window=..., block_size=..., seed=..., std=...) -> DFlashDraftModel."""

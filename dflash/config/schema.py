@@ -348,6 +348,11 @@ def _if_colocated_one_forward(capture: Any, run: Any) -> str:
     return "capture=colocated forwards each micro-batch at once" if capture.mode == "colocated" else ""
 
 
+def _if_graphed(capture: Any, run: Any) -> str:
+    return ("capture.cuda_graphs runs the target's eager layers in CUDA graphs"
+            if getattr(capture, "cuda_graphs", False) else "")
+
+
 @dataclass
 class CaptureSettings:
     """How the target's hidden states reach the trainer (group `capture`: offline, online, colocated)."""
@@ -357,7 +362,7 @@ class CaptureSettings:
                                 doc="offline, online: tokens per target forward")
     dtype: str = setting("bfloat16", affects=("capture",),
                          doc="feature dtype: bfloat16 | float32 | fp8 (e4m3, per-token scales); never float16")
-    compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
+    compile: bool = setting(False, affects=(), unused=_if_graphed, doc="torch.compile the target's decoder layers")
     pack: bool = setting(True, affects=(), unused=_if_colocated,
                          doc="offline, online: samples end to end in one row per forward, no padding")
     devices: Optional[List[int]] = setting(None, affects=(), unused=_if_colocated,
@@ -437,6 +442,9 @@ class ColocatedCapture(CaptureSettings):
     The settings of the other modes are unused here; batch_tokens too (a micro-batch is one forward)."""
 
     mode: str = setting("colocated", affects=("capture",), doc="colocated: each trainer rank runs the target")
+    cuda_graphs: bool = setting(False, affects=(),
+                                doc="replay the target's forward as CUDA graphs, one per width step "
+                                    "(dflash/extract/static_capture.py; CUDA, dense and Gemma targets)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -826,6 +834,10 @@ class RunSettings:
             where = "device=auto finds no GPU here" if self.device == "auto" else f"device={self.device}"
             raise ConfigError(f"train.attention=flex trains only on CUDA (torch has no FlexAttention backward on CPU) "
                               f"and this run trains on the CPU ({where}): set train.attention=auto or sdpa")
+        if getattr(self.capture, "cuda_graphs", False) and "train" in self.stages and not _is_cuda(self.device):
+            where = "device=auto finds no GPU here" if self.device == "auto" else f"device={self.device}"
+            raise ConfigError(f"capture.cuda_graphs=true replays the colocated target's forward as CUDA graphs and "
+                              f"this run trains on the CPU ({where}): set capture.cuda_graphs=false")
         if self.eval.out_dir:
             _refuse_a_run_folder_of_its_own(self.run_dir, self.eval.out_dir)
         if self.target.kind == "hf":

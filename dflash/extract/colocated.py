@@ -4,7 +4,8 @@ For a target small enough to share the trainer's GPU (SmolLM2-135M: 0.3 GB in bf
 the drafter's step) this is the cheapest way to give every epoch fresh features: nothing is written to disk or sent
 between processes. The features are exactly what offline capture would store: the same `TargetAdapter.capture`
 over right-padded rows, the same self-check of every batch, the same cast to the feature dtype.
-Larger targets belong on their own GPUs: capture.mode=online.
+Larger targets belong on their own GPUs: capture.mode=online. With capture.cuda_graphs the forward is a CUDA graph
+replay over fixed shapes (static_capture.py).
 
 The trainer takes a micro-batch already padded (`micro_batch`: one target forward), and the self-check of its
 features is read after the training step rather than inside it (`verify_features`): reading it at once would make
@@ -28,6 +29,7 @@ from torch.profiler import record_function
 from dflash.data.feature_source import FeatureSource, Sample
 from dflash.extract.feature_checks import feature_flags, raise_on_bad_features
 from dflash.host_copy import host_to_device
+from dflash.extract.static_capture import StaticCapture
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
 
@@ -42,7 +44,7 @@ class ColocatedFeatureSource(FeatureSource):
     """
 
     def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str,
-                 final_hidden: bool = False) -> None:
+                 final_hidden: bool = False, static: StaticCapture | None = None) -> None:
         self.dtype = store_dtype(dtype)
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"colocated capture keeps features in bfloat16 or float32, not {dtype!r}: fp8 only "
@@ -54,6 +56,11 @@ class ColocatedFeatureSource(FeatureSource):
         # (2-core CPU), host time that every colocated training step pays.
         self._rows = dataset.with_format("numpy", columns=["input_ids", "loss_mask"], output_all_columns=True)
         self.final_hidden = final_hidden
+        # capture.cuda_graphs: the forward over fixed shapes (static_capture.py), built for these taps and final_hidden.
+        if static is not None and (static.layer_ids != self.layer_ids or static.final_hidden != final_hidden):
+            raise ValueError(f"the static capture was built for taps {static.layer_ids} (final_hidden="
+                             f"{static.final_hidden}), not {self.layer_ids} ({final_hidden})")
+        self.static = static
         self.tokens_captured = 0
         # Checks not read yet: (flags on the host once `ready` has passed, sample ids, tap names, ready event).
         self._pending: list[tuple[torch.Tensor, list[str], list, torch.cuda.Event | None]] = []
@@ -98,7 +105,9 @@ class ColocatedFeatureSource(FeatureSource):
         inputs = (host_to_device(target_ids, device), mask_on_device, self.layer_ids)
         final = None
         with record_function("dflash: colocated target forward"), self._attention_kernels(device):
-            if self.final_hidden:
+            if self.static is not None:
+                features, final = self.static(inputs[0])
+            elif self.final_hidden:
                 features, final = self.adapter.capture_with_final(*inputs)
             else:
                 features = self.adapter.capture(*inputs)

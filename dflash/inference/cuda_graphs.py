@@ -13,12 +13,15 @@ Shape = TypeVar("Shape", bound=Hashable)
 
 
 def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Callable[[Shape], None],
-                   run: Callable[[Shape], Any], warmups: int = 1) -> dict[Shape, tuple[torch.cuda.CUDAGraph, Any]]:
+                   run: Callable[[Shape], Any], warmups: int = 1,
+                   pool: Any = None) -> dict[Shape, tuple[torch.cuda.CUDAGraph, Any]]:
     """One CUDA graph per shape of `run(shape)` (which reads and writes only static buffers), with its outputs.
 
     `prepare(shape)` sets the buffers a warm-up run of that shape needs (outside the graph). `warmups` runs of each
     shape go on a side stream first (lazy initialisation, and compilation, must not land in a graph). The graphs
-    share one memory pool: they never run concurrently and their outputs stay referenced here.
+    share one memory pool (`pool`, from torch.cuda.graph_pool_handle(), or a new one): they never run concurrently
+    and their outputs stay referenced here. A caller that captures shapes one at a time passes the same pool each
+    time.
     """
     if device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
@@ -31,7 +34,7 @@ def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Calla
                     prepare(shape)
                     run(shape)
         torch.cuda.current_stream(device).wait_stream(side)
-        graphs, pool = {}, torch.cuda.graph_pool_handle()
+        graphs, pool = {}, pool if pool is not None else torch.cuda.graph_pool_handle()
         for shape in shapes:
             prepare(shape)
             graph = torch.cuda.CUDAGraph()

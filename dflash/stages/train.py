@@ -343,7 +343,7 @@ class TrainStage(Stage):
         from dflash.models.targets.compile_target import target_layers_compiled
 
         c = self.context.settings.capture
-        if c.mode != "colocated" or not c.compile:
+        if c.mode != "colocated" or not c.compile or getattr(c, "cuda_graphs", False):
             return contextlib.nullcontext()
         return target_layers_compiled(self.context.target)
 
@@ -358,8 +358,17 @@ class TrainStage(Stage):
         # The KL loss and the target's labels both read the target's final hidden states.
         final_hidden = t.kl_weight > 0 or t.labels == "target"
         dataset = load_dataset_dir(self.capture.data.out)
+        static = None
+        if getattr(self.context.settings.capture, "cuda_graphs", False):
+            from dflash.data.sample_sizes import sample_lengths
+            from dflash.extract.static_capture import StaticCapture
+
+            target = self.context.target
+            static = StaticCapture(target, info["target_layer_ids"], final_hidden,
+                                   max_width=int(sample_lengths(dataset).max()),
+                                   pad_id=target.tokenizer.pad_token_id)
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
-                                      final_hidden=final_hidden)
+                                      final_hidden=final_hidden, static=static)
 
 
 def set_drafter_aside(run: RunContext) -> str | None:

@@ -1,0 +1,223 @@
+"""capture.cuda_graphs (dflash/extract/static_capture.py): the colocated target forward over fixed shapes gives
+TargetAdapter.capture's features and final states on every real position, runs no layer past the deepest tap it
+needs, and (on a GPU) replays CUDA graphs that give the eager forward's numbers, one per (rows, width step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from dflash.config import ConfigError, compose, settings_from
+from dflash.extract.colocated import ColocatedFeatureSource
+from dflash.extract.static_capture import StaticCapture
+
+LENGTHS = (5, 17, 9, 30)
+FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3_text"]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.fixture(scope="module")
+def target(varied_target):
+    return varied_target
+
+
+def padded_batch(adapter, lengths=LENGTHS, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded random ids [rows, max(lengths)] (the target's pad token on the padding) and their mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(3, adapter.vocab_size, (len(lengths), width), generator=g)
+    ids = ids.masked_fill(mask == 0, adapter.tokenizer.pad_token_id)
+    return ids.to(adapter.device), mask.to(adapter.device)
+
+
+def assert_real_positions_close(got: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor, **tolerance) -> None:
+    real = mask.bool()
+    torch.testing.assert_close(got[real].float(), expected[real].float(), **tolerance)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_features_and_final_states_are_the_adapters(target, family):
+    adapter = target(family)
+    ids, mask = padded_batch(adapter)
+    layer_ids = [1, 4, 6]
+    static = StaticCapture(adapter, layer_ids, final_hidden=True, max_width=40,
+                           pad_id=adapter.tokenizer.pad_token_id, cuda_graphs=False)
+    features, final = static(ids)
+    expected_features, expected_final = adapter.capture_with_final(ids, mask, layer_ids)
+    assert features.shape == expected_features.shape and final.shape == expected_final.shape
+    assert_real_positions_close(features, expected_features, mask, rtol=1e-4, atol=1e-4)
+    assert_real_positions_close(final, expected_final, mask, rtol=1e-4, atol=1e-4)
+    alone, none = StaticCapture(adapter, layer_ids, final_hidden=False, max_width=40,
+                                pad_id=adapter.tokenizer.pad_token_id, cuda_graphs=False)(ids)
+    assert none is None
+    assert_real_positions_close(alone, adapter.capture(ids, mask, layer_ids), mask, rtol=1e-4, atol=1e-4)
+
+
+def test_no_layer_past_the_deepest_tap_runs_without_the_final_state(target):
+    adapter = target("qwen3")
+    ran = []
+    handles = [layer.register_forward_hook(lambda module, args, out, i=i: ran.append(i))
+               for i, layer in enumerate(adapter.decoder_layers())]
+    try:
+        StaticCapture(adapter, [0, 3], final_hidden=False, max_width=32, pad_id=0, cuda_graphs=False)(
+            padded_batch(adapter)[0])
+        assert ran == [0, 1, 2, 3]
+        ran.clear()
+        StaticCapture(adapter, [0, 3], final_hidden=True, max_width=32, pad_id=0, cuda_graphs=False)(
+            padded_batch(adapter)[0])
+        assert ran == list(range(len(adapter.decoder_layers())))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.slow
+def test_the_real_smollm2_features_are_the_adapters():
+    from dflash.models.targets import load_target, smollm2
+
+    try:
+        smollm2.gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    adapter = load_target("smollm2")
+    ids, mask = padded_batch(adapter, (24, 7, 40))
+    layer_ids = [1, 8, 15, 22, 28]
+    features, final = StaticCapture(adapter, layer_ids, True, max_width=64, pad_id=adapter.tokenizer.pad_token_id,
+                                    cuda_graphs=False)(ids)
+    expected_features, expected_final = adapter.capture_with_final(ids, mask, layer_ids)
+    assert_real_positions_close(features, expected_features, mask, rtol=1e-4, atol=1e-4)
+    assert_real_positions_close(final, expected_final, mask, rtol=1e-4, atol=1e-4)
+
+
+def test_what_it_refuses(target):
+    with pytest.raises(ValueError, match="capture.cuda_graphs.*cuda_graphs=false"):
+        StaticCapture(target("qwen3_5"), [1], final_hidden=False, max_width=32, pad_id=0, cuda_graphs=False)
+    with pytest.raises(ValueError, match="CUDA device, not cpu"):
+        StaticCapture(target("llama"), [1], final_hidden=False, max_width=32, pad_id=0, cuda_graphs=True)
+    static = StaticCapture(target("llama"), [1], final_hidden=False, max_width=20, pad_id=0, cuda_graphs=False)
+    assert static.max_width == 64  # rounded up to the width step
+    with pytest.raises(ValueError, match="65 tokens wide"):
+        static(torch.zeros(2, 65, dtype=torch.long))
+
+
+def token_dataset(adapter, lengths=LENGTHS) -> Dataset:
+    ids, mask = padded_batch(adapter, lengths)
+    rows = [row[:n].tolist() for row, n in zip(ids.cpu(), lengths)]
+    return Dataset.from_dict({"id": [f"s{i}" for i in range(len(rows))], "input_ids": rows,
+                              "loss_mask": [[0] * 3 + [1] * (len(r) - 3) for r in rows]})
+
+
+@pytest.mark.parametrize("final_hidden", [False, True])
+def test_the_colocated_source_makes_the_same_batch_with_it(target, final_hidden):
+    adapter = target("llama")
+    dataset, layer_ids = token_dataset(adapter), [1, 5]
+    plain = ColocatedFeatureSource(adapter, dataset, layer_ids, "float32", final_hidden=final_hidden)
+    static = StaticCapture(adapter, layer_ids, final_hidden, max_width=30, pad_id=adapter.tokenizer.pad_token_id,
+                           cuda_graphs=False)
+    fixed = ColocatedFeatureSource(adapter, dataset, layer_ids, "float32", final_hidden=final_hidden, static=static)
+    picked = [2, 0, 3]
+    expected, lengths = plain.get_batch(picked)
+    batch, fixed_lengths = fixed.get_batch(picked)
+    assert fixed_lengths == lengths and batch.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(batch[key], value, rtol=1e-4, atol=1e-4, msg=key)
+    fixed.verify_features()
+    with pytest.raises(ValueError, match=r"taps \[1, 5\] \(final_hidden=False\), not \[1, 6\]"):
+        ColocatedFeatureSource(adapter, dataset, [1, 6], "float32",
+                               static=StaticCapture(adapter, [1, 5], False, 30, 0, cuda_graphs=False))
+
+
+def test_the_setting_is_checked_when_the_config_is_composed():
+    base = ["+experiment=tiny", "capture=colocated", "capture.cuda_graphs=true"]
+    with pytest.raises(ConfigError, match="capture.cuda_graphs=true.*trains on the CPU.*cuda_graphs=false"):
+        settings_from(compose(base + ["device=cpu"]))
+    settings = settings_from(compose(base + ["device=cpu", "stages=[data]", "capture.compile=true"]))
+    assert any(line.startswith("capture.compile=True is ignored: capture.cuda_graphs")
+               for line in settings.ignored())
+
+
+class EagerGraph:
+    """Stands in for a CUDA graph on the CPU: each replay runs the captured function again."""
+
+    def __init__(self, run, shape):
+        self.run, self.shape = run, shape
+
+
+def test_the_replay_path_on_the_cpu_with_graphs_that_run_eagerly(target, monkeypatch):
+    """The buffers' bookkeeping of the graphed path, the graphs replaced by eager runs of what they capture: the
+    columns past a micro-batch's width hold the pad token, every result is a copy that later replays leave alone,
+    one graph per (rows, width step)."""
+    import dflash.extract.static_capture as static_capture
+
+    captured = []
+
+    def capture_graphs(device, shapes, prepare, run, warmups=1, pool=None):
+        captured.extend(shapes)
+        return {shape: (EagerGraph(run, shape), None) for shape in shapes}
+
+    monkeypatch.setattr(static_capture, "capture_graphs", capture_graphs)
+    monkeypatch.setattr(static_capture, "replay", lambda graph, device: graph.run(graph.shape))
+    adapter = target("llama")
+    pad = adapter.tokenizer.pad_token_id
+    eager = StaticCapture(adapter, [1, 4], True, max_width=128, pad_id=pad, cuda_graphs=False)
+    graphed = StaticCapture(adapter, [1, 4], True, max_width=128, pad_id=pad, cuda_graphs=False)
+    graphed.cuda_graphs = True
+    batches = [padded_batch(adapter, lengths, seed) for seed, lengths in
+               enumerate([(70, 3, 66, 12), LENGTHS, (8, 31, 2, 29), (41, 77, 5)])]
+    results = [graphed(ids) for ids, _ in batches]
+    assert (graphed.buffers[4]["ids"][:, 31:64] == pad).all()  # the 70-wide batch's ids were overwritten
+    for (ids, mask), (features, final) in zip(batches, results):
+        want_features, want_final = eager(ids)
+        assert_real_positions_close(features, want_features, mask, rtol=1e-5, atol=1e-5)
+        assert_real_positions_close(final, want_final, mask, rtol=1e-5, atol=1e-5)
+    assert captured == [(4, 128), (4, 64), (3, 128)]
+
+
+@cuda
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_graphs_replay_the_eager_forward(target, family):
+    adapter = target(family, "cuda", "float32")
+    layer_ids, pad = [1, 4, 6], adapter.tokenizer.pad_token_id
+    eager = StaticCapture(adapter, layer_ids, True, max_width=200, pad_id=pad, cuda_graphs=False)
+    graphed = StaticCapture(adapter, layer_ids, True, max_width=200, pad_id=pad)
+    batches = [padded_batch(adapter, lengths, seed) for seed, lengths in
+               enumerate([LENGTHS, (70, 3, 66, 12), (8, 31, 2, 29), (41, 77, 5)])]
+    results = [graphed(ids) for ids, _ in batches]  # all before any is read: each result is its own copy
+    for (ids, mask), (features, final) in zip(batches, results):
+        want_features, want_final = eager(ids)
+        assert_real_positions_close(features, want_features, mask, rtol=1e-4, atol=1e-4)
+        assert_real_positions_close(final, want_final, mask, rtol=1e-4, atol=1e-4)
+        assert_real_positions_close(features, adapter.capture(ids, mask, layer_ids), mask, rtol=1e-4, atol=1e-4)
+    # Widths 30 and 31 share the 64 graph of 4 rows; 70 and 77 take 128, for 4 rows and for 3.
+    assert sorted(graphed.graphs) == [(3, 128), (4, 64), (4, 128)]
+
+
+@cuda
+def test_bf16_graphs_stay_close_to_the_adapter(target):
+    adapter = target("qwen3", "cuda", "bfloat16")
+    ids, mask = padded_batch(adapter, (40, 7, 63, 21))
+    graphed = StaticCapture(adapter, [2, 5], False, max_width=64, pad_id=adapter.tokenizer.pad_token_id)
+    features, _ = graphed(ids)
+    assert_real_positions_close(features, adapter.capture(ids, mask, [2, 5]), mask, rtol=3e-2, atol=3e-2)
+
+
+@cuda
+def test_a_colocated_run_with_it_trains_the_losses_of_one_without(tmp_path):
+    import json
+
+    from dflash.pipeline import Pipeline
+
+    def losses(run_dir):
+        with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+            return [json.loads(line)["loss"] for line in f]
+
+    base = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]", "capture=colocated",
+            "device=cuda:0", "train.max_steps=4"]
+    Pipeline(compose(base + [f"run_dir={tmp_path / 'plain'}"])).run()
+    graphed = Pipeline(compose(base + [f"run_dir={tmp_path / 'graphed'}", "capture.cuda_graphs=true"]))
+    graphed.run()
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "graphed")), torch.tensor(losses(tmp_path / "plain")),
+                               rtol=1e-2, atol=1e-2)
+    assert graphed.train.colocated_source().static is not None
