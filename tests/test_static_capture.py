@@ -173,6 +173,8 @@ def test_the_replay_path_on_the_cpu_with_graphs_that_run_eagerly(target, monkeyp
         assert_real_positions_close(features, want_features, mask, rtol=1e-5, atol=1e-5)
         assert_real_positions_close(final, want_final, mask, rtol=1e-5, atol=1e-5)
     assert captured == [(4, 128), (4, 64), (3, 128)]
+    assert graphed.capture(4) == 0 and graphed.capture(2) == 2 and captured[3:] == [(2, 64), (2, 128)]
+    assert eager.capture(4) == 0  # without CUDA graphs there is nothing to capture
 
 
 @cuda
@@ -200,7 +202,10 @@ def test_bf16_graphs_stay_close_to_the_adapter(target):
     ids, mask = padded_batch(adapter, (40, 7, 63, 21))
     graphed = StaticCapture(adapter, [2, 5], False, max_width=64, pad_id=adapter.tokenizer.pad_token_id)
     features, _ = graphed(ids)
-    assert_real_positions_close(features, adapter.capture(ids, mask, [2, 5]), mask, rtol=3e-2, atol=3e-2)
+    # bf16 rounds differently at another padded width (64 here, 63 for the adapter): compare by the norm.
+    real = mask.bool()
+    got, expected = features[real].float(), adapter.capture(ids, mask, [2, 5])[real].float()
+    assert (got - expected).norm() / expected.norm() < 1e-2
 
 
 @cuda
@@ -220,4 +225,5 @@ def test_a_colocated_run_with_it_trains_the_losses_of_one_without(tmp_path):
     graphed.run()
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "graphed")), torch.tensor(losses(tmp_path / "plain")),
                                rtol=1e-2, atol=1e-2)
-    assert graphed.train.colocated_source().static is not None
+    console = "".join(path.read_text() for path in (tmp_path / "graphed" / "logs").glob("*.log"))
+    assert "the colocated target's forward as CUDA graphs:" in console

@@ -5,7 +5,7 @@ the drafter's step) this is the cheapest way to give every epoch fresh features:
 between processes. The features are exactly what offline capture would store: the same `TargetAdapter.capture`
 over right-padded rows, the same self-check of every batch, the same cast to the feature dtype.
 Larger targets belong on their own GPUs: capture.mode=online. With capture.cuda_graphs the forward is a CUDA graph
-replay over fixed shapes (static_capture.py).
+replay over fixed shapes instead (static_capture.py), whose features equal these up to the kernels' rounding.
 
 The trainer takes a micro-batch already padded (`micro_batch`: one target forward), and the self-check of its
 features is read after the training step rather than inside it (`verify_features`): reading it at once would make
@@ -19,7 +19,7 @@ target's next-token distributions from it chunk by chunk (train.kl_weight), so n
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,9 +29,11 @@ from torch.profiler import record_function
 from dflash.data.feature_source import FeatureSource, Sample
 from dflash.extract.feature_checks import feature_flags, raise_on_bad_features
 from dflash.host_copy import host_to_device
-from dflash.extract.static_capture import StaticCapture
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
+
+if TYPE_CHECKING:
+    from dflash.extract.static_capture import StaticCapture
 
 
 class ColocatedFeatureSource(FeatureSource):

@@ -3,9 +3,11 @@
 A colocated training step runs the frozen target once per micro-batch (colocated.py). For a small target the host
 bounds that forward: SmolLM2-135M's compiled layers still dispatch ~800 operators a micro-batch (session 10's step
 profile), for a forward the GPU finishes in less time than the host takes to issue it. Here the forward is one
-CUDA graph replay: the micro-batch's padded width is rounded up to a multiple of `width_step`, and each (rows,
-width) gets its graph the first time it comes (one per width step up to the longest sample, a few for the last
-micro-batches' row counts), all in one memory pool.
+CUDA graph replay: the micro-batch's padded width is rounded up to a multiple of `width_step`, one graph per width
+step up to the longest sample, all in one memory pool. `capture(rows)` captures every width of a row count before
+training (a capture waits for the device and empties the allocator's cache, which inside training would cost the
+next step its allocations); another row count is captured when it first comes. The pool keeps the intermediates of
+the widest forward reserved for the run (the eager forward hands them back after each micro-batch).
 
 The forward is TargetLayout.run (layout.py), the static engines' run of the target's own modules, with an attention
 that keeps no cache: causal (and within each layer's sliding window, with Gemma 2's soft cap), which is all right
@@ -24,7 +26,6 @@ import torch
 
 from dflash.inference.cuda_graphs import capture_graphs, replay
 from dflash.models.targets.engine_attention import engine_attention
-from dflash.models.targets.layout import TargetLayout, layout_problem
 from dflash.models.targets.static_attention import attention, visibility_masks
 
 WIDTH_STEP = 64  # padded widths are rounded up to a multiple of this: one graph per step of width
@@ -41,11 +42,11 @@ class StaticCapture:
 
     def __init__(self, adapter: Any, layer_ids: list[int], final_hidden: bool, max_width: int, pad_id: int,
                  cuda_graphs: bool = True, width_step: int = WIDTH_STEP) -> None:
-        problem = layout_problem(adapter)
+        problem = adapter.static_layout_problem()
         if problem is not None:
             raise ValueError(f"capture.cuda_graphs runs the target's layers over fixed shapes, which this target "
                              f"does not allow: {problem}; set capture.cuda_graphs=false")
-        self.layout = layout = TargetLayout.of(adapter)
+        self.layout = layout = adapter.engine_layout
         self.device = layout.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"capture.cuda_graphs needs the target on a CUDA device, not {self.device}")
@@ -65,6 +66,17 @@ class StaticCapture:
 
     def rounded(self, width: int) -> int:
         return -(-width // self.width_step) * self.width_step
+
+    def capture(self, rows: int) -> int:
+        """Capture the graph of every width for micro-batches of `rows` (no-op without CUDA graphs); how many were
+        captured now."""
+        if not self.cuda_graphs:
+            return 0
+        widths = range(self.width_step, self.max_width + 1, self.width_step)
+        missing = [(rows, width) for width in widths if (rows, width) not in self.graphs]
+        for key in missing:
+            self.graphs[key] = self._capture(*key)
+        return len(missing)
 
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows, width = ids.shape

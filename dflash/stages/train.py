@@ -363,10 +363,13 @@ class TrainStage(Stage):
             from dflash.data.sample_sizes import sample_lengths
             from dflash.extract.static_capture import StaticCapture
 
-            target = self.context.target
+            target, rows = self.context.target, self.context.settings.train.micro_batch_size
             static = StaticCapture(target, info["target_layer_ids"], final_hidden,
                                    max_width=int(sample_lengths(dataset).max()),
                                    pad_id=target.tokenizer.pad_token_id)
+            # Every micro-batch has micro_batch_size rows (placeholders fill the last ones): all graphs now.
+            logger.info("[train] the colocated target's forward as CUDA graphs: %d graphs of %d rows, widths up to %d",
+                        static.capture(rows), rows, static.max_width)
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
                                       final_hidden=final_hidden, static=static)
 

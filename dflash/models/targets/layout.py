@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -157,7 +158,7 @@ class TargetLayout:
         `tap_ids`, by id. depth: run the first `depth` layers only (a capture that needs no deeper tap)."""
         x = self.embed(ids)
         taps: dict[int, torch.Tensor] = {}
-        for index, (layer, kind) in enumerate(zip(self.layers[:depth], self.rope_kinds)):
+        for index, (layer, kind) in enumerate(zip(itertools.islice(self.layers, depth), self.rope_kinds)):
             x = layer(x, position_embeddings=rope[kind], engine_attend=functools.partial(attend, index))
             if index in tap_ids:
                 taps[index] = x
