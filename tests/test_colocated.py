@@ -168,8 +168,7 @@ def test_capture_compile_trains_the_same_losses_and_leaves_the_target_eager_for_
 
 def test_capture_cuda_graphs_gives_the_source_a_static_capture_of_every_width(colocated_run, monkeypatch):
     """The train stage's wiring of capture.cuda_graphs (the graphs themselves need a GPU: tests/test_static_capture.py
-    runs them eagerly on the CPU): a StaticCapture for the run's taps, sized by its longest sample, every width of
-    micro_batch_size rows captured before training."""
+    runs them eagerly on the CPU): a StaticCapture for the run's taps, sized by its longest sample."""
     import dflash.extract.static_capture as static_capture
 
     built = []
@@ -179,17 +178,12 @@ def test_capture_cuda_graphs_gives_the_source_a_static_capture_of_every_width(co
             super().__init__(*args, **kwargs, cuda_graphs=False)
             built.append(self)
 
-        def capture(self, rows):
-            self.captured_rows = rows
-            return 0
-
     monkeypatch.setattr(static_capture, "StaticCapture", Recorder)
     # stages without train: the composed config refuses CUDA graphs for a run that trains on the CPU.
     pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "capture.cuda_graphs=true",
                                         "stages=[data,capture]"]))
     source = pipeline.train.colocated_source()
     assert source.static is built[0] and built[0].layer_ids == source.layer_ids
-    assert built[0].captured_rows == pipeline.context.settings.train.micro_batch_size
     longest = max(len(ids) for ids in source.dataset["input_ids"])
     assert built[0].max_width == built[0].rounded(longest)
     assert built[0].pad_id == pipeline.adapter.tokenizer.pad_token_id

@@ -270,8 +270,6 @@ UNUSED = [
     ("capture.pack", "capture.pack=false", ["capture=colocated"], []),
     ("capture.devices", "capture.devices=[0]", ["capture=colocated"], []),
     ("capture.gpus_per_worker", "capture.gpus_per_worker=2", ["capture=colocated"], []),
-    ("capture.compile", "capture.compile=true", ["capture=colocated", "capture.cuda_graphs=true", "stages=[data]"],
-     []),
     ("train.dpace_alpha", "train.dpace_alpha=0.3", [], ["train.loss_weighting=dpace"]),
     ("train.group_by", "train.group_by=work", [], ["train.group_by_length=4"]),
     ("train.heldout_max_new_tokens", "train.heldout_max_new_tokens=8", [], ["data.heldout=4"]),

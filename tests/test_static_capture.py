@@ -91,6 +91,30 @@ def test_the_real_smollm2_features_are_the_adapters():
     assert_real_positions_close(final, expected_final, mask, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_compiled_layers_compile_once_for_every_layer_and_width(target, one_thread):
+    """capture.compile with the static forward: every layer gets the same attend function, so the layers' one code
+    compiles a graph or two (dynamic shapes) for all layers and widths, not one per layer or per call."""
+    from torch._dynamo.utils import counters
+
+    from dflash.models.targets.compile_target import target_layers_compiled
+
+    adapter = target("qwen3")
+    static = StaticCapture(adapter, [1, 4, 6], True, max_width=128, pad_id=adapter.tokenizer.pad_token_id,
+                           cuda_graphs=False)
+    batches = [padded_batch(adapter, lengths, seed) for seed, lengths in
+               enumerate([LENGTHS, (70, 3, 66, 12), (8, 31, 2, 29), (41, 77, 5, 100)])]
+    expected = [static(ids) for ids, _ in batches]
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with target_layers_compiled(adapter):
+        got = [static(ids) for ids, _ in batches]
+    assert 0 < counters["stats"]["unique_graphs"] - before <= 2
+    for (_, mask), (features, final), (want_features, want_final) in zip(batches, got, expected):
+        assert_real_positions_close(features, want_features, mask, rtol=1e-4, atol=1e-4)
+        assert_real_positions_close(final, want_final, mask, rtol=1e-4, atol=1e-4)
+
+
 def test_what_it_refuses(target):
     with pytest.raises(ValueError, match="capture.cuda_graphs.*cuda_graphs=false"):
         StaticCapture(target("qwen3_5"), [1], final_hidden=False, max_width=32, pad_id=0, cuda_graphs=False)
@@ -133,9 +157,7 @@ def test_the_setting_is_checked_when_the_config_is_composed():
     base = ["+experiment=tiny", "capture=colocated", "capture.cuda_graphs=true"]
     with pytest.raises(ConfigError, match="capture.cuda_graphs=true.*trains on the CPU.*cuda_graphs=false"):
         settings_from(compose(base + ["device=cpu"]))
-    settings = settings_from(compose(base + ["device=cpu", "stages=[data]", "capture.compile=true"]))
-    assert any(line.startswith("capture.compile=True is ignored: capture.cuda_graphs")
-               for line in settings.ignored())
+    settings_from(compose(base + ["device=cpu", "stages=[data]"]))  # no training here: nothing to refuse
 
 
 class EagerGraph:
@@ -147,8 +169,8 @@ class EagerGraph:
 
 def test_the_replay_path_on_the_cpu_with_graphs_that_run_eagerly(target, monkeypatch):
     """The buffers' bookkeeping of the graphed path, the graphs replaced by eager runs of what they capture: the
-    columns past a micro-batch's width hold the pad token, every result is a copy that later replays leave alone,
-    one graph per (rows, width step)."""
+    first micro-batch of a row count captures every width of it, the columns past a micro-batch's width hold the pad
+    token, every result is a copy that later replays leave alone."""
     import dflash.extract.static_capture as static_capture
 
     captured = []
@@ -172,8 +194,8 @@ def test_the_replay_path_on_the_cpu_with_graphs_that_run_eagerly(target, monkeyp
         want_features, want_final = eager(ids)
         assert_real_positions_close(features, want_features, mask, rtol=1e-5, atol=1e-5)
         assert_real_positions_close(final, want_final, mask, rtol=1e-5, atol=1e-5)
-    assert captured == [(4, 128), (4, 64), (3, 128)]
-    assert graphed.capture(4) == 0 and graphed.capture(2) == 2 and captured[3:] == [(2, 64), (2, 128)]
+    assert captured == [(4, 64), (4, 128), (3, 64), (3, 128)]
+    assert graphed.capture(4) == 0 and graphed.capture(2) == 2 and captured[4:] == [(2, 64), (2, 128)]
     assert eager.capture(4) == 0  # without CUDA graphs there is nothing to capture
 
 
@@ -192,8 +214,8 @@ def test_the_graphs_replay_the_eager_forward(target, family):
         assert_real_positions_close(features, want_features, mask, rtol=1e-4, atol=1e-4)
         assert_real_positions_close(final, want_final, mask, rtol=1e-4, atol=1e-4)
         assert_real_positions_close(features, adapter.capture(ids, mask, layer_ids), mask, rtol=1e-4, atol=1e-4)
-    # Widths 30 and 31 share the 64 graph of 4 rows; 70 and 77 take 128, for 4 rows and for 3.
-    assert sorted(graphed.graphs) == [(3, 128), (4, 64), (4, 128)]
+    # The first batch of 4 rows and the first of 3 captured every width up to 256 (200 rounded up) of theirs.
+    assert sorted(graphed.graphs) == [(rows, width) for rows in (3, 4) for width in (64, 128, 192, 256)]
 
 
 @cuda

@@ -348,11 +348,6 @@ def _if_colocated_one_forward(capture: Any, run: Any) -> str:
     return "capture=colocated forwards each micro-batch at once" if capture.mode == "colocated" else ""
 
 
-def _if_graphed(capture: Any, run: Any) -> str:
-    return ("capture.cuda_graphs runs the target's eager layers in CUDA graphs"
-            if getattr(capture, "cuda_graphs", False) else "")
-
-
 @dataclass
 class CaptureSettings:
     """How the target's hidden states reach the trainer (group `capture`: offline, online, colocated)."""
@@ -362,7 +357,7 @@ class CaptureSettings:
                                 doc="offline, online: tokens per target forward")
     dtype: str = setting("bfloat16", affects=("capture",),
                          doc="feature dtype: bfloat16 | float32 | fp8 (e4m3, per-token scales); never float16")
-    compile: bool = setting(False, affects=(), unused=_if_graphed, doc="torch.compile the target's decoder layers")
+    compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
     pack: bool = setting(True, affects=(), unused=_if_colocated,
                          doc="offline, online: samples end to end in one row per forward, no padding")
     devices: Optional[List[int]] = setting(None, affects=(), unused=_if_colocated,

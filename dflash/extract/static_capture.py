@@ -4,22 +4,27 @@ A colocated training step runs the frozen target once per micro-batch (colocated
 bounds that forward: SmolLM2-135M's compiled layers still dispatch ~800 operators a micro-batch (session 10's step
 profile), for a forward the GPU finishes in less time than the host takes to issue it. Here the forward is one
 CUDA graph replay: the micro-batch's padded width is rounded up to a multiple of `width_step`, one graph per width
-step up to the longest sample, all in one memory pool. `capture(rows)` captures every width of a row count before
-training (a capture waits for the device and empties the allocator's cache, which inside training would cost the
-next step its allocations); another row count is captured when it first comes. The pool keeps the intermediates of
-the widest forward reserved for the run (the eager forward hands them back after each micro-batch).
+step up to the longest sample, all in one memory pool. The first micro-batch of a row count captures every width
+of that count at once (every micro-batch of a run has train.micro_batch_size rows: placeholders fill the last
+ones), inside the first training step, which compiles anyway: a capture waits for the device and empties the
+allocator's cache, which later in training would cost the next step its allocations. The pool keeps the widest
+forward's intermediates reserved for the run (the eager forward hands them back after each micro-batch).
 
-The forward is TargetLayout.run (layout.py), the static engines' run of the target's own modules, with an attention
-that keeps no cache: causal (and within each layer's sliding window, with Gemma 2's soft cap), which is all right
-padding needs (a real position never sees a padded one). The features of real positions equal
-TargetAdapter.capture's up to the attention kernels' rounding (tests/test_static_capture.py); padded positions
-hold unspecified states, as there. The layers run eagerly inside the graph (capture.compile is then unused).
-Without CUDA graphs (`cuda_graphs=False`, the only way on a CPU) the same forward runs eagerly, which the CPU tests
-check.
+The forward runs the target's own modules as the static engines do (TargetLayout, layout.py: the embedding, each
+decoder layer's own forward under engine_attention, the final norm) with an attention that keeps no cache: causal
+(within each layer's sliding window, with Gemma 2's soft cap), which is all right padding needs (a real position
+never sees a padded one). Every layer gets the same attend function, a method of this object, so layers compiled
+by capture.compile (dynamic shapes) compile once for every layer and width, as they do for TargetAdapter.capture;
+the graphs then replay the compiled kernels. The features of real positions equal TargetAdapter.capture's up to the
+kernels' rounding (tests/test_static_capture.py); padded positions hold unspecified states, as there. Without CUDA
+graphs (`cuda_graphs=False`, the only way on a CPU) the same forward runs eagerly, which the CPU tests check.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
 from typing import Any
 
 import torch
@@ -27,6 +32,8 @@ import torch
 from dflash.inference.cuda_graphs import capture_graphs, replay
 from dflash.models.targets.engine_attention import engine_attention
 from dflash.models.targets.static_attention import attention, visibility_masks
+
+logger = logging.getLogger(__name__)
 
 WIDTH_STEP = 64  # padded widths are rounded up to a multiple of this: one graph per step of width
 
@@ -59,6 +66,7 @@ class StaticCapture:
         self.rope = layout.rope_table(self.max_width)
         self.columns = torch.arange(self.max_width, device=self.device)
         self.groups = layout.heads // layout.kv_heads
+        self.plain = layout.plain
         # Per row count: the ids buffer and the output buffers every graph of that count writes its first columns of.
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -72,10 +80,14 @@ class StaticCapture:
         captured now."""
         if not self.cuda_graphs:
             return 0
+        started = time.perf_counter()
         widths = range(self.width_step, self.max_width + 1, self.width_step)
         missing = [(rows, width) for width in widths if (rows, width) not in self.graphs]
         for key in missing:
             self.graphs[key] = self._capture(*key)
+        if missing:
+            logger.info(f"[train] the colocated target's forward as CUDA graphs: {len(missing)} widths up to "
+                        f"{self.max_width} of {rows} rows captured in {time.perf_counter() - started:.1f} s")
         return len(missing)
 
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -89,11 +101,11 @@ class StaticCapture:
             wide[:, :width] = ids
             features, final = self.forward(wide)
             return features[:, :width], None if final is None else final[:, :width]
+        if (rows, padded) not in self.graphs:
+            self.capture(rows)
         buffers = self._buffers(rows)
         buffers["ids"][:, :width].copy_(ids)
         buffers["ids"][:, width:padded].fill_(self.pad_id)
-        if (rows, padded) not in self.graphs:
-            self.graphs[(rows, padded)] = self._capture(rows, padded)
         replay(self.graphs[(rows, padded)], self.device)
         # Copies: a later replay rewrites the buffers while this micro-batch's features may still wait for its step.
         features = buffers["features"][:, :width].clone()
@@ -102,20 +114,30 @@ class StaticCapture:
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The taps' features and (final_hidden) the final normed state of right-padded ids [rows, width]."""
         layout, width = self.layout, ids.shape[1]
-        rope = {kind: (cos[None, :width], sin[None, :width]) for kind, (cos, sin) in self.rope.items()}
-        # Right padding needs no padding mask: the causal one (within a window) keeps real positions off the padding.
-        columns = self.columns[:width]
-        masks = {None: None} if layout.plain else visibility_masks(columns, columns, layout.mask_windows,
-                                                                   layout.dtype)
-
-        def attend(_index, q, k, v, scaling, window, softcap):
-            k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-            return attention(q, k, v, masks[window], scaling, softcap).transpose(1, 2)
-
+        taps = {}
         with torch.no_grad(), engine_attention(layout.layers):
-            hidden, taps = layout.run(ids, rope, attend, self.layer_ids, depth=self.depth)
+            hidden = layout.embed(ids)
+            for index, (layer, kind) in enumerate(zip(itertools.islice(layout.layers, self.depth),
+                                                      layout.rope_kinds)):
+                cos, sin = self.rope[kind]
+                hidden = layer(hidden, position_embeddings=(cos[None, :width], sin[None, :width]),
+                               engine_attend=self.attend)
+                if index in self.layer_ids:
+                    taps[index] = hidden
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1)
         return features, layout.norm(hidden) if self.final_hidden else None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        """Every layer's attention (engine_attention.Attend): q [b, H, t, D], k and v [b, kv, t, D] -> [b, t, H, D],
+        causal within `window`, logits capped by `softcap`. Right padding needs no padding mask: the causal one keeps
+        real positions off the padding."""
+        k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
+        mask = None
+        if not self.plain:
+            columns = self.columns[:q.shape[2]]
+            mask = visibility_masks(columns, columns, (window,), q.dtype)[window]
+        return attention(q, k, v, mask, scaling, softcap).transpose(1, 2)
 
     def _buffers(self, rows: int) -> dict[str, torch.Tensor]:
         if rows not in self.buffers:

@@ -343,7 +343,7 @@ class TrainStage(Stage):
         from dflash.models.targets.compile_target import target_layers_compiled
 
         c = self.context.settings.capture
-        if c.mode != "colocated" or not c.compile or getattr(c, "cuda_graphs", False):
+        if c.mode != "colocated" or not c.compile:
             return contextlib.nullcontext()
         return target_layers_compiled(self.context.target)
 
@@ -363,13 +363,10 @@ class TrainStage(Stage):
             from dflash.data.sample_sizes import sample_lengths
             from dflash.extract.static_capture import StaticCapture
 
-            target, rows = self.context.target, self.context.settings.train.micro_batch_size
+            target = self.context.target
             static = StaticCapture(target, info["target_layer_ids"], final_hidden,
                                    max_width=int(sample_lengths(dataset).max()),
                                    pad_id=target.tokenizer.pad_token_id)
-            # Every micro-batch has micro_batch_size rows (placeholders fill the last ones): all graphs now.
-            logger.info("[train] the colocated target's forward as CUDA graphs: %d graphs of %d rows, widths up to %d",
-                        static.capture(rows), rows, static.max_width)
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
                                       final_hidden=final_hidden, static=static)
 
