@@ -219,6 +219,33 @@ def test_the_graphs_replay_the_eager_forward(target, family):
 
 
 @cuda
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_compiled_layers_replay_in_the_graphs_without_recompiling(target, family):
+    """capture.compile under capture.cuda_graphs: the layers compile in the first width's warm-up, every other width
+    and every capture reuses that code, and the graphs give the forward's numbers."""
+    from torch._dynamo.utils import counters
+
+    from dflash.models.targets.compile_target import target_layers_compiled
+
+    adapter = target(family, "cuda", "float32")
+    layer_ids, pad = [1, 4, 6], adapter.tokenizer.pad_token_id
+    batches = [padded_batch(adapter, lengths, seed) for seed, lengths in
+               enumerate([LENGTHS, (70, 3, 66, 12), (8, 31, 2, 29), (41, 77, 5, 100)])]
+    expected = [StaticCapture(adapter, layer_ids, True, 128, pad, cuda_graphs=False)(ids) for ids, _ in batches]
+    torch._dynamo.reset()
+    with target_layers_compiled(adapter):
+        StaticCapture(adapter, layer_ids, True, 128, pad, cuda_graphs=False)(batches[0][0])  # compiles at width 64
+        compiled = counters["stats"]["unique_graphs"]
+        graphed = StaticCapture(adapter, layer_ids, True, max_width=128, pad_id=pad)
+        got = [graphed(ids) for ids, _ in batches]  # the first captures widths 64 and 128
+    assert compiled > 0 and counters["stats"]["unique_graphs"] == compiled
+    assert sorted(graphed.graphs) == [(4, 64), (4, 128)]
+    for (_, mask), (features, final), (want_features, want_final) in zip(batches, got, expected):
+        assert_real_positions_close(features, want_features, mask, rtol=1e-4, atol=1e-4)
+        assert_real_positions_close(final, want_final, mask, rtol=1e-4, atol=1e-4)
+
+
+@cuda
 def test_bf16_graphs_stay_close_to_the_adapter(target):
     adapter = target("qwen3", "cuda", "bfloat16")
     ids, mask = padded_batch(adapter, (40, 7, 63, 21))
@@ -231,7 +258,8 @@ def test_bf16_graphs_stay_close_to_the_adapter(target):
 
 
 @cuda
-def test_a_colocated_run_with_it_trains_the_losses_of_one_without(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_colocated_run_with_it_trains_the_losses_of_one_without(tmp_path, compiled):
     import json
 
     from dflash.pipeline import Pipeline
@@ -241,7 +269,7 @@ def test_a_colocated_run_with_it_trains_the_losses_of_one_without(tmp_path):
             return [json.loads(line)["loss"] for line in f]
 
     base = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]", "capture=colocated",
-            "device=cuda:0", "train.max_steps=4"]
+            "device=cuda:0", "train.max_steps=4", f"capture.compile={str(compiled).lower()}"]
     Pipeline(compose(base + [f"run_dir={tmp_path / 'plain'}"])).run()
     graphed = Pipeline(compose(base + [f"run_dir={tmp_path / 'graphed'}", "capture.cuda_graphs=true"]))
     graphed.run()

@@ -13,11 +13,11 @@ forward's intermediates reserved for the run (the eager forward hands them back 
 The forward runs the target's own modules as the static engines do (TargetLayout, layout.py: the embedding, each
 decoder layer's own forward under engine_attention, the final norm) with an attention that keeps no cache: causal
 (within each layer's sliding window, with Gemma 2's soft cap), which is all right padding needs (a real position
-never sees a padded one). Every layer gets the same attend function, a method of this object, so layers compiled
-by capture.compile (dynamic shapes) compile once for every layer and width, as they do for TargetAdapter.capture;
-the graphs then replay the compiled kernels. The features of real positions equal TargetAdapter.capture's up to the
-kernels' rounding (tests/test_static_capture.py); padded positions hold unspecified states, as there. Without CUDA
-graphs (`cuda_graphs=False`, the only way on a CPU) the same forward runs eagerly, which the CPU tests check.
+never sees a padded one). Layers compiled by capture.compile (dynamic shapes) compile one graph for every layer and
+width here too, and the graphs replay the compiled kernels. The features of real positions equal
+TargetAdapter.capture's up to the kernels' rounding (tests/test_static_capture.py); padded positions hold
+unspecified states, as there. Without CUDA graphs (`cuda_graphs=False`, the only way on a CPU) the same forward runs
+eagerly, which the CPU tests check.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ class StaticCapture:
         self.rope = layout.rope_table(self.max_width)
         self.columns = torch.arange(self.max_width, device=self.device)
         self.groups = layout.heads // layout.kv_heads
-        self.plain = layout.plain
         # Per row count: the ids buffer and the output buffers every graph of that count writes its first columns of.
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -133,8 +132,8 @@ class StaticCapture:
         causal within `window`, logits capped by `softcap`. Right padding needs no padding mask: the causal one keeps
         real positions off the padding."""
         k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-        mask = None
-        if not self.plain:
+        mask = None  # SDPA's own causal mask
+        if window is not None or softcap is not None:  # a window, or capped logits, which need an explicit mask
             columns = self.columns[:q.shape[2]]
             mask = visibility_masks(columns, columns, (window,), q.dtype)[window]
         return attention(q, k, v, mask, scaling, softcap).transpose(1, 2)
