@@ -277,3 +277,21 @@ def test_a_colocated_run_with_it_trains_the_losses_of_one_without(tmp_path, comp
                                rtol=1e-2, atol=1e-2)
     console = "".join(path.read_text() for path in (tmp_path / "graphed" / "logs").glob("*.log"))
     assert "the colocated target's forward as CUDA graphs:" in console
+
+
+def test_the_colocated_forward_bench_runs(tmp_path):
+    """bench/colocated_forward.py --tiny: both paths timed on the CPU (the static one eagerly), JSON written."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "forward.json"
+    done = subprocess.run([sys.executable, os.path.join(repo, "bench", "colocated_forward.py"), "--tiny",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["paths"]) == {"adapter", "static"}
+    assert all(figures["host_ms"] > 0 and figures["wall_ms"] > 0 for figures in report["paths"].values())
