@@ -42,9 +42,9 @@ class StaticCapture:
     """`(ids [rows, width]) -> (features [rows, width, K*H], final [rows, width, H] or None)` of the taps in
     `layer_ids` order (final: the final normed hidden state, with `final_hidden`), fresh tensors the caller owns.
 
-    adapter: a target TargetLayout runs (layout_problem says which do not); max_width: the longest sample, which
-    sizes the static buffers; pad_id: the token the rounded-up columns hold; cuda_graphs: replay CUDA graphs (needs
-    the target on a CUDA device) or run eagerly.
+    adapter: a target the static engines run (its static_layout_problem() says why not); max_width: the longest
+    sample, which sizes the static buffers; pad_id: the token the rounded-up columns hold; cuda_graphs: replay CUDA
+    graphs (needs the target on a CUDA device) or run eagerly.
     """
 
     def __init__(self, adapter: Any, layer_ids: list[int], final_hidden: bool, max_width: int, pad_id: int,
