@@ -10,19 +10,18 @@ ones), inside the first training step, which compiles anyway: a capture waits fo
 allocator's cache, which later in training would cost the next step its allocations. The pool keeps the widest
 forward's intermediates reserved for the run (the eager forward hands them back after each micro-batch).
 
-The forward runs the target's own modules as the static engines do (TargetLayout, layout.py: the embedding, each
-decoder layer's own forward under engine_attention, the final norm) with an attention that keeps no cache: causal
-(within each layer's sliding window, with Gemma 2's soft cap), which is all right padding needs (a real position
-never sees a padded one). Layers compiled by capture.compile (dynamic shapes) compile one graph for every layer and
-width here too, and the graphs replay the compiled kernels. The features of real positions equal
-TargetAdapter.capture's up to the kernels' rounding (tests/test_static_capture.py); padded positions hold
-unspecified states, as there. Without CUDA graphs (`cuda_graphs=False`, the only way on a CPU) the same forward runs
-eagerly, which the CPU tests check.
+The forward is the static engines' run of the target's own modules (TargetLayout.run, layout.py: the embedding,
+each decoder layer's own forward under engine_attention, up to the deepest tap or the final norm) with an attention
+that keeps no cache: causal (within each layer's sliding window, with Gemma 2's soft cap), which is all right
+padding needs (a real position never sees a padded one). Layers compiled by capture.compile (dynamic shapes)
+compile one graph for every layer and width here too, and the graphs replay the compiled kernels. The features of
+real positions equal TargetAdapter.capture's up to the kernels' rounding (tests/test_static_capture.py); padded
+positions hold unspecified states, as there. Without CUDA graphs (`cuda_graphs=False`, the only way on a CPU) the
+same forward runs eagerly, which the CPU tests check.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import Any
@@ -113,24 +112,17 @@ class StaticCapture:
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The taps' features and (final_hidden) the final normed state of right-padded ids [rows, width]."""
         layout, width = self.layout, ids.shape[1]
-        taps = {}
+        rope = {kind: (cos[None, :width], sin[None, :width]) for kind, (cos, sin) in self.rope.items()}
         with torch.no_grad(), engine_attention(layout.layers):
-            hidden = layout.embed(ids)
-            for index, (layer, kind) in enumerate(zip(itertools.islice(layout.layers, self.depth),
-                                                      layout.rope_kinds)):
-                cos, sin = self.rope[kind]
-                hidden = layer(hidden, position_embeddings=(cos[None, :width], sin[None, :width]),
-                               engine_attend=self.attend)
-                if index in self.layer_ids:
-                    taps[index] = hidden
+            hidden, taps = layout.run(ids, rope, self.attend, self.layer_ids, depth=self.depth)
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1)
         return features, layout.norm(hidden) if self.final_hidden else None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None,
-               softcap: float | None) -> torch.Tensor:
-        """Every layer's attention (engine_attention.Attend): q [b, H, t, D], k and v [b, kv, t, D] -> [b, t, H, D],
-        causal within `window`, logits capped by `softcap`. Right padding needs no padding mask: the causal one keeps
-        real positions off the padding."""
+    def attend(self, _index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+               window: int | None, softcap: float | None) -> torch.Tensor:
+        """Every layer's attention (engine_attention.LayerAttend, which keeps no cache, so the layer's index is
+        unused): q [b, H, t, D], k and v [b, kv, t, D] -> [b, t, H, D], causal within `window`, logits capped by
+        `softcap`. Right padding needs no padding mask: the causal one keeps real positions off the padding."""
         k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
         mask = None  # SDPA's own causal mask
         if window is not None or softcap is not None:  # a window, or capped logits, which need an explicit mask

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -148,16 +149,17 @@ class TargetLayout:
         return tables
 
     def run(self, ids: torch.Tensor, rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]], attend: LayerAttend,
-            tap_ids: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+            tap_ids: Collection[int] = (), depth: int | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The target's decoder stack over an engine's KV cache: the embedding of ids [b, t], then each decoder
         layer's own forward with the (cos, sin) of its RoPE kind from `rope` (broadcast to [b, t, head_dim]) and, as
         its attention, `attend(layer index, q, k, v, scaling, window, softcap)` (the engine writes that layer's
         cache and attends over it). The engine enters engine_attention(self.layers) around the call. Returns the
         last layer's output [b, t, H] (before the final norm: logits() takes it) and the outputs of the layers in
-        `tap_ids`, by id."""
+        `tap_ids`, by id. depth: only the first `depth` layers run (a capture that needs no deeper tap); the
+        returned output is then the last of those."""
         x = self.embed(ids)
         taps: dict[int, torch.Tensor] = {}
-        for index, (layer, kind) in enumerate(zip(self.layers, self.rope_kinds)):
+        for index, (layer, kind) in enumerate(zip(itertools.islice(self.layers, depth), self.rope_kinds)):
             x = layer(x, position_embeddings=rope[kind], engine_attend=functools.partial(attend, index))
             if index in tap_ids:
                 taps[index] = x
