@@ -3,7 +3,9 @@
 The benchmark (bench/train_step.py) times the step on random features; a real run adds the batch preparation, the
 colocated target forward or the feature reads, and the logging around it. Profiling optimizer steps
 [start, start + count) of the real loop shows where that time goes. The table (device time first on CUDA) is
-written next to the checkpoints folder as train_profile.txt.
+written next to the checkpoints folder as train_profile.txt. On CUDA it opens with the step's wall time against the
+time the GPU was busy, which says whether the host or the GPU bounds the step, and with the host's waits for the GPU
+(synchronising CUDA calls, by the operator that made them): a wait stops the host from running ahead of the GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -26,6 +29,10 @@ logger = logging.getLogger(__name__)
 # colocated target forward inside the batches phase.
 PHASE_PREFIX = "dflash: "
 MOST_CALLED = 8  # operators listed per phase
+# CUDA runtime calls that return only when the GPU has caught up (a copy to the host ends in a stream synchronize).
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# Below this share of the step's wall time spent in kernels, the GPU waits on the host.
+GPU_BOUND_SHARE = 0.9
 
 
 def profile_path(checkpoint_dir: str) -> str:
@@ -61,6 +68,7 @@ class StepProfiler:
         self.path, self.device = path, torch.device(device)
         self._profile: profile | None = None
         self._first = 0
+        self._started = 0.0
 
     def profiles(self, step: int) -> bool:
         """Whether step `step` (1-based) is in the window, on every rank (a profiled step is slower than the rest)."""
@@ -75,6 +83,7 @@ class StepProfiler:
             self._profile = profile(activities=activities)
             self._profile.__enter__()
             self._first = step
+            self._started = time.perf_counter()
 
     def after_step(self, step: int) -> None:
         """Call with the number of the step that just ended; the last profiled one writes the table."""
@@ -88,11 +97,14 @@ class StepProfiler:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        wall_ms = (time.perf_counter() - self._started) * 1000
         self._profile.__exit__(None, None, None)
-        averages = self._profile.key_averages()
-        phases = phase_table(self._profile.events(), last_step - self._first + 1)
-        self._profile = None
+        averages, events = self._profile.key_averages(), self._profile.events()
         first, count = self._first, last_step - self._first + 1
+        phases = phase_table(events, count)
+        if self.device.type == "cuda":
+            phases = f"{bound_summary(events, wall_ms, count)}\n{phases}"
+        self._profile = None
         key = self_time_key(self.device)
         text = (f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n\n{phases}\n"
                 f"operators by {'GPU' if self.device.type == 'cuda' else 'host'} time of their own:\n"
@@ -115,6 +127,8 @@ class PhaseCount:
     host_ms: float = 0.0
     operators: int = 0
     launches: int = 0
+    waits: int = 0
+    wait_ms: float = 0.0
     called: Counter = field(default_factory=Counter)
 
 
@@ -131,6 +145,8 @@ def phase_counts(events) -> dict[str, PhaseCount]:
                        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
     operators = [start for start, _ in outermost]
     launches = sorted(e.time_range.start for e in host if "LaunchKernel" in e.name)
+    waits = sorted((e.time_range.start, e.time_range.end) for e in host if e.name in HOST_WAITS)
+    wait_starts = [start for start, _ in waits]
     counts: dict[str, PhaseCount] = {}
     for start, end, name in ranges:
         count = counts.setdefault(name, PhaseCount())
@@ -138,8 +154,65 @@ def phase_counts(events) -> dict[str, PhaseCount]:
         count.host_ms += (end - start) / 1000
         count.operators += last - first
         count.launches += bisect.bisect_left(launches, end) - bisect.bisect_left(launches, start)
+        inside = waits[bisect.bisect_left(wait_starts, start):bisect.bisect_left(wait_starts, end)]
+        count.waits += len(inside)
+        count.wait_ms += sum(wait_end - wait_start for wait_start, wait_end in inside) / 1000
         count.called.update(op for _, op in outermost[first:last])
     return counts
+
+
+def busy_ms(events) -> float:
+    """Milliseconds in which the GPU ran at least one kernel, copy or fill: the union of its activities' intervals
+    (kernels of several streams overlap), without dflash's ranges as the GPU's timeline also shows them."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+                   and not e.name.startswith(PHASE_PREFIX) and not getattr(e, "is_user_annotation", False))
+    busy, reach = 0, None
+    for start, end in spans:
+        if reach is None or start > reach:
+            busy, reach = busy + end - start, end
+        elif end > reach:
+            busy, reach = busy + end - reach, end
+    return busy / 1000
+
+
+def waits_by_operator(events) -> Counter:
+    """The host's waits for the GPU (HOST_WAITS), counted by the outermost aten operator of the same thread that
+    made them ("-" outside any operator)."""
+    host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    nested: dict[int, list[tuple[int, int, str]]] = {}
+    for e in host:
+        if e.name.startswith("aten::"):
+            nested.setdefault(e.thread, []).append((e.time_range.start, -e.time_range.end, e.name))
+    operators: dict[int, list[tuple[int, int, str]]] = {}
+    for thread, spans in nested.items():  # an operator inside another one of its thread is part of it
+        kept = operators.setdefault(thread, [])
+        for start, minus_end, name in sorted(spans):
+            if not kept or start >= kept[-1][1]:
+                kept.append((start, -minus_end, name))
+    found: Counter = Counter()
+    for e in host:
+        if e.name not in HOST_WAITS:
+            continue
+        spans = operators.get(e.thread, [])
+        index = bisect.bisect_right(spans, (e.time_range.start, float("inf"), "")) - 1
+        inside = index >= 0 and spans[index][1] >= e.time_range.end
+        found[spans[index][2] if inside else "-"] += 1
+    return found
+
+
+def bound_summary(events, wall_ms: float, steps: int) -> str:
+    """Per step: the wall time under the profiler, the GPU's busy time, which of the two bounds the step, and the
+    host's waits for the GPU by operator."""
+    busy = busy_ms(events)
+    share = busy / wall_ms if wall_ms > 0 else 0.0
+    verdict = ("bound by the GPU" if share >= GPU_BOUND_SHARE else
+               f"the GPU idles {(wall_ms - busy) / steps:.1f} ms a step: bound by the host")
+    waits = waits_by_operator(events)
+    by_operator = ", ".join(f"{op} {count / steps:.3g}" for op, count in waits.most_common(MOST_CALLED))
+    return (f"per step: {wall_ms / steps:.1f} ms of wall time (the profiler slows the host; compare step_s in "
+            f"metrics.jsonl), the GPU busy {busy / steps:.1f} ms of it ({share:.0%}): {verdict}\n"
+            f"the host's waits for the GPU, per step: {sum(waits.values()) / steps:.3g}"
+            + (f" ({by_operator})" if by_operator else "") + "\n")
 
 
 def phase_table(events, steps: int) -> str:
@@ -152,11 +225,12 @@ def phase_table(events, steps: int) -> str:
     width = max([len(name) for name in counts] + [5])
     order = sorted(counts, key=lambda name: -counts[name].host_ms)
     lines = [f"the step's phases, per step ({steps} steps; nested ranges count in each):",
-             f"{'phase':<{width}}  {'host ms':>9}  {'operators':>9}  {'kernel launches':>15}"]
+             f"{'phase':<{width}}  {'host ms':>9}  {'operators':>9}  {'kernel launches':>15}  {'waits':>5}  "
+             f"{'waiting ms':>10}"]
     for name in order:
         c = counts[name]
         lines.append(f"{name:<{width}}  {c.host_ms / steps:9.1f}  {c.operators / steps:9.0f}  "
-                     f"{c.launches / steps:15.0f}")
+                     f"{c.launches / steps:15.0f}  {c.waits / steps:5.3g}  {c.wait_ms / steps:10.1f}")
     # Which operators a phase calls most: a count that grows with the parameters or the sequences is a loop to fuse.
     lines.append("\nthe operators each phase calls most, per step:")
     for name in order:
