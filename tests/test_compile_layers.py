@@ -138,3 +138,32 @@ def test_compiled_layers_serve_changing_shapes_on_cuda():
         eager_error = float((p_eager.grad.float() - p_ref.grad).norm() / scale)
         compiled_error = float((p_compiled.grad.float() - p_ref.grad).norm() / scale)
         assert compiled_error <= 2 * eager_error + 1e-3, (name, compiled_error, eager_error)
+
+
+def test_a_float_of_the_layers_is_a_constant_of_their_graphs_not_a_tensor_made_each_call(one_thread, monkeypatch):
+    """By default dynamo turns a Python float that reaches a graph (each RMSNorm's epsilon) into a 0-d tensor input,
+    made on the host at every call; compiled here, the epsilons are constants and no call makes one."""
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, vocab_size=64, num_target_layers=4,
+                           target_layer_ids=[0, 2], mask_token_id=63, block_size=4)
+    made = []
+    as_tensor = torch._as_tensor_fullprec  # what dynamo's generated code calls on such a float, at every call
+
+    def counted(value):
+        made.append(value)
+        return as_tensor(value)
+
+    monkeypatch.setattr(torch, "_as_tensor_fullprec", counted)
+    torch._dynamo.reset()
+    model = compile_layers(DFlashDraftModel(config))
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, 63, (n,), generator=generator),
+                "loss_mask": torch.ones(n, dtype=torch.long),
+                "hidden": torch.randn(n, 2 * 32, generator=generator)} for n in (20, 17)]
+    batch = prepare_micro_batch(samples, [(0, True), (1, True)], epoch=0, seed=0, num_anchors=4, block_size=4,
+                                gamma=4.0)
+    embed = torch.randn(64, 32, generator=generator)
+    for _ in range(2):
+        training_forward(model, embed, batch["input_ids"], batch["hidden"], batch["anchors"],
+                         attention="sdpa").sum().backward()
+    assert made == []
