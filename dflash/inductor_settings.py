@@ -46,7 +46,8 @@ def configure_inductor() -> None:
         if hasattr(triton_options, option):
             setattr(triton_options, option, False)
     fx_config.use_duck_shape = False
-    dynamo_config.specialize_float = True
+    if hasattr(dynamo_config, "specialize_float"):  # older releases specialise floats already
+        dynamo_config.specialize_float = True
 
 
 def raise_recompile_limit(limit: int) -> None:

@@ -140,6 +140,7 @@ def test_compiled_layers_serve_changing_shapes_on_cuda():
         assert compiled_error <= 2 * eager_error + 1e-3, (name, compiled_error, eager_error)
 
 
+@pytest.mark.slow
 def test_a_float_of_the_layers_is_a_constant_of_their_graphs_not_a_tensor_made_each_call(one_thread, monkeypatch):
     """By default dynamo turns a Python float that reaches a graph (each RMSNorm's epsilon) into a 0-d tensor input,
     made on the host at every call; compiled here, the epsilons are constants and no call makes one."""

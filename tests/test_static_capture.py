@@ -214,8 +214,9 @@ def test_the_graphs_replay_the_eager_forward(target, family):
         assert_real_positions_close(features, want_features, mask, rtol=1e-4, atol=1e-4)
         assert_real_positions_close(final, want_final, mask, rtol=1e-4, atol=1e-4)
         # The eager forward at the graphs' rounded width matched to 1e-4; the adapter's own forward runs at the
-        # batch's width, where cuBLAS picks other fp32 kernels (1.4e-4 apart on an H100 at values near 20).
-        assert_real_positions_close(features, adapter.capture(ids, mask, layer_ids), mask, rtol=1e-3, atol=1e-3)
+        # batch's width, where cuBLAS picks other fp32 kernels: on an H100 2 of 28,992 values, small ones, were
+        # 1.4e-4 apart.
+        assert_real_positions_close(features, adapter.capture(ids, mask, layer_ids), mask, rtol=1e-4, atol=1e-3)
     # The first batch of 4 rows and the first of 3 captured every width up to 256 (200 rounded up) of theirs.
     assert sorted(graphed.graphs) == [(rows, width) for rows in (3, 4) for width in (64, 128, 192, 256)]
 

@@ -139,6 +139,10 @@ def test_the_gpu_busy_time_is_the_union_of_its_activities_without_the_ranges():
         profiler_event("aten::item", 2000, 2600), profiler_event("cudaStreamSynchronize", 2010, 2590),
     ]
     assert busy_ms(events) == 2.0
+    assert busy_ms(events + [profiler_event("void gemm_kernel", 5000, 8000, cuda, thread=9)]) == 5.0
+    other_gpu = profiler_event("void gemm_kernel", 5000, 8000, cuda, thread=9)
+    other_gpu.device_index = 1
+    assert busy_ms(events + [other_gpu]) == 2.0 and busy_ms(events + [other_gpu], device_index=1) == 3.0
     host_bound = bound_summary(events, wall_ms=8.0, steps=2)
     assert "4.0 ms of wall time" in host_bound and "the GPU busy 1.0 ms of it (25%)" in host_bound
     assert "the GPU idles 3.0 ms a step: bound by the host" in host_bound
@@ -159,3 +163,13 @@ def test_on_cuda_the_table_opens_with_the_busy_time_and_names_the_operator_that_
     text = path.read_text()
     assert "ms of wall time" in text and "the GPU busy" in text
     assert "the host's waits for the GPU, per step: 1 (aten::item 1)" in text
+
+
+def test_the_profilers_own_synchronisations_at_the_end_of_the_window_are_not_waits():
+    from dflash.train.step_profile import WINDOW_END, waits_by_operator
+
+    events = [profiler_event("aten::item", 100, 400), profiler_event("cudaStreamSynchronize", 130, 380),
+              profiler_event(WINDOW_END, 500, 501),
+              profiler_event("cudaDeviceSynchronize", 510, 900), profiler_event("cudaDeviceSynchronize", 950, 990)]
+    assert waits_by_operator(events) == {"aten::item": 1}
+    assert waits_by_operator(events[:2] + events[3:]) == {"aten::item": 1, "-": 2}  # no end marked: all count

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from dflash.run_files import write_text
 
@@ -30,7 +30,11 @@ logger = logging.getLogger(__name__)
 PHASE_PREFIX = "dflash: "
 MOST_CALLED = 8  # operators listed per phase
 # CUDA runtime calls that return only when the GPU has caught up (a copy to the host ends in a stream synchronize).
+# Counted, each wait is; timed, a copy into pageable memory (.cpu(), .tolist()) waits inside its cudaMemcpyAsync
+# already, so its synchronize is short and the table's ms understate that wait.
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# Recorded as the window closes, before the profiler's own synchronisations, which are not the step's waits.
+WINDOW_END = "dflash profiler: end of the window"
 # Below this share of the step's wall time spent in kernels, the GPU waits on the host.
 GPU_BOUND_SHARE = 0.9
 
@@ -95,6 +99,8 @@ class StepProfiler:
         Call it when the loop ends, however it ends: a profiler left running would record the rest of the process."""
         if self._profile is None:
             return
+        with record_function(WINDOW_END):
+            pass
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall_ms = (time.perf_counter() - self._started) * 1000
@@ -103,7 +109,8 @@ class StepProfiler:
         first, count = self._first, last_step - self._first + 1
         phases = phase_table(events, count)
         if self.device.type == "cuda":
-            phases = f"{bound_summary(events, wall_ms, count)}\n{phases}"
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            phases = f"{bound_summary(events, wall_ms, count, index)}\n{phases}"
         self._profile = None
         key = self_time_key(self.device)
         text = (f"optimizer steps {first}..{last_step} of the training loop ({count} steps)\n\n{phases}\n"
@@ -161,11 +168,12 @@ def phase_counts(events) -> dict[str, PhaseCount]:
     return counts
 
 
-def busy_ms(events) -> float:
-    """Milliseconds in which the GPU ran at least one kernel, copy or fill: the union of its activities' intervals
-    (kernels of several streams overlap), without dflash's ranges as the GPU's timeline also shows them."""
+def busy_ms(events, device_index: int = 0) -> float:
+    """Milliseconds in which GPU `device_index` ran at least one kernel, copy or fill: the union of its activities'
+    intervals (kernels of several streams overlap), without the ranges (dflash's and others') its timeline shows."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
-                   and not e.name.startswith(PHASE_PREFIX) and not getattr(e, "is_user_annotation", False))
+                   and e.device_index == device_index and not e.name.startswith(PHASE_PREFIX)
+                   and not getattr(e, "is_user_annotation", False))
     busy, reach = 0, None
     for start, end in spans:
         if reach is None or start > reach:
@@ -176,9 +184,10 @@ def busy_ms(events) -> float:
 
 
 def waits_by_operator(events) -> Counter:
-    """The host's waits for the GPU (HOST_WAITS), counted by the outermost aten operator of the same thread that
-    made them ("-" outside any operator)."""
+    """The host's waits for the GPU (HOST_WAITS) before WINDOW_END, counted by the outermost aten operator of the
+    same thread that made them ("-" outside any operator)."""
     host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    end = min((e.time_range.start for e in host if e.name == WINDOW_END), default=float("inf"))
     nested: dict[int, list[tuple[int, int, str]]] = {}
     for e in host:
         if e.name.startswith("aten::"):
@@ -191,7 +200,7 @@ def waits_by_operator(events) -> Counter:
                 kept.append((start, -minus_end, name))
     found: Counter = Counter()
     for e in host:
-        if e.name not in HOST_WAITS:
+        if e.name not in HOST_WAITS or e.time_range.start >= end:
             continue
         spans = operators.get(e.thread, [])
         index = bisect.bisect_right(spans, (e.time_range.start, float("inf"), "")) - 1
@@ -200,10 +209,10 @@ def waits_by_operator(events) -> Counter:
     return found
 
 
-def bound_summary(events, wall_ms: float, steps: int) -> str:
-    """Per step: the wall time under the profiler, the GPU's busy time, which of the two bounds the step, and the
-    host's waits for the GPU by operator."""
-    busy = busy_ms(events)
+def bound_summary(events, wall_ms: float, steps: int, device_index: int = 0) -> str:
+    """Per step: the wall time under the profiler, GPU `device_index`'s busy time, which of the two bounds the step,
+    and the host's waits for the GPU by operator."""
+    busy = busy_ms(events, device_index)
     share = busy / wall_ms if wall_ms > 0 else 0.0
     verdict = ("bound by the GPU" if share >= GPU_BOUND_SHARE else
                f"the GPU idles {(wall_ms - busy) / steps:.1f} ms a step: bound by the host")
