@@ -225,7 +225,7 @@ def bound_summary(events, wall_ms: float, steps: int, device_index: int = 0) -> 
 
 
 def phase_table(events, steps: int) -> str:
-    """Per step, for each of dflash's named ranges: host milliseconds, operators called and GPU kernels launched.
+    """Per step, for each of dflash's named ranges: host ms, operators called, GPU kernels launched, waits, waiting ms.
 
     When the host is the bound (a small drafter, a colocated target), the step takes as long as the host needs
     to issue it, so operators and launches per phase say where the time goes on any machine (phase_counts).
