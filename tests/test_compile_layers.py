@@ -142,7 +142,7 @@ def test_compiled_layers_serve_changing_shapes_on_cuda():
 
 @pytest.mark.slow
 def test_a_float_of_the_layers_is_a_constant_of_their_graphs_not_a_tensor_made_each_call(one_thread, monkeypatch):
-    """By default dynamo turns a Python float that reaches a graph (each RMSNorm's epsilon) into a 0-d tensor input,
+    """By default dynamo turns a Python float that reaches a graph (an RMSNorm's epsilon) into a 0-d tensor input,
     made on the host at every call; compiled here, the epsilons are constants and no call makes one."""
     config = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=16, vocab_size=64, num_target_layers=4,

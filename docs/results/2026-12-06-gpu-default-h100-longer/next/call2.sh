@@ -11,4 +11,4 @@ rm -rf /tmp/repo /tmp/runs && mkdir -p /tmp/repo
 tar --exclude=./.stage --exclude='./.whl*' -cf - . | tar -xf - -C /tmp/repo
 cp .gpu/wait.sh .gpu/collect.sh /tmp/
 (cd /tmp/repo && setsid nohup bash .gpu/exp.sh > /tmp/exp/exp.log 2>&1 < /dev/null &)
-echo started; bash /tmp/wait.sh ${1:-400}
+echo started; bash /tmp/wait.sh ${1:-360}
