@@ -69,38 +69,37 @@ def test_a_run_that_ends_inside_the_window_still_stops_the_profiler_and_writes(t
     profiler.close(5)  # closing twice is harmless
 
 
-def test_the_phase_table_counts_host_events_only():
-    """On CUDA a range also appears as a GPU-side annotation of the same name on the GPU's (late) timeline; it
-    must add neither time nor the host's later operators and launches to the phase."""
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
-
-    from dflash.train.step_profile import phase_table
-
-    def event(name, start, end, device=DeviceType.CPU, thread=1):
-        return FunctionEvent(id=0, name=name, thread=thread, start_us=start, end_us=end, device_type=device)
-
-    events = [
-        event(PHASE_FORWARD, 0, 1000), event("aten::mm", 100, 200), event("cudaLaunchKernel", 120, 130),
-        event(PHASE_BACKWARD, 1000, 3000), event("aten::mm", 1500, 1600), event("cudaLaunchKernel", 1520, 1530),
-        event("aten::mm", 2500, 2600), event("cudaLaunchKernel", 2520, 2530),
-        event(PHASE_FORWARD, 1200, 5200, device=DeviceType.CUDA, thread=7),  # the GPU runs the forward late
-        event("void gemm_kernel", 1300, 5100, device=DeviceType.CUDA, thread=7),
-    ]
-    lines = phase_table(events, 1).splitlines()
-    assert next(line for line in lines if line.startswith(PHASE_FORWARD)).split()[-5:] == ["1.0", "1", "1", "0", "0.0"]
-    assert next(line for line in lines if line.startswith(PHASE_BACKWARD)).split()[-5:] == ["2.0", "2", "2", "0",
-                                                                                             "0.0"]
-    # and which operators each phase calls most, per step
-    assert f"{PHASE_BACKWARD}: aten::mm 2" in lines and f"{PHASE_FORWARD}: aten::mm 1" in lines
-
-
 def profiler_event(name, start, end, device=None, thread=1, annotation=False):
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
     return FunctionEvent(id=0, name=name, thread=thread, start_us=start, end_us=end,
                          device_type=DeviceType.CPU if device is None else device, is_user_annotation=annotation)
+
+
+def test_the_phase_table_counts_host_events_only():
+    """On CUDA a range also appears as a GPU-side annotation of the same name on the GPU's (late) timeline; it
+    must add neither time nor the host's later operators and launches to the phase."""
+    from torch.autograd import DeviceType
+
+    from dflash.train.step_profile import phase_table
+
+    events = [
+        profiler_event(PHASE_FORWARD, 0, 1000), profiler_event("aten::mm", 100, 200),
+        profiler_event("cudaLaunchKernel", 120, 130),
+        profiler_event(PHASE_BACKWARD, 1000, 3000), profiler_event("aten::mm", 1500, 1600),
+        profiler_event("cudaLaunchKernel", 1520, 1530),
+        profiler_event("aten::mm", 2500, 2600), profiler_event("cudaLaunchKernel", 2520, 2530),
+        profiler_event(PHASE_FORWARD, 1200, 5200, device=DeviceType.CUDA, thread=7),  # the GPU runs the forward late
+        profiler_event("void gemm_kernel", 1300, 5100, device=DeviceType.CUDA, thread=7),
+    ]
+    lines = phase_table(events, 1).splitlines()
+    forward = next(line for line in lines if line.startswith(PHASE_FORWARD))
+    backward = next(line for line in lines if line.startswith(PHASE_BACKWARD))
+    assert forward.split()[-5:] == ["1.0", "1", "1", "0", "0.0"]
+    assert backward.split()[-5:] == ["2.0", "2", "2", "0", "0.0"]
+    # and which operators each phase calls most, per step
+    assert f"{PHASE_BACKWARD}: aten::mm 2" in lines and f"{PHASE_FORWARD}: aten::mm 1" in lines
 
 
 def test_the_host_waits_for_the_gpu_are_counted_by_phase_and_by_the_operator_that_waited():
@@ -122,6 +121,8 @@ def test_the_host_waits_for_the_gpu_are_counted_by_phase_and_by_the_operator_tha
     assert next(line for line in lines if line.startswith(PHASE_FORWARD)).split()[-2:] == ["1", "0.2"]
     assert next(line for line in lines if line.startswith(PHASE_BACKWARD)).split()[-2:] == ["0.5", "0.5"]
     assert waits_by_operator(events) == {"aten::item": 2, "-": 1}
+    called = next(line for line in lines if line.startswith(f"{PHASE_FORWARD}: "))
+    assert called == f"{PHASE_FORWARD}: aten::item 1, aten::mm 0.5"  # what runs inside aten::item is part of it
 
 
 def test_the_gpu_busy_time_is_the_union_of_its_activities_without_the_ranges():

@@ -148,8 +148,7 @@ def phase_counts(events) -> dict[str, PhaseCount]:
     # GPU's timeline, which would count the GPU's lag behind the host as host time.
     host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     ranges = sorted((e.time_range.start, e.time_range.end, e.name) for e in host if e.name.startswith(PHASE_PREFIX))
-    outermost = sorted((e.time_range.start, e.name) for e in host if e.name.startswith("aten::")
-                       and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    outermost = sorted((start, name) for spans in outermost_operators(host).values() for start, _, name in spans)
     operators = [start for start, _ in outermost]
     launches = sorted(e.time_range.start for e in host if "LaunchKernel" in e.name)
     waits = sorted((e.time_range.start, e.time_range.end) for e in host if e.name in HOST_WAITS)
@@ -183,21 +182,28 @@ def busy_ms(events, device_index: int = 0) -> float:
     return busy / 1000
 
 
-def waits_by_operator(events) -> Counter:
-    """The host's waits for the GPU (HOST_WAITS) before WINDOW_END, counted by the outermost aten operator of the
-    same thread that made them ("-" outside any operator)."""
-    host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
-    end = min((e.time_range.start for e in host if e.name == WINDOW_END), default=float("inf"))
+def outermost_operators(host) -> dict[int, list[tuple[int, int, str]]]:
+    """The aten operators among host events that no other aten operator of their thread contains (an operator
+    inside another one is part of it), per thread, as (start, end, name) sorted by start."""
     nested: dict[int, list[tuple[int, int, str]]] = {}
     for e in host:
         if e.name.startswith("aten::"):
             nested.setdefault(e.thread, []).append((e.time_range.start, -e.time_range.end, e.name))
     operators: dict[int, list[tuple[int, int, str]]] = {}
-    for thread, spans in nested.items():  # an operator inside another one of its thread is part of it
+    for thread, spans in nested.items():
         kept = operators.setdefault(thread, [])
         for start, minus_end, name in sorted(spans):
             if not kept or start >= kept[-1][1]:
                 kept.append((start, -minus_end, name))
+    return operators
+
+
+def waits_by_operator(events) -> Counter:
+    """The host's waits for the GPU (HOST_WAITS) before WINDOW_END, counted by the outermost aten operator of the
+    same thread that made them ("-" outside any operator)."""
+    host = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    end = min((e.time_range.start for e in host if e.name == WINDOW_END), default=float("inf"))
+    operators = outermost_operators(host)
     found: Counter = Counter()
     for e in host:
         if e.name not in HOST_WAITS or e.time_range.start >= end:
