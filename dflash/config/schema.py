@@ -423,12 +423,10 @@ class OnlineCapture(CaptureSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(str(self.cache).lower() in ("auto", "true", "false"), "capture.cache", self.cache,
-                "auto, true or false")
+        _cache_settings(self)
         for key in ("timeout_s", "ranks", "in_flight"):
             _positive(f"capture.{key}", getattr(self, key))
-        for key in ("cache_budget_bytes", "ranks_per_node"):
-            _optional_positive(f"capture.{key}", getattr(self, key))
+        _optional_positive("capture.ranks_per_node", self.ranks_per_node)
 
 
 @dataclass
@@ -440,10 +438,21 @@ class ColocatedCapture(CaptureSettings):
     cuda_graphs: bool = setting(False, affects=(),
                                 doc="replay the target's forward as CUDA graphs, one per width step "
                                     "(dflash/extract/static_capture.py; CUDA, dense and Gemma targets)")
+    cache: Any = setting("auto", affects=(), doc="keep the first epoch's features in host memory for the later ones "
+                                                 "(one trainer rank): auto | true | false")
+    cache_budget_bytes: Optional[int] = setting(None, affects=(), doc="null: half the host's available memory")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_choice("capture.dtype", self.dtype, ("bfloat16", "float32"))
+        _cache_settings(self)
+
+
+def _cache_settings(capture: Any) -> None:
+    """capture.cache and capture.cache_budget_bytes of the modes that keep the first epoch (online, colocated)."""
+    require(str(capture.cache).lower() in ("auto", "true", "false"), "capture.cache", capture.cache,
+            "auto, true or false")
+    _optional_positive("capture.cache_budget_bytes", capture.cache_budget_bytes)
 
 
 # train -------------------------------------------------------------------------------------------------------------

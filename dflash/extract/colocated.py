@@ -11,6 +11,9 @@ The trainer takes a micro-batch already padded (`micro_batch`: one target forwar
 features is read after the training step rather than inside it (`verify_features`): reading it at once would make
 the host wait for the target's forward before it could launch the drafter's, leaving the GPU idle while it does.
 
+With a FeatureMemory (capture.cache, feature_memory.py) the first epoch's features are kept in host memory as they
+are captured, and a micro-batch whose samples are all kept is put together from there without the forward.
+
 With `final_hidden=True` the forward also runs the rest of the decoder (never the LM head) and each sample gets
 "target_final" [T, H], the target's final normed hidden state in its own dtype: the drafter's KL loss makes the
 target's next-token distributions from it chunk by chunk (train.kl_weight), so no [T, vocab] logits are kept.
@@ -33,6 +36,7 @@ from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
 
 if TYPE_CHECKING:
+    from dflash.extract.feature_memory import FeatureMemory
     from dflash.extract.static_capture import StaticCapture
 
 
@@ -42,11 +46,13 @@ class ColocatedFeatureSource(FeatureSource):
 
     `micro_batch` (`get_batch`) captures a micro-batch in one padded target forward and returns it padded, the
     hidden states on the target's device; its check is pending until `verify_features` (or the next batch).
-    `get_many` and indexing return checked single samples.
+    `get_many` and indexing return checked single samples. memory: where the first epoch's features are kept
+    (None: every micro-batch is captured).
     """
 
     def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str,
-                 final_hidden: bool = False, static: StaticCapture | None = None) -> None:
+                 final_hidden: bool = False, static: StaticCapture | None = None,
+                 memory: FeatureMemory | None = None) -> None:
         self.dtype = store_dtype(dtype)
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"colocated capture keeps features in bfloat16 or float32, not {dtype!r}: fp8 only "
@@ -62,10 +68,11 @@ class ColocatedFeatureSource(FeatureSource):
         if static is not None and (static.layer_ids != self.layer_ids or static.final_hidden != final_hidden):
             raise ValueError(f"the static capture was built for taps {static.layer_ids} (final_hidden="
                              f"{static.final_hidden}), not {self.layer_ids} ({final_hidden})")
-        self.static = static
-        self.tokens_captured = 0
-        # Checks not read yet: (flags on the host once `ready` has passed, sample ids, tap names, ready event).
-        self._pending: list[tuple[torch.Tensor, list[str], list, torch.cuda.Event | None]] = []
+        self.static, self.memory = static, memory
+        self.tokens_captured = self.tokens_recalled = 0
+        # Checks not read yet: (flags on the host once `ready` has passed, sample ids, tap names, ready event, the
+        # samples' indices).
+        self._pending: list[tuple[torch.Tensor, list[str], list, torch.cuda.Event | None, list[int]]] = []
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -99,6 +106,23 @@ class ColocatedFeatureSource(FeatureSource):
             padded_ids[row, : lengths[row]] = row_ids
             padded_mask[row, : lengths[row]] = row_mask
         input_ids, loss_mask = torch.from_numpy(padded_ids), torch.from_numpy(padded_mask)
+        if self.memory is not None and self.memory.holds(indices):
+            batch = self.memory.recall(indices, self.adapter.device)  # checked when they were captured
+            self.tokens_recalled += sum(lengths)
+        else:
+            batch = self._capture(input_ids, lengths, [str(i) for i in rows["id"]], list(indices))
+            if self.memory is not None:
+                self.memory.keep(indices, lengths, batch)
+            self.tokens_captured += sum(lengths)
+        if pin_memory:
+            input_ids, loss_mask = input_ids.pin_memory(), loss_mask.pin_memory()
+        return {"input_ids": input_ids, "loss_mask": loss_mask, **batch}, lengths
+
+    def _capture(self, input_ids: torch.Tensor, lengths: list[int], sample_ids: list[str],
+                 indices: list[int]) -> dict[str, torch.Tensor]:
+        """{"hidden"} (+ "target_final") of the padded input_ids: one target forward, zeros on the padding, its
+        check deferred."""
+        width = input_ids.shape[1]
         attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         device = self.adapter.device
         # The target sees its own pad token on the padding; the batch keeps zeros there, as collate pads.
@@ -113,21 +137,24 @@ class ColocatedFeatureSource(FeatureSource):
                 features, final = self.adapter.capture_with_final(*inputs)
             else:
                 features = self.adapter.capture(*inputs)
-        sample_ids = [str(i) for i in rows["id"]]
         checks = [(feature_flags(features, lengths, self.layer_ids), self.layer_ids)]
         if final is not None:  # the KL target: a non-finite state would only surface as a NaN loss
             checks.append((feature_flags(final, lengths, ["final norm"]), ["final norm"]))
         for flags, names in checks:
-            self._defer_check(flags, sample_ids, names)
+            self._defer_check(flags, sample_ids, names, indices)
         padding = (mask_on_device == 0)[:, :, None]
-        batch = {"input_ids": input_ids, "loss_mask": loss_mask,
-                 "hidden": features.to(self.dtype).masked_fill_(padding, 0)}
+        batch = {"hidden": features.to(self.dtype).masked_fill_(padding, 0)}
         if final is not None:
             batch["target_final"] = final.masked_fill(padding, 0)
-        if pin_memory:
-            batch.update(input_ids=input_ids.pin_memory(), loss_mask=loss_mask.pin_memory())
-        self.tokens_captured += sum(lengths)
-        return batch, lengths
+        return batch
+
+    def summary(self) -> str:
+        """What the target's forward made this run, and what came from the kept first epoch."""
+        line = f"[train] colocated features: {self.tokens_captured:,} tokens captured"
+        if self.memory is not None:
+            line += (f", {self.tokens_recalled:,} read from host memory ({self.memory.bytes / 2**30:.2f} GiB kept, "
+                     f"{len(self.memory.where):,} samples)")
+        return line
 
     @staticmethod
     def _attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
@@ -141,21 +168,28 @@ class ColocatedFeatureSource(FeatureSource):
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
 
-    def _defer_check(self, flags: torch.Tensor, ids: list[str], names: list) -> None:
+    def _defer_check(self, flags: torch.Tensor, ids: list[str], names: list, indices: list[int]) -> None:
         if flags.device.type != "cuda":
-            self._pending.append((flags, ids, names, None))
+            self._pending.append((flags, ids, names, None, indices))
             return
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)  # lands when the stream gets there; `ready` says when
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(flags.device))  # the copy's stream, whichever device is current
-        self._pending.append((host, ids, names, ready))
+        self._pending.append((host, ids, names, ready, indices))
 
     def verify_features(self) -> None:
         """Raise ValueError naming the sample and tap of a pending batch whose features are non-finite or constant.
-        Waits only for the flags' copy, which a finished training step has passed long ago."""
+        Waits only for the flags' copy, which a finished training step has passed long ago. The samples of a failed
+        check, and of those not read yet, are not kept (the memory only ever gives back checked features)."""
         pending, self._pending = self._pending, []
-        for flags, ids, names, ready in pending:
+        for position, (flags, ids, names, ready, _) in enumerate(pending):
             if ready is not None:
                 ready.synchronize()
-            raise_on_bad_features(flags, ids, names)
+            try:
+                raise_on_bad_features(flags, ids, names)
+            except ValueError:
+                if self.memory is not None:
+                    for *_, unchecked in pending[position:]:
+                        self.memory.forget(unchecked)
+                raise

@@ -76,11 +76,13 @@ class FeatureCache:
         return load(file)
 
 
-def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, free_bytes: int) -> bool:
+def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, free_bytes: int,
+                  room_name: str = "its budget; the free disk less a margin for checkpoints") -> bool:
     """Whether to keep the first epoch: mode "true" (must fit, else ConfigError), "false", or "auto" (if it fits).
 
     It fits when the estimate is within `budget_bytes` (None: no budget of its own) and within `free_bytes`, the
-    disk room the cache may use (cache_room).
+    room the cache may use (the disk's, cache_room; the host memory's for colocated features, feature_memory.py),
+    which the error names as `room_name`.
     """
     if mode not in ("auto", "true", "false"):
         raise ConfigError(f"capture.cache={mode!r}: expected auto, true or false")
@@ -88,8 +90,7 @@ def cached_epochs(mode: str, estimated_bytes: int, budget_bytes: int | None, fre
     fits = estimated_bytes <= room
     if mode == "true" and not fits:
         raise ConfigError(f"capture.cache=true: one epoch of features takes {estimated_bytes / 2**30:.2f} GiB, more "
-                         f"than the {room / 2**30:.2f} GiB the cache may use (its budget; the free disk less a "
-                         "margin for checkpoints)")
+                         f"than the {room / 2**30:.2f} GiB the cache may use ({room_name})")
     return mode == "true" or (mode == "auto" and fits)
 
 

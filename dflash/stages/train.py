@@ -307,6 +307,8 @@ class TrainStage(Stage):
                               logit_transform=load_logit_transform(head_file))
             if online is not None:
                 online.finish(store, time.perf_counter() - started, rank, world_size)
+            elif settings.capture.mode == "colocated" and rank == 0:
+                logger.info(store.summary())
         finally:
             log.close()
         return state
@@ -368,7 +370,29 @@ class TrainStage(Stage):
                                    max_width=int(sample_lengths(dataset).max()),
                                    pad_id=target.tokenizer.pad_token_id)
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
-                                      final_hidden=final_hidden, static=static)
+                                      final_hidden=final_hidden, static=static,
+                                      memory=self.colocated_memory(dataset, info, final_hidden))
+
+    def colocated_memory(self, dataset, info: dict, final_hidden: bool):
+        """capture.cache: the FeatureMemory keeping the first epoch's colocated features for the later epochs
+        (dflash/extract/feature_memory.py), or None; sized from the dataset's tokens and the taps."""
+        from dflash.data.batch_plan import BatchPlan
+        from dflash.data.sample_sizes import sample_lengths
+        from dflash.train.feature_cache_choice import cache_mode
+        from dflash.extract.feature_memory import choose_feature_memory, epoch_bytes
+        from dflash.extract.store import store_dtype
+        from dflash.train.loop import count_steps
+
+        run, capture, t = self.context, self.context.settings.capture, self.context.settings.train
+        target = run.target
+        plan = BatchPlan(len(dataset), t.micro_batch_size, run.world_size, t.grad_accum, t.seed)
+        epochs = -(-count_steps(t, plan) // plan.steps_per_epoch)  # the epochs the steps reach
+        widths = {"hidden": (len(info["target_layer_ids"]) * target.hidden_size, store_dtype(info["dtype"]))}
+        if final_hidden:
+            widths["target_final"] = (target.hidden_size, target.dtype)
+        needed = epoch_bytes(int(sample_lengths(dataset).sum()), widths)
+        return choose_feature_memory(cache_mode(capture.cache), capture.cache_budget_bytes, needed, epochs=epochs,
+                                     world_size=run.world_size, pin_memory=run.device.type == "cuda")
 
 
 def set_drafter_aside(run: RunContext) -> str | None:

@@ -1,0 +1,175 @@
+"""capture.cache with capture=colocated: the first epoch's features kept in host memory, later micro-batches put
+together from there without the target's forward (dflash/extract/feature_memory.py)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+
+from dflash.config import ConfigError, compose, settings_from
+from dflash.data.dataset import load_dataset_dir
+from dflash.extract.colocated import ColocatedFeatureSource
+from dflash.extract.feature_memory import FeatureMemory, choose_feature_memory, epoch_bytes
+from dflash.pipeline import Pipeline
+
+LENGTHS = [5, 9, 3, 12, 7, 4]
+
+
+def token_dataset(adapter, lengths=LENGTHS) -> Dataset:
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(4, adapter.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    return Dataset.from_dict({"id": [f"s{i}" for i in range(len(rows))], "input_ids": rows,
+                              "loss_mask": [[0] * 2 + [1] * (len(r) - 2) for r in rows]})
+
+
+def counting_capture(monkeypatch, adapter) -> list[int]:
+    """Count the target's forwards (each appends its row count)."""
+    calls: list[int] = []
+    for name in ("capture", "capture_with_final"):
+        real = getattr(adapter, name)
+
+        def counted(ids, *args, real=real):
+            calls.append(ids.shape[0])
+            return real(ids, *args)
+
+        monkeypatch.setattr(adapter, name, counted)
+    return calls
+
+
+def test_rows_come_back_padded_as_kept_across_chunks_and_dtypes():
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024)  # 16 float32 rows of 16, 32 bfloat16 rows of 16
+    hidden = torch.randn(3, 10, 16)
+    final = torch.randn(3, 10, 16).to(torch.bfloat16)
+    memory.keep([7, 2, 7], [10, 4, 10], {"hidden": hidden, "target_final": final})  # 7 twice: kept once
+    memory.keep([5], [9], {"hidden": hidden[2:], "target_final": final[2:]})
+    assert len(memory.chunks["hidden"]) == 2 and len(memory.chunks["target_final"]) == 1  # 10 + 4, then 9
+    assert memory.bytes == 3 * 1024 and memory.holds([2, 5, 7]) and not memory.holds([2, 3])
+    batch = memory.recall([2, 5, 7], torch.device("cpu"))
+    assert batch["hidden"].shape == (3, 10, 16) and batch["target_final"].dtype == torch.bfloat16
+    for key, kept in (("hidden", hidden), ("target_final", final)):
+        assert torch.equal(batch[key][0, :4], kept[1, :4]) and not batch[key][0, 4:].any()
+        assert torch.equal(batch[key][1, :9], kept[2, :9]) and not batch[key][1, 9:].any()
+        assert torch.equal(batch[key][2], kept[0])
+    memory.forget([5])
+    assert not memory.holds([5]) and memory.holds([2, 7])
+    with pytest.raises(ValueError, match="a sample of 17 tokens does not fit"):
+        memory.keep([9], [17], {"hidden": torch.zeros(1, 17, 16)})
+
+
+@pytest.mark.parametrize("final_hidden", [False, True])
+def test_a_kept_micro_batch_skips_the_forward_and_equals_its_capture(tiny_target, monkeypatch, final_hidden):
+    adapter = tiny_target("llama")
+    dataset = token_dataset(adapter)
+    source = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", final_hidden=final_hidden,
+                                    memory=FeatureMemory(pin_memory=False))
+    calls = counting_capture(monkeypatch, adapter)
+    first, _ = source.get_batch([3, 0, 4])
+    source.verify_features()
+    again, lengths = source.get_batch([4, 3])  # both kept: no forward
+    assert calls == [3] and lengths == [7, 12]
+    assert again.keys() == first.keys() == ({"input_ids", "loss_mask", "hidden"} | ({"target_final"} if final_hidden
+                                                                                  else set()))
+    for key in again.keys() - {"input_ids", "loss_mask"}:
+        assert torch.equal(again[key][0, :7], first[key][2, :7]) and torch.equal(again[key][1], first[key][0, :12])
+        assert not again[key][0, 7:].any()
+    source.get_batch([0, 1])  # sample 1 is not kept: one forward of both, and sample 1 is kept from it
+    assert calls == [3, 2] and source.memory.holds([0, 1, 3, 4])
+    plain = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", final_hidden=final_hidden)
+    expected, _ = plain.get_batch([4, 3])
+    for key, value in expected.items():
+        torch.testing.assert_close(again[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    assert (source.tokens_captured, source.tokens_recalled) == (12 + 5 + 7 + 5 + 9, 7 + 12)
+    assert re.search(r"38 tokens captured, 19 read from host memory \(0\.\d\d GiB kept, 4 samples\)", source.summary())
+
+
+def test_a_batch_whose_check_fails_is_not_kept(tiny_target, monkeypatch):
+    adapter = tiny_target("llama")
+    source = ColocatedFeatureSource(adapter, token_dataset(adapter), [0, 1], "float32",
+                                    memory=FeatureMemory(pin_memory=False))
+    real = adapter.capture
+    monkeypatch.setattr(adapter, "capture", lambda *a: real(*a).index_fill(2, torch.tensor([0]), float("nan")))
+    source.get_batch([2, 3])
+    assert source.memory.holds([2, 3])  # kept while the check is pending
+    with pytest.raises(ValueError, match="non-finite"):
+        source.verify_features()
+    assert not source.memory.holds([2]) and not source.memory.holds([3])
+
+
+def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
+    from dflash.extract import feature_memory
+
+    monkeypatch.setattr(feature_memory.psutil, "virtual_memory", lambda: type("M", (), {"available": 8 * 2**30}))
+    choose = choose_feature_memory
+    caplog.set_level(logging.INFO, logger="dflash.extract.feature_memory")
+    assert choose("false", None, 10, epochs=5, world_size=1, pin_memory=False) is None
+    assert choose("auto", None, 10, epochs=1, world_size=1, pin_memory=False) is None
+    assert "training runs one epoch" in caplog.text
+    assert choose("auto", None, 10, epochs=3, world_size=2, pin_memory=False) is None
+    assert "each of the 2 trainer ranks captures other samples" in caplog.text
+    with pytest.raises(ConfigError, match="capture.cache=true with capture=colocated keeps a rank's own samples"):
+        choose("true", None, 10, epochs=3, world_size=2, pin_memory=False)
+    caplog.clear()
+    assert choose("auto", None, 5 * 2**30, epochs=3, world_size=1, pin_memory=False) is None  # over half of 8 GiB
+    assert "5.00 GiB, more than the 4.00 GiB of 50% of the 8.0 GiB of host memory available" in caplog.text
+    with pytest.raises(ConfigError, match=r"takes 5.00 GiB, more than the 4.00 GiB the cache may use \(50% of"):
+        choose("true", None, 5 * 2**30, epochs=3, world_size=1, pin_memory=False)
+    assert isinstance(choose("auto", 6 * 2**30, 5 * 2**30, epochs=3, world_size=1, pin_memory=False), FeatureMemory)
+    assert choose("auto", 2**30, 5 * 2**30, epochs=3, world_size=1, pin_memory=False) is None  # its own budget
+    assert choose("auto", 16 * 2**30, 9 * 2**30, epochs=3, world_size=1, pin_memory=False) is None  # > available
+    memory = choose("true", None, 2**30, epochs=2, world_size=1, pin_memory=False)
+    assert isinstance(memory, FeatureMemory) and "kept in host memory for the later epochs" in caplog.text
+    assert epoch_bytes(10, {"hidden": (6, torch.bfloat16), "target_final": (3, torch.float32)}) == 10 * (12 + 12)
+
+
+def test_a_colocated_run_captures_each_sample_once(tmp_path):
+    """The tiny run trains 3 epochs on one rank: the first epoch's micro-batches are captured (its placeholders, which
+    repeat samples, too), the later ones read from memory; without the cache every micro-batch is captured."""
+
+    def tokens(cache: str) -> tuple[int, int | None]:
+        run_dir = tmp_path / cache
+        Pipeline(compose(["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]",
+                          f"run_dir={run_dir}", "capture=colocated", f"capture.cache={cache}"])).run()
+        log = next((run_dir / "logs").glob("*.log")).read_text()
+        found = re.search(r"colocated features: ([\d,]+) tokens captured(?:, ([\d,]+) read)?", log).groups()
+        return tuple(None if n is None else int(n.replace(",", "")) for n in found)
+
+    captured, recalled = tokens("auto")
+    every_epoch, none = tokens("false")
+    dataset = sum(len(row) for row in load_dataset_dir(tmp_path / "auto" / "data")["input_ids"])
+    assert none is None and captured + recalled == every_epoch
+    assert dataset <= captured < 1.2 * dataset and recalled > captured
+
+
+@pytest.mark.parametrize("override,message", [
+    ("capture.cache=sometimes", "capture.cache='sometimes': expected auto, true or false"),
+    ("capture.cache_budget_bytes=0", "capture.cache_budget_bytes=0: expected a number > 0"),
+])
+def test_bad_cache_settings_are_named_when_composed(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        settings_from(compose(["+experiment=tiny", "capture=colocated", override]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (page-locked memory, asynchronous copies)")
+def test_on_cuda_kept_rows_come_back_without_a_host_wait():
+    memory = FeatureMemory(pin_memory=True)
+    hidden = torch.randn(2, 12, 32, device="cuda")
+    memory.keep([0, 1], [12, 5], {"hidden": hidden})
+    assert memory.chunks["hidden"][0].is_pinned()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            memory.keep([2], [12], {"hidden": hidden[:1] * 2})
+            batch = memory.recall([1, 2, 0], torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not [w for w in caught if "synchroniz" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(batch["hidden"][0, :5], hidden[1, :5]) and not batch["hidden"][0, 5:].any()
+    assert torch.equal(batch["hidden"][1], hidden[0] * 2) and torch.equal(batch["hidden"][2], hidden[0])
