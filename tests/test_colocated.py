@@ -112,8 +112,13 @@ def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned copies, events, SDPA kernels)")
-def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(colocated_run, monkeypatch):
-    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "device=cuda:0"]))
+def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(tmp_path):
+    # The data and capture stages of a run of its own: a machine with a GPU refuses training with device=cpu, as the
+    # module's run (colocated_run) has it.
+    overrides = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "capture=colocated",
+                 "device=cuda:0"]
+    Pipeline(compose(overrides + ["stages=[data,capture]"])).run()
+    pipeline = Pipeline(compose(overrides))
     source = pipeline.train.colocated_source()
     batch, _ = source.get_batch([4, 1, 6], pin_memory=True)
     assert batch["input_ids"].is_pinned() and batch["hidden"].device.type == "cuda"

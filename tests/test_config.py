@@ -515,6 +515,21 @@ def test_flex_attention_is_refused_only_where_the_train_stage_would_run_on_the_c
     check(False, "stages=[eval]")  # evaluating a drafter trained with flex elsewhere
 
 
+def test_training_on_the_cpu_of_a_machine_with_a_gpu_is_refused_with_the_way_to_do_it(monkeypatch):
+    """DeepSpeed takes the GPU it finds as its accelerator (dflash/train/engine.py), so a run with device=cpu there
+    failed at its first step (the drafter on the GPU, the frozen head on the CPU: on an H100, session 35)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=re.escape("set device=auto to train on the GPU, or hide it to train on the "
+                                                    "CPU (CUDA_VISIBLE_DEVICES= python -m dflash.train ...)")):
+        settings_from(compose(["+experiment=tiny"]))  # the tiny experiment sets device=cpu
+    assert settings_from(compose(["+experiment=tiny", "device=auto"])).device == "auto"
+    settings_from(compose(["+experiment=tiny", "stages=[data,capture]"]))  # no training: the CPU serves
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    settings_from(compose(["+experiment=tiny"]))
+
+
 @pytest.mark.parametrize("overrides,warning", [
     (["capture=colocated", "capture.shard_tokens=400"], "capture.shard_tokens=400 is ignored: only capture=offline"),
     (["capture=colocated", "capture.devices=[0,1]"], "capture.devices=[0, 1] is ignored: capture=colocated runs"),

@@ -61,6 +61,30 @@ def test_rows_come_back_padded_as_kept_across_chunks_and_dtypes():
         memory.keep([9], [17], {"hidden": torch.zeros(1, 17, 16)})
 
 
+def test_chunks_are_allocated_ahead_in_the_background_up_to_the_expected_size(monkeypatch):
+    import threading
+
+    threads = []
+    real = FeatureMemory._allocate
+
+    def allocate(self):
+        threads.append(threading.current_thread().name.split("_")[0])
+        return real(self)
+
+    monkeypatch.setattr(FeatureMemory, "_allocate", allocate)
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=2 * 1024)  # 2 chunks of 16 rows
+    memory._next.result()
+    assert threads == ["dflash-feature-memory"]  # the first chunk, before any sample is kept
+    memory.keep([0], [10], {"hidden": torch.randn(1, 10, 16)})
+    memory._next.result()
+    assert threads == ["dflash-feature-memory"] * 2  # the second, while the first fills
+    memory.keep([1], [10], {"hidden": torch.randn(1, 10, 16)})  # takes the second: the expected size is reached
+    assert memory._next is None and len(memory.chunks["hidden"]) == 2
+    memory.keep([2], [10], {"hidden": torch.randn(1, 10, 16)})  # more than expected: allocated when needed
+    assert threads == ["dflash-feature-memory"] * 2 + ["MainThread"] and memory._next is None
+    assert memory.recall([0, 1, 2], torch.device("cpu"))["hidden"].shape == (3, 10, 16)
+
+
 @pytest.mark.parametrize("final_hidden", [False, True])
 def test_a_kept_micro_batch_skips_the_forward_and_equals_its_capture(tiny_target, monkeypatch, final_hidden):
     adapter = tiny_target("llama")

@@ -33,10 +33,9 @@ def test_only_the_window_is_profiled_and_written_once(tmp_path):
 
 
 def profiled_run(run_dir: str) -> None:
-    """The run of the test below, in the process of its own that it needs: on the CPU, also where a GPU is (the
-    test reads the CPU's table; tests/test_step_profile.py's CUDA test reads the GPU's)."""
-    run_command(compose(["+experiment=tiny", "device=cpu", "show_progress=false", f"run_dir={run_dir}",
-                         "train.max_steps=3", "train.profile_steps=2:2", "stages=[data,capture,train]"]))
+    """The run of the test below, in the process of its own that it needs."""
+    run_command(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "train.max_steps=3",
+                         "train.profile_steps=2:2", "stages=[data,capture,train]"]))
 
 
 def test_a_run_writes_its_profile_next_to_the_checkpoints(tmp_path):

@@ -834,6 +834,10 @@ class RunSettings:
             raise ConfigError(f"data.max_new_tokens={self.data.max_new_tokens}: expected an int >= 2 with data.heldout="
                               f"{self.data.heldout} (the held-out replay drafts after an answer's first token), or "
                               f"data.heldout=0")
+        if self.device == "cpu" and "train" in self.stages and _is_cuda("auto"):
+            raise ConfigError("device=cpu trains on the CPU, and DeepSpeed drives the GPU this machine has whatever "
+                              "device says, so the run would fail at its first step: set device=auto to train on the "
+                              "GPU, or hide it to train on the CPU (CUDA_VISIBLE_DEVICES= python -m dflash.train ...)")
         if self.train.attention == "flex" and "train" in self.stages and not _is_cuda(self.device):
             where = "device=auto finds no GPU here" if self.device == "auto" else f"device={self.device}"
             raise ConfigError(f"train.attention=flex trains only on CUDA (torch has no FlexAttention backward on CPU) "
