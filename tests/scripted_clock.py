@@ -40,9 +40,9 @@ class SlowHeldout:
 
 
 def scripted_steps(monkeypatch, clock: ScriptedClock, seconds, sigterm_at: int | None = None) -> None:
-    """Step k (1-based, counted in this run) takes seconds(k) (one micro-batch per step in these runs); with
-    sigterm_at, a SIGTERM arrives during that step."""
-    prepare = loop.prepare_micro_batch
+    """Step k (1-based, counted in this run) takes seconds(k); with sigterm_at, a SIGTERM arrives during that
+    step."""
+    train_step = loop.train_step
     calls = [0]
 
     def timed(*args, **kwargs):
@@ -52,10 +52,10 @@ def scripted_steps(monkeypatch, clock: ScriptedClock, seconds, sigterm_at: int |
             if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
                 pytest.fail("the loop's SIGTERM handler is not installed")
             signal.raise_signal(signal.SIGTERM)
-        return prepare(*args, **kwargs)
+        return train_step(*args, **kwargs)
 
     monkeypatch.setattr(loop, "clock", clock)
-    monkeypatch.setattr(loop, "prepare_micro_batch", timed)
+    monkeypatch.setattr(loop, "train_step", timed)
 
 
 def budget_run(out, minutes: float | None, *, epochs: int = 20, heldout=None, eval_every: int = 0,

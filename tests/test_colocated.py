@@ -77,8 +77,8 @@ def test_a_padded_batch_is_what_collate_makes_of_the_samples(colocated_run):
 
 def test_a_bad_feature_is_named_after_the_step_not_during_it(colocated_run, monkeypatch):
     """get_batch queues the check without waiting for the device; verify_features (the loop calls it after each
-    step) or the next get_batch raises, naming the sample and tap."""
-    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated"]))
+    step) raises, naming the sample and tap, and leaves the checks of the batches made ahead pending."""
+    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "capture.cache=false"]))
     source = pipeline.train.colocated_source()
     real = pipeline.adapter.capture
     monkeypatch.setattr(pipeline.adapter, "capture",
@@ -88,12 +88,18 @@ def test_a_bad_feature_is_named_after_the_step_not_during_it(colocated_run, monk
                                          "non-finite"):
         source.verify_features()
     source.verify_features()  # a raised check is gone
-    source.get_batch([2])
-    with pytest.raises(ValueError, match="non-finite"):
-        source.get_batch([3])  # an unread check is read before the next batch
+    source.get_batch([4])
+    source.get_batch([5])  # made ahead for the next step
+    with pytest.raises(ValueError, match=f"sample '{source.dataset[4]['id']}'"):
+        source.verify_features(leave=1)
+    source.get_batch([6])
+    source.verify_features(leave=1)  # only the newest is pending, and it stays so
+    with pytest.raises(ValueError, match=f"sample '{source.dataset[6]['id']}'"):
+        source.verify_features()
 
 
-def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch, ahead):
     from dflash.extract import colocated
 
     real = colocated.feature_flags
@@ -105,8 +111,9 @@ def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch):
 
     monkeypatch.setattr(colocated, "feature_flags", bad_on_the_second_batch)
     with pytest.raises(ValueError, match="has non-finite hidden states"):
-        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated"])).run()
-    assert len(calls) == 2  # raised after step 2, before a third batch was captured
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated", f"train.prepare_ahead={ahead}"])).run()
+    # Raised after step 2; the third batch was made during step 2 (train.prepare_ahead) and dropped, or never made.
+    assert len(calls) == (3 if ahead else 2)
     assert len(losses(tmp_path)) == 1  # step 2 was never logged (nor saved)
 
 

@@ -274,6 +274,7 @@ UNUSED = [
     ("train.group_by", "train.group_by=work", [], ["train.group_by_length=4"]),
     ("train.heldout_max_new_tokens", "train.heldout_max_new_tokens=8", [], ["data.heldout=4"]),
     ("train.heldout_batch_size", "train.heldout_batch_size=2", [], ["data.heldout=4"]),
+    ("train.prepare_ahead", "train.prepare_ahead=false", ["capture=online"], []),
     ("eval.seed", "eval.seed=3", [], ["eval.temperature=0.7"]),
     ("eval.measure_target", "eval.measure_target=false", [], ["eval.mode=live"]),
     ("eval.live_engine", "eval.live_engine=hf", [], ["eval.mode=live"]),

@@ -467,6 +467,10 @@ def _unless_dpace(train: Any, run: Any) -> str:
     return "" if train.loss_weighting == "dpace" else "only train.loss_weighting=dpace uses it"
 
 
+def _if_online(train: Any, run: Any) -> str:
+    return "capture=online takes each micro-batch in its own step" if run.capture.mode == "online" else ""
+
+
 def _unless_grouped(train: Any, run: Any) -> str:
     return "" if train.group_by_length else "train.group_by_length is 0 (no grouping)"
 
@@ -526,6 +530,9 @@ class TrainSettings:
                                            "updates skipped) that stop training")
     peak_tflops: Any = setting("auto", affects=(), doc="per-GPU peak for MFU; auto = measure a bf16 matmul")
     compile: bool = setting(False, affects=(), doc="torch.compile each drafter layer")
+    prepare_ahead: bool = setting(True, affects=(), unused=_if_online,
+                                  doc="make the next step's micro-batches while the GPU runs this step's backward, "
+                                      "before the optimizer step waits for it (dflash/train/step_batches.py)")
     activation_checkpointing: bool = setting(False, affects=(), doc="recompute drafter layers in backward")
     eval_every: int = setting(0, affects=("train",),
                               doc="held-out acceptance every N steps (0 = only at the last step); picks the best "

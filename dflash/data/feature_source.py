@@ -10,8 +10,11 @@ A micro-batch is its samples right-padded to the longest one (`collate`): zeros,
 
 The trainer asks for micro-batches in the order its BatchPlan fixes (dflash/data/batch_plan.py: every slot of
 every global batch of every epoch, placeholders included), from the step it resumes at, and calls
-`verify_features` after each optimizer step. A source may rely on that order (the online stream is produced in
-it and refuses another); a random-access source (the offline store, colocated capture) serves any order.
+`verify_features(leave=k)` after each optimizer step: the checks of the batches that step trained on, not of the k
+it made ahead for the next step (train.prepare_ahead, dflash/train/step_batches.py: during a step's backward, and
+dropped when the run ends first). A source may rely on that order (the online stream is produced in it and refuses
+another: its `serves_ahead()` is False, so none are made ahead); a random-access source (the offline store,
+colocated capture) serves any order.
 
 Resume: a source is built for the run as it restarts, and the trainer's first request is the first micro-batch of
 the step it resumes at. A random-access source needs nothing for that; a streaming source must begin its stream
@@ -81,8 +84,13 @@ class FeatureSource(Protocol):
         """The samples `indices` right-padded as `collate` pads them. pin_memory: CPU tensors page-locked."""
         return collate([self[index] for index in indices], pin_memory)
 
-    def verify_features(self) -> None:
-        """Raise ValueError for features handed out whose deferred check failed (none pending: nothing)."""
+    def serves_ahead(self) -> bool:
+        """Whether the trainer may ask for the next step's micro-batches during the current step (StepBatches)."""
+        return True
+
+    def verify_features(self, leave: int = 0) -> None:
+        """Raise ValueError for features handed out whose deferred check failed (none pending: nothing); the checks
+        of the `leave` micro-batches handed out last stay pending."""
 
 
 class SampleList(FeatureSource):

@@ -70,9 +70,9 @@ class ColocatedFeatureSource(FeatureSource):
                              f"{static.final_hidden}), not {self.layer_ids} ({final_hidden})")
         self.static, self.memory = static, memory
         self.tokens_captured = self.tokens_recalled = 0
-        # Checks not read yet: (flags on the host once `ready` has passed, sample ids, tap names, ready event, the
-        # samples' indices).
-        self._pending: list[tuple[torch.Tensor, list[str], list, torch.cuda.Event | None, list[int]]] = []
+        # Per micro-batch handed out and not verified yet: its samples' indices and its checks (flags on the host
+        # once `ready` has passed, sample ids, tap names, ready event); a batch read back from memory has none.
+        self._pending: list[tuple[list[int], list[tuple[torch.Tensor, list[str], list, torch.cuda.Event | None]]]] = []
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -90,8 +90,8 @@ class ColocatedFeatureSource(FeatureSource):
 
     def get_batch(self, indices: list[int], pin_memory: bool = False) -> tuple[dict[str, torch.Tensor], list[int]]:
         """(the micro-batch right-padded to its longest sample, as `batches.collate` pads stored samples (zeros,
-        loss_mask 0); each sample's length). pin_memory: input_ids / loss_mask in page-locked host memory."""
-        self.verify_features()
+        loss_mask 0); each sample's length). pin_memory: input_ids / loss_mask in page-locked host memory. Its
+        check stays pending until verify_features."""
         rows = self._rows[list(indices)]
         ids, masks = rows["input_ids"], rows["loss_mask"]
         lengths = [len(row) for row in ids]
@@ -108,9 +108,11 @@ class ColocatedFeatureSource(FeatureSource):
         input_ids, loss_mask = torch.from_numpy(padded_ids), torch.from_numpy(padded_mask)
         if self.memory is not None and self.memory.holds(indices):
             batch = self.memory.recall(indices, self.adapter.device)  # checked when they were captured
+            self._pending.append((list(indices), []))
             self.tokens_recalled += sum(lengths)
         else:
-            batch = self._capture(input_ids, lengths, [str(i) for i in rows["id"]], list(indices))
+            batch, checks = self._capture(input_ids, lengths, [str(i) for i in rows["id"]])
+            self._pending.append((list(indices), checks))
             if self.memory is not None:
                 self.memory.keep(indices, lengths, batch)
             self.tokens_captured += sum(lengths)
@@ -118,10 +120,10 @@ class ColocatedFeatureSource(FeatureSource):
             input_ids, loss_mask = input_ids.pin_memory(), loss_mask.pin_memory()
         return {"input_ids": input_ids, "loss_mask": loss_mask, **batch}, lengths
 
-    def _capture(self, input_ids: torch.Tensor, lengths: list[int], sample_ids: list[str],
-                 indices: list[int]) -> dict[str, torch.Tensor]:
-        """{"hidden"} (+ "target_final") of the padded input_ids: one target forward, zeros on the padding, its
-        check deferred."""
+    def _capture(self, input_ids: torch.Tensor, lengths: list[int],
+                 sample_ids: list[str]) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+        """({"hidden"} (+ "target_final") of the padded input_ids: one target forward, zeros on the padding; its
+        checks, deferred (`_defer_check`))."""
         width = input_ids.shape[1]
         attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         device = self.adapter.device
@@ -137,16 +139,15 @@ class ColocatedFeatureSource(FeatureSource):
                 features, final = self.adapter.capture_with_final(*inputs)
             else:
                 features = self.adapter.capture(*inputs)
-        checks = [(feature_flags(features, lengths, self.layer_ids), self.layer_ids)]
+        flags = [(feature_flags(features, lengths, self.layer_ids), self.layer_ids)]
         if final is not None:  # the KL target: a non-finite state would only surface as a NaN loss
-            checks.append((feature_flags(final, lengths, ["final norm"]), ["final norm"]))
-        for flags, names in checks:
-            self._defer_check(flags, sample_ids, names, indices)
+            flags.append((feature_flags(final, lengths, ["final norm"]), ["final norm"]))
+        checks = [self._defer_check(batch_flags, sample_ids, names) for batch_flags, names in flags]
         padding = (mask_on_device == 0)[:, :, None]
         batch = {"hidden": features.to(self.dtype).masked_fill_(padding, 0)}
         if final is not None:
             batch["target_final"] = final.masked_fill(padding, 0)
-        return batch
+        return batch, checks
 
     def summary(self) -> str:
         """What the target's forward made this run, and what came from the kept first epoch."""
@@ -168,28 +169,33 @@ class ColocatedFeatureSource(FeatureSource):
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
 
-    def _defer_check(self, flags: torch.Tensor, ids: list[str], names: list, indices: list[int]) -> None:
+    @staticmethod
+    def _defer_check(flags: torch.Tensor, ids: list[str], names: list) -> tuple:
+        """(the flags, on the host once `ready` has passed (None: they are already), ids, names, ready)."""
         if flags.device.type != "cuda":
-            self._pending.append((flags, ids, names, None, indices))
-            return
+            return flags, ids, names, None
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)  # lands when the stream gets there; `ready` says when
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(flags.device))  # the copy's stream, whichever device is current
-        self._pending.append((host, ids, names, ready, indices))
+        return host, ids, names, ready
 
-    def verify_features(self) -> None:
-        """Raise ValueError naming the sample and tap of a pending batch whose features are non-finite or constant.
+    def verify_features(self, leave: int = 0) -> None:
+        """Raise ValueError naming the sample and tap of a pending batch whose features are non-finite or constant;
+        the `leave` newest batches stay pending (made ahead for the next step, dflash/train/step_batches.py).
         Waits only for the flags' copy, which a finished training step has passed long ago. The samples of a failed
-        check, and of those not read yet, are not kept (the memory only ever gives back checked features)."""
-        pending, self._pending = self._pending, []
-        for position, (flags, ids, names, ready, _) in enumerate(pending):
-            if ready is not None:
-                ready.synchronize()
-            try:
-                raise_on_bad_features(flags, ids, names)
-            except ValueError:
-                if self.memory is not None:
-                    for *_, unchecked in pending[position:]:
-                        self.memory.forget(unchecked)
-                raise
+        check, and of the batches not read yet, are not kept (the memory only ever gives back checked features)."""
+        split = max(len(self._pending) - leave, 0)
+        pending, self._pending = self._pending[:split], self._pending[split:]
+        for position, (_, checks) in enumerate(pending):
+            for flags, ids, names, ready in checks:
+                if ready is not None:
+                    ready.synchronize()
+                try:
+                    raise_on_bad_features(flags, ids, names)
+                except ValueError:
+                    if self.memory is not None:
+                        for unchecked, _ in pending[position:] + self._pending:
+                            self.memory.forget(unchecked)
+                    self._pending = []
+                    raise

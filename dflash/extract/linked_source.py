@@ -108,6 +108,11 @@ class LinkedFeatureSource(FeatureSource):
         keep = self.cache.put if self.cache is not None else None
         return unit, unit.receive(recv, self.link.wire, pin_memory, keep)
 
+    def serves_ahead(self) -> bool:
+        """No: units are taken in their own step. They come point to point against credits, and one taken ahead
+        would put a receive between the trainer ranks' collectives of the step before, which nothing has tested."""
+        return False
+
     def micro_batch(self, indices: Sequence[int], pin_memory: bool = False) -> Sample:
         if not self.credited:
             return self._cached(indices, pin_memory)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from dflash.train.heldout_tracker import HeldoutTracker, check_heldout
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.objective import block_target_hidden, loss_normaliser, target_labels, weighted_block_loss
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
+from dflash.train.step_batches import StepBatches
 from dflash.train.step_profile import StepProfiler, profile_path
 from dflash.train.step_records import StepRecords
 from dflash.train.stop_signal import StopSignal
@@ -94,7 +95,8 @@ def build_engine(settings: TrainSettings, deepspeed: DeepSpeedSettings | None, d
 
 def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.Tensor, micro_batches: list[dict],
                settings: TrainSettings, world_size: int, attention: str = "sdpa",
-               logit_transform: LogitTransform | None = None) -> dict[str, float]:
+               logit_transform: LogitTransform | None = None,
+               before_update: Callable[[], None] | None = None) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches; returns the step's global loss, accuracies, FLOPs.
 
     The denominator is counted before any forward: the exp-decay weight sum, or for D-PACE (whose weights exist
@@ -102,6 +104,8 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     With settings.kl_weight > 0 or settings.labels == "target" every micro-batch must hold "target_final"
     [b, T, H] (colocated capture).
     logit_transform: the target's final logit transform, which the loss applies to the head's logits.
+    before_update: called after the last micro-batch's backward is launched, before the optimizer step waits for the
+    GPU (the loop makes the next step's micro-batches there, dflash/train/step_batches.py).
     """
     device = engine.device
     local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting) for batch in micro_batches)
@@ -110,7 +114,7 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     total_weight = global_sum(local_weight).clamp_min(1e-12)
     block_size = micro_batches[0]["labels"].shape[-1]
     totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted
-    for batch in micro_batches:
+    for index, batch in enumerate(micro_batches):
         # Queued copies that never wait for the GPU (a blocking host-to-device copy stalls the host until the
         # stream drains, leaving the GPU idle while the next kernels are launched).
         batch = batch_to_device(batch, device, engine.dtype)
@@ -135,6 +139,8 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
             scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
         with record_function(PHASE_BACKWARD):
             engine.backward(scaled)
+        if before_update is not None and index == len(micro_batches) - 1:
+            before_update()
         with record_function(PHASE_OPTIMIZER):
             engine.step()
         tokens = batch["input_ids"].shape[0] * batch["input_ids"].shape[1]
@@ -227,11 +233,12 @@ def prepare_batches(store: FeatureSource | Sequence[Sample], plan: BatchPlan, st
         ]
 
 
-def check_features(store: FeatureSource | Sequence[Sample]) -> None:
+def check_features(store: FeatureSource | Sequence[Sample], made_ahead: int) -> None:
     """The source's deferred feature checks of this step, read after the step's sync (colocated capture defers
-    them; the other sources check as they read and have none pending)."""
+    them; the other sources check as they read and have none pending); those of the `made_ahead` micro-batches of
+    the next step stay pending."""
     with record_function(PHASE_CHECKS):
-        as_feature_source(store).verify_features()
+        as_feature_source(store).verify_features(leave=made_ahead)
 
 
 def show_step(progress: tqdm, metrics: dict[str, float]) -> None:
@@ -279,16 +286,18 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     records = StepRecords(log, engine, first_step=step, log_every=settings.log_every,
                           steps_per_epoch=plan.steps_per_epoch, peak_tflops=peak_tflops, world_size=world_size,
                           budgeted=pace.budget is not None, entered=entered, announce=rank == 0, clock=clock)
+    block_size = drafter_config.block_size
+    batches = StepBatches(lambda at: prepare_batches(store, plan, at, settings, block_size, rank, device),
+                          ahead=settings.prepare_ahead and as_feature_source(store).serves_ahead())
     with StopSignal() as stop, contextlib.ExitStack() as cleanup:  # a SIGTERM: finish the step, save it, stop
         cleanup.callback(progress.close)
         cleanup.callback(lambda: profiler.close(step))  # however the loop ends, the profiler stops here
         while step < total_steps:
             profiler.before_step(step + 1)
             started = clock()
-            micro_batches = prepare_batches(store, plan, step, settings, drafter_config.block_size, rank, device)
-            metrics = train_step(engine, embed_weight, lm_head, micro_batches, settings, world_size, attention,
-                                 logit_transform)
-            check_features(store)
+            metrics = train_step(engine, embed_weight, lm_head, batches.of(step), settings, world_size, attention,
+                                 logit_transform, before_update=lambda: batches.make_ahead(step + 1, total_steps))
+            check_features(store, batches.pending)
             step += 1
             records.add_step(metrics, step, started)
             divergence.after_step(engine, step, metrics)  # stops after train.max_nonfinite_steps in a row
