@@ -93,13 +93,19 @@ def test_a_bad_feature_is_named_after_the_step_not_during_it(colocated_run, monk
     with pytest.raises(ValueError, match=f"sample '{source.dataset[4]['id']}'"):
         source.verify_features(leave=1)
     source.get_batch([6])
-    source.verify_features(leave=1)  # only the newest is pending, and it stays so
+    with pytest.raises(ValueError, match=f"sample '{source.dataset[5]['id']}'"):
+        source.verify_features(leave=1)  # the batch after a failed one stayed pending; the newest stays so now
     with pytest.raises(ValueError, match=f"sample '{source.dataset[6]['id']}'"):
         source.verify_features()
+    source.verify_features()  # nothing left
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch, ahead):
+@pytest.mark.parametrize("ahead,accum,captured,logged", [(True, 1, 3, 1), (False, 1, 2, 1), (True, 2, 4, 0),
+                                                          (False, 2, 2, 0)])
+def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch, ahead, accum, captured, logged):
+    """The second micro-batch's features are bad: with one micro-batch a step, step 2 is the bad one; with two,
+    step 1. Made ahead (train.prepare_ahead), the next step's micro-batches were captured during the bad step and
+    are dropped."""
     from dflash.extract import colocated
 
     real = colocated.feature_flags
@@ -111,10 +117,10 @@ def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch, a
 
     monkeypatch.setattr(colocated, "feature_flags", bad_on_the_second_batch)
     with pytest.raises(ValueError, match="has non-finite hidden states"):
-        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated", f"train.prepare_ahead={ahead}"])).run()
-    # Raised after step 2; the third batch was made during step 2 (train.prepare_ahead) and dropped, or never made.
-    assert len(calls) == (3 if ahead else 2)
-    assert len(losses(tmp_path)) == 1  # step 2 was never logged (nor saved)
+        Pipeline(compose(TINY + [f"run_dir={tmp_path}", "capture=colocated", f"train.prepare_ahead={ahead}",
+                                 f"train.grad_accum={accum}"])).run()
+    assert len(calls) == captured
+    assert len(losses(tmp_path)) == logged  # the bad step was never logged (nor saved)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ from datasets import Dataset
 from dflash.config import ConfigError, compose, settings_from
 from dflash.data.dataset import load_dataset_dir
 from dflash.extract.colocated import ColocatedFeatureSource
-from dflash.extract.feature_memory import FeatureMemory, choose_feature_memory, epoch_bytes
+from dflash.extract.feature_memory import CHUNK_BYTES, FeatureMemory, allocation_bytes, choose_feature_memory, \
+    chunk_size
 from dflash.pipeline import Pipeline
 
 LENGTHS = [5, 9, 3, 12, 7, 4]
@@ -48,7 +49,7 @@ def test_rows_come_back_padded_as_kept_across_chunks_and_dtypes():
     memory.keep([7, 2, 7], [10, 4, 10], {"hidden": hidden, "target_final": final})  # 7 twice: kept once
     memory.keep([5], [9], {"hidden": hidden[2:], "target_final": final[2:]})
     assert len(memory.chunks["hidden"]) == 2 and len(memory.chunks["target_final"]) == 1  # 10 + 4, then 9
-    assert memory.bytes == 3 * 1024 and memory.holds([2, 5, 7]) and not memory.holds([2, 3])
+    assert memory.allocated_bytes == 3 * 1024 and memory.holds([2, 5, 7]) and not memory.holds([2, 3])
     batch = memory.recall([2, 5, 7], torch.device("cpu"))
     assert batch["hidden"].shape == (3, 10, 16) and batch["target_final"].dtype == torch.bfloat16
     for key, kept in (("hidden", hidden), ("target_final", final)):
@@ -59,6 +60,38 @@ def test_rows_come_back_padded_as_kept_across_chunks_and_dtypes():
     assert not memory.holds([5]) and memory.holds([2, 7])
     with pytest.raises(ValueError, match="a sample of 17 tokens does not fit"):
         memory.keep([9], [17], {"hidden": torch.zeros(1, 17, 16)})
+    memory.close()
+    assert memory.allocated_bytes == 0 and not memory.holds([2])
+
+
+def test_chunks_hold_the_longest_sample_and_the_epoch_is_sized_with_their_unused_ends():
+    hidden = {"hidden": (5 * 576, torch.bfloat16)}  # the SmolLM2 recipes: 5,760 bytes a token
+    assert chunk_size(1024, hidden) == CHUNK_BYTES
+    wide = {"hidden": (5 * 5120, torch.float32), "target_final": (5120, torch.float32)}  # a 27B target in float32
+    assert chunk_size(4096, wide) == 1 << 29  # 4,096 x 102,400 bytes need 400 MiB: 512 MiB chunks
+    assert FeatureMemory(False, 1 << 29)._append("hidden", torch.zeros(4096, 5 * 5120)) == (0, 0)
+    per_chunk = CHUNK_BYTES // 5760  # 46,603 rows
+    assert allocation_bytes(per_chunk - 1024, 1024, hidden, CHUNK_BYTES) == 2 * CHUNK_BYTES
+    tokens = 6_799_495  # the GPU default's epoch: 36.5 GiB of rows in 151 chunks at most
+    assert allocation_bytes(tokens, 1024, hidden, CHUNK_BYTES) == 151 * CHUNK_BYTES
+    assert allocation_bytes(tokens, 1024, {**hidden, "target_final": (576, torch.bfloat16)}, CHUNK_BYTES) \
+        == (151 + 31) * CHUNK_BYTES
+
+
+def test_memory_that_cannot_be_page_locked_ends_the_keeping_not_the_run(monkeypatch, caplog):
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024)
+    memory.keep([0], [10], {"hidden": torch.randn(1, 10, 16)})
+
+    def refused(self):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(FeatureMemory, "_allocate", refused)
+    memory.keep([1, 2], [10, 3], {"hidden": torch.randn(2, 10, 16)})  # sample 1 needs a second chunk
+    assert memory.full and memory.holds([0]) and not memory.holds([1]) and not memory.holds([2])
+    assert "no more colocated features kept in host memory (1 samples kept" in caplog.text
+    memory.keep([3], [8], {"hidden": torch.randn(1, 8, 16)})  # full: nothing more, no second warning
+    assert not memory.holds([3]) and caplog.text.count("no more colocated") == 1
+    assert memory.recall([0], torch.device("cpu"))["hidden"].shape == (1, 10, 16)
 
 
 def test_chunks_are_allocated_ahead_in_the_background_up_to_the_expected_size(monkeypatch):
@@ -81,7 +114,7 @@ def test_chunks_are_allocated_ahead_in_the_background_up_to_the_expected_size(mo
     memory.keep([1], [10], {"hidden": torch.randn(1, 10, 16)})  # takes the second: the expected size is reached
     assert memory._next is None and len(memory.chunks["hidden"]) == 2
     memory.keep([2], [10], {"hidden": torch.randn(1, 10, 16)})  # more than expected: allocated when needed
-    assert threads == ["dflash-feature-memory"] * 2 + ["MainThread"] and memory._next is None
+    assert len(threads) == 3 and memory._next is None and len(memory.chunks["hidden"]) == 3
     assert memory.recall([0, 1, 2], torch.device("cpu"))["hidden"].shape == (3, 10, 16)
 
 
@@ -108,7 +141,8 @@ def test_a_kept_micro_batch_skips_the_forward_and_equals_its_capture(tiny_target
     for key, value in expected.items():
         torch.testing.assert_close(again[key], value, rtol=1e-5, atol=1e-5, msg=key)
     assert (source.tokens_captured, source.tokens_recalled) == (12 + 5 + 7 + 5 + 9, 7 + 12)
-    assert re.search(r"38 tokens captured, 19 read from host memory \(0\.\d\d GiB kept, 4 samples\)", source.summary())
+    assert re.search(r"38 tokens captured, 19 read from host memory \(4 samples kept in 0\.\d\d GiB\)",
+                     source.summary())
 
 
 def test_a_batch_whose_check_fails_is_not_kept(tiny_target, monkeypatch):
@@ -128,26 +162,35 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
     from dflash.extract import feature_memory
 
     monkeypatch.setattr(feature_memory.psutil, "virtual_memory", lambda: type("M", (), {"available": 8 * 2**30}))
-    choose = choose_feature_memory
     caplog.set_level(logging.INFO, logger="dflash.extract.feature_memory")
-    assert choose("false", None, 10, epochs=5, world_size=1, pin_memory=False) is None
-    assert choose("auto", None, 10, epochs=1, world_size=1, pin_memory=False) is None
-    assert "training runs one epoch" in caplog.text
-    assert choose("auto", None, 10, epochs=3, world_size=2, pin_memory=False) is None
+    row = {"hidden": (1024, torch.float32)}  # 4 KiB a token: 65,536 rows a chunk
+
+    def choose(mode, budget, gib, epochs=3, world_size=1):
+        """The choice for an epoch of about `gib` GiB of chunks."""
+        tokens = int(gib * 2**30 / 4096 * (65536 - 100) / 65536) - 65536
+        return choose_feature_memory(mode, budget, tokens=tokens, longest=100, widths=row, epochs=epochs,
+                                     world_size=world_size, pin_memory=False)
+
+    assert choose("false", None, 1) is None
+    assert choose("auto", None, 1, epochs=1) is None
+    assert "training has one epoch left to run" in caplog.text
+    assert choose("auto", None, 1, world_size=2) is None
     assert "each of the 2 trainer ranks captures other samples" in caplog.text
     with pytest.raises(ConfigError, match="capture.cache=true with capture=colocated keeps a rank's own samples"):
-        choose("true", None, 10, epochs=3, world_size=2, pin_memory=False)
+        choose("true", None, 1, world_size=2)
     caplog.clear()
-    assert choose("auto", None, 5 * 2**30, epochs=3, world_size=1, pin_memory=False) is None  # over half of 8 GiB
+    assert choose("auto", None, 5) is None  # over half of 8 GiB
     assert "5.00 GiB, more than the 4.00 GiB of 50% of the 8.0 GiB of host memory available" in caplog.text
     with pytest.raises(ConfigError, match=r"takes 5.00 GiB, more than the 4.00 GiB the cache may use \(50% of"):
-        choose("true", None, 5 * 2**30, epochs=3, world_size=1, pin_memory=False)
-    assert isinstance(choose("auto", 6 * 2**30, 5 * 2**30, epochs=3, world_size=1, pin_memory=False), FeatureMemory)
-    assert choose("auto", 2**30, 5 * 2**30, epochs=3, world_size=1, pin_memory=False) is None  # its own budget
-    assert choose("auto", 16 * 2**30, 9 * 2**30, epochs=3, world_size=1, pin_memory=False) is None  # > available
-    memory = choose("true", None, 2**30, epochs=2, world_size=1, pin_memory=False)
+        choose("true", None, 5)
+    kept = choose("auto", 6 * 2**30, 5)
+    assert isinstance(kept, FeatureMemory) and kept.expected_bytes == 5 * 2**30 and kept.chunk_bytes == CHUNK_BYTES
+    kept.close()
+    assert choose("auto", 2**30, 5) is None  # its own budget
+    assert choose("auto", 16 * 2**30, 9) is None  # more than is available
+    memory = choose("true", None, 1, epochs=2)
     assert isinstance(memory, FeatureMemory) and "kept in host memory for the later epochs" in caplog.text
-    assert epoch_bytes(10, {"hidden": (6, torch.bfloat16), "target_final": (3, torch.float32)}) == 10 * (12 + 12)
+    memory.close()
 
 
 def test_a_colocated_run_captures_each_sample_once(tmp_path):

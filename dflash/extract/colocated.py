@@ -132,6 +132,8 @@ class ColocatedFeatureSource(FeatureSource):
         mask_on_device = host_to_device(attention_mask, device)
         inputs = (host_to_device(target_ids, device), mask_on_device, self.layer_ids)
         final = None
+        if self.static is not None and self.memory is not None and self.static.captures(input_ids.shape[0]):
+            self.memory.settle()  # no page-locking in another thread while the graphs are recorded
         with record_function("dflash: colocated target forward"), self._attention_kernels(device):
             if self.static is not None:
                 features, final = self.static(inputs[0])
@@ -153,9 +155,14 @@ class ColocatedFeatureSource(FeatureSource):
         """What the target's forward made this run, and what came from the kept first epoch."""
         line = f"[train] colocated features: {self.tokens_captured:,} tokens captured"
         if self.memory is not None:
-            line += (f", {self.tokens_recalled:,} read from host memory ({self.memory.bytes / 2**30:.2f} GiB kept, "
-                     f"{len(self.memory.where):,} samples)")
+            line += (f", {self.tokens_recalled:,} read from host memory ({len(self.memory.where):,} samples kept in "
+                     f"{self.memory.allocated_bytes / 2**30:.2f} GiB)")
         return line
+
+    def close(self) -> None:
+        """Hand the kept features' memory back (the end of training)."""
+        if self.memory is not None:
+            self.memory.close()
 
     @staticmethod
     def _attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
@@ -182,12 +189,13 @@ class ColocatedFeatureSource(FeatureSource):
 
     def verify_features(self, leave: int = 0) -> None:
         """Raise ValueError naming the sample and tap of a pending batch whose features are non-finite or constant;
-        the `leave` newest batches stay pending (made ahead for the next step, dflash/train/step_batches.py).
-        Waits only for the flags' copy, which a finished training step has passed long ago. The samples of a failed
-        check, and of the batches not read yet, are not kept (the memory only ever gives back checked features)."""
+        the `leave` newest batches stay pending (made ahead for the next step, dflash/train/step_batches.py), and so
+        do the batches after a failed one. Waits only for the flags' copy, which a finished training step has passed
+        long ago. The samples of a failed batch are not read back from memory: a batch read back before the check
+        of the batch its rows came from (made ahead) trains only after that check passed, or not at all."""
         split = max(len(self._pending) - leave, 0)
         pending, self._pending = self._pending[:split], self._pending[split:]
-        for position, (_, checks) in enumerate(pending):
+        for position, (indices, checks) in enumerate(pending):
             for flags, ids, names, ready in checks:
                 if ready is not None:
                     ready.synchronize()
@@ -195,7 +203,6 @@ class ColocatedFeatureSource(FeatureSource):
                     raise_on_bad_features(flags, ids, names)
                 except ValueError:
                     if self.memory is not None:
-                        for unchecked, _ in pending[position:] + self._pending:
-                            self.memory.forget(unchecked)
-                    self._pending = []
+                        self.memory.forget(indices)
+                    self._pending = pending[position + 1:] + self._pending
                     raise

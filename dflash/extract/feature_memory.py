@@ -2,24 +2,25 @@
 capture=colocated).
 
 Colocated capture runs the frozen target once per micro-batch, every epoch, and a target's features depend on the
-tokens alone: every epoch after the first recomputes what the first computed. For the GPU default that forward is
-half of the step's GPU work and, without CUDA graphs, a quarter of its host work (session 34's profile). When one
-epoch's features fit in host memory, the first epoch keeps each sample's rows there as it captures them, and a
-later micro-batch whose samples are all kept is put together from them: one zero-filled tensor on the device and
-one copy per sample, with no target forward and no host wait.
+tokens alone: every epoch after the first recomputes what the first computed, and for a small target that forward is
+a large share of the training step. When one epoch's features fit in host memory, the first epoch keeps each
+sample's rows there as it captures them, and a later micro-batch whose samples are all kept is put together from
+them: one zero-filled tensor on the device and one copy per sample, with no target forward and no host wait.
 
 On CUDA the rows live in page-locked chunks, so the copies (device to host when kept, host to device when read) are
 queued on the stream like kernels: a read of a sample is ordered after the copy that kept it, and the host never
-touches the rows itself. Chunks are allocated as the first epoch fills them, CHUNK_BYTES each (a power of two:
-torch's page-locked allocator rounds every request up to one). Page-locking is slow (on an H100 host a 256 MiB
-chunk took ~0.17 s, ~25 s for the GPU default's 36.75 GiB), so a background thread allocates the next chunk while
-the current one fills, until the epoch's expected size is reached. Nothing is written to disk: a resumed run starts
-with an empty memory and keeps the samples again as it captures them.
+touches the rows itself. Chunks are allocated as the first epoch fills them, each a power of two of bytes (torch's
+page-locked allocator rounds every request up to one) that holds the longest sample. Page-locking is slow (about
+0.17 s for 256 MiB on an H100 host), so a background thread allocates the next chunk while the current one fills,
+up to the epoch's expected size. Memory that cannot be page-locked ends the keeping, not the run: the samples kept
+so far are still read back. Nothing is written to disk: a resumed run starts with an empty memory and keeps the
+samples again as it captures them; `close` hands the chunks back when training ends.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,18 +32,21 @@ from dflash.extract.feature_cache import cached_epochs
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 28  # 256 MiB
+CHUNK_BYTES = 1 << 28  # 256 MiB, or the power of two that holds the longest sample when that is larger
 
 # The share of the host's available memory the features may take when capture.cache_budget_bytes is null: the
 # rest is for the dataset's pages, the trainer's own host memory and the other processes of the machine.
 MEMORY_SHARE = 0.5
 
+Widths = dict[str, tuple[int, torch.dtype]]  # per key: the row's width and dtype
+
 
 class FeatureMemory:
     """Sample index -> its kept feature rows, per key ("hidden", and "target_final" when the loss needs it).
 
-    pin_memory: page-locked chunks (training on CUDA), so every copy in and out is asynchronous; expected_bytes:
-    what the epoch will keep (epoch_bytes), up to which the next chunk is allocated ahead, in the background.
+    pin_memory: page-locked chunks (training on CUDA), so every copy in and out is asynchronous; chunk_bytes: each
+    chunk's size (a power of two, holding the longest sample's rows of any key); expected_bytes: what the epoch will
+    allocate (allocation_bytes), up to which the next chunk is allocated ahead, in the background.
     """
 
     def __init__(self, pin_memory: bool, chunk_bytes: int = CHUNK_BYTES, expected_bytes: int = 0) -> None:
@@ -51,26 +55,30 @@ class FeatureMemory:
         self.filled: dict[str, int] = {}  # per key: rows used in its last chunk
         self.where: dict[int, dict[str, tuple[int, int]]] = {}  # sample -> key -> (chunk, first row)
         self.lengths: dict[int, int] = {}
+        self.full = False  # no more chunks could be allocated: nothing more is kept
         self._allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-feature-memory")
         self._next: Future | None = self._allocator.submit(self._allocate) if expected_bytes > 0 else None
-
-    def __contains__(self, index: int) -> bool:
-        return index in self.where
 
     def holds(self, indices: Sequence[int]) -> bool:
         return all(index in self.where for index in indices)
 
     @property
-    def bytes(self) -> int:
+    def allocated_bytes(self) -> int:
         return self.chunk_bytes * sum(len(chunks) for chunks in self.chunks.values())
 
     def keep(self, indices: Sequence[int], lengths: Sequence[int], batch: dict[str, torch.Tensor]) -> None:
         """Keep each sample's first `length` rows of every tensor of `batch` ([rows, width, D], row i the sample
         indices[i]); a sample kept already is skipped (placeholders repeat samples)."""
         for row, (index, length) in enumerate(zip(indices, lengths)):
-            if index not in self.where:
-                self.where[index] = {key: self._append(key, tensor[row, :length]) for key, tensor in batch.items()}
-                self.lengths[index] = length
+            if index in self.where:
+                continue
+            places = {}
+            for key, tensor in batch.items():
+                place = self._append(key, tensor[row, :length])
+                if place is None:  # full: this sample and the ones after it are captured every epoch
+                    return
+                places[key] = place
+            self.where[index], self.lengths[index] = places, length
 
     def forget(self, indices: Sequence[int]) -> None:
         """Read these samples back no more (their check failed): their rows stay allocated, unused."""
@@ -91,15 +99,32 @@ class FeatureMemory:
             batch[key] = padded
         return batch
 
-    def _append(self, key: str, rows: torch.Tensor) -> tuple[int, int]:
-        """Copy `rows` [length, D] into the key's last chunk, or a new one when it is full; where they went."""
+    def settle(self) -> None:
+        """Wait for the chunk being allocated in the background, if any: a CUDA graph capture (capture.cuda_graphs)
+        fails when another thread calls into CUDA while it records."""
+        if self._next is not None:
+            self._next = self._done(self._next)
+
+    def close(self) -> None:
+        """Hand every chunk back (to the system, not only to torch's page-locked cache) and stop the thread."""
+        self._allocator.shutdown(wait=True, cancel_futures=True)
+        self._next = None
+        self.chunks, self.filled, self.where, self.lengths = {}, {}, {}, {}
+        if self.pin_memory and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+
+    def _append(self, key: str, rows: torch.Tensor) -> tuple[int, int] | None:
+        """Copy `rows` [length, D] into the key's last chunk, or a new one when it is full; where they went (None
+        when no new chunk could be had)."""
         chunks = self.chunks.setdefault(key, [])
         per_chunk = self.chunk_bytes // (rows.shape[1] * rows.element_size())
         if rows.shape[0] > per_chunk:
             raise ValueError(f"a sample of {rows.shape[0]} tokens does not fit a {self.chunk_bytes} byte chunk of "
-                             f"the feature memory ({per_chunk} rows of {key!r})")
+                             f"the feature memory ({per_chunk} rows of {key!r}): size the chunks for the longest")
         if not chunks or self.filled[key] + rows.shape[0] > per_chunk:
             raw = self._chunk()
+            if raw is None:
+                return None
             size = per_chunk * rows.shape[1] * rows.element_size()
             chunks.append(raw[:size].view(rows.dtype).view(per_chunk, rows.shape[1]))
             self.filled[key] = 0
@@ -108,39 +133,67 @@ class FeatureMemory:
         self.filled[key] = first + rows.shape[0]
         return len(chunks) - 1, first
 
-    def _chunk(self) -> torch.Tensor:
-        """A new chunk: the one allocated ahead (else allocated now); the next one is started while the chunks
-        (this one counted) stay below the expected size."""
+    def _chunk(self) -> torch.Tensor | None:
+        """A new chunk: the one allocated ahead (else allocated now), or None when memory is refused; the next one
+        is started while the chunks (this one counted) stay below the expected size."""
+        if self.full:
+            return None
         ahead, self._next = self._next, None
-        raw = ahead.result() if ahead is not None else self._allocate()
-        if self.bytes + self.chunk_bytes < self.expected_bytes:
+        raw = self._done(ahead) if ahead is not None else self._done(self._allocator.submit(self._allocate))
+        if raw is not None and self.allocated_bytes + self.chunk_bytes < self.expected_bytes:
             self._next = self._allocator.submit(self._allocate)
         return raw
+
+    def _done(self, allocation: Future) -> torch.Tensor | None:
+        """The allocation's chunk, or None (and the memory full) when it failed: page-locked memory can be refused
+        (the system's limits, memory the run took since it started)."""
+        try:
+            return allocation.result()
+        except RuntimeError as error:
+            if not self.full:
+                logger.warning(f"[train] no more colocated features kept in host memory ({len(self.where):,} samples "
+                               f"kept; the others are captured every epoch): {error}")
+            self.full = True
+            return None
 
     def _allocate(self) -> torch.Tensor:
         return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
 
-def epoch_bytes(tokens: int, widths: dict[str, tuple[int, torch.dtype]]) -> int:
-    """Host bytes of one epoch's features: every token's row of each key (width, dtype)."""
-    return tokens * sum(width * torch.empty(0, dtype=dtype).element_size() for width, dtype in widths.values())
+def chunk_size(longest: int, widths: Widths) -> int:
+    """CHUNK_BYTES, or the power of two that holds the longest sample's rows of the widest key when that is more."""
+    widest = max(width * torch.empty(0, dtype=dtype).element_size() for width, dtype in widths.values())
+    return max(CHUNK_BYTES, 1 << math.ceil(math.log2(longest * widest)))
 
 
-def choose_feature_memory(mode: str, budget_bytes: int | None, needed: int, *, epochs: int, world_size: int,
-                          pin_memory: bool) -> FeatureMemory | None:
+def allocation_bytes(tokens: int, longest: int, widths: Widths, chunk_bytes: int) -> int:
+    """Host bytes one epoch's features take in chunks: every token's row of each key (width, dtype), plus at most
+    one sample's rows left unused at the end of each chunk and one chunk per key that is partly filled."""
+    total = 0
+    for width, dtype in widths.values():
+        row = width * torch.empty(0, dtype=dtype).element_size()
+        rows_per_chunk = chunk_bytes // row
+        chunks = math.ceil(tokens / max(rows_per_chunk - longest, 1)) + 1
+        total += chunks * chunk_bytes
+    return total
+
+
+def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, longest: int, widths: Widths,
+                          epochs: int, world_size: int, pin_memory: bool) -> FeatureMemory | None:
     """A FeatureMemory when capture.cache (`mode`: auto | true | false) keeps the first epoch, else None; a line
     says which and why.
 
-    needed: one epoch's bytes (epoch_bytes); epochs: of training (those the steps reach); world_size: trainer
-    ranks. One rank only: each rank captures other samples every epoch, so with several its micro-batches would
-    rarely be all in its own memory. It fits within budget_bytes (None: MEMORY_SHARE of the host's available
-    memory) and the available memory; with mode "true" it must (else ConfigError).
+    tokens, longest: the dataset's tokens and its longest sample; widths: the kept keys' rows; epochs: those of
+    training still to run (a resumed run counts from its step); world_size: trainer ranks. One rank only: each
+    rank captures other samples every epoch, so with several its micro-batches would rarely be all in its own
+    memory. The chunks of one epoch (allocation_bytes) fit within budget_bytes (None: MEMORY_SHARE of the host's
+    available memory) and the available memory; with mode "true" they must (else ConfigError).
     """
     off = "[train] colocated features captured every epoch"
     if mode == "false":
         return None
     if epochs < 2:
-        logger.info(f"{off}: training runs one epoch, which nothing would read back")
+        logger.info(f"{off}: training has one epoch left to run, which nothing would read back")
         return None
     if world_size > 1:
         if mode == "true":
@@ -149,6 +202,8 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, needed: int, *, e
                               f"capture.cache=auto or false (or train on one rank)")
         logger.info(f"{off}: each of the {world_size} trainer ranks captures other samples every epoch")
         return None
+    chunk_bytes = chunk_size(longest, widths)
+    needed = allocation_bytes(tokens, longest, widths, chunk_bytes)
     available = psutil.virtual_memory().available
     room = int(available * MEMORY_SHARE) if budget_bytes is None else min(int(budget_bytes), available)
     where = f"{MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of host memory available" \
@@ -161,4 +216,4 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, needed: int, *, e
     logger.info(f"[train] colocated features kept in {kind} for the later epochs: one epoch takes "
                 f"{needed / 2**30:.2f} GiB (room: {room / 2**30:.2f} GiB, {where}); a micro-batch whose samples are "
                 "all kept skips the target's forward")
-    return FeatureMemory(pin_memory, expected_bytes=needed)
+    return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed)

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash.config import ConfigError, fingerprints
 from dflash.config.errors import RunFolderError
@@ -25,6 +25,9 @@ from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.shapes import drafter_config
 from dflash.stages.stage import Stage
+
+if TYPE_CHECKING:
+    from dflash.extract.feature_memory import FeatureMemory
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +285,7 @@ class TrainStage(Stage):
         log = MetricsLog(run.run_dir, enabled=rank == 0, tensorboard=logging.tensorboard,
                          wandb_mode=logging.wandb.mode, wandb_project=logging.wandb.project,
                          config=container(run.cfg))
+        colocated = None
         try:
             head_file = os.path.join(self.capture.out, "frozen_head.safetensors")
             head = load_frozen_head(head_file)
@@ -294,7 +298,7 @@ class TrainStage(Stage):
                                      data=self.capture.data.out)
                 store = online.source(settings.train, rank, world_size, lengths)
             elif settings.capture.mode == "colocated":
-                store = self.colocated_source()
+                store = colocated = self.colocated_source()
             else:
                 from dflash.extract.store import FeatureStore
 
@@ -307,9 +311,16 @@ class TrainStage(Stage):
                               logit_transform=load_logit_transform(head_file))
             if online is not None:
                 online.finish(store, time.perf_counter() - started, rank, world_size)
-            elif settings.capture.mode == "colocated" and rank == 0:
-                logger.info(store.summary())
+            elif colocated is not None and rank == 0:
+                logger.info(colocated.summary())
+            if run.device.type == "cuda" and rank == 0:
+                import torch
+
+                logger.info(f"[train] peak GPU memory {torch.cuda.max_memory_allocated(run.device) / 2**30:.1f} GiB "
+                            "(allocated by torch on this rank's GPU)")
         finally:
+            if colocated is not None:
+                colocated.close()  # the kept features' host memory, before export and eval run in this process
             log.close()
         return state
 
@@ -373,25 +384,30 @@ class TrainStage(Stage):
                                       final_hidden=final_hidden, static=static,
                                       memory=self.colocated_memory(dataset, info, final_hidden))
 
-    def colocated_memory(self, dataset, info: dict, final_hidden: bool):
+    def colocated_memory(self, dataset: Any, info: dict, final_hidden: bool) -> FeatureMemory | None:
         """capture.cache: the FeatureMemory keeping the first epoch's colocated features for the later epochs
-        (dflash/extract/feature_memory.py), or None; sized from the dataset's tokens and the taps."""
+        (dflash/extract/feature_memory.py), or None; sized from the dataset's tokens and the taps, for the epochs
+        left from the newest checkpoint."""
         from dflash.data.batch_plan import BatchPlan
         from dflash.data.sample_sizes import sample_lengths
-        from dflash.train.feature_cache_choice import cache_mode
-        from dflash.extract.feature_memory import choose_feature_memory, epoch_bytes
+        from dflash.extract.feature_memory import choose_feature_memory
         from dflash.extract.store import store_dtype
+        from dflash.train.checkpoints import complete_tags
+        from dflash.train.feature_cache_choice import cache_mode
         from dflash.train.loop import count_steps
 
         run, capture, t = self.context, self.context.settings.capture, self.context.settings.train
         target = run.target
         plan = BatchPlan(len(dataset), t.micro_batch_size, run.world_size, t.grad_accum, t.seed)
-        epochs = -(-count_steps(t, plan) // plan.steps_per_epoch)  # the epochs the steps reach
+        saved = complete_tags(self.checkpoints)  # (step, tag), oldest first: the newest is where training resumes
+        first_epoch = (saved[-1][0] if saved else 0) // plan.steps_per_epoch
+        epochs = -(-count_steps(t, plan) // plan.steps_per_epoch) - first_epoch  # those left to run
         widths = {"hidden": (len(info["target_layer_ids"]) * target.hidden_size, store_dtype(info["dtype"]))}
         if final_hidden:
             widths["target_final"] = (target.hidden_size, target.dtype)
-        needed = epoch_bytes(int(sample_lengths(dataset).sum()), widths)
-        return choose_feature_memory(cache_mode(capture.cache), capture.cache_budget_bytes, needed, epochs=epochs,
+        lengths = sample_lengths(dataset)
+        return choose_feature_memory(cache_mode(capture.cache), capture.cache_budget_bytes, tokens=int(lengths.sum()),
+                                     longest=int(lengths.max()), widths=widths, epochs=epochs,
                                      world_size=run.world_size, pin_memory=run.device.type == "cuda")
 
 

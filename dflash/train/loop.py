@@ -105,7 +105,8 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     [b, T, H] (colocated capture).
     logit_transform: the target's final logit transform, which the loss applies to the head's logits.
     before_update: called after the last micro-batch's backward is launched, before the optimizer step waits for the
-    GPU (the loop makes the next step's micro-batches there, dflash/train/step_batches.py).
+    GPU (the loop makes the next step's micro-batches there, dflash/train/step_batches.py), with the step's own
+    tensors released but for what the caller's micro_batches still hold.
     """
     device = engine.device
     local_weight = sum(loss_normaliser(batch["weights"], settings.loss_weighting) for batch in micro_batches)
@@ -115,6 +116,7 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
     block_size = micro_batches[0]["labels"].shape[-1]
     totals = torch.zeros(4 + 2 * block_size, device=device)  # loss, tokens, queries, context, correct, counted
     for index, batch in enumerate(micro_batches):
+        final = None
         # Queued copies that never wait for the GPU (a blocking host-to-device copy stalls the host until the
         # stream drains, leaving the GPU idle while the next kernels are launched).
         batch = batch_to_device(batch, device, engine.dtype)
@@ -139,15 +141,18 @@ def train_step(engine: TrainEngine, embed_weight: torch.Tensor, lm_head: torch.T
             scaled = loss_sum * (world_size * settings.grad_accum) / total_weight + 0.0 * hidden.sum()
         with record_function(PHASE_BACKWARD):
             engine.backward(scaled)
+        tokens = batch["input_ids"].shape[0] * batch["input_ids"].shape[1]
+        totals[0] += loss_sum.detach()
+        for slot, size in ((1, tokens), (2, batch["labels"].numel()), (3, tokens)):
+            totals[slot] += size  # a Python number goes to the kernel as an argument: no host-to-device copy
+        totals[4:] += torch.cat([correct, counted])
         if before_update is not None and index == len(micro_batches) - 1:
+            # The next step's batches (with colocated capture, a target forward) are made beside the gradients,
+            # not beside this micro-batch's activations too.
+            batch = hidden = target_hidden = labels = anchors = final = scaled = loss_sum = None
             before_update()
         with record_function(PHASE_OPTIMIZER):
             engine.step()
-        tokens = batch["input_ids"].shape[0] * batch["input_ids"].shape[1]
-        totals[0] += loss_sum.detach()
-        for index, size in ((1, tokens), (2, batch["labels"].numel()), (3, tokens)):
-            totals[index] += size  # a Python number goes to the kernel as an argument: no host-to-device copy
-        totals[4:] += torch.cat([correct, counted])
     with record_function(PHASE_METRICS):
         return step_metrics(engine, totals, total_weight, block_size)
 

@@ -2,9 +2,9 @@
 (train.prepare_ahead).
 
 A step's host work ends in a wait for the GPU: DeepSpeed's optimizer step reads whether the gradients' norm is
-finite, so the host waits there until the backward it launched has run (8.6 ms a step in session 35's profile of
-the GPU default), and after it the GPU waits for the host to make the next batch (features read back or captured,
-anchors, labels) and launch its forward. Making the next step's micro-batches between the last backward and the
+finite, so the host waits there until the backward it launched has run (docs/training.md has the GPU default's
+figures), and after it the GPU waits for the host to make the next batch (features read back or captured, anchors,
+labels) and launch its forward. Making the next step's micro-batches between the last backward and the
 optimizer step fills that wait with work the next step needs: they depend on the data plan and the step number
 alone, never on the drafter's weights. A batch made ahead for a step the run does not reach (a stop, the time
 budget) is dropped; the same step made again gives the same batch.
