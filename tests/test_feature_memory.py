@@ -240,3 +240,19 @@ def test_on_cuda_kept_rows_come_back_without_a_host_wait():
     assert not [w for w in caught if "synchroniz" in str(w.message)], [str(w.message) for w in caught]
     assert torch.equal(batch["hidden"][0, :5], hidden[1, :5]) and not batch["hidden"][0, 5:].any()
     assert torch.equal(batch["hidden"][1], hidden[0] * 2) and torch.equal(batch["hidden"][2], hidden[0])
+
+
+def test_a_resumed_run_counts_the_epochs_it_has_left(tmp_path, monkeypatch):
+    """The tiny run: 19 samples, 4 a step, 5 steps an epoch, 3 epochs. Resumed in its second epoch, one more is left
+    to read the memory back; resumed in its last, none is."""
+    from dflash.extract.colocated import ColocatedFeatureSource as Source
+    from dflash.train import checkpoints
+
+    overrides = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "capture=colocated"]
+    Pipeline(compose(overrides + ["stages=[data,capture]"])).run()
+    train = Pipeline(compose(overrides)).train
+    for newest, kept in ((None, True), (5, True), (9, True), (10, False)):
+        monkeypatch.setattr(checkpoints, "complete_tags", lambda _, n=newest: [] if n is None else [(n, f"step{n}")])
+        source = train.colocated_source()
+        assert isinstance(source, Source) and (source.memory is not None) == kept, newest
+        source.close()
