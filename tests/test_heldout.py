@@ -382,7 +382,8 @@ def test_best_survives_a_resume_and_training_stays_exact(tmp_path):
     drafter.load_state_dict(weights)
     assert held.evaluate(drafter, trainer_harness.frozen_head())["tau"] == best["tau"]
 
-    # Interrupted while reading step 8's samples (2 per step), after checkpoints 1..7; resumed to the end.
+    # Interrupted while reading step 8's samples (2 per step, made ahead during step 7), after checkpoints 1..6;
+    # resumed to the end.
     out = tmp_path / "resumed"
     with pytest.raises(RuntimeError, match="killed"):
         run(out, heldout=held, eval_every=1, save_every=1, store=FailingStore(learnable_store(6, 0), 15), **common)
@@ -395,7 +396,8 @@ def test_best_survives_a_resume_and_training_stays_exact(tmp_path):
 def test_a_resumed_run_keeps_a_better_best_and_a_fresh_run_starts_over(tmp_path):
     directory = str(tmp_path / "checkpoints")
     state = {"w": torch.zeros(2)}
-    store = FailingStore(trainer_harness.synthetic_store(), 5)  # checkpoints 1 and 2, then killed in step 3
+    # Checkpoints 1 and 2, then killed in step 3, as it reads step 4's samples (made ahead: train.prepare_ahead).
+    store = FailingStore(trainer_harness.synthetic_store(), 6)
     with pytest.raises(RuntimeError, match="killed"):
         run(tmp_path, heldout=ScriptedHeldout([2.5, 1.0, 9.0]), eval_every=1, save_every=1, store=store)
     assert read_best(directory) == {"step": 1, "tau": 2.5, "acceptance_rate": 2.5 / 4}
