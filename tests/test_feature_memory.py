@@ -3,6 +3,7 @@ together from there without the target's forward (dflash/extract/feature_memory.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import warnings
@@ -193,23 +194,32 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
     memory.close()
 
 
-def test_a_colocated_run_captures_each_sample_once(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_colocated_run_captures_each_sample_once_and_trains_the_same(tmp_path, accum):
     """The tiny run trains 3 epochs on one rank: the first epoch's micro-batches are captured (its placeholders, which
-    repeat samples, too), the later ones read from memory; without the cache every micro-batch is captured."""
+    repeat samples, too), the later ones read from memory; without the cache every micro-batch is captured, and
+    without train.prepare_ahead each step's batches are made in it. The losses are the same every way (a capture in
+    another micro-batch may differ by the kernels' rounding)."""
 
-    def tokens(cache: str) -> tuple[int, int | None]:
-        run_dir = tmp_path / cache
+    def run(name: str, *overrides: str) -> tuple[int, int | None, list[float]]:
+        run_dir = tmp_path / name
         Pipeline(compose(["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]",
-                          f"run_dir={run_dir}", "capture=colocated", f"capture.cache={cache}"])).run()
+                          f"run_dir={run_dir}", "capture=colocated", f"train.grad_accum={accum}", *overrides])).run()
         log = next((run_dir / "logs").glob("*.log")).read_text()
         found = re.search(r"colocated features: ([\d,]+) tokens captured(?:, ([\d,]+) read)?", log).groups()
-        return tuple(None if n is None else int(n.replace(",", "")) for n in found)
+        with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+            losses = [json.loads(line)["loss"] for line in f]
+        return (*(None if n is None else int(n.replace(",", "")) for n in found), losses)
 
-    captured, recalled = tokens("auto")
-    every_epoch, none = tokens("false")
+    captured, recalled, kept = run("auto")
+    every_epoch, none, captured_losses = run("false", "capture.cache=false")
+    _, _, in_step = run("in_step", "capture.cache=false", "train.prepare_ahead=false")
     dataset = sum(len(row) for row in load_dataset_dir(tmp_path / "auto" / "data")["input_ids"])
     assert none is None and captured + recalled == every_epoch
     assert dataset <= captured < 1.2 * dataset and recalled > captured
+    assert in_step == captured_losses  # the same batches, made earlier
+    torch.testing.assert_close(torch.tensor(kept), torch.tensor(captured_losses), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("override,message", [
