@@ -518,7 +518,7 @@ def test_flex_attention_is_refused_only_where_the_train_stage_would_run_on_the_c
 
 def test_training_on_the_cpu_of_a_machine_with_a_gpu_is_refused_with_the_way_to_do_it(monkeypatch):
     """DeepSpeed takes the GPU it finds as its accelerator (dflash/train/engine.py), so a run with device=cpu there
-    failed at its first step (the drafter on the GPU, the frozen head on the CPU: on an H100, session 35)."""
+    would fail at its first step: the drafter on the GPU, the frozen head on the CPU."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

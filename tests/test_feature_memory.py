@@ -266,3 +266,33 @@ def test_a_resumed_run_counts_the_epochs_it_has_left(tmp_path, monkeypatch):
         source = train.colocated_source()
         assert isinstance(source, Source) and (source.memory is not None) == kept, newest
         source.close()
+
+
+def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypatch):
+    """capture.cuda_graphs records its graphs at the first micro-batch; the chunk allocated in the background is
+    waited for first (a CUDA call from another thread fails a capture), and stays the next chunk to use."""
+    from dflash.extract.static_capture import StaticCapture
+
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1 << 20, expected_bytes=4 << 20)
+    ahead = memory._next
+    memory.settle()
+    assert memory._next is ahead and ahead.done()  # waited for, not taken
+    adapter = tiny_target("llama")
+    static = StaticCapture(adapter, [0, 1], False, max_width=16, pad_id=adapter.tokenizer.pad_token_id,
+                           cuda_graphs=False)
+    assert not static.captures(3)  # no graphs to record without CUDA graphs
+    static.cuda_graphs = True  # its bookkeeping alone: a width of 3 rows not recorded yet is one to record
+    assert static.captures(3)
+    static.graphs = {(3, width): None for width in range(static.width_step, static.max_width + 1, static.width_step)}
+    assert not static.captures(3) and static.captures(4)
+    static.cuda_graphs, static.graphs = False, {}
+    source = ColocatedFeatureSource(adapter, token_dataset(adapter), [0, 1], "float32", static=static, memory=memory)
+    events = []
+    monkeypatch.setattr(static, "captures", lambda rows: True)
+    monkeypatch.setattr(memory, "settle", lambda: events.append("settle"))
+    real = static.forward
+    monkeypatch.setattr(static, "forward", lambda ids: events.append("forward") or real(ids))
+    source.get_batch([0, 1])
+    assert events == ["settle", "forward"] and memory.holds([0, 1])
+    source.close()
+    assert source.memory is None

@@ -76,5 +76,5 @@ def command_arguments(argv: list[str]) -> list[str]:
     arguments = with_gpu_default(kept, torch.cuda.is_available())
     if arguments != kept and os.environ.get("LOCAL_RANK", "0") == "0" and "--help" not in kept:
         print(f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
-              f"minutes); device=cpu runs the CPU demo", file=sys.stderr)
+              f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo", file=sys.stderr)
     return arguments

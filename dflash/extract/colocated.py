@@ -1,15 +1,16 @@
-"""Colocated capture: each trainer rank runs the frozen target itself, one forward per micro-batch.
+"""Colocated capture: each trainer rank runs the frozen target itself, one forward per micro-batch it captures.
 
 For a target small enough to share the trainer's GPU (SmolLM2-135M: 0.3 GB in bf16, a forward costs a fraction of
-the drafter's step) this is the cheapest way to give every epoch fresh features: nothing is written to disk or sent
+the drafter's step) this is the cheapest way to give the trainer its features: nothing is written to disk or sent
 between processes. The features are exactly what offline capture would store: the same `TargetAdapter.capture`
 over right-padded rows, the same self-check of every batch, the same cast to the feature dtype.
 Larger targets belong on their own GPUs: capture.mode=online. With capture.cuda_graphs the forward is a CUDA graph
 replay over fixed shapes instead (static_capture.py), whose features equal these up to the kernels' rounding.
 
-The trainer takes a micro-batch already padded (`micro_batch`: one target forward), and the self-check of its
-features is read after the training step rather than inside it (`verify_features`): reading it at once would make
-the host wait for the target's forward before it could launch the drafter's, leaving the GPU idle while it does.
+The trainer takes a micro-batch already padded (`micro_batch`: one target forward, or the kept rows below), and the
+self-check of its features is read after the training step rather than inside it (`verify_features`): reading it at
+once would make the host wait for the target's forward before it could launch the drafter's, leaving the GPU idle
+while it does.
 
 With a FeatureMemory (capture.cache, feature_memory.py) the first epoch's features are kept in host memory as they
 are captured, and a micro-batch whose samples are all kept is put together from there without the forward.
@@ -45,7 +46,7 @@ class ColocatedFeatureSource(FeatureSource):
     features computed on access.
 
     `micro_batch` (`get_batch`) captures a micro-batch in one padded target forward and returns it padded, the
-    hidden states on the target's device; its check is pending until `verify_features` (or the next batch).
+    hidden states on the target's device; its check is pending until `verify_features`.
     `get_many` and indexing return checked single samples. memory: where the first epoch's features are kept
     (None: every micro-batch is captured).
     """
@@ -163,7 +164,7 @@ class ColocatedFeatureSource(FeatureSource):
         """Hand the kept features' memory back (the end of training)."""
         if self.memory is not None:
             self.memory.close()
-
+            self.memory = None  # later batches are captured
     @staticmethod
     def _attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
         """On CUDA, SDPA's memory-efficient and flash kernels rather than cuDNN's for the padded target forward.
