@@ -73,10 +73,20 @@ def test_chunks_hold_the_longest_sample_and_the_epoch_is_sized_with_their_unused
     assert FeatureMemory(False, 1 << 29)._append("hidden", torch.zeros(4096, 5 * 5120)) == (0, 0)
     per_chunk = CHUNK_BYTES // 5760  # 46,603 rows
     assert allocation_bytes(per_chunk - 1024, 1024, hidden, CHUNK_BYTES) == 2 * CHUNK_BYTES
-    tokens = 6_799_495  # the GPU default's epoch: 36.5 GiB of rows in 151 chunks at most
-    assert allocation_bytes(tokens, 1024, hidden, CHUNK_BYTES) == 151 * CHUNK_BYTES
+    tokens = 6_799_495  # the GPU default's epoch: 36.5 GiB of rows in 150 chunks at most (147 in session 35's run)
+    assert allocation_bytes(tokens, 1024, hidden, CHUNK_BYTES) == 150 * CHUNK_BYTES
     assert allocation_bytes(tokens, 1024, {**hidden, "target_final": (576, torch.bfloat16)}, CHUNK_BYTES) \
-        == (151 + 31) * CHUNK_BYTES
+        == (150 + 30) * CHUNK_BYTES
+
+
+def test_a_limited_memory_keeps_the_first_samples_and_says_so(caplog):
+    caplog.set_level(logging.INFO, logger="dflash.extract.feature_memory")
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=4096, limit_bytes=2048)
+    assert memory.expected_bytes == 2048  # allocated ahead up to the limit only
+    memory.keep([0, 1, 2], [10, 10, 10], {"hidden": torch.randn(3, 10, 16)})  # a chunk each: the third is one too many
+    assert memory.holds([0, 1]) and not memory.holds([2]) and memory.full and memory.allocated_bytes == 2048
+    assert "2 samples kept in host memory, its limit of 0.00 GiB; the others are captured every epoch" in caplog.text
+    memory.close()
 
 
 def test_memory_that_cannot_be_page_locked_ends_the_keeping_not_the_run(monkeypatch, caplog):
@@ -135,14 +145,15 @@ def test_a_kept_micro_batch_skips_the_forward_and_equals_its_capture(tiny_target
     for key in again.keys() - {"input_ids", "loss_mask"}:
         assert torch.equal(again[key][0, :7], first[key][2, :7]) and torch.equal(again[key][1], first[key][0, :12])
         assert not again[key][0, 7:].any()
-    source.get_batch([0, 1])  # sample 1 is not kept: one forward of both, and sample 1 is kept from it
-    assert calls == [3, 2] and source.memory.holds([0, 1, 3, 4])
+    mixed, _ = source.get_batch([0, 1])  # sample 1 is not kept: the target runs on it alone, and it is kept
+    assert calls == [3, 1] and source.memory.holds([0, 1, 3, 4])
     plain = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", final_hidden=final_hidden)
-    expected, _ = plain.get_batch([4, 3])
-    for key, value in expected.items():
-        torch.testing.assert_close(again[key], value, rtol=1e-5, atol=1e-5, msg=key)
-    assert (source.tokens_captured, source.tokens_recalled) == (12 + 5 + 7 + 5 + 9, 7 + 12)
-    assert re.search(r"38 tokens captured, 19 read from host memory \(4 samples kept in 0\.\d\d GiB\)",
+    for got, picked in ((again, [4, 3]), (mixed, [0, 1])):
+        expected, _ = plain.get_batch(picked)
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    assert (source.tokens_captured, source.tokens_recalled) == (12 + 5 + 7 + 9, 7 + 12 + 5)
+    assert re.search(r"33 tokens captured, 24 read from host memory \(4 samples kept in 0\.\d\d GiB\)",
                      source.summary())
 
 
@@ -168,7 +179,7 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
 
     def choose(mode, budget, gib, epochs=3, world_size=1):
         """The choice for an epoch of about `gib` GiB of chunks."""
-        tokens = int(gib * 2**30 / 4096 * (65536 - 100) / 65536) - 65536
+        tokens = (int(gib * 2**30 / CHUNK_BYTES) - 1) * (65536 - 100)  # the chunks' bound: one more than these fill
         return choose_feature_memory(mode, budget, tokens=tokens, longest=100, widths=row, epochs=epochs,
                                      world_size=world_size, pin_memory=False)
 
@@ -180,15 +191,22 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
     with pytest.raises(ConfigError, match="capture.cache=true with capture=colocated keeps a rank's own samples"):
         choose("true", None, 1, world_size=2)
     caplog.clear()
-    assert choose("auto", None, 5) is None  # over half of 8 GiB
-    assert "5.00 GiB, more than the 4.00 GiB of 50% of the 8.0 GiB of host memory available" in caplog.text
+    part = choose("auto", None, 5)  # over half of 8 GiB: the first 4 GiB of it
+    assert "5.00 GiB, more than the 4.00 GiB of 50% of the 8.0 GiB of host memory available, so about 80% of the " \
+           "samples are kept" in caplog.text
+    assert part.limit_bytes == 4 * 2**30 and part.expected_bytes == 4 * 2**30
+    part.close()
     with pytest.raises(ConfigError, match=r"takes 5.00 GiB, more than the 4.00 GiB the cache may use \(50% of"):
         choose("true", None, 5)
     kept = choose("auto", 6 * 2**30, 5)
-    assert isinstance(kept, FeatureMemory) and kept.expected_bytes == 5 * 2**30 and kept.chunk_bytes == CHUNK_BYTES
+    assert kept.limit_bytes is None and kept.expected_bytes == 5 * 2**30 and kept.chunk_bytes == CHUNK_BYTES
     kept.close()
-    assert choose("auto", 2**30, 5) is None  # its own budget
-    assert choose("auto", 16 * 2**30, 9) is None  # more than is available
+    for budget, limit in ((2**30, 2**30), (16 * 2**30, 8 * 2**30)):  # its own budget; no more than is available
+        part = choose("auto", budget, 9)
+        assert part.limit_bytes == limit
+        part.close()
+    assert choose("auto", CHUNK_BYTES - 1, 5) is None  # not one chunk
+    assert "leaves 0.25 GiB" in caplog.text
     memory = choose("true", None, 1, epochs=2)
     assert isinstance(memory, FeatureMemory) and "kept in host memory for the later epochs" in caplog.text
     memory.close()

@@ -107,19 +107,43 @@ class ColocatedFeatureSource(FeatureSource):
             padded_ids[row, : lengths[row]] = row_ids
             padded_mask[row, : lengths[row]] = row_mask
         input_ids, loss_mask = torch.from_numpy(padded_ids), torch.from_numpy(padded_mask)
-        if self.memory is not None and self.memory.holds(indices):
+        kept = [] if self.memory is None else [row for row, index in enumerate(indices) if index in self.memory.where]
+        if len(kept) == len(indices):
             batch = self.memory.recall(indices, self.adapter.device)  # checked when they were captured
             self._pending.append((list(indices), []))
-            self.tokens_recalled += sum(lengths)
         else:
-            batch, checks = self._capture(input_ids, lengths, [str(i) for i in rows["id"]])
-            self._pending.append((list(indices), checks))
-            if self.memory is not None:
-                self.memory.keep(indices, lengths, batch)
-            self.tokens_captured += sum(lengths)
+            # Some kept (a memory that holds part of the epoch): the target runs on the others only. With CUDA graphs
+            # every micro-batch has the same rows, so there the whole micro-batch is captured.
+            captured = [row for row in range(len(indices)) if row not in set(kept)] if self.static is None \
+                else list(range(len(indices)))
+            batch = self._capture_rows(input_ids, lengths, captured, [str(rows["id"][row]) for row in captured],
+                                       [indices[row] for row in captured])
+            if len(captured) < len(indices):
+                self.memory.recall_into(batch, kept, [indices[row] for row in kept])
+        recalled = sum(lengths[row] for row in kept) if len(kept) == len(indices) or self.static is None else 0
+        self.tokens_recalled += recalled
+        self.tokens_captured += sum(lengths) - recalled
         if pin_memory:
             input_ids, loss_mask = input_ids.pin_memory(), loss_mask.pin_memory()
         return {"input_ids": input_ids, "loss_mask": loss_mask, **batch}, lengths
+
+    def _capture_rows(self, input_ids: torch.Tensor, lengths: list[int], rows: list[int], sample_ids: list[str],
+                      indices: list[int]) -> dict[str, torch.Tensor]:
+        """The micro-batch's {"hidden"} (+ "target_final") [all rows, width, D] with `rows` made by one target
+        forward (padded to their own longest), kept in memory, their checks pending; the other rows zeros."""
+        sub_lengths = [lengths[row] for row in rows]
+        features, checks = self._capture(input_ids[rows, :max(sub_lengths)], sub_lengths, sample_ids)
+        self._pending.append((list(indices), checks))
+        if self.memory is not None:
+            self.memory.keep(indices, sub_lengths, features)
+        if len(rows) == input_ids.shape[0]:
+            return features
+        batch = {key: value.new_zeros(input_ids.shape[0], input_ids.shape[1], value.shape[-1])
+                 for key, value in features.items()}
+        for position, (row, length) in enumerate(zip(rows, sub_lengths)):
+            for key, value in features.items():
+                batch[key][row, :length].copy_(value[position, :length])
+        return batch
 
     def _capture(self, input_ids: torch.Tensor, lengths: list[int],
                  sample_ids: list[str]) -> tuple[dict[str, torch.Tensor], list[tuple]]:

@@ -46,18 +46,21 @@ class FeatureMemory:
 
     pin_memory: page-locked chunks (training on CUDA), so every copy in and out is asynchronous; chunk_bytes: each
     chunk's size (a power of two, holding the longest sample's rows of any key); expected_bytes: what the epoch will
-    allocate (allocation_bytes), up to which the next chunk is allocated ahead, in the background.
+    allocate (allocation_bytes), up to which the next chunk is allocated ahead, in the background; limit_bytes: the
+    most the chunks may take (None: no limit), past which the samples are captured every epoch.
     """
 
-    def __init__(self, pin_memory: bool, chunk_bytes: int = CHUNK_BYTES, expected_bytes: int = 0) -> None:
-        self.pin_memory, self.chunk_bytes, self.expected_bytes = pin_memory, chunk_bytes, expected_bytes
+    def __init__(self, pin_memory: bool, chunk_bytes: int = CHUNK_BYTES, expected_bytes: int = 0,
+                 limit_bytes: int | None = None) -> None:
+        self.pin_memory, self.chunk_bytes, self.limit_bytes = pin_memory, chunk_bytes, limit_bytes
+        self.expected_bytes = expected_bytes if limit_bytes is None else min(expected_bytes, limit_bytes)
         self.chunks: dict[str, list[torch.Tensor]] = {}  # per key: [rows, width] views of the chunks
         self.filled: dict[str, int] = {}  # per key: rows used in its last chunk
         self.where: dict[int, dict[str, tuple[int, int]]] = {}  # sample -> key -> (chunk, first row)
         self.lengths: dict[int, int] = {}
         self.full = False  # no more chunks could be allocated: nothing more is kept
         self._allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-feature-memory")
-        self._next: Future | None = self._allocator.submit(self._allocate) if expected_bytes > 0 else None
+        self._next: Future | None = self._allocator.submit(self._allocate) if self.expected_bytes > 0 else None
 
     def holds(self, indices: Sequence[int]) -> bool:
         return all(index in self.where for index in indices)
@@ -88,16 +91,20 @@ class FeatureMemory:
 
     def recall(self, indices: Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
         """The kept tensors of `indices` right-padded with zeros to the longest, [rows, width, D] on `device`."""
-        lengths = [self.lengths[index] for index in indices]
-        batch = {}
-        for key, chunks in self.chunks.items():
-            padded = torch.zeros(len(indices), max(lengths), chunks[0].shape[1], dtype=chunks[0].dtype,
-                                 device=device)
-            for row, (index, length) in enumerate(zip(indices, lengths)):
-                chunk, first = self.where[index][key]
-                padded[row, :length].copy_(chunks[chunk][first : first + length], non_blocking=True)
-            batch[key] = padded
+        width = max(self.lengths[index] for index in indices)
+        batch = {key: torch.zeros(len(indices), width, chunks[0].shape[1], dtype=chunks[0].dtype, device=device)
+                 for key, chunks in self.chunks.items()}
+        self.recall_into(batch, range(len(indices)), indices)
         return batch
+
+    def recall_into(self, batch: dict[str, torch.Tensor], rows: Sequence[int], indices: Sequence[int]) -> None:
+        """Copy the kept rows of sample indices[i] into row rows[i] of each tensor of `batch` (its first
+        `length` positions; the rest is left as it is)."""
+        for key, chunks in self.chunks.items():
+            for row, index in zip(rows, indices):
+                chunk, first = self.where[index][key]
+                length = self.lengths[index]
+                batch[key][row, :length].copy_(chunks[chunk][first : first + length], non_blocking=True)
 
     def settle(self) -> None:
         """Wait for the chunk being allocated in the background, if any: a CUDA graph capture (capture.cuda_graphs)
@@ -138,6 +145,11 @@ class FeatureMemory:
         is started while the chunks (this one counted) stay below the expected size."""
         if self.full:
             return None
+        if self.limit_bytes is not None and self.allocated_bytes + self.chunk_bytes > self.limit_bytes:
+            self.full = True
+            logger.info(f"[train] colocated features: {len(self.where):,} samples kept in host memory, its limit of "
+                        f"{self.limit_bytes / 2**30:.2f} GiB; the others are captured every epoch")
+            return None
         ahead, self._next = self._next, None
         raw = self._done(ahead) if ahead is not None else self._done(self._allocator.submit(self._allocate))
         if raw is not None and self.allocated_bytes + self.chunk_bytes < self.expected_bytes:
@@ -173,7 +185,7 @@ def allocation_bytes(tokens: int, longest: int, widths: Widths, chunk_bytes: int
     for width, dtype in widths.values():
         row = width * torch.empty(0, dtype=dtype).element_size()
         rows_per_chunk = chunk_bytes // row
-        chunks = math.ceil(tokens / max(rows_per_chunk - longest, 1)) + 1
+        chunks = tokens // max(rows_per_chunk - longest, 1) + 1  # each chunk but the last holds more than that
         total += chunks * chunk_bytes
     return total
 
@@ -187,7 +199,8 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, l
     training still to run (a resumed run counts from its step); world_size: trainer ranks. One rank only: each
     rank captures other samples every epoch, so with several its micro-batches would rarely be all in its own
     memory. The chunks of one epoch (allocation_bytes) fit within budget_bytes (None: MEMORY_SHARE of the host's
-    available memory) and the available memory; with mode "true" they must (else ConfigError).
+    available memory) and the available memory; with mode "true" they must (else ConfigError), with "auto" the
+    memory keeps what fits (the first samples captured; none when not one chunk per key fits).
     """
     off = "[train] colocated features captured every epoch"
     if mode == "false":
@@ -208,11 +221,17 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, l
     room = int(available * MEMORY_SHARE) if budget_bytes is None else min(int(budget_bytes), available)
     where = f"{MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of host memory available" \
         if budget_bytes is None else "capture.cache_budget_bytes"
-    if not cached_epochs(mode, needed, None, room, room_name=where):
-        logger.info(f"{off}: one epoch's features take {needed / 2**30:.2f} GiB, more than the "
-                    f"{room / 2**30:.2f} GiB of {where}")
-        return None
     kind = "page-locked host memory" if pin_memory else "host memory"
+    if not cached_epochs(mode, needed, None, room, room_name=where):  # auto: part of the epoch
+        if room < len(widths) * chunk_bytes:
+            logger.info(f"{off}: one epoch's features take {needed / 2**30:.2f} GiB, and {where} leaves "
+                        f"{room / 2**30:.2f} GiB")
+            return None
+        logger.info(f"[train] colocated features kept in {kind} for the later epochs, in part: one epoch takes "
+                    f"{needed / 2**30:.2f} GiB, more than the {room / 2**30:.2f} GiB of {where}, so about "
+                    f"{room / needed:.0%} of the samples are kept (the first captured), and a micro-batch's target "
+                    "forward runs on the others only")
+        return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, limit_bytes=room)
     logger.info(f"[train] colocated features kept in {kind} for the later epochs: one epoch takes "
                 f"{needed / 2**30:.2f} GiB (room: {room / 2**30:.2f} GiB, {where}); a micro-batch whose samples are "
                 "all kept skips the target's forward")
