@@ -85,8 +85,13 @@ def test_a_limited_memory_keeps_the_first_samples_and_says_so(caplog):
     assert memory.expected_bytes == 2048  # allocated ahead up to the limit only
     memory.keep([0, 1, 2], [10, 10, 10], {"hidden": torch.randn(3, 10, 16)})  # a chunk each: the third is one too many
     assert memory.holds([0, 1]) and not memory.holds([2]) and memory.full and memory.allocated_bytes == 2048
-    assert "2 samples kept in host memory, its limit of 0.00 GiB; the others are captured every epoch" in caplog.text
+    assert "host memory full at its limit of 0.00 GiB with 2 samples kept" in caplog.text
     memory.close()
+    uneven = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=4096, limit_bytes=2560)
+    assert uneven.expected_bytes == 2048  # never a chunk allocated ahead past the whole chunks the limit allows
+    uneven.keep([0, 1, 2], [10, 10, 10], {"hidden": torch.randn(3, 10, 16)})
+    assert uneven.allocated_bytes == 2048 and uneven._next is None and uneven.full
+    uneven.close()
 
 
 def test_memory_that_cannot_be_page_locked_ends_the_keeping_not_the_run(monkeypatch, caplog):
@@ -157,6 +162,30 @@ def test_a_kept_micro_batch_skips_the_forward_and_equals_its_capture(tiny_target
                      source.summary())
 
 
+def test_a_micro_batch_in_part_kept_runs_the_target_on_the_others_and_checks_only_them(tiny_target, monkeypatch):
+    adapter = tiny_target("llama")
+    dataset = token_dataset(adapter)
+    source = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", memory=FeatureMemory(pin_memory=False))
+    plain = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32")
+    source.get_batch([3, 0])
+    source.verify_features()
+    calls = counting_capture(monkeypatch, adapter)
+    batch, lengths = source.get_batch([0, 5, 3, 5])  # 0 and 3 kept; 5 twice (a placeholder repeats it)
+    assert calls == [2] and lengths == [5, 4, 12, 4] and len(source._pending) == 1
+    expected, _ = plain.get_batch([0, 5, 3, 5])
+    for key, value in expected.items():
+        torch.testing.assert_close(batch[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    real = adapter.capture
+    monkeypatch.setattr(adapter, "capture", lambda *a: real(*a).index_fill(2, torch.tensor([0]), float("nan")))
+    source.get_batch([3, 2])  # 3 kept, 2 captured (bad)
+    source.get_batch([0])  # made ahead: all kept
+    with pytest.raises(ValueError, match=f"sample '{dataset[2]['id']}'"):
+        source.verify_features(leave=1)
+    assert source.memory.holds([0, 3, 5]) and not source.memory.holds([2])  # only the captured one is forgotten
+    assert len(source._pending) == 1  # the batch made ahead is still pending
+    source.verify_features()
+
+
 def test_a_batch_whose_check_fails_is_not_kept(tiny_target, monkeypatch):
     adapter = tiny_target("llama")
     source = ColocatedFeatureSource(adapter, token_dataset(adapter), [0, 1], "float32",
@@ -193,7 +222,7 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
     caplog.clear()
     part = choose("auto", None, 5)  # over half of 8 GiB: the first 4 GiB of it
     assert "5.00 GiB, more than the 4.00 GiB of 50% of the 8.0 GiB of host memory available, so about 80% of the " \
-           "samples are kept" in caplog.text
+           "epoch's rows are kept" in caplog.text
     assert part.limit_bytes == 4 * 2**30 and part.expected_bytes == 4 * 2**30
     part.close()
     with pytest.raises(ConfigError, match=r"takes 5.00 GiB, more than the 4.00 GiB the cache may use \(50% of"):
@@ -207,6 +236,13 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
         part.close()
     assert choose("auto", CHUNK_BYTES - 1, 5) is None  # not one chunk
     assert "leaves 0.25 GiB" in caplog.text
+    whole = choose_feature_memory("auto", None, tokens=1000, longest=100, widths=row, epochs=3, world_size=1,
+                                  pin_memory=False, whole_batches=True)
+    assert isinstance(whole, FeatureMemory)  # an epoch that fits is kept with CUDA graphs too
+    whole.close()
+    assert choose_feature_memory("auto", None, tokens=19 * 65436, longest=100, widths=row, epochs=3, world_size=1,
+                                 pin_memory=False, whole_batches=True) is None  # 5 GiB: in part, which saves nothing
+    assert "capture.cuda_graphs captures whole micro-batches" in caplog.text
     memory = choose("true", None, 1, epochs=2)
     assert isinstance(memory, FeatureMemory) and "kept in host memory for the later epochs" in caplog.text
     memory.close()

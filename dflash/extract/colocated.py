@@ -13,7 +13,8 @@ once would make the host wait for the target's forward before it could launch th
 while it does.
 
 With a FeatureMemory (capture.cache, feature_memory.py) the first epoch's features are kept in host memory as they
-are captured, and a micro-batch whose samples are all kept is put together from there without the forward.
+are captured, and a micro-batch whose samples are all kept is put together from there without the forward; one with
+some kept runs the target on the others only (the whole micro-batch with CUDA graphs, whose rows are fixed).
 
 With `final_hidden=True` the forward also runs the rest of the decoder (never the LM head) and each sample gets
 "target_final" [T, H], the target's final normed hidden state in its own dtype: the drafter's KL loss makes the
@@ -114,7 +115,8 @@ class ColocatedFeatureSource(FeatureSource):
         else:
             # Some kept (a memory that holds part of the epoch): the target runs on the others only. With CUDA graphs
             # every micro-batch has the same rows, so there the whole micro-batch is captured.
-            captured = [row for row in range(len(indices)) if row not in set(kept)] if self.static is None \
+            held = set(kept)
+            captured = [row for row in range(len(indices)) if row not in held] if self.static is None \
                 else list(range(len(indices)))
             batch = self._capture_rows(input_ids, lengths, captured, [str(rows["id"][row]) for row in captured],
                                        [indices[row] for row in captured])
@@ -138,11 +140,13 @@ class ColocatedFeatureSource(FeatureSource):
             self.memory.keep(indices, sub_lengths, features)
         if len(rows) == input_ids.shape[0]:
             return features
-        batch = {key: value.new_zeros(input_ids.shape[0], input_ids.shape[1], value.shape[-1])
-                 for key, value in features.items()}
-        for position, (row, length) in enumerate(zip(rows, sub_lengths)):
-            for key, value in features.items():
-                batch[key][row, :length].copy_(value[position, :length])
+        # One copy per key into the full micro-batch (zeros on the padding, as the sub-batch has them); the row
+        # numbers go to the device from page-locked memory, without a host wait.
+        where = host_to_device(torch.tensor(rows), self.adapter.device)
+        batch = {}
+        for key, value in features.items():
+            batch[key] = value.new_zeros(input_ids.shape[0], input_ids.shape[1], value.shape[-1])
+            batch[key].narrow(1, 0, value.shape[1]).index_copy_(0, where, value)
         return batch
 
     def _capture(self, input_ids: torch.Tensor, lengths: list[int],

@@ -3,9 +3,10 @@ capture=colocated).
 
 Colocated capture runs the frozen target once per micro-batch, every epoch, and a target's features depend on the
 tokens alone: every epoch after the first recomputes what the first computed, and for a small target that forward is
-a large share of the training step. When one epoch's features fit in host memory, the first epoch keeps each
-sample's rows there as it captures them, and a later micro-batch whose samples are all kept is put together from
-them: one zero-filled tensor on the device and one copy per sample, with no target forward and no host wait.
+a large share of the training step. The first epoch keeps each sample's rows in host memory as it captures them, and
+a later micro-batch whose samples are all kept is put together from them: one zero-filled tensor on the device and
+one copy per sample, with no target forward and no host wait. When one epoch does not fit, what fits is kept, and a
+micro-batch runs the target on its samples not kept only (colocated.py).
 
 On CUDA the rows live in page-locked chunks, so the copies (device to host when kept, host to device when read) are
 queued on the stream like kernels: a read of a sample is ordered after the copy that kept it, and the host never
@@ -53,7 +54,9 @@ class FeatureMemory:
     def __init__(self, pin_memory: bool, chunk_bytes: int = CHUNK_BYTES, expected_bytes: int = 0,
                  limit_bytes: int | None = None) -> None:
         self.pin_memory, self.chunk_bytes, self.limit_bytes = pin_memory, chunk_bytes, limit_bytes
-        self.expected_bytes = expected_bytes if limit_bytes is None else min(expected_bytes, limit_bytes)
+        # Allocated ahead no further than the whole chunks the limit allows.
+        self.expected_bytes = expected_bytes if limit_bytes is None else \
+            min(expected_bytes, limit_bytes // chunk_bytes * chunk_bytes)
         self.chunks: dict[str, list[torch.Tensor]] = {}  # per key: [rows, width] views of the chunks
         self.filled: dict[str, int] = {}  # per key: rows used in its last chunk
         self.where: dict[int, dict[str, tuple[int, int]]] = {}  # sample -> key -> (chunk, first row)
@@ -146,9 +149,10 @@ class FeatureMemory:
         if self.full:
             return None
         if self.limit_bytes is not None and self.allocated_bytes + self.chunk_bytes > self.limit_bytes:
-            self.full = True
-            logger.info(f"[train] colocated features: {len(self.where):,} samples kept in host memory, its limit of "
-                        f"{self.limit_bytes / 2**30:.2f} GiB; the others are captured every epoch")
+            self.full, self._next = True, None
+            logger.info(f"[train] colocated features: host memory full at its limit of "
+                        f"{self.limit_bytes / 2**30:.2f} GiB with {len(self.where):,} samples kept; samples that do "
+                        "not fit what is left are captured every epoch")
             return None
         ahead, self._next = self._next, None
         raw = self._done(ahead) if ahead is not None else self._done(self._allocator.submit(self._allocate))
@@ -191,7 +195,8 @@ def allocation_bytes(tokens: int, longest: int, widths: Widths, chunk_bytes: int
 
 
 def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, longest: int, widths: Widths,
-                          epochs: int, world_size: int, pin_memory: bool) -> FeatureMemory | None:
+                          epochs: int, world_size: int, pin_memory: bool,
+                          whole_batches: bool = False) -> FeatureMemory | None:
     """A FeatureMemory when capture.cache (`mode`: auto | true | false) keeps the first epoch, else None; a line
     says which and why.
 
@@ -200,7 +205,8 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, l
     rank captures other samples every epoch, so with several its micro-batches would rarely be all in its own
     memory. The chunks of one epoch (allocation_bytes) fit within budget_bytes (None: MEMORY_SHARE of the host's
     available memory) and the available memory; with mode "true" they must (else ConfigError), with "auto" the
-    memory keeps what fits (the first samples captured; none when not one chunk per key fits).
+    memory keeps what fits, unless not one chunk per key fits or whole_batches (capture.cuda_graphs captures every
+    micro-batch whole, so a micro-batch only skips its forward when all of its samples are kept).
     """
     off = "[train] colocated features captured every epoch"
     if mode == "false":
@@ -223,14 +229,15 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, l
         if budget_bytes is None else "capture.cache_budget_bytes"
     kind = "page-locked host memory" if pin_memory else "host memory"
     if not cached_epochs(mode, needed, None, room, room_name=where):  # auto: part of the epoch
-        if room < len(widths) * chunk_bytes:
-            logger.info(f"{off}: one epoch's features take {needed / 2**30:.2f} GiB, and {where} leaves "
-                        f"{room / 2**30:.2f} GiB")
+        if room < len(widths) * chunk_bytes or whole_batches:
+            why = "capture.cuda_graphs captures whole micro-batches" if whole_batches else \
+                f"{where} leaves {room / 2**30:.2f} GiB"
+            logger.info(f"{off}: one epoch's features take {needed / 2**30:.2f} GiB, and {why}")
             return None
         logger.info(f"[train] colocated features kept in {kind} for the later epochs, in part: one epoch takes "
                     f"{needed / 2**30:.2f} GiB, more than the {room / 2**30:.2f} GiB of {where}, so about "
-                    f"{room / needed:.0%} of the samples are kept (the first captured), and a micro-batch's target "
-                    "forward runs on the others only")
+                    f"{room / needed:.0%} of the epoch's rows are kept, and a micro-batch's target forward runs on its "
+                    "samples not kept only")
         return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, limit_bytes=room)
     logger.info(f"[train] colocated features kept in {kind} for the later epochs: one epoch takes "
                 f"{needed / 2**30:.2f} GiB (room: {room / 2**30:.2f} GiB, {where}); a micro-batch whose samples are "
