@@ -350,3 +350,31 @@ def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypat
     assert events == ["settle", "forward"] and memory.holds([0, 1])
     source.close()
     assert source.memory is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (page-locked memory, asynchronous copies)")
+def test_on_cuda_a_micro_batch_in_part_kept_is_made_without_a_host_wait(tmp_path):
+    overrides = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "capture=colocated",
+                 "device=cuda:0"]
+    Pipeline(compose(overrides + ["stages=[data,capture]"])).run()
+    source = Pipeline(compose(overrides)).train.colocated_source()
+    assert source.memory is not None and source.memory.pin_memory
+    source.get_batch([0, 1], pin_memory=True)
+    source.verify_features()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch, _ = source.get_batch([1, 2, 0], pin_memory=True)  # 0 and 1 kept, 2 captured alone
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ours = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message) and "/dflash/" in w.filename]
+    assert not ours, ours
+    plain = ColocatedFeatureSource(source.adapter, source.dataset, source.layer_ids,
+                                   str(source.dtype).removeprefix("torch."))
+    expected, _ = plain.get_batch([1, 2, 0])
+    torch.testing.assert_close(batch["hidden"].float(), expected["hidden"].float(), rtol=2e-2, atol=2e-2)
+    assert source.tokens_recalled == sum(len(source.dataset[i]["input_ids"]) for i in (1, 0))
+    source.close()
