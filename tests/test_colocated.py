@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from dflash.data.feature_source import collate
 from dflash.extract.colocated import ColocatedFeatureSource
 from dflash.extract.store import FeatureStore
 from dflash.pipeline import Pipeline
+from tests.host_waits import host_waits, ours
 
 TINY = ["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]"]
 STORED_CURVE = Path(__file__).parent / "data" / "tiny_loss_curve.json"
@@ -139,16 +139,9 @@ def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(tmp_path)
     for key, value in expected.items():
         assert torch.equal(batch[key].cpu(), value.cpu()), key
     # dflash's own code in get_batch never makes the host wait for the GPU (the target's modeling code may).
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            source.get_batch([3, 4, 5], pin_memory=True)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    ours = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message) and "/dflash/" in w.filename]
-    assert not ours, ours
+    with host_waits() as waits:
+        source.get_batch([3, 4, 5], pin_memory=True)
+    assert not ours(waits), ours(waits)
     # The target's attention runs SDPA's efficient/flash kernels, never cuDNN's (which plans each new width on the
     # host).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:

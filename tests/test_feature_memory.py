@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import warnings
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from dflash.extract.colocated import ColocatedFeatureSource
 from dflash.extract.feature_memory import CHUNK_BYTES, FeatureMemory, allocation_bytes, choose_feature_memory, \
     chunk_size
 from dflash.pipeline import Pipeline
+from tests.host_waits import host_waits, ours
 
 LENGTHS = [5, 9, 3, 12, 7, 4]
 
@@ -292,16 +292,10 @@ def test_on_cuda_kept_rows_come_back_without_a_host_wait():
     hidden = torch.randn(2, 12, 32, device="cuda")
     memory.keep([0, 1], [12, 5], {"hidden": hidden})
     assert memory.chunks["hidden"][0].is_pinned()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            memory.keep([2], [12], {"hidden": hidden[:1] * 2})
-            batch = memory.recall([1, 2, 0], torch.device("cuda"))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert not [w for w in caught if "synchroniz" in str(w.message)], [str(w.message) for w in caught]
+    with host_waits() as waits:
+        memory.keep([2], [12], {"hidden": hidden[:1] * 2})
+        batch = memory.recall([1, 2, 0], torch.device("cuda"))
+    assert not waits, waits
     assert torch.equal(batch["hidden"][0, :5], hidden[1, :5]) and not batch["hidden"][0, 5:].any()
     assert torch.equal(batch["hidden"][1], hidden[0] * 2) and torch.equal(batch["hidden"][2], hidden[0])
 
@@ -362,16 +356,9 @@ def test_on_cuda_a_micro_batch_in_part_kept_is_made_without_a_host_wait(tmp_path
     assert source.memory is not None and source.memory.pin_memory
     source.get_batch([0, 1], pin_memory=True)
     source.verify_features()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            batch, _ = source.get_batch([1, 2, 0], pin_memory=True)  # 0 and 1 kept, 2 captured alone
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    ours = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message) and "/dflash/" in w.filename]
-    assert not ours, ours
+    with host_waits() as waits:
+        batch, _ = source.get_batch([1, 2, 0], pin_memory=True)  # 0 and 1 kept, 2 captured alone
+    assert not ours(waits), ours(waits)
     plain = ColocatedFeatureSource(source.adapter, source.dataset, source.layer_ids,
                                    str(source.dtype).removeprefix("torch."))
     expected, _ = plain.get_batch([1, 2, 0])

@@ -115,14 +115,15 @@ class ColocatedFeatureSource(FeatureSource):
         else:
             # Some kept (a memory that holds part of the epoch): the target runs on the others only. With CUDA graphs
             # every micro-batch has the same rows, so there the whole micro-batch is captured.
+            if self.static is not None:
+                kept = []
             held = set(kept)
-            captured = [row for row in range(len(indices)) if row not in held] if self.static is None \
-                else list(range(len(indices)))
+            captured = [row for row in range(len(indices)) if row not in held]
             batch = self._capture_rows(input_ids, lengths, captured, [str(rows["id"][row]) for row in captured],
                                        [indices[row] for row in captured])
-            if len(captured) < len(indices):
+            if kept:
                 self.memory.recall_into(batch, kept, [indices[row] for row in kept])
-        recalled = sum(lengths[row] for row in kept) if len(kept) == len(indices) or self.static is None else 0
+        recalled = sum(lengths[row] for row in kept)
         self.tokens_recalled += recalled
         self.tokens_captured += sum(lengths) - recalled
         if pin_memory:

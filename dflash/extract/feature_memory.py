@@ -61,7 +61,7 @@ class FeatureMemory:
         self.filled: dict[str, int] = {}  # per key: rows used in its last chunk
         self.where: dict[int, dict[str, tuple[int, int]]] = {}  # sample -> key -> (chunk, first row)
         self.lengths: dict[int, int] = {}
-        self.full = False  # no more chunks could be allocated: nothing more is kept
+        self.full = False  # no new chunk (the limit, or memory refused): only what fits the chunks there are is kept
         self._allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-feature-memory")
         self._next: Future | None = self._allocator.submit(self._allocate) if self.expected_bytes > 0 else None
 
@@ -155,7 +155,7 @@ class FeatureMemory:
                         "not fit what is left are captured every epoch")
             return None
         ahead, self._next = self._next, None
-        raw = self._done(ahead) if ahead is not None else self._done(self._allocator.submit(self._allocate))
+        raw = self._done(ahead or self._allocator.submit(self._allocate))
         if raw is not None and self.allocated_bytes + self.chunk_bytes < self.expected_bytes:
             self._next = self._allocator.submit(self._allocate)
         return raw
@@ -176,9 +176,13 @@ class FeatureMemory:
         return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
 
+def row_bytes(width: int, dtype: torch.dtype) -> int:
+    return width * torch.empty((), dtype=dtype).element_size()
+
+
 def chunk_size(longest: int, widths: Widths) -> int:
     """CHUNK_BYTES, or the power of two that holds the longest sample's rows of the widest key when that is more."""
-    widest = max(width * torch.empty(0, dtype=dtype).element_size() for width, dtype in widths.values())
+    widest = max(row_bytes(width, dtype) for width, dtype in widths.values())
     return max(CHUNK_BYTES, 1 << math.ceil(math.log2(longest * widest)))
 
 
@@ -187,8 +191,7 @@ def allocation_bytes(tokens: int, longest: int, widths: Widths, chunk_bytes: int
     one sample's rows left unused at the end of each chunk and one chunk per key that is partly filled."""
     total = 0
     for width, dtype in widths.values():
-        row = width * torch.empty(0, dtype=dtype).element_size()
-        rows_per_chunk = chunk_bytes // row
+        rows_per_chunk = chunk_bytes // row_bytes(width, dtype)
         chunks = tokens // max(rows_per_chunk - longest, 1) + 1  # each chunk but the last holds more than that
         total += chunks * chunk_bytes
     return total

@@ -364,6 +364,7 @@ class TrainStage(Stage):
         """This rank's ColocatedFeatureSource: the target on this rank's device makes each micro-batch's features
         from this run folder's data (not a "data" path in colocated.json: it is stale once the folder moved)."""
         from dflash.data.dataset import load_dataset_dir
+        from dflash.data.sample_sizes import sample_lengths
         from dflash.extract.colocated import ColocatedFeatureSource
 
         info = read_json(os.path.join(self.capture.out, "colocated.json"))
@@ -371,25 +372,24 @@ class TrainStage(Stage):
         # The KL loss and the target's labels both read the target's final hidden states.
         final_hidden = t.kl_weight > 0 or t.labels == "target"
         dataset = load_dataset_dir(self.capture.data.out)
+        lengths = sample_lengths(dataset)  # every sample's tokens: the static buffers and the memory are sized by them
         static = None
         if getattr(self.context.settings.capture, "cuda_graphs", False):
-            from dflash.data.sample_sizes import sample_lengths
             from dflash.extract.static_capture import StaticCapture
 
             target = self.context.target
             static = StaticCapture(target, info["target_layer_ids"], final_hidden,
-                                   max_width=int(sample_lengths(dataset).max()),
+                                   max_width=int(lengths.max()),
                                    pad_id=target.tokenizer.pad_token_id)
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
                                       final_hidden=final_hidden, static=static,
-                                      memory=self.colocated_memory(dataset, info, final_hidden))
+                                      memory=self.colocated_memory(dataset, lengths, info, final_hidden))
 
-    def colocated_memory(self, dataset: Any, info: dict, final_hidden: bool) -> FeatureMemory | None:
+    def colocated_memory(self, dataset: Any, lengths: Any, info: dict, final_hidden: bool) -> FeatureMemory | None:
         """capture.cache: the FeatureMemory keeping the first epoch's colocated features for the later epochs
-        (dflash/extract/feature_memory.py), or None; sized from the dataset's tokens and the taps, for the epochs
-        left from the newest checkpoint."""
+        (dflash/extract/feature_memory.py), or None; sized from the samples' token counts (`lengths`) and the taps,
+        for the epochs left from the newest checkpoint."""
         from dflash.data.batch_plan import BatchPlan
-        from dflash.data.sample_sizes import sample_lengths
         from dflash.extract.feature_memory import choose_feature_memory
         from dflash.extract.store import store_dtype
         from dflash.train.checkpoints import complete_tags
@@ -405,7 +405,6 @@ class TrainStage(Stage):
         widths = {"hidden": (len(info["target_layer_ids"]) * target.hidden_size, store_dtype(info["dtype"]))}
         if final_hidden:
             widths["target_final"] = (target.hidden_size, target.dtype)
-        lengths = sample_lengths(dataset)
         return choose_feature_memory(cache_mode(capture.cache), capture.cache_budget_bytes, tokens=int(lengths.sum()),
                                      longest=int(lengths.max()), widths=widths, epochs=epochs,
                                      world_size=run.world_size, pin_memory=run.device.type == "cuda",
