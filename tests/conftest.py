@@ -37,6 +37,19 @@ def marker_weight(item: pytest.Item) -> float:
     return next((weight for name, weight in WEIGHTS.items() if item.get_closest_marker(name)), 0.5)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `gpu` runs only where CUDA has its `devices` (default 1): on a CPU machine it is skipped, and
+    on a GPU machine `pytest -m gpu` selects every CUDA test (the device sessions' command)."""
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    devices = marker.kwargs.get("devices", 1)
+    if torch.cuda.device_count() < devices:
+        needs = "a CUDA device" if devices == 1 else f"{devices} CUDA devices"
+        reason = marker.kwargs.get("reason")
+        pytest.skip(f"needs {needs}" + (f" ({reason})" if reason else ""))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not hasattr(config, "workerinput"):  # only in xdist's workers (which are not told the --dist mode)

@@ -40,12 +40,10 @@ def test_packed_row_gives_each_sequence_its_own_features(family):
     torch.testing.assert_close(plain[:LENGTHS[0]], alone[:LENGTHS[0]], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_sliding_window_layers_keep_their_window_when_packed(device):
     """A Mistral-style target (every layer a sliding window of 8 keys): sequences longer than the window see only
     their last 8 keys, packed or alone (on CUDA in bf16: FlashAttention's window arguments)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from transformers import MistralConfig, MistralForCausalLM
 
     from dflash.models.targets.registry import wrap_model
@@ -190,7 +188,7 @@ def test_a_target_packing_cannot_serve_is_captured_in_padded_batches_within_batc
     assert shapes and max(rows * width for rows, width in shapes) <= 180  # not 31 rows x 60 in one batch
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlashAttention's varlen kernel, fla)")
+@pytest.mark.gpu(reason="FlashAttention's varlen kernel, fla")
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_packed_capture_matches_one_at_a_time_on_cuda(family):
     """The real kernels: FlashAttention's variable-length attention and, on the hybrid, fla's conv and chunked

@@ -91,8 +91,7 @@ def test_blocks_longer_than_the_drafters_are_refused(tiny_target, make_drafter):
         proposer([0, 1], prompt_lens[:2], [5, 2])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu(reason="CUDA graphs")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_graphed_step_on_cuda_drafts_what_the_gathered_step_drafts(dtype, make_drafter):
     # On the GPU the fixed-shape step replays one graph a chunk. In float32 it drafts what the gathered step drafts;
@@ -117,8 +116,7 @@ def test_the_default_on_the_cpu_is_the_gathered_step(tiny_target, make_drafter):
     assert DrafterProposer(drafter, adapter, sequences, features).fixed_shape is False
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_the_default_on_cuda_is_the_graph_unless_the_target_pieces_are_elsewhere(make_drafter):
     # The evaluator's replay and the trainer's held-out replay build their proposers without fixed_shape.
     adapter = build_tiny_target("llama", 0, tokenizer="builtin", initializer_range=0.2, device="cuda",
@@ -130,8 +128,7 @@ def test_the_default_on_cuda_is_the_graph_unless_the_target_pieces_are_elsewhere
     assert elsewhere.fixed_shape is False
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_a_drafter_with_compiled_layers_is_graphed_too(make_drafter):
     # The trainer replays held-out prompts with the drafter it trains, whose layers train.compile compiled (dynamic
     # shapes): under the fixed-shape step the compilation happens in the capture's warm-up, outside the graph.
@@ -157,8 +154,7 @@ def test_a_drafter_with_compiled_layers_is_graphed_too(make_drafter):
     assert total > 20 and same >= 0.9 * total
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu(reason="CUDA graphs")
 def test_the_trainers_drafter_under_deepspeed_is_graphed_too(make_drafter):
     # The held-out replay drafts with the module the DeepSpeed engine wraps, whose forward hooks run inside the
     # capture: none of them may wait for the device (dflash/train/engine.py turns DeepSpeed's throughput timer off).

@@ -123,8 +123,7 @@ def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch, a
     assert len(losses(tmp_path)) == logged  # the bad step was never logged (nor saved)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned copies, events, SDPA kernels)")
+@pytest.mark.gpu(reason="pinned copies, events, SDPA kernels")
 def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(tmp_path):
     # The data and capture stages of a run of its own: a machine with a GPU refuses training with device=cpu, as the
     # module's run (colocated_run) has it.

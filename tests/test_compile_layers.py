@@ -79,7 +79,7 @@ def test_a_first_length_equal_to_the_query_count_does_not_pin_later_lengths(one_
     assert new_graphs(lambda: step(40, 5)) == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor's Triton kernels)")
+@pytest.mark.gpu(reason="inductor's Triton kernels")
 def test_compiled_layers_serve_changing_shapes_on_cuda():
     """The recipe's case that crashed inductor's generated backward on an H200: bf16 layers of the SmolLM2 drafter
     shape (head_dim 64), flex attention, micro-batches whose padded length and anchor count change every step.

@@ -18,8 +18,7 @@ from dflash.models.targets import build_tiny_target
 from tests.host_waits import host_waits
 from tests.schema_options import DRAFT_SAMPLING
 
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-pytestmark = GPU
+pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 
 

@@ -9,7 +9,6 @@ import torch
 from dflash.eval.replay import DrafterProposer, replay
 from dflash.models.targets import build_tiny_target
 from tests.test_eval import prompts_for, stored_proposer
-from tests.test_eval_cuda_graphs import GPU
 
 
 def gathered(self, rows, index, source, left_padded):
@@ -51,7 +50,7 @@ def test_consecutive_rows_slice_the_cache(tiny_target, make_drafter, monkeypatch
         assert torch.equal(hidden, proposer.hidden(list(rows), list(starts), [4, 3][: len(rows)]))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_replay_is_unchanged_by_slicing(device, tiny_target, make_drafter, monkeypatch):
     # Chunks of 2 over 3 prompts: the last chunk is a lone row (sliced every step), the first mixes both paths.
     adapter = tiny_target("llama") if device == "cpu" else build_tiny_target("llama", 0, tokenizer="builtin",

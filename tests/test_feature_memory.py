@@ -285,8 +285,7 @@ def test_bad_cache_settings_are_named_when_composed(override, message):
         settings_from(compose(["+experiment=tiny", "capture=colocated", override]))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (page-locked memory, asynchronous copies)")
+@pytest.mark.gpu(reason="page-locked memory, asynchronous copies")
 def test_on_cuda_kept_rows_come_back_without_a_host_wait():
     memory = FeatureMemory(pin_memory=True)
     hidden = torch.randn(2, 12, 32, device="cuda")
@@ -346,8 +345,7 @@ def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypat
     assert source.memory is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (page-locked memory, asynchronous copies)")
+@pytest.mark.gpu(reason="page-locked memory, asynchronous copies")
 def test_on_cuda_a_micro_batch_in_part_kept_is_made_without_a_host_wait(tmp_path):
     overrides = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "capture=colocated",
                  "device=cuda:0"]

@@ -497,7 +497,6 @@ def test_two_ranks_evaluate_like_one(tmp_path, zero_stage, one_process_heldout_r
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_heldout_replay_on_gpu_matches_the_evaluator(tmp_path, monkeypatch):
     """SmolLM2 in bf16 on CUDA, 32 prompts x 256 new tokens: the held-out replay drafts what the evaluator drafts;
     prints both times (the held-out one is what a training run pays per evaluation)."""

@@ -196,8 +196,7 @@ def test_gpus_per_worker_setting():
     assert rank_devices(1, 2) == ["cuda:2", "cuda:3"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.gpu(devices=2)
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5", "qwen3_next"])
 def test_two_gpus_capture_what_one_gpu_does_and_return_on_the_first(family):
     spec = {"family": family, "seed": 0, "tokenizer": "builtin"}

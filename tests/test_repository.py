@@ -57,3 +57,17 @@ def test_no_line_of_python_is_wider_than_120_columns():
             for folder in ("dflash", "tests", "bench", "launch") for path in (ROOT / folder).rglob("*.py")
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
     assert not wide, "\n".join(wide)
+
+
+
+def test_cuda_tests_carry_the_gpu_mark_and_do_not_skip_themselves():
+    """Every CUDA test is marked `gpu` (conftest.py skips it where the devices are missing), so that `pytest -m gpu`
+    on a GPU machine runs all of them; a test that skipped on its own check of CUDA was left out of that run."""
+    own = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines() + [""]
+        for number, (line, after) in enumerate(zip(lines, lines[1:]), 1):
+            checks_cuda = re.search(r"cuda\.(is_available|device_count)\(", line)
+            if path.name != "conftest.py" and checks_cuda and "skip" in line + after:
+                own.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not own, "\n".join(own)

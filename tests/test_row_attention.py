@@ -223,7 +223,6 @@ def test_attention_choices():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("window", [None, 5, B + 1])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_compiled_flex_on_cuda_equals_masked_attention(window, softcap):
@@ -243,7 +242,6 @@ def test_compiled_flex_on_cuda_equals_masked_attention(window, softcap):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_flex_under_cuda_graphs_replays_the_eager_step(dtype):
     adapter = build_tiny_target("qwen3", 0, tokenizer="builtin", initializer_range=0.2, device="cuda", dtype=dtype)

@@ -14,7 +14,7 @@ from dflash.extract.static_capture import StaticCapture
 
 LENGTHS = (5, 17, 9, 30)
 FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "gemma3_text"]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+cuda = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -207,7 +207,6 @@ def test_what_the_engines_cannot_run_is_refused_by_name(family, change, reason):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_with_windows(dtype):
     """Gemma 3 on the GPU: regeneration's graphs (and its compiled step) give the eager step's tokens, and in

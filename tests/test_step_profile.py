@@ -151,7 +151,7 @@ def test_the_gpu_busy_time_is_the_union_of_its_activities_without_the_ranges():
     assert "bound by the GPU" in bound_summary(events, wall_ms=2.1, steps=1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_on_cuda_the_table_opens_with_the_busy_time_and_names_the_operator_that_waited(tmp_path):
     """The CUDA runtime's own names and threads: a step that reads a value back (.item()) waits in aten::item."""
     path = tmp_path / "train_profile.txt"

@@ -314,8 +314,8 @@ def test_capture_can_leave_the_padding_mask_out(family):
         torch.testing.assert_close(final[row:row + 1, :length], alone_final, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-                    reason="needs CUDA and flash-linear-attention")
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs flash-linear-attention")
 def test_fla_conv_matches_torch_conv_on_cuda():
     adapter = load_target("tiny", tiny={"family": "qwen3_5", "seed": 0, "tokenizer": "builtin"},
                           dtype="bfloat16", device="cuda")

@@ -241,8 +241,7 @@ def test_two_nodes_on_localhost_match_one_process(tmp_path, one_process):
     assert_same_training(torch.load(tmp_path / "result.pt", weights_only=True), one_process)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.gpu(devices=2)
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_gpus_over_nccl_match_one_gpu(tmp_path, zero_stage):
     """The same run as the gloo tests on DeepSpeed's CUDA accelerator: 2 ranks on cuda:0 and cuda:1 talking over
