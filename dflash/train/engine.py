@@ -155,6 +155,46 @@ def lighten_gradient_checks(optimizer: Any) -> bool:
     return True
 
 
+
+def keep_weight_views(optimizer: Any) -> bool:
+    """A ZeRO-1/2 step re-points the bf16 weights only when they moved; whether it applied.
+
+    After every step DeepSpeed points each bf16 weight at its slice of the group's flat buffer again (two `.data`
+    assignments a tensor: ~230 host operators a step for the SmolLM2 recipe's 58 tensors, a fifth of its step's),
+    though the step wrote the new values into that buffer in place, so the weights already point there. Here the
+    step looks first (a pointer and a shape a tensor, no operator) and leaves DeepSpeed to re-point them when one
+    does not: after a change of the buffer's storage (DeepSpeed's state offload) or of a weight's.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    needed = ("bit16_groups", "bit16_groups_flat", "round_robin_bit16_groups", "round_robin_bit16_meta",
+              "round_robin_bit16_offsets", "round_robin_bit16_indices", "_update_model_bit16_weights")
+    if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and all(hasattr(optimizer, name) for name in needed)):
+        return False
+    repoint = optimizer._update_model_bit16_weights
+
+    def repoint_if_moved(group_index: int) -> None:
+        if not weights_in_place(optimizer, group_index):
+            repoint(group_index)
+
+    optimizer._update_model_bit16_weights = repoint_if_moved
+    return True
+
+
+def weights_in_place(optimizer: Any, group_index: int) -> bool:
+    """Whether every bf16 weight of the group is the contiguous view of its slice of the flat buffer that
+    DeepSpeed's `_update_model_bit16_weights` would make it (its model order is the same tensors reordered)."""
+    flat = optimizer.bit16_groups_flat[group_index]
+    start, width = flat.data_ptr(), flat.element_size()
+    ordered = optimizer.round_robin_bit16_groups[group_index]
+    for weight, meta, offset in zip(ordered, optimizer.round_robin_bit16_meta[group_index],
+                                    optimizer.round_robin_bit16_offsets[group_index], strict=True):
+        if (weight.data_ptr() != start + offset * width or weight.shape != meta.shape
+                or weight.dtype != flat.dtype or not weight.is_contiguous()):
+            return False
+    return all(weight is ordered[index] for weight, index in
+               zip(optimizer.bit16_groups[group_index], optimizer.round_robin_bit16_indices[group_index], strict=True))
+
 def steps_beside_params(optimizer: torch.optim.Optimizer) -> None:
     """Fused AdamW needs each state's step tensor on its parameter's device, as float32.
 
@@ -178,8 +218,9 @@ class TrainEngine:
     another number of ranks). fused_adamw: torch's one-kernel AdamW instead of the multi-tensor one; None = on CUDA
     only. The foreach version walks the fp32 master weights and Adam state about 12 times and allocates a full-size
     sqrt(v) temporary; the fused kernel reads and writes each once (same update rule; rounding may differ in the
-    last bit). light_checks: the ZeRO-1/2 step's gradient checks as one foreach norm (lighten_gradient_checks);
-    False keeps DeepSpeed's own (a benchmark's baseline).
+    last bit). light_checks: the ZeRO-1/2 step's gradient checks as one foreach norm (lighten_gradient_checks), and
+    its bf16 weights re-pointed only when they moved (keep_weight_views); False keeps DeepSpeed's own (a
+    benchmark's baseline).
     """
 
     def __init__(self, model: nn.Module, settings: TrainSettings, deepspeed_settings: DeepSpeedSettings,
@@ -207,6 +248,7 @@ class TrainEngine:
                 dist_init_required=False,
             )
         self.light_gradient_checks = light_checks and lighten_gradient_checks(self.engine.optimizer)
+        self.weight_views_kept = light_checks and keep_weight_views(self.engine.optimizer)
         self.zero_stage = deepspeed_settings.zero_stage
 
     @property
