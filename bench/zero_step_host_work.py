@@ -1,6 +1,7 @@
 """The host's work in a ZeRO step of the SmolLM2 recipe's drafter: DeepSpeed's defaults against dflash's (the
-lighter gradient checks of dflash/train/engine.py, lighten_gradient_checks, and deepspeed.contiguous_gradients
-off); print JSON.
+lighter gradient checks of dflash/train/engine.py, lighten_gradient_checks, the weights left where they point,
+keep_weight_views, one rank's gradients left unreduced, skip_one_rank_reduction, and
+deepspeed.contiguous_gradients off); print JSON.
 
     python bench/zero_step_host_work.py                  # bf16, ZeRO-2, the recipe's 5-layer drafter (58 tensors)
     python bench/zero_step_host_work.py --steps 20 --zero-stage 1

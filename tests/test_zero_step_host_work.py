@@ -216,3 +216,24 @@ def test_a_weight_that_moved_is_pointed_back_at_its_slice():
     step(kept, 1e-3)
     step(repointed, 1e-3)
     assert all(torch.equal(a, b) for a, b in zip(weights(kept), weights(repointed)))
+
+
+@pytest.mark.parametrize("grad_accum,zero_stage", [(1, 2), (2, 2), (2, 1)])
+def test_one_rank_s_gradients_left_unreduced_train_the_same_weights_with_less_host_work(grad_accum, zero_stage):
+    unreduced, reduced = (make_engine(True, grad_accum=grad_accum, zero_stage=zero_stage) for _ in range(2))
+    assert unreduced.one_rank_reduction_skipped
+    del reduced.engine.optimizer.buffered_reduce_fallback  # DeepSpeed's flatten, divide, all-reduce and copy back
+    for scale in (1e-4, 1.0, 1e-2):
+        for engine in (unreduced, reduced):
+            for _ in range(grad_accum):
+                engine.backward(loss_of(engine, scale))
+                engine.step()
+        assert unreduced.grad_norm() == reduced.grad_norm() > 0
+        assert all(torch.equal(a, b) for a, b in zip(weights(unreduced), weights(reduced)))
+    tensors = len(list(unreduced.module.parameters()))
+    # DeepSpeed's: a copy back per gradient, and the flatten, division and all-reduce of the bucket.
+    assert dispatched(reduced, "backward") - dispatched(unreduced, "backward") >= tensors
+
+
+def test_contiguous_gradients_keep_deepspeed_s_reduction():
+    assert not make_engine(True, contiguous=True).one_rank_reduction_skipped  # its buffer is reduced otherwise
