@@ -155,8 +155,6 @@ def lighten_gradient_checks(optimizer: Any) -> bool:
     return True
 
 
-
-
 def skip_one_rank_reduction(optimizer: Any) -> bool:
     """A ZeRO-1/2 backward on one data-parallel rank leaves each gradient where autograd made it; whether it applied.
 
@@ -178,11 +176,12 @@ def skip_one_rank_reduction(optimizer: Any) -> bool:
     optimizer.buffered_reduce_fallback = lambda *args, **kwargs: None
     return True
 
+
 def keep_weight_views(optimizer: Any) -> bool:
     """A ZeRO-1/2 step re-points the bf16 weights only when they moved; whether it applied.
 
     After every step DeepSpeed points each bf16 weight at its slice of the group's flat buffer again (two `.data`
-    assignments a tensor: ~230 host operators a step for the SmolLM2 recipe's 58 tensors, a fifth of its step's),
+    assignments a tensor: ~230 host operators a step for the SmolLM2 recipe's 58 tensors, about a fifth of them),
     though the step wrote the new values into that buffer in place, so the weights already point there. Here the
     step looks first (a pointer and a shape a tensor, no operator) and leaves DeepSpeed to re-point them when one
     does not: after a change of the buffer's storage (DeepSpeed's state offload) or of a weight's.
@@ -216,6 +215,7 @@ def weights_in_place(optimizer: Any, group_index: int) -> bool:
             return False
     return all(weight is ordered[index] for weight, index in
                zip(optimizer.bit16_groups[group_index], optimizer.round_robin_bit16_indices[group_index], strict=True))
+
 
 def steps_beside_params(optimizer: torch.optim.Optimizer) -> None:
     """Fused AdamW needs each state's step tensor on its parameter's device, as float32.
