@@ -160,7 +160,8 @@ class ColocatedFeatureSource(FeatureSource):
         # The target sees its own pad token on the padding; the batch keeps zeros there, as collate pads.
         target_ids = input_ids.masked_fill(attention_mask == 0, self.adapter.tokenizer.pad_token_id)
         mask_on_device = host_to_device(attention_mask, device)
-        inputs = (host_to_device(target_ids, device), mask_on_device, self.layer_ids)
+        # The host's mask: the target checks its padding there, where a check of the device's would wait for the GPU.
+        inputs = (host_to_device(target_ids, device), attention_mask, self.layer_ids)
         final = None
         if self.static is not None and self.memory is not None and self.static.captures(input_ids.shape[0]):
             self.memory.settle()  # no page-locking in another thread while the graphs are recorded

@@ -246,7 +246,8 @@ class TargetAdapter:
         - "logits": logits [b, T, V] of the whole model, run with the padding mask ([b, 1, V] of the last position
           with `last_logits_only`, where the model takes logits_to_keep).
         Without a cache, `attention_mask` is right padding (checked) and padded positions hold unspecified states
-        without logits (see `_run_decoder`); real positions equal an unpadded forward's. `position_ids` and
+        without logits (see `_run_decoder`); real positions equal an unpadded forward's. A mask on the host beside
+        inputs on the GPU is checked on the host (a check of a GPU mask waits for the GPU) and copied over. `position_ids` and
         `packing`: a packed row's positions and offsets (capture_packed), passed on to every layer.
         With `cache` (a transformers Cache, extended in place; output "logits" only) the tokens are appended at
         `position_ids` after the cached positions; `attention_mask` spans the cached and the new positions and is
@@ -264,6 +265,8 @@ class TargetAdapter:
             return self._engine_forward(input_ids, ids, cache)
         if cache is None:
             self.check_right_padding(attention_mask)
+            if attention_mask is not None and attention_mask.device != input_ids.device:
+                attention_mask = host_to_device(attention_mask, input_ids.device)
         if position_ids is not None:
             packing["position_ids"] = position_ids
         final: list[torch.Tensor] = []
