@@ -3,9 +3,11 @@ together from there without the target's forward (dflash/extract/feature_memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import threading
 
 import pytest
 import torch
@@ -90,7 +92,7 @@ def test_a_limited_memory_keeps_the_first_samples_and_says_so(caplog):
     uneven = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=4096, limit_bytes=2560)
     assert uneven.expected_bytes == 2048  # never a chunk allocated ahead past the whole chunks the limit allows
     uneven.keep([0, 1, 2], [10, 10, 10], {"hidden": torch.randn(3, 10, 16)})
-    assert uneven.allocated_bytes == 2048 and uneven._next is None and uneven.full
+    assert uneven.allocated_bytes == 2048 and uneven.full
     uneven.close()
 
 
@@ -110,28 +112,49 @@ def test_memory_that_cannot_be_page_locked_ends_the_keeping_not_the_run(monkeypa
     assert memory.recall([0], torch.device("cpu"))["hidden"].shape == (1, 10, 16)
 
 
-def test_chunks_are_allocated_ahead_in_the_background_up_to_the_expected_size(monkeypatch):
-    import threading
-
+def allocations_on_threads(monkeypatch, fail_at: int | None = None) -> list[str]:
+    """FeatureMemory._allocate patched to note the thread of each call (and to be refused at call `fail_at`)."""
     threads = []
     real = FeatureMemory._allocate
 
     def allocate(self):
-        threads.append(threading.current_thread().name.split("_")[0])
+        threads.append(threading.current_thread().name)
+        if len(threads) == fail_at:
+            raise RuntimeError("CUDA error: out of memory")
         return real(self)
 
     monkeypatch.setattr(FeatureMemory, "_allocate", allocate)
+    return threads
+
+
+def test_the_expected_chunks_are_allocated_from_the_start_in_the_background(monkeypatch):
+    threads = allocations_on_threads(monkeypatch)
     memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=2 * 1024)  # 2 chunks of 16 rows
-    memory._next.result()
-    assert threads == ["dflash-feature-memory"]  # the first chunk, before any sample is kept
-    memory.keep([0], [10], {"hidden": torch.randn(1, 10, 16)})
-    memory._next.result()
-    assert threads == ["dflash-feature-memory"] * 2  # the second, while the first fills
-    memory.keep([1], [10], {"hidden": torch.randn(1, 10, 16)})  # takes the second: the expected size is reached
-    assert memory._next is None and len(memory.chunks["hidden"]) == 2
+    memory._thread.join()  # both made before any sample is kept
+    assert threads == ["dflash-feature-memory"] * 2 and memory.allocated_bytes == 0
+    memory.keep([0, 1], [10, 10], {"hidden": torch.randn(2, 10, 16)})  # the two chunks, in order
+    assert len(memory.chunks["hidden"]) == 2 and len(threads) == 2
     memory.keep([2], [10], {"hidden": torch.randn(1, 10, 16)})  # more than expected: allocated when needed
-    assert len(threads) == 3 and memory._next is None and len(memory.chunks["hidden"]) == 3
+    assert threads[2] == threading.current_thread().name and len(memory.chunks["hidden"]) == 3
     assert memory.recall([0, 1, 2], torch.device("cpu"))["hidden"].shape == (3, 10, 16)
+    memory.close()
+
+
+def test_memory_refused_in_the_background_ends_the_keeping_at_that_chunk(monkeypatch, caplog):
+    allocations_on_threads(monkeypatch, fail_at=2)
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=3 * 1024)
+    memory._thread.join()  # it stopped at the refusal: no third chunk
+    memory.keep([0, 1, 2], [10, 10, 10], {"hidden": torch.randn(3, 10, 16)})
+    assert memory.holds([0]) and not memory.holds([1]) and memory.full and memory.allocated_bytes == 1024
+    assert "no more colocated features kept in host memory (1 samples kept" in caplog.text
+    memory.close()
+
+
+def test_closing_stops_the_allocation_ahead(monkeypatch):
+    threads = allocations_on_threads(monkeypatch)
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=100_000 * 1024)
+    memory.close()
+    assert not memory._thread.is_alive() and len(threads) < 100_000 and memory._ready.empty()
 
 
 @pytest.mark.parametrize("final_hidden", [False, True])
@@ -316,14 +339,31 @@ def test_a_resumed_run_counts_the_epochs_it_has_left(tmp_path, monkeypatch):
 
 
 def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypatch):
-    """capture.cuda_graphs records its graphs at the first micro-batch; the chunk allocated in the background is
-    waited for first (a CUDA call from another thread fails a capture), and stays the next chunk to use."""
+    """capture.cuda_graphs records its graphs at the first micro-batch; no chunk is allocated in the background
+    while it does (a CUDA call from another thread fails a capture), and the allocation goes on after it."""
+    import time
+
     from dflash.extract.static_capture import StaticCapture
 
+    timeline, real_allocate = [], FeatureMemory._allocate
+
+    def allocate(self):
+        timeline.append("allocate")
+        time.sleep(0.001)
+        return real_allocate(self)
+
+    monkeypatch.setattr(FeatureMemory, "_allocate", allocate)
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1 << 20, expected_bytes=64 << 20)
+    with memory.paused():
+        timeline.append("recording")
+        time.sleep(0.05)  # time enough for many allocations, had the thread not waited
+        timeline.append("recorded")
+    memory._thread.join()
+    recording = timeline.index("recording")
+    assert timeline[recording + 1] == "recorded" and timeline.count("allocate") == 64
+    memory.close()
+    monkeypatch.setattr(FeatureMemory, "_allocate", real_allocate)
     memory = FeatureMemory(pin_memory=False, chunk_bytes=1 << 20, expected_bytes=4 << 20)
-    ahead = memory._next
-    memory.settle()
-    assert memory._next is ahead and ahead.done()  # waited for, not taken
     adapter = tiny_target("llama")
     static = StaticCapture(adapter, [0, 1], False, max_width=16, pad_id=adapter.tokenizer.pad_token_id,
                            cuda_graphs=False)
@@ -336,11 +376,18 @@ def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypat
     source = ColocatedFeatureSource(adapter, token_dataset(adapter), [0, 1], "float32", static=static, memory=memory)
     events = []
     monkeypatch.setattr(static, "captures", lambda rows: True)
-    monkeypatch.setattr(memory, "settle", lambda: events.append("settle"))
+
+    @contextlib.contextmanager
+    def paused():
+        events.append("pause")
+        yield
+        events.append("resume")
+
+    monkeypatch.setattr(memory, "paused", paused)
     real = static.forward
     monkeypatch.setattr(static, "forward", lambda ids: events.append("forward") or real(ids))
     source.get_batch([0, 1])
-    assert events == ["settle", "forward"] and memory.holds([0, 1])
+    assert events == ["pause", "forward", "resume"] and memory.holds([0, 1])
     source.close()
     assert source.memory is None
 

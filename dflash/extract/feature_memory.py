@@ -10,20 +10,24 @@ micro-batch runs the target on its samples not kept only (colocated.py).
 
 On CUDA the rows live in page-locked chunks, so the copies (device to host when kept, host to device when read) are
 queued on the stream like kernels: a read of a sample is ordered after the copy that kept it, and the host never
-touches the rows itself. Chunks are allocated as the first epoch fills them, each a power of two of bytes (torch's
-page-locked allocator rounds every request up to one) that holds the longest sample. Page-locking is slow (about
-0.15 s for 256 MiB on an H100 host), so a background thread allocates the next chunk while the current one fills,
-up to the epoch's expected size. Memory that cannot be page-locked ends the keeping, not the run: the samples kept
-so far are still read back. Nothing is written to disk: a resumed run starts with an empty memory and keeps the
-samples again as it captures them; `close` hands the chunks back when training ends.
+touches the rows itself. Chunks are each a power of two of bytes (torch's page-locked allocator rounds every request
+up to one) that holds the longest sample. Page-locking is slow (about 0.15 s for 256 MiB on an H100 host) and stalls
+the training thread's own CUDA calls while it runs, from any thread: one chunk allocated ahead while the last filled
+still cost the GPU default's first epoch 112 steps of ~0.24 s instead of ~0.09 (session 36). So a background thread
+allocates the epoch's expected chunks one after another from the start, most of them while the first step compiles
+(~35 s there), and the first epoch takes them as it fills them. Memory that cannot be page-locked ends the keeping,
+not the run: the samples kept so far are still read back. Nothing is written to disk: a resumed run starts with an
+empty memory and keeps the samples again as it captures them; `close` hands the chunks back when training ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 
 import psutil
 import torch
@@ -47,8 +51,8 @@ class FeatureMemory:
 
     pin_memory: page-locked chunks (training on CUDA), so every copy in and out is asynchronous; chunk_bytes: each
     chunk's size (a power of two, holding the longest sample's rows of any key); expected_bytes: what the epoch will
-    allocate (allocation_bytes), up to which the next chunk is allocated ahead, in the background; limit_bytes: the
-    most the chunks may take (None: no limit), past which the samples are captured every epoch.
+    allocate (allocation_bytes), which a background thread allocates from the start, chunk after chunk; limit_bytes:
+    the most the chunks may take (None: no limit), past which the samples are captured every epoch.
     """
 
     def __init__(self, pin_memory: bool, chunk_bytes: int = CHUNK_BYTES, expected_bytes: int = 0,
@@ -62,8 +66,14 @@ class FeatureMemory:
         self.where: dict[int, dict[str, tuple[int, int]]] = {}  # sample -> key -> (chunk, first row)
         self.lengths: dict[int, int] = {}
         self.full = False  # no new chunk (the limit, or memory refused): only what fits the chunks there are is kept
-        self._allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-feature-memory")
-        self._next: Future | None = self._allocator.submit(self._allocate) if self.expected_bytes > 0 else None
+        # The chunks the thread allocates ahead, handed over in order through the queue (or the error that ended it).
+        self._ahead, self._taken, self._closed = self.expected_bytes // chunk_bytes, 0, False
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._allocating = threading.Lock()  # held by the thread while it allocates, and by `paused`
+        self._thread = None
+        if self._ahead:
+            self._thread = threading.Thread(target=self._allocate_ahead, name="dflash-feature-memory", daemon=True)
+            self._thread.start()
 
     def holds(self, indices: Sequence[int]) -> bool:
         return all(index in self.where for index in indices)
@@ -109,16 +119,21 @@ class FeatureMemory:
                 length = self.lengths[index]
                 batch[key][row, :length].copy_(chunks[chunk][first : first + length], non_blocking=True)
 
-    def settle(self) -> None:
-        """Wait for the chunk being allocated in the background, if any: a CUDA graph capture (capture.cuda_graphs)
-        fails when another thread calls into CUDA while it records."""
-        if self._next is not None:
-            wait([self._next])  # a failure stays in the future, for _chunk to find
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No chunk is allocated in the background inside the block (the one being allocated is waited for): a CUDA
+        graph capture (capture.cuda_graphs) fails when another thread calls into CUDA while it records. Nothing may
+        be kept inside the block: a sample that needs a new chunk would wait for the paused thread."""
+        with self._allocating:
+            yield
 
     def close(self) -> None:
         """Hand every chunk back (to the system, not only to torch's page-locked cache) and stop the thread."""
-        self._allocator.shutdown(wait=True, cancel_futures=True)
-        self._next = None
+        with self._allocating:
+            self._closed = True
+        if self._thread is not None:
+            self._thread.join()
+        self._ready = queue.SimpleQueue()  # the chunks allocated ahead and never taken
         self.chunks, self.filled, self.where, self.lengths = {}, {}, {}, {}
         if self.pin_memory and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()
@@ -144,33 +159,43 @@ class FeatureMemory:
         return len(chunks) - 1, first
 
     def _chunk(self) -> torch.Tensor | None:
-        """A new chunk: the one allocated ahead (else allocated now), or None when memory is refused; the next one
-        is started while the chunks (this one counted) stay below the expected size."""
+        """A new chunk: the next one allocated ahead (waited for when the thread has not made it yet), past those
+        one allocated now; None when the limit is reached or memory is refused."""
         if self.full:
             return None
         if self.limit_bytes is not None and self.allocated_bytes + self.chunk_bytes > self.limit_bytes:
-            self.full, self._next = True, None
+            self.full = True
             logger.info(f"[train] colocated features: host memory full at its limit of "
                         f"{self.limit_bytes / 2**30:.2f} GiB with {len(self.where):,} samples kept; samples that do "
                         "not fit what is left are captured every epoch")
             return None
-        ahead, self._next = self._next, None
-        raw = self._done(ahead or self._allocator.submit(self._allocate))
-        if raw is not None and self.allocated_bytes + self.chunk_bytes < self.expected_bytes:
-            self._next = self._allocator.submit(self._allocate)
-        return raw
-
-    def _done(self, allocation: Future) -> torch.Tensor | None:
-        """The allocation's chunk, or None (and the memory full) when it failed: page-locked memory can be refused
-        (the system's limits, memory the run took since it started)."""
         try:
-            return allocation.result()
-        except RuntimeError as error:
-            if not self.full:
-                logger.warning(f"[train] no more colocated features kept in host memory ({len(self.where):,} samples "
-                               f"kept; the others are captured every epoch): {error}")
+            if self._taken < self._ahead:
+                self._taken += 1
+                made = self._ready.get()
+                if isinstance(made, BaseException):
+                    raise made
+                return made
+            return self._allocate()
+        except RuntimeError as error:  # page-locked memory can be refused (the system's limits, the run's growth)
+            logger.warning(f"[train] no more colocated features kept in host memory ({len(self.where):,} samples "
+                           f"kept; the others are captured every epoch): {error}")
             self.full = True
             return None
+
+    def _allocate_ahead(self) -> None:
+        """The thread's work: the expected chunks, one after another, each put in the queue; an error ends it (and
+        is put there for the chunk that would have come next)."""
+        for _ in range(self._ahead):
+            with self._allocating:
+                if self._closed:
+                    return
+                try:
+                    made = self._allocate()
+                except BaseException as error:  # handed over, so that the training thread never waits for nothing
+                    self._ready.put(error)
+                    return
+            self._ready.put(made)
 
     def _allocate(self) -> torch.Tensor:
         return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)

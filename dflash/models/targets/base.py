@@ -247,8 +247,9 @@ class TargetAdapter:
           with `last_logits_only`, where the model takes logits_to_keep).
         Without a cache, `attention_mask` is right padding (checked) and padded positions hold unspecified states
         without logits (see `_run_decoder`); real positions equal an unpadded forward's. A mask on the host beside
-        inputs on the GPU is checked on the host (a check of a GPU mask waits for the GPU) and copied over. `position_ids` and
-        `packing`: a packed row's positions and offsets (capture_packed), passed on to every layer.
+        inputs on the GPU is checked on the host (a check of a GPU mask waits for the GPU) and copied over.
+        `position_ids` and `packing`: a packed row's positions and offsets (capture_packed), passed on to every
+        layer.
         With `cache` (a transformers Cache, extended in place; output "logits" only) the tokens are appended at
         `position_ids` after the cached positions; `attention_mask` spans the cached and the new positions and is
         the caller's, not checked (a decode step reads nothing back from the device); a GDN hybrid's causal conv
