@@ -150,11 +150,28 @@ def test_memory_refused_in_the_background_ends_the_keeping_at_that_chunk(monkeyp
     memory.close()
 
 
-def test_closing_stops_the_allocation_ahead(monkeypatch):
+def test_closing_stops_the_allocation_ahead_and_keeps_nothing_after(monkeypatch):
     threads = allocations_on_threads(monkeypatch)
     memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=100_000 * 1024)
     memory.close()
     assert not memory._thread.is_alive() and len(threads) < 100_000 and memory._ready.empty()
+    memory.keep([0], [10], {"hidden": torch.randn(1, 10, 16)})  # returns (it used to wait for the stopped thread)
+    assert not memory.holds([0])
+
+
+def test_chunks_allocated_ahead_that_no_sample_took_go_back_once_the_epoch_is_kept(monkeypatch):
+    threads = allocations_on_threads(monkeypatch)
+    # The epoch's bound: 4 chunks; its 3 samples of 10 rows fill 2 (16 rows a chunk).
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=4 * 1024, samples=3)
+    memory._thread.join()
+    memory.keep([0, 1], [10, 10], {"hidden": torch.randn(2, 10, 16)})
+    assert memory._ready.qsize() == 2 and memory._thread is not None
+    memory.keep([2], [10], {"hidden": torch.randn(1, 10, 16)})  # the last sample: the two left over are dropped
+    assert memory._ready.empty() and memory.allocated_bytes == 3 * 1024 and memory.holds([0, 1, 2])
+    memory.forget([1])  # a failed check: captured and kept again later, in a chunk allocated then
+    memory.keep([1], [10], {"hidden": torch.randn(1, 10, 16)})
+    assert memory.holds([1]) and len(threads) == 5 and threads[-1] == threading.current_thread().name
+    memory.close()
 
 
 @pytest.mark.parametrize("final_hidden", [False, True])
@@ -349,18 +366,19 @@ def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypat
 
     def allocate(self):
         timeline.append("allocate")
-        time.sleep(0.001)
+        time.sleep(0.002)
         return real_allocate(self)
 
     monkeypatch.setattr(FeatureMemory, "_allocate", allocate)
-    memory = FeatureMemory(pin_memory=False, chunk_bytes=1 << 20, expected_bytes=64 << 20)
+    memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=300 * 1024)  # ~0.6 s of allocations
     with memory.paused():
         timeline.append("recording")
         time.sleep(0.05)  # time enough for many allocations, had the thread not waited
         timeline.append("recorded")
     memory._thread.join()
     recording = timeline.index("recording")
-    assert timeline[recording + 1] == "recorded" and timeline.count("allocate") == 64
+    assert timeline[recording + 1] == "recorded" and timeline.count("allocate") == 300
+    assert "allocate" in timeline[recording + 2:]  # the pause held the thread up: it allocated after
     memory.close()
     monkeypatch.setattr(FeatureMemory, "_allocate", real_allocate)
     memory = FeatureMemory(pin_memory=False, chunk_bytes=1 << 20, expected_bytes=4 << 20)
@@ -384,10 +402,11 @@ def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypat
         events.append("resume")
 
     monkeypatch.setattr(memory, "paused", paused)
-    real = static.forward
+    real, keep = static.forward, memory.keep
     monkeypatch.setattr(static, "forward", lambda ids: events.append("forward") or real(ids))
+    monkeypatch.setattr(memory, "keep", lambda *args: events.append("keep") or keep(*args))
     source.get_batch([0, 1])
-    assert events == ["pause", "forward", "resume"] and memory.holds([0, 1])
+    assert events == ["pause", "forward", "resume", "keep"] and memory.holds([0, 1])  # kept outside the pause
     source.close()
     assert source.memory is None
 

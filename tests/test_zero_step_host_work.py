@@ -237,3 +237,24 @@ def test_one_rank_s_gradients_left_unreduced_train_the_same_weights_with_less_ho
 
 def test_contiguous_gradients_keep_deepspeed_s_reduction():
     assert not make_engine(True, contiguous=True).one_rank_reduction_skipped  # its buffer is reduced otherwise
+
+
+def test_weights_in_place_follows_round_robin_order():
+    """Under DeepSpeed's round_robin_gradients the flat buffer holds the weights in another order, and the map from a
+    weight's model position to its place there is a dict: the check follows it."""
+    from types import SimpleNamespace
+
+    from dflash.train.engine import weights_in_place
+
+    optimizer = make_engine(True).engine.optimizer
+    assert weights_in_place(optimizer, 0)
+    count = len(optimizer.bit16_groups[0])
+    reordered = SimpleNamespace(
+        bit16_groups=optimizer.bit16_groups, bit16_groups_flat=optimizer.bit16_groups_flat,
+        round_robin_bit16_groups=[optimizer.round_robin_bit16_groups[0][::-1]],
+        round_robin_bit16_meta=[optimizer.round_robin_bit16_meta[0][::-1]],
+        round_robin_bit16_offsets=[optimizer.round_robin_bit16_offsets[0][::-1]],
+        round_robin_bit16_indices=[{k: count - 1 - k for k in range(count)}])
+    assert weights_in_place(reordered, 0)
+    reordered.round_robin_bit16_indices = [{k: k for k in range(count)}]  # a map that does not match the order
+    assert not weights_in_place(reordered, 0)

@@ -51,13 +51,16 @@ class FeatureMemory:
 
     pin_memory: page-locked chunks (training on CUDA), so every copy in and out is asynchronous; chunk_bytes: each
     chunk's size (a power of two, holding the longest sample's rows of any key); expected_bytes: what the epoch will
-    allocate (allocation_bytes), which a background thread allocates from the start, chunk after chunk; limit_bytes:
-    the most the chunks may take (None: no limit), past which the samples are captured every epoch.
+    allocate (allocation_bytes, a bound), which a background thread allocates from the start, chunk after chunk;
+    limit_bytes: the most the chunks may take (None: no limit), past which the samples are captured every epoch;
+    samples: the epoch's samples, once all of them are kept (or the memory is full) the chunks allocated ahead that no
+    sample took go back to the system.
     """
 
     def __init__(self, pin_memory: bool, chunk_bytes: int = CHUNK_BYTES, expected_bytes: int = 0,
-                 limit_bytes: int | None = None) -> None:
+                 limit_bytes: int | None = None, samples: int | None = None) -> None:
         self.pin_memory, self.chunk_bytes, self.limit_bytes = pin_memory, chunk_bytes, limit_bytes
+        self.samples = samples
         # Allocated ahead no further than the whole chunks the limit allows.
         self.expected_bytes = expected_bytes if limit_bytes is None else \
             min(expected_bytes, limit_bytes // chunk_bytes * chunk_bytes)
@@ -95,6 +98,8 @@ class FeatureMemory:
                     return
                 places[key] = place
             self.where[index], self.lengths[index] = places, length
+            if len(self.where) == self.samples:  # the whole epoch: what was allocated for more is not needed
+                self._stop_ahead()
 
     def forget(self, indices: Sequence[int]) -> None:
         """Read these samples back no more (their check failed): their rows stay allocated, unused."""
@@ -128,15 +133,22 @@ class FeatureMemory:
             yield
 
     def close(self) -> None:
-        """Hand every chunk back (to the system, not only to torch's page-locked cache) and stop the thread."""
+        """Hand every chunk back (to the system, not only to torch's page-locked cache) and stop the thread; nothing
+        is kept after."""
+        self.full = True
+        self.chunks, self.filled, self.where, self.lengths = {}, {}, {}, {}
+        self._stop_ahead()
+
+    def _stop_ahead(self) -> None:
+        """No more chunks ahead: the thread stops, and those it made that no sample took go back to the system (the
+        epoch's size is a bound: the chunks' unused ends are counted at their largest)."""
         with self._allocating:
             self._closed = True
         if self._thread is not None:
             self._thread.join()
-        self._ready = queue.SimpleQueue()  # the chunks allocated ahead and never taken
-        self.chunks, self.filled, self.where, self.lengths = {}, {}, {}, {}
+        self._ahead, self._ready = self._taken, queue.SimpleQueue()  # past these, a chunk is allocated when needed
         if self.pin_memory and hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()
+            torch._C._host_emptyCache()  # torch's cache of free page-locked blocks, to the system
 
     def _append(self, key: str, rows: torch.Tensor) -> tuple[int, int] | None:
         """Copy `rows` [length, D] into the key's last chunk, or a new one when it is full; where they went (None
@@ -165,6 +177,7 @@ class FeatureMemory:
             return None
         if self.limit_bytes is not None and self.allocated_bytes + self.chunk_bytes > self.limit_bytes:
             self.full = True
+            self._stop_ahead()
             logger.info(f"[train] colocated features: host memory full at its limit of "
                         f"{self.limit_bytes / 2**30:.2f} GiB with {len(self.where):,} samples kept; samples that do "
                         "not fit what is left are captured every epoch")
@@ -181,6 +194,7 @@ class FeatureMemory:
             logger.warning(f"[train] no more colocated features kept in host memory ({len(self.where):,} samples "
                            f"kept; the others are captured every epoch): {error}")
             self.full = True
+            self._stop_ahead()
             return None
 
     def _allocate_ahead(self) -> None:
@@ -223,15 +237,15 @@ def allocation_bytes(tokens: int, longest: int, widths: Widths, chunk_bytes: int
 
 
 def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, longest: int, widths: Widths,
-                          epochs: int, world_size: int, pin_memory: bool,
-                          whole_batches: bool = False) -> FeatureMemory | None:
+                          epochs: int, world_size: int, pin_memory: bool, whole_batches: bool = False,
+                          samples: int | None = None) -> FeatureMemory | None:
     """A FeatureMemory when capture.cache (`mode`: auto | true | false) keeps the first epoch, else None; a line
     says which and why.
 
-    tokens, longest: the dataset's tokens and its longest sample; widths: the kept keys' rows; epochs: those of
-    training still to run (a resumed run counts from its step); world_size: trainer ranks. One rank only: each
-    rank captures other samples every epoch, so with several its micro-batches would rarely be all in its own
-    memory. The chunks of one epoch (allocation_bytes) fit within budget_bytes (None: MEMORY_SHARE of the host's
+    tokens, longest, samples: the dataset's tokens, its longest sample and its samples; widths: the kept keys' rows;
+    epochs: those of training still to run (a resumed run counts from its step); world_size: trainer ranks. One rank
+    only: each rank captures other samples every epoch, so with several its micro-batches would rarely be all in its
+    own memory. The chunks of one epoch (allocation_bytes) fit within budget_bytes (None: MEMORY_SHARE of the host's
     available memory) and the available memory; with mode "true" they must (else ConfigError), with "auto" the
     memory keeps what fits, unless not one chunk per key fits or whole_batches (capture.cuda_graphs captures every
     micro-batch whole, so a micro-batch only skips its forward when all of its samples are kept).
@@ -266,8 +280,8 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, l
                     f"{needed / 2**30:.2f} GiB, more than the {room / 2**30:.2f} GiB of {where}, so about "
                     f"{room / needed:.0%} of the epoch's rows are kept, and a micro-batch's target forward runs on its "
                     "samples not kept only")
-        return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, limit_bytes=room)
+        return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, limit_bytes=room, samples=samples)
     logger.info(f"[train] colocated features kept in {kind} for the later epochs: one epoch takes "
                 f"{needed / 2**30:.2f} GiB (room: {room / 2**30:.2f} GiB, {where}); a micro-batch whose samples are "
                 "all kept skips the target's forward")
-    return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed)
+    return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, samples=samples)

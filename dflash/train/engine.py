@@ -213,8 +213,9 @@ def weights_in_place(optimizer: Any, group_index: int) -> bool:
         if (weight.data_ptr() != start + offset * width or weight.shape != meta.shape
                 or weight.dtype != flat.dtype or not weight.is_contiguous()):
             return False
-    return all(weight is ordered[index] for weight, index in
-               zip(optimizer.bit16_groups[group_index], optimizer.round_robin_bit16_indices[group_index], strict=True))
+    # DeepSpeed's model-order position -> round-robin position: a list, or a dict under round_robin_gradients.
+    positions = optimizer.round_robin_bit16_indices[group_index]
+    return all(weight is ordered[positions[k]] for k, weight in enumerate(optimizer.bit16_groups[group_index]))
 
 
 def steps_beside_params(optimizer: torch.optim.Optimizer) -> None:

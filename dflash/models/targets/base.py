@@ -32,6 +32,13 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<
 FORWARD_OUTPUTS = ("features", "final", "logits")
 
 
+def beside(mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The attention mask on the inputs' device (from the host without a wait for the GPU)."""
+    if mask is None or mask.device == input_ids.device:
+        return mask
+    return host_to_device(mask, input_ids.device)
+
+
 class _StopForward(Exception):
     """Raised from the deepest tap's hook so the forward stops once every requested feature is captured."""
 
@@ -202,8 +209,8 @@ class TargetAdapter:
         """
         drop = self.drop_padding_mask if self.drop_padding_mask is not None else input_ids.is_cuda
         with torch.no_grad():
-            self.text_model()(input_ids=input_ids, attention_mask=None if drop else attention_mask, use_cache=False,
-                              **packing)
+            self.text_model()(input_ids=input_ids, attention_mask=None if drop else beside(attention_mask, input_ids),
+                              use_cache=False, **packing)
 
     def kernels(self) -> contextlib.AbstractContextManager[None]:
         """The kernel choices this adapter's forwards without a cache run under: none here (a GDN hybrid's causal
@@ -247,7 +254,8 @@ class TargetAdapter:
           with `last_logits_only`, where the model takes logits_to_keep).
         Without a cache, `attention_mask` is right padding (checked) and padded positions hold unspecified states
         without logits (see `_run_decoder`); real positions equal an unpadded forward's. A mask on the host beside
-        inputs on the GPU is checked on the host (a check of a GPU mask waits for the GPU) and copied over.
+        inputs on the GPU is checked on the host (a check of a GPU mask waits for the GPU), and copied over only where
+        the forward reads it.
         `position_ids` and `packing`: a packed row's positions and offsets (capture_packed), passed on to every
         layer.
         With `cache` (a transformers Cache, extended in place; output "logits" only) the tokens are appended at
@@ -266,8 +274,6 @@ class TargetAdapter:
             return self._engine_forward(input_ids, ids, cache)
         if cache is None:
             self.check_right_padding(attention_mask)
-            if attention_mask is not None and attention_mask.device != input_ids.device:
-                attention_mask = host_to_device(attention_mask, input_ids.device)
         if position_ids is not None:
             packing["position_ids"] = position_ids
         final: list[torch.Tensor] = []
@@ -317,8 +323,8 @@ class TargetAdapter:
         if last_logits_only and "logits_to_keep" in parameters:
             inputs["logits_to_keep"] = 1  # a prompt's [T, vocab] logits are GBs for long prompts
         with torch.no_grad():
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=cache is not None,
-                              **inputs).logits
+            return self.model(input_ids=input_ids, attention_mask=beside(attention_mask, input_ids),
+                              use_cache=cache is not None, **inputs).logits
 
     @functools.cached_property
     def _model_parameters(self) -> frozenset[str]:
