@@ -3,7 +3,6 @@ together from there without the target's forward (dflash/extract/feature_memory.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -355,12 +354,13 @@ def test_a_resumed_run_counts_the_epochs_it_has_left(tmp_path, monkeypatch):
         source.close()
 
 
-def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypatch):
-    """capture.cuda_graphs records its graphs at the first micro-batch; no chunk is allocated in the background
-    while it does (a CUDA call from another thread fails a capture), and the allocation goes on after it."""
+def test_no_chunk_is_page_locked_while_cuda_graphs_record(monkeypatch):
+    """capture.cuda_graphs records the target's graphs at the first micro-batch, the held-out replay its step's:
+    no chunk is allocated in the background meanwhile (a CUDA call from another thread fails a capture), and the
+    allocation goes on after."""
     import time
 
-    from dflash.extract.static_capture import StaticCapture
+    from dflash.inference.cuda_graphs import RECORDING
 
     timeline, real_allocate = [], FeatureMemory._allocate
 
@@ -371,44 +371,33 @@ def test_no_chunk_is_page_locked_while_cuda_graphs_record(tiny_target, monkeypat
 
     monkeypatch.setattr(FeatureMemory, "_allocate", allocate)
     memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, expected_bytes=300 * 1024)  # ~0.6 s of allocations
-    with memory.paused():
+    with RECORDING:
         timeline.append("recording")
         time.sleep(0.05)  # time enough for many allocations, had the thread not waited
         timeline.append("recorded")
     memory._thread.join()
     recording = timeline.index("recording")
     assert timeline[recording + 1] == "recorded" and timeline.count("allocate") == 300
-    assert "allocate" in timeline[recording + 2:]  # the pause held the thread up: it allocated after
+    assert "allocate" in timeline[recording + 2:]  # the recording held the thread up: it allocated after
     memory.close()
-    monkeypatch.setattr(FeatureMemory, "_allocate", real_allocate)
-    memory = FeatureMemory(pin_memory=False, chunk_bytes=1 << 20, expected_bytes=4 << 20)
-    adapter = tiny_target("llama")
-    static = StaticCapture(adapter, [0, 1], False, max_width=16, pad_id=adapter.tokenizer.pad_token_id,
-                           cuda_graphs=False)
-    assert not static.captures(3)  # no graphs to record without CUDA graphs
-    static.cuda_graphs = True  # its bookkeeping alone: a width of 3 rows not recorded yet is one to record
-    assert static.captures(3)
-    static.graphs = {(3, width): None for width in range(static.width_step, static.max_width + 1, static.width_step)}
-    assert not static.captures(3) and static.captures(4)
-    static.cuda_graphs, static.graphs = False, {}
-    source = ColocatedFeatureSource(adapter, token_dataset(adapter), [0, 1], "float32", static=static, memory=memory)
-    events = []
-    monkeypatch.setattr(static, "captures", lambda rows: True)
 
-    @contextlib.contextmanager
-    def paused():
-        events.append("pause")
-        yield
-        events.append("resume")
 
-    monkeypatch.setattr(memory, "paused", paused)
-    real, keep = static.forward, memory.keep
-    monkeypatch.setattr(static, "forward", lambda ids: events.append("forward") or real(ids))
-    monkeypatch.setattr(memory, "keep", lambda *args: events.append("keep") or keep(*args))
-    source.get_batch([0, 1])
-    assert events == ["pause", "forward", "resume", "keep"] and memory.holds([0, 1])  # kept outside the pause
-    source.close()
-    assert source.memory is None
+def test_graphs_are_recorded_holding_the_recording_lock(monkeypatch):
+    """capture_graphs, every CUDA graph's capture, holds RECORDING while it records (not while it warms up): shown
+    with torch's CUDA calls stood in for."""
+    from dflash.inference import cuda_graphs
+
+    held = []
+    stand_in = type("StandIn", (), {"__enter__": lambda self: self, "__exit__": lambda self, *exc: None,
+                                    "wait_stream": lambda self, other: None})
+    for name in ("device", "Stream", "stream", "current_stream", "graph"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: stand_in())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    cuda_graphs.capture_graphs(torch.device("cuda"), [1, 2], prepare=lambda shape: None,
+                               run=lambda shape: held.append(cuda_graphs.RECORDING.locked()))
+    assert held == [False, False, True, True]  # a warm-up of each shape, then their recordings
+    assert not cuda_graphs.RECORDING.locked()
 
 
 @pytest.mark.gpu(reason="page-locked memory, asynchronous copies")

@@ -163,10 +163,7 @@ class ColocatedFeatureSource(FeatureSource):
         # The host's mask: the target checks its padding there, where a check of the device's would wait for the GPU.
         inputs = (host_to_device(target_ids, device), attention_mask, self.layer_ids)
         final = None
-        records = self.static is not None and self.memory is not None and self.static.captures(input_ids.shape[0])
-        # No page-locking in another thread while the graphs are recorded.
-        quiet = self.memory.paused() if records else contextlib.nullcontext()
-        with quiet, record_function("dflash: colocated target forward"), self._attention_kernels(device):
+        with record_function("dflash: colocated target forward"), self._attention_kernels(device):
             if self.static is not None:
                 features, final = self.static(inputs[0])
             elif self.final_hidden:

@@ -15,25 +15,26 @@ up to one) that holds the longest sample. Page-locking is slow (about 0.15 s for
 the training thread's own CUDA calls while it runs, from any thread: one chunk allocated ahead while the last filled
 still cost the GPU default's first epoch 112 steps of ~0.24 s instead of ~0.09 (session 36). So a background thread
 allocates the epoch's expected chunks one after another from the start, most of them while the first step compiles
-(~35 s there), and the first epoch takes them as it fills them. Memory that cannot be page-locked ends the keeping,
-not the run: the samples kept so far are still read back. Nothing is written to disk: a resumed run starts with an
-empty memory and keeps the samples again as it captures them; `close` hands the chunks back when training ends.
+(~35 s there), and the first epoch takes them as it fills them; never while CUDA graphs record. Memory that cannot be
+page-locked ends the keeping, not the run: the samples kept so far are still read back. Nothing is written to disk: a
+resumed run starts with an empty memory and keeps the samples again as it captures them; `close` hands the chunks back
+when training ends.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import psutil
 import torch
 
 from dflash.config.errors import ConfigError
 from dflash.extract.feature_cache import cached_epochs
+from dflash.inference.cuda_graphs import RECORDING
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class FeatureMemory:
         # The chunks the thread allocates ahead, handed over in order through the queue (or the error that ended it).
         self._ahead, self._taken, self._closed = self.expected_bytes // chunk_bytes, 0, False
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._allocating = threading.Lock()  # held by the thread while it allocates, and by `paused`
+        self._allocating = threading.Lock()  # held by the thread while it allocates
         self._thread = None
         if self._ahead:
             self._thread = threading.Thread(target=self._allocate_ahead, name="dflash-feature-memory", daemon=True)
@@ -123,14 +124,6 @@ class FeatureMemory:
                 chunk, first = self.where[index][key]
                 length = self.lengths[index]
                 batch[key][row, :length].copy_(chunks[chunk][first : first + length], non_blocking=True)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No chunk is allocated in the background inside the block (the one being allocated is waited for): a CUDA
-        graph capture (capture.cuda_graphs) fails when another thread calls into CUDA while it records. Nothing may
-        be kept inside the block: a sample that needs a new chunk would wait for the paused thread."""
-        with self._allocating:
-            yield
 
     def close(self) -> None:
         """Hand every chunk back (to the system, not only to torch's page-locked cache) and stop the thread; nothing
@@ -201,7 +194,9 @@ class FeatureMemory:
         """The thread's work: the expected chunks, one after another, each put in the queue; an error ends it (and
         is put there for the chunk that would have come next)."""
         for _ in range(self._ahead):
-            with self._allocating:
+            # Never while CUDA graphs record (capture.cuda_graphs, the held-out replay's step): a capture fails when
+            # another thread calls into CUDA. Nothing a capture runs keeps a sample, which would wait for this thread.
+            with self._allocating, RECORDING:
                 if self._closed:
                     return
                 try:

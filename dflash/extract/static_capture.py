@@ -73,11 +73,6 @@ class StaticCapture:
     def rounded(self, width: int) -> int:
         return -(-width // self.width_step) * self.width_step
 
-    def captures(self, rows: int) -> bool:
-        """Whether a micro-batch of `rows` rows would capture graphs now (their first micro-batch)."""
-        return self.cuda_graphs and any((rows, width) not in self.graphs
-                                        for width in range(self.width_step, self.max_width + 1, self.width_step))
-
     def capture(self, rows: int) -> int:
         """Capture the graph of every width for micro-batches of `rows` (no-op without CUDA graphs); how many were
         captured now."""

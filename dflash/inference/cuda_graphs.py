@@ -4,12 +4,17 @@ static live decoding (inference/static_target.py, inference/static_drafter.py) c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 Shape = TypeVar("Shape", bound=Hashable)
+
+# Held while graphs are recorded. A capture fails when another thread calls into CUDA meanwhile, so work that does so
+# in the background of a run (the feature memory's page-locking, dflash/extract/feature_memory.py) takes it first.
+RECORDING = threading.Lock()
 
 
 def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Callable[[Shape], None],
@@ -21,7 +26,7 @@ def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Calla
     shape go on a side stream first (lazy initialisation, and compilation, must not land in a graph). The graphs
     share one memory pool (`pool`, from torch.cuda.graph_pool_handle(), or a new one): they never run concurrently
     and their outputs stay referenced here. A caller that captures shapes one at a time passes the same pool each
-    time.
+    time. The recording holds RECORDING.
     """
     if device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
@@ -35,12 +40,13 @@ def capture_graphs(device: torch.device, shapes: Sequence[Shape], prepare: Calla
                     run(shape)
         torch.cuda.current_stream(device).wait_stream(side)
         graphs, pool = {}, pool if pool is not None else torch.cuda.graph_pool_handle()
-        for shape in shapes:
-            prepare(shape)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = run(shape)
-            graphs[shape] = (graph, outputs)
+        with RECORDING:
+            for shape in shapes:
+                prepare(shape)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = run(shape)
+                graphs[shape] = (graph, outputs)
     return graphs
 
 
