@@ -230,3 +230,14 @@ def test_builtin_tokenizer_chat_and_stop_tokens(llama):
 def test_adapter_needs_family_layout(llama):
     with pytest.raises(NotImplementedError):
         TargetAdapter(llama.model, llama.tokenizer)
+
+
+def test_a_host_mask_goes_to_the_inputs_device_only_where_a_forward_reads_it():
+    """TargetAdapter.forward checks a host mask on the host (a check of a GPU mask waits for the GPU) and hands
+    `beside`'s copy to the layers; shown with the meta device standing in for the GPU."""
+    from dflash.models.targets.base import beside
+
+    mask, ids = torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)
+    assert beside(mask, ids) is mask and beside(None, ids.to("meta")) is None
+    moved = beside(mask, ids.to("meta"))
+    assert moved.device.type == "meta" and moved.shape == mask.shape
