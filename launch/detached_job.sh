@@ -5,7 +5,7 @@
 #
 #   bash launch/detached_job.sh start NAME COMMAND...   # copy the repository to $JOBS/NAME/repo (so that the next
 #                                                      # call's copy cannot change the job's code) and run COMMAND
-#                                                      # there; its output goes to $JOBS/NAME/log
+#                                                      # there, first on PYTHONPATH; output in $JOBS/NAME/log
 #   bash launch/detached_job.sh wait NAME SECONDS [RUN_DIR]   # wait up to SECONDS for the job to end, print its
 #                                                      # log's tail and how it ended, then `collect`
 #   bash launch/detached_job.sh collect NAME [RUN_DIR]  # the job's log, and RUN_DIR's small files (no weights,
@@ -44,7 +44,7 @@ start() {
   (
     cd "$dir/repo"
     setsid nohup bash -c \
-      't0=$(date +%s); "$@"; rc=$?; echo "rc=$rc wall_s=$(( $(date +%s) - t0 ))" > ../exit.tmp; mv ../exit.tmp ../exit' \
+      't0=$(date +%s); export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; "$@"; rc=$?; echo "rc=$rc wall_s=$(( $(date +%s) - t0 ))" > ../exit.tmp; mv ../exit.tmp ../exit' \
       job "$@" > "$dir/log" 2>&1 < /dev/null &
   )
   echo "started $name in $dir (log: $dir/log)"

@@ -37,7 +37,7 @@ def test_the_job_outlives_its_call_in_its_own_copy_and_a_later_call_sees_how_it_
     root = make_repository(tmp_path / "repo")
     env = environment(tmp_path)
     go = tmp_path / "go"
-    job(root, env, "start", "demo", "bash", "-c", f'cat marker.txt; while [ ! -f {go} ]; do sleep 0.05; done; exit 3')
+    job(root, env, "start", "demo", "bash", "-c", f'cat marker.txt; python3 -c "import sys; print(sys.path[1])"; while [ ! -f {go} ]; do sleep 0.05; done; exit 3')
     # The call that started it has returned and the job still runs, waiting for the flag.
     copy = tmp_path / "jobs" / "demo" / "repo"
     assert not (tmp_path / "jobs" / "demo" / "exit").exists()
@@ -50,7 +50,7 @@ def test_the_job_outlives_its_call_in_its_own_copy_and_a_later_call_sees_how_it_
     assert "code of this call" in waited.stdout
     assert "demo ended: rc=3 wall_s=" in waited.stdout
     assert (tmp_path / "out" / "demo" / "exit").read_text().startswith("rc=3 ")
-    assert (tmp_path / "out" / "demo" / "log").read_text() == "code of this call\n"
+    assert (tmp_path / "out" / "demo" / "log").read_text() == f"code of this call\n{copy}\n"  # first on the path
 
 
 def test_a_name_runs_once_per_machine(tmp_path):
