@@ -14,8 +14,8 @@
 #   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
 #
 # `receive` also installs the wheels a transfer carries in .whl/ or .whl-*/ (../shared/device-wheels.sh: the
-# packages the machine's image lacks, split in halves beside the parts) into $SITE (default /tmp/site) and prints
-# `export PYTHONPATH=$SITE:$PWD...`, in every transfer that carries some.
+# packages the machine's image lacks, split in halves beside the parts) into $SITE (default /tmp/site), and once
+# some are there it prints `export PYTHONPATH=$SITE:$PWD...`, in the later transfers too.
 #
 # `receive` copies the parts it finds into $STAGE_DIR (default /tmp/dflash-stage: outside the repository copy, so
 # they survive the next transfer). Once all parts are there it joins them, checks the sha256 recorded by `split`,
@@ -91,10 +91,10 @@ install_wheels() {
       "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "$dir"/*.whl >&2
       echo "installed $(ls "$dir"/*.whl | wc -l) wheels of $dir into $SITE" >&2
-      installed=1
+      touch "$SITE/.dflash-wheels"
     fi
   done
-  if [ "${installed:-0}" = 1 ]; then
+  if [ -f "$SITE/.dflash-wheels" ]; then
     echo "export PYTHONPATH=$SITE:$PWD\${PYTHONPATH:+:\$PYTHONPATH}"
   fi
 }

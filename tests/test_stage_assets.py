@@ -138,7 +138,8 @@ def test_receive_installs_the_carried_wheels_and_puts_them_on_the_path(tmp_path)
     write_wheel(tmp_path / ".whl-b", "dflash_test_wheel_b")
     env = {**os.environ, "PYTHON": sys.executable, "PARTS": str(tmp_path / "none"), "SITE": str(tmp_path / "site"),
            "STAGE_DIR": str(tmp_path / "stage")}
-    for half in ("a", "b"):
+    assert run("receive", env).stdout == ""  # nothing installed yet, nothing to put on the path
+    for half in ("a", "b", "none"):  # a later transfer without wheels keeps them on the path
         printed = run("receive", {**env, "WHEEL_DIRS": str(tmp_path / f".whl-{half}")}).stdout
         assert printed.strip() == f"export PYTHONPATH={tmp_path / 'site'}:{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"
     check = subprocess.run(["bash", "-c", f"unset PYTHONPATH; {printed.strip()}; {sys.executable} -c "
