@@ -77,7 +77,7 @@ class Pipeline:
         with console_copied_to(log), third_party_records_to_run_log():
             try:
                 summary = self.run_stages()
-            except Exception as error:
+            except (Exception, KeyboardInterrupt) as error:
                 # The console shows it once the copy has ended (run_command, or Python's traceback): the log,
                 # which holds everything the command printed, gets it here.
                 run_log().write(ending(error))
@@ -98,7 +98,7 @@ class Pipeline:
         selected = selected_stages(self.settings.stages, self.stages)
         chosen = [stage for stage in self.stages if stage.name in selected]
         if run.rank == 0:
-            for warning in self.settings.ignored():
+            for warning in self.settings.ignored(typed=command_line_keys()):
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
             if not chosen or not all(stage.records_own_config for stage in chosen):
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
@@ -113,6 +113,17 @@ class Pipeline:
             if stage.barrier_after:
                 run.barrier()
         return next((stage.summary for stage in chosen if stage.summary is not None), None)
+
+
+def command_line_keys() -> set[str] | None:
+    """The dotted keys the command line set (`train.lr=1e-3`, `+eval.seed=3`), or None outside a Hydra command
+    (a config composed by a test or a notebook: every key counts). Settings that an experiment or a group file set
+    together are consistent; only a key someone typed is worth a warning that this combination ignores it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return {override.lstrip("+~").split("=", 1)[0] for override in HydraConfig.get().overrides.task}
 
 
 def selected_stages(named: list[str], stages: tuple[Stage | type[Stage], ...] = STAGE_CLASSES) -> list[str]:
@@ -154,7 +165,8 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     corrupt checkpoint, found when it is read) ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1
     shows the traceback); so does training that diverged (exit status 1), and a stop on a signal (143). A restarted
     start of a capture=online torchrun job whose earlier start ended in a user error or divergence stops at once with
-    that status (EarlierEnding)."""
+    that status (EarlierEnding). Ctrl-C ends it with one line saying the same command resumes (exit status 130;
+    training first saves the step in flight, dflash/train/stop_signal.py)."""
     from dflash.train.divergence import TrainingDiverged
     from dflash.train.stop_signal import CaptureStopped, TrainingStopped
 
@@ -180,6 +192,11 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     except (TrainingStopped, CaptureStopped) as stopped:
         print(ending(stopped), end="", flush=True)
         sys.exit(ending_status(stopped))
+    except KeyboardInterrupt as interrupted:
+        if full_error():
+            raise
+        print(ending(interrupted), end="", file=sys.stderr, flush=True)
+        sys.exit(ending_status(interrupted))
 
 
 def run_role(cfg: DictConfig) -> dict[str, Any] | None:

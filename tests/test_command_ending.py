@@ -18,6 +18,11 @@ from dflash.train.stop_signal import CaptureStopped, TrainingStopped
     (ConfigError("train.lr=-1: must be > 0"), "dflash: error: train.lr=-1: must be > 0\n", 2),
     (CorruptFile("a.safetensors is corrupt"), "dflash: error: a.safetensors is corrupt\n", 2),  # a subclass
     (TrainingDiverged("loss is nan"), "dflash: error: loss is nan\n", 1),
+    (TrainingStopped(7, "SIGINT"), f"[train] {TrainingStopped(7, 'SIGINT')}\n", 130),  # Ctrl-C, step saved
+    (TrainingStopped(7, "a signal on another rank"), f"[train] {TrainingStopped(7, 'a signal on another rank')}\n",
+     STOPPED),
+    (KeyboardInterrupt(), "dflash: interrupted (Ctrl-C): rerun the same command to resume; finished stages are kept, "
+                          "and so is what the stage in progress had saved\n", 130),
 ])
 def test_known_errors_end_in_one_line_with_their_status(error, line, status, monkeypatch):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)

@@ -405,13 +405,22 @@ def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):
 
 
 @pytest.mark.parametrize("override", ["drafter.target_layer_ids=[0,40]", "drafter.hidden_size=32"])
-def test_a_drafter_the_target_cannot_feed_stops_before_the_answers(tmp_path, monkeypatch, override):
-    """The data stage checks the taps and hidden size once the target is loaded, before it regenerates anything
-    (an hf target's config is checked before any stage: test_mask_token.py)."""
+def test_a_drafter_the_target_cannot_feed_stops_before_any_stage(tmp_path, monkeypatch, override):
+    """A tiny target's taps and hidden size are checked from its family's config before any stage runs (an hf
+    target's from its checkpoint's config: test_mask_token.py; smollm2's below)."""
     monkeypatch.setattr("dflash.data.dataset.build_dataset", lambda *a, **k: pytest.fail("answers regenerated"))
     with pytest.raises(ConfigError, match=override.split("=")[0]):
-        Pipeline(compose(TINY + [f"run_dir={tmp_path}", override, "stages=[data]"])).run()
-    assert not (tmp_path / "data" / "done.json").exists()
+        Pipeline(compose(TINY + [f"run_dir={tmp_path / 'run'}", override, "stages=[data]"])).run()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_tap_the_real_smollm2_lacks_is_refused_before_any_stage(tmp_path):
+    # Read from the converted checkpoint's config, or the GGUF's metadata before the first conversion.
+    with pytest.raises(ConfigError, match=r"drafter.target_layer_ids=\[1, 100\]: \[100\] outside the target's 30 "
+                                          r"layers \(0..29\)"):
+        Pipeline(compose([f"run_dir={tmp_path / 'run'}", "drafter.target_layer_ids=[1,100]"])).run()
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("content,message", [("", "empty"), ('{"messages": [\n', "prompts.jsonl:1: malformed")])

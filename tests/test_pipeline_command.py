@@ -66,3 +66,55 @@ def test_an_unexpected_error_leaves_its_traceback_in_the_run_log(tmp_path, monke
         run_command(compose([*TINY, f"run_dir={tmp_path}"]), ["data"])
     log = run_log_text(tmp_path)
     assert "Traceback (most recent call last)" in log and log.endswith("RuntimeError: the disk went away\n")
+
+
+@pytest.mark.parametrize("device,gpus,expected", [
+    ("cuda", 0, "dflash: error: device=cuda: this machine has no CUDA device (torch "),
+    ("cuda:0", 0, "dflash: error: device=cuda:0: this machine has no CUDA device (torch "),
+    ("cuda:2", 2, "dflash: error: device=cuda:2: this machine has 2 CUDA device(s), cuda:0 to cuda:1"),
+])
+def test_a_cuda_device_the_machine_lacks_is_refused_before_any_work(tmp_path, monkeypatch, capsys, device, gpus,
+                                                                   expected):
+    import torch
+
+    single_process(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as ended:
+        run_command(compose([*TINY, f"device={device}", "stages=[data,capture]", f"run_dir={run_dir}"]))
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.startswith(expected)
+    assert not run_dir.exists()  # nothing written, not even the run folder
+
+
+@pytest.mark.parametrize("typed,warned", [([], False), (["drafter.num_taps=4"], True)])
+def test_only_an_ignored_setting_the_command_line_set_is_warned_about(tmp_path, typed, warned):
+    """The tiny experiment sets drafter.num_taps=2; naming the taps makes it unused, which is worth a warning only
+    when someone typed it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", f"run_dir={tmp_path}",
+                           "drafter.target_layer_ids=[1]", *typed, "stages=[]"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HYDRA_FULL_ERROR": ""})
+    assert done.returncode == 0, done.stderr
+    assert ("dflash: warning: drafter.num_taps=4 is ignored: drafter.target_layer_ids names the taps"
+            in done.stderr) == warned
+    assert "num_taps=2" not in done.stderr
+
+
+def test_ctrl_c_ends_a_command_with_one_line_that_the_run_log_keeps(tmp_path, monkeypatch, capsys):
+    single_process(monkeypatch)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DataStage, "run", interrupted)
+    with pytest.raises(SystemExit) as ended:
+        run_command(compose([*TINY, f"run_dir={tmp_path}"]), ["data"])
+    assert ended.value.code == 130
+    line = "dflash: interrupted (Ctrl-C): rerun the same command to resume; finished stages are kept, and so is " \
+           "what the stage in progress had saved"
+    assert capsys.readouterr().err.splitlines()[-1] == line
+    assert run_log_text(tmp_path).splitlines()[-1] == line

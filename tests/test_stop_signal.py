@@ -62,3 +62,16 @@ def test_a_signal_on_one_rank_while_saving_stops_every_rank(tmp_path):
     ended = [json.loads((tmp_path / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
     assert ended == [{"stopped": STEPS, "signal": "a signal on another rank"}, {"stopped": STEPS, "signal": "SIGTERM"}]
     assert latest_tag(str(tmp_path / "checkpoints")) == f"step{STEPS}"
+
+
+def test_ctrl_c_stops_after_the_step_and_twice_stops_at_once(capsys):
+    from dflash.train.stop_signal import StopSignal
+
+    previous = signal.getsignal(signal.SIGINT)
+    with StopSignal() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.received == "SIGINT"  # noted for the loop, which saves the step in flight and stops
+        assert "Ctrl-C: stopping after this step, which is saved" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is previous

@@ -21,7 +21,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import MISSING
@@ -690,6 +690,11 @@ def prompt_set(name: str, spec: Any) -> PromptSetSettings:
                               f"{', '.join(fields)}")
         # No source: None, not the dataclass's placeholder '???', for the check below to name.
         spec = PromptSetSettings(**{"source": None, **spec})
+    if spec.source is None:
+        # What `+eval.prompt_sets.NAME.limit=2` makes: a set of the user's own, whose source no one gave.
+        raise ConfigError(f"{key}.source: a prompt set of your own needs its source, one of "
+                          f"{', '.join(repr(s) for s in PROMPT_SOURCES)}: +{key}.source=<one of them> (the sets "
+                          f"this run has already are changed without the +: eval.prompt_sets.gsm8k.limit=16)")
     # Its file is checked only before a stage that reads it runs (dflash/stages/prompt_files.py).
     require_choice(f"{key}.source", spec.source, PROMPT_SOURCES)
     _optional_count(f"{key}.limit", spec.limit)
@@ -826,6 +831,7 @@ class RunSettings:
             raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", self.device,
                 "auto, cpu or cuda[:N]")
+        _check_run_name(self.name)
         for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
             if uses_target and self.capture.mode != "colocated":
                 raise ConfigError(f"train.{key}={getattr(self.train, key)} needs the target's logits while training, "
@@ -863,11 +869,21 @@ class RunSettings:
                     f"the QWEN36_PATH environment variable for +experiment=qwen36)")
 
 
-    def ignored(self) -> list[str]:
+    def ignored(self, typed: Iterable[str] | None = None) -> list[str]:
         """Settings given (other than what stands in for them) that this combination does not use, each named with
-        why."""
+        why; with `typed`, the dotted keys a command line set, only those among them."""
+        typed = None if typed is None else set(typed)
         return [f"{key}={value!r} is ignored: {why}" for key, value, stand_in, why in unused_settings(self)
-                if value != stand_in]
+                if value != stand_in and (typed is None or key in typed)]
+
+
+def _check_run_name(name: str) -> None:
+    """ConfigError unless `name` names a folder under runs/ (run_dir's default, runs/${name}): not empty, not
+    absolute, no `.` or `..` part (which would put the run beside or above runs/); `group/run` nests runs."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ConfigError(f"name={name!r}: expected a folder name under runs/ (e.g. name=my_run, or name=sweep/lr3e-3 "
+                          f"to nest runs), without empty, '.' or '..' parts; to write elsewhere set run_dir=<folder>")
 
 
 def _refuse_a_run_folder_of_its_own(run_dir: str, out_dir: str) -> None:

@@ -1,9 +1,10 @@
-"""What a command shows, and writes to its run's log, for the error that ends it: a stop's line, a user error's one
-line (the traceback with HYDRA_FULL_ERROR=1), else the traceback."""
+"""What a command shows, and writes to its run's log, for the error that ends it: a stop's line, Ctrl-C's line, a user
+error's one line (the traceback with HYDRA_FULL_ERROR=1), else the traceback."""
 
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from typing import NamedTuple
 
@@ -17,6 +18,10 @@ def full_error() -> bool:
 
 # The exit status of a process ended by SIGTERM: not done, resumable.
 STOPPED = 128 + 15
+# The exit status of a command interrupted by Ctrl-C (SIGINT), as a shell reports one killed by it.
+INTERRUPTED = 128 + 2
+INTERRUPTED_LINE = ("dflash: interrupted (Ctrl-C): rerun the same command to resume; finished stages are kept, and "
+                    "so is what the stage in progress had saved")
 
 
 class _Ending(NamedTuple):
@@ -35,6 +40,7 @@ def _ending_of(error: BaseException) -> _Ending | None:
 
     endings = (_Ending(TrainingStopped, "[train] ", STOPPED, False),
                _Ending(CaptureStopped, "[online] ", STOPPED, False),
+               _Ending(KeyboardInterrupt, "", INTERRUPTED, True),
                _Ending(ConfigError, "dflash: error: ", 2, True),
                _Ending(TrainingDiverged, "dflash: error: ", 1, True))
     return next((e for e in endings if isinstance(error, e.kind)), None)
@@ -46,11 +52,20 @@ def ending(error: BaseException) -> str:
     known = _ending_of(error)
     if known is None or (known.traceback_on_request and full_error()):
         return "".join(traceback.format_exception(error))
+    if isinstance(error, KeyboardInterrupt):
+        return f"{INTERRUPTED_LINE}\n"
     return f"{known.prefix}{error}\n"
 
 
 def ending_status(error: BaseException) -> int | None:
     """The exit status of a command that `error` ends without a traceback: a user error 2, divergence 1, a stop on a
-    signal 143 (not done, resumable); None for the others."""
+    signal 128 + its number (SIGTERM 143, Ctrl-C 130: not done, resumable); None for the others."""
+    from dflash.train.stop_signal import CaptureStopped, TrainingStopped
+
     known = _ending_of(error)
-    return None if known is None else known.status
+    if known is None:
+        return None
+    name = getattr(error, "signal_name", None)
+    if isinstance(error, (TrainingStopped, CaptureStopped)) and name in signal.Signals.__members__:
+        return 128 + signal.Signals[name].value
+    return known.status

@@ -18,9 +18,20 @@ FOLDERS = ("data", "features", "checkpoints", "export", "eval")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device of setting `device` on this machine (auto: this rank's GPU, else the CPU). ConfigError for a CUDA
+    device the machine does not have, before any stage starts."""
     if name == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+            raise ConfigError(f"device={name}: this machine has no CUDA device (torch {torch.__version__}, {build}): "
+                              f"use device=auto or device=cpu")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device={name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
 
 
 class RunContext:
@@ -84,12 +95,18 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     """ConfigError in one line when target.path names a checkpoint no adapter can take (its family, what is
     missing), target.mask_token_id lies outside its vocabulary, or the drafter settings ask for a hidden size or a
     tap it does not have, found from its config alone before any stage runs (dflash/models/targets/preflight.py).
-    The rest of a given mask token's checks need the data (capture)."""
+    The rest of a given mask token's checks need the data (capture). The smollm2 and tiny targets are known
+    adapters' targets: only the drafter's hidden size and taps are checked here, when they are set."""
+    from dflash.models.targets.preflight import checkpoint_config, known_target_shape, target_problem
+    from dflash.stages.shapes import check_drafter_fits
+
     target = settings.target
     if target.kind != "hf":
-        return  # smollm2 and the tiny families are known adapters' targets, checked when loaded
-    from dflash.models.targets.preflight import checkpoint_config, target_problem
-    from dflash.stages.shapes import check_drafter_fits
+        if settings.drafter.target_layer_ids is not None or settings.drafter.hidden_size is not None:
+            shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
+            if shape is not None:
+                check_drafter_fits(settings.drafter, *shape)
+        return
 
     problem = target_problem(str(target.path), target.cache_dir)
     if problem is not None:

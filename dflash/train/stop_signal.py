@@ -1,4 +1,5 @@
-"""Stop cleanly when asked: SIGTERM or SIGUSR1 lets the trainer save a checkpoint at the next step, then exit.
+"""Stop cleanly when asked: SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) lets the trainer save a checkpoint at the next
+step, then exit; a second Ctrl-C stops at once (KeyboardInterrupt), keeping the last periodic checkpoint.
 
 Schedulers (SLURM before a time limit or preemption, Kubernetes, `timeout`) send SIGTERM and kill a little later.
 Without a handler that is a SIGKILL in slow motion: the work since the last periodic checkpoint is lost. With it,
@@ -10,13 +11,14 @@ trainers until these have stopped, then end in CaptureStopped.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class TrainingStopped(Exception):
@@ -40,7 +42,7 @@ class CaptureStopped(Exception):
 
 
 class StopSignal:
-    """Catches SIGTERM / SIGUSR1 while active (a context manager); `requested()` agrees across ranks.
+    """Catches SIGTERM, SIGUSR1 and SIGINT while active (a context manager); `requested()` agrees across ranks.
 
     Handlers can only be installed from the main thread; elsewhere (a trainer started from a thread) the signals
     keep their default meaning.
@@ -51,6 +53,11 @@ class StopSignal:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            if self.received == "SIGINT":
+                raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait for the step
+            print("\nCtrl-C: stopping after this step, which is saved (the same command resumes there); Ctrl-C again "
+                  "stops at once", file=sys.stderr, flush=True)
         self.received = signal.Signals(signum).name
 
     def __enter__(self) -> StopSignal:

@@ -33,6 +33,27 @@ def checkpoint_config(path: str, cache_dir: str | None = None) -> Any:
     return AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
 
 
+def known_target_shape(kind: str, tiny: dict | None = None, cache_dir: str | None = None) -> tuple[int, int] | None:
+    """(layers, hidden size) of a smollm2 or tiny target without loading its weights: the converted checkpoint's
+    config (the GGUF's metadata before its first conversion, a few seconds), or the tiny family's config; None for
+    a tiny family that does not exist (loading it says so)."""
+    if kind == "tiny":
+        from dflash.models.targets.tiny import TINY_FAMILIES
+
+        spec = dict(tiny or {})
+        if spec.get("family") not in TINY_FAMILIES:
+            return None
+        merged = {**TINY_FAMILIES[spec["family"]][1], **spec}
+        return int(merged["num_hidden_layers"]), int(merged["hidden_size"])
+    if kind != "smollm2":
+        raise ValueError(f"known_target_shape: {kind!r} is neither smollm2 nor tiny")
+    from dflash.models.targets import smollm2
+
+    config = checkpoint_config(str(smollm2.cache_path(cache_dir)) if smollm2.is_cached(cache_dir)
+                               else str(smollm2.gguf_path()))
+    return int(config.num_hidden_layers), int(config.hidden_size)
+
+
 def target_problem(path: str, cache_dir: str | None = None) -> str | None:
     """Why the checkpoint at `path` cannot be a target (one line naming its family and what is missing), or None."""
     from dflash.models.targets.placement import empty_model
