@@ -39,16 +39,20 @@ def test_the_closing_block_names_the_outputs_tau_and_the_next_command(tmp_path, 
   evaluation                  run/eval/summary.json, per_position.png
   tau                         a 1.20, b 2.00; overall 2.50
   console log                 run/logs/x.log
+  A tiny random-weight target: its tau shows that the pipeline runs end to end, not how good a drafter is (a random \
+target's answers repeat themselves). A real drafter: python -m dflash.train (the real SmolLM2 target).
   next: real decoding         python -m dflash.eval name=tiny eval.mode=live eval.out_dir=run/eval_live"""
 
 
 def test_a_short_cpu_run_ends_with_a_note_and_a_live_one_with_no_next_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cpu = finished_run(tmp_path, 1.2, "device=cpu")
+    cpu.context.settings.target.kind = "smollm2"  # the CPU demo's target (the note of a tiny one is the one above)
     block = closing_block(cpu.context.run_dir, cpu.stages, "x.log").splitlines()
     assert block[-2] == "  console log                 x.log"
     assert block[-1].startswith("  This was a short CPU run: a drafter trained for minutes on a CPU")
     live = finished_run(tmp_path / "live", 2.5, "eval.mode=live")
+    live.context.settings.target.kind = "smollm2"
     assert closing_block(live.context.run_dir, live.stages, "x.log").splitlines()[-1].endswith("x.log")
 
 
@@ -99,9 +103,13 @@ def test_evaluating_a_run_folder_that_does_not_exist_names_it_and_the_runs_besid
         Pipeline(compose(["+experiment=tiny", "run_dir=runs/godo", "stages=[eval]"])).run()
     env = {**os.environ, "PYTHONPATH": REPO}
     env.pop("HYDRA_FULL_ERROR", None)
-    done = subprocess.run([sys.executable, "-m", "dflash.eval", "+experiment=tiny", "run_dir=runs/godo"],
+    done = subprocess.run([sys.executable, "-m", "dflash.eval", "+experiment=tiny", "run_dir=runs/godo",
+                           "overwrite=true", "eval.temperature=1.0"],
                           capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.startswith("dflash: error: no run folder runs/godo to evaluate")
+    # The training command it suggests is this command's settings: not its evaluation's, never overwrite=true.
+    assert done.stderr.rstrip().endswith("or train it first with python -m dflash.train +experiment=tiny "
+                                         "run_dir=runs/godo")
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["good"]  # nothing left behind
 
 

@@ -82,7 +82,7 @@ def fake_pipeline(tmp_path, rank, selected, stages, events):
     pipeline = Pipeline.__new__(Pipeline)
     pipeline.context = SimpleNamespace(rank=rank, world_size=1, run_dir=str(tmp_path), config_yaml=lambda: "",
                                        barrier=lambda: events.append("barrier"))
-    pipeline.settings = SimpleNamespace(stages=selected, ignored=lambda: [])
+    pipeline.settings = SimpleNamespace(stages=selected, ignored=lambda typed=None: [])
     pipeline.stages, pipeline.eval = stages, stages[-1]
     return pipeline
 

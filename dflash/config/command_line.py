@@ -5,7 +5,8 @@ LOCAL_RANK environment variable, and a command that names no experiment, target 
 runs the GPU default (`+experiment=smollm2_quick`, a real drafter in about 10 minutes) instead of the CPU demo,
 saying so on stderr. All three commands rewrite alike, so `python -m dflash.eval` finds the run that
 `python -m dflash.train` made on the same machine. A setting that was removed (dflash/config/removed.py) stops the
-command here with what replaces it.
+command here with what replaces it, and so does a command line Hydra cannot compose (composition_errors.py), in
+one line.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import sys
 
 from dflash.config import CONFIG_DIR
+from dflash.config.composition_errors import refuse_uncomposable
 from dflash.config.errors import ConfigError
 from dflash.config.removed import refuse_removed_settings
 from dflash.config.unknown_keys import refuse_unknown_override_keys
@@ -60,20 +62,23 @@ def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
     return [*argv, GPU_DEFAULT]
 
 
-def command_arguments(argv: list[str]) -> list[str]:
-    """The Hydra arguments of one of the three commands: `argv` without the launcher's --local_rank, with the GPU
-    default when it applies (announced once per machine, by local rank 0). A removed setting ends the command with
-    one line (exit status 2)."""
+def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
+    """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
+    --local_rank, with the GPU default when it applies (announced once per machine, by local rank 0). A removed
+    setting, a key that names no setting, a flag Hydra does not have or a command line Hydra cannot compose ends
+    the command with one line (exit status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
     import torch
 
     kept = strip_local_rank(argv)
+    arguments = with_gpu_default(kept, torch.cuda.is_available())
     try:
         refuse_removed_settings(kept)
         refuse_unknown_override_keys(kept, CONFIG_DIR)
+        if os.environ.get("HYDRA_FULL_ERROR") != "1":
+            refuse_uncomposable(arguments, config_name)
     except ConfigError as error:
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    arguments = with_gpu_default(kept, torch.cuda.is_available())
     if arguments != kept and os.environ.get("LOCAL_RANK", "0") == "0" and "--help" not in kept:
         print(f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
               f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo", file=sys.stderr)

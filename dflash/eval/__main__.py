@@ -21,5 +21,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *command_arguments(sys.argv[1:])]
+    sys.argv = [sys.argv[0], *command_arguments(sys.argv[1:], "eval")]
     main()

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class EvalStage(Stage):
     name = "eval"
     every_rank = False
-    kept_line = None  # an up-to-date evaluation shows its table again, which says enough
+    kept_line = "up to date (its table, measured before, follows)"
     records_own_config = True  # several evaluations of one run, each its config.yaml beside its summary
 
     def __init__(self, run: RunContext, export: ExportStage) -> None:
@@ -55,13 +55,13 @@ class EvalStage(Stage):
             held = (f"its drafters of other settings were moved aside ({', '.join(aside)}): the training command of "
                     f"their settings brings one back" if aside else "no drafter was trained there yet")
             raise NothingToEvaluate(f"{shown(run.run_dir)} holds no drafter to evaluate: {held}; train one with "
-                                    f"python -m dflash.train")
+                                    f"{train_command(run.settings)}")
         parent = os.path.dirname(run.run_dir)
         runs = sorted(name for name in (os.listdir(parent) if os.path.isdir(parent) else [])
                       if os.path.isfile(os.path.join(parent, name, "config.yaml")))
         beside = f"runs in {shown(parent)}: {', '.join(runs)}" if runs else f"no run in {shown(parent)}"
         raise NothingToEvaluate(f"no run folder {shown(run.run_dir)} to evaluate ({beside}): name one with name=... "
-                                f"or run_dir=..., or train it first with python -m dflash.train")
+                                f"or run_dir=..., or train it first with {train_command(run.settings)}")
 
     def describe(self) -> str:
         e = self.context.settings.eval
@@ -167,11 +167,17 @@ class EvalStage(Stage):
                 ("tau", f"{taus}; overall {tau(self.summary['overall'])}")]
 
     def next_rows(self) -> list[tuple[str, str]]:
-        """A short CPU run's tau explained, else after a replay the command that measures real decoding."""
+        """A tiny target's or a short CPU run's tau explained; after a replay on a GPU, or of a tiny target, the
+        command that measures real decoding."""
         run = self.context
         if self.summary is None:
             return []
-        if run.device.type == "cpu" and (self.summary["overall"].get("tau") or 0.0) < 1.5:
+        rows = []
+        if run.settings.target.kind == "tiny":
+            rows.append(("", "A tiny random-weight target: its tau shows that the pipeline runs end to end, not how "
+                             "good a drafter is (a random target's answers repeat themselves). A real drafter: python "
+                             "-m dflash.train (the real SmolLM2 target)."))
+        elif run.device.type == "cpu" and (self.summary["overall"].get("tau") or 0.0) < 1.5:
             return [("", "This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau "
                          "near 1 is expected). A real drafter: the same `python -m dflash.train` on a machine with a "
                          "GPU (+experiment=smollm2_quick, about 10 minutes), or the full recipe +experiment=smollm2 "
@@ -180,8 +186,8 @@ class EvalStage(Stage):
             live = os.path.join(shown(run.run_dir), "eval_live")
             # Quoted for a shell: `[0,40]` is a glob to bash and zsh, and a path may hold spaces.
             words = [*command_overrides(run.settings), "eval.mode=live", f"eval.out_dir={live}"]
-            return [("next: real decoding", "python -m dflash.eval " + " ".join(shlex.quote(w) for w in words))]
-        return []
+            rows.append(("next: real decoding", "python -m dflash.eval " + " ".join(shlex.quote(w) for w in words)))
+        return rows
 
     def evaluate(self, folder: str) -> dict[str, Any]:
         """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml."""
@@ -270,10 +276,22 @@ def target_model_type(target) -> str | None:
     return empty_model(checkpoint_config(str(target.path), target.cache_dir), torch.bfloat16).config.model_type
 
 
-def command_overrides(settings) -> list[str]:
-    """The overrides of the command that is running (Hydra's record), less `stages`; `name=...` outside Hydra."""
+def command_overrides(settings, without_eval: bool = False) -> list[str]:
+    """The overrides of the command that is running (Hydra's record), less `stages` and `overwrite` (a command
+    suggested next must never move a drafter aside), and with `without_eval` the eval group's; `name=...` outside
+    Hydra."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
-        return [o for o in HydraConfig.get().overrides.task if not o.startswith("stages=")]
-    return [f"name={settings.name}"]
+    if not HydraConfig.initialized():
+        return [f"name={settings.name}"]
+    kept = []
+    for override in HydraConfig.get().overrides.task:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key not in ("stages", "overwrite") and not (without_eval and (key == "eval" or key.startswith("eval."))):
+            kept.append(override)
+    return kept
+
+
+def train_command(settings) -> str:
+    """The training command of this command's settings, quoted for a shell."""
+    return " ".join(["python -m dflash.train", *(shlex.quote(w) for w in command_overrides(settings, True))])

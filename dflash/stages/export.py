@@ -37,7 +37,8 @@ class ExportStage(Stage):
         self.best = os.path.join(run.run_dir, "export_best")
 
     def describe(self) -> str:
-        return "the final drafter and the best held-out checkpoint in the z-lab format (vLLM, SGLang)"
+        best = " and the best held-out checkpoint" if self.context.settings.data.heldout else ""
+        return f"the final drafter{best} in the z-lab format (vLLM, SGLang)"
 
     def fingerprint(self) -> str:
         """The train stage's: export/done.json holds the key the eval stage takes as its drafter's."""

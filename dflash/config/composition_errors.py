@@ -1,0 +1,192 @@
+"""A command line Hydra cannot compose, refused in one line that names the override and what it takes.
+
+Hydra's own errors for these take six to twelve lines (the config search path, the structured config's classes)
+and often leave out the fix: `train.epochs=1.5`, `stages=train`, `eval.prompt_sets=nonsense`, `deepspeed=zero4`,
+`train.lr 1e-3`, `--epochs 3`. The commands compose their config once before Hydra does (`refuse_uncomposable`),
+so such a line comes before any work, as every other bad setting does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from typing import Any
+
+from dflash.config.errors import ConfigError
+from dflash.config.schema import RunSettings
+from dflash.config.unknown_keys import settings_fields
+
+# Hydra's command-line flags (hydra/_internal/utils.py get_args_parser): anything else that starts with '-' is a
+# mistaken option such as `--epochs 3`.
+HYDRA_FLAGS = ("-h", "--help", "-hh", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package",
+               "-i", "--info", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+               "--config-dir", "--experimental-rerun", "-sc", "--shell-completion", "--run", "-r")
+TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+
+
+def setting_type(key: str) -> Any:
+    """The schema's type of the dotted `key` (Optional unwrapped), or None where the schema does not say (a key
+    inside a free-form mapping, or no setting)."""
+    cls: Any = RunSettings
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        cls = settings_fields(cls).get(part)
+        if cls is None:
+            return None
+    return cls
+
+
+def setting_keys(cls: Any = RunSettings, prefix: str = "") -> list[str]:
+    """Every dotted key of a setting that holds a value (not a group of settings)."""
+    keys = []
+    for name, hint in settings_fields(cls).items():
+        if dataclasses.is_dataclass(hint):
+            keys += setting_keys(hint, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def group_options(group: str) -> list[str]:
+    """The options of config group `group`: its YAML files under conf/ and its ConfigStore entries ([] for none)."""
+    from hydra.core.config_store import ConfigStore
+
+    from dflash.config import CONFIG_DIR
+
+    folder = os.path.join(CONFIG_DIR, group)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    stored = ConfigStore.instance().repo.get(group, {})
+    names += list(stored) if isinstance(stored, dict) else []
+    return sorted({name[:-len(".yaml")] for name in names if name.endswith(".yaml")})
+
+
+def refuse_unknown_flags(argv: list[str]) -> None:
+    """ConfigError for an argument that starts with '-' and is no Hydra flag, with the override it may have meant
+    (`--epochs 3` -> train.epochs=3)."""
+    for index, arg in enumerate(argv):
+        if not arg.startswith("-") or arg.split("=", 1)[0] in HYDRA_FLAGS:
+            continue
+        name, _, value = arg.lstrip("-").partition("=")
+        if not value and index + 1 < len(argv) and not argv[index + 1].startswith("-") and "=" not in argv[index + 1]:
+            value = argv[index + 1]
+        name = name.replace("-", "_")
+        keys = [key for key in setting_keys() if key == name or key.endswith("." + name)]
+        keys = keys or difflib.get_close_matches(name, setting_keys(), n=1)
+        meant = f" (did you mean {keys[0]}={value or '...'}?)" if keys else ""
+        raise ConfigError(f"{arg}: no such option; settings are given as key=value{meant}; --help lists the groups, "
+                          f"docs/config.md every key")
+
+
+def composition_problem(error: Exception, argv: list[str], existing: dict[str, list[str]] | None = None) -> str:
+    """One line for an error of Hydra's composition of `argv`: the override it concerns and what that takes.
+    existing: the entries each free-form mapping holds (for a key below one that is not there)."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    text = str(error)
+    if isinstance(error, MissingConfigException):
+        found = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
+        options = re.findall(r"^\t(\S+)$", text.split("Config search path:")[0], flags=re.MULTILINE)
+        if found:
+            group, option = found.groups()
+            return f"{group}={option}: no such option; {group} takes {', '.join(options) or 'none here'}"
+    if isinstance(error, ValueError) and text.startswith("Config group override must be a string"):
+        # A number given for a group (`train=5`): Hydra names neither the override nor the group's options.
+        for arg in argv:
+            group, _, option = arg.lstrip("+~").partition("=")
+            options = group_options(group) if "." not in group else []
+            if options and option not in options:
+                return f"{group}={option}: no such option; {group} takes {', '.join(options)}"
+    if isinstance(error, OverrideParseException):
+        found = re.search(r"Error parsing override '([^']+)'", text)
+        if found:
+            arg = found.group(1)
+            after = argv[argv.index(arg) + 1] if arg in argv and argv.index(arg) + 1 < len(argv) else None
+            meant = f" (did you mean {arg}={after}?)" if after is not None and "=" not in after else ""
+            return f"{arg}: an override is key=value{meant}"
+    if isinstance(error, ConfigCompositionException):
+        found = re.search(r"Error merging override (\S+?)=(.*)$", text.splitlines()[0])
+        if found:
+            return _merge_problem(found.group(1).lstrip("+"), found.group(2), error.__cause__)
+        found = re.search(r"Could not override '([^']+)'", text)
+        if found:
+            return _missing_entry_problem(found.group(1), f"{text}\n{error.__cause__ or ''}", existing or {})
+    return f"the command line cannot be composed: {_first_line(text)}"
+
+
+def _merge_problem(key: str, value: str, cause: BaseException | None) -> str:
+    kind = setting_type(key)
+    origin = typing.get_origin(kind)
+    if dataclasses.is_dataclass(kind):
+        return f"{key}={value}: {key} is a group of settings, not one value: set them one by one ({key}.<key>=...)"
+    if kind is dict or origin is dict:
+        return (f"{key}={value}: {key} is a mapping of entries: change one with {key}.<name>.<key>=..., drop one with "
+                f"~{key}.<name>, add one with +{key}.<name>.<key>=...")
+    if kind is list or origin is list:
+        return f"{key}={value}: expected a list, e.g. {key}=[{value.strip('[]')}]"
+    if kind in TYPE_WORDS:
+        return f"{key}={value}: expected {TYPE_WORDS[kind]}"
+    return f"{key}={value}: {_first_line(str(cause) if cause is not None else 'cannot be set')}"
+
+
+def _missing_entry_problem(key: str, text: str, existing: dict[str, list[str]]) -> str:
+    missing = re.search(r"Key '([^']+)' (?:is )?not in", text)
+    parts = key.split(".")
+    name = missing.group(1) if missing else parts[-1]
+    parent = ".".join(parts[:parts.index(name)]) if name in parts else ".".join(parts[:-1])
+    has = existing.get(parent) or []
+    near = difflib.get_close_matches(name, has, n=1)
+    if near:
+        return f"{key}: {parent} has no entry {name!r} (did you mean {parent}.{near[0]}?)"
+    holds = f" (it holds {', '.join(has)})" if has else ""
+    return f"{key}: {parent} has no entry {name!r}{holds}; a + adds one: +{key}=..."
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), text)
+
+
+def refuse_uncomposable(argv: list[str], config_name: str) -> None:
+    """ConfigError in one line where Hydra cannot compose `argv` for the command whose config is `config_name`,
+    or where an argument is a flag Hydra does not have. A command line with one of Hydra's own flags (--help,
+    --cfg, ...) is left to Hydra."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dflash.config import compose
+
+    refuse_unknown_flags(argv)
+    if any(arg.startswith("-") for arg in argv):
+        return
+    try:
+        compose(argv, config_name)
+    except ConfigError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        raise ConfigError(composition_problem(error, argv, _entries_beside(error, argv, config_name))) from error
+
+
+def _entries_beside(error: Exception, argv: list[str], config_name: str) -> dict[str, list[str]]:
+    """For an override below a mapping's entry that is not there: {the mapping's key: the entries it holds}, read
+    from the config composed without that override; else {}."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from dflash.config import compose
+
+    found = re.search(r"Could not override '([^']+)'", str(error))
+    missing = re.search(r"Key '([^']+)' (?:is )?not in", str(error.__cause__ or ""))
+    if not (found and missing):
+        return {}
+    parts = found.group(1).split(".")
+    if missing.group(1) not in parts:
+        return {}
+    parent = ".".join(parts[:parts.index(missing.group(1))])
+    rest = [arg for arg in argv if arg.split("=", 1)[0] != found.group(1)]
+    try:
+        node = OmegaConf.select(compose(rest, config_name), parent)
+    except Exception:  # noqa: BLE001 - only a hint: the line is made without it
+        return {}
+    return {parent: list(node.keys())} if isinstance(node, DictConfig) else {}

@@ -1,0 +1,65 @@
+"""A command line Hydra cannot compose is refused in one line naming the override and what it takes
+(dflash/config/composition_errors.py), where Hydra's own error takes six to twelve lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash.config import ConfigError
+from dflash.config.composition_errors import refuse_uncomposable, setting_keys
+
+TINY = ["+experiment=tiny"]
+
+
+@pytest.mark.parametrize("argv,config,line", [
+    (["train.epochs=1.5"], "train", "train.epochs=1.5: expected an int"),
+    (["train.lr=abc"], "train", "train.lr=abc: expected a number"),
+    (["show_progress=maybe"], "train", "show_progress=maybe: expected true or false"),
+    (["stages=train"], "train", "stages=train: expected a list, e.g. stages=[train]"),
+    (["eval.prompt_sets=nonsense"], "eval", "eval.prompt_sets=nonsense: eval.prompt_sets is a mapping of entries: "
+                                            "change one with eval.prompt_sets.<name>.<key>=..., drop one with "
+                                            "~eval.prompt_sets.<name>, add one with +eval.prompt_sets.<name>.<key>=..."),
+    (["eval.prompt_sets=[humaneval]"], "eval", "eval.prompt_sets=[humaneval]: eval.prompt_sets is a mapping"),
+    (["train=5"], "train", "train=5: no such option; train takes default"),
+    (["deepspeed=zero4"], "train", "deepspeed=zero4: no such option; deepspeed takes zero1, zero2, zero3"),
+    (["target=llama"], "extract", "target=llama: no such option; target takes hf, qwen36, smollm2, tiny"),
+    (["train.lr", "1e-3"], "train", "train.lr: an override is key=value (did you mean train.lr=1e-3?)"),
+    (["eval.prompt_sets.nonsense.limit=2"], "eval",
+     "eval.prompt_sets.nonsense.limit: eval.prompt_sets has no entry 'nonsense' (it holds humaneval, mtbench, "
+     "gsm8k); a + adds one: +eval.prompt_sets.nonsense.limit=..."),
+    (["eval.prompt_sets.humaneval.limt=2"], "eval", "eval.prompt_sets.humaneval.limt: eval.prompt_sets.humaneval has "
+                                                    "no entry 'limt' (did you mean eval.prompt_sets.humaneval.limit?)"),
+    (["--epochs", "3"], "train", "--epochs: no such option; settings are given as key=value (did you mean "
+                                 "train.epochs=3?)"),
+    (["--lr=3e-4"], "train", "--lr=3e-4: no such option; settings are given as key=value (did you mean train.lr=3e-4?)"),
+    (["--micro-batch-size", "8"], "train", "(did you mean train.micro_batch_size=8?)"),
+])
+def test_an_uncomposable_command_line_is_one_line_naming_the_override(argv, config, line):
+    with pytest.raises(ConfigError) as error:
+        refuse_uncomposable([*TINY, *argv], config)
+    assert line in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv", [["train.lr=1e-3", "stages=[data]"], ["--help"], ["--cfg", "job"], ["-m", "x=1"]])
+def test_a_composable_command_line_or_one_of_hydra_s_flags_passes(argv):
+    refuse_uncomposable([*TINY, *argv], "train")
+
+
+def test_the_keys_a_flag_is_matched_against_are_every_setting():
+    keys = setting_keys()
+    assert {"train.epochs", "train.lr", "data.max_length", "eval.temperature", "device", "capture.mode"} <= set(keys)
+    assert "train" not in keys and "eval.prompt_sets" in keys
+
+
+def test_the_command_prints_the_line_and_exits_2_before_any_work(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dflash.train", *TINY, f"run_dir={tmp_path / 'run'}",
+                           "train.epochs=1.5"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HYDRA_FULL_ERROR": ""})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["dflash: error: train.epochs=1.5: expected an int"]
+    assert not (tmp_path / "run").exists()
