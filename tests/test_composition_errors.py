@@ -20,9 +20,10 @@ TINY = ["+experiment=tiny"]
     (["train.lr=abc"], "train", "train.lr=abc: expected a number"),
     (["show_progress=maybe"], "train", "show_progress=maybe: expected true or false"),
     (["stages=train"], "train", "stages=train: expected a list, e.g. stages=[train]"),
-    (["eval.prompt_sets=nonsense"], "eval", "eval.prompt_sets=nonsense: eval.prompt_sets is a mapping of entries: "
-                                            "change one with eval.prompt_sets.<name>.<key>=..., drop one with "
-                                            "~eval.prompt_sets.<name>, add one with +eval.prompt_sets.<name>.<key>=..."),
+    (["eval.prompt_sets=nonsense"], "eval",
+     "eval.prompt_sets=nonsense: eval.prompt_sets is a mapping of entries: change one with "
+     "eval.prompt_sets.<name>.<key>=..., drop one with ~eval.prompt_sets.<name>, add one with "
+     "+eval.prompt_sets.<name>.<key>=..."),
     (["eval.prompt_sets=[humaneval]"], "eval", "eval.prompt_sets=[humaneval]: eval.prompt_sets is a mapping"),
     (["train=5"], "train", "train=5: no such option; train takes default"),
     (["deepspeed=zero4"], "train", "deepspeed=zero4: no such option; deepspeed takes zero1, zero2, zero3"),
@@ -35,7 +36,8 @@ TINY = ["+experiment=tiny"]
                                                     "no entry 'limt' (did you mean eval.prompt_sets.humaneval.limit?)"),
     (["--epochs", "3"], "train", "--epochs: no such option; settings are given as key=value (did you mean "
                                  "train.epochs=3?)"),
-    (["--lr=3e-4"], "train", "--lr=3e-4: no such option; settings are given as key=value (did you mean train.lr=3e-4?)"),
+    (["--lr=3e-4"], "train",
+     "--lr=3e-4: no such option; settings are given as key=value (did you mean train.lr=3e-4?)"),
     (["--micro-batch-size", "8"], "train", "(did you mean train.micro_batch_size=8?)"),
 ])
 def test_an_uncomposable_command_line_is_one_line_naming_the_override(argv, config, line):

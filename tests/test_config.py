@@ -425,7 +425,9 @@ BAD = [
      "eval.prompt_sets={}: expected at least one prompt set"),
     ("+eval.prompt_sets.mine={sourc:gsm8k}", "eval.prompt_sets.mine.sourc: no such setting of a prompt set; its "
                                              "settings: source, path, limit, turns, answer_max_new_tokens"),
-    ("+eval.prompt_sets.mine={limit:2}", "eval.prompt_sets.mine.source=None: expected one of 'sharegpt'"),
+    ("+eval.prompt_sets.mine={limit:2}", "eval.prompt_sets.mine.source: a prompt set of your own needs its source, "
+                                         "one of 'sharegpt'"),
+    ("+eval.prompt_sets.mine.limit=2", "+eval.prompt_sets.mine.source=<one of them>"),
     ("+eval.prompt_sets.mine={source:gsm8k,limit:two}", "eval.prompt_sets.mine.limit='two': expected an int >= 1"),
     ("+eval.prompt_sets.mine=3", "eval.prompt_sets.mine=3: expected {source, path, limit"),
     ("eval.prompt_sets.humaneval.turns=2", "eval.prompt_sets.humaneval.turns=2: expected 1: source humaneval has no "
@@ -440,6 +442,10 @@ BAD = [
     ("stages=[train,serve]", "unknown stages ['serve']"),
     ("device=tpu", "device='tpu': expected auto, cpu or cuda[:N]"),
     ("device=cuda:x", "device='cuda:x': expected auto, cpu or cuda[:N]"),
+    ("name=", "name='': expected a folder name under runs/ (e.g. name=my_run, or name=sweep/lr3e-3 to nest runs)"),
+    ("name=../escape", "name='../escape': expected a folder name under runs/"),
+    ("name=/tmp/x", "name='/tmp/x': expected a folder name under runs/"),
+    ("name=a/./b", "name='a/./b': expected a folder name"),
     ("target.path=/does/not/exist", "target.path='/does/not/exist': only target=hf reads a path (this target is "
                                     "tiny): add target=hf to run that checkpoint"),
     ("eval.prompt_sets={}", r"eval.prompt_sets={}: a dict override adds to the prompt sets and never empties them"),

@@ -37,7 +37,8 @@ def test_the_job_outlives_its_call_in_its_own_copy_and_a_later_call_sees_how_it_
     root = make_repository(tmp_path / "repo")
     env = environment(tmp_path)
     go = tmp_path / "go"
-    job(root, env, "start", "demo", "bash", "-c", f'cat marker.txt; python3 -c "import sys; print(sys.path[1])"; while [ ! -f {go} ]; do sleep 0.05; done; exit 3')
+    script = f'cat marker.txt; python3 -c "import sys; print(sys.path[1])"; while [ ! -f {go} ]; do sleep 0.05; done'
+    job(root, env, "start", "demo", "bash", "-c", script + "; exit 3")
     # The call that started it has returned and the job still runs, waiting for the flag.
     copy = tmp_path / "jobs" / "demo" / "repo"
     assert not (tmp_path / "jobs" / "demo" / "exit").exists()

@@ -299,15 +299,15 @@ def _mark_stale(journal: Any, stale: list[Prompt]) -> None:
     if not stale:
         return
     # Marked first, so that whatever happens to the new answer the old one is never taken for this prompt.
-    logger.warning("%d prompt(s) changed since they were answered (e.g. %s): answering them again",
+    logger.warning("[data] %d prompt(s) changed since they were answered (e.g. %s): answering them again",
                    len(stale), ", ".join(p.id for p in stale[:5]))
     append_lines(journal, [{"id": p.id, "prompt_set": p.prompt_set, "status": "stale"} for p in stale])
 
 
 def _warn_skipped(skipped: list[tuple[str, int]], max_length: int) -> None:
     if skipped:
-        logger.warning("skipped %d prompt(s) longer than max_length - 1 = %d tokens, e.g. %s", len(skipped),
-                       max_length - 1, ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:5]))
+        logger.warning("[data] skipped %d prompt(s) longer than data.max_length - 1 = %d tokens, e.g. %s",
+                       len(skipped), max_length - 1, ", ".join(f"{i} ({n} tokens)" for i, n in skipped[:5]))
 
 
 @dataclass

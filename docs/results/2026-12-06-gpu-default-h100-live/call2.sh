@@ -1,0 +1,13 @@
+# Call 2 (.whl-b, .stage/part-2): the rest; every CUDA test killed at $2 s; then the README's first command (the GPU
+# default) detached, waited for up to $1 s.
+eval "$(bash launch/stage_assets.sh receive)"
+test -f /tmp/dflash-stage/site/.complete || { echo "assets not staged"; exit 1; }
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ "${2:-100}" -gt 0 ]; then
+  timeout -s KILL ${2:-100} python3 -m pytest -q -p no:cacheprovider -W ignore -rfs --tb=short -m gpu tests \
+    > $OUT/gputests.log 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gputests.log | cut -c1-300 | tail -20
+fi
+bash launch/detached_job.sh start quick python3 -m dflash.train run_dir=/tmp/runs/quick show_progress=false \
+  logging.wandb.mode=disabled
+bash launch/detached_job.sh wait quick ${1:-440} /tmp/runs/quick
