@@ -28,3 +28,17 @@ def test_the_gpu_default_is_the_smollm2_recipe_scaled_down():
     assert quick.target == full.target and quick.drafter == full.drafter and quick.capture == full.capture
     assert quick.train.max_minutes < full.train.max_minutes
     assert quick.data.limit < 24000 and quick.data.synthetic.count < full.data.synthetic.count
+
+
+@pytest.mark.parametrize("argv,config,announced", [([], "train", True), (["name=mine"], "train", True),
+                                                   (["+experiment=tiny"], "train", False), ([], "eval", False),
+                                                   (["--help"], "train", False)])
+def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, monkeypatch, capsys):
+    import torch
+
+    from dflash.config.command_line import CPU_DEMO_LINE, command_arguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert command_arguments(argv, config) == argv
+    assert (CPU_DEMO_LINE in capsys.readouterr().err) == announced

@@ -154,6 +154,8 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     console = done.stdout + done.stderr
     assert "[export] drafter ->" in console
+    # What training came to, in one line before the final weights.
+    assert "[train] done: 2 steps, loss " in console and "estimated tau" in console
     assert [line for line in console.splitlines() if any(marker in line for marker in CHATTER)] == []
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*")), "wandb did not run"
     if shutil.which("gcc"):
@@ -180,3 +182,14 @@ def test_a_pipeline_run_keeps_third_party_info_records_off_the_console(tmp_path,
     assert "a library warning the user must see" in console.getvalue()
     logged = "".join(path.read_text(encoding="utf-8") for path in (tmp_path / "logs").iterdir())
     assert "JAX version 0.11.2 available." in logged
+
+
+def test_the_ending_line_reads_the_last_whole_record(tmp_path):
+    from dflash.train.metrics_log import ending_line, last_record
+
+    assert last_record(str(tmp_path)) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 1200, "loss": 1.23456, "acc_pos1": '
+                                             '0.612, "accept_len_est": 2.345}\n{"step": 1201, "lo')  # torn by a kill
+    assert ending_line(last_record(str(tmp_path))) == (
+        "[train] done: 1,200 steps, loss 1.235, first-position accuracy 0.612, estimated tau 2.35 (the last step's "
+        "training blocks; the eval stage measures tau)")

@@ -173,7 +173,12 @@ class TrainStage(Stage):
         config = self.drafter_config()
         state = self.train(config, rank, run.world_size)
         if rank == 0:
+            from dflash.train.metrics_log import ending_line, last_record
+
             write_final(self.checkpoints, state)
+            last = last_record(run.run_dir)
+            if last is not None:
+                logger.info(ending_line(last))
             logger.info(f"[train] final weights -> {final_dir(self.checkpoints)}")
         return {"checkpoint": self.checkpoint_fingerprint()}
 

@@ -93,3 +93,27 @@ def _record_step(line: str) -> float:
         return json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return float("inf")
+
+
+def last_record(run_dir: str) -> dict | None:
+    """The last whole record of `run_dir`/metrics.jsonl (a torn last line skipped), or None when there is none."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        if _record_step(line) != float("inf"):
+            return json.loads(line)
+    return None
+
+
+def ending_line(record: dict) -> str:
+    """What training came to, from its last step's record: the step, the loss, the accuracy of the block's first
+    position and the acceptance length those accuracies estimate."""
+    parts = [f"{record['step']:,} steps"]
+    for key, what, form in (("loss", "loss", ".3f"), ("acc_pos1", "first-position accuracy", ".3f"),
+                            ("accept_len_est", "estimated tau", ".2f")):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{what} {record[key]:{form}}")
+    return "[train] done: " + ", ".join(parts) + " (the last step's training blocks; the eval stage measures tau)"
