@@ -474,3 +474,29 @@ def test_evaluate_records_draft_sampling(tiny_target, make_drafter):
         keys[value] = fingerprints.eval_fingerprint(settings, "DRAFTER", "FOLDER")
         assert ("draft_sampling" in fingerprints.stage_settings(settings.eval, "eval")) == (value == "greedy")
     assert keys["sampled"] != keys["greedy"]
+
+
+def test_the_decode_that_meets_a_prompt_first_alternates(tiny_target, make_drafter, monkeypatch):
+    """The first decode of a prompt meets its length cold (allocator, per-shape caches) and the second warm: the
+    speculative decode first every time gave the target-only baseline the warm prefills."""
+    import dflash.eval.evaluate as evaluate_module
+    from dflash.eval.evaluate import evaluate
+
+    adapter = tiny_target("llama")
+    drafter = make_drafter(adapter, block_size=4, std=0.2)
+    order = []
+    for name in ("live_decode", "target_only_decode"):
+        original = getattr(evaluate_module, name)
+
+        def recorded(*args, _original=original, _name=name, **kwargs):
+            order.append((_name, tuple(args[2] if _name == "live_decode" else args[1])))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(evaluate_module, name, recorded)
+    prompts = prompts_for(adapter)[:4]
+    evaluate(drafter, adapter, {"a": prompts}, max_new_tokens=6, show_progress=False, **eval_options(mode="live"))
+    timed = order[-2 * len(prompts):]  # after the untimed warm-up
+    firsts = [timed[2 * i][0] for i in range(len(prompts))]
+    assert len(prompts) >= 2
+    assert firsts == ["target_only_decode" if i % 2 else "live_decode" for i in range(len(prompts))]
+    assert all(timed[2 * i][1] == timed[2 * i + 1][1] == tuple(p) for i, p in enumerate(prompts))
