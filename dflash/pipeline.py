@@ -20,11 +20,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash.config import ConfigError
+from dflash.config.unknown_keys import override_key
 from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.closing import closing_block
-from dflash.stages.command_ending import ending, ending_status, full_error
+from dflash.stages.command_ending import ending, ending_status, exit_command, full_error
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
@@ -123,7 +124,7 @@ def command_line_keys() -> set[str] | None:
 
     if not HydraConfig.initialized():
         return None
-    return {override.lstrip("+~").split("=", 1)[0] for override in HydraConfig.get().overrides.task}
+    return {override_key(override) for override in HydraConfig.get().overrides.task}
 
 
 def selected_stages(named: list[str], stages: tuple[Stage | type[Stage], ...] = STAGE_CLASSES) -> list[str]:
@@ -163,10 +164,11 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     """What the commands run: the pipeline over `stages` (default: cfg.stages). A user error (ConfigError: a bad
     setting or a run folder that holds a drafter of other settings, found before any work; a bad prompt record or a
     corrupt checkpoint, found when it is read) ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1
-    shows the traceback); so does training that diverged (exit status 1), and a stop on a signal (143). A restarted
+    shows the traceback); so does training that diverged (exit status 1), and a stop on SIGTERM (143). A restarted
     start of a capture=online torchrun job whose earlier start ended in a user error or divergence stops at once with
-    that status (EarlierEnding). Ctrl-C ends it with one line saying the same command resumes (exit status 130;
-    training first saves the step in flight, dflash/train/stop_signal.py)."""
+    that status (EarlierEnding). Ctrl-C ends it with one line saying the same command resumes, the process dying of
+    SIGINT (status 130) so that a shell loop running it stops too; training first saves the step in flight
+    (dflash/train/stop_signal.py)."""
     from dflash.train.divergence import TrainingDiverged
     from dflash.train.stop_signal import CaptureStopped, TrainingStopped
 
@@ -191,12 +193,12 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
         sys.exit(ending_status(error))
     except (TrainingStopped, CaptureStopped) as stopped:
         print(ending(stopped), end="", flush=True)
-        sys.exit(ending_status(stopped))
+        exit_command(ending_status(stopped))
     except KeyboardInterrupt as interrupted:
         if full_error():
             raise
         print(ending(interrupted), end="", file=sys.stderr, flush=True)
-        sys.exit(ending_status(interrupted))
+        exit_command(ending_status(interrupted))
 
 
 def run_role(cfg: DictConfig) -> dict[str, Any] | None:

@@ -40,7 +40,8 @@ def test_the_closing_block_names_the_outputs_tau_and_the_next_command(tmp_path, 
   tau                         a 1.20, b 2.00; overall 2.50
   console log                 run/logs/x.log
   A tiny random-weight target: its tau shows that the pipeline runs end to end, not how good a drafter is (a random \
-target's answers repeat themselves). A real drafter: python -m dflash.train (the real SmolLM2 target).
+target's answers repeat themselves). A real drafter: python -m dflash.train on a machine with a GPU (the real SmolLM2 \
+target, about 10 minutes).
   next: real decoding         python -m dflash.eval name=tiny eval.mode=live eval.out_dir=run/eval_live"""
 
 

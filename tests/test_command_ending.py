@@ -19,6 +19,7 @@ from dflash.train.stop_signal import CaptureStopped, TrainingStopped
     (CorruptFile("a.safetensors is corrupt"), "dflash: error: a.safetensors is corrupt\n", 2),  # a subclass
     (TrainingDiverged("loss is nan"), "dflash: error: loss is nan\n", 1),
     (TrainingStopped(7, "SIGINT"), f"[train] {TrainingStopped(7, 'SIGINT')}\n", 130),  # Ctrl-C, step saved
+    (TrainingStopped(7, "SIGUSR1"), f"[train] {TrainingStopped(7, 'SIGUSR1')}\n", STOPPED),
     (TrainingStopped(7, "a signal on another rank"), f"[train] {TrainingStopped(7, 'a signal on another rank')}\n",
      STOPPED),
     (KeyboardInterrupt(), "dflash: interrupted (Ctrl-C): rerun the same command to resume; finished stages are kept, "
@@ -44,3 +45,15 @@ def test_full_error_shows_a_user_error_s_traceback_and_other_errors_always_do(mo
     monkeypatch.delenv("HYDRA_FULL_ERROR")
     other = raised(KeyError("x"))
     assert ending(other).startswith("Traceback") and ending_status(other) is None
+
+
+@pytest.mark.parametrize("status,returncode", [(130, -2), (143, 143), (2, 2)])
+def test_a_command_ended_by_ctrl_c_dies_of_sigint(status, returncode):
+    """A shell loop or `cmd1; cmd2` stops after a child that died of SIGINT, and goes on after one that exited 130."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "from dflash.stages.command_ending import exit_command; "
+                           f"print('line', flush=True); exit_command({status})"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == returncode and done.stdout == "line\n"

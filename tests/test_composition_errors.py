@@ -31,7 +31,9 @@ TINY = ["+experiment=tiny"]
     (["train.lr", "1e-3"], "train", "train.lr: an override is key=value (did you mean train.lr=1e-3?)"),
     (["eval.prompt_sets.nonsense.limit=2"], "eval",
      "eval.prompt_sets.nonsense.limit: eval.prompt_sets has no entry 'nonsense' (it holds humaneval, mtbench, "
-     "gsm8k); a + adds one: +eval.prompt_sets.nonsense.limit=..."),
+     "gsm8k); a + adds one: +eval.prompt_sets.nonsense.source=<a source> +eval.prompt_sets.nonsense.limit=..."),
+    (["train.lr=1e-3,3e-4"], "train", "train.lr=1e-3,3e-4: a comma sweeps, which needs --multirun (-m); a list is "
+                                      "train.lr=[1e-3,3e-4]"),
     (["eval.prompt_sets.humaneval.limt=2"], "eval", "eval.prompt_sets.humaneval.limt: eval.prompt_sets.humaneval has "
                                                     "no entry 'limt' (did you mean eval.prompt_sets.humaneval.limit?)"),
     (["--epochs", "3"], "train", "--epochs: no such option; settings are given as key=value (did you mean "
@@ -45,6 +47,18 @@ def test_an_uncomposable_command_line_is_one_line_naming_the_override(argv, conf
         refuse_uncomposable([*TINY, *argv], config)
     assert line in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_an_experiment_without_its_plus_says_to_add_one():
+    with pytest.raises(ConfigError) as error:
+        refuse_uncomposable(["experiment=tiny"], "train")
+    assert str(error.value) == "experiment=tiny: experiment is not chosen by default, so it is added with a +: " \
+                               "+experiment=tiny"
+
+
+@pytest.mark.parametrize("argv", [["hydra.mode=MULTIRUN", "train.lr=1e-3,3e-4"], ["--multi", "train.lr=1e-3,3e-4"]])
+def test_a_sweep_hydra_runs_is_left_to_it(argv):
+    refuse_uncomposable([*TINY, *argv], "train")
 
 
 @pytest.mark.parametrize("argv", [["train.lr=1e-3", "stages=[data]"], ["--help"], ["--cfg", "job"], ["-m", "x=1"]])

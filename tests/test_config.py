@@ -557,6 +557,14 @@ def test_settings_this_combination_ignores_are_named(overrides, warning):
     assert warning in " ".join(settings_from(compose(["+experiment=tiny", *overrides])).ignored())
 
 
+def test_only_ignored_settings_the_command_line_typed_are_named_when_it_is_known():
+    settings = settings_from(compose(["+experiment=tiny", "capture=colocated", "capture.shard_tokens=400"]))
+    warning = "capture.shard_tokens=400 is ignored: only capture=offline"
+    assert warning in " ".join(settings.ignored(typed={"capture", "capture.shard_tokens"}))
+    assert warning in " ".join(settings.ignored(typed={"capture.shard_tokens.x"}))  # a key below it, as in a mapping
+    assert settings.ignored(typed={"capture", "train.lr"}) == []  # a group selection types no setting
+
+
 def test_an_ignored_setting_is_really_ignored_by_its_stage():
     from dflash.stages.data import training_prompts
 

@@ -88,3 +88,23 @@ def test_collect_brings_the_small_files_and_the_export_in_parts_that_join(tmp_pa
     with tarfile.open(fileobj=io.BytesIO(b"".join(part.read_bytes() for part in parts))) as joined:
         files = {member.name: joined.extractfile(member).read() for member in joined.getmembers() if member.isfile()}
     assert files == export
+
+
+def test_a_killed_job_a_relative_run_folder_and_a_run_still_writing(tmp_path):
+    root = make_repository(tmp_path / "repo")
+    env = environment(tmp_path)
+    # Writes into runs/live (relative: the job's own copy) without end until killed.
+    job(root, env, "start", "writer", "bash", "-c",
+        "mkdir -p runs/live; while true; do date >> runs/live/metrics.jsonl; sleep 0.01; done")
+    waited = job(root, env, "wait", "writer", "1", "runs/live")
+    assert "writer still running after 1 s of waiting" in waited.stdout
+    with tarfile.open(tmp_path / "out" / "writer" / "run.tar.gz") as packed:
+        assert "live/metrics.jsonl" in packed.getnames()  # a file growing under tar is no failure
+    os.killpg(int((tmp_path / "jobs" / "writer" / "pid").read_text()), 9)  # its session: the loop too
+    waited = job(root, env, "wait", "writer", "30", "runs/missing")
+    assert "writer ended without an exit record" in waited.stdout
+    assert "no run folder" in waited.stderr and str(tmp_path / "jobs" / "writer" / "repo" / "runs" / "missing") \
+        in waited.stderr
+    for bad in ("", "../x", "a/b"):
+        refused = job(root, env, "start", bad, "true", check=False)
+        assert refused.returncode == 2 and "a job name is one plain word" in refused.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 import pytest
 
@@ -111,6 +112,7 @@ def test_ctrl_c_ends_a_command_with_one_line_that_the_run_log_keeps(tmp_path, mo
         raise KeyboardInterrupt
 
     monkeypatch.setattr(DataStage, "run", interrupted)
+    monkeypatch.setattr("dflash.pipeline.exit_command", lambda status: sys.exit(status))  # not SIGINT to pytest
     with pytest.raises(SystemExit) as ended:
         run_command(compose([*TINY, f"run_dir={tmp_path}"]), ["data"])
     assert ended.value.code == 130

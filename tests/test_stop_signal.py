@@ -19,25 +19,28 @@ from tests.scripted_clock import budget_run
 STEPS = 6  # budget_run and trainer_harness.run(1, 1) on 2 ranks: 3 steps per epoch, 2 epochs, saved at the last only
 
 
-def signal_while_saving(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every checkpoint save ends with a SIGTERM to this process, received through the loop's handler."""
+def signal_while_saving(monkeypatch: pytest.MonkeyPatch, sig: signal.Signals = signal.SIGTERM) -> None:
+    """Every checkpoint save ends with `sig` to this process, received through the loop's handler."""
     save = CheckpointPolicy.save
+    before = signal.getsignal(sig)
 
     def save_then_signal(self, engine, step, budget):
         save(self, engine, step, budget)
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            pytest.fail("the loop's SIGTERM handler is not installed")
-        signal.raise_signal(signal.SIGTERM)
+        if signal.getsignal(sig) is before:
+            pytest.fail(f"the loop's {sig.name} handler is not installed")
+        signal.raise_signal(sig)
 
     monkeypatch.setattr(CheckpointPolicy, "save", save_then_signal)
 
 
-def test_a_signal_while_the_last_step_is_saved_stops_with_that_step_kept(tmp_path, monkeypatch):
-    signal_while_saving(monkeypatch)
-    with pytest.raises(TrainingStopped, match=f"by SIGTERM after step {STEPS}"):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "ctrl-c"])
+def test_a_signal_while_the_last_step_is_saved_stops_with_that_step_kept(tmp_path, monkeypatch, sig):
+    before = signal.getsignal(sig)
+    signal_while_saving(monkeypatch, sig)
+    with pytest.raises(TrainingStopped, match=f"by {sig.name} after step {STEPS}"):
         budget_run(tmp_path, None, epochs=2)
     assert latest_tag(str(tmp_path / "checkpoints")) == f"step{STEPS}"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the loop's handler is gone with the loop
+    assert signal.getsignal(sig) is before  # the loop's handler is gone with the loop
 
 
 def rank_signalled_while_saving(out: str) -> None:
@@ -75,3 +78,21 @@ def test_ctrl_c_stops_after_the_step_and_twice_stops_at_once(capsys):
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_a_sigint_the_process_ignores_stays_ignored_and_other_ranks_say_nothing(capsys, monkeypatch):
+    """`nohup cmd &` starts a process with SIGINT ignored: a Ctrl-C meant for the script that started it must not
+    stop this run. Only rank 0 says what a Ctrl-C does."""
+    from dflash.train.stop_signal import StopSignal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignal() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop.received is None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.setenv("RANK", "1")
+    with StopSignal() as stop:
+        signal.raise_signal(signal.SIGINT)
+    assert stop.received == "SIGINT" and capsys.readouterr().err == ""

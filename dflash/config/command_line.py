@@ -18,13 +18,13 @@ from dflash.config import CONFIG_DIR
 from dflash.config.composition_errors import refuse_uncomposable
 from dflash.config.errors import ConfigError
 from dflash.config.removed import refuse_removed_settings
-from dflash.config.unknown_keys import refuse_unknown_override_keys
+from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
 
 GPU_DEFAULT = "+experiment=smollm2_quick"
 # What the training command says first on a machine without a GPU when nothing chooses what to run.
-CPU_DEMO_LINE = ("dflash: no GPU: running the CPU demo, a drafter for the real SmolLM2 target trained for a few minutes "
-                 "(about 7 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on a "
-                 "machine with a GPU the same command trains a real drafter in about 10 minutes")
+CPU_DEMO_LINE = ("dflash: no GPU: running the CPU demo, a drafter for the real SmolLM2 target trained for a few "
+                 "minutes (about 7 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on "
+                 "a machine with a GPU the same command trains a real drafter in about 10 minutes")
 # Keys whose presence means the user chose what to run: the GPU default would override their choice.
 CHOOSING_KEYS = ("experiment", "target", "device")
 
@@ -55,7 +55,7 @@ def strip_local_rank(argv: list[str]) -> list[str]:
 
 def _override_key(arg: str) -> str:
     """The config key an override sets: `+experiment=x` -> experiment, `~target` -> target, `a.b=1` -> a."""
-    return arg.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+    return override_key(arg).split(".", 1)[0]
 
 
 def chooses(argv: list[str]) -> bool:

@@ -17,11 +17,11 @@ from typing import Any
 
 from dflash.config.errors import ConfigError
 from dflash.config.schema import RunSettings
-from dflash.config.unknown_keys import settings_fields
+from dflash.config.unknown_keys import override_key, settings_fields
 
 # Hydra's command-line flags (hydra/_internal/utils.py get_args_parser): anything else that starts with '-' is a
 # mistaken option such as `--epochs 3`.
-HYDRA_FLAGS = ("-h", "--help", "-hh", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package",
+HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package",
                "-i", "--info", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                "--config-dir", "--experimental-rerun", "-sc", "--shell-completion", "--run", "-r")
 TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
@@ -68,7 +68,10 @@ def refuse_unknown_flags(argv: list[str]) -> None:
     """ConfigError for an argument that starts with '-' and is no Hydra flag, with the override it may have meant
     (`--epochs 3` -> train.epochs=3)."""
     for index, arg in enumerate(argv):
-        if not arg.startswith("-") or arg.split("=", 1)[0] in HYDRA_FLAGS:
+        flag = arg.split("=", 1)[0]
+        # argparse, which reads Hydra's flags, takes a long flag's unambiguous prefix too (--multi for --multirun).
+        if not arg.startswith("-") or flag in HYDRA_FLAGS or \
+                (flag.startswith("--") and len([f for f in HYDRA_FLAGS if f.startswith(flag)]) == 1):
             continue
         name, _, value = arg.lstrip("-").partition("=")
         if not value and index + 1 < len(argv) and not argv[index + 1].startswith("-") and "=" not in argv[index + 1]:
@@ -96,7 +99,7 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
     if isinstance(error, ValueError) and text.startswith("Config group override must be a string"):
         # A number given for a group (`train=5`): Hydra names neither the override nor the group's options.
         for arg in argv:
-            group, _, option = arg.lstrip("+~").partition("=")
+            group, option = override_key(arg), arg.partition("=")[2]
             options = group_options(group) if "." not in group else []
             if options and option not in options:
                 return f"{group}={option}: no such option; {group} takes {', '.join(options)}"
@@ -108,6 +111,15 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
             meant = f" (did you mean {arg}={after}?)" if after is not None and "=" not in after else ""
             return f"{arg}: an override is key=value{meant}"
     if isinstance(error, ConfigCompositionException):
+        found = re.search(r"Ambiguous value for argument '([^']+)'", text)
+        if found:
+            key, _, value = found.group(1).partition("=")
+            return (f"{found.group(1)}: a comma sweeps, which needs --multirun (-m); a list is {key}=[{value}], a "
+                    f"string with a comma is quoted: {key}='\"{value}\"'")
+        found = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
+        if found:
+            given = next((arg for arg in argv if override_key(arg) == found.group(1)), found.group(1))
+            return f"{given}: {found.group(1)} is not chosen by default, so it is added with a +: +{given.lstrip('~')}"
         found = re.search(r"Error merging override (\S+?)=(.*)$", text.splitlines()[0])
         if found:
             return _merge_problem(found.group(1).lstrip("+"), found.group(2), error.__cause__)
@@ -142,7 +154,9 @@ def _missing_entry_problem(key: str, text: str, existing: dict[str, list[str]]) 
     if near:
         return f"{key}: {parent} has no entry {name!r} (did you mean {parent}.{near[0]}?)"
     holds = f" (it holds {', '.join(has)})" if has else ""
-    return f"{key}: {parent} has no entry {name!r}{holds}; a + adds one: +{key}=..."
+    # A new prompt set needs its source too (dflash/config/schema.py prompt_set), else the next command is refused.
+    first = f"+{parent}.{name}.source=<a source> " if parent == "eval.prompt_sets" else ""
+    return f"{key}: {parent} has no entry {name!r}{holds}; a + adds one: {first}+{key}=..."
 
 
 def _first_line(text: str) -> str:
@@ -159,7 +173,9 @@ def refuse_uncomposable(argv: list[str], config_name: str) -> None:
     from dflash.config import compose
 
     refuse_unknown_flags(argv)
-    if any(arg.startswith("-") for arg in argv):
+    # Hydra's flags, and a sweep asked for as hydra.mode=MULTIRUN (which composing a single config cannot take),
+    # are Hydra's to handle.
+    if any(arg.startswith("-") or override_key(arg) == "hydra.mode" for arg in argv):
         return
     try:
         compose(argv, config_name)

@@ -5,6 +5,7 @@ the key unknown, or accept the override and do nothing)."""
 from __future__ import annotations
 
 from dflash.config.errors import ConfigError
+from dflash.config.unknown_keys import override_key
 
 ONLINE_IS_RANKS = ("online capture's file spool was removed: capture=online is one torchrun job whose last "
                    "capture.ranks ranks capture and send the features to the other ranks, e.g. `torchrun "
@@ -40,7 +41,7 @@ def refuse_removed_settings(overrides: list[str]) -> None:
     """ConfigError naming the first override of a removed setting, why it is gone and what replaces it, or of one
     that changes nothing (NO_OP) and what to write instead."""
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key = override_key(override)
         if key in REMOVED:
             raise ConfigError(f"{key}: {ONLINE_IS_RANKS}; instead: {REMOVED[key]}")
         written = override.lstrip("+").replace(" ", "")

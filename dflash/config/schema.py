@@ -831,7 +831,8 @@ class RunSettings:
             raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", self.device,
                 "auto, cpu or cuda[:N]")
-        _check_run_name(self.name)
+        if os.path.normpath(self.run_dir) == os.path.normpath(os.path.join("runs", self.name)) or not self.name:
+            _check_run_name(self.name)  # the name makes the run folder: run_dir=... given outright is the user's
         for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
             if uses_target and self.capture.mode != "colocated":
                 raise ConfigError(f"train.{key}={getattr(self.train, key)} needs the target's logits while training, "
@@ -874,7 +875,7 @@ class RunSettings:
         why; with `typed`, the dotted keys a command line set, only those among them."""
         typed = None if typed is None else set(typed)
         return [f"{key}={value!r} is ignored: {why}" for key, value, stand_in, why in unused_settings(self)
-                if value != stand_in and (typed is None or key in typed)]
+                if value != stand_in and (typed is None or any(t == key or t.startswith(key + ".") for t in typed))]
 
 
 def _check_run_name(name: str) -> None:
@@ -883,7 +884,8 @@ def _check_run_name(name: str) -> None:
     parts = name.replace("\\", "/").split("/")
     if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
         raise ConfigError(f"name={name!r}: expected a folder name under runs/ (e.g. name=my_run, or name=sweep/lr3e-3 "
-                          f"to nest runs), without empty, '.' or '..' parts; to write elsewhere set run_dir=<folder>")
+                          f"to nest runs), without empty, '.' or '..' parts; to write elsewhere set run_dir=<folder> "
+                          f"with a name")
 
 
 def _refuse_a_run_folder_of_its_own(run_dir: str, out_dir: str) -> None:

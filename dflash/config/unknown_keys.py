@@ -31,6 +31,12 @@ def settings_fields(cls: type) -> dict[str, Any]:
     return found
 
 
+def override_key(override: str) -> str:
+    """The dotted key an override sets or deletes: `+train.lr=1e-3` -> train.lr, `~eval.prompt_sets.gsm8k` ->
+    eval.prompt_sets.gsm8k, `++x=1` -> x."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 def unknown_key_problem(key: str) -> str | None:
     """Why the dotted `key` of an override names no setting (with the nearest one), or None when it names one (or
     lies below a free-form field such as eval.prompt_sets or target.tiny, or is not a setting at all)."""
@@ -55,7 +61,7 @@ def refuse_unknown_override_keys(overrides: list[str], config_dir: str) -> None:
     for override in overrides:
         if override.startswith("-") or ("=" not in override and not override.startswith("~")):
             continue
-        key, _, value = override.lstrip("+~").partition("=")
+        key, value = override_key(override), override.partition("=")[2]
         problem = unknown_key_problem(key) if key != "experiment" else unknown_experiment_problem(value, config_dir)
         if problem is not None:
             raise ConfigError(problem)

@@ -5,10 +5,10 @@ start, stream the micro-batches of its own batch plan from the step and for the 
 counters and exit. Its capture settings and batch plan come from its own settings (every rank runs the same
 command); the start adds what the trainers decide at run time, and their plan, which this rank's must equal.
 
-A stop signal (SIGTERM, SIGUSR1) once the stream started does not end this rank at once: the trainers stop on the
-same signal (torchrun and the schedulers signal every rank) after finishing their step, which needs this rank's
-features, and saving it. The rank ends once they stopped the stream or closed their connections (CaptureStopped: exit
-status 143, as theirs), or at torchrun's SIGKILL after its grace.
+A stop signal (SIGTERM, SIGUSR1, Ctrl-C's SIGINT) once the stream started does not end this rank at once: the
+trainers stop on the same signal (torchrun and the schedulers signal every rank) after finishing their step, which
+needs this rank's features, and saving it. The rank ends once they stopped the stream or closed their connections
+(CaptureStopped: exit status 143, or 130 after Ctrl-C, as theirs), or at torchrun's SIGKILL after its grace.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _stream(context: RunContext, link: RankLink) -> None:
         logger.info(f"[online] capture rank {link.rank}: nothing to stream", extra=EVERY_RANK)
         return
     # Only now: before the start a signal ends this rank at once, as it ends the trainers (no handler there yet).
-    with StopSignal() as stop:
+    with StopSignal(ctrl_c_note=None) as stop:
         try:
             sender = _send_stream(context, link, target, start)
         except (RuntimeError, TimeoutError) as error:

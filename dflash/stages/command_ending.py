@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import traceback
 from typing import NamedTuple
 
@@ -58,14 +59,24 @@ def ending(error: BaseException) -> str:
 
 
 def ending_status(error: BaseException) -> int | None:
-    """The exit status of a command that `error` ends without a traceback: a user error 2, divergence 1, a stop on a
-    signal 128 + its number (SIGTERM 143, Ctrl-C 130: not done, resumable); None for the others."""
-    from dflash.train.stop_signal import CaptureStopped, TrainingStopped
-
+    """The exit status of a command that `error` ends without a traceback: a user error 2, divergence 1, a stop on
+    SIGTERM or SIGUSR1 143, on Ctrl-C 130 (both: not done, resumable); None for the others."""
     known = _ending_of(error)
     if known is None:
         return None
-    name = getattr(error, "signal_name", None)
-    if isinstance(error, (TrainingStopped, CaptureStopped)) and name in signal.Signals.__members__:
-        return 128 + signal.Signals[name].value
+    if getattr(error, "signal_name", None) == "SIGINT":
+        return INTERRUPTED
     return known.status
+
+
+def exit_command(status: int) -> None:
+    """End the process with `status`; a command interrupted by Ctrl-C (130) dies of SIGINT instead, as an
+    interrupted program does, so that a shell loop or a `cmd1; cmd2` chain running it stops too (a shell goes on
+    after a child that merely exited 130). The shell still reports 130."""
+    if status != INTERRUPTED:
+        sys.exit(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(status)  # where the signal is not delivered at once

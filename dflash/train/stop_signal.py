@@ -10,6 +10,7 @@ trainers until these have stopped, then end in CaptureStopped.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+CTRL_C_NOTE = "Ctrl-C: stopping after this step, which is saved (the same command resumes there); Ctrl-C again stops " \
+              "at once"
 
 
 class TrainingStopped(Exception):
@@ -45,24 +48,32 @@ class StopSignal:
     """Catches SIGTERM, SIGUSR1 and SIGINT while active (a context manager); `requested()` agrees across ranks.
 
     Handlers can only be installed from the main thread; elsewhere (a trainer started from a thread) the signals
-    keep their default meaning.
+    keep their default meaning. A SIGINT the process was started ignoring (`nohup cmd &`, a background job of a
+    script) stays ignored: a Ctrl-C meant for the script must not stop this run. `ctrl_c_note`: the line rank 0
+    shows on the first Ctrl-C (None: none, for the capture ranks, which save nothing).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ctrl_c_note: str | None = CTRL_C_NOTE) -> None:
         self.received: str | None = None
+        self.ctrl_c_note = ctrl_c_note if os.environ.get("RANK", "0") == "0" else None
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
             if self.received == "SIGINT":
                 raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait for the step
-            print("\nCtrl-C: stopping after this step, which is saved (the same command resumes there); Ctrl-C again "
-                  "stops at once", file=sys.stderr, flush=True)
+            if self.ctrl_c_note is not None:
+                try:
+                    print(f"\n{self.ctrl_c_note}", file=sys.stderr, flush=True)
+                except RuntimeError:
+                    pass  # the signal came in the middle of a write to stderr, which Python does not re-enter
         self.received = signal.Signals(signum).name
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
+                if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
