@@ -79,3 +79,15 @@ def test_the_command_prints_the_line_and_exits_2_before_any_work(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["dflash: error: train.epochs=1.5: expected an int"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command,override,line", [
+    ("dflash.eval", "eval.prompt_sets=nonsense", "dflash: error: eval.prompt_sets=nonsense: eval.prompt_sets is a "
+                                                 "mapping of entries"),
+    ("dflash.extract", "target=llama", "dflash: error: target=llama: no such option; target takes hf, qwen36, "
+                                       "smollm2, tiny"),
+])
+def test_the_other_commands_compose_their_own_config_first(tmp_path, command, override, line):
+    done = subprocess.run([sys.executable, "-m", command, *TINY, f"run_dir={tmp_path / 'run'}", override],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HYDRA_FULL_ERROR": ""})
+    assert done.returncode == 2 and done.stderr.strip().startswith(line)
