@@ -831,7 +831,7 @@ class RunSettings:
             raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", self.device,
                 "auto, cpu or cuda[:N]")
-        if os.path.normpath(self.run_dir) == os.path.normpath(os.path.join("runs", self.name)) or not self.name:
+        if os.path.normpath(self.run_dir) == os.path.normpath(f"runs/{self.name}") or not self.name:
             _check_run_name(self.name)  # the name makes the run folder: run_dir=... given outright is the user's
         for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
             if uses_target and self.capture.mode != "colocated":
