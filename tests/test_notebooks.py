@@ -191,3 +191,21 @@ def test_notebooks_are_stored_without_outputs(name):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, f"{name} was committed with outputs"
     assert any("parameters" in cell.metadata.get("tags", []) for cell in notebook.cells)
+
+
+def test_compare_runs_table_keeps_its_columns_whatever_the_names(tmp_path):
+    """Set names run to 18 characters (mtbench_both_turns) and run names are the user's: fixed widths ran the
+    header's names together (`mtbenchmtbench_both_turnsmtbench_turn2`)."""
+    runs = {}
+    for name, tau in (("a_run_with_a_long_name", 2.5), ("b", 3.0)):
+        folder = tmp_path / "made" / name
+        (folder / "eval").mkdir(parents=True)
+        summary = {"overall": {"tau": tau}, "prompt_sets": {"humaneval": {"tau": tau}, "mtbench": {"tau": tau - 1},
+                                                            "mtbench_turn2": {"tau": tau + 1}},
+                   "both_turns": {"mtbench": {"tau": tau}}}
+        (folder / "eval" / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+        runs[name] = str(folder)
+    text = printed(execute("compare_runs.ipynb", {}, checkout(tmp_path / "checkout", runs)))
+    table = [line for line in text.splitlines() if line.split(" ")[0] in ("run", *runs)]
+    assert len(table) == 3 and len({len(line) for line in table}) == 1, table
+    assert table[0].split() == ["run", "overall", "humaneval", "mtbench", "mtbench_both_turns", "mtbench_turn2"]
