@@ -108,7 +108,8 @@ collect() {
     # A job still running writes on while tar reads (metrics, logs): tar says so with status 1, and the copy holds
     # what was there, which is what a collect in the middle of a run is for.
     status=0
-    tar -C "$(dirname "$run_dir")" -czf "$into/run.tar.gz" --warning=no-file-changed --exclude=checkpoints \
+    tar -C "$(dirname "$run_dir")" -czf "$into/run.tar.gz" --warning=no-file-changed --warning=no-file-removed \
+      --ignore-failed-read --exclude=checkpoints \
       --exclude='export*' --exclude=feature_cache --exclude='*.arrow' --exclude=journal.jsonl \
       --exclude='*.safetensors' --exclude='*.pt' --exclude=dataset --exclude=synthetic.jsonl \
       "$(basename "$run_dir")" || status=$?

@@ -32,7 +32,7 @@ def test_the_gpu_default_is_the_smollm2_recipe_scaled_down():
 
 @pytest.mark.parametrize("argv,config,announced", [([], "train", True), (["name=mine"], "train", True),
                                                    (["+experiment=tiny"], "train", False), ([], "eval", False),
-                                                   (["--help"], "train", False)])
+                                                   (["--help"], "train", False), (["--cfg", "job"], "train", False)])
 def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, monkeypatch, capsys):
     import torch
 

@@ -34,6 +34,8 @@ TINY = ["+experiment=tiny"]
      "gsm8k); a + adds one: +eval.prompt_sets.nonsense.source=<a source> +eval.prompt_sets.nonsense.limit=..."),
     (["train.lr=1e-3,3e-4"], "train", "train.lr=1e-3,3e-4: a comma sweeps, which needs --multirun (-m); a list is "
                                       "train.lr=[1e-3,3e-4]"),
+    (["capture=offline,online"], "train", "capture=offline,online: capture takes one option; a comma sweeps, which "
+                                          "needs --multirun (-m)"),
     (["eval.prompt_sets.humaneval.limt=2"], "eval", "eval.prompt_sets.humaneval.limt: eval.prompt_sets.humaneval has "
                                                     "no entry 'limt' (did you mean eval.prompt_sets.humaneval.limit?)"),
     (["--epochs", "3"], "train", "--epochs: no such option; settings are given as key=value (did you mean "

@@ -190,6 +190,8 @@ def test_the_ending_line_reads_the_last_whole_record(tmp_path):
     assert last_record(str(tmp_path)) is None
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 1200, "loss": 1.23456, "acc_pos1": '
                                              '0.612, "accept_len_est": 2.345}\n{"step": 1201, "lo')  # torn by a kill
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('\n{"step": null, "loss": 1.0}\n')  # no step count: not the record to read either
     assert ending_line(last_record(str(tmp_path))) == (
         "[train] done: 1,200 steps, loss 1.235, first-position accuracy 0.612, estimated tau 2.35 (the last step's "
         "training blocks; the eval stage measures tau)")

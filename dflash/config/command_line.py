@@ -92,6 +92,7 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
         if arguments != kept:
             print(f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
                   f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo", file=sys.stderr)
-        elif config_name == "train" and not torch.cuda.is_available() and not chooses(kept):
+        elif config_name == "train" and not torch.cuda.is_available() and not chooses(kept) and \
+                not any(arg.startswith("-") for arg in kept):  # Hydra's flags (--cfg, --info, -m) run no demo
             print(CPU_DEMO_LINE, file=sys.stderr)
     return arguments

@@ -114,6 +114,9 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
         found = re.search(r"Ambiguous value for argument '([^']+)'", text)
         if found:
             key, _, value = found.group(1).partition("=")
+            group = key.lstrip("+")
+            if group_options(group):  # a config group: one option, or one job per option
+                return f"{found.group(1)}: {group} takes one option; a comma sweeps, which needs --multirun (-m)"
             return (f"{found.group(1)}: a comma sweeps, which needs --multirun (-m); a list is {key}=[{value}], a "
                     f"string with a comma is quoted: {key}='\"{value}\"'")
         found = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import traceback
 from typing import NamedTuple
 
@@ -72,9 +73,10 @@ def ending_status(error: BaseException) -> int | None:
 def exit_command(status: int) -> None:
     """End the process with `status`; a command interrupted by Ctrl-C (130) dies of SIGINT instead, as an
     interrupted program does, so that a shell loop or a `cmd1; cmd2` chain running it stops too (a shell goes on
-    after a child that merely exited 130). The shell still reports 130."""
-    if status != INTERRUPTED:
-        sys.exit(status)
+    after a child that merely exited 130). The shell still reports 130; atexit handlers do not run then (the run's
+    log is closed before, dflash/console.py)."""
+    if status != INTERRUPTED or threading.current_thread() is not threading.main_thread():
+        sys.exit(status)  # only the main thread may set a signal's handler
     sys.stdout.flush()
     sys.stderr.flush()
     signal.signal(signal.SIGINT, signal.SIG_DFL)

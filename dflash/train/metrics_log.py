@@ -103,7 +103,7 @@ def last_record(run_dir: str) -> dict | None:
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     for line in reversed(lines):
-        if _record_step(line) != float("inf"):
+        if isinstance(_record_step(line), int):  # not a torn line, nor one whose step is not a count
             return json.loads(line)
     return None
 
