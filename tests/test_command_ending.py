@@ -57,3 +57,23 @@ def test_a_command_ended_by_ctrl_c_dies_of_sigint(status, returncode):
                            f"print('line', flush=True); exit_command({status})"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == returncode and done.stdout == "line\n"
+
+
+def test_ctrl_c_s_ending_off_the_main_thread_exits_with_130():
+    """Only the main thread may set SIGINT's handler: elsewhere the command exits with the status instead."""
+    import threading
+
+    from dflash.stages.command_ending import exit_command
+
+    ended = []
+
+    def end():
+        try:
+            exit_command(130)
+        except SystemExit as stop:
+            ended.append(stop.code)
+
+    thread = threading.Thread(target=end)
+    thread.start()
+    thread.join()
+    assert ended == [130]

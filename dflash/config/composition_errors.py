@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 import typing
 from typing import Any
 
 from dflash.config.errors import ConfigError
 from dflash.config.schema import RunSettings
+from dflash.config import unknown_keys
 from dflash.config.unknown_keys import override_key, settings_fields
 
 # Hydra's command-line flags (hydra/_internal/utils.py get_args_parser): anything else that starts with '-' is a
@@ -52,16 +52,10 @@ def setting_keys(cls: Any = RunSettings, prefix: str = "") -> list[str]:
 
 
 def group_options(group: str) -> list[str]:
-    """The options of config group `group`: its YAML files under conf/ and its ConfigStore entries ([] for none)."""
-    from hydra.core.config_store import ConfigStore
-
+    """unknown_keys.group_options of this project's conf/."""
     from dflash.config import CONFIG_DIR
 
-    folder = os.path.join(CONFIG_DIR, group)
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    stored = ConfigStore.instance().repo.get(group, {})
-    names += list(stored) if isinstance(stored, dict) else []
-    return sorted({name[:-len(".yaml")] for name in names if name.endswith(".yaml")})
+    return unknown_keys.group_options(group, CONFIG_DIR)
 
 
 def refuse_unknown_flags(argv: list[str]) -> None:

@@ -67,10 +67,21 @@ def refuse_unknown_override_keys(overrides: list[str], config_dir: str) -> None:
             raise ConfigError(problem)
 
 
+def group_options(group: str, config_dir: str) -> list[str]:
+    """The options of config group `group`: its YAML files under `config_dir` and its ConfigStore entries ([] for
+    none)."""
+    from hydra.core.config_store import ConfigStore
+
+    folder = os.path.join(config_dir, group)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    stored = ConfigStore.instance().repo.get(group, {})
+    names += list(stored) if isinstance(stored, dict) else []
+    return sorted({name[:-len(".yaml")] for name in names if name.endswith(".yaml")})
+
+
 def unknown_experiment_problem(name: str, config_dir: str) -> str | None:
     """Why `+experiment=name` selects nothing (Hydra's own error names its config 'train' and its search path)."""
-    folder = os.path.join(config_dir, "experiment")
-    known = sorted(f[: -len(".yaml")] for f in os.listdir(folder) if f.endswith(".yaml"))
+    known = group_options("experiment", config_dir)
     if not name or name in known:
         return None
     return f"+experiment={name}: no such experiment (conf/experiment/ holds {', '.join(known)})"
