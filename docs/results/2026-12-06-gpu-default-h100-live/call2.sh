@@ -1,5 +1,6 @@
-# Call 2 (.whl-b, .stage/part-2): the rest; every CUDA test killed at $2 s; then the README's first command (the GPU
-# default) detached, waited for up to $1 s.
+# Call 2 (.whl-b, .stage/part-2): the rest; every CUDA test killed at $2 s; then a job detached, waited for up to
+# $1 s. The job is `$3 $4 COMMAND...` (name, run folder, command) when given, else the README's first command (the
+# GPU default), as this session ran it: `bash call2.sh 440 0`.
 eval "$(bash launch/stage_assets.sh receive)"
 test -f /tmp/dflash-stage/site/.complete || { echo "assets not staged"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -8,6 +9,13 @@ if [ "${2:-100}" -gt 0 ]; then
     > $OUT/gputests.log 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" $OUT/gputests.log | cut -c1-300 | tail -20
 fi
-bash launch/detached_job.sh start quick python3 -m dflash.train run_dir=/tmp/runs/quick show_progress=false \
-  logging.wandb.mode=disabled
-bash launch/detached_job.sh wait quick ${1:-440} /tmp/runs/quick
+wait_s=${1:-440}
+if [ $# -ge 5 ]; then
+  name=$3 run_dir=$4
+  shift 4
+else
+  name=quick run_dir=/tmp/runs/quick
+  set -- python3 -m dflash.train run_dir=$run_dir show_progress=false logging.wandb.mode=disabled
+fi
+bash launch/detached_job.sh start "$name" "$@"
+bash launch/detached_job.sh wait "$name" "$wait_s" "$run_dir"
