@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash.config import ConfigError
+from dflash.config.command_line import hydra_overrides
 from dflash.config.unknown_keys import override_key
 from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
@@ -120,11 +121,8 @@ def command_line_keys() -> set[str] | None:
     """The dotted keys the command line set (`train.lr=1e-3`, `+eval.seed=3`), or None outside a Hydra command
     (a config composed by a test or a notebook: every key counts). Settings that an experiment or a group file set
     together are consistent; only a key someone typed is worth a warning that this combination ignores it."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None
-    return {override_key(override) for override in HydraConfig.get().overrides.task}
+    overrides = hydra_overrides()
+    return None if overrides is None else {override_key(override) for override in overrides}
 
 
 def selected_stages(named: list[str], stages: tuple[Stage | type[Stage], ...] = STAGE_CLASSES) -> list[str]:

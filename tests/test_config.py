@@ -571,6 +571,42 @@ def test_only_ignored_settings_the_command_line_typed_are_named_when_it_is_known
     assert settings.ignored(typed={"capture", "train.lr"}) == []  # a group selection types no setting
 
 
+def test_the_overrides_hydra_recorded_are_read_once_for_the_warnings_and_the_suggested_commands(monkeypatch):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from dflash.config import CONFIG_DIR
+    from dflash.config.command_line import hydra_overrides
+    from dflash.pipeline import command_line_keys
+    from dflash.stages.evaluation import command_overrides, train_command
+
+    settings = settings_from(compose(["+experiment=tiny"]))
+    assert hydra_overrides() is None and command_line_keys() is None  # a test's or a notebook's config
+    assert command_overrides(settings) == ["name=tiny"]
+    typed = ["+experiment=tiny", "train.lr=1e-3", "stages=[eval]", "eval.mode=live", "overwrite=true"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="train", overrides=typed, return_hydra_config=True)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # put back as it was when the test ends
+    HydraConfig.instance().set_config(cfg)
+    assert hydra_overrides() == typed
+    assert command_line_keys() == {"experiment", "train.lr", "stages", "eval.mode", "overwrite"}
+    assert command_overrides(settings) == ["+experiment=tiny", "train.lr=1e-3", "eval.mode=live"]
+    assert train_command(settings) == "python -m dflash.train +experiment=tiny train.lr=1e-3"
+
+
+def test_a_dotted_key_is_looked_up_in_the_schema_once_for_its_type_and_for_why_it_names_no_setting():
+    from dflash.config.unknown_keys import lookup_setting, unknown_key_problem
+
+    assert lookup_setting("train.lr") == (float, None)
+    assert lookup_setting("train")[0] is schema.TrainSettings and lookup_setting("train")[1] is None
+    kind, problem = lookup_setting("train.lrr")
+    assert kind is None and problem.startswith("train.lrr: no such setting (did you mean train.lr?)")
+    assert lookup_setting("eval.prompt_sets.gsm8k.limit") == (None, None)  # inside a free-form mapping
+    assert unknown_key_problem("train.lrr") == problem
+    assert unknown_key_problem("hydra.run.dir") is None and unknown_key_problem("experiment") is None
+
+
 def test_an_ignored_setting_is_really_ignored_by_its_stage():
     from dflash.stages.data import training_prompts
 

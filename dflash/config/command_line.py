@@ -6,7 +6,7 @@ runs the GPU default (`+experiment=smollm2_quick`, a real drafter in about 10 mi
 saying so on stderr. All three commands rewrite alike, so `python -m dflash.eval` finds the run that
 `python -m dflash.train` made on the same machine. A setting that was removed (dflash/config/removed.py) stops the
 command here with what replaces it, and so does a command line Hydra cannot compose (composition_errors.py), in
-one line.
+one line. Once Hydra runs the command, `hydra_overrides` reads back the overrides it was given.
 """
 
 from __future__ import annotations
@@ -96,3 +96,13 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
                 not any(arg.startswith("-") for arg in kept):  # Hydra's flags (--cfg, --info, -m) run no demo
             print(CPU_DEMO_LINE, file=sys.stderr)
     return arguments
+
+
+def hydra_overrides() -> list[str] | None:
+    """The overrides of the Hydra command that is running, as Hydra recorded them (`train.lr=1e-3`,
+    `+experiment=smollm2`), or None outside a Hydra command (a config composed by a test or a notebook)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return list(HydraConfig.get().overrides.task)

@@ -17,7 +17,7 @@ from typing import Any
 from dflash.config.errors import ConfigError
 from dflash.config.schema import RunSettings
 from dflash.config import unknown_keys
-from dflash.config.unknown_keys import override_key, settings_fields
+from dflash.config.unknown_keys import lookup_setting, override_key, settings_fields
 
 # Hydra's command-line flags (hydra/_internal/utils.py get_args_parser): anything else that starts with '-' is a
 # mistaken option such as `--epochs 3`.
@@ -25,19 +25,6 @@ HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--re
                "-i", "--info", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                "--config-dir", "--experimental-rerun", "-sc", "--shell-completion", "--run", "-r")
 TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
-
-
-def setting_type(key: str) -> Any:
-    """The schema's type of the dotted `key` (Optional unwrapped), or None where the schema does not say (a key
-    inside a free-form mapping, or no setting)."""
-    cls: Any = RunSettings
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(cls):
-            return None
-        cls = settings_fields(cls).get(part)
-        if cls is None:
-            return None
-    return cls
 
 
 def setting_keys(cls: Any = RunSettings, prefix: str = "") -> list[str]:
@@ -127,7 +114,7 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
 
 
 def _merge_problem(key: str, value: str, cause: BaseException | None) -> str:
-    kind = setting_type(key)
+    kind = lookup_setting(key)[0]
     origin = typing.get_origin(kind)
     if dataclasses.is_dataclass(kind):
         return f"{key}={value}: {key} is a group of settings, not one value: set them one by one ({key}.<key>=...)"

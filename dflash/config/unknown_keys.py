@@ -37,21 +37,28 @@ def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-def unknown_key_problem(key: str) -> str | None:
-    """Why the dotted `key` of an override names no setting (with the nearest one), or None when it names one (or
-    lies below a free-form field such as eval.prompt_sets or target.tiny, or is not a setting at all)."""
+def lookup_setting(key: str) -> tuple[Any, str | None]:
+    """The schema's type of the dotted `key` (Optional unwrapped) and None; or (None, why `key` names no setting,
+    with the nearest one); or (None, None) for a key inside a free-form field such as eval.prompt_sets or
+    target.tiny, whose keys the schema checks itself."""
     parts = key.split(".")
-    if parts[0] in NOT_SETTINGS or any(c in key for c in "@/"):
-        return None
     cls: Any = RunSettings
     for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            return None, None
         fields = settings_fields(cls)
         if part not in fields:
-            return _no_such(".".join(parts[:depth + 1]), ".".join(parts[:depth]), fields)
+            return None, _no_such(".".join(parts[:depth + 1]), ".".join(parts[:depth]), fields)
         cls = fields[part]
-        if not dataclasses.is_dataclass(cls):
-            return None  # a value, or a free-form mapping whose keys the schema checks itself
-    return None
+    return cls, None
+
+
+def unknown_key_problem(key: str) -> str | None:
+    """Why the dotted `key` of an override names no setting (with the nearest one), or None when it names one (or
+    lies below a free-form field, or is not a setting at all: Hydra's keys, a group's package)."""
+    if key.split(".")[0] in NOT_SETTINGS or any(c in key for c in "@/"):
+        return None
+    return lookup_setting(key)[1]
 
 
 def refuse_unknown_override_keys(overrides: list[str], config_dir: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from dflash.config import fingerprints
 from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
+from dflash.config.command_line import hydra_overrides
 from dflash.config.unknown_keys import override_key
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
     write_text
@@ -281,12 +282,11 @@ def command_overrides(settings, without_eval: bool = False) -> list[str]:
     """The overrides of the command that is running (Hydra's record), less `stages` and `overwrite` (a command
     suggested next must never move a drafter aside), and with `without_eval` the eval group's; `name=...` outside
     Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
+    overrides = hydra_overrides()
+    if overrides is None:
         return [f"name={settings.name}"]
     kept = []
-    for override in HydraConfig.get().overrides.task:
+    for override in overrides:
         key = override_key(override)
         if key not in ("stages", "overwrite") and not (without_eval and (key == "eval" or key.startswith("eval."))):
             kept.append(override)
