@@ -43,6 +43,14 @@ TINY = ["+experiment=tiny"]
     (["--lr=3e-4"], "train",
      "--lr=3e-4: no such option; settings are given as key=value (did you mean train.lr=3e-4?)"),
     (["--micro-batch-size", "8"], "train", "(did you mean train.micro_batch_size=8?)"),
+    (["--exp=tiny"], "train", "--exp=tiny: Hydra takes this for its flag --experimental-rerun; write its flags in "
+                              "full, and settings as key=value (did you mean +experiment=tiny?)"),
+    (["--pack", "false"], "train", "--pack: Hydra takes this for its flag --package; write its flags in full, and "
+                                   "settings as key=value (did you mean capture.pack=false?)"),
+    (["--multi", "--cfg", "job"], "train", "--multi and --cfg: Hydra takes one of --run, --multirun, --cfg, --info, "
+                                           "--shell-completion at a time"),
+    (["-m", "-c", "job"], "train", "-m and -c: Hydra takes one of"),
+    (["--ver=true"], "train", "--ver=true: Hydra takes this for its flag --version; write its flags in full"),
 ])
 def test_an_uncomposable_command_line_is_one_line_naming_the_override(argv, config, line):
     with pytest.raises(ConfigError) as error:

@@ -24,6 +24,8 @@ from dflash.config.unknown_keys import lookup_setting, override_key, settings_fi
 HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package",
                "-i", "--info", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                "--config-dir", "--experimental-rerun", "-sc", "--shell-completion", "--run", "-r")
+# Hydra's flags that each say what the command does, of which it takes one (its _run_hydra raises a traceback).
+MODE_FLAGS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}
 TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -47,22 +49,40 @@ def group_options(group: str) -> list[str]:
 
 def refuse_unknown_flags(argv: list[str]) -> None:
     """ConfigError for an argument that starts with '-' and is no Hydra flag, with the override it may have meant
-    (`--epochs 3` -> train.epochs=3)."""
+    (`--epochs 3` -> train.epochs=3), and for a shortened Hydra flag that also begins a setting's name (`--exp=tiny`
+    is --experimental-rerun to Hydra, but meant +experiment=tiny)."""
+    modes = []
     for index, arg in enumerate(argv):
         flag = arg.split("=", 1)[0]
-        # argparse, which reads Hydra's flags, takes a long flag's unambiguous prefix too (--multi for --multirun).
-        if not arg.startswith("-") or flag in HYDRA_FLAGS or \
-                (flag.startswith("--") and len([f for f in HYDRA_FLAGS if f.startswith(flag)]) == 1):
+        if any(flag == short or (len(flag) > 2 and full.startswith(flag)) for full, short in MODE_FLAGS.items()):
+            modes.append(arg)
+        if len(modes) > 1:
+            raise ConfigError(f"{' and '.join(modes)}: Hydra takes one of {', '.join(MODE_FLAGS)} at a time")
+        if not arg.startswith("-") or flag in HYDRA_FLAGS:
             continue
         name, _, value = arg.lstrip("-").partition("=")
         if not value and index + 1 < len(argv) and not argv[index + 1].startswith("-") and "=" not in argv[index + 1]:
             value = argv[index + 1]
         name = name.replace("-", "_")
+        # argparse, which reads Hydra's flags, takes a long flag's unambiguous prefix too (--multi for --multirun).
+        expanded = [f for f in HYDRA_FLAGS if f.startswith(flag)] if flag.startswith("--") else []
+        if len(expanded) == 1:
+            begun = [key for key in [*setting_keys(), "experiment"] if key.rsplit(".", 1)[-1].startswith(name)]
+            if begun:
+                meant = _override(begun[0], value) if len(begun) == 1 else ""
+                raise ConfigError(f"{arg}: Hydra takes this for its flag {expanded[0]}; write its flags in full, "
+                                  f"and settings as key=value{meant}")
+            continue
         keys = [key for key in setting_keys() if key == name or key.endswith("." + name)]
         keys = keys or difflib.get_close_matches(name, setting_keys(), n=1)
-        meant = f" (did you mean {keys[0]}={value or '...'}?)" if keys else ""
+        meant = _override(keys[0], value) if keys else ""
         raise ConfigError(f"{arg}: no such option; settings are given as key=value{meant}; --help lists the groups, "
                           f"docs/config.md every key")
+
+
+def _override(key: str, value: str) -> str:
+    """' (did you mean KEY=VALUE?)', with the + that choosing an experiment takes."""
+    return f" (did you mean {'+' if key == 'experiment' else ''}{key}={value or '...'}?)"
 
 
 def composition_problem(error: Exception, argv: list[str], existing: dict[str, list[str]] | None = None) -> str:
