@@ -72,6 +72,38 @@ def test_a_capture_rank_walking_every_unit_computes_each_epochs_order_once(shuff
     assert indices == expected
 
 
+def spread(batches: list) -> int:
+    """The batches' length ranges, summed."""
+    return sum(max(LENGTHS[i] for i in batch) - min(LENGTHS[i] for i in batch) for batch in batches)
+
+
+@pytest.mark.parametrize("group_by_length", [0, 8])
+def test_the_kept_samples_are_batched_apart_after_the_first_epoch(group_by_length):
+    """The first `kept` samples of epoch 0's order (what a memory in part holds) fill global batches of their own in
+    every later epoch, but for one a run of group_by_length batches (or the epoch) that holds both; epoch 0 is dealt
+    as without them, every epoch is still a permutation, and length groups stay: the kept class is sorted by length
+    within each run like the rest."""
+    fields = dict(micro_batch_size=2, world_size=1, grad_accum=2, seed=11, group_by_length=group_by_length,
+                  lengths=LENGTHS)
+    mixing, apart = BatchPlan(103, **fields), BatchPlan(103, kept=41, **fields)
+    assert apart.epoch_order(0) == mixing.epoch_order(0) and apart != mixing
+    kept = set(mixing.epoch_order(0)[:41])
+    runs = -(-apart.steps_per_epoch // group_by_length) if group_by_length else 1
+    for epoch in (1, 2):
+        order = apart.epoch_order(epoch)
+        assert sorted(order) == list(range(103)) and order != mixing.epoch_order(epoch)
+        batches = [order[b * 4:(b + 1) * 4] for b in range(len(order) // 4)]
+        mixed = [batch for batch in batches if 0 < len(kept.intersection(batch)) < len(batch)]
+        assert len(mixed) <= runs and sum(len(kept.intersection(b)) == 4 for b in batches) >= 41 // 4 - runs
+        if group_by_length:  # a batch's lengths are neighbours in its class's sorted run, not a random draw
+            ungrouped = BatchPlan(103, kept=41, **{**fields, "group_by_length": 0}).epoch_order(epoch)
+            assert spread(batches) < spread([ungrouped[b * 4:(b + 1) * 4] for b in range(25)]) / 2
+    with pytest.raises(ValueError, match="kept must be 0..103 samples, got 104"):
+        BatchPlan(103, 2, 1, 1, seed=0, kept=104)
+    whole = BatchPlan(103, 2, 1, 1, seed=0, kept=103)
+    assert whole.epoch_order(1) == BatchPlan(103, 2, 1, 1, seed=0).epoch_order(1)  # nothing to batch apart
+
+
 def test_the_batch_plan_bench_runs():
     """bench/batch_plan.py reaches into the cache it times (BatchPlan._order): a rename breaks it, not only a test."""
     import os

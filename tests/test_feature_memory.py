@@ -261,8 +261,8 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
     caplog.clear()
     part = choose("auto", None, 5)  # over half of 8 GiB: the first 4 GiB of it
     assert "5.00 GiB, more than the 4.00 GiB of 50% of the 8.0 GiB of host memory available, so about 80% of the " \
-           "epoch's rows are kept" in caplog.text
-    assert part.limit_bytes == 4 * 2**30 and part.expected_bytes == 4 * 2**30
+           "epoch's rows are kept, the first epoch's first samples; the later epochs batch them apart" in caplog.text
+    assert part.limit_bytes == 4 * 2**30 and part.expected_bytes == 4 * 2**30 and part.widths == row
     part.close()
     with pytest.raises(ConfigError, match=r"takes 5.00 GiB, more than the 4.00 GiB the cache may use \(50% of"):
         choose("true", None, 5)
@@ -275,16 +275,120 @@ def test_the_memory_is_chosen_by_epochs_ranks_and_room(caplog, monkeypatch):
         part.close()
     assert choose("auto", CHUNK_BYTES - 1, 5) is None  # not one chunk
     assert "leaves 0.25 GiB" in caplog.text
-    whole = choose_feature_memory("auto", None, tokens=1000, longest=100, widths=row, epochs=3, world_size=1,
-                                  pin_memory=False, whole_batches=True)
-    assert isinstance(whole, FeatureMemory)  # an epoch that fits is kept with CUDA graphs too
-    whole.close()
-    assert choose_feature_memory("auto", None, tokens=19 * 65436, longest=100, widths=row, epochs=3, world_size=1,
-                                 pin_memory=False, whole_batches=True) is None  # 5 GiB: in part, which saves nothing
-    assert "capture.cuda_graphs captures whole micro-batches" in caplog.text
     memory = choose("true", None, 1, epochs=2)
     assert isinstance(memory, FeatureMemory) and "kept in host memory for the later epochs" in caplog.text
     memory.close()
+
+
+def test_the_samples_that_fit_a_limited_memory_are_counted_as_keep_fills_its_chunks():
+    widths = {"hidden": (16, torch.float32), "target_final": (4, torch.float32)}  # 64 and 16 bytes a row
+    lengths = torch.randint(1, 17, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    for limit in (1024, 2048, 2560, 4096, None):
+        fits = FeatureMemory(pin_memory=False, chunk_bytes=1024, limit_bytes=limit, widths=widths).prefix_that_fits(
+            lengths)
+        for only in (None, range(fits)):
+            memory = FeatureMemory(pin_memory=False, chunk_bytes=1024, limit_bytes=limit, widths=widths)
+            if only is not None:
+                memory.keep_only(only)
+            for index, length in enumerate(lengths):
+                memory.keep([index], [length], {"hidden": torch.randn(1, length, 16),
+                                                "target_final": torch.randn(1, length, 4)})
+            # Past the prefix a shorter sample may still fit a chunk's end; told the prefix, the memory keeps it alone.
+            assert memory.holds(range(fits)) and (fits == len(lengths) or not memory.holds([fits])), limit
+            assert only is None or len(memory.where) == fits
+            memory.close()
+    assert 0 < FeatureMemory(pin_memory=False, chunk_bytes=1024, limit_bytes=4096,
+                             widths=widths).prefix_that_fits(lengths) < fits == len(lengths)
+
+
+def test_a_memory_told_which_samples_to_keep_keeps_those_alone():
+    memory = FeatureMemory(pin_memory=False, samples=6)
+    memory.keep_only([4, 1])
+    memory.keep([0, 1, 2, 4], [3, 3, 3, 3], {"hidden": torch.randn(4, 3, 8)})
+    assert sorted(memory.where) == [1, 4] and memory.samples == 2
+
+
+def test_a_memory_in_part_makes_the_later_epochs_mostly_kept_micro_batches(tiny_target, monkeypatch):
+    """The first epoch keeps the samples that fit; the plan then batches them apart, and the later epochs run the
+    target on far fewer micro-batches than a plan that mixes them, with the features a plain capture gives."""
+    from dflash.data.batch_plan import BatchPlan
+
+    adapter = tiny_target("llama")
+    lengths = torch.randint(3, 13, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    dataset = token_dataset(adapter, lengths)
+    plain = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32")
+    widths = {"hidden": (2 * adapter.hidden_size, torch.float32)}
+    forwards = {}
+    for apart in (False, True):
+        memory = FeatureMemory(pin_memory=False, chunk_bytes=16384, limit_bytes=4 * 16384, widths=widths)
+        source = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", memory=memory)
+        plan = BatchPlan(len(lengths), 4, 1, 1, seed=3)
+        kept = source.kept_apart(plan.epoch_order(0)) if apart else 0
+        plan = BatchPlan(len(lengths), 4, 1, 1, seed=3, kept=kept)
+        calls = counting_capture(monkeypatch, adapter)
+        for epoch in range(3):
+            for step in range(plan.steps_per_epoch):
+                indices = [index for index, _ in plan.micro_batches(epoch, step, 0)[0]]
+                batch, _ = source.get_batch(indices)
+                source.verify_features()
+                if epoch == 2 and step % 3 == 0:
+                    expected, _ = plain.get_batch(indices)
+                    calls.pop()  # the plain capture's
+                    for key, value in expected.items():
+                        torch.testing.assert_close(batch[key], value, rtol=1e-5, atol=1e-5, msg=key)
+        forwards[apart] = len(calls) - plan.steps_per_epoch  # those of the later epochs
+        if apart:
+            assert 0 < kept < len(lengths) and memory.holds(plan.epoch_order(0)[:kept])
+            assert len(memory.where) == kept
+        monkeypatch.undo()
+    assert forwards[True] == 2 * (plan.steps_per_epoch - kept // 4) < forwards[False]  # one mixed batch an epoch
+
+
+def test_the_samples_kept_apart_are_chosen_at_the_start_and_resumed_as_saved(monkeypatch):
+    """The plan's kept class is chosen when a run starts and saved with each checkpoint: a resumed run batches its
+    later epochs as its start did, whatever its own memory could hold now; a run saved before there was a class
+    (no record) keeps mixing them."""
+    from dflash.data.batch_plan import BatchPlan
+    from dflash.data.feature_source import FeatureSource
+    from dflash.train import checkpoint_policy
+    from dflash.train.checkpoint_policy import CheckpointPolicy
+
+    class Source(FeatureSource):
+        def __init__(self):
+            self.asked = []
+
+        def __len__(self):
+            return 10
+
+        def kept_apart(self, order, kept=None):
+            self.asked.append((list(order), kept))
+            return 6 if kept is None else kept
+
+    saved = []
+    monkeypatch.setattr(checkpoint_policy, "save_checkpoint",
+                        lambda engine, folder, step, state, **_: saved.append(state))
+    settings = type("Settings", (), {"save_every": 1, "keep_last": 0})()
+    plan = BatchPlan(10, 2, 1, 1, seed=4)
+    for state, kept in (({"global_step": 0}, 6), ({"global_step": 3, "kept_samples": 4}, 4), ({"global_step": 3}, 0)):
+        policy, source = CheckpointPolicy("unused", settings, plan.global_batch_size, rank=0), Source()
+        resumed = policy.kept_apart(plan, source, state)
+        assert source.asked == [(plan.epoch_order(0), None if state["global_step"] == 0 else kept)]
+        assert resumed.kept == kept and resumed.epoch_order(0) == plan.epoch_order(0)
+        policy.save(None, 5, None)
+        assert saved[-1].get("kept_samples") == (kept or None)
+
+
+def test_a_source_without_a_memory_in_part_keeps_nothing_apart(tiny_target):
+    adapter = tiny_target("llama")
+    dataset = token_dataset(adapter)
+    order = list(range(len(LENGTHS)))
+    assert ColocatedFeatureSource(adapter, dataset, [0, 1], "float32").kept_apart(order) == 0
+    whole = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", memory=FeatureMemory(pin_memory=False))
+    assert whole.kept_apart(order) == 0 and whole.memory.only is None  # the whole epoch fits: nothing apart
+    limited = FeatureMemory(pin_memory=False, chunk_bytes=16384, limit_bytes=16384,
+                            widths={"hidden": (2 * adapter.hidden_size, torch.float32)})
+    resumed = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", memory=limited)
+    assert resumed.kept_apart(order[::-1], 2) == 2 and limited.only == {5, 4}  # a resumed run's own count
 
 
 @pytest.mark.slow
@@ -313,6 +417,29 @@ def test_a_colocated_run_captures_each_sample_once_and_trains_the_same(tmp_path,
     assert dataset <= captured < 1.2 * dataset and recalled > captured
     assert in_step == captured_losses  # the same batches, made earlier
     torch.testing.assert_close(torch.tensor(kept), torch.tensor(captured_losses), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_whose_epoch_is_kept_in_part_reads_whole_micro_batches_back(tmp_path, monkeypatch):
+    """A tiny run with room for about an eighth of its epoch: what it keeps is one micro-batch of 4 samples of the
+    first epoch, which each later epoch reads back whole (it used to be scattered over the later epochs' batches,
+    each of them running the target anyway)."""
+    from dflash.extract import feature_memory
+
+    monkeypatch.setattr(feature_memory, "CHUNK_BYTES", 1 << 14)
+    forwards, capture = [], ColocatedFeatureSource._capture
+    monkeypatch.setattr(ColocatedFeatureSource, "_capture", lambda self, *a: forwards.append(1) or capture(self, *a))
+    run_dir = tmp_path / "run"
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]", f"run_dir={run_dir}",
+                      "capture=colocated", "capture.cache_budget_bytes=600000"])).run()
+    log = next((run_dir / "logs").glob("*.log")).read_text()
+    assert "the later epochs batch them apart" in log
+    captured, recalled, kept = (int(n.replace(",", "")) for n in re.search(
+        r"([\d,]+) tokens captured, ([\d,]+) read from host memory \((\d+) samples kept", log).groups())
+    dataset = sum(len(row) for row in load_dataset_dir(run_dir / "data")["input_ids"])
+    # Each epoch's last batch is filled with placeholders, which repeat samples: a little more than the dataset.
+    assert kept == 4 and 3 * dataset <= captured + recalled < 3.6 * dataset and 0 < recalled and captured < 3 * dataset
+    assert len(forwards) == 3 * 5 - 2  # 5 micro-batches an epoch; each later one reads the kept one back whole
 
 
 @pytest.mark.parametrize("override,message", [

@@ -10,6 +10,12 @@ With group_by_length > 0 each global batch holds samples of similar length, so l
 epoch permutation is cut into runs of group_by_length global batches, each run is sorted by length, and the
 full global batches are then shuffled so that short and long batches alternate through the epoch.
 
+With `kept` > 0 (colocated capture keeping part of an epoch's features in host memory, feature_memory.py), the
+first `kept` samples of the first epoch's order form the kept class, and every later epoch cuts its batches from
+each class apart (within each run of group_by_length batches, or the whole epoch), so a micro-batch is all kept,
+which skips the target's forward, or all captured, rather than about half of each, which runs the forward anyway.
+The first epoch's order, and every order of a plan with `kept` 0, are unchanged by it.
+
 The trainer and the online capture ranks both follow one plan, so it lives below both of them.
 """
 
@@ -36,6 +42,8 @@ class BatchPlan:
     grad_accum: int
     seed: int
     group_by_length: int = 0
+    # The first samples of epoch 0's order that later epochs batch apart from the others (0: none).
+    kept: int = 0
     # Token count per sample, needed by group_by_length. Compared and hashed through its digest (a plan is a cache
     # key in the online stream, and hashing a long tuple on every lookup would be slow).
     lengths: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
@@ -46,6 +54,8 @@ class BatchPlan:
             raise ValueError("the training set is empty: no sample to train on")
         if self.group_by_length < 0:
             raise ValueError(f"group_by_length must be >= 0, got {self.group_by_length}")
+        if not 0 <= self.kept <= self.num_samples:
+            raise ValueError(f"kept must be 0..{self.num_samples} samples, got {self.kept}")
         if self.group_by_length and (self.lengths is None or len(self.lengths) != self.num_samples):
             raise ValueError(f"group_by_length={self.group_by_length} needs the length of each of the "
                              f"{self.num_samples} samples, got {None if self.lengths is None else len(self.lengths)}")
@@ -71,20 +81,36 @@ class BatchPlan:
     # ints), as every rank of a job holds them.
     @functools.lru_cache(maxsize=2)  # noqa: B019 (two plans at most are kept alive by it)
     def _order(self, epoch: int) -> array:
-        """Epoch `epoch`'s order: the seeded permutation, length-grouped when group_by_length is set."""
+        """Epoch `epoch`'s order: the seeded permutation, length-grouped when group_by_length is set, its batches
+        cut from the kept class and the others apart after the first epoch when `kept` is set."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(self.num_samples, generator=generator).tolist()
-        if not self.group_by_length:
+        apart = epoch > 0 and 0 < self.kept < self.num_samples
+        if not self.group_by_length and not apart:
             return array("q", order)
-        size, run = self.global_batch_size, self.group_by_length * self.global_batch_size
-        lengths = self.lengths
+        size = self.global_batch_size
+        run = self.group_by_length * size if self.group_by_length else len(order)
+        lengths = self.lengths if self.group_by_length else None
+        members = self.kept_class if apart else None
+
+        def key(index: int) -> tuple[bool, int]:  # sorted() is stable: without lengths, each class keeps its order
+            return (members is not None and not members[index]), (-lengths[index] if lengths is not None else 0)
+
         grouped = []
         for start in range(0, len(order), run):
-            grouped += sorted(order[start : start + run], key=lambda i: -lengths[i])
+            grouped += sorted(order[start : start + run], key=key)
         full = len(grouped) // size
         # The partial last batch stays last: micro_batches fills it with placeholders.
         batches = [grouped[b * size : (b + 1) * size] for b in torch.randperm(full, generator=generator).tolist()]
         return array("q", [i for batch in batches for i in batch] + grouped[full * size :])
+
+    @functools.cached_property
+    def kept_class(self) -> bytearray:
+        """Per sample, 1 when it is among the first `kept` of epoch 0's order."""
+        members = bytearray(self.num_samples)
+        for index in self._order(0)[: self.kept]:
+            members[index] = 1
+        return members
 
     def micro_batches(self, epoch: int, step: int, rank: int) -> list[list[tuple[int, bool]]]:
         """For this rank and optimizer step: grad_accum lists of (sample index, is_real) pairs."""

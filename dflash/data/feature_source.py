@@ -92,6 +92,13 @@ class FeatureSource(Protocol):
         """Raise ValueError for features handed out whose deferred check failed (none pending: nothing); the checks
         of the `leave` micro-batches handed out last stay pending."""
 
+    def kept_apart(self, order: Sequence[int], kept: int | None = None) -> int:
+        """How many samples at the front of the first epoch's `order` this source keeps for the later epochs, where a
+        micro-batch of kept samples alone costs less than one of the others (BatchPlan.kept: the later epochs batch
+        them apart): `kept` when given (what a resumed run's start chose), else as many as the source can keep; 0
+        where none are kept apart. Most sources cost the same for every sample: 0."""
+        return 0
+
 
 class SampleList(FeatureSource):
     """Samples held in memory (a list of sample dicts, or any sequence of them) as a FeatureSource."""

@@ -24,6 +24,7 @@ target's next-token distributions from it chunk by chunk (train.kl_weight), so n
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
 from dflash.data.feature_source import FeatureSource, Sample
+from dflash.data.sample_sizes import sample_lengths
 from dflash.extract.feature_checks import feature_flags, raise_on_bad_features
 from dflash.host_copy import host_to_device
 from dflash.extract.store import store_dtype
@@ -84,6 +86,20 @@ class ColocatedFeatureSource(FeatureSource):
 
     def micro_batch(self, indices: list[int], pin_memory: bool = False) -> Sample:
         return self.get_batch(indices, pin_memory)[0]
+
+    def kept_apart(self, order: Sequence[int], kept: int | None = None) -> int:
+        """FeatureSource.kept_apart: with a memory that holds part of the epoch, the first samples of `order` that it
+        holds (`kept` of them when given), and the memory keeps those alone; 0 without a memory, or with one that
+        holds the whole epoch (every later micro-batch is then kept whole anyway)."""
+        if self.memory is None:
+            return 0
+        if kept is None:
+            lengths = sample_lengths(self.dataset)
+            kept = self.memory.prefix_that_fits([int(lengths[index]) for index in order])
+        if not 0 < kept < len(order):
+            return 0
+        self.memory.keep_only(order[:kept])
+        return kept
 
     def get_many(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         batch, lengths = self.get_batch(indices)

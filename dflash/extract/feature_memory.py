@@ -6,7 +6,8 @@ tokens alone: every epoch after the first recomputes what the first computed, an
 a large share of the training step. The first epoch keeps each sample's rows in host memory as it captures them, and
 a later micro-batch whose samples are all kept is put together from them: one zero-filled tensor on the device and
 one copy per sample, with no target forward and no host wait. When one epoch does not fit, what fits is kept, and a
-micro-batch runs the target on its samples not kept only (colocated.py).
+micro-batch runs the target on its samples not kept only (colocated.py); the later epochs batch the kept samples
+apart from the others (dflash/data/batch_plan.py, BatchPlan.kept), so that most micro-batches are kept whole.
 
 On CUDA the rows live in page-locked chunks, so the copies (device to host when kept, host to device when read) are
 queued on the stream like kernels: a read of a sample is ordered after the copy that kept it, and the host never
@@ -55,13 +56,15 @@ class FeatureMemory:
     allocate (allocation_bytes, a bound), which a background thread allocates from the start, chunk after chunk;
     limit_bytes: the most the chunks may take (None: no limit), past which the samples are captured every epoch;
     samples: the epoch's samples, once all of them are kept (or the memory is full) the chunks allocated ahead that no
-    sample took go back to the system.
+    sample took go back to the system; widths: the kept keys' rows, in the order a batch holds them (what
+    prefix_that_fits counts with).
     """
 
     def __init__(self, pin_memory: bool, chunk_bytes: int = CHUNK_BYTES, expected_bytes: int = 0,
-                 limit_bytes: int | None = None, samples: int | None = None) -> None:
+                 limit_bytes: int | None = None, samples: int | None = None, widths: Widths | None = None) -> None:
         self.pin_memory, self.chunk_bytes, self.limit_bytes = pin_memory, chunk_bytes, limit_bytes
-        self.samples = samples
+        self.samples, self.widths = samples, widths
+        self.only: set[int] | None = None  # keep_only's samples (None: every sample, while there is room)
         # Allocated ahead no further than the whole chunks the limit allows.
         self.expected_bytes = expected_bytes if limit_bytes is None else \
             min(expected_bytes, limit_bytes // chunk_bytes * chunk_bytes)
@@ -86,11 +89,35 @@ class FeatureMemory:
     def allocated_bytes(self) -> int:
         return self.chunk_bytes * sum(len(chunks) for chunks in self.chunks.values())
 
+    def prefix_that_fits(self, lengths: Sequence[int]) -> int:
+        """How many samples of these token counts, kept in this order into empty chunks, fit within limit_bytes
+        (all of them without a limit): the chunks are filled as `keep` fills them, key after key of `widths`."""
+        if self.limit_bytes is None:
+            return len(lengths)
+        if not self.widths:
+            raise ValueError("prefix_that_fits needs the memory's widths")
+        per_chunk = {key: self.chunk_bytes // row_bytes(width, dtype) for key, (width, dtype) in self.widths.items()}
+        filled, chunks = dict.fromkeys(per_chunk, None), 0
+        for count, length in enumerate(lengths):
+            for key, rows in per_chunk.items():
+                if filled[key] is None or filled[key] + length > rows:
+                    if (chunks + 1) * self.chunk_bytes > self.limit_bytes:
+                        return count
+                    chunks, filled[key] = chunks + 1, 0
+                filled[key] += length
+        return len(lengths)
+
+    def keep_only(self, indices: Sequence[int]) -> None:
+        """Keep these samples alone from now on (the plan's kept class, which later epochs batch apart): a micro-batch
+        of samples outside them is captured every epoch anyway, and rows kept for them would crowd them out."""
+        self.only = set(indices)
+        self.samples = len(self.only)
+
     def keep(self, indices: Sequence[int], lengths: Sequence[int], batch: dict[str, torch.Tensor]) -> None:
         """Keep each sample's first `length` rows of every tensor of `batch` ([rows, width, D], row i the sample
-        indices[i]); a sample kept already is skipped (placeholders repeat samples)."""
+        indices[i]); a sample kept already, or outside keep_only's, is skipped (placeholders repeat samples)."""
         for row, (index, length) in enumerate(zip(indices, lengths)):
-            if index in self.where:
+            if index in self.where or (self.only is not None and index not in self.only):
                 continue
             places = {}
             for key, tensor in batch.items():
@@ -232,7 +259,7 @@ def allocation_bytes(tokens: int, longest: int, widths: Widths, chunk_bytes: int
 
 
 def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, longest: int, widths: Widths,
-                          epochs: int, world_size: int, pin_memory: bool, whole_batches: bool = False,
+                          epochs: int, world_size: int, pin_memory: bool,
                           samples: int | None = None) -> FeatureMemory | None:
     """A FeatureMemory when capture.cache (`mode`: auto | true | false) keeps the first epoch, else None; a line
     says which and why.
@@ -242,8 +269,8 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, l
     only: each rank captures other samples every epoch, so with several its micro-batches would rarely be all in its
     own memory. The chunks of one epoch (allocation_bytes) fit within budget_bytes (None: MEMORY_SHARE of the host's
     available memory) and the available memory; with mode "true" they must (else ConfigError), with "auto" the
-    memory keeps what fits, unless not one chunk per key fits or whole_batches (capture.cuda_graphs captures every
-    micro-batch whole, so a micro-batch only skips its forward when all of its samples are kept).
+    memory keeps what fits (the first samples of the first epoch, which the later epochs batch apart: BatchPlan.kept),
+    unless not one chunk per key fits.
     """
     off = "[train] colocated features captured every epoch"
     if mode == "false":
@@ -266,17 +293,17 @@ def choose_feature_memory(mode: str, budget_bytes: int | None, *, tokens: int, l
         if budget_bytes is None else "capture.cache_budget_bytes"
     kind = "page-locked host memory" if pin_memory else "host memory"
     if not cached_epochs(mode, needed, None, room, room_name=where):  # auto: part of the epoch
-        if room < len(widths) * chunk_bytes or whole_batches:
-            why = "capture.cuda_graphs captures whole micro-batches" if whole_batches else \
-                f"{where} leaves {room / 2**30:.2f} GiB"
-            logger.info(f"{off}: one epoch's features take {needed / 2**30:.2f} GiB, and {why}")
+        if room < len(widths) * chunk_bytes:
+            logger.info(f"{off}: one epoch's features take {needed / 2**30:.2f} GiB, and {where} leaves "
+                        f"{room / 2**30:.2f} GiB")
             return None
         logger.info(f"[train] colocated features kept in {kind} for the later epochs, in part: one epoch takes "
                     f"{needed / 2**30:.2f} GiB, more than the {room / 2**30:.2f} GiB of {where}, so about "
-                    f"{room / needed:.0%} of the epoch's rows are kept, and a micro-batch's target forward runs on its "
-                    "samples not kept only")
-        return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, limit_bytes=room, samples=samples)
+                    f"{room / needed:.0%} of the epoch's rows are kept, the first epoch's first samples; the later "
+                    "epochs batch them apart, and a micro-batch of kept samples alone skips the target's forward")
+        return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, limit_bytes=room, samples=samples,
+                             widths=widths)
     logger.info(f"[train] colocated features kept in {kind} for the later epochs: one epoch takes "
                 f"{needed / 2**30:.2f} GiB (room: {room / 2**30:.2f} GiB, {where}); a micro-batch whose samples are "
                 "all kept skips the target's forward")
-    return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, samples=samples)
+    return FeatureMemory(pin_memory, chunk_bytes, expected_bytes=needed, samples=samples, widths=widths)

@@ -413,7 +413,7 @@ class TrainStage(Stage):
         return choose_feature_memory(cache_mode(capture.cache), capture.cache_budget_bytes, tokens=int(lengths.sum()),
                                      longest=int(lengths.max()), widths=widths, epochs=epochs,
                                      world_size=run.world_size, pin_memory=run.device.type == "cuda",
-                                     whole_batches=bool(getattr(capture, "cuda_graphs", False)), samples=len(lengths))
+                                     samples=len(lengths))
 
 
 def set_drafter_aside(run: RunContext) -> str | None:

@@ -1,15 +1,20 @@
 """When the training loop saves a checkpoint, what the checkpoint's client state holds, and what a resume checks.
 
 The data position, the anchors and the LR all follow from the global step, so the client state holds that step, the
-global batch size it was counted in, and the time budget's state under train.max_minutes (dflash/train/time_budget.py).
-The files themselves are dflash/train/checkpoints.py's.
+global batch size it was counted in, the time budget's state under train.max_minutes (dflash/train/time_budget.py),
+and the samples the plan batches apart after the first epoch (BatchPlan.kept, chosen when the run starts from what
+its feature source keeps): the later epochs' order depends on it. The files themselves are
+dflash/train/checkpoints.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dflash.config.schema import TrainSettings
+from dflash.data.batch_plan import BatchPlan
+from dflash.data.feature_source import FeatureSource
 from dflash.train.checkpoints import batch_mismatch, load_checkpoint, save_checkpoint
 from dflash.train.engine import TrainEngine
 from dflash.train.time_budget import TimeBudget
@@ -25,6 +30,7 @@ class CheckpointPolicy:
         self.save_every, self.keep_last = settings.save_every, settings.keep_last
         self.global_batch_size = global_batch_size
         self.rank = rank
+        self.kept = 0  # BatchPlan.kept of the run (kept_apart)
 
     def restore(self, engine: TrainEngine, tag: str | None) -> dict[str, Any]:
         """Load `tag` into the engine (weights, optimizer, LR and RNG state) and return its client state; without a
@@ -38,6 +44,14 @@ class CheckpointPolicy:
             raise batch_mismatch(tag, saved_batch, self.global_batch_size)
         return state
 
+    def kept_apart(self, plan: BatchPlan, source: FeatureSource, state: dict[str, Any]) -> BatchPlan:
+        """`plan` with the samples `source` keeps apart for the later epochs (BatchPlan.kept): chosen at the run's
+        start, and on a resume the number its start chose (0 for a run saved before there was one), so every epoch
+        keeps its order across a restart."""
+        saved = None if state["global_step"] == 0 else int(state.get("kept_samples", 0))
+        self.kept = source.kept_apart(plan.epoch_order(0), saved)
+        return dataclasses.replace(plan, kept=self.kept) if self.kept != plan.kept else plan
+
     def due(self, step: int, last_step: int, stopping: bool) -> bool:
         """Whether step `step` is saved (the ranks agree on `stopping` and `last_step`)."""
         return stopping or step == last_step or bool(self.save_every and step % self.save_every == 0)
@@ -47,4 +61,6 @@ class CheckpointPolicy:
         client_state = {"global_step": step, "global_batch_size": self.global_batch_size}
         if budget is not None:
             client_state["time_budget"] = budget.state()
+        if self.kept:
+            client_state["kept_samples"] = self.kept
         save_checkpoint(engine, self.checkpoint_dir, step, client_state, rank=self.rank, keep_last=self.keep_last)
