@@ -363,7 +363,7 @@ def test_smollm2_recipe_builds_its_training_settings(tmp_path):
     assert cfg.drafter.num_hidden_layers == 5 and cfg.drafter.block_size == 16
     assert str(cfg.capture.mode) == "colocated"
     settings = Pipeline(cfg).settings.train
-    assert (settings.micro_batch_size, settings.num_anchors, settings.gamma) == (64, 64, 7.0)
+    assert (settings.micro_batch_size, settings.num_anchors, settings.gamma) == (32, 64, 7.0)
     assert settings.compile and settings.eval_every == 1000 and settings.max_minutes == 16.5
 
 
