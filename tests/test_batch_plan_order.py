@@ -16,9 +16,14 @@ from dflash.extract.rank_stream import UnitStream
 LENGTHS = tuple((i * 37) % 101 + 1 for i in range(103))
 # Plans of 103 samples (a partial last batch of placeholders) and the digest of every micro-batch of their first 3
 # epochs as the plan dealt them before the order was cached (computed at d2e9f34).
+# The last two keep 41 samples apart (BatchPlan.kept; computed when it came, session 38): checkpoints record the
+# count, so a resume deals the later epochs as the run's start did only while these orders stay.
 PLANS = [(dict(micro_batch_size=2, world_size=3, grad_accum=2, seed=7), "d628a8ebf65f429e"),
          (dict(micro_batch_size=1, world_size=2, grad_accum=4, seed=1, group_by_length=3, lengths=LENGTHS),
-          "e038cde6981cd335")]
+          "e038cde6981cd335"),
+         (dict(micro_batch_size=2, world_size=3, grad_accum=2, seed=7, kept=41), "788f59e407fd9845"),
+         (dict(micro_batch_size=1, world_size=2, grad_accum=4, seed=1, group_by_length=3, lengths=LENGTHS, kept=41),
+          "1ee0c7fb57b0d096")]
 
 
 def every_micro_batch(plan: BatchPlan, epochs: int) -> list:

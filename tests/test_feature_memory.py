@@ -346,8 +346,8 @@ def test_a_memory_in_part_makes_the_later_epochs_mostly_kept_micro_batches(tiny_
 
 def test_the_samples_kept_apart_are_chosen_at_the_start_and_resumed_as_saved(monkeypatch):
     """The plan's kept class is chosen when a run starts and saved with each checkpoint: a resumed run batches its
-    later epochs as its start did, whatever its own memory could hold now; a run saved before there was a class
-    (no record) keeps mixing them."""
+    later epochs as its start did, whatever its own source keeps now; a run saved before there was a class (no
+    record) keeps mixing them."""
     from dflash.data.batch_plan import BatchPlan
     from dflash.data.feature_source import FeatureSource
     from dflash.train import checkpoint_policy
@@ -362,7 +362,7 @@ def test_the_samples_kept_apart_are_chosen_at_the_start_and_resumed_as_saved(mon
 
         def kept_apart(self, order, kept=None):
             self.asked.append((list(order), kept))
-            return 6 if kept is None else kept
+            return 6 if kept is None else 0  # resumed, it keeps nothing (say, one epoch left: no memory)
 
     saved = []
     monkeypatch.setattr(checkpoint_policy, "save_checkpoint",
@@ -389,6 +389,10 @@ def test_a_source_without_a_memory_in_part_keeps_nothing_apart(tiny_target):
                             widths={"hidden": (2 * adapter.hidden_size, torch.float32)})
     resumed = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", memory=limited)
     assert resumed.kept_apart(order[::-1], 2) == 2 and limited.only == {5, 4}  # a resumed run's own count
+    # Resumed with a memory that holds everything now, or with none (one epoch left): the count stands, and a
+    # memory without a limit keeps every sample.
+    assert whole.kept_apart(order, 2) == 2 and whole.memory.only is None
+    assert ColocatedFeatureSource(adapter, dataset, [0, 1], "float32").kept_apart(order, 2) == 2
 
 
 @pytest.mark.slow
@@ -440,6 +444,45 @@ def test_a_run_whose_epoch_is_kept_in_part_reads_whole_micro_batches_back(tmp_pa
     # Each epoch's last batch is filled with placeholders, which repeat samples: a little more than the dataset.
     assert kept == 4 and 3 * dataset <= captured + recalled < 3.6 * dataset and 0 < recalled and captured < 3 * dataset
     assert len(forwards) == 3 * 5 - 2  # 5 micro-batches an epoch; each later one reads the kept one back whole
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_run_stopped_in_its_last_epoch_resumes_the_kept_batches_order(tmp_path, monkeypatch):
+    """Stopped after step 12 of 15 (the last epoch, where the resumed run has one epoch left and so no memory), the
+    run resumes with the micro-batches an uninterrupted run trains on: the saved count orders them, not what the
+    resumed run keeps."""
+    from dflash.extract import feature_memory
+    from dflash.train.checkpoint_policy import CheckpointPolicy
+
+    monkeypatch.setattr(feature_memory, "CHUNK_BYTES", 1 << 14)
+    served, get_batch = [], ColocatedFeatureSource.get_batch
+    monkeypatch.setattr(ColocatedFeatureSource, "get_batch",
+                        lambda self, indices, *a: served.append(list(indices)) or get_batch(self, indices, *a))
+
+    def run(name: str) -> list[list[int]]:
+        served.clear()
+        Pipeline(compose(["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]",
+                          f"run_dir={tmp_path / name}", "capture=colocated", "capture.cache_budget_bytes=600000",
+                          "train.save_every=12", "train.prepare_ahead=false"])).run()
+        return list(served)
+
+    whole = run("whole")
+    save = CheckpointPolicy.save
+
+    def save_then_stop(self, engine, step, budget):
+        save(self, engine, step, budget)
+        if step == 12:
+            raise Interrupted
+
+    with monkeypatch.context() as patch, pytest.raises(Interrupted):
+        patch.setattr(CheckpointPolicy, "save", save_then_stop)
+        run("stopped")
+    assert served == whole[:12] and len(whole) == 15
+    assert run("stopped") == whole[12:]
 
 
 @pytest.mark.parametrize("override,message", [

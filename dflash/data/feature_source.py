@@ -95,9 +95,10 @@ class FeatureSource(Protocol):
     def kept_apart(self, order: Sequence[int], kept: int | None = None) -> int:
         """How many samples at the front of the first epoch's `order` this source keeps for the later epochs, where a
         micro-batch of kept samples alone costs less than one of the others (BatchPlan.kept: the later epochs batch
-        them apart): `kept` when given (what a resumed run's start chose), else as many as the source can keep; 0
-        where none are kept apart. Most sources cost the same for every sample: 0."""
-        return 0
+        them apart): `kept` when given (what a resumed run's start chose: its plan follows it whatever the source
+        keeps now), else as many as the source can keep; 0 where none are kept apart. Most sources cost the same for
+        every sample: they choose 0."""
+        return kept or 0
 
 
 class SampleList(FeatureSource):

@@ -89,16 +89,17 @@ class ColocatedFeatureSource(FeatureSource):
 
     def kept_apart(self, order: Sequence[int], kept: int | None = None) -> int:
         """FeatureSource.kept_apart: with a memory that holds part of the epoch, the first samples of `order` that it
-        holds (`kept` of them when given), and the memory keeps those alone; 0 without a memory, or with one that
-        holds the whole epoch (every later micro-batch is then kept whole anyway)."""
-        if self.memory is None:
-            return 0
+        holds, and the memory keeps those alone; 0 without a memory, or with one that holds the whole epoch (every
+        later micro-batch is then kept whole anyway). A resumed run's `kept` is returned as given, and a memory with
+        a limit keeps those samples alone (one without keeps every sample)."""
         if kept is None:
+            if self.memory is None:
+                return 0
             lengths = sample_lengths(self.dataset)
             kept = self.memory.prefix_that_fits([int(lengths[index]) for index in order])
-        if not 0 < kept < len(order):
-            return 0
-        self.memory.keep_only(order[:kept])
+            kept = kept if kept < len(order) else 0
+        if self.memory is not None and self.memory.limit_bytes is not None and 0 < kept < len(order):
+            self.memory.keep_only(order[:kept])
         return kept
 
     def get_many(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:

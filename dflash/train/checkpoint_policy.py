@@ -46,10 +46,12 @@ class CheckpointPolicy:
 
     def kept_apart(self, plan: BatchPlan, source: FeatureSource, state: dict[str, Any]) -> BatchPlan:
         """`plan` with the samples `source` keeps apart for the later epochs (BatchPlan.kept): chosen at the run's
-        start, and on a resume the number its start chose (0 for a run saved before there was one), so every epoch
-        keeps its order across a restart."""
+        start, and on a resume the number its start chose (0 for a run saved before there was one), whatever the
+        resumed source could keep, so every epoch keeps its order across a restart. Only a run on one rank chooses
+        one (colocated capture keeps no memory on more), so the ranks of a resumed run agree on it."""
         saved = None if state["global_step"] == 0 else int(state.get("kept_samples", 0))
-        self.kept = source.kept_apart(plan.epoch_order(0), saved)
+        chosen = source.kept_apart(plan.epoch_order(0), saved)  # the source keeps them (resumed: if it can)
+        self.kept = chosen if saved is None else saved
         return dataclasses.replace(plan, kept=self.kept) if self.kept != plan.kept else plan
 
     def due(self, step: int, last_step: int, stopping: bool) -> bool:
