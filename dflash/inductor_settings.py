@@ -10,7 +10,8 @@ between ways of generating the same computation, so turning them off changes spe
   input of size 1536", 64 anchors x 64 sequences); pytorch issue 186426 reports the same family of failures.
 
 Duck sizing is turned off too: by default dynamo gives sizes that are equal at the first trace one symbol. With it
-on, the recipe's 64 anchor slots share one with the batch (64 sequences) and the head dim (64, a constant), so the
+on, the recipe's 64 anchor slots shared one with the batch (64 sequences until session 38) and the head dim (64, a
+constant), so the
 slots are fixed at 64 and the first micro-batch with 32 slots recompiles both layer graphs (measured on one H200:
 27 s, at step 74); a first batch padded to 1,024 tokens ties its length to the 1,024 queries the same way. The
 setting stays off for the rest of the process (dynamo reads it at each trace), also after a target's compiled layers

@@ -71,7 +71,8 @@ def test_a_sweep_hydra_runs_is_left_to_it(argv):
     refuse_uncomposable([*TINY, *argv], "train")
 
 
-@pytest.mark.parametrize("argv", [["train.lr=1e-3", "stages=[data]"], ["--help"], ["--cfg", "job"], ["-m", "x=1"]])
+@pytest.mark.parametrize("argv", [["train.lr=1e-3", "stages=[data]"], ["--help"], ["--cfg", "job"], ["-m", "x=1"],
+                                  ["-m", "--multirun", "x=1"], ["--cfg", "job", "--cfg", "hydra"]])
 def test_a_composable_command_line_or_one_of_hydra_s_flags_passes(argv):
     refuse_uncomposable([*TINY, *argv], "train")
 

@@ -437,7 +437,7 @@ def test_a_run_whose_epoch_is_kept_in_part_reads_whole_micro_batches_back(tmp_pa
     Pipeline(compose(["+experiment=tiny", "show_progress=false", "stages=[data,capture,train]", f"run_dir={run_dir}",
                       "capture=colocated", "capture.cache_budget_bytes=600000"])).run()
     log = next((run_dir / "logs").glob("*.log")).read_text()
-    assert "the later epochs batch them apart" in log
+    assert "the later epochs batch them apart" in log and "[train] 4 of 19 samples kept apart" in log
     captured, recalled, kept = (int(n.replace(",", "")) for n in re.search(
         r"([\d,]+) tokens captured, ([\d,]+) read from host memory \((\d+) samples kept", log).groups())
     dataset = sum(len(row) for row in load_dataset_dir(run_dir / "data")["input_ids"])

@@ -49,15 +49,16 @@ def group_options(group: str) -> list[str]:
 
 def refuse_unknown_flags(argv: list[str]) -> None:
     """ConfigError for an argument that starts with '-' and is no Hydra flag, with the override it may have meant
-    (`--epochs 3` -> train.epochs=3), and for a shortened Hydra flag that also begins a setting's name (`--exp=tiny`
-    is --experimental-rerun to Hydra, but meant +experiment=tiny)."""
-    modes = []
+    (`--epochs 3` -> train.epochs=3), for a shortened Hydra flag that also begins a setting's name (`--exp=tiny`
+    is --experimental-rerun to Hydra, but meant +experiment=tiny), and for two of Hydra's MODE_FLAGS at once."""
+    modes: dict[str, str] = {}  # full mode flag -> the argument that gave it (a mode given twice is one mode)
     for index, arg in enumerate(argv):
         flag = arg.split("=", 1)[0]
-        if any(flag == short or (len(flag) > 2 and full.startswith(flag)) for full, short in MODE_FLAGS.items()):
-            modes.append(arg)
+        for full, short in MODE_FLAGS.items():
+            if flag == short or (len(flag) > 2 and full.startswith(flag)):
+                modes.setdefault(full, arg)
         if len(modes) > 1:
-            raise ConfigError(f"{' and '.join(modes)}: Hydra takes one of {', '.join(MODE_FLAGS)} at a time")
+            raise ConfigError(f"{' and '.join(modes.values())}: Hydra takes one of {', '.join(MODE_FLAGS)} at a time")
         if not arg.startswith("-") or flag in HYDRA_FLAGS:
             continue
         name, _, value = arg.lstrip("-").partition("=")

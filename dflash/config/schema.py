@@ -439,8 +439,10 @@ class ColocatedCapture(CaptureSettings):
                                 doc="replay the target's forward as CUDA graphs, one per width step "
                                     "(dflash/extract/static_capture.py; CUDA, dense and Gemma targets)")
     cache: Any = setting("auto", affects=(), doc="keep the first epoch's features in host memory for the later ones "
-                                                 "(one trainer rank): auto | true | false")
-    cache_budget_bytes: Optional[int] = setting(None, affects=(), doc="null: half the host's available memory")
+                                                 "(one trainer rank): auto | true | false; an epoch kept in part "
+                                                 "orders the later epochs' batches (docs/capture.md)")
+    cache_budget_bytes: Optional[int] = setting(None, affects=(), doc="null: half the host's available memory (what "
+                                                                      "fits it orders the later epochs' batches)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

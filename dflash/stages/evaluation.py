@@ -8,8 +8,8 @@ import shlex
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.command_line import hydra_overrides
+from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
     write_text

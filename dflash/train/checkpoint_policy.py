@@ -10,6 +10,7 @@ dflash/train/checkpoints.py's.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from dflash.config.schema import TrainSettings
@@ -18,6 +19,8 @@ from dflash.data.feature_source import FeatureSource
 from dflash.train.checkpoints import batch_mismatch, load_checkpoint, save_checkpoint
 from dflash.train.engine import TrainEngine
 from dflash.train.time_budget import TimeBudget
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointPolicy:
@@ -52,6 +55,9 @@ class CheckpointPolicy:
         saved = None if state["global_step"] == 0 else int(state.get("kept_samples", 0))
         chosen = source.kept_apart(plan.epoch_order(0), saved)  # the source keeps them (resumed: if it can)
         self.kept = chosen if saved is None else saved
+        if self.kept and self.rank == 0:
+            logger.info(f"[train] {self.kept:,} of {plan.num_samples:,} samples kept apart: the later epochs batch "
+                        f"them on their own{' (as the run chose at its start)' if saved is not None else ''}")
         return dataclasses.replace(plan, kept=self.kept) if self.kept != plan.kept else plan
 
     def due(self, step: int, last_step: int, stopping: bool) -> bool:
