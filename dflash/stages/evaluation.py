@@ -183,7 +183,7 @@ class EvalStage(Stage):
             return [("", "This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau "
                          "near 1 is expected). A real drafter: the same `python -m dflash.train` on a machine with a "
                          "GPU (+experiment=smollm2_quick, about 10 minutes), or the full recipe +experiment=smollm2 "
-                         "(about 25 minutes on an H200, tau ~3.1, docs/results.md).")]
+                         "(about 22 minutes on one GPU, tau ~3.2, docs/results.md).")]
         if run.settings.eval.mode == "replay":
             live = os.path.join(shown(run.run_dir), "eval_live")
             # Quoted for a shell: `[0,40]` is a glob to bash and zsh, and a path may hold spaces.
