@@ -4,6 +4,10 @@ dflash's modules report through `logging` (`logging.getLogger(__name__)`, under 
 are written as their bare message to the current stdout (warnings and errors to stderr), so the console copy below
 keeps them in the run's log file, and records below WARNING are shown by rank 0 only (RankZero). Progress bars,
 the stage headers and a run's closing block are printed as they are.
+
+A progress bar (tqdm redraws its line in place with '\\r') reaches the log file as one line, its last state, and a
+console that is not a terminal (piped through tee, redirected, nohup) as a line every PIPED_BAR_EVERY seconds and
+its last state: raw redraws there would pile up into one line of tens of thousands of characters.
 """
 
 from __future__ import annotations
@@ -13,20 +17,50 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import TextIO
+
+from tqdm import tqdm
+
+PIPED_BAR_EVERY = 30.0  # seconds between a progress bar's lines on a console that is not a terminal
 
 
 class Tee:
-    """A text stream that writes to the console stream it replaces and to a log file."""
+    """A text stream that writes to the console stream it replaces and to a log file; a progress bar reaches the log
+    as one line, and a console that is not a terminal as a line now and then (module docstring)."""
 
-    def __init__(self, console: TextIO, log: TextIO) -> None:
-        self.console, self.log = console, log
+    def __init__(self, console: TextIO, log: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
+        self.console, self.log, self.clock = console, log, clock
+        self.piped = not console.isatty()
+        self.bar: str | None = None  # the state of the bar the last write drew ('' once cleared); None after text
+        self.bar_shown_at: float | None = None  # when the bar in progress began or last went to a piped console
 
     def write(self, text: str) -> int:
-        if "\r" not in text:  # a progress bar redrawing itself: the console shows it, the log keeps the lines
-            self.log.write(text)
+        if "\r" in text:
+            return self.redraw(text)
+        if self.bar and text.startswith("\n"):  # tqdm ending a bar it leaves: the bar's state stays as a line
+            self.log.write(self.bar)
+            if self.piped:
+                self.console.write(self.bar)
+            self.bar_shown_at = None
+        if text:
+            self.bar = None
+        self.log.write(text)
         return self.console.write(text)
+
+    def redraw(self, text: str) -> int:
+        """A progress bar drawn again: its state is what follows the last '\\r' ('' when tqdm clears it)."""
+        self.bar = text.rsplit("\r", 1)[1].rstrip()
+        if not self.piped:
+            return self.console.write(text)
+        now = self.clock()
+        if self.bar and self.bar_shown_at is None:
+            self.bar_shown_at = now
+        elif self.bar and now - self.bar_shown_at >= PIPED_BAR_EVERY:
+            self.console.write(self.bar + "\n")
+            self.bar_shown_at = now
+        return len(text)
 
     def flush(self) -> None:
         self.log.flush()
@@ -94,7 +128,10 @@ class ConsoleHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
-        super().emit(record)
+        # Clears the bars drawn on this console (stdout and stderr count as one) and draws them again after: the
+        # record gets a line of its own instead of ending a bar's line.
+        with tqdm.external_write_mode(file=self.stream):
+            super().emit(record)
 
 
 def show_package_messages() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash.config import ConfigError
-from dflash.config.command_line import hydra_overrides
+from dflash.config.command_line import default_run_line, hydra_overrides
 from dflash.config.unknown_keys import override_key
 from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
@@ -66,8 +66,9 @@ class Pipeline:
 
     def run(self) -> dict[str, Any] | None:
         """The selected stages in order; the summary of the stage that measured one (eval, on rank 0), else None.
-        Every stage's preflight comes first, so a bad setting or a missing file stops the command before any work.
-        Everything the run prints is also written to <run_dir>/logs/."""
+        Every stage's preflight comes first, so a bad setting or a missing file stops the command before any work
+        (and before the line saying this is the CPU demo or the GPU default). Everything the run prints is also
+        written to <run_dir>/logs/."""
         run = self.context
         refuse_unusable_target(self.settings)
         selected = selected_stages(self.settings.stages, self.stages)
@@ -77,6 +78,8 @@ class Pipeline:
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
         with console_copied_to(log), third_party_records_to_run_log():
+            if default_run_line() is not None:  # the CPU demo or the GPU default, said once the settings passed
+                print(default_run_line(), file=sys.stderr, flush=True)
             try:
                 summary = self.run_stages()
             except (Exception, KeyboardInterrupt) as error:

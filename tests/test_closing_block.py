@@ -23,6 +23,9 @@ def finished_run(tmp_path, overall_tau: float, *overrides: str) -> Pipeline:
     (tmp_path / "run" / "export_best" / "best.json").write_text(json.dumps({"step": 5, "tau": 2.345}))
     (tmp_path / "run" / "training_curve.png").write_text("")
     (tmp_path / "run" / "metrics.jsonl").write_text("")
+    os.makedirs(pipeline.eval.out)
+    (tmp_path / "run" / "eval" / "summary.json").write_text("{}")
+    (tmp_path / "run" / "eval" / "per_position.png").write_text("")
     pipeline.eval.summary = {"prompt_sets": {"a": {"tau": 1.2}, "b": {"tau": 2.0}}, "overall": {"tau": overall_tau}}
     return pipeline
 
@@ -36,9 +39,10 @@ def test_the_closing_block_names_the_outputs_tau_and_the_next_command(tmp_path, 
   best held-out checkpoint    run/export_best (step 5, held-out tau 2.35)
   training curve              run/training_curve.png
   metrics per step            run/metrics.jsonl
-  evaluation                  run/eval/summary.json, per_position.png
+  evaluation                  run/eval/: summary.json, per_position.png
   tau                         a 1.20, b 2.00; overall 2.50
   console log                 run/logs/x.log
+  on disk                     29 B in run (export_best 25 B, export 2 B)
   A tiny random-weight target: its tau shows that the pipeline runs end to end, not how good a drafter is (a random \
 target's answers repeat themselves). A real drafter: python -m dflash.train on a machine with a GPU (the real SmolLM2 \
 target, about 10 minutes).
@@ -50,11 +54,11 @@ def test_a_short_cpu_run_ends_with_a_note_and_a_live_one_with_no_next_command(tm
     cpu = finished_run(tmp_path, 1.2, "device=cpu")
     cpu.context.settings.target.kind = "smollm2"  # the CPU demo's target (the note of a tiny one is the one above)
     block = closing_block(cpu.context.run_dir, cpu.stages, "x.log").splitlines()
-    assert block[-2] == "  console log                 x.log"
+    assert block[-3] == "  console log                 x.log" and block[-2].startswith("  on disk ")
     assert block[-1].startswith("  This was a short CPU run: a drafter trained for minutes on a CPU")
     live = finished_run(tmp_path / "live", 2.5, "eval.mode=live")
     live.context.settings.target.kind = "smollm2"
-    assert closing_block(live.context.run_dir, live.stages, "x.log").splitlines()[-1].endswith("x.log")
+    assert closing_block(live.context.run_dir, live.stages, "x.log").splitlines()[-1].startswith("  on disk ")
 
 
 def test_a_run_that_made_nothing_names_its_console_log_alone(tmp_path, monkeypatch):
@@ -62,6 +66,18 @@ def test_a_run_that_made_nothing_names_its_console_log_alone(tmp_path, monkeypat
     pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"]))
     assert closing_block(pipeline.context.run_dir, pipeline.stages, "x.log") == \
         "== done: run ==\n  console log                 x.log"
+
+
+def test_the_run_folders_size_names_its_two_largest_entries(tmp_path):
+    from dflash.stages.closing import disk_use, readable_bytes
+
+    for name, size in (("features/shard-0", 3_000_000), ("features/shard-1", 400_000), ("checkpoints/a", 870_000),
+                       ("config.yaml", 4_000)):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * size)
+    assert disk_use(str(tmp_path)) == f"4.27 MB in {tmp_path} (features 3.4 MB, checkpoints 870 kB)"
+    assert [readable_bytes(n) for n in (0, 999, 87_400_000, 999_700_000, 1_250_000_000)] == \
+        ["0 B", "999 B", "87.4 MB", "1000 MB", "1.25 GB"]
 
 
 def test_the_runner_names_no_stage():

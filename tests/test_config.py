@@ -509,6 +509,21 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_missing_target_path_names_qwen36_path_only_for_the_qwen36_target(monkeypatch, tmp_path):
+    monkeypatch.delenv("QWEN36_PATH", raising=False)
+
+    def message(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as error:
+            settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}", *overrides]))
+        return str(error.value)
+
+    assert message("target=hf", "target.path=/nope").endswith("give a checkpoint folder or a .gguf file")
+    assert "QWEN36_PATH" in message("target=qwen36")
+    assert compose(["target=qwen36"]).target.path == schema.QWEN36_DEFAULT_PATH  # the check's copy of the default
+    monkeypatch.setenv("QWEN36_PATH", "/elsewhere/qwen")
+    assert "QWEN36_PATH" in message("target=qwen36") and "QWEN36_PATH" not in message("target=hf", "target.path=/x")
+
+
 def test_flex_attention_is_refused_only_where_the_train_stage_would_run_on_the_cpu(monkeypatch):
     import torch
 
@@ -666,11 +681,12 @@ def test_a_key_that_names_no_setting_ends_the_command_with_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_bad_setting_ends_the_command_with_one_line_and_no_run_folder(tmp_path):
+@pytest.mark.parametrize("experiment", [["+experiment=tiny"], []])  # []: the CPU demo, whose line waits for the check
+def test_a_bad_setting_ends_the_command_with_one_line_and_no_run_folder(tmp_path, experiment):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("HYDRA_FULL_ERROR", None)
-    done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", f"run_dir={run_dir}",
+    done = subprocess.run([sys.executable, "-m", "dflash.train", *experiment, f"run_dir={run_dir}",
                            "train.lr=-1e-3"], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip() == "dflash: error: train.lr=-0.001: expected a number > 0"

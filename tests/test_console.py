@@ -1,11 +1,41 @@
 """The console copy of a command (dflash/console.py)."""
 
+import io
 import logging
 import sys
 
 import pytest
+from tqdm import tqdm
 
-from dflash.console import EVERY_RANK, console_copied_to
+from dflash.console import EVERY_RANK, PIPED_BAR_EVERY, Tee, console_copied_to
+
+
+class Terminal(io.StringIO):
+    """A console that is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+class Clock:
+    """A clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def on_screen(text: str) -> list[str]:
+    """The lines a terminal shows for `text`: each '\\r' goes back to the line's start and writes over it."""
+    lines = []
+    for line in text.split("\n"):
+        cells: list[str] = []
+        for part in line.split("\r"):
+            cells[:len(part)] = part
+        lines.append("".join(cells).rstrip())
+    return lines
 
 
 def test_what_is_printed_reaches_the_console_and_the_log(tmp_path, capsys):
@@ -81,3 +111,65 @@ def test_the_gguf_conversion_bar_follows_show_progress(show_progress, capsys):
         list(gguf.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
     assert ("Converting" in capsys.readouterr().err) == show_progress
     assert gguf.tqdm is original
+
+
+@pytest.mark.parametrize("console_kind", [Terminal, io.StringIO], ids=["terminal", "piped"])
+def test_a_bar_leaves_its_last_state_as_one_line_of_the_log(console_kind):
+    # Bars left blank lines in the run's log: its redraws were dropped, and tqdm's closing '\n' was kept alone.
+    console, log = console_kind(), io.StringIO()
+    tee = Tee(console, log, clock=Clock())
+    tee.write("before\n")
+    with tqdm(total=100, desc="regenerate", file=tee, mininterval=0) as bar:
+        for _ in range(100):
+            bar.update()
+    tee.write("after\n")
+    before, line, after = log.getvalue().split("\n")[:3]
+    assert (before, after) == ("before", "after") and log.getvalue().count("\n") == 3
+    assert line.startswith("regenerate: 100%") and line.endswith("]") and "\r" not in line
+    assert on_screen(console.getvalue()) == ["before", line, "after", ""]
+
+
+@pytest.mark.parametrize("console_kind", [Terminal, io.StringIO], ids=["terminal", "piped"])
+def test_a_bar_cleared_away_leaves_nothing_in_the_log(console_kind):
+    console, log = console_kind(), io.StringIO()
+    tee = Tee(console, log, clock=Clock())
+    with tqdm(total=3, file=tee, mininterval=0, leave=False) as bar:
+        bar.update()
+        bar.clear()
+        tee.write("\n")  # a line printed after the bar was cleared (print()): it is the print's, not the bar's
+        bar.update()
+    assert log.getvalue() == "\n"
+
+
+def test_a_piped_console_gets_a_bars_state_as_a_line_now_and_then():
+    # Piped through tee, the console kept every redraw of a bar on one line: 35 KB for one bar.
+    console, log, clock = io.StringIO(), io.StringIO(), Clock()
+    tee = Tee(console, log, clock=clock)
+    with tqdm(total=100, desc="short", file=tee, mininterval=0) as bar:
+        for _ in range(100):
+            bar.update()
+    with tqdm(total=3, desc="long", file=tee, mininterval=0) as bar:
+        for seconds in (PIPED_BAR_EVERY + 1, PIPED_BAR_EVERY + 1, 1):
+            clock.now += seconds
+            bar.update()
+    assert "\r" not in console.getvalue()
+    lines = console.getvalue().splitlines()
+    assert [line.split("|")[0] for line in lines] == ["short: 100%", "long:  33%", "long:  67%", "long: 100%"]
+    assert log.getvalue().splitlines() == [lines[0], lines[-1]]  # the log keeps the last state only
+
+
+@pytest.mark.parametrize("console_kind", [Terminal, io.StringIO], ids=["terminal", "piped"])
+def test_a_record_logged_while_a_bar_runs_gets_a_line_of_its_own(console_kind, monkeypatch):
+    # Seen on the console: "train:   0%|   | 0/126 [00:00<?, ?it/s][train] ready after 1.0 s (engine, checkpoint)".
+    console, log = console_kind(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", Tee(console, log))  # records go to stdout, bars to stderr: one terminal
+    monkeypatch.setattr(sys, "stderr", Tee(console, log))
+    with tqdm(total=3, desc="train", mininterval=0) as bar:
+        bar.update()
+        logging.getLogger("dflash.train.loop").info("[train] ready after 1.0 s (engine, checkpoint)")
+        bar.update(2)
+    shown = on_screen(console.getvalue())
+    assert "[train] ready after 1.0 s (engine, checkpoint)" in shown
+    assert shown[-2].startswith("train: 100%") and shown[-1] == ""
+    logged = log.getvalue().splitlines()
+    assert logged[0] == "[train] ready after 1.0 s (engine, checkpoint)" and logged[1].startswith("train: 100%")

@@ -141,11 +141,12 @@ def test_format_stats_names_failures_staleness_and_reuse():
              "generate_tokens_per_s": None, "generate_seconds": 0.0, "template_seconds": 1.5,
              "before_answers": {"prompts": 1.0, "target": 20.3, "synthetic": 30.0, "overlap": 4.5}}
     table = format_stats(stats)
-    assert "before       prompts 1.0 s, target 20.3 s, synthetic 30.0 s, overlap 4.5 s" in table
+    assert ("before that  55.8 s: reading prompts 1.0 s, loading the target 20.3 s, synthetic prompts 30.0 s, overlap "
+            "check 4.5 s") in table
     assert "total 1,200 | done 1,100 | skipped 90 (too long) | failed 10 | stale 3 (prompt changed" in table
     assert "1,099 (1,234,567 tokens, 456,789 in answers), 1 dropped (no answer token)" in table
     assert "none generated: every answer was in the journal" in table
-    assert "1.5 s (template 1.5 s, generate 0.0 s)" in table
+    assert "1.5 s to answer (template 1.5 s, generate 0.0 s)" in table
     assert "first error  p7: RuntimeError: xxx" in table and "(all in stats.json)" in table
     assert "held out" not in table and max(len(line) for line in table.splitlines()) < 120
 
@@ -177,6 +178,7 @@ def test_synthetic_draws_read_as_one_line_and_join_the_stats_table(tmp_path, cap
     assert rows["synthetic"] == format_synthetic(saved["synthetic"])
     # Where the stage's time went before the answers: the prompts, the target's load, the draws, the overlap check.
     assert list(saved["before_answers"]) == ["prompts", "target", "synthetic", "overlap"]
-    assert all(seconds >= 0 for seconds in saved["before_answers"].values()) and rows["before"].startswith("prompts ")
+    assert all(seconds >= 0 for seconds in saved["before_answers"].values())
+    assert "s: reading prompts " in rows["before that"]
     text = console.out + console.err
     assert f"[data] synthetic prompts: {format_synthetic(saved['synthetic'])}" in text and "{'requested'" not in text

@@ -90,6 +90,11 @@ def test_eval_checkpoint_picks_best_or_final(heldout_run):
         assert any(not torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="eval.checkpoint"):
         Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "eval.checkpoint=newest"])).eval.drafter_dir()
+    # Where best is asked for and the final weights are measured, the drafter's line says why.
+    assert best.eval.why_final(best.eval.drafter_dir()) == final.eval.why_final(str(heldout_run / "export")) == ""
+    assert "no best held-out checkpoint" in best.eval.why_final(str(heldout_run / "export"))
+    none_held = Pipeline(compose(HELDOUT + [f"run_dir={heldout_run}", "data.heldout=0", "train.eval_every=0"]))
+    assert "data.heldout=0 holds out no prompts" in none_held.eval.why_final(str(heldout_run / "export"))
 
 
 def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(heldout_run, tmp_path):

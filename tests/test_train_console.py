@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import io
+import json
 import logging
 import os
 import shutil
@@ -155,7 +156,7 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
     console = done.stdout + done.stderr
     assert "[export] drafter ->" in console
     # What training came to, in one line before the final weights.
-    assert "[train] done: 2 steps, loss " in console and "estimated tau" in console
+    assert "[train] done: 2 steps; training blocks of steps 1-2: loss " in console and "estimated tau" in console
     assert [line for line in console.splitlines() if any(marker in line for marker in CHATTER)] == []
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*")), "wandb did not run"
     if shutil.which("gcc"):
@@ -184,14 +185,23 @@ def test_a_pipeline_run_keeps_third_party_info_records_off_the_console(tmp_path,
     assert "JAX version 0.11.2 available." in logged
 
 
-def test_the_ending_line_reads_the_last_whole_record(tmp_path):
-    from dflash.train.metrics_log import ending_line, last_record
+def test_the_ending_line_averages_the_last_steps_whole_records(tmp_path):
+    from dflash.train.metrics_log import closing_records, ending_line
 
-    assert last_record(str(tmp_path)) is None
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 1200, "loss": 1.23456, "acc_pos1": '
-                                             '0.612, "accept_len_est": 2.345}\n{"step": 1201, "lo')  # torn by a kill
-    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write('\n{"step": null, "loss": 1.0}\n')  # no step count: not the record to read either
-    assert ending_line(last_record(str(tmp_path))) == (
-        "[train] done: 1,200 steps, loss 1.235, first-position accuracy 0.612, estimated tau 2.35 (the last step's "
-        "training blocks; the eval stage measures tau)")
+    assert closing_records(str(tmp_path)) == []
+    lines = [{"step": 1, "loss": 3.0}] + [{"step": s, "loss": 1.5, "acc_pos1": 0.6, "accept_len_est": 2.4}
+                                          for s in range(20, 1200, 20)]
+    # The last step is an epoch's short micro-batch: alone it would read accuracy 0.
+    lines.append({"step": 1200, "loss": 1.0, "acc_pos1": 0.0, "accept_len_est": 1.0, "heldout/tau": 2.87})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 1201, "lo')
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:  # torn by a kill, then a record without a count
+        f.write('\n{"step": null, "loss": 1.0}\n')
+    closing = closing_records(str(tmp_path))
+    assert [r["step"] for r in closing] == list(range(1020, 1201, 20))  # 4 records in the last 5%: the last 10
+    assert ending_line(closing) == (
+        "[train] done: 1,200 steps; training blocks of steps 1,020-1,200: loss 1.450, first-position accuracy 0.540, "
+        "estimated tau 2.26; held-out tau 2.87 (the eval stage measures tau on the prompt sets)")
+    assert ending_line(closing[-1:]).startswith("[train] done: 1,200 steps; training blocks of step 1,200: loss 1.000")
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:  # a longer run: its last 5% are 15 records
+        f.write("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1220, 6001, 20)))
+    assert [r["step"] for r in closing_records(str(tmp_path))] == list(range(5700, 6001, 20))

@@ -22,9 +22,13 @@ from dflash.config.unknown_keys import override_key, refuse_unknown_override_key
 
 GPU_DEFAULT = "+experiment=smollm2_quick"
 # What the training command says first on a machine without a GPU when nothing chooses what to run.
-CPU_DEMO_LINE = ("dflash: no GPU: running the CPU demo, a drafter for the real SmolLM2 target trained for a few "
-                 "minutes (about 7 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on "
+CPU_DEMO_LINE = ("dflash: no GPU: this is the CPU demo, a drafter for the real SmolLM2 target trained for a few "
+                 "minutes (about 6 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on "
                  "a machine with a GPU the same command trains a real drafter in about 10 minutes")
+GPU_DEFAULT_LINE = (f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
+                    f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo")
+# Set by command_arguments, said by the pipeline (default_run_line).
+_default_run_line: str | None = None
 # Keys whose presence means the user chose what to run: the GPU default would override their choice.
 CHOOSING_KEYS = ("experiment", "target", "device")
 
@@ -73,9 +77,9 @@ def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
 
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
-    --local_rank, with the GPU default when it applies (announced once per machine, by local rank 0). A removed
-    setting, a key that names no setting, a flag Hydra does not have or a command line Hydra cannot compose ends
-    the command with one line (exit status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
+    --local_rank, with the GPU default when it applies (default_run_line says so, or that this is the CPU demo). A
+    removed setting, a key that names no setting, a flag Hydra does not have or a command line Hydra cannot compose
+    ends the command with one line (exit status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
     import torch
 
     kept = strip_local_rank(argv)
@@ -88,14 +92,22 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     except ConfigError as error:
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    global _default_run_line
+    _default_run_line = None
     if os.environ.get("LOCAL_RANK", "0") == "0" and "--help" not in kept:
         if arguments != kept:
-            print(f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
-                  f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo", file=sys.stderr)
+            _default_run_line = GPU_DEFAULT_LINE
         elif config_name == "train" and not torch.cuda.is_available() and not chooses(kept) and \
                 not any(arg.startswith("-") for arg in kept):  # Hydra's flags (--cfg, --info, -m) run no demo
-            print(CPU_DEMO_LINE, file=sys.stderr)
+            _default_run_line = CPU_DEMO_LINE
     return arguments
+
+
+def default_run_line() -> str | None:
+    """What this process's command_arguments chose when its command line chose nothing (the CPU demo or the GPU
+    default), as one line for local rank 0 to say; None otherwise. It is said once the settings are checked
+    (Pipeline.run), so that a bad setting's error comes alone."""
+    return _default_run_line
 
 
 def hydra_overrides() -> list[str] | None:

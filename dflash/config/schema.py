@@ -72,6 +72,7 @@ def _optional_positive(key: str, value: Any) -> None:
 # target ------------------------------------------------------------------------------------------------------------
 
 TARGET_KINDS = ("smollm2", "hf", "tiny")
+QWEN36_DEFAULT_PATH = "/models/Qwen3.6-27B"  # conf/target/qwen36.yaml's path when QWEN36_PATH is not set
 DTYPES = ("auto", "bfloat16", "float32")
 
 # The `unused` reasons of the settings below: each takes the setting's group and the whole run, and says why the run
@@ -867,9 +868,11 @@ class RunSettings:
         if self.target.kind == "hf":
             problem = target_path_problem(self.target.path)
             if problem is not None:
+                # The qwen36 target's path is $QWEN36_PATH or its default: only then is that variable the fix.
+                qwen36 = self.target.path == os.environ.get("QWEN36_PATH", QWEN36_DEFAULT_PATH)
                 raise ConfigPathError(
-                    f"target.path={self.target.path!r}: {problem}: give a checkpoint folder or a .gguf file (or set "
-                    f"the QWEN36_PATH environment variable for +experiment=qwen36)")
+                    f"target.path={self.target.path!r}: {problem}: give a checkpoint folder or a .gguf file"
+                    + (" (or set the QWEN36_PATH environment variable for +experiment=qwen36)" if qwen36 else ""))
 
 
     def ignored(self, typed: Iterable[str] | None = None) -> list[str]:

@@ -232,6 +232,11 @@ def _stats(fp: str, settings: dict, gen: dict, encoded: Encoded, encode_s: float
     return stats
 
 
+# What the data stage's steps before the answers (stats.json "before_answers") are called in its table.
+BEFORE_ANSWERS = {"prompts": "reading prompts", "target": "loading the target", "synthetic": "synthetic prompts",
+                  "overlap": "overlap check"}
+
+
 def format_stats(stats: dict) -> str:
     """The data stage's stats (build_dataset's, or a stats.json) as a short table for a person to read: the
     prompts' counts, what was written, the answers' tokens per second and the time; lines without a trailing
@@ -256,8 +261,9 @@ def format_stats(stats: dict) -> str:
     rows.append(("answers", _answers(stats)))
     rows.append(("time", _times(stats)))
     if stats.get("before_answers"):  # the data stage's: reading prompts, loading the target, synthetic, overlap
-        rows.append(("before", ", ".join(f"{name} {seconds:,.1f} s"
-                                         for name, seconds in stats["before_answers"].items())))
+        before = stats["before_answers"]
+        rows.append(("before that", f"{sum(before.values()):,.1f} s: " + ", ".join(
+            f"{BEFORE_ANSWERS.get(name, name)} {seconds:,.1f} s" for name, seconds in before.items())))
     if stats.get("errors"):
         first = stats["errors"][0]
         message = (first["error"].splitlines() or [""])[0]
@@ -296,7 +302,7 @@ def _times(stats: dict) -> str:
     steps = {name: stats.get(f"{name}_seconds") for name in ("template", "generate", "encode")}
     known = {name: seconds for name, seconds in steps.items() if seconds is not None}
     detail = ", ".join(f"{name} {seconds:,.1f} s" for name, seconds in known.items())
-    return f"{sum(known.values()):,.1f} s ({detail})" if known else "not recorded"
+    return f"{sum(known.values()):,.1f} s to answer ({detail})" if known else "not recorded"
 
 
 def load_dataset_dir(out_dir: str | Path) -> datasets.Dataset:

@@ -464,6 +464,9 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{m['num_prompts']:>7}  {steps:>7}  {m['num_tokens']:>7}"
             + (f"  {number(m['speedup'], 2):>7}  {number(m.get('step_cost'), 2):>9}" if "speedup" in m else "")
         )
+    for name in summary.get("both_turns", {}):  # the rows of a two-turn set, which a reader cannot guess
+        lines.append(f"({name}: its first turns; {name}{TURN2_SUFFIX}: its second turns, after the target's own first "
+                     f"answers; {name}_both_turns: the two pooled, as the benchmark counts them)")
     if summary.get("timing", {}).get("seconds"):
         lines.append(format_timing(summary["timing"]))
     return "\n".join(lines)

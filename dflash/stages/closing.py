@@ -9,13 +9,42 @@ from dflash.stages.stage import Stage
 
 
 def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str) -> str:
-    """The stages' rows of what they left, the console log, then their rows of what to run next."""
+    """The stages' rows of what they left, the console log and the run folder's size, then their rows of what to
+    run next."""
     rows = [row for stage in stages for row in stage.closing_rows()]
     rows.append(("console log", shown(log)))
+    if os.path.isdir(run_dir):
+        rows.append(("on disk", disk_use(run_dir)))
     rows += [row for stage in stages for row in stage.next_rows()]
     lines = [f"== done: {shown(run_dir)} =="]
     lines += [f"  {what:<26}  {value}" if what else f"  {value}" for what, value in rows]
     return "\n".join(lines)
+
+
+def disk_use(run_dir: str) -> str:
+    """The run folder's size, with its two largest entries: feature stores and checkpoints grow with the target
+    and the data, and a person deciding what to keep wants to know where the bytes are."""
+    sizes = {name: tree_bytes(os.path.join(run_dir, name)) for name in os.listdir(run_dir)}
+    largest = sorted((size, name) for name, size in sizes.items() if size > 0)[::-1][:2]
+    parts = ", ".join(f"{name} {readable_bytes(size)}" for size, name in largest)
+    return f"{readable_bytes(sum(sizes.values()))} in {shown(run_dir)}" + (f" ({parts})" if parts else "")
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the file at `path`, or of every file under the folder (links not followed)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return os.lstat(path).st_size
+    return sum(os.lstat(os.path.join(folder, name)).st_size
+               for folder, _, names in os.walk(path) for name in names)
+
+
+def readable_bytes(size: int) -> str:
+    """`size` bytes in kB, MB or GB (powers of 1000) to three significant digits: 87.4 MB, 404 MB, 1.25 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    return f"{size} B"
 
 
 def shown(path: str) -> str:

@@ -22,6 +22,9 @@ from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
 
+# What an evaluation leaves in its folder (evaluate.write_summary), as the closing block names it.
+EVAL_FILES = ("summary.json", "summary.csv", "per_position.png", "committed_histogram.png")
+
 
 class EvalStage(Stage):
     name = "eval"
@@ -87,6 +90,15 @@ class EvalStage(Stage):
         if self.context.settings.eval.checkpoint == "best" and os.path.exists(os.path.join(best, "best.json")):
             return best
         return self.export.out
+
+    def why_final(self, folder: str) -> str:
+        """Why the final weights (export/) are measured where eval.checkpoint=best asks for the best held-out ones,
+        as a parenthesis for the drafter's line; "" when the folder is what was asked for."""
+        if self.context.settings.eval.checkpoint != "best" or folder != self.export.out:
+            return ""
+        if self.context.settings.data.heldout == 0:
+            return " (the final weights: data.heldout=0 holds out no prompts to choose a best checkpoint by)"
+        return " (the final weights: training kept no best held-out checkpoint)"
 
     def drafter_to_evaluate(self) -> tuple[str, str]:
         """(folder, fingerprint) of the drafter to measure. A run whose training stopped early (a time limit, a
@@ -165,7 +177,8 @@ class EvalStage(Stage):
             return "-" if entry.get("tau") is None else f"{entry['tau']:.2f}"  # None: no draft step was made
 
         taus = ", ".join(f"{name} {tau(s)}" for name, s in self.summary.get("prompt_sets", {}).items())
-        return [("evaluation", f"{shown(self.out)}/summary.json, per_position.png"),
+        made = [name for name in EVAL_FILES if os.path.exists(os.path.join(self.out, name))]
+        return [("evaluation", f"{shown(self.out)}/: {', '.join(made)}"),
                 ("tau", f"{taus}; overall {tau(self.summary['overall'])}")]
 
     def next_rows(self) -> list[tuple[str, str]]:
@@ -200,7 +213,7 @@ class EvalStage(Stage):
         run, e = self.context, self.context.settings.eval
         os.makedirs(self.out, exist_ok=True)
         clear_done(self.out)
-        logger.info(f"[eval] drafter {folder}")
+        logger.info(f"[eval] drafter {folder}{self.why_final(folder)}")
         target = run.target
         try:
             drafter = load_drafter(folder, dtype=target.dtype, device=str(run.device))

@@ -173,12 +173,12 @@ class TrainStage(Stage):
         config = self.drafter_config()
         state = self.train(config, rank, run.world_size)
         if rank == 0:
-            from dflash.train.metrics_log import ending_line, last_record
+            from dflash.train.metrics_log import closing_records, ending_line
 
             write_final(self.checkpoints, state)
-            last = last_record(run.run_dir)
-            if last is not None:
-                logger.info(ending_line(last))
+            closing = closing_records(run.run_dir)
+            if closing:
+                logger.info(ending_line(closing))
             logger.info(f"[train] final weights -> {final_dir(self.checkpoints)}")
         return {"checkpoint": self.checkpoint_fingerprint()}
 

@@ -2,7 +2,7 @@
 
     python -m dflash.train                                  # the default: real SmolLM2-135M; a CPU demo, or on a GPU a
                                                             # real drafter in ~10 min (+experiment=smollm2_quick)
-    python -m dflash.train +experiment=tiny                 # smoke test, tiny random target, under a minute on CPU
+    python -m dflash.train +experiment=tiny                 # smoke test, tiny random target, seconds on a CPU
     python -m dflash.train +experiment=qwen36 target.path=/models/Qwen3.6-27B
     python -m dflash.train stages=[train,eval] train.epochs=3 name=my_run    # any Hydra override
     python -m dflash.train --help                           # main keys, groups, examples (conf/hydra/help/)

@@ -95,25 +95,47 @@ def _record_step(line: str) -> float:
         return float("inf")
 
 
-def last_record(run_dir: str) -> dict | None:
-    """The last whole record of `run_dir`/metrics.jsonl (a torn last line skipped), or None when there is none."""
+# The ending line averages the records of the run's last steps, this share of them and at least this many records:
+# one step's figures are one micro-batch's, and an epoch's last can be a handful of samples (the CPU demo's last step
+# read accuracy 0).
+ENDING_SHARE, ENDING_RECORDS = 0.05, 10
+
+
+def closing_records(run_dir: str) -> list[dict]:
+    """The last whole records of `run_dir`/metrics.jsonl (torn lines skipped; of a step logged twice, its last
+    record): those of the last ENDING_SHARE of the steps, and at least the last ENDING_RECORDS; [] when none."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        return None
+        return []
+    by_step: dict[int, dict] = {}
     with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for line in reversed(lines):
-        if isinstance(_record_step(line), int):  # not a torn line, nor one whose step is not a count
-            return json.loads(line)
-    return None
+        for line in f:
+            if isinstance(_record_step(line), int):  # not a torn line, nor one whose step is not a count
+                record = json.loads(line)
+                by_step[record["step"]] = record
+    if not by_step:
+        return []
+    steps = sorted(by_step)
+    in_share = sum(step >= steps[-1] * (1 - ENDING_SHARE) for step in steps)
+    return [by_step[step] for step in steps[-max(in_share, ENDING_RECORDS):]]
 
 
-def ending_line(record: dict) -> str:
-    """What training came to, from its last step's record: the step, the loss, the accuracy of the block's first
-    position and the acceptance length those accuracies estimate."""
-    parts = [f"{record['step']:,} steps"]
+def ending_line(records: list[dict]) -> str:
+    """What training came to: its last step, and the mean loss, accuracy of the block's first position and the
+    acceptance length those accuracies estimate over `records` (closing_records), with the held-out replay's tau
+    where the last step measured it."""
+    last = records[-1]
+    parts = []
     for key, what, form in (("loss", "loss", ".3f"), ("acc_pos1", "first-position accuracy", ".3f"),
                             ("accept_len_est", "estimated tau", ".2f")):
-        if isinstance(record.get(key), (int, float)):
-            parts.append(f"{what} {record[key]:{form}}")
-    return "[train] done: " + ", ".join(parts) + " (the last step's training blocks; the eval stage measures tau)"
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        if values:
+            parts.append(f"{what} {sum(values) / len(values):{form}}")
+    first = records[0]["step"]
+    steps = f"step {first:,}" if first == last["step"] else f"steps {first:,}-{last['step']:,}"
+    line = f"[train] done: {last['step']:,} steps"
+    if parts:
+        line += f"; training blocks of {steps}: " + ", ".join(parts)
+    if isinstance(last.get("heldout/tau"), (int, float)):
+        line += f"; held-out tau {last['heldout/tau']:.2f}"
+    return line + " (the eval stage measures tau on the prompt sets)"
