@@ -97,6 +97,16 @@ def test_both_turns_are_reported_with_categories(tiny_target, make_drafter):
     csv_rows = [line.split(",")[0] for line in summary_csv(summary).splitlines()]
     assert csv_rows[:5] == ["prompt_set", "mtbench", "mtbench_turn2", "mtbench_both_turns", "overall"]
     assert "mtbench_both_turns" in format_table(summary)
+    # One row per prompt, in each set's order, with its category: they add up to the set's figures.
+    rows = summary["per_prompt"]
+    assert [(r["prompt_set"], r["index"]) for r in rows] == [(n, i) for n in ("mtbench", "mtbench_turn2")
+                                                             for i in (0, 1)]
+    assert [r["category"] for r in rows] == categories["mtbench"] + categories["mtbench_turn2"]
+    for name in ("mtbench", "mtbench_turn2"):
+        mine = [r for r in rows if r["prompt_set"] == name]
+        for key, total in (("steps", "num_steps"), ("tokens", "num_tokens"), ("accepted", "num_accepted")):
+            assert sum(r[key] for r in mine) == summary["prompt_sets"][name][total]
+        assert summary["prompt_sets"][name]["tau_prompt_mean"] == pytest.approx(sum(r["tau"] for r in mine) / 2)
     only_first = evaluate(make_drafter(adapter), adapter, {"mtbench": sets["mtbench"]}, max_new_tokens=8,
                           show_progress=False, **eval_options())
     assert "both_turns" not in only_first

@@ -3,7 +3,9 @@ is certain, and on a tiny target it agrees with live rejection sampling averaged
 
 from __future__ import annotations
 
+import csv
 import itertools
+import json
 import math
 import random
 import zlib
@@ -362,6 +364,12 @@ def test_replay_at_a_temperature_writes_the_estimate(tiny_target, make_drafter, 
     assert "replay estimate of the acceptance at T=0.05" in format_table(summary)
     write_summary(summary, str(tmp_path))
     assert (tmp_path / "summary.csv").read_text().splitlines()[1].startswith("a,")
+    # prompts.csv: a row per prompt (expectations), which summary.json leaves out.
+    prompts = list(csv.DictReader((tmp_path / "prompts.csv").open()))
+    assert [(r["prompt_set"], r["category"]) for r in prompts] == [("a", "math"), ("a", "writing")] + [("b", "")] * (
+        len(sets["b"]))
+    assert sum(float(r["steps"]) for r in prompts) == pytest.approx(overall["num_steps"])
+    assert "per_prompt" not in json.loads((tmp_path / "summary.json").read_text())
 
 
 def test_drafts_drawn_at_their_own_temperature():

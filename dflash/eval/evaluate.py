@@ -16,7 +16,8 @@ target_tokens_per_s, speedup and (T=0) lossless_mismatches; the speedup's factor
 speculative_prefill_seconds, speculative_ms_per_step (after the prefill), tokens_per_step and, with the
 baseline, target_steps, target_prefill_seconds, target_ms_per_step and step_cost, a speculative step's cost in
 target-only steps (speedup ~ tokens_per_step / step_cost, the prefills making up the rest). summary.csv has
-one row per prompt set, per "<set>_both_turns", "overall", then one per "set/category".
+one row per prompt set, per "<set>_both_turns", "overall", then one per "set/category"; prompts.csv one per prompt
+(prompt_rows: the summary's "per_prompt", which summary.json leaves out).
 "timing" (PhaseTimer.summary, metrics.py) says where the wall time went: {"seconds": {phase: s}, "total_seconds",
 "prompt_sets": {set: {phase: s}}}; phases: "load_prompts" and "turn2_answers" (when load_prompt_sets got the same
 timer), "generate", "target_pass", "draft", "accept" (replay), "live_warmup", "live_speculative",
@@ -50,6 +51,10 @@ from dflash.models.drafter import DFlashDraftModel
 from dflash.run_files import write_text
 
 SCHEMA_VERSION = 2
+# The summary's per-prompt rows (prompt_rows), written to prompts.csv, not to summary.json.
+PER_PROMPT = "per_prompt"
+PROMPT_COLUMNS = ("prompt_set", "index", "category", "steps", "tokens", "tau", "accepted", "drafted",
+                  "acceptance_rate")
 
 
 def check_compatible(drafter: DFlashDraftModel, adapter) -> None:
@@ -177,11 +182,7 @@ def evaluate(
     timer = timer if timer is not None else PhaseTimer(adapter.device)
     drafter.eval()
     block_size = drafter.config.block_size
-    bar = None
-    if show_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), desc=f"eval ({mode})", unit="prompt")
+    bar = _progress_bar(prompt_sets, mode) if show_progress else None
     generator = torch.Generator(device=adapter.device).manual_seed(seed) if mode == "live" else None
     drafts = dict(draft_sampling=draft_sampling, draft_temperature=draft_temperature)
     measure = functools.partial(
@@ -212,7 +213,34 @@ def evaluate(
     if categories:
         summary["categories"] = _category_metrics(categories, traces_of, block_size)
     summary["timing"] = timer.summary()
+    summary[PER_PROMPT] = prompt_rows(traces_of, categories or {})
     return summary
+
+
+def _progress_bar(prompt_sets: dict[str, list[list[int]]], mode: str):
+    """A bar over every prompt of every set."""
+    from tqdm import tqdm
+
+    return tqdm(total=sum(len(p) for p in prompt_sets.values()), desc=f"eval ({mode})", unit="prompt")
+
+
+def prompt_rows(traces_of: dict[str, list], categories: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """One row per prompt of every set, in the set's order (PROMPT_COLUMNS): its category where the set has them,
+    the steps, the tokens they committed (tau = tokens / steps), the drafts accepted and those drafted; expectations
+    (floats) in a replay estimate at T > 0. What a per-set figure hides: which prompts hold it down."""
+    rows = []
+    for name, traces in traces_of.items():
+        labels = categories.get(name, [""] * len(traces))
+        for index, (trace, label) in enumerate(zip(traces, labels)):
+            if isinstance(trace, ExpectedTrace):
+                steps, tokens, accepted, drafted = trace.steps, trace.committed, trace.accepted, trace.drafted
+            else:
+                steps, tokens = trace.num_steps, sum(trace.committed)
+                accepted, drafted = sum(trace.accepted), sum(trace.drafted)
+            rows.append({"prompt_set": name, "index": index, "category": label, "steps": steps, "tokens": tokens,
+                         "tau": tokens / steps if steps else None, "accepted": accepted, "drafted": drafted,
+                         "acceptance_rate": accepted / drafted if drafted else None})
+    return rows
 
 
 def _check_arguments(prompt_sets: dict[str, list], mode: str, temperature: float, draft_sampling: str,
@@ -420,6 +448,16 @@ def summary_csv(summary: dict[str, Any]) -> str:
     return buffer.getvalue()
 
 
+def prompts_csv(rows: list[dict[str, Any]]) -> str:
+    """prompt_rows as CSV text (PROMPT_COLUMNS); empty cells where a ratio has no denominator."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(PROMPT_COLUMNS)
+    for row in rows:
+        writer.writerow(["" if row[column] is None else row[column] for column in PROMPT_COLUMNS])
+    return buffer.getvalue()
+
+
 def _table_rows(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(name, metrics): each prompt set, each multi-turn set's turns pooled, then "overall"."""
     return [*summary["prompt_sets"].items(),
@@ -429,11 +467,14 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def write_summary(summary: dict[str, Any], out_dir: str) -> str:
     """Write summary.json, summary.csv, per_position.png and committed_histogram.png into out_dir (each file
-    atomically); returns the JSON path."""
+    atomically), and prompts.csv where the summary has its per-prompt rows (which summary.json leaves out: they
+    would make it hundreds of lines longer); returns the JSON path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "summary.json")
-    write_text(path, json.dumps(summary, indent=2) + "\n")
+    write_text(path, json.dumps({k: v for k, v in summary.items() if k != PER_PROMPT}, indent=2) + "\n")
     write_text(os.path.join(out_dir, "summary.csv"), summary_csv(summary))
+    if PER_PROMPT in summary:
+        write_text(os.path.join(out_dir, "prompts.csv"), prompts_csv(summary[PER_PROMPT]))
     plot_per_position(summary, os.path.join(out_dir, "per_position.png"))
     plot_committed_histogram(summary, os.path.join(out_dir, "committed_histogram.png"))
     return path

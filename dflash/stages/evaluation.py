@@ -23,7 +23,7 @@ from dflash.stages.stage import Stage
 logger = logging.getLogger(__name__)
 
 # What an evaluation leaves in its folder (evaluate.write_summary), as the closing block names it.
-EVAL_FILES = ("summary.json", "summary.csv", "per_position.png", "committed_histogram.png")
+EVAL_FILES = ("summary.json", "summary.csv", "prompts.csv", "per_position.png", "committed_histogram.png")
 
 
 class EvalStage(Stage):
