@@ -256,7 +256,7 @@ def main() -> None:
     began = time.perf_counter()
     adapter = load_target("smollm2", device=args.device)
     specs = {name: {"source": name, "limit": args.limit} for name in ("humaneval", "mtbench", "gsm8k")}
-    prompt_sets, _ = load_prompt_sets(adapter, specs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    prompt_sets, _, _ = load_prompt_sets(adapter, specs, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     stops = adapter.stop_token_ids()
     powers = tuple(dict.fromkeys([1.0, *args.sharpen]))
     rules = {"greedy": "greedy drafts (vLLM, SGLang), perfect drafter = the target",

@@ -35,19 +35,24 @@ class Tee:
         self.piped = not console.isatty()
         self.bar: str | None = None  # the state of the bar the last write drew ('' once cleared); None after text
         self.bar_shown_at: float | None = None  # when the bar in progress began or last went to a piped console
+        self.bar_shown = ""  # the bar's state that last went to a piped console as a line
 
     def write(self, text: str) -> int:
-        if "\r" in text:
+        if text.startswith("\r"):  # tqdm draws, clears and closes a bar so; other text may hold a '\r' (CRLF)
             return self.redraw(text)
+        shown = text
         if self.bar and text.startswith("\n"):  # tqdm ending a bar it leaves: the bar's state stays as a line
             self.log.write(self.bar)
-            if self.piped:
+            if self.piped and self.bar == self.bar_shown:
+                shown = text[1:]  # the piped console has that line already
+            elif self.piped:
                 self.console.write(self.bar)
-            self.bar_shown_at = None
+            self.bar_shown_at, self.bar_shown = None, ""
         if text:
             self.bar = None
         self.log.write(text)
-        return self.console.write(text)
+        self.console.write(shown)
+        return len(text)
 
     def redraw(self, text: str) -> int:
         """A progress bar drawn again: its state is what follows the last '\\r' ('' when tqdm clears it)."""
@@ -59,7 +64,7 @@ class Tee:
             self.bar_shown_at = now
         elif self.bar and now - self.bar_shown_at >= PIPED_BAR_EVERY:
             self.console.write(self.bar + "\n")
-            self.bar_shown_at = now
+            self.bar_shown_at, self.bar_shown = now, self.bar
         return len(text)
 
     def flush(self) -> None:

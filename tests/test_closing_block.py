@@ -68,7 +68,7 @@ def test_a_run_that_made_nothing_names_its_console_log_alone(tmp_path, monkeypat
         "== done: run ==\n  console log                 x.log"
 
 
-def test_the_run_folders_size_names_its_two_largest_entries(tmp_path):
+def test_the_run_folders_size_names_its_two_largest_entries(tmp_path, monkeypatch):
     from dflash.stages.closing import disk_use, readable_bytes
 
     for name, size in (("features/shard-0", 3_000_000), ("features/shard-1", 400_000), ("checkpoints/a", 870_000),
@@ -76,8 +76,10 @@ def test_the_run_folders_size_names_its_two_largest_entries(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x" * size)
     assert disk_use(str(tmp_path)) == f"4.27 MB in {tmp_path} (features 3.4 MB, checkpoints 870 kB)"
-    assert [readable_bytes(n) for n in (0, 999, 87_400_000, 999_700_000, 1_250_000_000)] == \
-        ["0 B", "999 B", "87.4 MB", "1000 MB", "1.25 GB"]
+    assert [readable_bytes(n) for n in (0, 999, 87_400_000, 99_960_000, 999_700_000, 1_250_000_000)] == \
+        ["0 B", "999 B", "87.4 MB", "100 MB", "1 GB", "1.25 GB"]
+    monkeypatch.setattr(os, "lstat", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
+    assert disk_use(str(tmp_path)) == f"0 B in {tmp_path}"  # files gone while they were counted: no error
 
 
 def test_the_runner_names_no_stage():

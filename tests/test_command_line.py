@@ -45,3 +45,18 @@ def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, mo
     assert command_arguments(argv, config) == argv
     assert (default_run_line() == CPU_DEMO_LINE) == announced
     assert capsys.readouterr().err == ""  # said by the pipeline once the settings are checked, not here
+
+
+@pytest.mark.parametrize("argv,deferred", [([], True), (["name=mine"], True), (["--cfg", "job"], False)])
+def test_the_gpu_default_is_said_by_the_run_or_at_once_where_no_run_follows(argv, deferred, monkeypatch, capsys):
+    import torch
+
+    from dflash.config import command_line
+    from dflash.config.command_line import GPU_DEFAULT, GPU_DEFAULT_LINE, command_arguments, default_run_line
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(command_line, "_default_run_line", None)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert command_arguments(argv, "train") == [*argv, GPU_DEFAULT]
+    assert (default_run_line() == GPU_DEFAULT_LINE) == deferred
+    assert (GPU_DEFAULT_LINE in capsys.readouterr().err) != deferred  # --cfg job prints the default's config now

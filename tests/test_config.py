@@ -517,10 +517,11 @@ def test_a_missing_target_path_names_qwen36_path_only_for_the_qwen36_target(monk
             settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}", *overrides]))
         return str(error.value)
 
-    assert message("target=hf", "target.path=/nope").endswith("give a checkpoint folder or a .gguf file")
-    assert "QWEN36_PATH" in message("target=qwen36")
     assert compose(["target=qwen36"]).target.path == schema.QWEN36_DEFAULT_PATH  # the check's copy of the default
-    monkeypatch.setenv("QWEN36_PATH", "/elsewhere/qwen")
+    monkeypatch.setattr(schema, "QWEN36_DEFAULT_PATH", str(tmp_path / "no-qwen"))  # missing on every machine
+    assert message("target=hf", "target.path=/nope").endswith("give a checkpoint folder or a .gguf file")
+    assert "QWEN36_PATH" in message("target=hf", f"target.path={tmp_path / 'no-qwen'}")
+    monkeypatch.setenv("QWEN36_PATH", str(tmp_path / "elsewhere"))
     assert "QWEN36_PATH" in message("target=qwen36") and "QWEN36_PATH" not in message("target=hf", "target.path=/x")
 
 

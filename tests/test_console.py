@@ -158,6 +158,19 @@ def test_a_piped_console_gets_a_bars_state_as_a_line_now_and_then():
     assert log.getvalue().splitlines() == [lines[0], lines[-1]]  # the log keeps the last state only
 
 
+def test_a_piped_console_gets_a_bars_last_line_once_and_text_with_a_carriage_return_whole():
+    console, log, clock = io.StringIO(), io.StringIO(), Clock()
+    tee = Tee(console, log, clock=clock)
+    tee.write("\rcopy:   0%|")
+    clock.now += PIPED_BAR_EVERY
+    tee.write("\rcopy: 100%|")  # shown as a line: its time had come
+    tee.write("\rcopy: 100%|")  # tqdm's close draws the bar once more, then ends its line
+    tee.write("\n")
+    tee.write("a prompt's text, written on Windows\r\nends in CRLF\n")
+    assert console.getvalue() == "copy: 100%|\na prompt's text, written on Windows\r\nends in CRLF\n"
+    assert log.getvalue() == "copy: 100%|\na prompt's text, written on Windows\r\nends in CRLF\n"
+
+
 @pytest.mark.parametrize("console_kind", [Terminal, io.StringIO], ids=["terminal", "piped"])
 def test_a_record_logged_while_a_bar_runs_gets_a_line_of_its_own(console_kind, monkeypatch):
     # Seen on the console: "train:   0%|   | 0/126 [00:00<?, ?it/s][train] ready after 1.0 s (engine, checkpoint)".

@@ -288,7 +288,7 @@ def test_a_prompt_set_without_a_source_is_named(tiny_target):
 def test_summary_says_where_the_time_went(tiny_target, make_drafter, monkeypatch):
     adapter = tiny_target("llama")
     timer = PhaseTimer(adapter.device)
-    sets, categories = load_prompt_sets(adapter, {"mtbench": {"source": "mtbench", "limit": 2, "turns": 2}},
+    sets, categories, _ = load_prompt_sets(adapter, {"mtbench": {"source": "mtbench", "limit": 2, "turns": 2}},
                                         max_new_tokens=6, timer=timer, batch_size=EVAL_BATCH)
     # A slow drafter: its time must land in the "draft" phase, not elsewhere. The replay's clock is one that only
     # the drafter advances (10 ms a call), so the attribution is checked exactly, whatever else the machine runs.

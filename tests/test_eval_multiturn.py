@@ -54,7 +54,7 @@ def test_mtbench_prompts_carry_their_second_turn():
 def test_turn2_prompt_is_the_conversation_with_the_targets_own_answer(tiny_target):
     adapter = tiny_target("llama")
     prompts = load_prompts("mtbench", limit=2)
-    sets, categories = load_prompt_sets(adapter, SPECS, max_new_tokens=ANSWER_TOKENS, batch_size=EVAL_BATCH)
+    sets, categories, _ = load_prompt_sets(adapter, SPECS, max_new_tokens=ANSWER_TOKENS, batch_size=EVAL_BATCH)
     assert list(sets) == ["mtbench", "mtbench_turn2"]
     assert sets["mtbench"] == [template(adapter, p.messages) for p in prompts]
     answers = []
@@ -77,9 +77,9 @@ def test_turn2_prompt_is_the_conversation_with_the_targets_own_answer(tiny_targe
 
 def test_both_turns_are_reported_with_categories(tiny_target, make_drafter):
     adapter = tiny_target("llama")
-    sets, categories = load_prompt_sets(adapter, SPECS, max_new_tokens=8, batch_size=EVAL_BATCH)
+    sets, categories, ids = load_prompt_sets(adapter, SPECS, max_new_tokens=8, batch_size=EVAL_BATCH)
     summary = evaluate(make_drafter(adapter), adapter, sets, max_new_tokens=8, show_progress=False,
-                       categories=categories, **eval_options())
+                       categories=categories, prompt_ids=ids, **eval_options())
     for name in ("mtbench", "mtbench_turn2"):
         metrics = summary["prompt_sets"][name]
         assert metrics["num_prompts"] == 2 and metrics["num_steps"] > 0 and 1.0 <= metrics["tau"] <= 4.0
@@ -97,11 +97,13 @@ def test_both_turns_are_reported_with_categories(tiny_target, make_drafter):
     csv_rows = [line.split(",")[0] for line in summary_csv(summary).splitlines()]
     assert csv_rows[:5] == ["prompt_set", "mtbench", "mtbench_turn2", "mtbench_both_turns", "overall"]
     assert "mtbench_both_turns" in format_table(summary)
+    assert "(mtbench: its first turns; mtbench_turn2: its second turns" in format_table(summary)  # said under it
     # One row per prompt, in each set's order, with its category: they add up to the set's figures.
     rows = summary["per_prompt"]
     assert [(r["prompt_set"], r["index"]) for r in rows] == [(n, i) for n in ("mtbench", "mtbench_turn2")
                                                              for i in (0, 1)]
     assert [r["category"] for r in rows] == categories["mtbench"] + categories["mtbench_turn2"]
+    assert [r["id"] for r in rows] == ids["mtbench"] * 2 and len(set(ids["mtbench"])) == 2  # a turn 2 is its turn 1's
     for name in ("mtbench", "mtbench_turn2"):
         mine = [r for r in rows if r["prompt_set"] == name]
         for key, total in (("steps", "num_steps"), ("tokens", "num_tokens"), ("accepted", "num_accepted")):

@@ -66,12 +66,12 @@ def test_the_exported_best_follows_best_by(tmp_path):
 
 
 def test_training_curve_keeps_the_last_record_of_a_step(tmp_path):
-    from dflash.train.curve_plot import read_metrics
+    from dflash.train.metrics_log import read_records
 
     path = tmp_path / "metrics.jsonl"
     lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 2, "loss": 2.4}, {"step": 3, "loss": 2.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    assert [r["loss"] for r in read_metrics(str(path))] == [3.0, 2.4, 2.0]
+    assert [r["loss"] for r in read_records(str(path))] == [3.0, 2.4, 2.0]
     path.write_text("")
     with pytest.raises(ValueError, match="no training records"):
         from dflash.train.curve_plot import plot_training_curve

@@ -109,7 +109,7 @@ def test_acceptance_opens_the_run_evaluated_last_from_the_notebooks_folder(two_r
     assert sum(m["num_prompts"] for m in categories.values()) == 2
     for label, metrics in categories.items():
         assert f"tau[mtbench/{label}] = {metrics['tau']:.3f}" in text
-    assert "humaneval: median " in text and " prompts; lowest: #" in text  # eval/prompts.csv, a point per prompt
+    assert "humaneval: median " in text and " prompts; lowest: HumanEval/" in text  # eval/prompts.csv, its ids
     assert figures(notebook) >= 5
 
 

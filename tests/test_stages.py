@@ -226,7 +226,7 @@ def test_the_eval_stage_hands_load_prompt_sets_its_typed_prompt_sets(tiny_target
     from dflash.eval.evaluate import load_prompt_sets
 
     typed = {"mt": PromptSetSettings(source="mtbench", limit=1, turns=2, answer_max_new_tokens=2)}
-    sets, categories = load_prompt_sets(tiny_target("llama"), typed, max_new_tokens=4,
+    sets, categories, _ = load_prompt_sets(tiny_target("llama"), typed, max_new_tokens=4,
                                         batch_size=schema_default("eval.batch_size"))
     assert set(sets) == set(categories) == {"mt", "mt_turn2"} and len(sets["mt_turn2"]) == 1
 

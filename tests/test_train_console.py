@@ -156,7 +156,8 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
     console = done.stdout + done.stderr
     assert "[export] drafter ->" in console
     # What training came to, in one line before the final weights.
-    assert "[train] done: 2 steps; training blocks of steps 1-2: loss " in console and "estimated tau" in console
+    assert "[train] done: 2 steps; the training blocks of step 2, on average: loss " in console
+    assert "estimated tau" in console
     assert [line for line in console.splitlines() if any(marker in line for marker in CHATTER)] == []
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*")), "wandb did not run"
     if shutil.which("gcc"):
@@ -199,9 +200,31 @@ def test_the_ending_line_averages_the_last_steps_whole_records(tmp_path):
     closing = closing_records(str(tmp_path))
     assert [r["step"] for r in closing] == list(range(1020, 1201, 20))  # 4 records in the last 5%: the last 10
     assert ending_line(closing) == (
-        "[train] done: 1,200 steps; training blocks of steps 1,020-1,200: loss 1.450, first-position accuracy 0.540, "
-        "estimated tau 2.26; held-out tau 2.87 (the eval stage measures tau on the prompt sets)")
-    assert ending_line(closing[-1:]).startswith("[train] done: 1,200 steps; training blocks of step 1,200: loss 1.000")
+        "[train] done: 1,200 steps; the training blocks of 10 steps logged from 1,020 to 1,200, on average: loss "
+        "1.450, first-position accuracy 0.540, estimated tau 2.26; held-out tau 2.87 (the eval stage measures tau on "
+        "the prompt sets)")
+    assert ending_line(closing[-1:]).startswith("[train] done: 1,200 steps; the training blocks of step 1,200, on "
+                                                "average: loss 1.000")
     with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:  # a longer run: its last 5% are 15 records
         f.write("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1220, 6001, 20)))
     assert [r["step"] for r in closing_records(str(tmp_path))] == list(range(5700, 6001, 20))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n"
+                                                    for s in range(100, 1001, 100)))  # logged every 100 steps
+    assert [r["step"] for r in closing_records(str(tmp_path))] == [800, 900, 1000]  # not back to step 100
+
+def test_the_default_runs_line_comes_once_the_settings_passed_and_is_logged(tmp_path, monkeypatch, capsys):
+    """The CPU demo's (or the GPU default's) line, chosen before Hydra, is said by the run: after every preflight,
+    before the first stage's header, on the console and in the run's log."""
+    from dflash.config import ConfigError, command_line, compose
+    from dflash.pipeline import Pipeline
+
+    monkeypatch.setattr(command_line, "_default_run_line", "dflash: no GPU: this is the CPU demo (a test's line)")
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "stages=[data]"])).run()
+    err, out = capsys.readouterr()[::-1]
+    assert err.count("this is the CPU demo (a test's line)") == 1 and out.startswith("[data] ")
+    logged = "".join(path.read_text(encoding="utf-8") for path in (tmp_path / "logs").iterdir())
+    assert logged.index("this is the CPU demo (a test's line)") < logged.index("[data] ")
+    monkeypatch.setattr(command_line, "_default_run_line", "dflash: no GPU: this is the CPU demo (a test's line)")
+    with pytest.raises(ConfigError):  # found by a preflight (no drafter to evaluate): its error alone, no line
+        Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'untrained'}", "stages=[eval]"])).run()
+    assert "CPU demo" not in capsys.readouterr().err

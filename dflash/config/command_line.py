@@ -94,11 +94,13 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
         sys.exit(2)
     global _default_run_line
     _default_run_line = None
+    flags = any(arg.startswith("-") for arg in kept)  # Hydra's flags (--cfg, --info, -m): no pipeline runs
     if os.environ.get("LOCAL_RANK", "0") == "0" and "--help" not in kept:
-        if arguments != kept:
+        if arguments != kept and flags:  # what --cfg job prints is the GPU default's config: said now
+            print(GPU_DEFAULT_LINE, file=sys.stderr)
+        elif arguments != kept:
             _default_run_line = GPU_DEFAULT_LINE
-        elif config_name == "train" and not torch.cuda.is_available() and not chooses(kept) and \
-                not any(arg.startswith("-") for arg in kept):  # Hydra's flags (--cfg, --info, -m) run no demo
+        elif config_name == "train" and not torch.cuda.is_available() and not chooses(kept) and not flags:
             _default_run_line = CPU_DEMO_LINE
     return arguments
 

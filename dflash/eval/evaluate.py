@@ -51,9 +51,11 @@ from dflash.models.drafter import DFlashDraftModel
 from dflash.run_files import write_text
 
 SCHEMA_VERSION = 2
+# What write_summary leaves in an evaluation's folder.
+SUMMARY_FILES = ("summary.json", "summary.csv", "prompts.csv", "per_position.png", "committed_histogram.png")
 # The summary's per-prompt rows (prompt_rows), written to prompts.csv, not to summary.json.
 PER_PROMPT = "per_prompt"
-PROMPT_COLUMNS = ("prompt_set", "index", "category", "steps", "tokens", "tau", "accepted", "drafted",
+PROMPT_COLUMNS = ("prompt_set", "index", "id", "category", "steps", "tokens", "tau", "accepted", "drafted",
                   "acceptance_rate")
 
 
@@ -91,8 +93,9 @@ def load_prompt_sets(
     template_kwargs: dict[str, Any] | None = None,
     batch_size: int,
     timer: PhaseTimer | None = None,
-) -> tuple[dict[str, list[list[int]]], dict[str, list[str]]]:
-    """Token ids of every configured prompt set, and category labels where the source has them.
+) -> tuple[dict[str, list[list[int]]], dict[str, list[str]], dict[str, list[str]]]:
+    """Token ids of every configured prompt set, category labels where the source has them, and the prompts' ids
+    (a second turn's are its first turn's).
 
     specs: {name: PromptSetSettings} (eval.prompt_sets), or {name: {source, path?, limit?, turns?,
     answer_max_new_tokens?}} read as PromptSetSettings, its defaults for the keys left out. `turns: 2`
@@ -110,6 +113,7 @@ def load_prompt_sets(
     timer = timer if timer is not None else PhaseTimer()
     prompt_sets: dict[str, list[list[int]]] = {}
     categories: dict[str, list[str]] = {}
+    ids: dict[str, list[str]] = {}
     for name, spec in specs.items():
         if isinstance(spec, Mapping):
             if "source" not in spec:  # PromptSetSettings would take its placeholder '???' for a source
@@ -135,7 +139,8 @@ def load_prompt_sets(
             names.append(second)
         if labels is not None:
             categories.update({n: labels for n in names})
-    return prompt_sets, categories
+        ids.update({n: [p.id for p in prompts] for n in names})
+    return prompt_sets, categories, ids
 
 
 def evaluate(
@@ -156,6 +161,7 @@ def evaluate(
     timer: PhaseTimer | None = None,
     warm_up: bool = True,
     draft_temperature: float | None = None,
+    prompt_ids: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """Acceptance of `drafter` on each prompt set (token ids of chat-templated prompts).
 
@@ -167,7 +173,8 @@ def evaluate(
     process, which gives tokens/s of both and the speedup, and at T=0 `lossless_mismatches` (prompts whose
     speculative output differs from the target-only output; 0 expected).
     `categories[name]` (optional) labels each prompt of set `name`; the summary then has
-    "categories": {name: {label: acceptance metrics}} (MT-Bench categories, categories.py).
+    "categories": {name: {label: acceptance metrics}} (MT-Bench categories, categories.py). `prompt_ids[name]`
+    (optional) names them in the per-prompt rows (prompt_rows).
     `timer`: pass the PhaseTimer that `load_prompt_sets` filled so loading shows in summary["timing"] too.
     `live_engine` (live mode): the target engine of both decodes, "auto" | "static" | "hf" (live.py).
     `warm_up` (live mode): first decode the first prompt briefly in both modes, untimed and uncounted
@@ -213,7 +220,7 @@ def evaluate(
     if categories:
         summary["categories"] = _category_metrics(categories, traces_of, block_size)
     summary["timing"] = timer.summary()
-    summary[PER_PROMPT] = prompt_rows(traces_of, categories or {})
+    summary[PER_PROMPT] = prompt_rows(traces_of, categories or {}, prompt_ids or {})
     return summary
 
 
@@ -224,22 +231,24 @@ def _progress_bar(prompt_sets: dict[str, list[list[int]]], mode: str):
     return tqdm(total=sum(len(p) for p in prompt_sets.values()), desc=f"eval ({mode})", unit="prompt")
 
 
-def prompt_rows(traces_of: dict[str, list], categories: dict[str, list[str]]) -> list[dict[str, Any]]:
-    """One row per prompt of every set, in the set's order (PROMPT_COLUMNS): its category where the set has them,
-    the steps, the tokens they committed (tau = tokens / steps), the drafts accepted and those drafted; expectations
+def prompt_rows(traces_of: dict[str, list], categories: dict[str, list[str]],
+                prompt_ids: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """One row per prompt of every set, in the set's order (PROMPT_COLUMNS): its id and category where known, the
+    steps, the tokens they committed (tau = tokens / steps), the drafts accepted and those drafted; expectations
     (floats) in a replay estimate at T > 0. What a per-set figure hides: which prompts hold it down."""
     rows = []
     for name, traces in traces_of.items():
         labels = categories.get(name, [""] * len(traces))
-        for index, (trace, label) in enumerate(zip(traces, labels)):
+        ids = prompt_ids.get(name, [""] * len(traces))
+        for index, (trace, label, prompt_id) in enumerate(zip(traces, labels, ids)):
             if isinstance(trace, ExpectedTrace):
                 steps, tokens, accepted, drafted = trace.steps, trace.committed, trace.accepted, trace.drafted
             else:
                 steps, tokens = trace.num_steps, sum(trace.committed)
                 accepted, drafted = sum(trace.accepted), sum(trace.drafted)
-            rows.append({"prompt_set": name, "index": index, "category": label, "steps": steps, "tokens": tokens,
-                         "tau": tokens / steps if steps else None, "accepted": accepted, "drafted": drafted,
-                         "acceptance_rate": accepted / drafted if drafted else None})
+            rows.append({"prompt_set": name, "index": index, "id": prompt_id, "category": label, "steps": steps,
+                         "tokens": tokens, "tau": tokens / steps if steps else None, "accepted": accepted,
+                         "drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None})
     return rows
 
 
@@ -506,8 +515,9 @@ def format_table(summary: dict[str, Any]) -> str:
             + (f"  {number(m['speedup'], 2):>7}  {number(m.get('step_cost'), 2):>9}" if "speedup" in m else "")
         )
     for name in summary.get("both_turns", {}):  # the rows of a two-turn set, which a reader cannot guess
-        lines.append(f"({name}: its first turns; {name}{TURN2_SUFFIX}: its second turns, after the target's own first "
-                     f"answers; {name}_both_turns: the two pooled, as the benchmark counts them)")
+        lines.append(f"({name}: its first turns; {name}{TURN2_SUFFIX}: its second turns, after the target's own "
+                     f"first answers;\n {name}_both_turns: the steps of both turns pooled; the benchmark's own figure "
+                     f"is the mean of each answer's tau, tau_prompt_mean in summary.json)")
     if summary.get("timing", {}).get("seconds"):
         lines.append(format_timing(summary["timing"]))
     return "\n".join(lines)

@@ -3,6 +3,7 @@ its tau and what to run next, in the rows each stage gives (Stage.closing_rows, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from dflash.stages.stage import Stage
@@ -31,19 +32,23 @@ def disk_use(run_dir: str) -> str:
 
 
 def tree_bytes(path: str) -> int:
-    """Bytes of the file at `path`, or of every file under the folder (links not followed)."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        return os.lstat(path).st_size
-    return sum(os.lstat(os.path.join(folder, name)).st_size
-               for folder, _, names in os.walk(path) for name in names)
+    """Bytes of the file at `path`, or of every file under the folder (links not followed). A file gone before it
+    is read (another process's temporary file) counts 0: a size must never fail a run that has finished."""
+    paths = [path] if not os.path.isdir(path) or os.path.islink(path) else \
+        (os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names)
+    total = 0
+    for file in paths:
+        with contextlib.suppress(OSError):
+            total += os.lstat(file).st_size
+    return total
 
 
 def readable_bytes(size: int) -> str:
-    """`size` bytes in kB, MB or GB (powers of 1000) to three significant digits: 87.4 MB, 404 MB, 1.25 GB."""
+    """`size` bytes in kB, MB or GB (powers of 1000) to three significant digits: 87.4 MB, 404 MB, 1 GB."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
+        if size >= scale * 0.9995:  # 999.7 MB reads 1 GB, not 1000 MB
             value = size / scale
-            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+            return f"{value:.0f} {unit}" if value >= 99.95 else f"{value:.3g} {unit}"
     return f"{size} B"
 
 

@@ -22,9 +22,6 @@ from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
 
-# What an evaluation leaves in its folder (evaluate.write_summary), as the closing block names it.
-EVAL_FILES = ("summary.json", "summary.csv", "prompts.csv", "per_position.png", "committed_histogram.png")
-
 
 class EvalStage(Stage):
     name = "eval"
@@ -177,7 +174,9 @@ class EvalStage(Stage):
             return "-" if entry.get("tau") is None else f"{entry['tau']:.2f}"  # None: no draft step was made
 
         taus = ", ".join(f"{name} {tau(s)}" for name, s in self.summary.get("prompt_sets", {}).items())
-        made = [name for name in EVAL_FILES if os.path.exists(os.path.join(self.out, name))]
+        from dflash.eval.evaluate import SUMMARY_FILES
+
+        made = [name for name in SUMMARY_FILES if os.path.exists(os.path.join(self.out, name))]
         return [("evaluation", f"{shown(self.out)}/: {', '.join(made)}"),
                 ("tau", f"{taus}; overall {tau(self.summary['overall'])}")]
 
@@ -225,14 +224,14 @@ class EvalStage(Stage):
         live_engine = live_engine_of(e.live_engine, target) if e.mode == "live" else e.live_engine
         template_kwargs = dict(e.chat_template_kwargs)
         timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
-        prompt_sets, categories = load_prompt_sets(
+        prompt_sets, categories, prompt_ids = load_prompt_sets(
             target, e.prompt_sets, max_new_tokens=e.max_new_tokens, template_kwargs=template_kwargs,
             batch_size=e.batch_size, timer=timer)
         summary = evaluate(drafter, target, prompt_sets, max_new_tokens=e.max_new_tokens,
                            show_progress=run.show_progress, mode=e.mode, temperature=e.temperature, seed=e.seed,
                            measure_target=e.measure_target, categories=categories, batch_size=e.batch_size,
                            timer=timer, live_engine=live_engine, draft_sampling=e.draft_sampling,
-                           draft_temperature=e.draft_temperature)
+                           draft_temperature=e.draft_temperature, prompt_ids=prompt_ids)
         summary["chat_template_kwargs"] = template_kwargs
         write_summary(summary, self.out)
         write_text(os.path.join(self.out, "config.yaml"), run.config_yaml())

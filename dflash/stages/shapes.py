@@ -8,7 +8,7 @@ from typing import Any
 from dflash.config.schema import DrafterSettings, RunSettings
 
 # How the run's log names the token that fills the positions a drafter drafts.
-MASK_TOKEN = "the drafter's mask token (what fills the positions it drafts):"
+MASK_TOKEN_LABEL = "the drafter's mask token (what fills the positions it drafts):"
 
 
 def target_shape(adapter) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def mask_token_for(settings: RunSettings, adapter, used: set[int]) -> tuple[int,
             # the mask token is, so the rerun that the message names costs no regeneration.
             raise ConfigError(f"target.mask_token_id={given}: {problem}; rerun with target.mask_token_id=null to "
                               "have a free one chosen (the data stage is kept)")
-        return int(given), f"{MASK_TOKEN} id {given}, target.mask_token_id"
+        return int(given), f"{MASK_TOKEN_LABEL} id {given}, target.mask_token_id"
     token_id, why = choose_mask_token(adapter.tokenizer, adapter.vocab_size, used)
-    return token_id, (f"{MASK_TOKEN} id {token_id}, {why}, which the chat template and the data never produce "
+    return token_id, (f"{MASK_TOKEN_LABEL} id {token_id}, {why}, which the chat template and the data never produce "
                       f"(chosen; set target.mask_token_id to pick another)")

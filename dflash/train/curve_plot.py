@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from dflash.eval.plots import save_figure
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl (a resumed run appends: the last record of each step wins)."""
-    by_step: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                by_step[record["step"]] = record
-    return [by_step[step] for step in sorted(by_step)]
+from dflash.train.metrics_log import read_records
 
 
 def plot_training_curve(metrics_path: str, png_path: str) -> str:
@@ -25,7 +14,7 @@ def plot_training_curve(metrics_path: str, png_path: str) -> str:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    records = read_metrics(metrics_path)
+    records = read_records(metrics_path)
     if not records:
         raise ValueError(f"{metrics_path} holds no training records")
     figure = Figure(figsize=(11, 4), dpi=120)

@@ -95,29 +95,41 @@ def _record_step(line: str) -> float:
         return float("inf")
 
 
-# The ending line averages the records of the run's last steps, this share of them and at least this many records:
-# one step's figures are one micro-batch's, and an epoch's last can be a handful of samples (the CPU demo's last step
-# read accuracy 0).
-ENDING_SHARE, ENDING_RECORDS = 0.05, 10
-
-
-def closing_records(run_dir: str) -> list[dict]:
-    """The last whole records of `run_dir`/metrics.jsonl (torn lines skipped; of a step logged twice, its last
-    record): those of the last ENDING_SHARE of the steps, and at least the last ENDING_RECORDS; [] when none."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+def read_records(path: str) -> list[dict]:
+    """The whole records of a metrics.jsonl, by step (a resumed run appends: of a step logged twice, its last
+    record); torn lines (a run killed mid-write) and records without a step count are skipped; [] without a file."""
     if not os.path.isfile(path):
         return []
     by_step: dict[int, dict] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
-            if isinstance(_record_step(line), int):  # not a torn line, nor one whose step is not a count
+            try:
                 record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
                 by_step[record["step"]] = record
-    if not by_step:
+    return [by_step[step] for step in sorted(by_step)]
+
+
+# The ending line averages the records of the run's last ENDING_SHARE of steps, and at least ENDING_RECORDS of them
+# where the last quarter of the steps holds that many: one step's figures are one micro-batch's, and an epoch's last
+# can be a handful of samples (the CPU demo's last step read accuracy 0).
+ENDING_SHARE, ENDING_RECORDS, ENDING_REACH = 0.05, 10, 0.25
+
+
+def closing_records(run_dir: str) -> list[dict]:
+    """The records the ending line averages (read_records of `run_dir`/metrics.jsonl): those of the last
+    ENDING_SHARE of the steps, or the last ENDING_RECORDS within the last ENDING_REACH of them if that is more."""
+    records = read_records(os.path.join(run_dir, "metrics.jsonl"))
+    if not records:
         return []
-    steps = sorted(by_step)
-    in_share = sum(step >= steps[-1] * (1 - ENDING_SHARE) for step in steps)
-    return [by_step[step] for step in steps[-max(in_share, ENDING_RECORDS):]]
+    last = records[-1]["step"]
+
+    def within(share: float) -> list[dict]:
+        return [r for r in records if r["step"] >= last * (1 - share)]
+
+    return max(within(ENDING_SHARE), within(ENDING_REACH)[-ENDING_RECORDS:], key=len)
 
 
 def ending_line(records: list[dict]) -> str:
@@ -132,10 +144,11 @@ def ending_line(records: list[dict]) -> str:
         if values:
             parts.append(f"{what} {sum(values) / len(values):{form}}")
     first = records[0]["step"]
-    steps = f"step {first:,}" if first == last["step"] else f"steps {first:,}-{last['step']:,}"
+    steps = f"step {first:,}" if first == last["step"] else f"{len(records)} steps logged from {first:,} to " \
+                                                              f"{last['step']:,}"
     line = f"[train] done: {last['step']:,} steps"
     if parts:
-        line += f"; training blocks of {steps}: " + ", ".join(parts)
+        line += f"; the training blocks of {steps}, on average: " + ", ".join(parts)
     if isinstance(last.get("heldout/tau"), (int, float)):
         line += f"; held-out tau {last['heldout/tau']:.2f}"
     return line + " (the eval stage measures tau on the prompt sets)"
