@@ -68,6 +68,18 @@ def test_a_run_that_made_nothing_names_its_console_log_alone(tmp_path, monkeypat
         "== done: run ==\n  console log                 x.log"
 
 
+def test_the_loggers_folders_are_named_with_the_command_that_shows_each(tmp_path, monkeypatch):
+    from dflash.stages.export import logger_rows
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "my run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "wandb" / "latest-run").mkdir(parents=True)
+    assert logger_rows(str(run)) == [("TensorBoard", "tensorboard --logdir 'my run/tensorboard'")]
+    (run / "wandb" / "offline-run-20261206_120000-abc").mkdir()  # wandb.mode=offline, the default
+    assert logger_rows(str(run))[1] == ("wandb (offline)", "wandb sync 'my run/wandb'/offline-run-*")
+
+
 def test_the_run_folders_size_names_its_two_largest_entries(tmp_path, monkeypatch):
     from dflash.stages.closing import disk_use, readable_bytes
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 from typing import Any
 
@@ -72,7 +73,7 @@ class ExportStage(Stage):
         for name, what in (("training_curve.png", "training curve"), ("metrics.jsonl", "metrics per step")):
             if os.path.exists(os.path.join(self.context.run_dir, name)):
                 rows.append((what, os.path.join(here, name)))
-        return rows
+        return rows + logger_rows(self.context.run_dir)
 
     def run(self) -> dict[str, Any]:
         """export/, export_best/ and the curve; done.json carries the settings of the checkpoints behind them, which
@@ -101,6 +102,18 @@ def export_state(state: dict[str, torch.Tensor], config, folder: str) -> None:
     drafter = DFlashDraftModel(config)
     drafter.load_state_dict({k: v.float() for k, v in state.items()})
     export_zlab(drafter, folder)
+
+
+def logger_rows(run_dir: str) -> list[tuple[str, str]]:
+    """The training loggers' folders in `run_dir`, each with the command that shows it (its files mean nothing
+    opened by hand): TensorBoard's, and wandb's where it ran offline (an online run is on wandb's site already)."""
+    rows = []
+    board, offline = os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "wandb")
+    if os.path.isdir(board):
+        rows.append(("TensorBoard", f"tensorboard --logdir {shlex.quote(shown(board))}"))
+    if os.path.isdir(offline) and any(name.startswith("offline-run-") for name in os.listdir(offline)):
+        rows.append(("wandb (offline)", f"wandb sync {shlex.quote(shown(offline))}/offline-run-*"))
+    return rows
 
 
 def export_best(run_dir: str, checkpoints: str, config) -> dict[str, Any] | None:
