@@ -817,3 +817,24 @@ def test_a_run_fingerprinted_before_a_stand_in_is_refused_naming_that_setting(tm
     # A setting that did change is named as before, alone.
     with pytest.raises(ConfigError, match=r"other settings \(train.lr: 0.0006 -> 0.01\)"):
         refuse_other_trained_settings(Pipeline(compose(older + ["train.lr=0.01"])).train)
+
+
+def test_a_setting_is_described_for_a_terminal_by_its_key_or_its_groups():
+    import subprocess
+
+    from dflash.config.reference import describe
+
+    assert describe("train.lr").splitlines() == [
+        "train.lr: float, default 0.003; a change reruns train, export, eval",
+        "    peak learning rate (AdamW, warmup then cosine)"]
+    group = describe("logging")
+    assert group.startswith("logging.tensorboard: bool") and "logging.wandb.mode: str, default offline" in group
+    assert describe("eval.prompt_sets.humaneval.limit").startswith("eval.prompt_sets.NAME.limit: int or null")
+    assert "capture.batch_tokens: int" in describe("capture.batch_tokens")
+    with pytest.raises(ValueError, match=re.escape("train.lrr: no such setting (did you mean train.lr?)")):
+        describe("train.lrr")
+    done = subprocess.run([sys.executable, "-m", "dflash.config", "train.lr", "trian"], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    assert done.returncode == 2 and done.stdout.startswith("train.lr: float")
+    assert done.stderr == "dflash: error: trian: no such setting (did you mean train?); `python -m dflash.train " \
+                          "--help` lists the groups, docs/config.md every key\n"

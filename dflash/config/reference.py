@@ -1,9 +1,11 @@
 """The reference table of every setting (key, type, default, the stages it reruns, what it is), made from the
-schema; docs/config.md holds it, and a test checks that it is current (`python -m dflash.config` prints it)."""
+schema; docs/config.md holds it, and a test checks that it is current (`python -m dflash.config` prints it). One
+setting, or a group's, is described for a terminal (`python -m dflash.config train.lr`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import typing
 from typing import Any
 
@@ -70,14 +72,25 @@ def _group(cls: type) -> bool:
     return isinstance(cls, type) and dataclasses.is_dataclass(cls)
 
 
+def section_fields(title: str, cls: type, base: type | None) -> list[dataclasses.Field]:
+    """The settings a section of the reference lists: its fields but the groups, and those a mode's class adds or
+    redefines over the class common to every mode."""
+    inherited = {f.name: f for f in dataclasses.fields(base)} if base else {}
+    return [f for f in dataclasses.fields(cls)
+            if not _group(f.type) and not (base and f.name in inherited and f.metadata == inherited[f.name].metadata)]
+
+
+def dotted_key(title: str, name: str) -> str:
+    """A setting's key on the command line: `train.lr`, `capture.batch_tokens`, `eval.prompt_sets.NAME.limit`."""
+    prefix = title.split(" ")[0].split("=")[0]
+    return name if prefix == "(top" else f"{prefix}.{name}"
+
+
 def reference() -> str:
     lines = [START, ""]
     for title, cls, base in SECTIONS:
-        inherited = {f.name: f for f in dataclasses.fields(base)} if base else {}
         rows = []
-        for f in dataclasses.fields(cls):
-            if _group(f.type) or (base and f.name in inherited and f.metadata == inherited[f.name].metadata):
-                continue
+        for f in section_fields(title, cls, base):
             doc = f.metadata["doc"].replace("|", "\\|")
             rows.append(f"| `{f.name}` | {_type_name(f.type)} | {_default(f)} | {_reruns(f)} | {doc} |")
         if not rows:
@@ -86,3 +99,29 @@ def reference() -> str:
                   "|---|---|---|---|---|", *rows, ""]
     lines.append(END)
     return "\n".join(lines)
+
+
+def describe(asked: str) -> str:
+    """The settings whose key is `asked` or begins with it (`train.lr`, `train`, `capture.batch_tokens`), each as a
+    few lines for a terminal: its key, type, default, what a change reruns (and the capture mode it belongs to), and
+    what it is; ValueError when no key matches."""
+    parts = asked.rstrip(".").split(".")
+    if parts[:2] == ["eval", "prompt_sets"] and len(parts) > 2:
+        parts[2] = "NAME"  # eval.prompt_sets.humaneval.limit is eval.prompt_sets.NAME.limit
+    asked = ".".join(parts)
+    blocks = []
+    for title, cls, base in SECTIONS:
+        for f in section_fields(title, cls, base):
+            key = dotted_key(title, f.name)
+            if key == asked or key.startswith(asked + "."):
+                mode = f" under {title}" if "=" in title else ""
+                default = _default(f).replace("`", "")
+                blocks.append(f"{key}{mode}: {_type_name(f.type)}, default {default}; a change reruns {_reruns(f)}\n"
+                              + textwrap.fill(f.metadata["doc"], width=100, initial_indent="    ",
+                                              subsequent_indent="    "))
+    if not blocks:
+        from dflash.config.unknown_keys import lookup_setting
+
+        raise ValueError(lookup_setting(asked)[1] or f"{asked}: no setting has that key or begins with it "
+                                                      f"(python -m dflash.config lists every one)")
+    return "\n".join(blocks)
