@@ -26,6 +26,12 @@ from tqdm import tqdm
 PIPED_BAR_EVERY = 30.0  # seconds between a progress bar's lines on a console that is not a terminal
 
 
+def progress_of(bar: str) -> str:
+    """What a tqdm bar's line says of its progress: the text before its '[' (description, share, bar, counts),
+    without the times and rates that change with every redraw."""
+    return bar.split("[", 1)[0].rstrip()
+
+
 class Tee:
     """A text stream that writes to the console stream it replaces and to a log file; a progress bar reaches the log
     as one line, and a console that is not a terminal as a line now and then (module docstring)."""
@@ -36,6 +42,7 @@ class Tee:
         self.bar: str | None = None  # the state of the bar the last write drew ('' once cleared); None after text
         self.bar_shown_at: float | None = None  # when the bar in progress began or last went to a piped console
         self.bar_shown = ""  # the bar's state that last went to a piped console as a line
+        self.bar_since = ""  # the bar's progress (progress_of) when it began or last went there
 
     def write(self, text: str) -> int:
         if text.startswith("\r"):  # tqdm draws, clears and closes a bar so; other text may hold a '\r' (CRLF)
@@ -43,8 +50,8 @@ class Tee:
         shown = text
         if self.bar and text.startswith("\n"):  # tqdm ending a bar it leaves: the bar's state stays as a line
             self.log.write(self.bar)
-            if self.piped and self.bar == self.bar_shown:
-                shown = text[1:]  # the piped console has that line already
+            if self.piped and progress_of(self.bar) == progress_of(self.bar_shown):
+                shown = text[1:]  # the piped console has that line already (the times after it aside)
             elif self.piped:
                 self.console.write(self.bar)
             self.bar_shown_at, self.bar_shown = None, ""
@@ -61,10 +68,10 @@ class Tee:
             return self.console.write(text)
         now = self.clock()
         if self.bar and self.bar_shown_at is None:
-            self.bar_shown_at = now
-        elif self.bar and now - self.bar_shown_at >= PIPED_BAR_EVERY:
-            self.console.write(self.bar + "\n")
-            self.bar_shown_at, self.bar_shown = now, self.bar
+            self.bar_shown_at, self.bar_since = now, progress_of(self.bar)
+        elif self.bar and now - self.bar_shown_at >= PIPED_BAR_EVERY and progress_of(self.bar) != self.bar_since:
+            self.console.write(self.bar + "\n")  # (a bar that has not moved since its last line says nothing new)
+            self.bar_shown_at, self.bar_shown, self.bar_since = now, self.bar, progress_of(self.bar)
         return len(text)
 
     def flush(self) -> None:

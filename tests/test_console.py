@@ -161,14 +161,18 @@ def test_a_piped_console_gets_a_bars_state_as_a_line_now_and_then():
 def test_a_piped_console_gets_a_bars_last_line_once_and_text_with_a_carriage_return_whole():
     console, log, clock = io.StringIO(), io.StringIO(), Clock()
     tee = Tee(console, log, clock=clock)
-    tee.write("\rcopy:   0%|")
+    tee.write("\rcopy:   0%| [00:00]")
     clock.now += PIPED_BAR_EVERY
-    tee.write("\rcopy: 100%|")  # shown as a line: its time had come
-    tee.write("\rcopy: 100%|")  # tqdm's close draws the bar once more, then ends its line
+    tee.write("\rcopy: 100%| [00:30]")  # shown as a line: its time had come
+    tee.write("\rcopy: 100%| [00:31]")  # tqdm's close draws the bar once more (its time moved on), then ends it
     tee.write("\n")
     tee.write("a prompt's text, written on Windows\r\nends in CRLF\n")
-    assert console.getvalue() == "copy: 100%|\na prompt's text, written on Windows\r\nends in CRLF\n"
-    assert log.getvalue() == "copy: 100%|\na prompt's text, written on Windows\r\nends in CRLF\n"
+    assert console.getvalue() == "copy: 100%| [00:30]\na prompt's text, written on Windows\r\nends in CRLF\n"
+    assert log.getvalue() == "copy: 100%| [00:31]\na prompt's text, written on Windows\r\nends in CRLF\n"
+    tee.write("\rstill:  40%| [00:00]")
+    clock.now += 2 * PIPED_BAR_EVERY
+    tee.write("\rstill:  40%| [01:00]")  # a bar that has not moved: no line until it does
+    assert console.getvalue().endswith("CRLF\n")
 
 
 @pytest.mark.parametrize("console_kind", [Terminal, io.StringIO], ids=["terminal", "piped"])

@@ -23,7 +23,7 @@ from dflash.config.unknown_keys import override_key, refuse_unknown_override_key
 GPU_DEFAULT = "+experiment=smollm2_quick"
 # What the training command says first on a machine without a GPU when nothing chooses what to run.
 CPU_DEMO_LINE = ("dflash: no GPU: this is the CPU demo, a drafter for the real SmolLM2 target trained for a few "
-                 "minutes (about 5 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on "
+                 "minutes (5 to 6 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on "
                  "a machine with a GPU the same command trains a real drafter in about 10 minutes")
 GPU_DEFAULT_LINE = (f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
                     f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo")

@@ -95,8 +95,11 @@ class CaptureStage(Stage):
             run.release_target()  # frees this rank's device for training
             return None
         self.capture_heldout(config.target_layer_ids)
-        save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(),
-                         os.path.join(out, "frozen_head.safetensors"), run.target.logit_transform)
+        head = os.path.join(out, "frozen_head.safetensors")
+        save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(), head,
+                         run.target.logit_transform)
+        logger.info(f"[capture] the target's embedding and lm_head, which the drafter shares frozen -> {head} "
+                    f"({os.path.getsize(head) / 2**30:.2f} GiB)")
         write_json(os.path.join(out, "target.json"), shape)
         logger.info(f"[capture] {summary} -> {out}")
         if mode != "colocated":  # training reads features, not the target: its device memory goes to training

@@ -144,11 +144,11 @@ def ending_line(records: list[dict]) -> str:
         if values:
             parts.append(f"{what} {sum(values) / len(values):{form}}")
     first = records[0]["step"]
-    steps = f"step {first:,}" if first == last["step"] else f"{len(records)} steps logged from {first:,} to " \
-                                                              f"{last['step']:,}"
+    steps = f"step {first:,}" if first == last["step"] else \
+        f"the last {len(records)} logged steps ({first:,}-{last['step']:,}), on average"
     line = f"[train] done: {last['step']:,} steps"
     if parts:
-        line += f"; the training blocks of {steps}, on average: " + ", ".join(parts)
+        line += f"; over {steps}: " + ", ".join(parts) + " (of the training batches)"
     if isinstance(last.get("heldout/tau"), (int, float)):
         line += f"; held-out tau {last['heldout/tau']:.2f}"
-    return line + " (the eval stage measures tau on the prompt sets)"
+    return line + "; the eval stage measures tau on the prompt sets"
