@@ -75,6 +75,33 @@ def test_texts_without_those_scripts_split_as_runs_of_letters_and_digits():
             assert words(text) == re.findall(r"[^\W_]+", text.lower())
 
 
+def test_texts_passed_over_by_their_word_pairs_are_those_a_gram_by_gram_search_clears(tmp_path):
+    """match_text skips a text with no run of a gram's length - 1 word pairs seen in the grams: on texts made of the
+    evaluation prompts' own words, cut and shuffled (many near misses), it names what trying every gram at every
+    word names."""
+    import random
+
+    evals = [p for name in ("humaneval", "mtbench", "gsm8k") for p in load_prompts(name, name=name)]
+    index = EvalIndex(evals, n=13)
+
+    rng = random.Random(0)
+    pool = [words(m["content"]) for p in evals for m in p.messages]
+    short = [list(gram) for gram in index.grams if len(gram) < index.n]  # whole texts of 8 to 12 words
+    assert short
+    texts = []
+    for _ in range(400):
+        source = rng.choice(pool if rng.random() < 0.8 else short)
+        start, length = rng.randrange(len(source)) // 4, rng.choice([6, 9, 12, 13, 14, 30])
+        piece = source[start:start + length]
+        if rng.random() < 0.5:  # break the run at one place
+            piece.insert(rng.randrange(len(piece) + 1), rng.choice(rng.choice(pool)))
+        texts.append(" ".join(rng.choice(pool)[:5] + piece + rng.choice(pool)[-5:]))
+    found = [index.match_text(text) for text in texts]
+    assert found == [index.search(words(text)) for text in texts]
+    assert 50 < sum(f is not None for f in found) < 350  # both kinds are there
+    assert {index.sources[tuple(gram)] for gram in short} & set(found)  # a short text found whole
+
+
 def planted_prompts(tmp_path) -> tuple[str, object]:
     """A prompt file of five training prompts and one GSM8K question of the eval set; (its path, that question)."""
     gsm8k = load_prompts("gsm8k")[7]

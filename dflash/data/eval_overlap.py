@@ -31,12 +31,14 @@ _LETTER_WORDS = ("\u0e00-\u0e7f"  # Thai
                  "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003ffff")  # CJK ideographs
 # The lookahead keeps the punctuation and marks of those blocks (the katakana middle dot ・, ฿) out, as elsewhere.
 _WORD = re.compile(rf"(?=[^\W_])[{_LETTER_WORDS}]|[^\W_{_LETTER_WORDS}]+")
+_ASCII_WORD = re.compile(r"[a-z0-9]+")  # what _WORD finds in lower-case ASCII text, a quarter faster
 
 
 def words(text: str) -> list[str]:
     """The normalised words of `text`: lower-case runs of letters and digits, and each letter of a script written
     without spaces (ideographs, kana, Thai)."""
-    return _WORD.findall(text.lower())
+    text = text.lower()
+    return (_ASCII_WORD if text.isascii() else _WORD).findall(text)
 
 
 def prompt_words(prompt: Prompt) -> list[str]:
@@ -76,6 +78,10 @@ class EvalIndex:
         for gram in self.grams:
             if len(gram) < self.n:
                 self.short.setdefault(gram[0], set()).add(len(gram))
+        # A text can share a gram of L words only where L - 1 of its word pairs in a row are pairs of some gram: most
+        # texts have no such run, and are passed over without trying a gram at each of their words.
+        self.pairs = {pair for gram in self.grams for pair in zip(gram, gram[1:])}
+        self.run = b"\x01" * (min(len(gram) for gram in self.grams) - 1) if self.grams else None
 
     def match(self, prompt: Prompt, seen: dict[str, str | None] | None = None) -> str | None:
         """The set/id of an evaluation prompt that `prompt` overlaps, or None. `seen`: results of texts already
@@ -91,6 +97,13 @@ class EvalIndex:
     def match_text(self, text: str) -> str | None:
         """The set/id of an evaluation prompt that one text overlaps, or None."""
         sequence = words(text)
+        if self.run is None or self.run not in bytes(map(self.pairs.__contains__, zip(sequence, sequence[1:]))):
+            return None
+        return self.search(sequence)
+
+    def search(self, sequence: list[str]) -> str | None:
+        """The set/id of the evaluation prompt whose gram comes first in a text's words, trying the grams at each
+        word; None when none is there."""
         for i, word in enumerate(sequence):
             for length in (self.n, *self.short.get(word, ())):
                 gram = tuple(sequence[i : i + length])
