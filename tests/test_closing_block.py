@@ -74,10 +74,14 @@ def test_the_loggers_folders_are_named_with_the_command_that_shows_each(tmp_path
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "my run"
     (run / "tensorboard").mkdir(parents=True)
-    (run / "wandb" / "latest-run").mkdir(parents=True)
+    (run / "wandb" / "run-20261206_110000-abc").mkdir(parents=True)  # an online run: on wandb's site already
+    (run / "wandb" / "latest-run").symlink_to("run-20261206_110000-abc")
     assert logger_rows(str(run)) == [("TensorBoard", "tensorboard --logdir 'my run/tensorboard'")]
-    (run / "wandb" / "offline-run-20261206_120000-abc").mkdir()  # wandb.mode=offline, the default
-    assert logger_rows(str(run))[1] == ("wandb (offline)", "wandb sync 'my run/wandb'/offline-run-*")
+    (run / "wandb" / "offline-run-20261206_120000-def").mkdir()  # wandb.mode=offline, the default
+    (run / "wandb" / "latest-run").unlink()
+    (run / "wandb" / "latest-run").symlink_to("offline-run-20261206_120000-def")
+    (run / "wandb" / "offline-run-20261205_090000-old").mkdir()  # an earlier run's, of other settings: not this one
+    assert logger_rows(str(run))[1] == ("wandb (offline)", "wandb sync 'my run/wandb/offline-run-20261206_120000-def'")
 
 
 def test_the_run_folders_size_names_its_two_largest_entries(tmp_path, monkeypatch):

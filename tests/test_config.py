@@ -830,11 +830,25 @@ def test_a_setting_is_described_for_a_terminal_by_its_key_or_its_groups():
     group = describe("logging")
     assert group.startswith("logging.tensorboard: bool") and "logging.wandb.mode: str, default offline" in group
     assert describe("eval.prompt_sets.humaneval.limit").startswith("eval.prompt_sets.NAME.limit: int or null")
-    assert "capture.batch_tokens: int" in describe("capture.batch_tokens")
+    assert describe("capture.batch_tokens").startswith("capture.batch_tokens (every mode): int")
+    offline = describe("capture.shard_tokens").splitlines()[2]  # a mode's own row says whose it is
+    assert offline.startswith("capture.shard_tokens (capture=offline): int, default 1048576; a change reruns capture")
+    with pytest.raises(ValueError, match="'': no setting has that key"):
+        describe("")
     with pytest.raises(ValueError, match=re.escape("train.lrr: no such setting (did you mean train.lr?)")):
         describe("train.lrr")
-    done = subprocess.run([sys.executable, "-m", "dflash.config", "train.lr", "trian"], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
-    assert done.returncode == 2 and done.stdout.startswith("train.lr: float")
+
+    def command(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dflash.config", *arguments], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+
+    done = command("train.lr", "trian")  # every key checked before anything is printed
+    assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "dflash: error: trian: no such setting (did you mean train?); `python -m dflash.train " \
                           "--help` lists the groups, docs/config.md every key\n"
+    assert command("train.lr=0.1").stderr.startswith("dflash: error: train.lr=0.1: this command takes keys, not "
+                                                      "overrides: python -m dflash.config train.lr")
+    assert command("--cfg").returncode == 2 and command("--help").stdout.startswith("usage: python -m dflash.config")
+    assert command("train.lr", "data.limit").stdout.splitlines()[::2] == [
+        "train.lr: float, default 0.003; a change reruns train, export, eval",
+        "data.limit: int or null, default 200; a change reruns data, capture, train, export, eval"]

@@ -175,6 +175,21 @@ def test_a_piped_console_gets_a_bars_last_line_once_and_text_with_a_carriage_ret
     assert console.getvalue().endswith("CRLF\n")
 
 
+@pytest.mark.parametrize("desc", ["[cap] x", "eval [replay]", "plain"])
+def test_a_piped_console_gets_the_lines_of_a_bar_whatever_its_description(desc):
+    """The progress a line shows is the text before tqdm's times, so brackets in a description count as progress;
+    a bar that never moves still ends with its line."""
+    console, clock = io.StringIO(), Clock()
+    tee = Tee(console, io.StringIO(), clock=clock)
+    with tqdm(total=2, desc=desc, file=tee, mininterval=0) as bar:
+        clock.now += PIPED_BAR_EVERY
+        bar.update()
+    with tqdm(total=2, desc="stuck", file=tee, mininterval=0):
+        clock.now += 2 * PIPED_BAR_EVERY
+    lines = console.getvalue().splitlines()
+    assert [line.split("|")[0] for line in lines] == [f"{desc}:  50%", "stuck:   0%"]  # its close adds no 50%
+
+
 @pytest.mark.parametrize("console_kind", [Terminal, io.StringIO], ids=["terminal", "piped"])
 def test_a_record_logged_while_a_bar_runs_gets_a_line_of_its_own(console_kind, monkeypatch):
     # Seen on the console: "train:   0%|   | 0/126 [00:00<?, ?it/s][train] ready after 1.0 s (engine, checkpoint)".

@@ -8,14 +8,37 @@ import sys
 
 from dflash.config.reference import describe, reference
 
-if not sys.argv[1:]:
-    print(reference())
-for asked in sys.argv[1:]:
+USAGE = ("usage: python -m dflash.config [KEY ...]: every setting, or those whose key is KEY or begins with it "
+         "(train.lr, data); `python -m dflash.train --help` shows the training command's main keys")
+
+
+def refusal(asked: str) -> str | None:
+    """Why an argument is no key to look up (a flag, an override), or None."""
     if asked.startswith("-"):
-        sys.exit("usage: python -m dflash.config [KEY ...]  (every setting, or those whose key is or begins with "
-                 "KEY: train.lr, data; `python -m dflash.train --help` shows the training command's)")
-    try:
-        print(describe(asked))
-    except ValueError as error:
-        print(f"dflash: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        return f"{asked}: no such option; {USAGE}"
+    if "=" in asked:
+        return f"{asked}: this command takes keys, not overrides: python -m dflash.config {asked.split('=')[0]}"
+    return None
+
+
+def main(arguments: list[str]) -> None:
+    if arguments in (["--help"], ["-h"]):
+        print(USAGE)
+        return
+    if not arguments:
+        print(reference())
+        return
+    described = []
+    for asked in arguments:  # every key is checked before anything is printed
+        problem = refusal(asked)
+        try:
+            described.append(describe(asked) if problem is None else None)
+        except ValueError as error:
+            problem = str(error)
+        if problem is not None:
+            print(f"dflash: error: {problem}", file=sys.stderr)
+            sys.exit(2)
+    print("\n".join(described))
+
+
+main(sys.argv[1:])

@@ -16,6 +16,7 @@ from dflash.config.schema import (
     LoggingSettings, OfflineCapture, OnlineCapture, PromptSetSettings, RunSettings, SyntheticSettings,
     TargetSettings, TrainSettings, WandbSettings,
 )
+from dflash.config.unknown_keys import lookup_setting
 
 SECTIONS: list[tuple[str, type, type | None]] = [
     ("(top level)", RunSettings, None),
@@ -72,7 +73,7 @@ def _group(cls: type) -> bool:
     return isinstance(cls, type) and dataclasses.is_dataclass(cls)
 
 
-def section_fields(title: str, cls: type, base: type | None) -> list[dataclasses.Field]:
+def section_fields(cls: type, base: type | None) -> list[dataclasses.Field]:
     """The settings a section of the reference lists: its fields but the groups, and those a mode's class adds or
     redefines over the class common to every mode."""
     inherited = {f.name: f for f in dataclasses.fields(base)} if base else {}
@@ -80,17 +81,16 @@ def section_fields(title: str, cls: type, base: type | None) -> list[dataclasses
             if not _group(f.type) and not (base and f.name in inherited and f.metadata == inherited[f.name].metadata)]
 
 
-def dotted_key(title: str, name: str) -> str:
+def dotted_key(title: str, cls: type, name: str) -> str:
     """A setting's key on the command line: `train.lr`, `capture.batch_tokens`, `eval.prompt_sets.NAME.limit`."""
-    prefix = title.split(" ")[0].split("=")[0]
-    return name if prefix == "(top" else f"{prefix}.{name}"
+    return name if cls is RunSettings else f"{title.split(' ')[0].split('=')[0]}.{name}"
 
 
 def reference() -> str:
     lines = [START, ""]
     for title, cls, base in SECTIONS:
         rows = []
-        for f in section_fields(title, cls, base):
+        for f in section_fields(cls, base):
             doc = f.metadata["doc"].replace("|", "\\|")
             rows.append(f"| `{f.name}` | {_type_name(f.type)} | {_default(f)} | {_reruns(f)} | {doc} |")
         if not rows:
@@ -103,25 +103,26 @@ def reference() -> str:
 
 def describe(asked: str) -> str:
     """The settings whose key is `asked` or begins with it (`train.lr`, `train`, `capture.batch_tokens`), each as a
-    few lines for a terminal: its key, type, default, what a change reruns (and the capture mode it belongs to), and
-    what it is; ValueError when no key matches."""
-    parts = asked.rstrip(".").split(".")
+    few lines for a terminal: its key (with the capture modes it belongs to), type, default, what a change reruns,
+    and what it is; ValueError when no key matches."""
+    parts = asked.strip(".").split(".")
     if parts[:2] == ["eval", "prompt_sets"] and len(parts) > 2:
         parts[2] = "NAME"  # eval.prompt_sets.humaneval.limit is eval.prompt_sets.NAME.limit
-    asked = ".".join(parts)
+    looked_up = ".".join(parts)
     blocks = []
     for title, cls, base in SECTIONS:
-        for f in section_fields(title, cls, base):
-            key = dotted_key(title, f.name)
-            if key == asked or key.startswith(asked + "."):
-                mode = f" under {title}" if "=" in title else ""
+        for f in section_fields(cls, base):
+            key = dotted_key(title, cls, f.name)
+            if looked_up and (key == looked_up or key.startswith(looked_up + ".")):
+                # A capture setting can differ by mode (its default, what it reruns): each row says whose it is.
+                where = f" ({title.split(' ', 1)[1].strip('()')})" if title.startswith("capture (") else \
+                    f" ({title})" if "=" in title else ""
                 default = _default(f).replace("`", "")
-                blocks.append(f"{key}{mode}: {_type_name(f.type)}, default {default}; a change reruns {_reruns(f)}\n"
+                blocks.append(f"{key}{where}: {_type_name(f.type)}, default {default}; a change reruns {_reruns(f)}\n"
                               + textwrap.fill(f.metadata["doc"], width=100, initial_indent="    ",
                                               subsequent_indent="    "))
     if not blocks:
-        from dflash.config.unknown_keys import lookup_setting
-
-        raise ValueError(lookup_setting(asked)[1] or f"{asked}: no setting has that key or begins with it "
-                                                      f"(python -m dflash.config lists every one)")
+        why = lookup_setting(looked_up)[1] if looked_up else None
+        raise ValueError(why or f"{asked!r}: no setting has that key or begins with it (python -m dflash.config "
+                                f"lists every one)")
     return "\n".join(blocks)

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash.config import fingerprints
 from dflash.run_files import claim_dir, clear_done, read_json_or_none, stage_done, write_json
+from dflash.stages.closing import readable_bytes
 from dflash.stages.context import RunContext
 from dflash.stages.data import DataStage
 from dflash.stages.shapes import drafter_config, mask_token_for, target_shape
@@ -99,7 +100,7 @@ class CaptureStage(Stage):
         save_frozen_head(run.target.embed_tokens().weight, run.target.lm_head_weight(), head,
                          run.target.logit_transform)
         logger.info(f"[capture] the target's embedding and lm_head, which the drafter shares frozen -> {head} "
-                    f"({os.path.getsize(head) / 2**30:.2f} GiB)")
+                    f"({readable_bytes(os.path.getsize(head))})")
         write_json(os.path.join(out, "target.json"), shape)
         logger.info(f"[capture] {summary} -> {out}")
         if mode != "colocated":  # training reads features, not the target: its device memory goes to training

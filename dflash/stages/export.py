@@ -60,7 +60,7 @@ class ExportStage(Stage):
         return True
 
     def closing_rows(self) -> list[tuple[str, str]]:
-        """The exports, and the curve with the metrics it is plotted from."""
+        """The exports, the curve with the metrics it is plotted from, and the loggers' folders (logger_rows)."""
         rows = []
         if os.path.exists(os.path.join(self.out, "done.json")):
             rows.append(("drafter (z-lab format)",
@@ -106,13 +106,15 @@ def export_state(state: dict[str, torch.Tensor], config, folder: str) -> None:
 
 def logger_rows(run_dir: str) -> list[tuple[str, str]]:
     """The training loggers' folders in `run_dir`, each with the command that shows it (its files mean nothing
-    opened by hand): TensorBoard's, and wandb's where it ran offline (an online run is on wandb's site already)."""
+    opened by hand): TensorBoard's, and wandb's latest run where it ran offline (an online run is on wandb's site
+    already; earlier runs of the folder, under other settings, are left out)."""
     rows = []
-    board, offline = os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "wandb")
+    board, latest = os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "wandb", "latest-run")
     if os.path.isdir(board):
         rows.append(("TensorBoard", f"tensorboard --logdir {shlex.quote(shown(board))}"))
-    if os.path.isdir(offline) and any(name.startswith("offline-run-") for name in os.listdir(offline)):
-        rows.append(("wandb (offline)", f"wandb sync {shlex.quote(shown(offline))}/offline-run-*"))
+    if os.path.isdir(latest) and os.path.basename(os.path.realpath(latest)).startswith("offline-run-"):
+        offline = os.path.join(os.path.dirname(latest), os.path.basename(os.path.realpath(latest)))
+        rows.append(("wandb (offline)", f"wandb sync {shlex.quote(shown(offline))}"))
     return rows
 
 
