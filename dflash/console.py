@@ -25,8 +25,6 @@ from typing import TextIO
 from tqdm import tqdm
 
 PIPED_BAR_EVERY = 30.0  # seconds between a progress bar's lines on a console that is not a terminal
-
-
 # Where a tqdm bar's times begin: "[00:30<01:10, ...]" (or "[1:02:03...").
 _BAR_TIMES = re.compile(r" ?\[\d+:\d\d")
 
