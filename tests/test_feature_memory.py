@@ -8,6 +8,7 @@ import logging
 import re
 import threading
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -324,6 +325,10 @@ def test_a_memory_in_part_makes_the_later_epochs_mostly_kept_micro_batches(tiny_
         source = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", memory=memory)
         plan = BatchPlan(len(lengths), 4, 1, 1, seed=3)
         kept = source.kept_apart(plan.epoch_order(0)) if apart else 0
+        if apart:  # token counts the caller hands over (the train stage has them) choose the same
+            counted = ColocatedFeatureSource(adapter, dataset, [0, 1], "float32", lengths=np.array(lengths),
+                                             memory=FeatureMemory(False, 16384, limit_bytes=4 * 16384, widths=widths))
+            assert counted.kept_apart(plan.epoch_order(0)) == kept
         plan = BatchPlan(len(lengths), 4, 1, 1, seed=3, kept=kept)
         calls = counting_capture(monkeypatch, adapter)
         for epoch in range(3):

@@ -51,12 +51,13 @@ class ColocatedFeatureSource(FeatureSource):
     `micro_batch` (`get_batch`) captures a micro-batch in one padded target forward and returns it padded, the
     hidden states on the target's device; its check is pending until `verify_features`.
     `get_many` and indexing return checked single samples. memory: where the first epoch's features are kept
-    (None: every micro-batch is captured).
+    (None: every micro-batch is captured); lengths: every sample's token count where the caller has them
+    (sample_lengths of the dataset, which is otherwise counted when kept_apart needs it).
     """
 
     def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str,
                  final_hidden: bool = False, static: StaticCapture | None = None,
-                 memory: FeatureMemory | None = None) -> None:
+                 memory: FeatureMemory | None = None, lengths: np.ndarray | None = None) -> None:
         self.dtype = store_dtype(dtype)
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"colocated capture keeps features in bfloat16 or float32, not {dtype!r}: fp8 only "
@@ -72,7 +73,7 @@ class ColocatedFeatureSource(FeatureSource):
         if static is not None and (static.layer_ids != self.layer_ids or static.final_hidden != final_hidden):
             raise ValueError(f"the static capture was built for taps {static.layer_ids} (final_hidden="
                              f"{static.final_hidden}), not {self.layer_ids} ({final_hidden})")
-        self.static, self.memory = static, memory
+        self.static, self.memory, self.lengths = static, memory, lengths
         self.tokens_captured = self.tokens_recalled = 0
         # Per micro-batch handed out and not verified yet: its samples' indices and its checks (flags on the host
         # once `ready` has passed, sample ids, tap names, ready event); a batch read back from memory has none.
@@ -95,7 +96,7 @@ class ColocatedFeatureSource(FeatureSource):
         if kept is None:
             if self.memory is None:
                 return 0
-            lengths = sample_lengths(self.dataset)
+            lengths = self.lengths if self.lengths is not None else sample_lengths(self.dataset)
             kept = self.memory.prefix_that_fits([int(lengths[index]) for index in order])
             kept = kept if kept < len(order) else 0
         if self.memory is not None and self.memory.limit_bytes is not None and 0 < kept < len(order):

@@ -388,7 +388,8 @@ class TrainStage(Stage):
                                    pad_id=target.tokenizer.pad_token_id)
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
                                       final_hidden=final_hidden, static=static,
-                                      memory=self.colocated_memory(dataset, lengths, info, final_hidden))
+                                      memory=self.colocated_memory(dataset, lengths, info, final_hidden),
+                                      lengths=lengths)
 
     def colocated_memory(self, dataset: Any, lengths: Any, info: dict, final_hidden: bool) -> FeatureMemory | None:
         """capture.cache: the FeatureMemory keeping the first epoch's colocated features for the later epochs
