@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,12 +15,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dflash.config import compose
 from dflash.extract import capture as capture_module
 from dflash.extract import store as store_module
 from dflash.extract.capture import capture_dataset
 from dflash.extract.fp8 import dequantize_fp8, quantize_fp8
 from dflash.extract.store import FeatureStore, read_manifest
 from dflash.models.targets import build_tiny_target
+from dflash.pipeline import Pipeline
 from tests.schema_options import capture_options
 from tests.test_capture import LENGTHS, make_dataset
 
@@ -38,7 +41,7 @@ def test_disk_preflight_prints_and_refuses(tmp_path, dense, monkeypatch, capsys)
     capture_dataset(dense, data, tmp_path / "ok", [1, 3], **KWARGS)
     printed = capsys.readouterr().out
     # 2 taps x hidden 64 x 4 bytes + id 4 + mask 1 per token, plus offsets and shard headers.
-    assert "the feature store will take" in printed and str(tmp_path / "ok") in printed
+    assert "will write the feature store" in printed and str(tmp_path / "ok") in printed
     actual = sum(p.stat().st_size for p in (tmp_path / "ok").glob("shard-*"))
     needed = sum(LENGTHS) * (2 * 64 * 4 + 5)
     assert needed <= actual <= needed + 7 * (1 << 16)
@@ -50,7 +53,7 @@ def test_disk_preflight_prints_and_refuses(tmp_path, dense, monkeypatch, capsys)
 
     monkeypatch.setattr(dense, "capture", must_not_run)
     folder = tmp_path / "full"
-    with pytest.raises(OSError, match=rf"not enough disk .* in {folder}: it needs \d+ bytes .*only 1000 bytes"):
+    with pytest.raises(OSError, match=rf"not enough disk in {folder}: the feature store .* need \d+ bytes .*only 1000 bytes"):
         capture_dataset(dense, data, tmp_path / "full", [1, 3], **KWARGS)
     assert not list((tmp_path / "full").glob("shard-*"))
 
@@ -104,6 +107,7 @@ torch.set_num_threads(1)
 from dflash.extract import store as store_module
 from dflash.extract.capture import capture_dataset
 from dflash.models.targets import build_tiny_target
+from dflash.pipeline import Pipeline
 from tests.schema_options import capture_options
 from tests.test_capture import make_dataset
 
@@ -234,3 +238,42 @@ def test_corrupt_or_missing_shard_is_named_and_recaptured(tmp_path, dense, capsy
     assert repaired == first  # same samples, same bytes, same manifest
     assert (tmp_path / first["shards"][0]["file"]).stat().st_mtime_ns == untouched
     FeatureStore(tmp_path).verify_all()
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny run folder whose data stage has run, with 4 prompts held out and best_by at T=1."""
+    run_dir = tmp_path_factory.mktemp("tiny-data")
+    overrides = ["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "data.heldout=4",
+                 "train.best_by=tau_T1"]
+    Pipeline(compose(overrides + ["stages=[data]"])).run()
+    return run_dir, overrides
+
+
+@pytest.mark.parametrize("mode", ["offline", "colocated"])
+def test_the_disk_check_counts_the_frozen_head_and_held_out_features(tiny_data, tmp_path, monkeypatch, mode):
+    source, overrides = tiny_data
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    overrides = overrides[:2] + [f"run_dir={run_dir}"] + overrides[3:] + [f"capture={mode}", "stages=[capture]"]
+    checked = []
+    original = capture_module.check_disk
+    monkeypatch.setattr(capture_module, "check_disk", lambda *args: checked.append(args) or original(*args))
+    Pipeline(compose(overrides)).run()
+    [(_, store_bytes, other_bytes)] = checked
+    assert (store_bytes is None) == (mode == "colocated")
+    features = run_dir / "features"
+    written = sum(p.stat().st_size for p in features.glob("*.safetensors") if not p.name.startswith("shard-"))
+    assert written > 0 and {p.name for p in features.glob("heldout*")} >= {"heldout.safetensors"}
+    # Counted before any work, the sampled held-out passes at their longest: never less than what was written.
+    assert written <= other_bytes <= 2 * written
+
+    # One byte short of it: refused before anything is written, naming what does not fit.
+    shutil.rmtree(run_dir)
+    shutil.copytree(source, run_dir)
+    monkeypatch.setattr(capture_module.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(free=(store_bytes or 0) + other_bytes - 1))
+    with pytest.raises(OSError, match=rf"not enough disk in {run_dir / 'features'}: .*the frozen head and held-out "
+                                      rf"features .* need {(store_bytes or 0) + other_bytes} bytes"):
+        Pipeline(compose(overrides)).run()
+    assert not list(features.glob("*.safetensors"))

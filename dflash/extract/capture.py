@@ -81,16 +81,23 @@ def bytes_per_token(width: int, num_taps: int, dtype: torch.dtype) -> int:
     return features + scales + 4 + 1
 
 
-def check_disk(out_dir: Path, needed: int) -> None:
-    """Print the bytes a capture will write into `out_dir`; raise OSError when its file system has less free."""
+def check_disk(out_dir: Path, store_bytes: int | None, other_bytes: int = 0) -> None:
+    """Print the bytes a capture will write into `out_dir`: `store_bytes` of feature-store shards (None: no store,
+    features are made during training) and `other_bytes` of the stage's other files (the frozen head, the held-out
+    features); raise OSError when its file system has less free."""
     free = shutil.disk_usage(out_dir).free
-    logger.info(f"[capture] the feature store will take {needed / 2**30:.2f} GiB more in {out_dir} "
-                f"({free / 2**30:.2f} GiB free)")
+    parts = [] if store_bytes is None else [f"the feature store {store_bytes / 2**30:.2f} GiB more"]
+    if other_bytes or store_bytes is None:
+        parts.append(f"the frozen head and held-out features {other_bytes / 2**30:.2f} GiB")
+    what, needed = " and ".join(parts), (store_bytes or 0) + other_bytes
+    logger.info(f"[capture] will write {what} in {out_dir} ({free / 2**30:.2f} GiB free)")
     if needed > free:
+        advice = "free space or point the run at a larger disk"
+        if store_bytes:
+            advice = "free space, point the run at a larger disk, use capture.dtype=fp8, or use online capture"
         raise OSError(
-            f"not enough disk for the feature store in {out_dir}: it needs {needed} bytes "
-            f"({needed / 2**30:.2f} GiB), only {free} bytes ({free / 2**30:.2f} GiB) are free; free space, "
-            "point the run at a larger disk, use capture.dtype=fp8, or use online capture"
+            f"not enough disk in {out_dir}: {what} need {needed} bytes ({needed / 2**30:.2f} GiB), only {free} "
+            f"bytes ({free / 2**30:.2f} GiB) are free; {advice}"
         )
 
 
@@ -374,6 +381,7 @@ def capture_dataset(
     show_progress: bool = True,
     rank: int = 0,
     world_size: int = 1,
+    other_bytes: int = 0,
 ) -> dict[str, Any]:
     """Capture the features of `layer_ids` for every row of `dataset` (columns id, input_ids, loss_mask) into
     the store folder `out_dir`; returns the manifest.
@@ -381,7 +389,8 @@ def capture_dataset(
     Resumable at shard granularity: shards already listed in a partial manifest are kept. A complete store with
     the same fingerprint returns at once; a different fingerprint (or taps, dtype, hidden size) raises ValueError.
     Samples whose index is a multiple of `check_every` (0: none) are compared with a plain forward. Raises
-    OSError before any work when the remaining shards will not fit on the folder's disk. With `verify_existing`,
+    OSError before any work when the remaining shards, and `other_bytes` the caller writes there after them, will
+    not fit on the folder's disk. With `verify_existing`,
     the shards already listed (complete store included) are hashed first and any missing or corrupt one is
     reported by name and recaptured. With `pack`, samples are laid end to end (TargetAdapter.capture_packed)
     instead of padded into batches; the store is the same up to the kernels' rounding.
@@ -407,12 +416,12 @@ def capture_dataset(
         return _capture_ranks(
             adapter, dataset, out_dir, manifest, fresh, layer_ids, batch_tokens=batch_tokens,
             shard_tokens=shard_tokens, dtype=torch_dtype, check_every=check_every, verify_existing=verify_existing,
-            show_progress=show_progress, rank=rank, world_size=world_size, pack=pack,
+            show_progress=show_progress, rank=rank, world_size=world_size, pack=pack, other_bytes=other_bytes,
         )
     return _capture_alone(
         adapter, dataset, out_dir, manifest, fresh, layer_ids, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
         dtype=torch_dtype, check_every=check_every, verify_existing=verify_existing, show_progress=show_progress,
-        pack=pack,
+        pack=pack, other_bytes=other_bytes,
     )
 
 
@@ -465,7 +474,7 @@ def _save_manifest(writer: ShardWriter, manifest: dict[str, Any], out_dir: Path)
 def _capture_alone(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any] | None, fresh: dict[str, Any],
     layer_ids: list[int], *, batch_tokens: int, shard_tokens: int, dtype: torch.dtype, check_every: int,
-    verify_existing: bool, show_progress: bool, pack: bool,
+    verify_existing: bool, show_progress: bool, pack: bool, other_bytes: int,
 ) -> dict[str, Any]:
     """capture_dataset in one process: `manifest` is the store's (None if new), `fresh` a new one.
 
@@ -488,7 +497,8 @@ def _capture_alone(
     # Shards that a multi-process run of this store finished (each with a sidecar) are kept.
     finished = sidecar_entries(out_dir, plan, verify_existing)
     work = [(index, first, end) for index, (first, end) in plan if index not in finished]
-    check_disk(out_dir, _needed_bytes(lengths, work, len(layer_ids) * adapter.hidden_size, len(layer_ids), dtype))
+    check_disk(out_dir, _needed_bytes(lengths, work, len(layer_ids) * adapter.hidden_size, len(layer_ids), dtype),
+               other_bytes)
     progress = tqdm(
         total=int(lengths.sum()), initial=int(lengths[:done].sum()) + sum(e["num_tokens"] for e in finished.values()),
         unit="tok", desc="capture", disable=not show_progress,
@@ -512,7 +522,7 @@ def _capture_alone(
 def _capture_ranks(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any] | None, fresh: dict[str, Any],
     layer_ids: list[int], *, batch_tokens: int, shard_tokens: int, dtype: torch.dtype, check_every: int,
-    verify_existing: bool, show_progress: bool, rank: int, world_size: int, pack: bool,
+    verify_existing: bool, show_progress: bool, rank: int, world_size: int, pack: bool, other_bytes: int,
 ) -> dict[str, Any]:
     """capture_dataset on one of several ranks: `manifest` is the store's (None if new), `fresh` a new one.
 
@@ -537,7 +547,7 @@ def _capture_ranks(
         unfinished = [(index, first, end) for index, (first, end) in enumerate(plan)
                       if index >= len(listed) and not sidecar_path(out_dir, index).is_file()]
         check_disk(out_dir, _needed_bytes(lengths, unfinished, len(layer_ids) * adapter.hidden_size,
-                                          len(layer_ids), dtype))
+                                          len(layer_ids), dtype), other_bytes)
     dist.barrier()  # stale temps and sidecars are gone before any rank looks for its finished shards
     work = _rank_work(out_dir, plan, listed, rank, world_size, verify_existing)
     logger.info(f"[capture] rank {rank} of {world_size}: {len(work)} of {len(plan)} shards to capture",

@@ -80,6 +80,7 @@ class CaptureStage(Stage):
     def run(self) -> dict[str, Any] | None:
         """This rank's features; rank 0 also writes the held-out features, the frozen head and target.json."""
         from dflash.data.dataset import load_dataset_dir
+        from dflash.extract.capture import check_disk
         from dflash.train.frozen_head import save_frozen_head
 
         run, out = self.context, self.out
@@ -88,10 +89,13 @@ class CaptureStage(Stage):
         dataset = load_dataset_dir(self.data.out)
         shape["mask_token_id"] = self.mask_token(dataset)
         config = drafter_config(run.settings, shape)  # checks taps, mask id and sizes before any work
+        other_bytes = self.other_files_bytes(config.target_layer_ids) if run.rank == 0 else 0
         if mode in ("online", "colocated"):
+            if run.rank == 0:
+                check_disk(Path(out), None, other_bytes)
             summary = self.describe_streamed(mode, len(dataset), config.target_layer_ids)
         else:
-            summary = self.capture_store(dataset, config.target_layer_ids, self.fingerprint())
+            summary = self.capture_store(dataset, config.target_layer_ids, self.fingerprint(), other_bytes)
         if run.rank != 0:  # several ranks capture offline; the stage's other files are rank 0's
             run.release_target()  # frees this rank's device for training
             return None
@@ -153,8 +157,28 @@ class CaptureStage(Stage):
             "batch_tokens": c.batch_tokens})
         return f"{num_samples} samples whose features are made during training ({mode} capture)"
 
-    def capture_store(self, dataset, layer_ids: list[int], key: str) -> str:
-        """This rank's shards of the offline feature store."""
+    def other_files_bytes(self, layer_ids: list[int]) -> int:
+        """Disk bytes of what rank 0 writes beside the features, counted before any work: the frozen head (embedding
+        and lm_head, apart even when tied: ~5 GB for Qwen3.6-27B) and the held-out passes (each token's taps and final
+        hidden state; those continued at train.best_by's temperature counted at their longest)."""
+        from dflash.config.schema import best_by_temperature
+        from dflash.data.dataset import load_heldout_dir
+        from dflash.train.heldout import prompt_length
+
+        target = self.context.target
+        embed = target.embed_tokens().weight
+        head = (embed.numel() + target.lm_head_weight().numel()) * embed.element_size()
+        rows = load_heldout_dir(self.data.out)
+        if rows is None:
+            return head
+        tokens = sum(len(ids) for ids in rows["input_ids"])
+        if best_by_temperature(self.context.settings.train.best_by):
+            tokens += sum(prompt_length(i, m) for i, m in zip(rows["id"], rows["loss_mask"])) + \
+                len(rows) * self.sampled_heldout_budget()
+        return head + tokens * (len(layer_ids) + 1) * target.hidden_size * embed.element_size()
+
+    def capture_store(self, dataset, layer_ids: list[int], key: str, other_bytes: int) -> str:
+        """This rank's shards of the offline feature store; `other_bytes`: what rank 0 writes beside them."""
         from dflash.extract.capture import capture_dataset
         from dflash.models.targets.compile_target import target_layers_compiled
 
@@ -164,7 +188,7 @@ class CaptureStage(Stage):
                                        shard_tokens=c.shard_tokens, dtype=c.dtype, check_every=c.check_every,
                                        verify_existing=c.verify_existing, fingerprint={"key": key},
                                        show_progress=run.show_progress, rank=run.rank, world_size=run.world_size,
-                                       pack=c.pack)
+                                       pack=c.pack, other_bytes=other_bytes)
         return f"{manifest['num_samples']} samples, {manifest['num_tokens']} tokens"
 
     def capture_heldout(self, layer_ids: list[int]) -> None:

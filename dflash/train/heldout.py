@@ -47,7 +47,7 @@ from dflash.train.objective import target_argmax
 SCHEMA_VERSION = 1
 
 
-def _prompt_len(sample_id: str, loss_mask: Sequence[int]) -> int:
+def prompt_length(sample_id: str, loss_mask: Sequence[int]) -> int:
     """The first response position; the held-out replay needs prompt first, then one response to the end."""
     mask = [int(m) for m in loss_mask]
     if 1 not in mask:
@@ -97,7 +97,7 @@ def write_heldout_features(adapter: Any, heldout_dataset: Any, layer_ids: list[i
     """
     rows = _rows(heldout_dataset, max_samples, batch_size)
     sequences = [list(map(int, row["input_ids"])) for row in rows]
-    prompt_lens = [_prompt_len(row["id"], row["loss_mask"]) for row in rows]
+    prompt_lens = [prompt_length(row["id"], row["loss_mask"]) for row in rows]
     _write_passes(adapter, sequences, prompt_lens, layer_ids, path, batch_size)
     return {"samples": len(rows), "tokens": sum(len(s) for s in sequences)}
 
@@ -108,7 +108,7 @@ def write_sampled_heldout(adapter: Any, heldout_dataset: Any, layer_ids: list[in
     pass, saved like write_heldout_features' file with `path_temperature` in its metadata: the passes on which the
     estimate at that temperature is unbiased (docs/eval.md), whatever temperature the data was answered at."""
     rows = _rows(heldout_dataset, None, batch_size)
-    prompts = [list(map(int, row["input_ids"]))[: _prompt_len(row["id"], row["loss_mask"])] for row in rows]
+    prompts = [list(map(int, row["input_ids"]))[: prompt_length(row["id"], row["loss_mask"])] for row in rows]
     continuations = sampled_continuations(adapter, prompts, max_new_tokens=max_new_tokens,
                                           stop_token_ids=adapter.stop_token_ids(), temperature=temperature, seed=seed,
                                           batch_size=batch_size)
