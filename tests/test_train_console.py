@@ -228,3 +228,20 @@ def test_the_default_runs_line_comes_once_the_settings_passed_and_is_logged(tmp_
     with pytest.raises(ConfigError):  # found by a preflight (no drafter to evaluate): its error alone, no line
         Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'untrained'}", "stages=[eval]"])).run()
     assert "CPU demo" not in capsys.readouterr().err
+
+
+def test_the_training_bar_shows_the_mean_of_its_last_steps():
+    """An epoch's short last micro-batch (accuracy 0 on the CPU demo) moves the bar's figures by its share alone."""
+    from collections import deque
+
+    from tqdm import tqdm
+
+    from dflash.train.loop import BAR_MEAN_STEPS, show_step
+
+    bar, recent = tqdm(total=100, file=io.StringIO()), deque(maxlen=BAR_MEAN_STEPS)
+    for step in range(30):
+        show_step(bar, recent, {"loss": float(step), "acc": 0.5, "accept_len_est": 2.0})
+    show_step(bar, recent, {"loss": 100.0, "acc": 0.0, "accept_len_est": 1.0})
+    assert BAR_MEAN_STEPS == 20 and bar.n == 31
+    # The last 20 steps: losses 11..29 and 100.
+    assert bar.postfix == "acc=0.475, loss=24.000, tau=1.95"

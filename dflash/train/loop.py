@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -61,6 +62,8 @@ PHASE_BACKWARD = "dflash: backward"
 PHASE_OPTIMIZER = "dflash: optimizer step"
 PHASE_METRICS = "dflash: step metrics"
 PHASE_CHECKS = "dflash: feature checks"
+# The training bar shows the mean of this many last steps (show_step).
+BAR_MEAN_STEPS = 20
 
 
 # Every time the loop reads (a test replaces it with a scripted clock).
@@ -246,10 +249,12 @@ def check_features(store: FeatureSource | Sequence[Sample], made_ahead: int) -> 
         as_feature_source(store).verify_features(leave=made_ahead)
 
 
-def show_step(progress: tqdm, metrics: dict[str, float]) -> None:
-    """One step more on the progress bar, with its loss, accuracy and estimated acceptance length."""
-    progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
-                         tau=f"{metrics['accept_len_est']:.2f}")
+def show_step(progress: tqdm, recent: deque, metrics: dict[str, float]) -> None:
+    """One step more on the progress bar, with loss, accuracy and estimated acceptance length averaged over the
+    steps `recent` holds (this one added): one step's micro-batch, an epoch's short last one say, tells little."""
+    recent.append((metrics["loss"], metrics["acc"], metrics["accept_len_est"]))
+    loss, acc, tau = (sum(values) / len(recent) for values in zip(*recent))
+    progress.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.3f}", tau=f"{tau:.2f}")
     progress.update(1)
 
 
@@ -287,6 +292,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
                                 resumed=tag is not None, rank=rank, world_size=world_size, clock=clock,
                                 best_by=settings.best_by)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
+    bar_steps: deque = deque(maxlen=BAR_MEAN_STEPS)
     total_steps = follow_plan(pace.budget, engine, progress, total_steps, pace.resumed_plan(total_steps), rank)
     profiler = StepProfiler(settings.profile_steps, profile_path(checkpoint_dir), device, enabled=rank == 0)
     records = StepRecords(log, engine, first_step=step, log_every=settings.log_every,
@@ -314,7 +320,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
                 metrics.update(evaluation.run(engine, step))
                 total_steps = follow_plan(pace.budget, engine, progress, total_steps, pace.after_evaluation(step), rank)
             records.write(step, metrics, total_steps)
-            show_step(progress, metrics)
+            show_step(progress, bar_steps, metrics)
             with pace.left_out(profiler.profiles(step)):
                 profiler.after_step(step)  # the last profiled step writes its table here (rank 0)
             stopping = stop.requested(device)  # in the last step too: stop now, not after export and eval
