@@ -141,3 +141,27 @@ def test_template_options_reach_regeneration(tmp_path):
     # Without options a build keeps the fingerprint it had before the setting existed.
     again = build_dataset(prompts, adapter, tmp_path / "plain", template_kwargs={}, **options)
     assert again["fingerprint"] == plain["fingerprint"]
+
+
+def test_a_template_the_target_does_not_carry_travels_with_the_export(tmp_path, capsys):
+    """A base model's plain format (or a template file) is recorded by the data stage and exported beside the
+    drafter, checksummed, and the closing block names it; a target's own template is not written."""
+    from dflash.run_files import checksum_problem, read_json
+
+    run_dir = tmp_path / "run"
+    Pipeline(compose(TINY + ["target=hf", f"target.path={base_model_folder(tmp_path)}", f"run_dir={run_dir}",
+                             "data.limit=3", "data.max_new_tokens=4", "train.max_steps=2"])).run()
+    recorded = (run_dir / "data" / "chat_template.jinja").read_text()
+    assert recorded in (PLAIN_TEMPLATE, PLAIN_TEMPLATE_WITH_BOS)
+    assert (run_dir / "export" / "chat_template.jinja").read_text() == recorded
+    assert "chat_template.jinja" in read_json(str(run_dir / "export" / "checksums.json"))
+    assert checksum_problem(str(run_dir / "export")) is None
+    closing = capsys.readouterr().out.split("\n")
+    # The tiny drafter mixes sliding and full layers, which not every vLLM serves.
+    assert any(f"serve it with SGLang, or a vLLM that serves drafters mixing sliding and full layers, with the chat "
+               f"template {run_dir / 'export' / 'chat_template.jinja'} (docs/serving.md)" in line for line in closing)
+
+    own = tmp_path / "own"
+    Pipeline(compose(TINY + ["target=hf", f"target.path={hf_folder(tmp_path)}", f"run_dir={own}",
+                             "data.limit=3", "data.max_new_tokens=4", "stages=[data]"])).run()
+    assert not (own / "data" / "chat_template.jinja").exists()

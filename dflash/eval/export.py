@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
+from dflash.models.targets.chat_template import TEMPLATE_FILE
 from dflash.config.errors import CorruptFile
 from dflash.run_files import checksum_problem, swap_in_dir, write_checksums
 
@@ -49,9 +50,11 @@ def refuse_non_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
                                f"training that made them diverged (see its loss and grad_norm in metrics.jsonl)")
 
 
-def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Write out_dir/config.json, out_dir/model.safetensors and their checksums.json; an existing out_dir is
-    replaced as a whole.
+def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = torch.bfloat16,
+                chat_template: str | None = None) -> str:
+    """Write out_dir/config.json, out_dir/model.safetensors, with `chat_template` out_dir/chat_template.jinja (the
+    template the drafter was trained with where the target's own is not it: a serving engine is given the file),
+    and their checksums.json; an existing out_dir is replaced as a whole.
 
     Written into a temporary sibling folder first, then moved into place, so out_dir is never half-written; if
     the move fails, the previous export stays at out_dir. The folder and files get the usual modes (0o777 / 0o666
@@ -70,6 +73,9 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
             json.dump(config, f, indent=2)
             f.write("\n")
         save_file(tensors, os.path.join(temp, WEIGHTS_NAME), metadata={"format": "pt"})
+        if chat_template is not None:
+            with open(os.path.join(temp, TEMPLATE_FILE), "w", encoding="utf-8") as f:
+                f.write(chat_template)
         write_checksums(temp)  # verified by load_drafter
         # mkdtemp makes the folder 0o700 and safetensors may write 0o600: only their owner could read them.
         umask = process_umask()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.run_files import clear_done, file_sha256, read_json_or_none, stage_done, write_json
+from dflash.run_files import clear_done, file_sha256, read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.context import RunContext
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.shapes import check_drafter_fits
@@ -46,6 +46,7 @@ class DataStage(Stage):
     def __init__(self, run: RunContext) -> None:
         self.context = run
         self.out = run.dirs["data"]
+        self.file_prompts: int | None = None  # how many prompts a user's file gave the preflight, which read it
 
     def fingerprint(self) -> str:
         return fingerprints.data_fingerprint(self.context.settings)
@@ -107,11 +108,15 @@ class DataStage(Stage):
         if s.data.eval_overlap_ngram:
             files += eval_prompt_files(s)
         refuse_unreadable_prompts(files)
+        if s.data.source == "file":  # a user's file: a malformed line is found before the run folder is made
+            self.file_prompts = len(training_prompts(s.data))  # the stage reads it again, after hashing it
 
     def describe(self) -> str:
         s = self.context.settings
         d, kind = s.data, s.target.kind
         prompts = f"{d.limit} {d.source} prompts" if d.limit else f"every {d.source} prompt"
+        if self.file_prompts is not None:
+            prompts = f"{self.file_prompts} prompts of {d.path}"
         if d.synthetic.count:
             prompts += f" and {d.synthetic.count} the target writes itself"
         answers = "greedily" if d.temperature == 0 else f"sampled at T={d.temperature}"
@@ -154,6 +159,7 @@ class DataStage(Stage):
         if stats["failed"]:  # built for these settings though not marked done (done())
             stats["built_for"] = self.fingerprint()
         write_json(os.path.join(out, "stats.json"), stats)
+        self.record_template()
         logger.info(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
@@ -161,6 +167,19 @@ class DataStage(Stage):
                         "without them, and running the data stage again retries them")
             return None
         return {"stats": stats}
+
+    def record_template(self) -> None:
+        """data/chat_template.jinja: the template the prompts were rendered with, where a serving engine would not
+        use it by itself (a template file, a base model's plain format); the exports take it along."""
+        from dflash.models.targets.chat_template import TEMPLATE_FILE, template_to_record
+
+        run = self.context
+        template = template_to_record(run.target.tokenizer, run.settings.target.chat_template)
+        path = os.path.join(self.out, TEMPLATE_FILE)
+        if template is not None:
+            write_text(path, template)
+        elif os.path.exists(path):
+            os.remove(path)
 
     def before_replace(self) -> None:
         """Right before a new dataset replaces the finished one: its done marker goes, and with overwrite=true the

@@ -63,8 +63,7 @@ class ExportStage(Stage):
         """The exports, the curve with the metrics it is plotted from, and the loggers' folders (logger_rows)."""
         rows = []
         if os.path.exists(os.path.join(self.out, "done.json")):
-            rows.append(("drafter (z-lab format)",
-                         f"{shown(self.out)}   serve it with vLLM or SGLang (docs/serving.md)"))
+            rows.append(("drafter (z-lab format)", f"{shown(self.out)}   {serving_line(self.out)}"))
         best = read_json_or_none(os.path.join(self.best, "best.json"))
         if best:
             rows.append(("best held-out checkpoint",
@@ -87,21 +86,48 @@ class ExportStage(Stage):
                 f"is missing or of other settings); run it, which exports too: python -m dflash.train ... "
                 f"(stages=[train])")
         config = train.drafter_config()
-        export_state(final_state_dict(train.checkpoints), config, self.out)
+        export_state(final_state_dict(train.checkpoints), config, self.out, recorded_template(run_dir))
         export_best(run_dir, train.checkpoints, config)
         plot_training_curve(run_dir)
         logger.info(f"[export] drafter -> {self.out}")
         return {"checkpoint": train.checkpoint_fingerprint()}
 
 
-def export_state(state: dict[str, torch.Tensor], config, folder: str) -> None:
-    """A drafter state dict (any dtype) exported to `folder`."""
+def serving_line(folder: str) -> str:
+    """How to serve the export in `folder`, with what an engine must be given beside it: the chat template it was
+    trained with, where it is not the target's own, and, for a drafter that mixes sliding and full layers, a vLLM
+    that serves those (docs/serving.md)."""
+    from dflash.models.targets.chat_template import TEMPLATE_FILE
+
+    engines = "vLLM or SGLang"
+    layer_types = set((read_json_or_none(os.path.join(folder, "config.json")) or {}).get("layer_types") or [])
+    if len(layer_types) > 1:
+        engines = "SGLang, or a vLLM that serves drafters mixing sliding and full layers,"
+    template = os.path.join(folder, TEMPLATE_FILE)
+    with_template = f" with the chat template {shown(template)}" if os.path.exists(template) else ""
+    return f"serve it with {engines}{with_template} (docs/serving.md)"
+
+
+def export_state(state: dict[str, torch.Tensor], config, folder: str, chat_template: str | None) -> None:
+    """A drafter state dict (any dtype) exported to `folder`, with the template it was trained with when it is
+    not the target's own (recorded_template)."""
     from dflash.eval.export import export_zlab
     from dflash.models.drafter import DFlashDraftModel
 
     drafter = DFlashDraftModel(config)
     drafter.load_state_dict({k: v.float() for k, v in state.items()})
-    export_zlab(drafter, folder)
+    export_zlab(drafter, folder, chat_template=chat_template)
+
+
+def recorded_template(run_dir: str) -> str | None:
+    """The chat template the run's data stage recorded (DataStage.record_template), or None: the target's own."""
+    from dflash.models.targets.chat_template import TEMPLATE_FILE
+
+    path = os.path.join(run_dir, "data", TEMPLATE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def logger_rows(run_dir: str) -> list[tuple[str, str]]:
@@ -135,7 +161,7 @@ def export_best(run_dir: str, checkpoints: str, config) -> dict[str, Any] | None
     if best is None:
         shutil.rmtree(folder, ignore_errors=True)
         return None
-    export_state(best[0], config, folder)
+    export_state(best[0], config, folder, recorded_template(run_dir))
     write_json(os.path.join(folder, "best.json"), best[1])
     logger.info(f"[export] best held-out checkpoint (step {best[1]['step']}, tau {best[1]['tau']:.3f}) -> {folder}")
     return best[1]

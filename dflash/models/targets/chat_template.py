@@ -32,6 +32,9 @@ PLAIN_TEMPLATES = (PLAIN_TEMPLATE, PLAIN_TEMPLATE_WITH_BOS)
 # with the conversation's next turn, which is made-up text, not the answer.
 PLAIN_ANSWER_END = "\n\nUser:"
 
+# The file a run's data stage and its exports hold the template in, where a serving engine would not use it by itself.
+TEMPLATE_FILE = "chat_template.jinja"
+
 # Template files already warned about (a target is loaded again by later stages).
 _warned_without_bos: set[str] = set()
 
@@ -55,6 +58,13 @@ def starts_with_bos(tokenizer: Any) -> bool:
 def answer_stop_strings(tokenizer: Any) -> list[str]:
     """The texts that end an answer besides the stop tokens: the next turn of the plain format, else none."""
     return [PLAIN_ANSWER_END] if getattr(tokenizer, "chat_template", None) in PLAIN_TEMPLATES else []
+
+
+def template_to_record(tokenizer: Any, template_file: str | None) -> str | None:
+    """The template `tokenizer` renders prompts with where a serving engine would not use it by itself (a user's
+    template file, or the plain format of a base model); None where it is the tokenizer's own."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if template_file or template in PLAIN_TEMPLATES else None
 
 
 def set_chat_template(tokenizer: Any, template_file: str | None, model_type: str) -> str | None:
