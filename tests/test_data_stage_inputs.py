@@ -85,3 +85,19 @@ def test_a_build_that_recorded_no_input_files_is_trusted(tmp_path):
     write_json(stats_path, stats)
     prompt_file(path, ["Another question."])
     assert Pipeline(compose(command)).data.current()
+
+
+def test_a_malformed_prompt_file_is_refused_before_the_run_folder_is_made(tmp_path, capsys):
+    """A user's prompt file is read whole before any work; the stage's header counts what it holds."""
+    import pytest
+
+    from dflash.config import ConfigError
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p0", "prompt": "Hi"}) + "\n{not json\n")
+    with pytest.raises(ConfigError, match=rf"{prompts}:2: malformed JSON line"):
+        Pipeline(compose(data_command(tmp_path))).run()
+    assert not (tmp_path / "run").exists()
+    prompt_file(prompts, ["Hi", "Hello", "Hey"])
+    Pipeline(compose(data_command(tmp_path, "data.limit=32"))).run()
+    assert f"[data] 3 prompts of {prompts}, answered greedily" in capsys.readouterr().out
