@@ -88,7 +88,8 @@ class Pipeline:
                 run_log().write(ending(error))
                 raise
             if run.rank == 0:
-                print(closing_block(run.run_dir, self.stages, log), flush=True)
+                selected = selected_stages(self.settings.stages, self.stages)
+                print(closing_block(run.run_dir, self.stages, log, selected), flush=True)
         return summary
 
     def run_stages(self) -> dict[str, Any] | None:

@@ -56,6 +56,11 @@ def test_a_short_cpu_run_ends_with_a_note_and_a_live_one_with_no_next_command(tm
     block = closing_block(cpu.context.run_dir, cpu.stages, "x.log").splitlines()
     assert block[-3] == "  console log                 x.log" and block[-2].startswith("  on disk ")
     assert block[-1].startswith("  This was a short CPU run: a drafter trained for minutes on a CPU")
+    assert "+experiment=smollm2_quick" in block[-1]
+    other = finished_run(tmp_path / "other", 1.2, "device=cpu")
+    other.context.settings.target.kind = "hf"  # another target: the SmolLM2 recipe's commands are not its own
+    note = closing_block(other.context.run_dir, other.stages, "x.log").splitlines()[-1]
+    assert "A real drafter: this target on a machine with a GPU" in note and "smollm2_quick" not in note
     live = finished_run(tmp_path / "live", 2.5, "eval.mode=live")
     live.context.settings.target.kind = "smollm2"
     assert closing_block(live.context.run_dir, live.stages, "x.log").splitlines()[-1].startswith("  on disk ")
@@ -163,3 +168,16 @@ def test_evaluating_a_run_folder_whose_drafters_were_moved_aside_says_so(tmp_pat
     (run_dir / "checkpoints.0123456789abcdef").rmdir()
     with pytest.raises(NothingToEvaluate, match="holds no drafter to evaluate: no drafter was trained there yet"):
         Pipeline(compose(["+experiment=tiny", f"run_dir={run_dir}", "stages=[eval]"])).run()
+
+
+def test_a_command_that_stops_short_of_evaluation_names_the_next_command(tmp_path, monkeypatch):
+    """dflash.extract (data and capture) is followed by training, stages=[train] by evaluation."""
+    monkeypatch.chdir(tmp_path)
+    pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"]))
+
+    def last_row(selected):
+        return closing_block(pipeline.context.run_dir, pipeline.stages, "x.log", selected).splitlines()[-1]
+
+    assert last_row(["data", "capture"]) == "  next: training              python -m dflash.train name=tiny"
+    assert last_row(["train", "export"]) == "  next: evaluation            python -m dflash.eval name=tiny"
+    assert last_row(["data", "capture", "train", "export", "eval"]) == "  console log                 x.log"

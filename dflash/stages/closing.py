@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 
 from dflash.stages.stage import Stage
 
 
-def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str) -> str:
+def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str, selected: list[str] | None = None) -> str:
     """The stages' rows of what they left, the console log and the run folder's size, then their rows of what to
-    run next."""
+    run next, or, after a command that stopped short of evaluation (`selected`: the stages it ran), the next
+    command (next_command_rows)."""
     rows = [row for stage in stages for row in stage.closing_rows()]
     rows.append(("console log", shown(log)))
     if os.path.isdir(run_dir):
         rows.append(("on disk", disk_use(run_dir)))
     rows += [row for stage in stages for row in stage.next_rows()]
+    if selected is not None and "eval" not in selected:
+        rows += next_command_rows(stages[0].context.settings, selected)  # every stage has the run's context
     lines = [f"== done: {shown(run_dir)} =="]
     lines += [f"  {what:<26}  {value}" if what else f"  {value}" for what, value in rows]
     return "\n".join(lines)
@@ -56,3 +60,16 @@ def shown(path: str) -> str:
     """`path` relative to the working folder when it lies inside it, else absolute."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
+
+
+def next_command_rows(settings, selected: list[str]) -> list[tuple[str, str]]:
+    """The command after one that stopped short of evaluation: training after data or capture (dflash.extract),
+    evaluation after training (stages=[train]); the same overrides, quoted for a shell."""
+    from dflash.stages.evaluation import command_overrides
+
+    words = " ".join(shlex.quote(w) for w in command_overrides(settings))
+    if "train" in selected:
+        return [("next: evaluation", f"python -m dflash.eval {words}")]
+    if "data" in selected or "capture" in selected:
+        return [("next: training", f"python -m dflash.train {words}")]
+    return []
