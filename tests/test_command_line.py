@@ -30,20 +30,23 @@ def test_the_gpu_default_is_the_smollm2_recipe_scaled_down():
     assert quick.data.limit < 24000 and quick.data.synthetic.count < full.data.synthetic.count
 
 
-@pytest.mark.parametrize("argv,config,announced", [([], "train", True), (["name=mine"], "train", True),
-                                                   (["+experiment=tiny"], "train", False), ([], "eval", False),
-                                                   (["--help"], "train", False), (["--cfg", "job"], "train", False)])
+@pytest.mark.parametrize("argv,config,announced", [
+    ([], "train", "demo"), (["name=mine"], "train", "demo"), (["+experiment=tiny"], "train", None),
+    ([], "eval", None), (["--help"], "train", None), (["--cfg", "job"], "train", None),
+    (["target=hf", "target.path=/m.gguf"], "train", "target"), (["target=hf", "+experiment=tiny"], "train", None),
+    (["target=hf", "target.path=/m.gguf"], "extract", None), (["device=cpu"], "train", None)])
 def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, monkeypatch, capsys):
+    """And a run of a target named without an experiment says what its default sizes take."""
     import torch
 
     from dflash.config import command_line
-    from dflash.config.command_line import CPU_DEMO_LINE, command_arguments, default_run_line
+    from dflash.config.command_line import CPU_DEMO_LINE, CPU_TARGET_LINE, command_arguments, default_run_line
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(command_line, "_default_run_line", None)  # put back after: later runs in this process say none
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert command_arguments(argv, config) == argv
-    assert (default_run_line() == CPU_DEMO_LINE) == announced
+    assert default_run_line() == {"demo": CPU_DEMO_LINE, "target": CPU_TARGET_LINE, None: None}[announced]
     assert capsys.readouterr().err == ""  # said by the pipeline once the settings are checked, not here
 
 

@@ -25,6 +25,11 @@ GPU_DEFAULT = "+experiment=smollm2_quick"
 CPU_DEMO_LINE = ("dflash: no GPU: this is the CPU demo, a drafter for the real SmolLM2 target trained for a few "
                  "minutes (5 to 6 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on "
                  "a machine with a GPU the same command trains a real drafter in about 10 minutes")
+# What it says first on such a machine when the command names a target and no experiment: the default sizes, which
+# a larger target makes longer.
+CPU_TARGET_LINE = ("dflash: no GPU: this trains a drafter for the target named on the CPU with the default sizes, "
+                   "which take 5 to 6 minutes for the 135M SmolLM2 and longer for a larger target; "
+                   "+experiment=tiny runs every stage on a few prompts, as a first check")
 GPU_DEFAULT_LINE = (f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
                     f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo")
 # Set by command_arguments, said by the pipeline (default_run_line).
@@ -67,6 +72,15 @@ def chooses(argv: list[str]) -> bool:
     return any(_override_key(arg) in CHOOSING_KEYS for arg in argv if not arg.startswith("-"))
 
 
+def cpu_run_line(argv: list[str]) -> str | None:
+    """What a training command on a machine without a GPU says first: that it is the CPU demo when `argv` chooses
+    nothing, what its sizes take when it names a target and no experiment, else nothing."""
+    chosen = {_override_key(arg) for arg in argv if not arg.startswith("-")}
+    if not chosen & set(CHOOSING_KEYS):
+        return CPU_DEMO_LINE
+    return CPU_TARGET_LINE if "target" in chosen and "experiment" not in chosen else None
+
+
 def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
     """`argv` plus the GPU default when the machine has a GPU and no override chooses an experiment, target or
     device; otherwise `argv` unchanged."""
@@ -100,8 +114,8 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
             print(GPU_DEFAULT_LINE, file=sys.stderr)
         elif arguments != kept:
             _default_run_line = GPU_DEFAULT_LINE
-        elif config_name == "train" and not torch.cuda.is_available() and not chooses(kept) and not flags:
-            _default_run_line = CPU_DEMO_LINE
+        elif config_name == "train" and not torch.cuda.is_available() and not flags:
+            _default_run_line = cpu_run_line(kept)
     return arguments
 
 
