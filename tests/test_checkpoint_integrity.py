@@ -37,7 +37,10 @@ def test_a_corrupt_latest_checkpoint_is_named_and_the_run_resumes_from_the_one_b
     assert verified_latest_tag(checkpoints) == tags[-2]
     capsys.readouterr()
     losses, state = trainer_harness.run(str(out), 2, 1, save_every=2)  # resumes from the tag before and finishes
-    assert f"checkpoint {latest} is corrupt" in capsys.readouterr().err
+    out_text, err = capsys.readouterr()
+    assert f"checkpoint {latest} is corrupt" in err
+    assert f"[train] resuming from the checkpoint of step {tags[-2].removeprefix('step')} " \
+           f"({os.path.join(checkpoints, tags[-2])}): weights, optimizer, data position" in out_text + err
     assert losses == reference_losses
     for name, tensor in reference.items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)

@@ -10,6 +10,7 @@ dflash/train/checkpoints.py's.
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 from typing import Any
 
@@ -45,6 +46,9 @@ class CheckpointPolicy:
         saved_batch = state.get("global_batch_size", self.global_batch_size)
         if saved_batch != self.global_batch_size:
             raise batch_mismatch(tag, saved_batch, self.global_batch_size)
+        if self.rank == 0:
+            logger.info(f"[train] resuming from the checkpoint of step {state['global_step']:,} "
+                        f"({os.path.join(self.checkpoint_dir, tag)}): weights, optimizer, data position")
         return state
 
     def kept_apart(self, plan: BatchPlan, source: FeatureSource, state: dict[str, Any]) -> BatchPlan:
