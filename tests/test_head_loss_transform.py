@@ -63,6 +63,19 @@ def test_frozen_head_file_keeps_the_transform(tmp_path):
     assert load_logit_transform(path).identity
 
 
+def test_a_tied_head_is_stored_once_and_loads_as_both(tmp_path):
+    from safetensors import safe_open
+
+    embed = torch.randn(10, 4)
+    path = str(tmp_path / "frozen_head.safetensors")
+    for head in (embed, embed.clone()):  # the same tensor, or a copy of it (a target that ties by value)
+        save_frozen_head(embed, head, path)
+        with safe_open(path, framework="pt") as f:
+            assert list(f.keys()) == ["embed_tokens"]
+        loaded_embed, loaded_head = load_frozen_head(path)
+        assert torch.equal(loaded_embed, embed) and torch.equal(loaded_head, embed)
+
+
 PEAK = """
 import json, resource, sys, torch
 from dflash.models.targets.logit_transform import LogitTransform

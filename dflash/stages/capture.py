@@ -159,15 +159,16 @@ class CaptureStage(Stage):
 
     def other_files_bytes(self, layer_ids: list[int]) -> int:
         """Disk bytes of what rank 0 writes beside the features, counted before any work: the frozen head (embedding
-        and lm_head, apart even when tied: ~5 GB for Qwen3.6-27B) and the held-out passes (each token's taps and final
-        hidden state; those continued at train.best_by's temperature counted at their longest)."""
+        and lm_head, one of them when tied: ~5 GB for Qwen3.6-27B) and the held-out passes (each token's taps and
+        final hidden state; those continued at train.best_by's temperature counted at their longest)."""
         from dflash.config.schema import best_by_temperature
         from dflash.data.dataset import load_heldout_dir
+        from dflash.train.frozen_head import tied
         from dflash.train.heldout import prompt_length
 
         target = self.context.target
-        embed = target.embed_tokens().weight
-        head = (embed.numel() + target.lm_head_weight().numel()) * embed.element_size()
+        embed, lm_head = target.embed_tokens().weight, target.lm_head_weight()
+        head = (embed.numel() + (0 if tied(embed, lm_head) else lm_head.numel())) * embed.element_size()
         rows = load_heldout_dir(self.data.out)
         if rows is None:
             return head

@@ -15,18 +15,28 @@ from dflash.run_files import atomic_path
 
 def save_frozen_head(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, path: str,
                      logit_transform: LogitTransform | None = None) -> None:
-    tensors = {"embed_tokens": embed_weight.detach().cpu().contiguous(),
-               "lm_head": lm_head_weight.detach().cpu().clone().contiguous()}
+    """The file at `path`; a head tied to the embedding (SmolLM2, Gemma) is stored once, as embed_tokens alone."""
+    tensors = {"embed_tokens": embed_weight.detach().cpu().contiguous()}
+    if not tied(embed_weight, lm_head_weight):
+        tensors["lm_head"] = lm_head_weight.detach().cpu().clone().contiguous()
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=(logit_transform or LogitTransform()).metadata() or None)
 
 
+def tied(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> bool:
+    """Whether the head is the embedding: the same tensor, or equal values of the same shape and dtype."""
+    return lm_head_weight is embed_weight or (lm_head_weight.shape == embed_weight.shape and
+                                              lm_head_weight.dtype == embed_weight.dtype and
+                                              torch.equal(lm_head_weight.detach().cpu(), embed_weight.detach().cpu()))
+
+
 def load_frozen_head(path: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(embed_tokens [V, H], lm_head [V, H]) on `device`; neither requires grad."""
+    """(embed_tokens [V, H], lm_head [V, H]) on `device` (one tensor twice for a tied head); neither requires
+    grad."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"frozen embedding/lm_head file {path} is missing: run the capture stage first")
     tensors = load_file(path, device=str(device))
-    return tensors["embed_tokens"], tensors["lm_head"]
+    return tensors["embed_tokens"], tensors.get("lm_head", tensors["embed_tokens"])
 
 
 def load_logit_transform(path: str) -> LogitTransform:
