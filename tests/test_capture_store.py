@@ -41,7 +41,7 @@ def test_disk_preflight_prints_and_refuses(tmp_path, dense, monkeypatch, capsys)
     capture_dataset(dense, data, tmp_path / "ok", [1, 3], **KWARGS)
     printed = capsys.readouterr().out
     # 2 taps x hidden 64 x 4 bytes + id 4 + mask 1 per token, plus offsets and shard headers.
-    assert "will write the feature store" in printed and str(tmp_path / "ok") in printed
+    assert "[capture] will write 0.00 GiB of feature shards in" in printed and str(tmp_path / "ok") in printed
     actual = sum(p.stat().st_size for p in (tmp_path / "ok").glob("shard-*"))
     needed = sum(LENGTHS) * (2 * 64 * 4 + 5)
     assert needed <= actual <= needed + 7 * (1 << 16)
@@ -53,7 +53,8 @@ def test_disk_preflight_prints_and_refuses(tmp_path, dense, monkeypatch, capsys)
 
     monkeypatch.setattr(dense, "capture", must_not_run)
     folder = tmp_path / "full"
-    with pytest.raises(OSError, match=rf"not enough disk in {folder}: the feature store .* need \d+ bytes .*only 1000 bytes"):
+    with pytest.raises(OSError, match=rf"not enough disk in {folder}: it needs \d+ bytes .*: .* of feature shards.*"
+                                      rf"only 1000 bytes"):
         capture_dataset(dense, data, tmp_path / "full", [1, 3], **KWARGS)
     assert not list((tmp_path / "full").glob("shard-*"))
 
@@ -107,7 +108,6 @@ torch.set_num_threads(1)
 from dflash.extract import store as store_module
 from dflash.extract.capture import capture_dataset
 from dflash.models.targets import build_tiny_target
-from dflash.pipeline import Pipeline
 from tests.schema_options import capture_options
 from tests.test_capture import make_dataset
 
@@ -273,7 +273,18 @@ def test_the_disk_check_counts_the_frozen_head_and_held_out_features(tiny_data, 
     shutil.copytree(source, run_dir)
     monkeypatch.setattr(capture_module.shutil, "disk_usage",
                         lambda path: SimpleNamespace(free=(store_bytes or 0) + other_bytes - 1))
-    with pytest.raises(OSError, match=rf"not enough disk in {run_dir / 'features'}: .*the frozen head and held-out "
-                                      rf"features .* need {(store_bytes or 0) + other_bytes} bytes"):
+    with pytest.raises(OSError, match=rf"not enough disk in {run_dir / 'features'}: it needs "
+                                      rf"{(store_bytes or 0) + other_bytes} bytes .* for the stage's other files"):
         Pipeline(compose(overrides)).run()
     assert not list(features.glob("*.safetensors"))
+    if mode == "offline":  # a complete store whose other files did not fit: checked again, without the shards
+        shutil.rmtree(run_dir)
+        shutil.copytree(source, run_dir)
+        monkeypatch.setattr(capture_module.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 40))
+        Pipeline(compose(overrides)).run()
+        (features / "frozen_head.safetensors").unlink()
+        (features / "done.json").unlink()
+        monkeypatch.setattr(capture_module.shutil, "disk_usage", lambda path: SimpleNamespace(free=other_bytes - 1))
+        with pytest.raises(OSError, match=r"it needs \d+ bytes .*: 0.00 GiB of feature shards and .* for the stage"):
+            Pipeline(compose(overrides)).run()
+        assert not (features / "frozen_head.safetensors").exists()

@@ -158,8 +158,9 @@ def test_a_template_the_target_does_not_carry_travels_with_the_export(tmp_path, 
     assert checksum_problem(str(run_dir / "export")) is None
     closing = capsys.readouterr().out.split("\n")
     # The tiny drafter mixes sliding and full layers, which not every vLLM serves.
-    assert any(f"serve it with SGLang, or a vLLM that serves drafters mixing sliding and full layers, with the chat "
-               f"template {run_dir / 'export' / 'chat_template.jinja'} (docs/serving.md)" in line for line in closing)
+    assert any(f"serve it with SGLang, or a vLLM with mixed sliding and full drafter layers (PR 40898), with the chat "
+               f"template {run_dir / 'export' / 'chat_template.jinja'} and the stop string '\\n\\nUser:' "
+               f"(docs/serving.md)" in line for line in closing)
 
     own = tmp_path / "own"
     Pipeline(compose(TINY + ["target=hf", f"target.path={hf_folder(tmp_path)}", f"run_dir={own}",

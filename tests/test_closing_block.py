@@ -181,3 +181,11 @@ def test_a_command_that_stops_short_of_evaluation_names_the_next_command(tmp_pat
     assert last_row(["data", "capture"]) == "  next: training              python -m dflash.train name=tiny"
     assert last_row(["train", "export"]) == "  next: evaluation            python -m dflash.eval name=tiny"
     assert last_row(["data", "capture", "train", "export", "eval"]) == "  console log                 x.log"
+
+
+def test_a_data_stage_alone_ends_with_the_training_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path / 'run'}", "data.limit=3",
+                      "stages=[data]"])).run()
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == \
+        "  next: training              python -m dflash.train name=tiny"

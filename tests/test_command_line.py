@@ -34,7 +34,8 @@ def test_the_gpu_default_is_the_smollm2_recipe_scaled_down():
     ([], "train", "demo"), (["name=mine"], "train", "demo"), (["+experiment=tiny"], "train", None),
     ([], "eval", None), (["--help"], "train", None), (["--cfg", "job"], "train", None),
     (["target=hf", "target.path=/m.gguf"], "train", "target"), (["target=hf", "+experiment=tiny"], "train", None),
-    (["target=hf", "target.path=/m.gguf"], "extract", None), (["device=cpu"], "train", None)])
+    (["target=hf", "target.path=/m.gguf"], "extract", None), (["device=cpu"], "train", None),
+    (["target.dtype=float32"], "train", None)])
 def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, monkeypatch, capsys):
     """And a run of a target named without an experiment says what its default sizes take."""
     import torch
@@ -63,3 +64,13 @@ def test_the_gpu_default_is_said_by_the_run_or_at_once_where_no_run_follows(argv
     assert command_arguments(argv, "train") == [*argv, GPU_DEFAULT]
     assert (default_run_line() == GPU_DEFAULT_LINE) == deferred
     assert (GPU_DEFAULT_LINE in capsys.readouterr().err) != deferred  # --cfg job prints the default's config now
+
+
+def test_the_gemma3_270m_command_has_help_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from dflash.models.targets.gemma3_270m import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        main(["--help"])
+    assert ended.value.code == 0 and "Join the Gemma 3 270M GGUF chunks" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # not a cache folder named --help, with the 242 MB file in it

@@ -58,10 +58,3 @@ def test_every_stage_on_the_cpu(gguf, tmp_path):
     assert exported["dflash_config"]["mask_token_id"] == 4  # <mask> of the Gemma tokenizer, chosen
     assert exported["vocab_size"] == 262144 and exported["hidden_size"] == 640
 
-
-def test_help_describes_the_command_and_makes_no_folder(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as ended:
-        gemma3_270m.main(["--help"])
-    assert ended.value.code == 0 and "Join the Gemma 3 270M GGUF chunks" in capsys.readouterr().out
-    assert list(tmp_path.iterdir()) == []  # --help was once taken for a cache folder, and 242 MB written into it

@@ -75,10 +75,12 @@ def chooses(argv: list[str]) -> bool:
 def cpu_run_line(argv: list[str]) -> str | None:
     """What a training command on a machine without a GPU says first: that it is the CPU demo when `argv` chooses
     nothing, what its sizes take when it names a target and no experiment, else nothing."""
-    chosen = {_override_key(arg) for arg in argv if not arg.startswith("-")}
+    keys = {override_key(arg) for arg in argv if not arg.startswith("-")}
+    chosen = {key.split(".", 1)[0] for key in keys}
     if not chosen & set(CHOOSING_KEYS):
         return CPU_DEMO_LINE
-    return CPU_TARGET_LINE if "target" in chosen and "experiment" not in chosen else None
+    names_target = bool(keys & {"target", "target.path"})  # not a setting of the target, such as target.dtype
+    return CPU_TARGET_LINE if names_target and "experiment" not in chosen else None
 
 
 def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:

@@ -83,22 +83,24 @@ def bytes_per_token(width: int, num_taps: int, dtype: torch.dtype) -> int:
 
 def check_disk(out_dir: Path, store_bytes: int | None, other_bytes: int = 0) -> None:
     """Print the bytes a capture will write into `out_dir`: `store_bytes` of feature-store shards (None: no store,
-    features are made during training) and `other_bytes` of the stage's other files (the frozen head, the held-out
-    features); raise OSError when its file system has less free."""
+    features are made during training) and `other_bytes` of the stage's other files (the frozen head, held-out
+    passes); raise OSError when its file system has less free."""
     free = shutil.disk_usage(out_dir).free
-    parts = [] if store_bytes is None else [f"the feature store {store_bytes / 2**30:.2f} GiB more"]
+    parts = [] if store_bytes is None else [f"{_gib(store_bytes)} of feature shards"]
     if other_bytes or store_bytes is None:
-        parts.append(f"the frozen head and held-out features {other_bytes / 2**30:.2f} GiB")
+        parts.append(f"{_gib(other_bytes)} for the stage's other files (frozen head, held-out passes)")
     what, needed = " and ".join(parts), (store_bytes or 0) + other_bytes
-    logger.info(f"[capture] will write {what} in {out_dir} ({free / 2**30:.2f} GiB free)")
+    logger.info(f"[capture] will write {what} in {out_dir} ({_gib(free)} free)")
     if needed > free:
         advice = "free space or point the run at a larger disk"
         if store_bytes:
             advice = "free space, point the run at a larger disk, use capture.dtype=fp8, or use online capture"
-        raise OSError(
-            f"not enough disk in {out_dir}: {what} need {needed} bytes ({needed / 2**30:.2f} GiB), only {free} "
-            f"bytes ({free / 2**30:.2f} GiB) are free; {advice}"
-        )
+        raise OSError(f"not enough disk in {out_dir}: it needs {needed} bytes ({_gib(needed)}): {what}; only {free} "
+                      f"bytes ({_gib(free)}) are free; {advice}")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -389,8 +391,8 @@ def capture_dataset(
     Resumable at shard granularity: shards already listed in a partial manifest are kept. A complete store with
     the same fingerprint returns at once; a different fingerprint (or taps, dtype, hidden size) raises ValueError.
     Samples whose index is a multiple of `check_every` (0: none) are compared with a plain forward. Raises
-    OSError before any work when the remaining shards, and `other_bytes` the caller writes there after them, will
-    not fit on the folder's disk. With `verify_existing`,
+    OSError before any work when the remaining shards and the `other_bytes` the caller writes there after them
+    will not fit on the folder's disk. With `verify_existing`,
     the shards already listed (complete store included) are hashed first and any missing or corrupt one is
     reported by name and recaptured. With `pack`, samples are laid end to end (TargetAdapter.capture_packed)
     instead of padded into batches; the store is the same up to the kernels' rounding.
@@ -486,6 +488,8 @@ def _capture_alone(
         _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, dtype, check_every, pack,
                        verify=verify_existing)
         if manifest["complete"]:
+            if other_bytes:  # the stage's other files may be what did not fit the last time
+                check_disk(out_dir, 0, other_bytes)
             return manifest
     writer = ShardWriter(out_dir)
     _clean_leftovers(writer, out_dir, fresh=manifest is None)
@@ -533,6 +537,8 @@ def _capture_ranks(
     """
     if manifest is not None and not verify_existing and manifest["complete"] and \
             not missing_shards(out_dir, manifest):
+        if other_bytes:  # rank 0's other files may be what did not fit the last time
+            check_disk(out_dir, 0, other_bytes)
         return manifest  # else the ranks recapture the missing (or, verifying, corrupt) shards below
     dist.barrier()  # every rank has read the old manifest before rank 0 writes one
     writer = ShardWriter(out_dir)

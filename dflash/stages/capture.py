@@ -168,7 +168,9 @@ class CaptureStage(Stage):
 
         target = self.context.target
         embed, lm_head = target.embed_tokens().weight, target.lm_head_weight()
-        head = (embed.numel() + (0 if tied(embed, lm_head) else lm_head.numel())) * embed.element_size()
+        head = embed.numel() * embed.element_size()
+        if not tied(embed, lm_head):
+            head += lm_head.numel() * lm_head.element_size()
         rows = load_heldout_dir(self.data.out)
         if rows is None:
             return head

@@ -20,7 +20,7 @@ def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str, selected: l
         rows.append(("on disk", disk_use(run_dir)))
     rows += [row for stage in stages for row in stage.next_rows()]
     if selected is not None and "eval" not in selected:
-        rows += next_command_rows(stages[0].context.settings, selected)  # every stage has the run's context
+        rows += next_command_rows(stages[0].context, selected)  # every stage has the run's context
     lines = [f"== done: {shown(run_dir)} =="]
     lines += [f"  {what:<26}  {value}" if what else f"  {value}" for what, value in rows]
     return "\n".join(lines)
@@ -62,14 +62,16 @@ def shown(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
-def next_command_rows(settings, selected: list[str]) -> list[tuple[str, str]]:
+def next_command_rows(context, selected: list[str]) -> list[tuple[str, str]]:
     """The command after one that stopped short of evaluation: training after data or capture (dflash.extract),
-    evaluation after training (stages=[train]); the same overrides, quoted for a shell."""
-    from dflash.stages.evaluation import command_overrides
+    evaluation after training (stages=[train]); the same overrides, quoted for a shell, and under the same launcher
+    where the run had several ranks."""
+    from dflash.stages.evaluation import command_overrides, train_command
 
-    words = " ".join(shlex.quote(w) for w in command_overrides(settings))
+    launcher = " (with the same launcher)" if context.world_size > 1 else ""
     if "train" in selected:
-        return [("next: evaluation", f"python -m dflash.eval {words}")]
+        words = " ".join(shlex.quote(w) for w in command_overrides(context.settings))
+        return [("next: evaluation", f"python -m dflash.eval {words}{launcher}")]
     if "data" in selected or "capture" in selected:
-        return [("next: training", f"python -m dflash.train {words}")]
+        return [("next: training", f"{train_command(context.settings)}{launcher}")]
     return []

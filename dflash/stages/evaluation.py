@@ -196,8 +196,8 @@ class EvalStage(Stage):
                     "minutes), or the full recipe +experiment=smollm2 (about 22 minutes on one GPU, tau ~3.2, "
                     "docs/results.md)." if run.settings.target.kind == "smollm2" else
                     "this target on a machine with a GPU, with thousands of prompts and minutes of training "
-                    "(data.limit, data.synthetic.count, train.max_minutes: conf/experiment/smollm2.yaml holds the "
-                    "SmolLM2 recipe's).")
+                    "(data.limit, data.synthetic.count, train.max_minutes; conf/experiment/smollm2.yaml holds the "
+                    "SmolLM2 recipe's values for these).")
             return [("", "This was a short CPU run: a drafter trained for minutes on a CPU accepts few tokens (tau "
                          f"near 1 is expected). A real drafter: {real}")]
         if run.settings.eval.mode == "replay":

@@ -97,15 +97,19 @@ def serving_line(folder: str) -> str:
     """How to serve the export in `folder`, with what an engine must be given beside it: the chat template it was
     trained with, where it is not the target's own, and, for a drafter that mixes sliding and full layers, a vLLM
     that serves those (docs/serving.md)."""
-    from dflash.models.targets.chat_template import TEMPLATE_FILE
+    from dflash.models.targets.chat_template import PLAIN_ANSWER_END, PLAIN_TEMPLATES, TEMPLATE_FILE
 
     engines = "vLLM or SGLang"
     layer_types = set((read_json_or_none(os.path.join(folder, "config.json")) or {}).get("layer_types") or [])
     if len(layer_types) > 1:
-        engines = "SGLang, or a vLLM that serves drafters mixing sliding and full layers,"
-    template = os.path.join(folder, TEMPLATE_FILE)
-    with_template = f" with the chat template {shown(template)}" if os.path.exists(template) else ""
-    return f"serve it with {engines}{with_template} (docs/serving.md)"
+        engines = "SGLang, or a vLLM with mixed sliding and full drafter layers (PR 40898),"
+    template, given = os.path.join(folder, TEMPLATE_FILE), ""
+    if os.path.exists(template):
+        given = f" with the chat template {shown(template)}"
+        with open(template, encoding="utf-8") as f:
+            if f.read() in PLAIN_TEMPLATES:  # no end-of-turn token: the next turn's start ends an answer
+                given += f" and the stop string {PLAIN_ANSWER_END!r}"
+    return f"serve it with {engines}{given} (docs/serving.md)"
 
 
 def export_state(state: dict[str, torch.Tensor], config, folder: str, chat_template: str | None) -> None:

@@ -10,8 +10,8 @@ dflash/train/checkpoints.py's.
 from __future__ import annotations
 
 import dataclasses
-import os
 import logging
+import os
 from typing import Any
 
 from dflash.config.schema import TrainSettings

@@ -24,10 +24,14 @@ def save_frozen_head(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, p
 
 
 def tied(embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> bool:
-    """Whether the head is the embedding: the same tensor, or equal values of the same shape and dtype."""
-    return lm_head_weight is embed_weight or (lm_head_weight.shape == embed_weight.shape and
-                                              lm_head_weight.dtype == embed_weight.dtype and
-                                              torch.equal(lm_head_weight.detach().cpu(), embed_weight.detach().cpu()))
+    """Whether the head is the embedding: the same storage, or equal values of the same shape and dtype (compared
+    on the embedding's device, the first row first: an untied head differs there)."""
+    if lm_head_weight.shape != embed_weight.shape or lm_head_weight.dtype != embed_weight.dtype:
+        return False
+    if lm_head_weight.data_ptr() == embed_weight.data_ptr() and lm_head_weight.stride() == embed_weight.stride():
+        return True
+    head = lm_head_weight.detach().to(embed_weight.device)
+    return torch.equal(head[:1], embed_weight[:1]) and torch.equal(head, embed_weight)
 
 
 def load_frozen_head(path: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

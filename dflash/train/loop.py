@@ -273,7 +273,9 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     the target's final logit transform (load_logit_transform of the frozen head file)."""
     check_heldout(heldout, settings.eval_every, drafter_config, settings.best_by)
     entered = clock()
-    embed_weight, lm_head = (w.to(device) for w in frozen_head)
+    embed_weight = frozen_head[0].to(device)
+    # A tied head (load_frozen_head gives one tensor twice) stays one tensor on the device.
+    lm_head = embed_weight if frozen_head[1] is frozen_head[0] else frozen_head[1].to(device)
     plan = plan_batches(settings, len(store), world_size, lengths)
     total_steps = count_steps(settings, plan)
     tag, universal = resume_tag(checkpoint_dir, world_size, rank, plan.global_batch_size)
