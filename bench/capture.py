@@ -1,4 +1,4 @@
-"""Capture throughput on the Qwen3.6-27B shape with random weights (notes section 7): tokens/s and TFLOP/s.
+"""Capture throughput on the Qwen3.6-27B shape with random weights (method.md §7): tokens/s and TFLOP/s.
 
     python bench/capture.py                      # one CUDA GPU, bf16, the full 27B shape (~60 GB of weights)
     python bench/capture.py --tiny               # CPU smoke check of the same code on a tiny qwen3_5 model

@@ -82,7 +82,7 @@ def test_training_forward_in_a_padded_batch_matches_each_sequence_alone():
 
 
 def reference_mask(anchors, context_len, layer_type, window):
-    """Loop-based statement of notes section 4, one (query, key) pair at a time."""
+    """Loop-based statement of method.md §4, one (query, key) pair at a time."""
     queries = [(j, k, a + k, a) for j, a in enumerate(anchors) for k in range(BLOCK)]
     keys = [("ctx", None, c) for c in range(context_len)] + [("blk", j, a + k) for j, a in enumerate(anchors)
                                                                 for k in range(BLOCK)]

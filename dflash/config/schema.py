@@ -485,7 +485,7 @@ def _unless_heldout(train: Any, run: Any) -> str:
 @dataclass
 class TrainSettings:
     """The drafter's optimisation (group `train`). The defaults are the embedded default run's (a 1-layer drafter on
-    a 2-core CPU in a few minutes): a higher learning rate than the 27B recipe's (notes section 4), few epochs and
+    a 2-core CPU in a few minutes): a higher learning rate than the 27B recipe's (method.md §4), few epochs and
     anchors; the experiment files set their recipes' values."""
 
     epochs: int = setting(3, affects=("train",), doc="passes over the training samples")

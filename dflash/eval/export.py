@@ -1,7 +1,7 @@
 """Export a drafter in the z-lab checkpoint format, and load one back (ours or a published z-lab drafter).
 
 A z-lab drafter folder holds `config.json` (DrafterConfig.to_zlab(): a Qwen3 config plus dflash_config) and
-`model.safetensors` with only the drafter's own tensors: layers.*, fc, hidden_norm, norm (notes section 1). That is
+`model.safetensors` with only the drafter's own tensors: layers.*, fc, hidden_norm, norm (method.md §1). That is
 what vLLM (`method: dflash`), SGLang (`--speculative-algorithm DFLASH`) and the reference `dflash` package load.
 """
 

@@ -7,7 +7,7 @@ Definitions (docs/eval.md):
   blocks shortened near max_new_tokens), except on the last step of a sequence, the one that commits its stop token
   or its max_new_tokens-th token, where only drafts up to that token count. A step rejected before a stop token
   inside its block counts its whole block, as a live decoder does.
-- tau = sum(committed) / number of steps = mean tokens per target verify forward (notes section 5).
+- tau = sum(committed) / number of steps = mean tokens per target verify forward (method.md §5).
 - tau_prompt_mean = mean over prompts of each prompt's own tau (what the reference benchmark prints).
 - acceptance_rate = sum(accepted) / sum(drafted), the "draft acceptance rate" of serving logs.
 - per_position[k-1] = fraction of the steps that drafted position k in which draft k was accepted (nearly a survival

@@ -8,7 +8,7 @@ Either way the target runs its decoder layers only (no LM head) and stops after 
 are copied back to their place in the shard. Every batch is checked (one row per token, finite values,
 non-zero variance per tap and sample), and one sample in `check_every` is compared with a plain single-sequence
 `output_hidden_states` forward (feature_checks.py), because a capture path can silently produce wrong or all-zero
-states (notes section 8). Before any work the disk the run will take is printed, and the run refuses to start when the
+states (method.md §8). Before any work the disk the run will take is printed, and the run refuses to start when the
 folder's file system has less free space. The manifest is rewritten after every shard, so an interrupted run
 (even by SIGKILL) resumes at the first missing shard.
 

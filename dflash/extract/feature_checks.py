@@ -1,6 +1,6 @@
 """Checks of captured features: every batch's shape, finite values and non-zero variance per tap and sample, and
 a sampled sequence against a plain `output_hidden_states` forward. A capture path can silently produce wrong or
-all-zero states (notes section 8); these checks catch it before anything is written or trained on."""
+all-zero states (method.md §8); these checks catch it before anything is written or trained on."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The target side of live speculative decoding: a KV-cached forward that also returns tap features, and rollback.
 
-Rollback after a verify that rejected some drafts (notes section 5):
+Rollback after a verify that rejected some drafts (method.md §5):
 - attention layers: drop the cached keys/values of the rejected positions (a slice of the sequence axis);
 - GDN (linear-attention) layers: their conv and recurrent states already absorbed every token of the block and
   cannot be sliced. `Cache.crop` does not undo that (transformers 5.24 raises for such layers, older releases

@@ -1,7 +1,7 @@
 """The DFlash drafter: Qwen3-style layers whose keys/values are prefixed by the projected target context.
 
 Read top to bottom: norm, rotary, MLP, attention, layer, model. Parameter names follow the reference
-`DFlashDraftModel` (notes section 1) so a checkpoint loads into either without renaming. The module has no
+`DFlashDraftModel` (method.md §1) so a checkpoint loads into either without renaming. The module has no
 embedding and no lm_head: the caller embeds the block with the target's frozen embedding and applies the target's
 frozen head to the output. Nothing here knows about distribution or about how masks are built for training.
 
@@ -34,7 +34,7 @@ class DFlashRMSNorm(nn.Module):
 
 
 class DFlashRotaryEmbedding(nn.Module):
-    """Plain 1-D RoPE with the drafter's own theta, whatever RoPE the target uses (notes section 1).
+    """Plain 1-D RoPE with the drafter's own theta, whatever RoPE the target uses (method.md §1).
 
     The frequencies are recomputed in fp32 on every call rather than kept as a buffer: `module.to(bfloat16)`
     would round a buffer and shift the angles by radians at positions in the thousands.
@@ -201,7 +201,7 @@ class DFlashDecoderLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        # The context feature is not normed here: it enters keys/values only (notes section 1).
+        # The context feature is not normed here: it enters keys/values only (method.md §1).
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), context, rotary, mask)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 

@@ -1,6 +1,6 @@
 """Configuration of a DFlash drafter, and its z-lab `config.json` form.
 
-The z-lab checkpoints are Qwen3 configs with a few extra keys (notes section 3); `block_size` sits at the top
+The z-lab checkpoints are Qwen3 configs with a few extra keys (method.md §3); `block_size` sits at the top
 level in old checkpoints and inside `dflash_config` in new ones, so both are written and both are read. The target's
 final logit transform (models/targets/logit_transform.py), which the drafter's logits go through as the target's do,
 is written as the reference's `output_multiplier` and `final_logit_softcapping` (in `dflash_config`) when it is not
@@ -18,7 +18,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Spread `num_taps` taps from layer 1 to layer N-3 (notes section 2), e.g. 64 layers -> [1,16,31,46,61]."""
+    """Spread `num_taps` taps from layer 1 to layer N-3 (method.md §2), e.g. 64 layers -> [1,16,31,46,61]."""
     if num_taps < 1:
         raise ValueError(f"num_taps must be >= 1, got {num_taps}")
     if num_taps == 1:

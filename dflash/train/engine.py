@@ -70,7 +70,7 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float, decay_ratio: float) -> float:
     """LR multiplier: linear warmup, then the peak held until the last `decay_ratio` of the steps after warmup,
-    which decay along a cosine to `min_ratio`. decay_ratio 1 is warmup-cosine (notes section 4: warmup 4%, cosine);
+    which decay along a cosine to `min_ratio`. decay_ratio 1 is warmup-cosine (method.md §4: warmup 4%, cosine);
     below 1, warmup-stable-decay: more steps at the peak LR for the same end."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps

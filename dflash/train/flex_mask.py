@@ -1,6 +1,6 @@
 """The block-sparse training mask as FlexAttention BlockMasks, built from the anchors without a dense grid.
 
-Same rule as `objective.block_attention_masks` (notes section 4): keys are [context 0..C-1 ++ blocks]; a query of
+Same rule as `objective.block_attention_masks` (method.md §4): keys are [context 0..C-1 ++ blocks]; a query of
 block j (anchor a_j, offset k, position a_j + k) sees context c iff c < a_j, sees keys of its own block only
 (all of them in full layers; offsets <= k in sliding layers), and in sliding layers only keys with
 query_pos - key_pos < window.

@@ -1,4 +1,4 @@
-"""The training forward: every block of a sequence through the drafter in one call (notes section 4)."""
+"""The training forward: every block of a sequence through the drafter in one call (method.md §4)."""
 
 from __future__ import annotations
 

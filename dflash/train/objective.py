@@ -1,4 +1,4 @@
-"""The DFlash training objective (notes section 4): anchors, block inputs, the block-sparse mask, labels, loss.
+"""The DFlash training objective (method.md §4): anchors, block inputs, the block-sparse mask, labels, loss.
 
 One training forward runs every block of a sequence at once. Block j is [x_a, MASK, ..., MASK] at positions
 a_j .. a_j+B-1 and must see exactly what it would see at inference: the target features of positions strictly

@@ -5,7 +5,7 @@ states of a few decoder layers (the "taps") and, for live decoding, logits. Ever
 transformers release lays out a family (where the decoder layers live, what a layer returns) stays in the
 family's adapter subclass; the rest of the project only sees this class.
 
-Layer-id convention (notes section 2): tap id L is the OUTPUT of decoder layer L (0-based), which equals
+Layer-id convention (method.md §2): tap id L is the OUTPUT of decoder layer L (0-based), which equals
 `output_hidden_states[L + 1]` of the HF model for L < N-1.
 """
 
@@ -54,7 +54,7 @@ def ensure_pad_token(tokenizer: Any) -> Any:
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
     """Map "auto" / "bfloat16" / "float32" (or a torch dtype) to a torch dtype; float16 is refused.
 
-    "auto" is bfloat16 on CUDA and float32 elsewhere. float16 overflows in the feature fusion (notes section 4),
+    "auto" is bfloat16 on CUDA and float32 elsewhere. float16 overflows in the feature fusion (method.md §4),
     so it is never accepted.
     """
     names = {

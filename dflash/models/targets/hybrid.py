@@ -2,7 +2,7 @@
 
 `AutoModelForCausalLM` gives the text-only *ForCausalLM for these checkpoints (its decoder stack is `model.model`);
 the multimodal *ForConditionalGeneration wrapper keeps it at `model.model.language_model`. Both are accepted.
-Taps may sit on GDN layers as well as on full-attention layers (notes section 2).
+Taps may sit on GDN layers as well as on full-attention layers (method.md §2).
 
 With flash-linear-attention installed, the GDN layers' causal conv1d runs fla's Triton kernel on CUDA inputs instead
 of transformers' torch fallback, chosen per call (dflash/models/targets/gdn_kernels.py); the kernels in use are

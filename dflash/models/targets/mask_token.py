@@ -1,6 +1,6 @@
 """The MASK token of the drafter's blocks: an id of the target's embedding table that text never produces.
 
-The drafter embeds its block [anchor, MASK, ...] with the target's frozen embedding (notes section 1), so the MASK
+The drafter embeds its block [anchor, MASK, ...] with the target's frozen embedding (method.md §1), so the MASK
 is one row of that table; it must lie inside it and never be a token of the chat template or of the training data,
 or the drafter could not tell a masked position from a real token. Chosen when not given, in this order: a token
 named as a mask (<|mask|>, <mask>, [MASK]), a reserved or unused special token, any other special token that is not

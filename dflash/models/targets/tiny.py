@@ -1,7 +1,7 @@
 """Random-weight tiny targets for tests and CPU runs, with a tokenizer that needs no download.
 
 Families: "llama" (dense, SmolLM-like, tied embeddings), "qwen3" (dense), "mistral" (dense, every layer a sliding
-window of 8), "qwen3_5" (Qwen3.5/3.6 text: GDN hybrid with full attention every 4th layer, notes section 7),
+window of 8), "qwen3_5" (Qwen3.5/3.6 text: GDN hybrid with full attention every 4th layer, method.md §7),
 "qwen3_5_moe" and "qwen3_next" (GDN hybrids with MoE), and families the generic adapter takes: gemma2 and
 gemma3_text (final-logit soft-capping, sliding windows), granite (logits scaling), cohere (logit scale), phi3,
 olmo2, stablelm, glm4, gpt_oss (sinks, sliding windows, MoE) and deepseek_v3 (MLA, MoE).
