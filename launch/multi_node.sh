@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Several nodes, one call per node, run_dir on a shared filesystem; data + capture must have run already
-# (launch/one_node.sh ... 'stages=[data,capture]' on one node). Every node has GPUS_PER_NODE (8) GPUs, one trainer
+# (CAPTURE_ONLY=1 launch/one_node.sh ... on one node). Every node has GPUS_PER_NODE (8) GPUs, one trainer
 # rank each, except with capture=online (dflash/extract/rank_link.py), where some ranks capture and torchrun also
 # restarts the job MAX_RESTARTS (3) times after a rank dies (a user error or divergence ends it: the run id below):
 #   capture.ranks=C             the job's last C ranks capture, one GPU each: every node runs GPUS_PER_NODE ranks,
@@ -15,6 +15,14 @@
 # need every node's agent to restart together, which only the c10d rendezvous tells the healthy nodes to do (with a
 # static one it runs without restarts).
 # DRY_RUN=1 prints the command without running it.
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as the usage
+  sed -n '2,/^set -euo pipefail/{/^#/s/^# \{0,1\}//p}' "$0"
+  exit 0
+fi
+if [ $# -lt 3 ]; then
+  echo "usage: launch/multi_node.sh NNODES NODE_RANK MASTER_ADDR [hydra overrides...] (--help: more)" >&2
+  exit 2
+fi
 set -euo pipefail
 nnodes=$1 node_rank=$2 master=$3; shift 3
 settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed config's settings as shell assignments

@@ -184,3 +184,38 @@ def test_the_shared_gpu_check_is_one_node_s_online_job_s_only(tmp_path):
                            "device=cuda"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "DRY_RUN": "1", "CAPTURE_ONLY": "1"})
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("script", ["one_node.sh", "multi_node.sh", "deepspeed_hostfile.sh"])
+def test_each_launcher_has_help_and_a_usage_line(script):
+    shown = subprocess.run(["bash", str(REPO / "launch" / script), "--help"], capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0 and "Usage: launch/" + script in shown.stdout and "#" not in shown.stdout[:2]
+    if script != "one_node.sh":  # it takes overrides alone; the others need their node arguments first
+        bare = subprocess.run(["bash", str(REPO / "launch" / script)], capture_output=True, text=True, timeout=60)
+        assert bare.returncode == 2 and bare.stderr.startswith(f"usage: launch/{script} ")
+
+
+def test_the_deepspeed_launcher_prints_its_command_in_a_dry_run():
+    shown = subprocess.run(["bash", str(REPO / "launch" / "deepspeed_hostfile.sh"), "hosts", "10.0.0.1",
+                            "+experiment=tiny"], env={**ENV, "DRY_RUN": "1"}, capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0 and shown.stdout == (
+        "+ deepspeed --hostfile hosts --master_addr 10.0.0.1 --master_port 29500 --module dflash.train "
+        "+experiment=tiny stages=[train]\n")
+
+
+def test_trainer_gpus_without_a_launcher_are_warned_about(tmp_path, monkeypatch, capsys):
+    """train.devices is read by the launch scripts alone: a plain command that names several trains as one rank."""
+    from dflash.config import compose
+    from dflash.pipeline import Pipeline
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    overrides = ["+experiment=tiny", "show_progress=false", "data.limit=2", "stages=[data]", "train.devices=[2,3,4]"]
+    Pipeline(compose([*overrides, f"run_dir={tmp_path / 'plain'}"])).run()
+    assert ("dflash: warning: train.devices=[2, 3, 4] places one trainer rank per GPU only under launch/one_node.sh "
+            "or launch/multi_node.sh (docs/distributed.md): this command runs as one process on one device, with a "
+            "global batch of 4 sequences, not 12") in capsys.readouterr().err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # what the scripts set for each process they start
+    Pipeline(compose([*overrides, f"run_dir={tmp_path / 'launched'}"])).run()
+    assert "train.devices" not in capsys.readouterr().err
