@@ -831,7 +831,8 @@ def test_a_setting_is_described_for_a_terminal_by_its_key_or_its_groups():
     assert group.startswith("logging.tensorboard: bool") and "logging.wandb.mode: str, default offline" in group
     assert describe("eval.prompt_sets.humaneval.limit").startswith("eval.prompt_sets.NAME.limit: int or null")
     assert describe("capture.batch_tokens").startswith("capture.batch_tokens (every mode): int")
-    offline = describe("capture.shard_tokens").splitlines()[2]  # a mode's own row says whose it is
+    other, _, offline, _ = describe("capture.shard_tokens").splitlines()  # a mode's own row says whose it is
+    assert other.startswith("capture.shard_tokens (the other modes): int, default 1048576; a change reruns nothing")
     assert offline.startswith("capture.shard_tokens (capture=offline): int, default 1048576; a change reruns capture")
     with pytest.raises(ValueError, match="'': no setting has that key"):
         describe("")

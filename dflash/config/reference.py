@@ -81,6 +81,12 @@ def section_fields(cls: type, base: type | None) -> list[dataclasses.Field]:
             if not _group(f.type) and not (base and f.name in inherited and f.metadata == inherited[f.name].metadata)]
 
 
+def redefined_by_a_mode(base: type) -> set[str]:
+    """The names of `base`'s settings that a section's class redefines over it (a capture mode's own default or
+    what it reruns): the base's entry holds for the other modes only."""
+    return {f.name for _, cls, of in SECTIONS if of is base for f in section_fields(cls, of)}
+
+
 def dotted_key(title: str, cls: type, name: str) -> str:
     """A setting's key on the command line: `train.lr`, `capture.batch_tokens`, `eval.prompt_sets.NAME.limit`."""
     return name if cls is RunSettings else f"{title.split(' ')[0].split('=')[0]}.{name}"
@@ -89,10 +95,11 @@ def dotted_key(title: str, cls: type, name: str) -> str:
 def reference() -> str:
     lines = [START, ""]
     for title, cls, base in SECTIONS:
-        rows = []
+        rows, redefined = [], redefined_by_a_mode(cls)
         for f in section_fields(cls, base):
             doc = f.metadata["doc"].replace("|", "\\|")
-            rows.append(f"| `{f.name}` | {_type_name(f.type)} | {_default(f)} | {_reruns(f)} | {doc} |")
+            reruns = _reruns(f) + (" (the other modes; see its mode's row)" if f.name in redefined else "")
+            rows.append(f"| `{f.name}` | {_type_name(f.type)} | {_default(f)} | {reruns} | {doc} |")
         if not rows:
             continue
         lines += [f"**{title}**", "", "| key | type | default | changing it reruns | what it is |",
@@ -111,12 +118,15 @@ def describe(asked: str) -> str:
     looked_up = ".".join(parts)
     blocks = []
     for title, cls, base in SECTIONS:
+        redefined = redefined_by_a_mode(cls)
         for f in section_fields(cls, base):
             key = dotted_key(title, cls, f.name)
             if looked_up and (key == looked_up or key.startswith(looked_up + ".")):
                 # A capture setting can differ by mode (its default, what it reruns): each row says whose it is.
                 where = f" ({title.split(' ', 1)[1].strip('()')})" if title.startswith("capture (") else \
                     f" ({title})" if "=" in title else ""
+                if f.name in redefined:
+                    where = " (the other modes)"
                 default = _default(f).replace("`", "")
                 blocks.append(f"{key}{where}: {_type_name(f.type)}, default {default}; a change reruns {_reruns(f)}\n"
                               + textwrap.fill(f.metadata["doc"], width=100, initial_indent="    ",
