@@ -63,15 +63,15 @@ def shown(path: str) -> str:
 
 
 def next_command_rows(context, selected: list[str]) -> list[tuple[str, str]]:
-    """The command after one that stopped short of evaluation: training after data or capture (dflash.extract),
-    evaluation after training (stages=[train]); the same overrides, quoted for a shell, and under the same launcher
-    where the run had several ranks."""
+    """The command after one that stopped short of evaluation: training after data or capture (dflash.extract;
+    under the same launcher where the run had several ranks), evaluation after training (stages=[train]; one
+    process, docs/distributed.md); the same overrides, quoted for a shell."""
     from dflash.stages.evaluation import command_overrides, train_command
 
-    launcher = " (with the same launcher)" if context.world_size > 1 else ""
     if "train" in selected:
         words = " ".join(shlex.quote(w) for w in command_overrides(context.settings))
-        return [("next: evaluation", f"python -m dflash.eval {words}{launcher}")]
+        return [("next: evaluation", f"python -m dflash.eval {words}")]
     if "data" in selected or "capture" in selected:
+        launcher = " (with the same launcher)" if context.world_size > 1 else ""
         return [("next: training", f"{train_command(context.settings)}{launcher}")]
     return []
