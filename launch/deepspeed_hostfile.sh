@@ -4,14 +4,8 @@
 # Usage: launch/deepspeed_hostfile.sh HOSTFILE MASTER_ADDR [hydra overrides...]
 #   HOSTFILE lines: "node-a slots=8" (see launch/hostfile.example)
 # DRY_RUN=1 prints the command without running it.
-if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as the usage
-  sed -n '2,/^set -euo pipefail/{/^#/s/^# \{0,1\}//p}' "$0"
-  exit 0
-fi
-if [ $# -lt 2 ]; then
-  echo "usage: launch/deepspeed_hostfile.sh HOSTFILE MASTER_ADDR [hydra overrides...] (--help: more)" >&2
-  exit 2
-fi
+source "$(dirname "$0")/usage.sh"
+usage_or_help 2 "HOSTFILE MASTER_ADDR [hydra overrides...]" "$@"
 set -euo pipefail
 hostfile=$1 master=$2; shift 2
 command=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"

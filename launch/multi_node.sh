@@ -15,14 +15,8 @@
 # need every node's agent to restart together, which only the c10d rendezvous tells the healthy nodes to do (with a
 # static one it runs without restarts).
 # DRY_RUN=1 prints the command without running it.
-if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as the usage
-  sed -n '2,/^set -euo pipefail/{/^#/s/^# \{0,1\}//p}' "$0"
-  exit 0
-fi
-if [ $# -lt 3 ]; then
-  echo "usage: launch/multi_node.sh NNODES NODE_RANK MASTER_ADDR [hydra overrides...] (--help: more)" >&2
-  exit 2
-fi
+source "$(dirname "$0")/usage.sh"
+usage_or_help 3 "NNODES NODE_RANK MASTER_ADDR [hydra overrides...]" "$@"
 set -euo pipefail
 nnodes=$1 node_rank=$2 master=$3; shift 3
 settings=$(python "$(dirname "$0")/launch_settings.py" "$@")  # the composed config's settings as shell assignments

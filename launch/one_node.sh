@@ -9,10 +9,8 @@
 # Usage: launch/one_node.sh [hydra overrides...]   e.g. launch/one_node.sh +experiment=qwen36 target.path=/models/x
 # DRY_RUN=1 prints the commands without running them; CAPTURE_ONLY=1 ends after the data and capture steps (a capture
 # node: launch/slurm_capture.sbatch).
-if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as the usage
-  sed -n '2,/^set -euo pipefail/{/^#/s/^# \{0,1\}//p}' "$0"
-  exit 0
-fi
+source "$(dirname "$0")/usage.sh"
+usage_or_help 0 "[hydra overrides...]" "$@"
 set -euo pipefail
 # The composed config's settings as shell assignments.
 settings=$(python "$(dirname "$0")/launch_settings.py" "$@")
