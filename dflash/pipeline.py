@@ -124,9 +124,9 @@ class Pipeline:
 
 
 def unlaunched_devices(settings: RunSettings, world_size: int) -> list[str]:
-    """The warning for GPU lists that only the launch scripts read (train.devices, capture.devices: a trainer rank
-    per GPU), where the command was started without one (one process, no CUDA_VISIBLE_DEVICES, which the scripts
-    always set): it trains alone, on one device, with one rank's batch."""
+    """The warning for train.devices, which only the launch scripts read (a trainer rank per GPU), where the command
+    was started without one (one process, no CUDA_VISIBLE_DEVICES, which the scripts always set): it trains alone,
+    on one device, with one rank's batch."""
     devices = settings.train.devices
     if world_size > 1 or "CUDA_VISIBLE_DEVICES" in os.environ or devices is None or len(devices) < 2:
         return []

@@ -392,9 +392,8 @@ def capture_dataset(
     the same fingerprint returns at once; a different fingerprint (or taps, dtype, hidden size) raises ValueError.
     Samples whose index is a multiple of `check_every` (0: none) are compared with a plain forward. Raises
     OSError before any work when the remaining shards and the `other_bytes` the caller writes there after them
-    will not fit on the folder's disk. With `verify_existing`,
-    the shards already listed (complete store included) are hashed first and any missing or corrupt one is
-    reported by name and recaptured. With `pack`, samples are laid end to end (TargetAdapter.capture_packed)
+    will not fit on the folder's disk. With `verify_existing`, the shards already listed (complete store included)
+    are hashed first and any missing or corrupt one is reported by name and recaptured. With `pack`, samples are laid end to end (TargetAdapter.capture_packed)
     instead of padded into batches; the store is the same up to the kernels' rounding.
 
     With `world_size` > 1, every rank of an initialised torch.distributed group calls this with its `rank` and
