@@ -28,6 +28,10 @@ def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
     return result
 
 
+# stats.json's mark of a build that recorded its chat template (DataStage.record_template), or that it needs none.
+TEMPLATE_RECORDED = "chat_template_recorded"
+
+
 def training_prompts(data) -> list:
     """The source's training prompts for group `data` (DataSettings). data.turns applies to ShareGPT only; for any
     other source it is ignored, as the composed config's warning says."""
@@ -158,8 +162,9 @@ class DataStage(Stage):
                       if value is not None}, before_answers=seconds, input_files=inputs)
         if stats["failed"]:  # built for these settings though not marked done (done())
             stats["built_for"] = self.fingerprint()
+        stats[TEMPLATE_RECORDED] = True
         write_json(os.path.join(out, "stats.json"), stats)
-        self.record_template()
+        self.record_template(run.target.tokenizer)
         logger.info(textwrap.indent(format_stats(stats), "[data] "))
         if stats["failed"]:
             # Not marked done: the next run of this stage retries them (the rest comes from the journal).
@@ -168,13 +173,27 @@ class DataStage(Stage):
             return None
         return {"stats": stats}
 
-    def record_template(self) -> None:
-        """data/chat_template.jinja: the template the prompts were rendered with, where a serving engine would not
-        use it by itself (a template file, a base model's plain format); the exports take it along."""
+    def kept(self) -> None:
+        """A build from before the template was recorded (its stats.json says so) gets data/chat_template.jinja now,
+        from the target's tokenizer alone (no weights are read), so that its exports carry it (ExportStage)."""
+        from dflash.models.targets.load import load_target_vocabulary
+
+        path = os.path.join(self.out, "stats.json")
+        stats = read_json_or_none(path)
+        if stats is None or stats.get(TEMPLATE_RECORDED):
+            return
+        t = self.context.settings.target
+        vocabulary = load_target_vocabulary(t.kind, path=t.path, tiny=t.tiny, cache_dir=t.cache_dir,
+                                            chat_template=t.chat_template)
+        self.record_template(vocabulary.tokenizer)
+        write_json(path, {**stats, TEMPLATE_RECORDED: True})
+
+    def record_template(self, tokenizer) -> None:
+        """data/chat_template.jinja: the template `tokenizer` renders the prompts with, where a serving engine would
+        not use it by itself (a template file, a base model's plain format); the exports take it along."""
         from dflash.models.targets.chat_template import TEMPLATE_FILE, template_to_record
 
-        run = self.context
-        template = template_to_record(run.target.tokenizer, run.settings.target.chat_template)
+        template = template_to_record(tokenizer, self.context.settings.target.chat_template)
         path = os.path.join(self.out, TEMPLATE_FILE)
         if template is not None:
             write_text(path, template)

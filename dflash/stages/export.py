@@ -46,7 +46,18 @@ class ExportStage(Stage):
         return self.train.fingerprint()
 
     def up_to_date(self) -> bool:
-        return stage_done(self.out, self.fingerprint()) and self.exports_intact()
+        return stage_done(self.out, self.fingerprint()) and self.exports_intact() and self.templates_carried()
+
+    def templates_carried(self) -> bool:
+        """Whether export/ and export_best/ carry the chat template the data stage recorded (recorded_template):
+        one recorded since they were written (a run folder from before the record) or changed is exported again."""
+        recorded = recorded_template(self.context.run_dir)
+        for folder in (self.out, self.best):
+            if os.path.exists(os.path.join(folder, "config.json")) and carried_template(folder) != recorded:
+                logger.info(f"[export] {folder} does not carry the chat template data/ records: exporting it again "
+                            f"from {self.train.checkpoints}")
+                return False
+        return True
 
     def exports_intact(self) -> bool:
         """Whether export/ and export_best/ hold the files they were written with (their checksums.json). A corrupt
@@ -125,9 +136,14 @@ def export_state(state: dict[str, torch.Tensor], config, folder: str, chat_templ
 
 def recorded_template(run_dir: str) -> str | None:
     """The chat template the run's data stage recorded (DataStage.record_template), or None: the target's own."""
+    return carried_template(os.path.join(run_dir, "data"))
+
+
+def carried_template(folder: str) -> str | None:
+    """The chat template file `folder` holds (a data folder's record, an export's copy), or None."""
     from dflash.models.targets.chat_template import TEMPLATE_FILE
 
-    path = os.path.join(run_dir, "data", TEMPLATE_FILE)
+    path = os.path.join(folder, TEMPLATE_FILE)
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
@@ -156,7 +172,8 @@ def export_best(run_dir: str, checkpoints: str, config) -> dict[str, Any] | None
 
     folder = os.path.join(run_dir, "export_best")
     exported = read_json_or_none(os.path.join(folder, "best.json"))  # written last: the export is whole
-    if exported is not None and exported == read_best(checkpoints):
+    if exported is not None and exported == read_best(checkpoints) and \
+            carried_template(folder) == recorded_template(run_dir):
         problem = checksum_problem(folder)
         if problem is None:
             return exported  # this best checkpoint is exported already (an eval of a stopped run, rerun)
