@@ -82,7 +82,8 @@ def fake_pipeline(tmp_path, rank, selected, stages, events):
     pipeline = Pipeline.__new__(Pipeline)
     pipeline.context = SimpleNamespace(rank=rank, world_size=1, run_dir=str(tmp_path), config_yaml=lambda: "",
                                        barrier=lambda: events.append("barrier"))
-    pipeline.settings = SimpleNamespace(stages=selected, ignored=lambda typed=None: [])
+    pipeline.settings = SimpleNamespace(stages=selected, ignored=lambda typed=None: [],
+                                        train=SimpleNamespace(devices=None))  # what the runner's warnings read
     pipeline.stages, pipeline.eval = stages, stages[-1]
     return pipeline
 
