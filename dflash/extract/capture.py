@@ -393,8 +393,9 @@ def capture_dataset(
     Samples whose index is a multiple of `check_every` (0: none) are compared with a plain forward. Raises
     OSError before any work when the remaining shards and the `other_bytes` the caller writes there after them
     will not fit on the folder's disk. With `verify_existing`, the shards already listed (complete store included)
-    are hashed first and any missing or corrupt one is reported by name and recaptured. With `pack`, samples are laid end to end (TargetAdapter.capture_packed)
-    instead of padded into batches; the store is the same up to the kernels' rounding.
+    are hashed first and any missing or corrupt one is reported by name and recaptured. With `pack`, samples are
+    laid end to end (TargetAdapter.capture_packed) instead of padded into batches; the store is the same up to the
+    kernels' rounding.
 
     With `world_size` > 1, every rank of an initialised torch.distributed group calls this with its `rank` and
     the same arguments; `out_dir` must be one folder that every rank sees (a shared file system across nodes).
