@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash.config import ConfigError
+from dflash.config.errors import NothingToEvaluate
 from dflash.config.schema import RunSettings
 from dflash.config.command_line import default_run_line, hydra_overrides
 from dflash.config.unknown_keys import override_key
@@ -79,7 +80,8 @@ class Pipeline:
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
         with console_copied_to(log), third_party_records_to_run_log():
-            if default_run_line() is not None:  # the CPU demo or the GPU default, said once the settings passed
+            # The CPU demo or the GPU default, said once the settings passed, where there is work to do.
+            if default_run_line() is not None and not self.all_done(selected):
                 print(default_run_line(), file=sys.stderr, flush=True)
             try:
                 summary = self.run_stages()
@@ -92,6 +94,14 @@ class Pipeline:
                 selected = selected_stages(self.settings.stages, self.stages)
                 print(closing_block(run.run_dir, self.stages, log, selected), flush=True)
         return summary
+
+    def all_done(self, selected: list[str]) -> bool:
+        """Whether every selected stage is marked done for its settings, by the done markers alone (read in order,
+        so a later stage's marker is read only when every earlier one is done): a rerun that keeps everything."""
+        try:
+            return all(stage.done() for stage in self.stages if stage.name in selected)
+        except NothingToEvaluate:  # no drafter of these settings yet: the eval stage is not done
+            return False
 
     def run_stages(self) -> dict[str, Any] | None:
         run = self.context

@@ -97,6 +97,23 @@ def test_a_copied_run_folder_is_up_to_date_evaluation_included(tiny_run, tmp_pat
     assert again["overall"] == tiny_run[1]["overall"] and (run_dir / "eval" / "summary.json").read_bytes() == evaluated
 
 
+def test_a_rerun_that_keeps_every_stage_says_no_default_runs_line(tiny_run, tmp_path, monkeypatch, capsys):
+    """The CPU demo's line announces minutes of work: a rerun of a finished run has none to announce."""
+    from dflash.config import command_line
+
+    run_dir = tmp_path / "copied"
+    shutil.copytree(tiny_run[0], run_dir)
+    forbid_every_stage(monkeypatch)
+    monkeypatch.setattr(command_line, "_default_run_line", "dflash: no GPU: this is the CPU demo (a test's line)")
+    capsys.readouterr()
+    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert "CPU demo" not in capsys.readouterr().err
+    (run_dir / "eval" / "done.json").unlink()  # the evaluation is left to do: the line is said before it
+    with pytest.raises(AssertionError, match="a finished stage ran again"):
+        Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert "this is the CPU demo (a test's line)" in capsys.readouterr().err
+
+
 def test_an_evaluation_marked_with_its_drafter_s_absolute_path_is_kept(tiny_run, tmp_path, monkeypatch):
     """Run folders evaluated before the evaluation named its drafter by folder name are not evaluated again."""
     from dflash.config import fingerprints

@@ -224,6 +224,8 @@ def test_the_default_runs_line_comes_once_the_settings_passed_and_is_logged(tmp_
     assert err.count("this is the CPU demo (a test's line)") == 1 and out.startswith("[data] ")
     logged = "".join(path.read_text(encoding="utf-8") for path in (tmp_path / "logs").iterdir())
     assert logged.index("this is the CPU demo (a test's line)") < logged.index("[data] ")
+    Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "stages=[data]"])).run()
+    assert "CPU demo" not in capsys.readouterr().err  # a rerun that keeps everything: nothing to announce
     monkeypatch.setattr(command_line, "_default_run_line", "dflash: no GPU: this is the CPU demo (a test's line)")
     with pytest.raises(ConfigError):  # found by a preflight (no drafter to evaluate): its error alone, no line
         Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'untrained'}", "stages=[eval]"])).run()
