@@ -27,7 +27,7 @@ from dflash.config.unknown_keys import override_key
 from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
-from dflash.stages.closing import closing_block
+from dflash.stages.closing import closing_block, next_command_rows
 from dflash.stages.command_ending import ending, ending_status, exit_command, full_error
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
@@ -91,8 +91,7 @@ class Pipeline:
                 run_log().write(ending(error))
                 raise
             if run.rank == 0:
-                selected = selected_stages(self.settings.stages, self.stages)
-                print(closing_block(run.run_dir, self.stages, log, selected), flush=True)
+                print(closing_block(run.run_dir, self.stages, log, next_command_rows(run, selected)), flush=True)
         return summary
 
     def all_done(self, selected: list[str]) -> bool:

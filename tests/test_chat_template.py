@@ -175,18 +175,20 @@ def test_a_run_folder_from_before_the_record_gets_it_and_its_export_carries_it(t
 
     run_dir = tmp_path / "run"
     command = TINY + ["target=hf", f"target.path={base_model_folder(tmp_path)}", f"run_dir={run_dir}",
-                      "data.limit=3", "data.max_new_tokens=4", "train.max_steps=2"]
+                      "data.limit=6", "data.heldout=2", "data.max_new_tokens=4", "train.max_steps=2"]
     Pipeline(compose(command)).run()
     recorded = (run_dir / "data" / "chat_template.jinja").read_text()
     stats = read_json(str(run_dir / "data" / "stats.json"))
     write_json(str(run_dir / "data" / "stats.json"), {k: v for k, v in stats.items() if k != "chat_template_recorded"})
-    for made in (run_dir / "data" / "chat_template.jinja", run_dir / "export" / "chat_template.jinja"):
-        made.unlink()
-    write_checksums(str(run_dir / "export"))  # the export as an older version wrote it: whole, without the file
+    (run_dir / "data" / "chat_template.jinja").unlink()
+    for export in ("export", "export_best"):  # as an older version wrote them: whole, without the file
+        (run_dir / export / "chat_template.jinja").unlink()
+        write_checksums(str(run_dir / export))
     capsys.readouterr()
     Pipeline(compose(command)).run()
     out = capsys.readouterr().out
     assert "[data] up to date" in out and "[train] up to date" in out  # nothing trained again
     assert (run_dir / "data" / "chat_template.jinja").read_text() == recorded
     assert (run_dir / "export" / "chat_template.jinja").read_text() == recorded
+    assert (run_dir / "export_best" / "chat_template.jinja").read_text() == recorded
     assert read_json(str(run_dir / "data" / "stats.json"))["chat_template_recorded"] is True

@@ -4,11 +4,12 @@
 import ast
 import json
 import os
+from types import SimpleNamespace
 
 from dflash.config import compose
 from dflash.config.schema import STAGES
 from dflash.pipeline import Pipeline
-from dflash.stages.closing import closing_block
+from dflash.stages.closing import closing_block, next_command_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,12 +176,16 @@ def test_a_command_that_stops_short_of_evaluation_names_the_next_command(tmp_pat
     monkeypatch.chdir(tmp_path)
     pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"]))
 
-    def last_row(selected):
-        return closing_block(pipeline.context.run_dir, pipeline.stages, "x.log", selected).splitlines()[-1]
+    def last_row(selected, context=pipeline.context):
+        return closing_block(pipeline.context.run_dir, pipeline.stages, "x.log",
+                             next_command_rows(context, selected)).splitlines()[-1]
 
     assert last_row(["data", "capture"]) == "  next: training              python -m dflash.train name=tiny"
     assert last_row(["train", "export"]) == "  next: evaluation            python -m dflash.eval name=tiny"
     assert last_row(["data", "capture", "train", "export", "eval"]) == "  console log                 x.log"
+    ranks = SimpleNamespace(settings=pipeline.context.settings, world_size=2)  # a launcher's: its training too
+    assert last_row(["data", "capture"], ranks).endswith("python -m dflash.train name=tiny (with the same launcher)")
+    assert last_row(["train", "export"], ranks).endswith("python -m dflash.eval name=tiny")  # one process
 
 
 def test_a_data_stage_alone_ends_with_the_training_command(tmp_path, monkeypatch, capsys):

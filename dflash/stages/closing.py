@@ -10,17 +10,15 @@ import shlex
 from dflash.stages.stage import Stage
 
 
-def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str, selected: list[str] | None = None) -> str:
+def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str,
+                  next_rows: list[tuple[str, str]] = ()) -> str:
     """The stages' rows of what they left, the console log and the run folder's size, then their rows of what to
-    run next, or, after a command that stopped short of evaluation (`selected`: the stages it ran), the next
-    command (next_command_rows)."""
+    run next and `next_rows` (the command's own: next_command_rows)."""
     rows = [row for stage in stages for row in stage.closing_rows()]
     rows.append(("console log", shown(log)))
     if os.path.isdir(run_dir):
         rows.append(("on disk", disk_use(run_dir)))
-    rows += [row for stage in stages for row in stage.next_rows()]
-    if selected is not None and "eval" not in selected:
-        rows += next_command_rows(stages[0].context, selected)  # every stage has the run's context
+    rows += [row for stage in stages for row in stage.next_rows()] + list(next_rows)
     lines = [f"== done: {shown(run_dir)} =="]
     lines += [f"  {what:<26}  {value}" if what else f"  {value}" for what, value in rows]
     return "\n".join(lines)
@@ -63,11 +61,14 @@ def shown(path: str) -> str:
 
 
 def next_command_rows(context, selected: list[str]) -> list[tuple[str, str]]:
-    """The command after one that stopped short of evaluation: training after data or capture (dflash.extract;
-    under the same launcher where the run had several ranks), evaluation after training (stages=[train]; one
-    process, docs/distributed.md); the same overrides, quoted for a shell."""
+    """The command after one whose stages (`selected`) stopped short of evaluation, none after one that evaluated:
+    training after data or capture (dflash.extract; under the same launcher where the run had several ranks),
+    evaluation after training (stages=[train]; one process, docs/distributed.md); the same overrides, quoted for a
+    shell."""
     from dflash.stages.evaluation import command_overrides, train_command
 
+    if "eval" in selected:
+        return []
     if "train" in selected:
         words = " ".join(shlex.quote(w) for w in command_overrides(context.settings))
         return [("next: evaluation", f"python -m dflash.eval {words}")]

@@ -114,12 +114,11 @@ def serving_line(folder: str) -> str:
     layer_types = set((read_json_or_none(os.path.join(folder, "config.json")) or {}).get("layer_types") or [])
     if len(layer_types) > 1:
         engines = "SGLang, or a vLLM with mixed sliding and full drafter layers (PR 40898),"
-    template, given = os.path.join(folder, TEMPLATE_FILE), ""
-    if os.path.exists(template):
-        given = f" with the chat template {shown(template)}"
-        with open(template, encoding="utf-8") as f:
-            if f.read() in PLAIN_TEMPLATES:  # no end-of-turn token: the next turn's start ends an answer
-                given += f" and the stop string {PLAIN_ANSWER_END!r}"
+    template, given = carried_template(folder), ""
+    if template is not None:
+        given = f" with the chat template {shown(os.path.join(folder, TEMPLATE_FILE))}"
+        if template in PLAIN_TEMPLATES:  # no end-of-turn token: the next turn's start ends an answer
+            given += f" and the stop string {PLAIN_ANSWER_END!r}"
     return f"serve it with {engines}{given} (docs/serving.md)"
 
 
