@@ -16,7 +16,8 @@ from dflash.config.errors import RunFolderError
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
 from dflash.stages.context import RunContext
 from dflash.stages.data import changed_input_files
-from dflash.stages.train import SETTINGS_KEY, TrainStage
+from dflash.stages.batch_split import SETTINGS_KEY, keeping_batch, recorded_split
+from dflash.stages.train import TrainStage
 
 
 def trained_keys(train: TrainStage) -> tuple[str, str | None] | None:
@@ -47,11 +48,11 @@ def refuse_other_trained_settings(train: TrainStage) -> None:
     if run.settings.overwrite or trained is None:
         return
     # The settings alone when recorded: the data stage may not have (re)made its files yet.
-    if not (trained[1] == fingerprints.settings_fingerprint(run.settings) or
+    if not (trained[1] == train.settings_fingerprint() or
             trained[1] is None and trained[0] == train.checkpoint_fingerprint()):
         config, changes = trained_config(train)
         shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
-        shown = shown or (f"see {config}" if config else "its config.yaml was not kept")
+        shown = (shown or (f"see {config}" if config else "its config.yaml was not kept")) + split_note(train, changes)
         if not set(run.settings.stages) & {"data", "capture", "train"}:
             # overwrite=true cannot help a command that trains nothing: it needs the drafter's own settings.
             raise RunFolderError(
@@ -63,6 +64,23 @@ def refuse_other_trained_settings(train: TrainStage) -> None:
                              f"changed. {ways_on(train, 'train these settings')}")
     if "data" in run.settings.stages:
         refuse_rebuilt_data(train)
+
+
+def split_note(train: TrainStage, changes: list[str]) -> str:
+    """For a refusal whose changes are the global batch's split alone: the split of this launch's ranks that resumes
+    the drafter (batch_split.py), else nothing."""
+    recorded = recorded_split(train.checkpoints)
+    if recorded is None or not changes or not all(c.startswith(SPLIT_KEYS) for c in changes):
+        return ""
+    t, ranks = train.context.settings.train, train.context.world_size
+    if "train" not in train.context.settings.stages:
+        ranks = recorded.ranks
+    keeping = keeping_batch(recorded.global_batch, t.micro_batch_size, ranks, t.grad_accum)
+    return (f"; its global batch of {recorded.global_batch} sequences, split otherwise, is the same training"
+            f"{f': {keeping} splits it on {ranks} rank(s)' if keeping else ''}")
+
+
+SPLIT_KEYS = ("train.micro_batch_size:", "train.grad_accum:")  # how training_changes names the split's keys
 
 
 def refuse_rebuilt_data(train: TrainStage) -> None:

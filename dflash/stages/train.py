@@ -12,6 +12,7 @@ they were trained on (set_drafter_aside).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -21,17 +22,18 @@ from dflash.config import ConfigError, fingerprints
 from dflash.config.errors import RunFolderError
 from dflash.run_files import checksum_problem, claim_checkpoint_dir, claimed_key, container, fingerprint, from_rank0, \
     read_json, read_json_or_none, stage_done, write_json, write_text
+from dflash.stages.batch_split import SETTINGS_KEY, fingerprinted, keeping_batch, recorded_split, split_record
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.shapes import drafter_config
 from dflash.stages.stage import Stage
 
 if TYPE_CHECKING:
+    from dflash.config.schema import RunSettings
     from dflash.extract.feature_memory import FeatureMemory
 
 logger = logging.getLogger(__name__)
 
-SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of the training that wrote them
 # What a training leaves in the run folder beside its checkpoints: its logs (metrics_log.py), exports, curve and the
 # evaluation of its export. They travel with the checkpoints when those are moved aside (overwrite=true) or back, as
 # do the other evaluation folders of its drafter in the run folder (eval_folders).
@@ -58,9 +60,24 @@ class TrainStage(Stage):
         return (f"a {d.num_hidden_layers}-layer drafter (block {d.block_size}) for {length}, {batch} per step, "
                 f"{t.num_anchors} anchors each, lr {t.lr}, ZeRO-{s.deepspeed.zero_stage}")
 
+    @functools.cached_property
+    def fingerprinted_settings(self) -> RunSettings:
+        """The settings this stage and the stages after it are fingerprinted with: this command's, with the split
+        of the run folder's training where this launch splits the same global batch otherwise (batch_split.py).
+        A command that trains nothing is taken at the rank count of the last launch that trained."""
+        run = self.context
+        recorded = recorded_split(self.checkpoints)
+        trains = "train" in run.settings.stages or recorded is None
+        return fingerprinted(run.settings, recorded, run.world_size if trains else recorded.ranks)
+
     def checkpoint_fingerprint(self) -> str:
-        """What the checkpoints depend on: not the rank count (a run resumes on another, converting them)."""
-        return fingerprints.checkpoint_fingerprint(self.context.settings, self.capture.fingerprint())
+        """What the checkpoints depend on: not the rank count (a run resumes on another, converting them), nor how
+        the global batch is split (batch_split.py)."""
+        return fingerprints.checkpoint_fingerprint(self.fingerprinted_settings, self.capture.fingerprint())
+
+    def settings_fingerprint(self) -> str:
+        """The checkpoint fingerprint less what the data stage made (fingerprints.settings_fingerprint)."""
+        return fingerprints.settings_fingerprint(self.fingerprinted_settings)
 
     def fingerprint(self) -> str:
         """The checkpoint fingerprint and the rank count; for a training of these settings finished on another rank
@@ -116,10 +133,13 @@ class TrainStage(Stage):
         t, ranks = self.context.settings.train, self.context.world_size
         now, saved = t.micro_batch_size * ranks * t.grad_accum, layout.get("global_batch_size")
         if saved is not None and saved != now:
+            keeping = keeping_batch(saved, t.micro_batch_size, ranks, t.grad_accum)
+            way = f"add {keeping} to resume it on these {ranks} rank(s)" if keeping else \
+                f"resume it with a train.micro_batch_size x ranks x train.grad_accum of {saved}"
             raise RunFolderError(
                 f"{os.path.join(self.checkpoints, tag)} was trained on {layout.get('world_size', '?')} rank(s) with a "
                 f"global batch of {saved} samples; this launch of {ranks} rank(s) has {now} (train.micro_batch_size "
-                f"x ranks x train.grad_accum): resume it on the ranks it was trained with, or train in another "
+                f"x ranks x train.grad_accum): {way} (the same training, docs/distributed.md), or train in another "
                 f"run_dir")
 
     def prepare(self) -> None:
@@ -151,9 +171,24 @@ class TrainStage(Stage):
             f"{self.checkpoints} aside to train again")
 
     def kept(self) -> None:
-        if self.context.rank == 0 and self.fingerprint() != self.launch_fingerprint():
+        if self.context.rank == 0 and self.resplit_line():
+            logger.info(f"[train] kept: {self.resplit_line()}")
+        elif self.context.rank == 0 and self.fingerprint() != self.launch_fingerprint():
             logger.info(f"[train] kept: these settings' drafter was trained on another number of ranks than this "
                         f"launch's {self.context.world_size}")
+
+    def resplit_line(self) -> str | None:
+        """What this launch's split of the global batch is to the run folder's training, where it splits it
+        otherwise (batch_split.py), else None."""
+        t, trained = self.context.settings.train, self.fingerprinted_settings.train
+        recorded = (read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
+        if trained is t or recorded != self.settings_fingerprint():
+            return None
+        ranks = self.context.world_size
+        return (f"train.micro_batch_size={t.micro_batch_size} x {ranks} rank(s) x train.grad_accum={t.grad_accum} "
+                f"is the global batch of {t.micro_batch_size * ranks * t.grad_accum} that this run folder's training "
+                f"was started with as train.micro_batch_size={trained.micro_batch_size} and train.grad_accum="
+                f"{trained.grad_accum}: the same training")
 
     def run(self) -> dict[str, Any] | None:
         """Training on this rank, resumed from its last checkpoint when there is one; rank 0 writes the final
@@ -166,10 +201,13 @@ class TrainStage(Stage):
         run = self.context
         rank, _, _ = init_distributed()
         from_rank0(self.check_changed_mask_token, "whether the mask token is free")
+        resplit = self.resplit_line() if rank == 0 else None  # before the claim rewrites settings.json
         if from_rank0(self.claim_checkpoints, f"{self.checkpoints} (claiming it for these settings)"):
             if rank == 0:
                 logger.info(f"[train] restored: {self.out}")
             return None
+        if resplit:
+            logger.info(f"[train] {resplit}, resumed")
         config = self.drafter_config()
         state = self.train(config, rank, run.world_size)
         if rank == 0:
@@ -260,14 +298,14 @@ class TrainStage(Stage):
         carry_trained_outputs(run.run_dir, self.checkpoints, moved)
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
         write_json(os.path.join(self.checkpoints, SETTINGS_KEY),
-                   {"fingerprint": fingerprints.settings_fingerprint(run.settings)})
+                   {"fingerprint": self.settings_fingerprint(), "split": split_record(self.fingerprinted_settings)})
         self.adopt_earlier_marker()  # a drafter brought back from a folder of the earlier layout
         return not marked and self.up_to_date()
 
     def moved_line(self, moved: str, recorded: str | None) -> str:
         """The log line of claim_checkpoints for the checkpoints it moved aside to `moved`: what they were (by
         `recorded`, the settings fingerprint they recorded) and why they went."""
-        same = recorded == fingerprints.settings_fingerprint(self.context.settings)
+        same = recorded == self.settings_fingerprint()
         if self.context.settings.overwrite:
             what = "the drafter trained with these settings on other data" if same else \
                 "the drafter trained with other settings"
