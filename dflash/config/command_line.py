@@ -18,6 +18,7 @@ from dflash.config import CONFIG_DIR
 from dflash.config.composition_errors import refuse_uncomposable
 from dflash.config.errors import ConfigError
 from dflash.config.removed import refuse_removed_settings
+from dflash.config.training_command import with_training_command
 from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
 
 GPU_DEFAULT = "+experiment=smollm2_quick"
@@ -99,6 +100,8 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     import torch
 
     kept = strip_local_rank(argv)
+    if config_name == "eval":
+        kept = with_training_command(kept, with_gpu_default(kept, torch.cuda.is_available()))
     arguments = with_gpu_default(kept, torch.cuda.is_available())
     try:
         refuse_removed_settings(kept)

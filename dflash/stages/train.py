@@ -19,7 +19,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dflash.config import ConfigError, fingerprints
+from dflash.config.command_line import hydra_overrides
 from dflash.config.errors import RunFolderError
+from dflash.config.training_command import training_overrides
 from dflash.run_files import checksum_problem, claim_checkpoint_dir, claimed_key, container, fingerprint, from_rank0, \
     read_json, read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.batch_split import SETTINGS_KEY, fingerprinted, keeping_batch, recorded_split, split_record
@@ -297,8 +299,11 @@ class TrainStage(Stage):
             logger.info(f"[train] {self.moved_line(moved, recorded)}")
         carry_trained_outputs(run.run_dir, self.checkpoints, moved)
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
-        write_json(os.path.join(self.checkpoints, SETTINGS_KEY),
-                   {"fingerprint": self.settings_fingerprint(), "split": split_record(self.fingerprinted_settings)})
+        record = {"fingerprint": self.settings_fingerprint(), "split": split_record(self.fingerprinted_settings)}
+        command = training_overrides(hydra_overrides())
+        if command is not None:
+            record["command"] = command  # what `python -m dflash.eval` adopts (dflash/config/training_command.py)
+        write_json(os.path.join(self.checkpoints, SETTINGS_KEY), record)
         self.adopt_earlier_marker()  # a drafter brought back from a folder of the earlier layout
         return not marked and self.up_to_date()
 

@@ -1,0 +1,70 @@
+"""The training command a run folder records, which `python -m dflash.eval` takes its settings from.
+
+A run folder holds one drafter, and its fingerprints tie it to the data, capture and train settings it was
+trained with (dflash/stages/guard.py): an evaluation given other ones would be refused. So the train stage records
+the overrides of the command that trained (`checkpoints/settings.json`, "command"; Hydra's record, less `stages`
+and `overwrite`), and an evaluation command that finds the run folder adopts them, its own overrides taking
+precedence key by key: `python -m dflash.eval name=smollm2` measures what `python -m dflash.train
++experiment=smollm2 train.seed=1` trained, with the evaluation settings of that command unless it gives its own.
+The folder itself (`name`, `run_dir`) is always the evaluation command's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from dflash.config.unknown_keys import override_key
+
+# Where the command is recorded, relative to the run folder (dflash/stages/batch_split.py: SETTINGS_KEY).
+RECORD = os.path.join("checkpoints", "settings.json")
+# Keys a recorded command never gives another one: the folder is found by the evaluation's own, a drafter must never
+# be moved aside by an evaluation, and Hydra's own settings are each command's.
+NOT_ADOPTED = ("name", "run_dir", "stages", "overwrite", "hydra")
+
+
+def training_overrides(overrides: list[str] | None) -> list[str] | None:
+    """What a run folder records of a training command's overrides (`overrides`, Hydra's record; None outside a
+    Hydra command, which records nothing)."""
+    if overrides is None:
+        return None
+    return [o for o in overrides if override_key(o) not in ("stages", "overwrite")]
+
+
+def recorded_command(run_dir: str) -> list[str] | None:
+    """The overrides of the command that trained the drafter in `run_dir` last, or None where none is recorded (no
+    training there, one outside a Hydra command, or one from before the record)."""
+    try:
+        with open(os.path.join(run_dir, RECORD), encoding="utf-8") as f:
+            command = json.load(f).get("command")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return command if isinstance(command, list) and all(isinstance(o, str) for o in command) else None
+
+
+def adopted(arguments: list[str], run_dir: str) -> list[str]:
+    """The recorded training command's overrides that `arguments` (an evaluation's) does not set itself, in the
+    recorded order; none where the run folder recorded no command."""
+    given = {override_key(a) for a in arguments if not a.startswith("-")}
+    recorded = recorded_command(run_dir) or []
+    return [o for o in recorded if override_key(o) not in given and override_key(o).split(".", 1)[0] not in NOT_ADOPTED]
+
+
+def with_training_command(arguments: list[str], located: list[str]) -> list[str]:
+    """An evaluation command's `arguments` after the overrides it adopts from the training command recorded in the
+    run folder that `located` (its arguments as they will run, the GPU default included) composes to, saying so;
+    `arguments` as they are where it adopts none, asks for Hydra's flags (--help, --cfg) or does not compose (its
+    error is the command line's checks' to give)."""
+    from dflash.config import compose
+
+    if any(a.startswith("-") for a in arguments):
+        return arguments
+    try:
+        run_dir = os.path.abspath(str(compose(located, "eval").run_dir))
+    except Exception:  # noqa: BLE001 - any composition error is reported by the checks that follow
+        return arguments
+    taken = adopted(arguments, run_dir)
+    if taken and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"dflash: the drafter of {run_dir}, with its training command's overrides: {' '.join(taken)}",
+              flush=True)
+    return [*taken, *arguments]

@@ -1,0 +1,66 @@
+"""`python -m dflash.eval` takes the training settings of the run folder it finds from the training command that
+folder records (dflash/config/training_command.py), its own overrides first."""
+
+import json
+import os
+import subprocess
+import sys
+
+from dflash.config.training_command import adopted, training_overrides, with_training_command
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def record(run_dir, command):
+    os.makedirs(run_dir / "checkpoints", exist_ok=True)
+    (run_dir / "checkpoints" / "settings.json").write_text(json.dumps({"fingerprint": "f", "command": command}))
+
+
+def test_an_evaluation_adopts_what_it_does_not_set_itself(tmp_path):
+    record(tmp_path, ["+experiment=tiny", "train.seed=1", "name=other", "run_dir=/elsewhere", "eval.max_new_tokens=8",
+                      "hydra.verbose=true"])
+    assert adopted(["run_dir=x"], str(tmp_path)) == ["+experiment=tiny", "train.seed=1", "eval.max_new_tokens=8"]
+    assert adopted(["+experiment=smollm2", "eval.max_new_tokens=64"], str(tmp_path)) == ["train.seed=1"]
+    assert adopted([], str(tmp_path / "none")) == []  # no training there
+    (tmp_path / "checkpoints" / "settings.json").write_text(json.dumps({"fingerprint": "f"}))  # from before the record
+    assert adopted([], str(tmp_path)) == []
+    (tmp_path / "checkpoints" / "settings.json").write_text("{not json")
+    assert adopted([], str(tmp_path)) == []
+
+
+def test_the_record_leaves_out_what_only_that_command_was(tmp_path):
+    assert training_overrides(["+experiment=tiny", "stages=[train]", "overwrite=true", "train.seed=1"]) == \
+        ["+experiment=tiny", "train.seed=1"]
+    assert training_overrides(None) is None  # composed outside a Hydra command: nothing recorded
+
+
+def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    record(run_dir, ["+experiment=tiny", "train.seed=1"])
+    given = [f"run_dir={run_dir}", "eval.max_new_tokens=4"]
+    assert with_training_command(given, given) == ["+experiment=tiny", "train.seed=1", *given]
+    assert f"the drafter of {run_dir}, with its training command's overrides: +experiment=tiny train.seed=1" \
+        in capsys.readouterr().out
+    assert with_training_command(["--help"], ["--help"]) == ["--help"]
+    elsewhere = [f"run_dir={tmp_path / 'other'}"]
+    assert with_training_command(elsewhere, elsewhere) == elsewhere
+    assert with_training_command(["train.nope=1"], ["train.nope=1"]) == ["train.nope=1"]  # its error comes later
+
+
+def test_the_evaluation_command_alone_measures_the_drafter_a_training_command_made(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""}
+    train = [sys.executable, "-m", "dflash.train", "+experiment=tiny", "show_progress=false", f"run_dir={run_dir}",
+             "train.seed=1", "train.epochs=1", "stages=[data,capture,train,export]"]
+    done = subprocess.run(train, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recorded = json.loads((run_dir / "checkpoints" / "settings.json").read_text())["command"]
+    assert recorded == ["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "train.seed=1",
+                        "train.epochs=1"]
+    evaluate = [sys.executable, "-m", "dflash.eval", f"run_dir={run_dir}", "eval.prompt_sets.gsm8k.limit=1"]
+    done = subprocess.run(evaluate, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "with its training command's overrides: +experiment=tiny show_progress=false train.seed=1 " \
+           "train.epochs=1" in done.stdout
+    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    assert summary["max_new_tokens"] == 16 and "gsm8k" in summary["prompt_sets"]  # the tiny experiment's eval
