@@ -117,9 +117,26 @@ def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
             old = OmegaConf.to_container(OmegaConf.load(path))
             if not isinstance(old, dict):
                 return path, []
-            return path, (fingerprints.training_changes(old, run.settings)
+            changes = fingerprints.training_changes(old, run.settings)
+            return path, ([with_chosen_taps(c, old, train) for c in changes]
                           or fingerprints.stand_in_changes(old, run.settings))
     return None, []
+
+
+def with_chosen_taps(change: str, old: dict, train: TrainStage) -> str:
+    """`change` with the taps an automatic `drafter.target_layer_ids` (None) chose for the trained drafter, as its
+    features recorded them (CaptureStage.layer_ids, in the capture mode it was trained with), where it is that
+    setting's change and they were recorded."""
+    prefix = "drafter.target_layer_ids: None -> "
+    if not change.startswith(prefix):
+        return change
+    mode = fingerprints.recorded_value(old, "capture.mode", None)
+    record = read_json_or_none(os.path.join(train.capture.out, "manifest.json" if mode == "offline" else
+                                            f"{mode}.json"))
+    taps = record.get("target_layer_ids") if isinstance(record, dict) else None
+    if not isinstance(taps, list):
+        return change
+    return f"drafter.target_layer_ids: None (automatic: {[int(i) for i in taps]}) -> {change[len(prefix):]}"
 
 
 def ways_on(train: TrainStage, doing: str) -> str:
