@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from dflash.config import ConfigError
 from dflash.config.errors import NothingToEvaluate
 from dflash.config.schema import RunSettings
-from dflash.config.command_line import default_run_line, hydra_overrides
+from dflash.config.command_line import adopted_overrides, default_run_line, hydra_overrides
 from dflash.config.unknown_keys import override_key
 from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
@@ -114,8 +114,9 @@ class Pipeline:
         selected = selected_stages(self.settings.stages, self.stages)
         chosen = [stage for stage in self.stages if stage.name in selected]
         if run.rank == 0:
+            trains = "train" in selected
             for warning in [*self.settings.ignored(typed=command_line_keys()),
-                            *unlaunched_devices(self.settings, run.world_size)]:
+                            *(unlaunched_devices(self.settings, run.world_size) if trains else [])]:
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
             if not chosen or not all(stage.records_own_config for stage in chosen):
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
@@ -150,7 +151,9 @@ def command_line_keys() -> set[str] | None:
     (a config composed by a test or a notebook: every key counts). Settings that an experiment or a group file set
     together are consistent; only a key someone typed is worth a warning that this combination ignores it."""
     overrides = hydra_overrides()
-    return None if overrides is None else {override_key(override) for override in overrides}
+    if overrides is None:
+        return None
+    return {override_key(override) for override in overrides} - {override_key(o) for o in adopted_overrides()}
 
 
 def selected_stages(named: list[str], stages: tuple[Stage | type[Stage], ...] = STAGE_CLASSES) -> list[str]:

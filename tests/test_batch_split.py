@@ -46,7 +46,7 @@ def test_the_split_that_keeps_a_global_batch_on_other_ranks():
     assert keeping_batch(6, 4, 4, 1) is None  # neither 6 / 16 nor 6 / 4 is whole
 
 
-def test_the_recorded_split_needs_a_complete_tag_with_its_global_batch(tmp_path):
+def test_the_recorded_split_is_the_record_of_the_last_launch_else_its_newest_tag(tmp_path):
     (tmp_path / "step4").mkdir()
     (tmp_path / "step4" / "complete").write_text("4\n")
     assert recorded_split(str(tmp_path)) is None  # a tag from before layouts were recorded
@@ -54,9 +54,11 @@ def test_the_recorded_split_needs_a_complete_tag_with_its_global_batch(tmp_path)
     assert recorded_split(str(tmp_path)) is None  # nothing says how it was split
     (tmp_path / "config.yaml").write_text("train:\n  micro_batch_size: 4\n  grad_accum: 1\n")
     assert recorded_split(str(tmp_path)) == RecordedSplit(4, 1, 8, 2)  # a folder from before settings.json's split
-    (tmp_path / "settings.json").write_text(json.dumps({"fingerprint": "f", "split": {"micro_batch_size": 2,
-                                                                                      "grad_accum": 2}}))
-    assert recorded_split(str(tmp_path)) == RecordedSplit(2, 2, 8, 2)
+    split = {"micro_batch_size": 2, "grad_accum": 2, "global_batch": 8, "ranks": 1}
+    (tmp_path / "settings.json").write_text(json.dumps({"fingerprint": "f", "split": split}))
+    assert recorded_split(str(tmp_path)) == RecordedSplit(2, 2, 8, 1)  # the last launch's, newer than its tags
+    shutil.rmtree(tmp_path / "step4")
+    assert recorded_split(str(tmp_path)) == RecordedSplit(2, 2, 8, 1)  # tags deleted to free the disk
 
 
 def as_if_killed_after(run_dir, step):
@@ -96,13 +98,16 @@ def test_a_killed_training_resumes_under_another_split_of_its_global_batch(tmp_p
            in out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("run.") or "checkpoints." in p.name]
     assert not [p for p in run_dir.iterdir() if p.name.startswith("checkpoints.")]
-    resumed, reference = losses(run_dir), losses(whole)
+    resumed, reference = losses(run_dir), losses(whole)  # fingerprinted as it started, 4 x 1 x 1 (below)
     assert sorted(resumed) == sorted(reference) and max(reference) > 8
     for step in reference:  # the same batches: only the summation order of 2 x 2 against 4 differs
         assert resumed[step] == pytest.approx(reference[step], rel=1e-3), step
     settings_record = json.loads((run_dir / "checkpoints" / "settings.json").read_text())
-    assert settings_record["split"] == {"micro_batch_size": 4, "grad_accum": 1}  # fingerprinted as it started
+    assert settings_record["split"] == {"micro_batch_size": 4, "grad_accum": 1, "global_batch": 4, "ranks": 1}
 
+    for name in os.listdir(run_dir / "checkpoints"):  # every step's checkpoint deleted to free the disk
+        if name.startswith("step"):
+            shutil.rmtree(run_dir / "checkpoints" / name)
     evaluated = Pipeline(compose(TINY + [f"run_dir={run_dir}", "train.micro_batch_size=2", "train.grad_accum=2",
                                          "stages=[eval]"])).run()
     again = Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]"])).run()  # the split it started with
@@ -130,3 +135,31 @@ def test_a_launch_of_another_global_batch_is_refused_with_the_split_that_resumes
     two.context.world_size = 2
     two.train.preflight(selected=True)
     assert two.train.checkpoint_fingerprint() == Pipeline(compose(run)).train.checkpoint_fingerprint()
+
+
+def test_after_a_resplit_another_global_batch_is_refused_naming_the_split_that_resumes(tmp_path):
+    """A run resumed as 2 x 2 is still a 4 x 1 training: a launch of 2 x 2 on two ranks (8 a step) is refused, its
+    changes named against 4 x 1 and the split of two ranks that resumes it."""
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train,export]", "train.save_every=4",
+                  "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    as_if_killed_after(tmp_path, 4)
+    Pipeline(compose(run + ["train.micro_batch_size=2", "train.grad_accum=2"])).run()
+    as_if_killed_after(tmp_path, 4)
+    two = Pipeline(compose(run + ["train.micro_batch_size=2", "train.grad_accum=2"]))
+    two.context.world_size = 2
+    with pytest.raises(RunFolderError, match=r"train.micro_batch_size: 4 -> 2; train.grad_accum: 1 -> 2; its global "
+                                             r"batch of 4 sequences, split otherwise, is the same training: "
+                                             r"train.grad_accum=1 splits it on 2 rank\(s\)"):
+        two.train.preflight(selected=True)
+
+
+def test_the_split_of_another_training_never_keys_these_settings(tmp_path):
+    """The folder holds a training of other settings at 2 x 2: a command of 4 x 1 and another learning rate is
+    fingerprinted as itself, so its own checkpoints, moved aside earlier, come back under their own key."""
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train]", "train.epochs=1"]
+    Pipeline(compose(run + ["train.micro_batch_size=2", "train.grad_accum=2"])).run()
+    other = Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"]))
+    assert other.train.fingerprinted_settings is other.context.settings
+    same = Pipeline(compose(run))  # the training there, as 4 x 1: the recorded split
+    assert same.train.fingerprinted_settings.train.micro_batch_size == 2

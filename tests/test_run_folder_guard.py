@@ -45,7 +45,8 @@ def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path)
     with pytest.raises(ConfigError, match=r"drafter.target_layer_ids=\[0, 40\]: \[40\] outside the target's"):
         Pipeline(compose(run + ["train.epochs=4", "drafter.target_layer_ids=[0,40]"])).run()
     assert snapshot(tmp_path) == before
-    assert "train.epochs: 3 -> 4" in messages[0] and "drafter.target_layer_ids: None (automatic: [1, 5]) -> [0, 2]" in messages[0]
+    assert "train.epochs: 3 -> 4" in messages[0]
+    assert "drafter.target_layer_ids: None (automatic: [1, 5]) -> [0, 2]" in messages[0]
     assert f"run_dir={tmp_path}-2;" in messages[0] and "overwrite=true" in messages[0]
     assert "data.limit: 32 -> 16" in messages[1]
     # Other eval settings are another look at the same drafter: allowed, into their own folder. Each command that

@@ -21,6 +21,9 @@ def test_an_evaluation_adopts_what_it_does_not_set_itself(tmp_path):
                       "hydra.verbose=true"])
     assert adopted(["run_dir=x"], str(tmp_path)) == ["+experiment=tiny", "train.seed=1", "eval.max_new_tokens=8"]
     assert adopted(["+experiment=smollm2", "eval.max_new_tokens=64"], str(tmp_path)) == ["train.seed=1"]
+    assert adopted(["train=default"], str(tmp_path)) == ["+experiment=tiny", "eval.max_new_tokens=8"]  # a group
+    record(tmp_path, ["target.path=/a/model", "~eval.prompt_sets.mtbench", "hydra/job_logging=none"])
+    assert adopted(["target=hf", "eval.prompt_sets.mtbench.limit=1"], str(tmp_path)) == []  # holds or is held
     assert adopted([], str(tmp_path / "none")) == []  # no training there
     (tmp_path / "checkpoints" / "settings.json").write_text(json.dumps({"fingerprint": "f"}))  # from before the record
     assert adopted([], str(tmp_path)) == []
@@ -34,7 +37,7 @@ def test_the_record_leaves_out_what_only_that_command_was(tmp_path):
     assert training_overrides(None) is None  # composed outside a Hydra command: nothing recorded
 
 
-def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, capsys):
+def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     record(run_dir, ["+experiment=tiny", "train.seed=1"])
     given = [f"run_dir={run_dir}", "eval.max_new_tokens=4"]
@@ -42,6 +45,10 @@ def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, caps
     assert f"the drafter of {run_dir}, with its training command's overrides: +experiment=tiny train.seed=1" \
         in capsys.readouterr().out
     assert with_training_command(["--help"], ["--help"]) == ["--help"]
+    record(tmp_path / "runs" / "mine", ["+experiment=tiny"])
+    monkeypatch.chdir(tmp_path)  # name=mine: runs/mine, pinned whatever name the adopted experiment gives
+    folder = tmp_path / "runs" / "mine"
+    assert with_training_command(["name=mine"], ["name=mine"]) == ["+experiment=tiny", "name=mine", f"run_dir={folder}"]
     elsewhere = [f"run_dir={tmp_path / 'other'}"]
     assert with_training_command(elsewhere, elsewhere) == elsewhere
     assert with_training_command(["train.nope=1"], ["train.nope=1"]) == ["train.nope=1"]  # its error comes later

@@ -1,12 +1,14 @@
 """The command line of `python -m dflash.train`, `dflash.extract` and `dflash.eval` before Hydra reads it.
 
-Two rewrites, both visible: the `--local_rank=N` the deepspeed launcher appends (Hydra rejects it) moves into the
-LOCAL_RANK environment variable, and a command that names no experiment, target or device on a machine with a GPU
-runs the GPU default (`+experiment=smollm2_quick`, a real drafter in about 10 minutes) instead of the CPU demo,
-saying so on stderr. All three commands rewrite alike, so `python -m dflash.eval` finds the run that
-`python -m dflash.train` made on the same machine. A setting that was removed (dflash/config/removed.py) stops the
-command here with what replaces it, and so does a command line Hydra cannot compose (composition_errors.py), in
-one line. Once Hydra runs the command, `hydra_overrides` reads back the overrides it was given.
+Three rewrites, all visible: the `--local_rank=N` the deepspeed launcher appends (Hydra rejects it) moves into the
+LOCAL_RANK environment variable; an evaluation command takes the overrides of the training command its run folder
+recorded where it does not set them itself (training_command.py, said on stdout); and a command that names no
+experiment, target or device on a machine with a GPU runs the GPU default (`+experiment=smollm2_quick`, a real
+drafter in about 10 minutes) instead of the CPU demo, saying so on stderr. All three commands rewrite alike, so
+`python -m dflash.eval` finds the run that `python -m dflash.train` made on the same machine. A setting that was
+removed (dflash/config/removed.py) stops the command here with what replaces it, and so does a command line Hydra
+cannot compose (composition_errors.py), in one line. Once Hydra runs the command, `hydra_overrides` reads back
+the overrides it was given.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dflash.config.training_command import with_training_command
 from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
 
 GPU_DEFAULT = "+experiment=smollm2_quick"
+_adopted: list[str] = []  # command_arguments' adoption, for adopted_overrides
 # What the training command says first on a machine without a GPU when nothing chooses what to run.
 CPU_DEMO_LINE = ("dflash: no GPU: this is the CPU demo, a drafter for the real SmolLM2 target trained for a few "
                  "minutes (5 to 6 minutes on 2 idle cores; tau near 1.05 is what minutes of CPU training reach); on "
@@ -94,14 +97,18 @@ def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
 
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
-    --local_rank, with the GPU default when it applies (default_run_line says so, or that this is the CPU demo). A
+    --local_rank, for an evaluation after the overrides it adopts (training_command.py), with the GPU default when
+    it applies (default_run_line says so, or that this is the CPU demo). A
     removed setting, a key that names no setting, a flag Hydra does not have or a command line Hydra cannot compose
     ends the command with one line (exit status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
     import torch
 
     kept = strip_local_rank(argv)
+    global _adopted
     if config_name == "eval":
+        typed = kept
         kept = with_training_command(kept, with_gpu_default(kept, torch.cuda.is_available()))
+        _adopted = [a for a in kept if a not in typed]
     arguments = with_gpu_default(kept, torch.cuda.is_available())
     try:
         refuse_removed_settings(kept)
@@ -122,6 +129,12 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
         elif config_name == "train" and not torch.cuda.is_available() and not flags:
             _default_run_line = cpu_run_line(kept)
     return arguments
+
+
+def adopted_overrides() -> list[str]:
+    """The overrides this process's evaluation command took from the training command its run folder recorded
+    (dflash/config/training_command.py): not typed, so no setting of theirs is warned about as typed."""
+    return list(_adopted)
 
 
 def default_run_line() -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from dflash.config.unknown_keys import override_key
 
@@ -44,10 +45,17 @@ def recorded_command(run_dir: str) -> list[str] | None:
 
 def adopted(arguments: list[str], run_dir: str) -> list[str]:
     """The recorded training command's overrides that `arguments` (an evaluation's) does not set itself, in the
-    recorded order; none where the run folder recorded no command."""
-    given = {override_key(a) for a in arguments if not a.startswith("-")}
+    recorded order; none where the run folder recorded no command. An argument sets a key, what lies under it (a
+    group choice `target=hf`, its settings) and what holds it (`eval.prompt_sets.gsm8k.limit=1`, the set)."""
+    given = [override_key(a) for a in arguments if not a.startswith("-")]
     recorded = recorded_command(run_dir) or []
-    return [o for o in recorded if override_key(o) not in given and override_key(o).split(".", 1)[0] not in NOT_ADOPTED]
+    return [o for o in recorded if re.split(r"[./]", override_key(o), maxsplit=1)[0] not in NOT_ADOPTED
+            and not any(overlaps(override_key(o), key) for key in given)]
+
+
+def overlaps(key: str, other: str) -> bool:
+    """Whether two dotted keys are one, or one holds the other."""
+    return key == other or key.startswith(other + ".") or other.startswith(key + ".")
 
 
 def with_training_command(arguments: list[str], located: list[str]) -> list[str]:
@@ -64,7 +72,20 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
     except Exception:  # noqa: BLE001 - any composition error is reported by the checks that follow
         return arguments
     taken = adopted(arguments, run_dir)
-    if taken and os.environ.get("LOCAL_RANK", "0") == "0":
+    if not taken:
+        return arguments
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"dflash: the drafter of {run_dir}, with its training command's overrides: {' '.join(taken)}",
               flush=True)
-    return [*taken, *arguments]
+    # The folder stays the one found, whatever name an adopted +experiment= gives.
+    return [*taken, *arguments, *pinned_folder(arguments, run_dir)]
+
+
+def pinned_folder(arguments: list[str], run_dir: str) -> list[str]:
+    """`run_dir=<run_dir>` as an override Hydra reads whole (quoted where the path needs it), where `arguments` do
+    not name run_dir and the path can be written; else nothing."""
+    if any(override_key(a) == "run_dir" for a in arguments):
+        return []
+    if re.fullmatch(r"[\w./+@:-]+", run_dir):
+        return [f"run_dir={run_dir}"]
+    return [f"run_dir='{run_dir}'"] if "'" not in run_dir and "\\" not in run_dir else []

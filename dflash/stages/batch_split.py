@@ -6,10 +6,11 @@ out of memory). The data order, the anchors and the loss's normalisation depend 
 
 `train.micro_batch_size` and `train.grad_accum` are in the train stage's fingerprint, so a launch of another split
 would count as other settings. Instead the run folder keeps the fingerprints of the split its training started
-with: a launch whose split differs but whose global batch equals the one its newest checkpoint recorded is
-fingerprinted with the recorded split (`fingerprinted`), so every stage and the run folder's guard take it for
-the same training, and nothing of the run folder is rewritten. The split is recorded in checkpoints/settings.json
-beside the settings fingerprint it was taken with.
+with: a launch whose split differs but whose global batch equals the recorded one is fingerprinted with the
+recorded split (`fingerprinted`) where the training there is of these settings under it, so every stage and the
+run folder's guard take it for the same training: no fingerprint or done marker changes, and nothing is moved
+aside. The split is recorded in checkpoints/settings.json beside the settings fingerprint it was taken with, with
+the global batch and rank count of the last launch.
 """
 
 from __future__ import annotations
@@ -28,40 +29,41 @@ SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of t
 
 @dataclasses.dataclass(frozen=True)
 class RecordedSplit:
-    """The split the run folder's training is fingerprinted with, and the global batch and rank count of its newest
-    complete checkpoint (the last launch that trained)."""
+    """The split the run folder's training is fingerprinted with, and the global batch and rank count of the last
+    launch that trained there."""
 
     micro_batch_size: int
     grad_accum: int
     global_batch: int
     ranks: int
 
-    def overrides(self) -> str:
-        return f"train.micro_batch_size={self.micro_batch_size} train.grad_accum={self.grad_accum}"
 
-
-def split_record(settings: RunSettings) -> dict[str, int]:
-    """What settings.json records of the split of `settings` (the ones its fingerprint was taken with)."""
-    return {"micro_batch_size": settings.train.micro_batch_size, "grad_accum": settings.train.grad_accum}
+def split_record(fingerprinted: RunSettings, launch: RunSettings, ranks: int) -> dict[str, int]:
+    """What settings.json records of the split: the one the fingerprints were taken with (of `fingerprinted`), and
+    the global batch and rank count of this launch of `launch` on `ranks` ranks (the one whose command is
+    recorded beside it)."""
+    t = launch.train
+    return {"micro_batch_size": fingerprinted.train.micro_batch_size, "grad_accum": fingerprinted.train.grad_accum,
+            "global_batch": t.micro_batch_size * ranks * t.grad_accum, "ranks": ranks}
 
 
 def recorded_split(checkpoints: str) -> RecordedSplit | None:
     """The split of the training in `checkpoints` (settings.json's record; for a folder from before it, the
-    config.yaml its training wrote there), with its newest complete tag's global batch and rank count; None
-    without a complete tag that recorded its global batch, or without a record of the split."""
+    config.yaml its training wrote there), with the global batch and rank count of the last launch that trained
+    there (settings.json's record, else its newest complete tag's layout.json); None where any is not recorded."""
     from dflash.train.checkpoints import complete_tags, saved_layout
 
-    tags = complete_tags(checkpoints)
-    layout = saved_layout(checkpoints, tags[-1][1]) if tags else {}
-    if not isinstance(layout.get("global_batch_size"), int) or not isinstance(layout.get("world_size"), int):
-        return None
     split = (read_json_or_none(os.path.join(checkpoints, SETTINGS_KEY)) or {}).get("split")
     if not isinstance(split, dict):
-        split = config_split(os.path.join(checkpoints, "config.yaml"))
-    if split is None or not all(isinstance(split.get(key), int) for key in ("micro_batch_size", "grad_accum")):
+        split = config_split(os.path.join(checkpoints, "config.yaml")) or {}
+    if not all(isinstance(split.get(key), int) for key in ("global_batch", "ranks")):
+        tags = complete_tags(checkpoints)
+        layout = saved_layout(checkpoints, tags[-1][1]) if tags else {}
+        split = {**split, "global_batch": layout.get("global_batch_size"), "ranks": layout.get("world_size")}
+    if not all(isinstance(split.get(key), int) for key in ("micro_batch_size", "grad_accum", "global_batch",
+                                                           "ranks")):
         return None
-    return RecordedSplit(split["micro_batch_size"], split["grad_accum"], layout["global_batch_size"],
-                         layout["world_size"])
+    return RecordedSplit(split["micro_batch_size"], split["grad_accum"], split["global_batch"], split["ranks"])
 
 
 def config_split(path: str) -> dict[str, Any] | None:

@@ -14,9 +14,9 @@ from omegaconf import OmegaConf, open_dict
 from dflash.config import fingerprints
 from dflash.config.errors import RunFolderError
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
+from dflash.stages.batch_split import SETTINGS_KEY, keeping_batch, recorded_split
 from dflash.stages.context import RunContext
 from dflash.stages.data import changed_input_files
-from dflash.stages.batch_split import SETTINGS_KEY, keeping_batch, recorded_split
 from dflash.stages.train import TrainStage
 
 
@@ -52,7 +52,7 @@ def refuse_other_trained_settings(train: TrainStage) -> None:
             trained[1] is None and trained[0] == train.checkpoint_fingerprint()):
         config, changes = trained_config(train)
         shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
-        shown = (shown or (f"see {config}" if config else "its config.yaml was not kept")) + split_note(train, changes)
+        shown = (shown or (f"see {config}" if config else "its config.yaml was not kept")) + split_note(train)
         if not set(run.settings.stages) & {"data", "capture", "train"}:
             # overwrite=true cannot help a command that trains nothing: it needs the drafter's own settings.
             raise RunFolderError(
@@ -66,21 +66,18 @@ def refuse_other_trained_settings(train: TrainStage) -> None:
         refuse_rebuilt_data(train)
 
 
-def split_note(train: TrainStage, changes: list[str]) -> str:
-    """For a refusal whose changes are the global batch's split alone: the split of this launch's ranks that resumes
-    the drafter (batch_split.py), else nothing."""
+def split_note(train: TrainStage) -> str:
+    """For a refusal of a launch whose global batch (micro_batch_size x ranks x grad_accum) is not the run folder's
+    training's: that global batch, and the split of this launch's ranks that resumes it (batch_split.py)."""
     recorded = recorded_split(train.checkpoints)
-    if recorded is None or not changes or not all(c.startswith(SPLIT_KEYS) for c in changes):
-        return ""
     t, ranks = train.context.settings.train, train.context.world_size
-    if "train" not in train.context.settings.stages:
+    if recorded is not None and "train" not in train.context.settings.stages:
         ranks = recorded.ranks
+    if recorded is None or t.micro_batch_size * ranks * t.grad_accum == recorded.global_batch:
+        return ""
     keeping = keeping_batch(recorded.global_batch, t.micro_batch_size, ranks, t.grad_accum)
     return (f"; its global batch of {recorded.global_batch} sequences, split otherwise, is the same training"
             f"{f': {keeping} splits it on {ranks} rank(s)' if keeping else ''}")
-
-
-SPLIT_KEYS = ("train.micro_batch_size:", "train.grad_accum:")  # how training_changes names the split's keys
 
 
 def refuse_rebuilt_data(train: TrainStage) -> None:
@@ -117,6 +114,11 @@ def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
             old = OmegaConf.to_container(OmegaConf.load(path))
             if not isinstance(old, dict):
                 return path, []
+            recorded = recorded_split(train.checkpoints)
+            if recorded is not None and isinstance(old.get("train"), dict):
+                # Compared with the split the drafter is fingerprinted with, which a later launch of another split
+                # of its global batch did not change (batch_split.py), not with that launch's.
+                old["train"].update(micro_batch_size=recorded.micro_batch_size, grad_accum=recorded.grad_accum)
             changes = fingerprints.training_changes(old, run.settings)
             return path, ([with_chosen_taps(c, old, train) for c in changes]
                           or fingerprints.stand_in_changes(old, run.settings))
@@ -134,9 +136,9 @@ def with_chosen_taps(change: str, old: dict, train: TrainStage) -> str:
     record = read_json_or_none(os.path.join(train.capture.out, "manifest.json" if mode == "offline" else
                                             f"{mode}.json"))
     taps = record.get("target_layer_ids") if isinstance(record, dict) else None
-    if not isinstance(taps, list):
+    if not isinstance(taps, list) or not all(isinstance(i, int) for i in taps):
         return change
-    return f"drafter.target_layer_ids: None (automatic: {[int(i) for i in taps]}) -> {change[len(prefix):]}"
+    return f"drafter.target_layer_ids: None (automatic: {taps}) -> {change[len(prefix):]}"
 
 
 def ways_on(train: TrainStage, doing: str) -> str:

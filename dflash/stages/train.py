@@ -70,7 +70,18 @@ class TrainStage(Stage):
         run = self.context
         recorded = recorded_split(self.checkpoints)
         trains = "train" in run.settings.stages or recorded is None
-        return fingerprinted(run.settings, recorded, run.world_size if trains else recorded.ranks)
+        candidate = fingerprinted(run.settings, recorded, run.world_size if trains else recorded.ranks)
+        if candidate is run.settings:
+            return candidate
+        # Only where the training there is of these settings under the recorded split: another training's split
+        # would key these settings' own checkpoints, moved aside, otherwise than they were.
+        trained = (read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
+        if trained is not None:
+            same = trained == fingerprints.settings_fingerprint(candidate)
+        else:
+            same = claimed_key(self.checkpoints) == fingerprints.checkpoint_fingerprint(candidate,
+                                                                                        self.capture.fingerprint())
+        return candidate if same else run.settings
 
     def checkpoint_fingerprint(self) -> str:
         """What the checkpoints depend on: not the rank count (a run resumes on another, converting them), nor how
@@ -173,8 +184,9 @@ class TrainStage(Stage):
             f"{self.checkpoints} aside to train again")
 
     def kept(self) -> None:
-        if self.context.rank == 0 and self.resplit_line():
-            logger.info(f"[train] kept: {self.resplit_line()}")
+        resplit = self.resplit_line() if self.context.rank == 0 else None
+        if resplit:
+            logger.info(f"[train] kept: {resplit}")
         elif self.context.rank == 0 and self.fingerprint() != self.launch_fingerprint():
             logger.info(f"[train] kept: these settings' drafter was trained on another number of ranks than this "
                         f"launch's {self.context.world_size}")
@@ -299,10 +311,15 @@ class TrainStage(Stage):
             logger.info(f"[train] {self.moved_line(moved, recorded)}")
         carry_trained_outputs(run.run_dir, self.checkpoints, moved)
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
-        record = {"fingerprint": self.settings_fingerprint(), "split": split_record(self.fingerprinted_settings)}
+        earlier = read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}
+        record = {"fingerprint": self.settings_fingerprint(),
+                  "split": split_record(self.fingerprinted_settings, run.settings, run.world_size)}
+        # What `python -m dflash.eval` adopts (dflash/config/training_command.py); a launch outside a Hydra command
+        # (a notebook, a test) keeps the one recorded before.
         command = training_overrides(hydra_overrides())
+        command = earlier.get("command") if command is None else command
         if command is not None:
-            record["command"] = command  # what `python -m dflash.eval` adopts (dflash/config/training_command.py)
+            record["command"] = command
         write_json(os.path.join(self.checkpoints, SETTINGS_KEY), record)
         self.adopt_earlier_marker()  # a drafter brought back from a folder of the earlier layout
         return not marked and self.up_to_date()
