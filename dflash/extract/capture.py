@@ -20,6 +20,7 @@ whose sidecars exist, with any number of ranks.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -37,6 +38,7 @@ from tqdm.auto import tqdm
 from dflash.extract.feature_checks import (
     check_features, crosscheck_sample, packed_feature_flags, raise_on_bad_features,
 )
+from dflash.extract.forward_budget import ForwardBudget
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
 from dflash.host_copy import host_to_device
 from dflash.run_files import file_sha256
@@ -130,15 +132,16 @@ def capture_rows(
     rows: Any,
     first_sample: int,
     layer_ids: list[int],
-    batch_tokens: int,
+    budget: ForwardBudget,
     dtype: torch.dtype,
     check_every: int,
     progress: tqdm,
     pack: bool,
 ) -> dict[str, torch.Tensor]:
     """Capture one shard's rows (an Arrow table slice) -> ShardWriter.write_shard's tensors (hidden, input_ids,
-    loss_mask, offsets, and scales for fp8). Sample `first_sample + j` is crosschecked when divisible by
-    `check_every` (0: never). pack: samples laid end to end (capture_packed) instead of padded batches."""
+    loss_mask, offsets, and scales for fp8), in forwards of at most `budget.tokens` tokens. Sample
+    `first_sample + j` is crosschecked when divisible by `check_every` (0: never). pack: samples laid end to end
+    (capture_packed) instead of padded batches."""
     sample_ids = [str(i) for i in rows["id"].to_pylist()]
     lengths = _checked_lengths(rows, sample_ids)
     flat_ids = torch.from_numpy(pc.list_flatten(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64))
@@ -151,7 +154,7 @@ def capture_rows(
     # A target packed capture cannot serve (packing_problem) takes padded batches, which keep to batch_tokens
     # (its packed fallback would pad a whole run of samples to the longest one).
     capture = _capture_packed_rows if pack and adapter.packing_problem() is None else _capture_padded_rows
-    capture(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids, batch_tokens, check_every,
+    capture(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids, budget, check_every,
             progress, hidden, scales)
     return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
 
@@ -172,31 +175,51 @@ def _checked_lengths(rows: Any, sample_ids: list[str]) -> np.ndarray:
 
 def _capture_padded_rows(
     adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
-    sample_ids: list[str], first_sample: int, layer_ids: list[int], batch_tokens: int, check_every: int,
+    sample_ids: list[str], first_sample: int, layer_ids: list[int], budget: ForwardBudget, check_every: int,
     progress: tqdm, hidden: torch.Tensor, scales: torch.Tensor | None,
 ) -> None:
     """capture_rows' padded path: samples sorted by length into right-padded batches (length_batches), each through
-    TargetAdapter.capture, each sample's features copied back to its place in hidden."""
+    TargetAdapter.capture, each sample's features copied back to its place in hidden. A batch that runs out of
+    memory is planned again, with the samples left, at the smaller budget."""
+    left = list(range(len(lengths)))
+    while left:
+        planned = left
+        for batch in length_batches([int(lengths[j]) for j in planned], budget.tokens):
+            batch = [planned[k] for k in batch]
+            forward = functools.partial(_capture_padded_batch, adapter, flat_ids, lengths, offsets, sample_ids,
+                                        first_sample, layer_ids, check_every, hidden, scales, batch)
+            tokens = len(batch) * int(max(lengths[j] for j in batch))
+            if not budget.fits(forward, tokens, sample_ids[batch[0]] if len(batch) == 1 else None):
+                break
+            done = set(batch)
+            left = [j for j in left if j not in done]
+            progress.update(int(sum(lengths[j] for j in batch)))
+
+
+def _capture_padded_batch(
+    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
+    sample_ids: list[str], first_sample: int, layer_ids: list[int], check_every: int, hidden: torch.Tensor,
+    scales: torch.Tensor | None, batch: list[int],
+) -> None:
+    """One right-padded forward of the samples `batch`, checked, into hidden."""
     pad_id = adapter.tokenizer.pad_token_id
-    for batch in length_batches(lengths.tolist(), batch_tokens):
-        batch_lengths = [int(lengths[j]) for j in batch]
-        width = max(batch_lengths)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, j in enumerate(batch):
-            input_ids[row, :lengths[j]] = flat_ids[offsets[j]:offsets[j + 1]]
-            attention_mask[row, :lengths[j]] = 1
-        features = adapter.capture(input_ids.to(adapter.device), attention_mask.to(adapter.device), layer_ids)
-        check_features(features, batch_lengths, [sample_ids[j] for j in batch], layer_ids)
-        for row, j in enumerate(batch):
-            # Compared before the cast to the stored dtype: the check is about the capture path, not rounding.
-            if check_every and (first_sample + j) % check_every == 0:
-                crosscheck_sample(
-                    adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features[row, :lengths[j]],
-                    layer_ids, sample_ids[j],
-                )
-        _store_batch(features, batch, lengths, offsets, len(layer_ids), hidden, scales)
-        progress.update(sum(batch_lengths))
+    batch_lengths = [int(lengths[j]) for j in batch]
+    width = max(batch_lengths)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, j in enumerate(batch):
+        input_ids[row, :lengths[j]] = flat_ids[offsets[j]:offsets[j + 1]]
+        attention_mask[row, :lengths[j]] = 1
+    features = adapter.capture(input_ids.to(adapter.device), attention_mask.to(adapter.device), layer_ids)
+    check_features(features, batch_lengths, [sample_ids[j] for j in batch], layer_ids)
+    for row, j in enumerate(batch):
+        # Compared before the cast to the stored dtype: the check is about the capture path, not rounding.
+        if check_every and (first_sample + j) % check_every == 0:
+            crosscheck_sample(
+                adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features[row, :lengths[j]],
+                layer_ids, sample_ids[j],
+            )
+    _store_batch(features, batch, lengths, offsets, len(layer_ids), hidden, scales)
 
 
 def _store_batch(features: torch.Tensor, batch: list[int], lengths: np.ndarray, offsets: torch.Tensor,
@@ -239,37 +262,55 @@ def packed_runs(lengths: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]
 
 def _capture_packed_rows(
     adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
-    sample_ids: list[str], first_sample: int, layer_ids: list[int], batch_tokens: int, check_every: int,
+    sample_ids: list[str], first_sample: int, layer_ids: list[int], budget: ForwardBudget, check_every: int,
     progress: tqdm, hidden: torch.Tensor, scales: torch.Tensor | None,
 ) -> None:
     """capture_rows' packed path: each run of samples goes through TargetAdapter.capture_packed (no padding at
-    all) and its features fill hidden[start:stop] directly."""
-    for first, end in packed_runs(lengths, batch_tokens):
-        start, stop = int(offsets[first]), int(offsets[end])
-        run_lengths = lengths[first:end].tolist()
-        features = adapter.capture_packed(host_to_device(flat_ids[start:stop], adapter.device), run_lengths,
-                                          layer_ids)
-        flags = packed_feature_flags(features, run_lengths, layer_ids)
-        raise_on_bad_features(flags.cpu(), sample_ids[first:end], layer_ids)
-        for j in range(first, end):
-            if check_every and (first_sample + j) % check_every == 0:
-                # The first sample of a run has nothing before it to leak from: its run's last sample is checked.
-                k = end - 1 if j == first else j
-                crosscheck_sample(adapter, flat_ids[offsets[k]:offsets[k + 1]].tolist(),
-                                  features[int(offsets[k]) - start:int(offsets[k + 1]) - start], layer_ids,
-                                  sample_ids[k])
-        if scales is not None:
-            q, run_scales = quantize_fp8(features, len(layer_ids))
-            hidden[start:stop] = q.cpu()
-            scales[start:stop] = run_scales.cpu()
-        else:
-            hidden[start:stop] = features.to(hidden.dtype).cpu()
-        progress.update(stop - start)
+    all) and its features fill hidden[start:stop] directly. A run that runs out of memory is planned again, with
+    the samples after it, at the smaller budget."""
+    done = 0
+    while done < len(lengths):
+        base = done
+        for first, end in packed_runs(lengths[base:], budget.tokens):
+            first, end = first + base, end + base
+            forward = functools.partial(_capture_packed_run, adapter, flat_ids, lengths, offsets, sample_ids,
+                                        first_sample, layer_ids, check_every, hidden, scales, first, end)
+            tokens = int(offsets[end] - offsets[first])
+            if not budget.fits(forward, tokens, sample_ids[first] if end - first == 1 else None):
+                break
+            done = end
+            progress.update(tokens)
+
+
+def _capture_packed_run(
+    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
+    sample_ids: list[str], first_sample: int, layer_ids: list[int], check_every: int, hidden: torch.Tensor,
+    scales: torch.Tensor | None, first: int, end: int,
+) -> None:
+    """One packed forward of the samples first..end-1, checked, into hidden[start:stop]."""
+    start, stop = int(offsets[first]), int(offsets[end])
+    run_lengths = lengths[first:end].tolist()
+    features = adapter.capture_packed(host_to_device(flat_ids[start:stop], adapter.device), run_lengths, layer_ids)
+    flags = packed_feature_flags(features, run_lengths, layer_ids)
+    raise_on_bad_features(flags.cpu(), sample_ids[first:end], layer_ids)
+    for j in range(first, end):
+        if check_every and (first_sample + j) % check_every == 0:
+            # The first sample of a run has nothing before it to leak from: its run's last sample is checked.
+            k = end - 1 if j == first else j
+            crosscheck_sample(adapter, flat_ids[offsets[k]:offsets[k + 1]].tolist(),
+                              features[int(offsets[k]) - start:int(offsets[k + 1]) - start], layer_ids,
+                              sample_ids[k])
+    if scales is not None:
+        q, run_scales = quantize_fp8(features, len(layer_ids))
+        hidden[start:stop] = q.cpu()
+        scales[start:stop] = run_scales.cpu()
+    else:
+        hidden[start:stop] = features.to(hidden.dtype).cpu()
 
 
 def _repair_shards(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any], layer_ids: list[int],
-    batch_tokens: int, dtype: torch.dtype, check_every: int, pack: bool, verify: bool = True,
+    budget: ForwardBudget, dtype: torch.dtype, check_every: int, pack: bool, verify: bool = True,
 ) -> None:
     """Recapture (same samples, same name) each shard listed in the manifest that is missing or, with `verify`,
     whose sha256 differs from the manifest's."""
@@ -285,7 +326,7 @@ def _repair_shards(
         problem = "missing" if actual is None else f"corrupt (sha256 {actual}, manifest {entry['sha256']})"
         logger.info(f"[capture] feature shard {path} is {problem}: recapturing samples {first}..{end - 1}",
                     extra=EVERY_RANK)
-        arrays = capture_rows(adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every,
+        arrays = capture_rows(adapter, table[first:end], first, layer_ids, budget, dtype, check_every,
                                 tqdm(disable=True), pack)
         manifest["shards"][index] = writer.write_shard(index, first_sample=first, **arrays)
         writer.write_manifest(manifest)
@@ -340,7 +381,7 @@ def _append_finished(manifest: dict[str, Any], finished: dict[int, dict[str, Any
 
 def _capture_shards(
     adapter: TargetAdapter, table: Any, work: list[tuple[int, int, int]], writer: ShardWriter,
-    on_written: Callable[[int, dict[str, Any]], None], layer_ids: list[int], batch_tokens: int,
+    on_written: Callable[[int, dict[str, Any]], None], layer_ids: list[int], budget: ForwardBudget,
     dtype: torch.dtype, check_every: int, progress: tqdm, pack: bool,
 ) -> None:
     """Capture and write the shards `work` [(index, first, end)] in order; `on_written(index, entry)` runs for
@@ -352,7 +393,7 @@ def _capture_shards(
         try:
             for index, first, end in work:
                 arrays = capture_rows(
-                    adapter, table[first:end], first, layer_ids, batch_tokens, dtype, check_every, progress, pack
+                    adapter, table[first:end], first, layer_ids, budget, dtype, check_every, progress, pack
                 )
                 if pending is not None:
                     (written, write), pending = pending, None
@@ -416,14 +457,14 @@ def capture_dataset(
     fresh = _new_manifest(expected, adapter, len(dataset))
     if world_size > 1:
         return _capture_ranks(
-            adapter, dataset, out_dir, manifest, fresh, layer_ids, batch_tokens=batch_tokens,
+            adapter, dataset, out_dir, manifest, fresh, layer_ids, budget=ForwardBudget(batch_tokens),
             shard_tokens=shard_tokens, dtype=torch_dtype, check_every=check_every, verify_existing=verify_existing,
             show_progress=show_progress, rank=rank, world_size=world_size, pack=pack, other_bytes=other_bytes,
         )
     return _capture_alone(
-        adapter, dataset, out_dir, manifest, fresh, layer_ids, batch_tokens=batch_tokens, shard_tokens=shard_tokens,
-        dtype=torch_dtype, check_every=check_every, verify_existing=verify_existing, show_progress=show_progress,
-        pack=pack, other_bytes=other_bytes,
+        adapter, dataset, out_dir, manifest, fresh, layer_ids, budget=ForwardBudget(batch_tokens),
+        shard_tokens=shard_tokens, dtype=torch_dtype, check_every=check_every, verify_existing=verify_existing,
+        show_progress=show_progress, pack=pack, other_bytes=other_bytes,
     )
 
 
@@ -475,7 +516,7 @@ def _save_manifest(writer: ShardWriter, manifest: dict[str, Any], out_dir: Path)
 
 def _capture_alone(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any] | None, fresh: dict[str, Any],
-    layer_ids: list[int], *, batch_tokens: int, shard_tokens: int, dtype: torch.dtype, check_every: int,
+    layer_ids: list[int], *, budget: ForwardBudget, shard_tokens: int, dtype: torch.dtype, check_every: int,
     verify_existing: bool, show_progress: bool, pack: bool, other_bytes: int,
 ) -> dict[str, Any]:
     """capture_dataset in one process: `manifest` is the store's (None if new), `fresh` a new one.
@@ -485,7 +526,7 @@ def _capture_alone(
     manifest after every shard.
     """
     if manifest is not None:  # listed shards that are missing (with verify_existing: or corrupt) are recaptured
-        _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, batch_tokens, dtype, check_every, pack,
+        _repair_shards(adapter, dataset, out_dir, manifest, layer_ids, budget, dtype, check_every, pack,
                        verify=verify_existing)
         if manifest["complete"]:
             if other_bytes:  # the stage's other files may be what did not fit the last time
@@ -516,7 +557,7 @@ def _capture_alone(
     if _append_finished(manifest, finished, len(dataset)):
         _save_manifest(writer, manifest, out_dir)
     try:
-        _capture_shards(adapter, dataset.with_format("arrow"), work, writer, record, layer_ids, batch_tokens, dtype,
+        _capture_shards(adapter, dataset.with_format("arrow"), work, writer, record, layer_ids, budget, dtype,
                         check_every, progress, pack)
     finally:
         progress.close()
@@ -525,7 +566,7 @@ def _capture_alone(
 
 def _capture_ranks(
     adapter: TargetAdapter, dataset: Any, out_dir: Path, manifest: dict[str, Any] | None, fresh: dict[str, Any],
-    layer_ids: list[int], *, batch_tokens: int, shard_tokens: int, dtype: torch.dtype, check_every: int,
+    layer_ids: list[int], *, budget: ForwardBudget, shard_tokens: int, dtype: torch.dtype, check_every: int,
     verify_existing: bool, show_progress: bool, rank: int, world_size: int, pack: bool, other_bytes: int,
 ) -> dict[str, Any]:
     """capture_dataset on one of several ranks: `manifest` is the store's (None if new), `fresh` a new one.
@@ -562,7 +603,7 @@ def _capture_ranks(
                     desc=f"capture (rank 0 of {world_size})", disable=not show_progress or rank != 0)
     try:
         _capture_shards(adapter, dataset.with_format("arrow"), work, writer,
-                        lambda index, entry: write_sidecar(out_dir, index, entry), layer_ids, batch_tokens, dtype,
+                        lambda index, entry: write_sidecar(out_dir, index, entry), layer_ids, budget, dtype,
                         check_every, progress, pack)
     finally:
         progress.close()

@@ -32,13 +32,15 @@ def target_producer(adapter: "TargetAdapter", dataset: Any, layer_ids: list[int]
     from tqdm.auto import tqdm
 
     from dflash.extract.capture import capture_rows
+    from dflash.extract.forward_budget import ForwardBudget
     from dflash.extract.store import store_dtype
 
     table, feature_dtype = dataset.with_format("arrow"), store_dtype(dtype)
     layer_ids = adapter.check_layer_ids(layer_ids)
+    budget = ForwardBudget(batch_tokens)  # halved for every later unit where a forward runs out of memory
 
     def produce(indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        arrays = capture_rows(adapter, table[indices], 0, layer_ids, batch_tokens, feature_dtype, 0,
+        arrays = capture_rows(adapter, table[indices], 0, layer_ids, budget, feature_dtype, 0,
                               tqdm(disable=True), pack)
         offsets, samples = arrays["offsets"], []
         for j in range(len(indices)):
