@@ -5,6 +5,8 @@ and a launch of another global batch is refused with the split that would resume
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +16,7 @@ from dflash.pipeline import Pipeline
 from dflash.stages.batch_split import RecordedSplit, fingerprinted, keeping_batch, recorded_split
 
 TINY = ["+experiment=tiny", "show_progress=false"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def settings(*overrides):
@@ -163,3 +166,35 @@ def test_the_split_of_another_training_never_keys_these_settings(tmp_path):
     assert other.train.fingerprinted_settings is other.context.settings
     same = Pipeline(compose(run))  # the training there, as 4 x 1: the recorded split
     assert same.train.fingerprinted_settings.train.micro_batch_size == 2
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_two_rank_training_killed_resumes_on_one_rank_from_the_command_line(tmp_path):
+    """Losing a node, as a user meets it: a 2-rank torchrun training of 2 sequences a rank, killed after step 4,
+    resumes as one process accumulating 2 x 2 (its tag converted to a universal checkpoint) to the end the 2-rank
+    run reached, the losses of the same steps equal."""
+    env = {**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    run = TINY + ["logging.tensorboard=false", "train.save_every=4", "train.keep_last=0", "train.epochs=2"]
+    whole = tmp_path / "whole"
+    prepared = subprocess.run([sys.executable, "-m", "dflash.extract", *run, f"run_dir={whole}"], env=env,
+                              capture_output=True, text=True, timeout=600)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    two_ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                "2", "-m", "dflash.train", *run, f"run_dir={whole}", "train.micro_batch_size=2",
+                                "stages=[train]"], env=env, capture_output=True, text=True, timeout=600)
+    assert two_ranks.returncode == 0, two_ranks.stdout[-2000:] + two_ranks.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    shutil.copytree(whole, run_dir)
+    as_if_killed_after(run_dir, 4)
+    one_rank = subprocess.run([sys.executable, "-m", "dflash.train", *run, f"run_dir={run_dir}",
+                               "train.micro_batch_size=2", "train.grad_accum=2", "stages=[train]"], env=env,
+                              capture_output=True, text=True, timeout=600)
+    assert one_rank.returncode == 0, one_rank.stdout[-2000:] + one_rank.stderr[-3000:]
+    assert "[train] resuming from the checkpoint of step 4" in one_rank.stdout
+    assert "the same training, resumed" in one_rank.stdout
+    resumed, reference = losses(run_dir), losses(whole)
+    assert sorted(resumed) == sorted(reference) and max(reference) > 4
+    for step in reference:
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-3), step
