@@ -129,6 +129,8 @@ def test_a_launch_of_another_global_batch_is_refused_with_the_split_that_resumes
     with pytest.raises(RunFolderError, match=r"train.grad_accum: 1 -> 3; its global batch of 4 sequences, split "
                                              r"otherwise, is the same training: train.grad_accum=1 splits it on 1"):
         Pipeline(compose(run + ["train.grad_accum=3"])).run()
+    with pytest.raises(RunFolderError, match=r"other settings \(train.lr: 0.0006 -> 0.01\); nothing"):
+        Pipeline(compose(run + ["train.lr=0.01", "train.micro_batch_size=2", "train.grad_accum=2"])).run()
     two = Pipeline(compose(run))  # the same command on two ranks: 8 a step
     two.context.world_size = 2
     with pytest.raises(RunFolderError, match=r"this launch of 2 rank\(s\) has 8 \(train.micro_batch_size x ranks x "

@@ -1,6 +1,6 @@
 """A capture forward that runs out of device memory is planned again in smaller pieces, for the rest of the capture
-(dflash/extract/forward_budget.py): the store is the one a smaller capture.batch_tokens writes, and one sample
-that does not fit alone ends the capture naming it."""
+(dflash/extract/forward_budget.py): the features are those of a smaller capture.batch_tokens, and one sample that
+does not fit alone ends the capture naming it."""
 
 from __future__ import annotations
 
@@ -84,3 +84,22 @@ def test_the_budget_halves_from_the_forward_that_failed():
         ForwardBudget(0)
     with pytest.raises(RuntimeError, match="not memory"):  # any other error is not retried
         budget.fits(lambda: (_ for _ in ()).throw(RuntimeError("not memory")), 8, None)
+
+
+def test_a_check_against_a_plain_forward_out_of_memory_is_skipped_not_taken_for_the_capture(tmp_path, dense,
+                                                                                          monkeypatch, caplog):
+    """The plain forward of check_every keeps every layer's states: its running out of memory skips that check,
+    saying so, and neither halves the budget nor ends the capture."""
+    from dflash.extract import capture as capture_module
+
+    def out_of_memory(adapter, ids, features, layer_ids, sample_id):
+        raise torch.OutOfMemoryError("a test's")
+
+    monkeypatch.setattr(capture_module, "crosscheck_sample", out_of_memory)
+    raised = out_of_memory_above(monkeypatch, dense, "capture_packed", 10_000)
+    with caplog.at_level("WARNING"):
+        manifest = capture_dataset(dense, make_dataset(LENGTHS), tmp_path / "store", [1, 3],
+                                   **{**options(True, 48), "check_every": 3})
+    assert manifest["complete"] and raised == []
+    assert "the check of sample s2 (20 tokens) against a plain forward was skipped" in caplog.text  # s0 opens a run
+    assert "a forward from here on" not in caplog.text

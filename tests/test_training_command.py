@@ -24,6 +24,8 @@ def test_an_evaluation_adopts_what_it_does_not_set_itself(tmp_path):
     assert adopted(["train=default"], str(tmp_path)) == ["+experiment=tiny", "eval.max_new_tokens=8"]  # a group
     record(tmp_path, ["target.path=/a/model", "~eval.prompt_sets.mtbench", "hydra/job_logging=none"])
     assert adopted(["target=hf", "eval.prompt_sets.mtbench.limit=1"], str(tmp_path)) == []  # holds or is held
+    record(tmp_path, ["target=hf", "target.path=/a/model", "train.seed=1"])
+    assert adopted(["target=hf"], str(tmp_path)) == ["target.path=/a/model", "train.seed=1"]  # the same choice
     assert adopted([], str(tmp_path / "none")) == []  # no training there
     (tmp_path / "checkpoints" / "settings.json").write_text(json.dumps({"fingerprint": "f"}))  # from before the record
     assert adopted([], str(tmp_path)) == []

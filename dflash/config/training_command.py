@@ -47,10 +47,11 @@ def adopted(arguments: list[str], run_dir: str) -> list[str]:
     """The recorded training command's overrides that `arguments` (an evaluation's) does not set itself, in the
     recorded order; none where the run folder recorded no command. An argument sets a key, what lies under it (a
     group choice `target=hf`, its settings) and what holds it (`eval.prompt_sets.gsm8k.limit=1`, the set)."""
-    given = [override_key(a) for a in arguments if not a.startswith("-")]
     recorded = recorded_command(run_dir) or []
+    # An argument the recorded command holds as it is agrees with it: what the command set under it stands.
+    given = [override_key(a) for a in arguments if not a.startswith("-") and a not in recorded]
     return [o for o in recorded if re.split(r"[./]", override_key(o), maxsplit=1)[0] not in NOT_ADOPTED
-            and not any(overlaps(override_key(o), key) for key in given)]
+            and o not in arguments and not any(overlaps(override_key(o), key) for key in given)]
 
 
 def overlaps(key: str, other: str) -> bool:
@@ -86,6 +87,6 @@ def pinned_folder(arguments: list[str], run_dir: str) -> list[str]:
     not name run_dir and the path can be written; else nothing."""
     if any(override_key(a) == "run_dir" for a in arguments):
         return []
-    if re.fullmatch(r"[\w./+@:-]+", run_dir):
+    if re.fullmatch(r"[A-Za-z0-9_./+@:-]+", run_dir):  # Hydra reads ASCII alone unquoted
         return [f"run_dir={run_dir}"]
     return [f"run_dir='{run_dir}'"] if "'" not in run_dir and "\\" not in run_dir else []

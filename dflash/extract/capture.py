@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from dflash.extract.feature_checks import (
     check_features, crosscheck_sample, packed_feature_flags, raise_on_bad_features,
 )
-from dflash.extract.forward_budget import ForwardBudget
+from dflash.extract.forward_budget import ForwardBudget, release_device_memory
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
 from dflash.host_copy import host_to_device
 from dflash.run_files import file_sha256
@@ -186,11 +186,13 @@ def _capture_padded_rows(
         planned = left
         for batch in length_batches([int(lengths[j]) for j in planned], budget.tokens):
             batch = [planned[k] for k in batch]
+            checks: list[tuple[int, torch.Tensor]] = []
             forward = functools.partial(_capture_padded_batch, adapter, flat_ids, lengths, offsets, sample_ids,
-                                        first_sample, layer_ids, check_every, hidden, scales, batch)
+                                        first_sample, layer_ids, check_every, hidden, scales, batch, checks)
             tokens = len(batch) * int(max(lengths[j] for j in batch))
             if not budget.fits(forward, tokens, sample_ids[batch[0]] if len(batch) == 1 else None):
                 break
+            _crosscheck(adapter, flat_ids, offsets, sample_ids, layer_ids, checks)
             done = set(batch)
             left = [j for j in left if j not in done]
             progress.update(int(sum(lengths[j] for j in batch)))
@@ -199,9 +201,10 @@ def _capture_padded_rows(
 def _capture_padded_batch(
     adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
     sample_ids: list[str], first_sample: int, layer_ids: list[int], check_every: int, hidden: torch.Tensor,
-    scales: torch.Tensor | None, batch: list[int],
+    scales: torch.Tensor | None, batch: list[int], checks: list[tuple[int, torch.Tensor]],
 ) -> None:
-    """One right-padded forward of the samples `batch`, checked, into hidden."""
+    """One right-padded forward of the samples `batch`, checked, into hidden; the features of each sample to
+    crosscheck (`check_every`) into `checks`, copied, for _crosscheck once the batch's own are freed."""
     pad_id = adapter.tokenizer.pad_token_id
     batch_lengths = [int(lengths[j]) for j in batch]
     width = max(batch_lengths)
@@ -215,10 +218,7 @@ def _capture_padded_batch(
     for row, j in enumerate(batch):
         # Compared before the cast to the stored dtype: the check is about the capture path, not rounding.
         if check_every and (first_sample + j) % check_every == 0:
-            crosscheck_sample(
-                adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features[row, :lengths[j]],
-                layer_ids, sample_ids[j],
-            )
+            checks.append((j, features[row, :lengths[j]].clone()))
     _store_batch(features, batch, lengths, offsets, len(layer_ids), hidden, scales)
 
 
@@ -273,11 +273,13 @@ def _capture_packed_rows(
         base = done
         for first, end in packed_runs(lengths[base:], budget.tokens):
             first, end = first + base, end + base
+            checks: list[tuple[int, torch.Tensor]] = []
             forward = functools.partial(_capture_packed_run, adapter, flat_ids, lengths, offsets, sample_ids,
-                                        first_sample, layer_ids, check_every, hidden, scales, first, end)
+                                        first_sample, layer_ids, check_every, hidden, scales, first, end, checks)
             tokens = int(offsets[end] - offsets[first])
             if not budget.fits(forward, tokens, sample_ids[first] if end - first == 1 else None):
                 break
+            _crosscheck(adapter, flat_ids, offsets, sample_ids, layer_ids, checks)
             done = end
             progress.update(tokens)
 
@@ -285,9 +287,10 @@ def _capture_packed_rows(
 def _capture_packed_run(
     adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
     sample_ids: list[str], first_sample: int, layer_ids: list[int], check_every: int, hidden: torch.Tensor,
-    scales: torch.Tensor | None, first: int, end: int,
+    scales: torch.Tensor | None, first: int, end: int, checks: list[tuple[int, torch.Tensor]],
 ) -> None:
-    """One packed forward of the samples first..end-1, checked, into hidden[start:stop]."""
+    """One packed forward of the samples first..end-1, checked, into hidden[start:stop]; the features of each
+    sample to crosscheck (`check_every`) into `checks`, copied, for _crosscheck once the run's own are freed."""
     start, stop = int(offsets[first]), int(offsets[end])
     run_lengths = lengths[first:end].tolist()
     features = adapter.capture_packed(host_to_device(flat_ids[start:stop], adapter.device), run_lengths, layer_ids)
@@ -297,15 +300,30 @@ def _capture_packed_run(
         if check_every and (first_sample + j) % check_every == 0:
             # The first sample of a run has nothing before it to leak from: its run's last sample is checked.
             k = end - 1 if j == first else j
-            crosscheck_sample(adapter, flat_ids[offsets[k]:offsets[k + 1]].tolist(),
-                              features[int(offsets[k]) - start:int(offsets[k + 1]) - start], layer_ids,
-                              sample_ids[k])
+            checks.append((k, features[int(offsets[k]) - start:int(offsets[k + 1]) - start].clone()))
     if scales is not None:
         q, run_scales = quantize_fp8(features, len(layer_ids))
         hidden[start:stop] = q.cpu()
         scales[start:stop] = run_scales.cpu()
     else:
         hidden[start:stop] = features.to(hidden.dtype).cpu()
+
+
+def _crosscheck(adapter: TargetAdapter, flat_ids: torch.Tensor, offsets: torch.Tensor, sample_ids: list[str],
+                layer_ids: list[int], checks: list[tuple[int, torch.Tensor]]) -> None:
+    """Each (sample, features) of `checks` compared with a plain forward of the sample (crosscheck_sample). That
+    forward keeps every layer's states, the most memory any step of capture takes for a long sample: where it runs
+    out of device memory the check of that sample is skipped, saying so, and the capture goes on."""
+    for j, features in checks:
+        try:
+            crosscheck_sample(adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features, layer_ids,
+                              sample_ids[j])
+            continue
+        except torch.OutOfMemoryError:
+            pass
+        release_device_memory()
+        logger.warning(f"[capture] warning: the check of sample {sample_ids[j]} ({int(offsets[j + 1] - offsets[j]):,} "
+                       f"tokens) against a plain forward was skipped: that forward ran out of device memory")
 
 
 def _repair_shards(

@@ -10,6 +10,7 @@ So the forward that failed is planned again in smaller pieces, and the capture g
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 
@@ -44,9 +45,16 @@ class ForwardBudget:
                     f"even alone: lower data.max_length, or spread the target over more GPUs "
                     f"(capture.gpus_per_worker)") from error
         # Here, past the handler, the failed forward's tensors are released with its traceback.
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_device_memory()
         self.tokens = max(1, min(self.tokens, tokens) // 2)
         logger.warning(f"[capture] warning: a forward of {tokens:,} tokens ran out of device memory: "
                        f"{self.tokens:,} tokens a forward from here on (the features are the same)")
         return False
+
+
+def release_device_memory() -> None:
+    """After a forward that ran out of device memory, once its traceback is gone: what it held (a reference cycle
+    through its frames included) goes back to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -86,6 +86,12 @@ def fingerprinted(settings: RunSettings, recorded: RecordedSplit | None, ranks: 
     return dataclasses.replace(settings, train=train)
 
 
+def counted_ranks(settings: RunSettings, world_size: int, recorded: RecordedSplit) -> int:
+    """The ranks a command's split is counted on: its own `world_size` where it trains, else those of the last
+    launch that trained (an evaluation is one process, whatever the training's ranks were)."""
+    return world_size if "train" in settings.stages else recorded.ranks
+
+
 def keeping_batch(global_batch: int, micro_batch_size: int, ranks: int, grad_accum: int) -> str | None:
     """The override that makes a launch of `ranks` ranks split `global_batch` (train.grad_accum at this micro-batch
     size, else train.micro_batch_size at this accumulation), or None when neither divides it."""

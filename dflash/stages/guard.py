@@ -14,7 +14,7 @@ from omegaconf import OmegaConf, open_dict
 from dflash.config import fingerprints
 from dflash.config.errors import RunFolderError
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
-from dflash.stages.batch_split import SETTINGS_KEY, keeping_batch, recorded_split
+from dflash.stages.batch_split import SETTINGS_KEY, counted_ranks, fingerprinted, keeping_batch, recorded_split
 from dflash.stages.context import RunContext
 from dflash.stages.data import changed_input_files
 from dflash.stages.train import TrainStage
@@ -70,10 +70,11 @@ def split_note(train: TrainStage) -> str:
     """For a refusal of a launch whose global batch (micro_batch_size x ranks x grad_accum) is not the run folder's
     training's: that global batch, and the split of this launch's ranks that resumes it (batch_split.py)."""
     recorded = recorded_split(train.checkpoints)
-    t, ranks = train.context.settings.train, train.context.world_size
-    if recorded is not None and "train" not in train.context.settings.stages:
-        ranks = recorded.ranks
-    if recorded is None or t.micro_batch_size * ranks * t.grad_accum == recorded.global_batch:
+    if recorded is None:
+        return ""
+    t, ranks = train.context.settings.train, counted_ranks(train.context.settings, train.context.world_size,
+                                                           recorded)
+    if t.micro_batch_size * ranks * t.grad_accum == recorded.global_batch:
         return ""
     keeping = keeping_batch(recorded.global_batch, t.micro_batch_size, ranks, t.grad_accum)
     return (f"; its global batch of {recorded.global_batch} sequences, split otherwise, is the same training"
@@ -114,12 +115,14 @@ def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
             old = OmegaConf.to_container(OmegaConf.load(path))
             if not isinstance(old, dict):
                 return path, []
-            recorded = recorded_split(train.checkpoints)
+            recorded, settings = recorded_split(train.checkpoints), run.settings
             if recorded is not None and isinstance(old.get("train"), dict):
                 # Compared with the split the drafter is fingerprinted with, which a later launch of another split
-                # of its global batch did not change (batch_split.py), not with that launch's.
+                # of its global batch did not change (batch_split.py), not with that launch's; a split of the same
+                # global batch here is no change either.
                 old["train"].update(micro_batch_size=recorded.micro_batch_size, grad_accum=recorded.grad_accum)
-            changes = fingerprints.training_changes(old, run.settings)
+                settings = fingerprinted(settings, recorded, counted_ranks(settings, run.world_size, recorded))
+            changes = fingerprints.training_changes(old, settings)
             return path, ([with_chosen_taps(c, old, train) for c in changes]
                           or fingerprints.stand_in_changes(old, run.settings))
     return None, []

@@ -24,7 +24,8 @@ from dflash.config.errors import RunFolderError
 from dflash.config.training_command import training_overrides
 from dflash.run_files import checksum_problem, claim_checkpoint_dir, claimed_key, container, fingerprint, from_rank0, \
     read_json, read_json_or_none, stage_done, write_json, write_text
-from dflash.stages.batch_split import SETTINGS_KEY, fingerprinted, keeping_batch, recorded_split, split_record
+from dflash.stages.batch_split import SETTINGS_KEY, counted_ranks, fingerprinted, keeping_batch, recorded_split, \
+    split_record
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.shapes import drafter_config
@@ -69,8 +70,9 @@ class TrainStage(Stage):
         A command that trains nothing is taken at the rank count of the last launch that trained."""
         run = self.context
         recorded = recorded_split(self.checkpoints)
-        trains = "train" in run.settings.stages or recorded is None
-        candidate = fingerprinted(run.settings, recorded, run.world_size if trains else recorded.ranks)
+        if recorded is None:
+            return run.settings
+        candidate = fingerprinted(run.settings, recorded, counted_ranks(run.settings, run.world_size, recorded))
         if candidate is run.settings:
             return candidate
         # Only where the training there is of these settings under the recorded split: another training's split
