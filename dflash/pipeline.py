@@ -114,9 +114,8 @@ class Pipeline:
         selected = selected_stages(self.settings.stages, self.stages)
         chosen = [stage for stage in self.stages if stage.name in selected]
         if run.rank == 0:
-            trains = "train" in selected
             for warning in [*self.settings.ignored(typed=command_line_keys()),
-                            *(unlaunched_devices(self.settings, run.world_size) if trains else [])]:
+                            *unlaunched_devices(self.settings, run.world_size)]:
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
             if not chosen or not all(stage.records_own_config for stage in chosen):
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
