@@ -98,9 +98,9 @@ def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
     --local_rank, for an evaluation after the overrides it adopts (training_command.py), with the GPU default when
-    it applies (default_run_line says so, or that this is the CPU demo). A
-    removed setting, a key that names no setting, a flag Hydra does not have or a command line Hydra cannot compose
-    ends the command with one line (exit status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
+    it applies (default_run_line says so, or that this is the CPU demo). A removed setting, a key that names no
+    setting, a flag Hydra does not have or a command line Hydra cannot compose ends the command with one line (exit
+    status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
     import torch
 
     kept = strip_local_rank(argv)
