@@ -21,7 +21,6 @@ from omegaconf import DictConfig
 
 from dflash.config import ConfigError
 from dflash.config.errors import NothingToEvaluate
-from dflash.config.schema import RunSettings
 from dflash.config.command_line import adopted_overrides, default_run_line, hydra_overrides
 from dflash.config.unknown_keys import override_key
 from dflash.console import console_copied_to, run_log
@@ -115,7 +114,7 @@ class Pipeline:
         chosen = [stage for stage in self.stages if stage.name in selected]
         if run.rank == 0:
             for warning in [*self.settings.ignored(typed=command_line_keys()),
-                            *unlaunched_devices(self.settings, run.world_size)]:
+                            *(warning for stage in chosen for warning in stage.warnings())]:
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
             if not chosen or not all(stage.records_own_config for stage in chosen):
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
@@ -130,19 +129,6 @@ class Pipeline:
             if stage.barrier_after:
                 run.barrier()
         return next((stage.summary for stage in chosen if stage.summary is not None), None)
-
-
-def unlaunched_devices(settings: RunSettings, world_size: int) -> list[str]:
-    """The warning for train.devices, which only the launch scripts read (a trainer rank per GPU), where the command
-    was started without one (one process, no CUDA_VISIBLE_DEVICES, which the scripts always set): it trains alone,
-    on one device, with one rank's batch."""
-    devices = settings.train.devices
-    if world_size > 1 or "CUDA_VISIBLE_DEVICES" in os.environ or devices is None or len(devices) < 2:
-        return []
-    batch = settings.train.micro_batch_size * settings.train.grad_accum
-    return [f"train.devices={list(devices)} places one trainer rank per GPU only under launch/one_node.sh or "
-            f"launch/multi_node.sh (docs/distributed.md): this command runs as one process on one device, with a "
-            f"global batch of {batch} sequences, not {batch * len(devices)}"]
 
 
 def command_line_keys() -> set[str] | None:

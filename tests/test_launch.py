@@ -206,16 +206,20 @@ def test_the_deepspeed_launcher_prints_its_command_in_a_dry_run():
 
 
 def test_trainer_gpus_without_a_launcher_are_warned_about(tmp_path, monkeypatch, capsys):
-    """train.devices is read by the launch scripts alone: a plain command that names several trains as one rank."""
+    """train.devices is read by the launch scripts alone: a plain command that names several and trains, trains as
+    one rank; one that does not train (data, capture, an evaluation) is not warned."""
     from dflash.config import compose
     from dflash.pipeline import Pipeline
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    overrides = ["+experiment=tiny", "show_progress=false", "data.limit=2", "stages=[data]", "train.devices=[2,3,4]"]
-    Pipeline(compose([*overrides, f"run_dir={tmp_path / 'plain'}"])).run()
+    overrides = ["+experiment=tiny", "show_progress=false", "data.limit=4", "train.devices=[2,3,4]",
+                 "train.max_steps=1"]
+    Pipeline(compose([*overrides, "stages=[data,capture]", f"run_dir={tmp_path / 'plain'}"])).run()
+    assert "train.devices" not in capsys.readouterr().err
+    Pipeline(compose([*overrides, "stages=[train]", f"run_dir={tmp_path / 'plain'}"])).run()
     assert ("dflash: warning: train.devices=[2, 3, 4] places one trainer rank per GPU only under launch/one_node.sh "
             "or launch/multi_node.sh (docs/distributed.md): this command runs as one process on one device, with a "
             "global batch of 4 sequences, not 12") in capsys.readouterr().err
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # what the scripts set for each process they start
-    Pipeline(compose([*overrides, f"run_dir={tmp_path / 'launched'}"])).run()
+    Pipeline(compose([*overrides, "stages=[train]", f"run_dir={tmp_path / 'plain'}"])).run()
     assert "train.devices" not in capsys.readouterr().err

@@ -36,6 +36,11 @@ class Stage:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def warnings(self) -> list[str]:
+        """What rank 0 warns about before any stage runs, where the command selects this stage: its settings that
+        this launch cannot honour. None by default."""
+        return []
+
     def preflight(self, selected: bool) -> None:
         """On every rank before any stage runs, selected or not: a ConfigError in one line for what would stop this
         stage later (a missing file, package or setting); by default, input stages it would run on unfinished

@@ -85,6 +85,18 @@ class TrainStage(Stage):
                                                                                         self.capture.fingerprint())
         return candidate if same else run.settings
 
+    def warnings(self) -> list[str]:
+        """train.devices, which only the launch scripts read (a trainer rank per GPU), where the command was started
+        without one (one process, no CUDA_VISIBLE_DEVICES, which the scripts always set): it trains alone, on one
+        device, with one rank's batch."""
+        t, world_size = self.context.settings.train, self.context.world_size
+        if world_size > 1 or "CUDA_VISIBLE_DEVICES" in os.environ or t.devices is None or len(t.devices) < 2:
+            return []
+        batch = t.micro_batch_size * t.grad_accum
+        return [f"train.devices={list(t.devices)} places one trainer rank per GPU only under launch/one_node.sh or "
+                f"launch/multi_node.sh (docs/distributed.md): this command runs as one process on one device, with a "
+                f"global batch of {batch} sequences, not {batch * len(t.devices)}"]
+
     def checkpoint_fingerprint(self) -> str:
         """What the checkpoints depend on: not the rank count (a run resumes on another, converting them), nor how
         the global batch is split (batch_split.py)."""
