@@ -124,7 +124,7 @@ def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch, a
 
 
 @pytest.mark.gpu(reason="pinned copies, events, SDPA kernels")
-def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(tmp_path):
+def test_on_cuda_the_padded_batch_and_the_deferred_check_work_the_same(tmp_path, monkeypatch):
     # The data and capture stages of a run of its own: a machine with a GPU refuses training with device=cpu, as the
     # module's run (colocated_run) has it.
     overrides = ["+experiment=tiny", "show_progress=false", f"run_dir={tmp_path}", "capture=colocated",
