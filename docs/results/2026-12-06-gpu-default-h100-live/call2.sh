@@ -1,6 +1,6 @@
-# Call 2 (.whl-b, .stage/part-2): the rest; every CUDA test killed at $2 s; then a job detached, waited for up to
-# $1 s. The job is `$3 $4 COMMAND...` (name, run folder, command) when given, else the README's first command (the
-# GPU default), as this session ran it: `bash call2.sh 440 0`.
+# Call 2 (the last part: .stage/part-3 since session 41): the rest; every CUDA test killed at $2 s; then a job
+# detached, waited for up to $1 s. The job is `$3 $4 COMMAND...` (name, run folder, command) when given, else the
+# README's first command (the GPU default), as this session ran it: `bash call2.sh 440 0`.
 eval "$(bash launch/stage_assets.sh receive)"
 test -f /tmp/dflash-stage/site/.complete || { echo "assets not staged"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader
