@@ -71,5 +71,8 @@ def test_the_evaluation_command_alone_measures_the_drafter_a_training_command_ma
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "with its training command's overrides: +experiment=tiny show_progress=false train.seed=1 " \
            "train.epochs=1" in done.stdout
+    # What to run next repeats the command as typed: the next evaluation adopts the rest again.
+    assert f"next: real decoding         python -m dflash.eval run_dir={run_dir} eval.prompt_sets.gsm8k.limit=1 " \
+           f"eval.mode=live" in done.stdout
     summary = json.loads((run_dir / "eval" / "summary.json").read_text())
     assert summary["max_new_tokens"] == 16 and "gsm8k" in summary["prompt_sets"]  # the tiny experiment's eval

@@ -8,7 +8,7 @@ import shlex
 from typing import Any
 
 from dflash.config import fingerprints
-from dflash.config.command_line import hydra_overrides
+from dflash.config.command_line import adopted_overrides, hydra_overrides
 from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
 from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
@@ -296,15 +296,18 @@ def target_model_type(target) -> str | None:
 
 def command_overrides(settings, without_eval: bool = False) -> list[str]:
     """The overrides of the command that is running (Hydra's record), less `stages` and `overwrite` (a command
-    suggested next must never move a drafter aside), and with `without_eval` the eval group's; `name=...` outside
-    Hydra."""
+    suggested next must never move a drafter aside), less those an evaluation adopted from the run folder's
+    training command (the next evaluation adopts them again), and with `without_eval` the eval group's; `name=...`
+    outside Hydra."""
     overrides = hydra_overrides()
     if overrides is None:
         return [f"name={settings.name}"]
-    kept = []
+    kept, adopted = [], adopted_overrides()
     for override in overrides:
         key = override_key(override)
-        if key not in ("stages", "overwrite") and not (without_eval and (key == "eval" or key.startswith("eval."))):
+        if key in ("stages", "overwrite") or override in adopted:
+            continue
+        if not (without_eval and (key == "eval" or key.startswith("eval."))):
             kept.append(override)
     return kept
 
