@@ -38,6 +38,13 @@ class RecordedSplit:
     ranks: int
 
 
+def settings_record(checkpoints: str) -> dict[str, Any]:
+    """checkpoints/settings.json: the settings fingerprint of the training there, its split and the command of its
+    last launch; {} where there is none."""
+    record = read_json_or_none(os.path.join(checkpoints, SETTINGS_KEY))
+    return record if isinstance(record, dict) else {}
+
+
 def split_record(fingerprinted: RunSettings, launch: RunSettings, ranks: int) -> dict[str, int]:
     """What settings.json records of the split: the one the fingerprints were taken with (of `fingerprinted`), and
     the global batch and rank count of this launch of `launch` on `ranks` ranks (the one whose command is
@@ -53,7 +60,7 @@ def recorded_split(checkpoints: str) -> RecordedSplit | None:
     there (settings.json's record, else its newest complete tag's layout.json); None where any is not recorded."""
     from dflash.train.checkpoints import complete_tags, saved_layout
 
-    split = (read_json_or_none(os.path.join(checkpoints, SETTINGS_KEY)) or {}).get("split")
+    split = settings_record(checkpoints).get("split")
     if not isinstance(split, dict):
         split = config_split(os.path.join(checkpoints, "config.yaml")) or {}
     if not all(isinstance(split.get(key), int) for key in ("global_batch", "ranks")):

@@ -111,12 +111,13 @@ class CaptureStage(Stage):
             run.release_target()  # (the eval stage loads it again when it runs)
         return {}
 
-    def layer_ids(self) -> list[int] | None:
-        """The taps of the features in `out` as recorded there (the store's manifest.json, online.json or
-        colocated.json), or None when there is no record."""
-        mode = self.context.settings.capture.mode
+    def layer_ids(self, mode: str | None = None) -> list[int] | None:
+        """The taps of the features in `out` as recorded there by capture `mode` (this command's by default: the
+        store's manifest.json, online.json or colocated.json), or None when there is no such record."""
+        mode = mode or self.context.settings.capture.mode
         record = read_json_or_none(os.path.join(self.out, "manifest.json" if mode == "offline" else f"{mode}.json"))
-        return None if record is None else [int(i) for i in record["target_layer_ids"]]
+        taps = record.get("target_layer_ids") if isinstance(record, dict) else None
+        return [int(i) for i in taps] if isinstance(taps, list) else None
 
     def mask_token(self, dataset, adapter=None) -> int:
         """The run's MASK token, checked against (or chosen clear of) the ids of the data and held-out sets; `adapter`:

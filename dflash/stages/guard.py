@@ -14,7 +14,7 @@ from omegaconf import OmegaConf, open_dict
 from dflash.config import fingerprints
 from dflash.config.errors import RunFolderError
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
-from dflash.stages.batch_split import SETTINGS_KEY, counted_ranks, fingerprinted, keeping_batch, recorded_split
+from dflash.stages.batch_split import counted_ranks, fingerprinted, keeping_batch, recorded_split, settings_record
 from dflash.stages.context import RunContext
 from dflash.stages.data import changed_input_files
 from dflash.stages.train import TrainStage
@@ -28,7 +28,7 @@ def trained_keys(train: TrainStage) -> tuple[str, str | None] | None:
 
     marker = read_json_or_none(os.path.join(train.checkpoints, CHECKPOINT_KEY))
     checkpoints = marker.get("fingerprint") if isinstance(marker, dict) else "unfingerprinted"
-    settings = (read_json_or_none(os.path.join(train.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
+    settings = settings_record(train.checkpoints).get("fingerprint")
     # export/done.json alone: a run folder where training and export were one stage, whose marker it held.
     for folder in (train.out, train.context.dirs["export"]):
         done = read_json_or_none(os.path.join(folder, "done.json"))
@@ -135,13 +135,8 @@ def with_chosen_taps(change: str, old: dict, train: TrainStage) -> str:
     prefix = "drafter.target_layer_ids: None -> "
     if not change.startswith(prefix):
         return change
-    mode = fingerprints.recorded_value(old, "capture.mode", None)
-    record = read_json_or_none(os.path.join(train.capture.out, "manifest.json" if mode == "offline" else
-                                            f"{mode}.json"))
-    taps = record.get("target_layer_ids") if isinstance(record, dict) else None
-    if not isinstance(taps, list) or not all(isinstance(i, int) for i in taps):
-        return change
-    return f"drafter.target_layer_ids: None (automatic: {taps}) -> {change[len(prefix):]}"
+    taps = train.capture.layer_ids(fingerprints.recorded_value(old, "capture.mode", None))
+    return change if taps is None else f"drafter.target_layer_ids: None (automatic: {taps}) -> {change[len(prefix):]}"
 
 
 def ways_on(train: TrainStage, doing: str) -> str:

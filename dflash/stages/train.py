@@ -25,7 +25,7 @@ from dflash.config.training_command import training_overrides
 from dflash.run_files import checksum_problem, claim_checkpoint_dir, claimed_key, container, fingerprint, from_rank0, \
     read_json, read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.batch_split import SETTINGS_KEY, counted_ranks, fingerprinted, keeping_batch, recorded_split, \
-    split_record
+    settings_record, split_record
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.shapes import drafter_config
@@ -77,7 +77,7 @@ class TrainStage(Stage):
             return candidate
         # Only where the training there is of these settings under the recorded split: another training's split
         # would key these settings' own checkpoints, moved aside, otherwise than they were.
-        trained = (read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
+        trained = settings_record(self.checkpoints).get("fingerprint")
         if trained is not None:
             same = trained == fingerprints.settings_fingerprint(candidate)
         else:
@@ -209,7 +209,7 @@ class TrainStage(Stage):
         """What this launch's split of the global batch is to the run folder's training, where it splits it
         otherwise (batch_split.py), else None."""
         t, trained = self.context.settings.train, self.fingerprinted_settings.train
-        recorded = (read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
+        recorded = settings_record(self.checkpoints).get("fingerprint")
         if trained is t or recorded != self.settings_fingerprint():
             return None
         ranks = self.context.world_size
@@ -317,7 +317,7 @@ class TrainStage(Stage):
         run = self.context
         marked = stage_done(self.out, self.fingerprint())  # and yet run: the final weights are missing or corrupt
         orphaned = outputs_key(run)
-        recorded = (read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}).get("fingerprint")
+        recorded = settings_record(self.checkpoints).get("fingerprint")
         moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
         if moved is None and orphaned not in (None, self.checkpoint_fingerprint()):
             moved = outputs_aside(self.checkpoints, orphaned)
@@ -325,7 +325,7 @@ class TrainStage(Stage):
             logger.info(f"[train] {self.moved_line(moved, recorded)}")
         carry_trained_outputs(run.run_dir, self.checkpoints, moved)
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
-        earlier = read_json_or_none(os.path.join(self.checkpoints, SETTINGS_KEY)) or {}
+        earlier = settings_record(self.checkpoints)
         record = {"fingerprint": self.settings_fingerprint(),
                   "split": split_record(self.fingerprinted_settings, run.settings, run.world_size)}
         # What `python -m dflash.eval` adopts (dflash/config/training_command.py); a launch outside a Hydra command
