@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import yaml
+
 from dflash.config.training_command import adopted, training_overrides, with_training_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +49,13 @@ def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, caps
     assert f"the drafter of {run_dir}, with its training command's overrides: +experiment=tiny train.seed=1" \
         in capsys.readouterr().out
     assert with_training_command(["--help"], ["--help"]) == ["--help"]
+    assert with_training_command([*given, "-h"], [*given, "-h"]) == [*given, "-h"]
+    # Hydra's flags that show the config show the one that runs: adopted, with the flags after every override.
+    assert with_training_command(["--cfg", "job", *given], ["--cfg", "job", *given]) == \
+        ["+experiment=tiny", "train.seed=1", *given, "--cfg", "job"]
+    assert "overrides: +experiment=tiny train.seed=1" in capsys.readouterr().err  # stdout is the config's
+    assert with_training_command([*given, "--info", "config", "~eval.prompt_sets.mtbench"], given) == \
+        ["+experiment=tiny", "train.seed=1", *given, "~eval.prompt_sets.mtbench", "--info", "config"]
     record(tmp_path / "runs" / "mine", ["+experiment=tiny"])
     monkeypatch.chdir(tmp_path)  # name=mine: runs/mine, pinned whatever name the adopted experiment gives
     folder = tmp_path / "runs" / "mine"
@@ -74,5 +83,11 @@ def test_the_evaluation_command_alone_measures_the_drafter_a_training_command_ma
     # What to run next repeats the command as typed: the next evaluation adopts the rest again.
     assert f"next: real decoding         python -m dflash.eval run_dir={run_dir} eval.prompt_sets.gsm8k.limit=1 " \
            f"eval.mode=live" in done.stdout
+    # --cfg job shows the config that evaluation ran with: the adopted seed under the typed limit.
+    done = subprocess.run([*evaluate, "--cfg", "job"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shown = yaml.safe_load(done.stdout)
+    assert shown["train"]["seed"] == 1 and shown["eval"]["prompt_sets"]["gsm8k"]["limit"] == 1
+    assert "with its training command's overrides" in done.stderr
     summary = json.loads((run_dir / "eval" / "summary.json").read_text())
     assert summary["max_new_tokens"] == 16 and "gsm8k" in summary["prompt_sets"]  # the tiny experiment's eval

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 
 from dflash.config.unknown_keys import override_key
 
@@ -22,6 +23,8 @@ RECORD = os.path.join("checkpoints", "settings.json")
 # Keys a recorded command never gives another one: the folder is found by the evaluation's own, a drafter must never
 # be moved aside by an evaluation, and Hydra's own settings are each command's.
 NOT_ADOPTED = ("name", "run_dir", "stages", "overwrite", "hydra")
+# Hydra's flags that show no config (hydra/_internal/utils.py get_args_parser): a command with one adopts nothing.
+NOT_SHOWN_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion")
 
 
 def training_overrides(overrides: list[str] | None) -> list[str] | None:
@@ -62,24 +65,40 @@ def overlaps(key: str, other: str) -> bool:
 def with_training_command(arguments: list[str], located: list[str]) -> list[str]:
     """An evaluation command's `arguments` after the overrides it adopts from the training command recorded in the
     run folder that `located` (its arguments as they will run, the GPU default included) composes to, saying so;
-    `arguments` as they are where it adopts none, asks for Hydra's flags (--help, --cfg) or does not compose (its
-    error is the command line's checks' to give)."""
+    `arguments` as they are where it adopts none, asks for help or the version (NOT_SHOWN_FLAGS) or does not compose
+    (its error is the command line's checks' to give). With Hydra's other flags (`--cfg job`, `--info`) the config
+    they show is the one that would run: the adopted overrides come first, the flags last."""
     from dflash.config import compose
 
-    if any(a.startswith("-") for a in arguments):
+    flags = hydra_flag_arguments(arguments)
+    if any(a.split("=", 1)[0] in NOT_SHOWN_FLAGS for a in flags):
         return arguments
+    overrides = [a for a in arguments if a not in flags]
     try:
-        run_dir = os.path.abspath(str(compose(located, "eval").run_dir))
+        run_dir = os.path.abspath(str(compose([a for a in located if a not in flags], "eval").run_dir))
     except Exception:  # noqa: BLE001 - any composition error is reported by the checks that follow
         return arguments
-    taken = adopted(arguments, run_dir)
+    taken = adopted(overrides, run_dir)
     if not taken:
         return arguments
     if os.environ.get("LOCAL_RANK", "0") == "0":
+        # Beside a flag stdout is the config Hydra shows (`--cfg job > config.yaml`): the line goes to stderr.
         print(f"dflash: the drafter of {run_dir}, with its training command's overrides: {' '.join(taken)}",
-              flush=True)
-    # The folder stays the one found, whatever name an adopted +experiment= gives.
-    return [*taken, *arguments, *pinned_folder(arguments, run_dir)]
+              file=sys.stderr if flags else sys.stdout, flush=True)
+    # The folder stays the one found, whatever name an adopted +experiment= gives. Hydra's argument parser takes
+    # its overrides before its flags.
+    return [*taken, *overrides, *pinned_folder(overrides, run_dir), *flags]
+
+
+def hydra_flag_arguments(arguments: list[str]) -> list[str]:
+    """The arguments of `arguments` that are Hydra's flags or their values (`--cfg job`, `-p train`, `--info
+    config`), in their order; an override is key=value, +key=value or ~key, and a flag's value is none of these."""
+    flags = []
+    for index, arg in enumerate(arguments):
+        follows_flag = index > 0 and arguments[index - 1].startswith("-") and "=" not in arguments[index - 1]
+        if arg.startswith("-") or (follows_flag and "=" not in arg and not arg.startswith("~")):
+            flags.append(arg)
+    return flags
 
 
 def pinned_folder(arguments: list[str], run_dir: str) -> list[str]:
