@@ -142,6 +142,9 @@ def write_json(path: str, value: Any) -> None:
 
 
 CHECKPOINT_KEY = "fingerprint.json"
+# Beside it: the settings fingerprint of the training that wrote the checkpoints, its split of the global batch and its
+# command (dflash/stages/batch_split.py, dflash/config/training_command.py).
+SETTINGS_KEY = "settings.json"
 
 
 def claim_checkpoint_dir(directory: str, key: str) -> str | None:

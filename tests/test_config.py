@@ -329,7 +329,7 @@ def test_a_trained_run_folder_lets_through_a_setting_its_training_does_not_use(t
     from dflash.pipeline import Pipeline
     from dflash.run_files import write_json
     from dflash.stages.guard import refuse_other_trained_settings
-    from dflash.stages.train import SETTINGS_KEY
+    from dflash.run_files import SETTINGS_KEY
 
     run = ["+experiment=tiny", f"run_dir={tmp_path}"]
     trained = Pipeline(compose(run))
@@ -799,7 +799,7 @@ def test_a_run_fingerprinted_before_a_stand_in_is_refused_naming_that_setting(tm
     from dflash.pipeline import Pipeline
     from dflash.run_files import write_json
     from dflash.stages.guard import refuse_other_trained_settings
-    from dflash.stages.train import SETTINGS_KEY
+    from dflash.run_files import SETTINGS_KEY
 
     run = ["+experiment=tiny", "capture=colocated", f"run_dir={tmp_path}"]
     older = run + ["target.cache_dir=/x", "capture.batch_tokens=4096"]

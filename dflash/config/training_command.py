@@ -17,9 +17,10 @@ import re
 import sys
 
 from dflash.config.unknown_keys import override_key
+from dflash.run_files import SETTINGS_KEY
 
-# Where the command is recorded, relative to the run folder (dflash/stages/batch_split.py: SETTINGS_KEY).
-RECORD = os.path.join("checkpoints", "settings.json")
+# Where the command is recorded, relative to the run folder.
+RECORD = os.path.join("checkpoints", SETTINGS_KEY)
 # Keys a recorded command never gives another one: the folder is found by the evaluation's own, a drafter must never
 # be moved aside by an evaluation, and Hydra's own settings are each command's.
 NOT_ADOPTED = ("name", "run_dir", "stages", "overwrite", "hydra")

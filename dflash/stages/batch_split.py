@@ -22,9 +22,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dflash.config.schema import RunSettings
-from dflash.run_files import read_json_or_none
+from dflash.run_files import SETTINGS_KEY, read_json_or_none
 
-SETTINGS_KEY = "settings.json"  # in checkpoints/: the settings fingerprint of the training that wrote them, its split
 
 
 @dataclasses.dataclass(frozen=True)

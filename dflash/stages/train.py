@@ -22,10 +22,10 @@ from dflash.config import ConfigError, fingerprints
 from dflash.config.command_line import hydra_overrides
 from dflash.config.errors import RunFolderError
 from dflash.config.training_command import training_overrides
-from dflash.run_files import checksum_problem, claim_checkpoint_dir, claimed_key, container, fingerprint, from_rank0, \
-    read_json, read_json_or_none, stage_done, write_json, write_text
-from dflash.stages.batch_split import SETTINGS_KEY, counted_ranks, fingerprinted, keeping_batch, recorded_split, \
-    settings_record, split_record
+from dflash.run_files import SETTINGS_KEY, checksum_problem, claim_checkpoint_dir, claimed_key, container, \
+    fingerprint, from_rank0, read_json, read_json_or_none, stage_done, write_json, write_text
+from dflash.stages.batch_split import counted_ranks, fingerprinted, keeping_batch, recorded_split, settings_record, \
+    split_record
 from dflash.stages.capture import CaptureStage
 from dflash.stages.context import RunContext
 from dflash.stages.shapes import drafter_config
