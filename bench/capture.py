@@ -44,7 +44,8 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.profile_table import profile_calls, write_table  # noqa: E402
-from dflash.extract.capture import check_features, length_batches, packed_runs  # noqa: E402
+from dflash.extract.feature_checks import check_features  # noqa: E402
+from dflash.extract.shard_rows import length_batches, packed_runs  # noqa: E402
 from dflash.models.targets.compile_target import compile_target_layers  # noqa: E402
 from dflash.models.targets.gdn_kernels import CONV_CHOICES, conv_choice  # noqa: E402
 from dflash.models.targets.hybrid import HybridTargetAdapter  # noqa: E402

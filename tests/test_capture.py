@@ -11,7 +11,8 @@ from datasets import Dataset
 from dflash.extract import store as store_module
 from dflash.data.dataset import FEATURES
 from dflash.data.sample_sizes import sample_lengths
-from dflash.extract.capture import capture_dataset, length_batches, plan_shards
+from dflash.extract.capture import capture_dataset, plan_shards
+from dflash.extract.shard_rows import length_batches
 from dflash.extract.feature_checks import feature_flags, packed_feature_flags
 from dflash.extract.store import FeatureStore, read_manifest
 from dflash.models.targets import build_tiny_target

@@ -7,7 +7,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from dflash.extract.capture import capture_dataset, packed_runs
+from dflash.extract.capture import capture_dataset
+from dflash.extract.shard_rows import packed_runs
 from dflash.extract.feature_checks import feature_flags, packed_feature_flags, raise_on_bad_features
 from dflash.extract.store import FeatureStore
 from dflash.models.targets import build_tiny_target

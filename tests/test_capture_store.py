@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from dflash.config import compose
 from dflash.extract import capture as capture_module
+from dflash.extract import shard_rows
 from dflash.extract import store as store_module
 from dflash.extract.capture import capture_dataset
 from dflash.extract.fp8 import dequantize_fp8, quantize_fp8
@@ -61,13 +62,13 @@ def test_disk_preflight_prints_and_refuses(tmp_path, dense, monkeypatch, capsys)
 
 def test_sampled_reforward_check_every_n(tmp_path, dense, monkeypatch):
     checked: list[str] = []
-    original_check = capture_module.crosscheck_sample
+    original_check = shard_rows.crosscheck_sample
 
     def recording(adapter, ids, features, layer_ids, sample_id):
         checked.append(sample_id)
         original_check(adapter, ids, features, layer_ids, sample_id)
 
-    monkeypatch.setattr(capture_module, "crosscheck_sample", recording)
+    monkeypatch.setattr(shard_rows, "crosscheck_sample", recording)
     data = make_dataset()
     capture_dataset(dense, data, tmp_path / "every3", [1, 3], **{**KWARGS, "check_every": 3})
     assert sorted(checked) == ["s0", "s3", "s6"]

@@ -1,16 +1,14 @@
 """Offline capture: run the frozen target over a token dataset and store the tapped hidden states.
 
-Samples are planned into shards in dataset order (a sample never straddles two shards). Inside a shard, with
-`pack` (capture.pack), consecutive samples are laid end to end in runs of at most `batch_tokens`
-tokens, each run one `TargetAdapter.capture_packed` forward with no padding at all; otherwise samples are sorted by
-length and grouped into right-padded batches of at most `batch_tokens` padded tokens for `TargetAdapter.capture`.
-Either way the target runs its decoder layers only (no LM head) and stops after the deepest tap, and the features
-are copied back to their place in the shard. Every batch is checked (one row per token, finite values,
-non-zero variance per tap and sample), and one sample in `check_every` is compared with a plain single-sequence
-`output_hidden_states` forward (feature_checks.py), because a capture path can silently produce wrong or all-zero
-states (method.md §8). Before any work the disk the run will take is printed, and the run refuses to start when the
-folder's file system has less free space. The manifest is rewritten after every shard, so an interrupted run
-(even by SIGKILL) resumes at the first missing shard.
+Samples are planned into shards in dataset order (a sample never straddles two shards), and each shard's rows are
+captured in forwards of at most `batch_tokens` tokens (shard_rows.py: samples laid end to end with `pack`, else
+right-padded batches). Either way the target runs its decoder layers only (no LM head) and stops after the deepest
+tap, and the features are copied back to their place in the shard. Every forward is checked (one row per token,
+finite values, non-zero variance per tap and sample), and one sample in `check_every` is compared with a plain
+single-sequence `output_hidden_states` forward (feature_checks.py), because a capture path can silently produce
+wrong or all-zero states (method.md §8). Before any work the disk the run will take is printed, and the run
+refuses to start when the folder's file system has less free space. The manifest is rewritten after every shard,
+so an interrupted run (even by SIGKILL) resumes at the first missing shard.
 
 Under a multi-process launcher (`rank`, `world_size` > 1) rank r captures the planned shards i with i % W == r and
 records each in a sidecar `shard-NNNNN.json` next to it; rank 0 then writes the manifest from the sidecars and
@@ -20,7 +18,6 @@ whose sidecars exist, with any number of ranks.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import shutil
@@ -30,17 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from dflash.extract.feature_checks import (
-    check_features, crosscheck_sample, packed_feature_flags, raise_on_bad_features,
-)
-from dflash.extract.forward_budget import ForwardBudget, release_device_memory
-from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
-from dflash.host_copy import host_to_device
+from dflash.extract.forward_budget import ForwardBudget
+from dflash.extract.fp8 import FP8_DTYPE
+from dflash.extract.shard_rows import capture_rows
 from dflash.run_files import file_sha256
 from dflash.extract.sidecars import (
     read_sidecar, remove_sidecars, shard_intact, sidecar_entries, sidecar_path, write_sidecar,
@@ -105,19 +98,6 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB"
 
 
-def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group indices by length (longest first) so that batch size x longest length <= batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda j: -lengths[j])
-    batches: list[list[int]] = []
-    for j in order:
-        # Sorted by decreasing length: a batch's first index is its longest sample.
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(j)
-        else:
-            batches.append([j])
-    return batches
-
-
 def _check_resumable(manifest: dict[str, Any], expected: dict[str, Any], out_dir: Path) -> None:
     for key, value in expected.items():
         if manifest.get(key) != value:
@@ -125,205 +105,6 @@ def _check_resumable(manifest: dict[str, Any], expected: dict[str, Any], out_dir
                 f"feature store {out_dir} was captured with {key}={manifest.get(key)!r}, this run asks for "
                 f"{value!r}: use a new output folder or delete {out_dir}"
             )
-
-
-def capture_rows(
-    adapter: TargetAdapter,
-    rows: Any,
-    first_sample: int,
-    layer_ids: list[int],
-    budget: ForwardBudget,
-    dtype: torch.dtype,
-    check_every: int,
-    progress: tqdm,
-    pack: bool,
-) -> dict[str, torch.Tensor]:
-    """Capture one shard's rows (an Arrow table slice) -> ShardWriter.write_shard's tensors (hidden, input_ids,
-    loss_mask, offsets, and scales for fp8), in forwards of at most `budget.tokens` tokens. Sample
-    `first_sample + j` is crosschecked when divisible by `check_every` (0: never). pack: samples laid end to end
-    (capture_packed) instead of padded batches."""
-    sample_ids = [str(i) for i in rows["id"].to_pylist()]
-    lengths = _checked_lengths(rows, sample_ids)
-    flat_ids = torch.from_numpy(pc.list_flatten(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64))
-    flat_mask = torch.from_numpy(pc.list_flatten(rows["loss_mask"]).to_numpy(zero_copy_only=False).astype(np.uint8))
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.from_numpy(np.cumsum(lengths))
-    num_tokens = int(offsets[-1])
-    hidden = torch.empty(num_tokens, len(layer_ids) * adapter.hidden_size, dtype=dtype)
-    scales = torch.empty(num_tokens, len(layer_ids), dtype=torch.float32) if dtype == FP8_DTYPE else None
-    # A target packed capture cannot serve (packing_problem) takes padded batches, which keep to batch_tokens
-    # (its packed fallback would pad a whole run of samples to the longest one).
-    capture = _capture_packed_rows if pack and adapter.packing_problem() is None else _capture_padded_rows
-    capture(adapter, flat_ids, lengths, offsets, sample_ids, first_sample, layer_ids, budget, check_every,
-            progress, hidden, scales)
-    return _shard_arrays(hidden, flat_ids, flat_mask, offsets, scales)
-
-
-def _checked_lengths(rows: Any, sample_ids: list[str]) -> np.ndarray:
-    """Each row's token count; ValueError for a row without tokens or with a loss mask of another length."""
-    lengths = pc.list_value_length(rows["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int64)
-    mask_lengths = pc.list_value_length(rows["loss_mask"]).to_numpy(zero_copy_only=False).astype(np.int64)
-    for j in range(len(sample_ids)):
-        if lengths[j] != mask_lengths[j]:
-            raise ValueError(
-                f"sample {sample_ids[j]!r}: {lengths[j]} input_ids but {mask_lengths[j]} loss_mask entries"
-            )
-        if lengths[j] == 0:
-            raise ValueError(f"sample {sample_ids[j]!r} has no tokens")
-    return lengths
-
-
-def _capture_padded_rows(
-    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
-    sample_ids: list[str], first_sample: int, layer_ids: list[int], budget: ForwardBudget, check_every: int,
-    progress: tqdm, hidden: torch.Tensor, scales: torch.Tensor | None,
-) -> None:
-    """capture_rows' padded path: samples sorted by length into right-padded batches (length_batches), each through
-    TargetAdapter.capture, each sample's features copied back to its place in hidden. A batch that runs out of
-    memory is planned again, with the samples left, at the smaller budget."""
-    left = list(range(len(lengths)))
-    while left:
-        planned = left
-        for batch in length_batches([int(lengths[j]) for j in planned], budget.tokens):
-            batch = [planned[k] for k in batch]
-            checks: list[tuple[int, torch.Tensor]] = []
-            forward = functools.partial(_capture_padded_batch, adapter, flat_ids, lengths, offsets, sample_ids,
-                                        first_sample, layer_ids, check_every, hidden, scales, batch, checks)
-            tokens = len(batch) * int(max(lengths[j] for j in batch))
-            if not budget.fits(forward, tokens, sample_ids[batch[0]] if len(batch) == 1 else None):
-                break
-            _crosscheck(adapter, flat_ids, offsets, sample_ids, layer_ids, checks)
-            done = set(batch)
-            left = [j for j in left if j not in done]
-            progress.update(int(sum(lengths[j] for j in batch)))
-
-
-def _capture_padded_batch(
-    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
-    sample_ids: list[str], first_sample: int, layer_ids: list[int], check_every: int, hidden: torch.Tensor,
-    scales: torch.Tensor | None, batch: list[int], checks: list[tuple[int, torch.Tensor]],
-) -> None:
-    """One right-padded forward of the samples `batch`, checked, into hidden; the features of each sample to
-    crosscheck (`check_every`) into `checks`, copied, for _crosscheck once the batch's own are freed."""
-    pad_id = adapter.tokenizer.pad_token_id
-    batch_lengths = [int(lengths[j]) for j in batch]
-    width = max(batch_lengths)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, j in enumerate(batch):
-        input_ids[row, :lengths[j]] = flat_ids[offsets[j]:offsets[j + 1]]
-        attention_mask[row, :lengths[j]] = 1
-    features = adapter.capture(input_ids.to(adapter.device), attention_mask.to(adapter.device), layer_ids)
-    check_features(features, batch_lengths, [sample_ids[j] for j in batch], layer_ids)
-    for row, j in enumerate(batch):
-        # Compared before the cast to the stored dtype: the check is about the capture path, not rounding.
-        if check_every and (first_sample + j) % check_every == 0:
-            checks.append((j, features[row, :lengths[j]].clone()))
-    _store_batch(features, batch, lengths, offsets, len(layer_ids), hidden, scales)
-
-
-def _store_batch(features: torch.Tensor, batch: list[int], lengths: np.ndarray, offsets: torch.Tensor,
-                 num_taps: int, hidden: torch.Tensor, scales: torch.Tensor | None) -> None:
-    """Copy a padded batch's features [b, T, K*H] (row r: sample batch[r]) into hidden without the padding, in the
-    stored dtype (fp8: quantised, the scales into `scales`)."""
-    if scales is not None:
-        q, batch_scales = quantize_fp8(features.flatten(0, 1), num_taps)
-        features = q.view(features.shape).cpu()
-        batch_scales = batch_scales.view(*features.shape[:2], -1).cpu()
-        for row, j in enumerate(batch):
-            scales[offsets[j]:offsets[j + 1]] = batch_scales[row, :lengths[j]]
-    else:
-        features = features.to(hidden.dtype).cpu()
-    for row, j in enumerate(batch):
-        hidden[offsets[j]:offsets[j + 1]] = features[row, :lengths[j]]
-
-
-def _shard_arrays(hidden: torch.Tensor, flat_ids: torch.Tensor, flat_mask: torch.Tensor, offsets: torch.Tensor,
-                  scales: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    arrays = {"hidden": hidden, "input_ids": flat_ids, "loss_mask": flat_mask, "offsets": offsets}
-    if scales is not None:
-        arrays["scales"] = scales
-    return arrays
-
-
-def packed_runs(lengths: np.ndarray, batch_tokens: int) -> list[tuple[int, int]]:
-    """[(first, end)]: consecutive samples laid end to end, at most `batch_tokens` tokens per run (a longer sample
-    runs alone). Dataset order is kept, so a run's features land in one contiguous slice of the shard."""
-    runs, first, tokens = [], 0, 0
-    for j, length in enumerate(lengths.tolist()):
-        if j > first and tokens + length > batch_tokens:
-            runs.append((first, j))
-            first, tokens = j, 0
-        tokens += length
-    if first < len(lengths):
-        runs.append((first, len(lengths)))
-    return runs
-
-
-def _capture_packed_rows(
-    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
-    sample_ids: list[str], first_sample: int, layer_ids: list[int], budget: ForwardBudget, check_every: int,
-    progress: tqdm, hidden: torch.Tensor, scales: torch.Tensor | None,
-) -> None:
-    """capture_rows' packed path: each run of samples goes through TargetAdapter.capture_packed (no padding at
-    all) and its features fill hidden[start:stop] directly. A run that runs out of memory is planned again, with
-    the samples after it, at the smaller budget."""
-    done = 0
-    while done < len(lengths):
-        base = done
-        for first, end in packed_runs(lengths[base:], budget.tokens):
-            first, end = first + base, end + base
-            checks: list[tuple[int, torch.Tensor]] = []
-            forward = functools.partial(_capture_packed_run, adapter, flat_ids, lengths, offsets, sample_ids,
-                                        first_sample, layer_ids, check_every, hidden, scales, first, end, checks)
-            tokens = int(offsets[end] - offsets[first])
-            if not budget.fits(forward, tokens, sample_ids[first] if end - first == 1 else None):
-                break
-            _crosscheck(adapter, flat_ids, offsets, sample_ids, layer_ids, checks)
-            done = end
-            progress.update(tokens)
-
-
-def _capture_packed_run(
-    adapter: TargetAdapter, flat_ids: torch.Tensor, lengths: np.ndarray, offsets: torch.Tensor,
-    sample_ids: list[str], first_sample: int, layer_ids: list[int], check_every: int, hidden: torch.Tensor,
-    scales: torch.Tensor | None, first: int, end: int, checks: list[tuple[int, torch.Tensor]],
-) -> None:
-    """One packed forward of the samples first..end-1, checked, into hidden[start:stop]; the features of each
-    sample to crosscheck (`check_every`) into `checks`, copied, for _crosscheck once the run's own are freed."""
-    start, stop = int(offsets[first]), int(offsets[end])
-    run_lengths = lengths[first:end].tolist()
-    features = adapter.capture_packed(host_to_device(flat_ids[start:stop], adapter.device), run_lengths, layer_ids)
-    flags = packed_feature_flags(features, run_lengths, layer_ids)
-    raise_on_bad_features(flags.cpu(), sample_ids[first:end], layer_ids)
-    for j in range(first, end):
-        if check_every and (first_sample + j) % check_every == 0:
-            # The first sample of a run has nothing before it to leak from: its run's last sample is checked.
-            k = end - 1 if j == first else j
-            checks.append((k, features[int(offsets[k]) - start:int(offsets[k + 1]) - start].clone()))
-    if scales is not None:
-        q, run_scales = quantize_fp8(features, len(layer_ids))
-        hidden[start:stop] = q.cpu()
-        scales[start:stop] = run_scales.cpu()
-    else:
-        hidden[start:stop] = features.to(hidden.dtype).cpu()
-
-
-def _crosscheck(adapter: TargetAdapter, flat_ids: torch.Tensor, offsets: torch.Tensor, sample_ids: list[str],
-                layer_ids: list[int], checks: list[tuple[int, torch.Tensor]]) -> None:
-    """Each (sample, features) of `checks` compared with a plain forward of the sample (crosscheck_sample). That
-    forward keeps every layer's states, the most memory any step of capture takes for a long sample: where it runs
-    out of device memory the check of that sample is skipped, saying so, and the capture goes on."""
-    for j, features in checks:
-        try:
-            crosscheck_sample(adapter, flat_ids[offsets[j]:offsets[j + 1]].tolist(), features, layer_ids,
-                              sample_ids[j])
-            continue
-        except torch.OutOfMemoryError:
-            pass
-        release_device_memory()
-        logger.warning(f"[capture] warning: the check of sample {sample_ids[j]} ({int(offsets[j + 1] - offsets[j]):,} "
-                       f"tokens) against a plain forward was skipped: that forward ran out of device memory")
 
 
 def _repair_shards(

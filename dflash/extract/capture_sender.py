@@ -31,7 +31,7 @@ def target_producer(adapter: "TargetAdapter", dataset: Any, layer_ids: list[int]
     """The target's features of dataset rows, as offline capture makes them (without the sampled re-forward)."""
     from tqdm.auto import tqdm
 
-    from dflash.extract.capture import capture_rows
+    from dflash.extract.shard_rows import capture_rows
     from dflash.extract.forward_budget import ForwardBudget
     from dflash.extract.store import store_dtype
 
