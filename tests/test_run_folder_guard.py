@@ -26,7 +26,7 @@ def snapshot(folder) -> dict[str, str]:
     return files
 
 
-def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path):
+def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path, monkeypatch):
     run = TINY + [f"run_dir={tmp_path}"]
     summary = Pipeline(compose(run)).run()
     before = snapshot(tmp_path)
@@ -57,6 +57,12 @@ def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path)
     after = snapshot(tmp_path)
     assert {k: after[k] for k in before} == before
     assert all(k.startswith("logs" + os.sep) for k in set(after) - set(before))
+    # The automatic taps named are the drafter's own, as its training recorded them, not those of features
+    # captured since (a capture command of other taps, stages=[capture]).
+    from dflash.stages.capture import CaptureStage
+    monkeypatch.setattr(CaptureStage, "layer_ids", lambda self, mode=None: [0, 3])
+    with pytest.raises(ConfigError, match=r"target_layer_ids: None \(automatic: \[1, 5\]\) -> \[0, 2\]"):
+        Pipeline(compose(run + ["drafter.target_layer_ids=[0,2]"])).run()
 
 
 def test_the_command_refuses_with_one_line_naming_what_changed(tmp_path):

@@ -129,13 +129,16 @@ def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
 
 
 def with_chosen_taps(change: str, old: dict, train: TrainStage) -> str:
-    """`change` with the taps an automatic `drafter.target_layer_ids` (None) chose for the trained drafter, as its
-    features recorded them (CaptureStage.layer_ids, in the capture mode it was trained with), where it is that
-    setting's change and they were recorded."""
+    """`change` with the taps an automatic `drafter.target_layer_ids` (None) chose for the trained drafter, where it
+    is that setting's change and they were recorded: by its training (checkpoints/settings.json), else by its
+    features (CaptureStage.layer_ids, in the capture mode it was trained with; a recapture since may have changed
+    them)."""
     prefix = "drafter.target_layer_ids: None -> "
     if not change.startswith(prefix):
         return change
-    taps = train.capture.layer_ids(fingerprints.recorded_value(old, "capture.mode", None))
+    taps = settings_record(train.checkpoints).get("target_layer_ids")
+    if not isinstance(taps, list):
+        taps = train.capture.layer_ids(fingerprints.recorded_value(old, "capture.mode", None))
     return change if taps is None else f"drafter.target_layer_ids: None (automatic: {taps}) -> {change[len(prefix):]}"
 
 

@@ -328,6 +328,9 @@ class TrainStage(Stage):
         earlier = settings_record(self.checkpoints)
         record = {"fingerprint": self.settings_fingerprint(),
                   "split": split_record(self.fingerprinted_settings, run.settings, run.world_size)}
+        taps = self.capture.layer_ids()
+        if taps is not None:  # what an automatic drafter.target_layer_ids chose, for a later refusal to name
+            record["target_layer_ids"] = taps
         # What `python -m dflash.eval` adopts (dflash/config/training_command.py); a launch outside a Hydra command
         # (a notebook, a test) keeps the one recorded before.
         command = training_overrides(hydra_overrides())
