@@ -6,9 +6,25 @@ from dflash.config import compose, settings_from
 from dflash.config.command_line import GPU_DEFAULT, with_gpu_default
 
 
-@pytest.mark.parametrize("argv", [[], ["train.lr=1e-3"], ["name=mine", "show_progress=false"], ["--cfg", "job"]])
+@pytest.mark.parametrize("argv", [[], ["train.lr=1e-3"], ["name=mine", "show_progress=false"]])
 def test_a_gpu_machine_runs_the_gpu_default_when_nothing_chooses(argv):
     assert with_gpu_default(argv, has_gpu=True) == [*argv, GPU_DEFAULT]
+
+
+@pytest.mark.parametrize("argv,expected,overrides", [
+    (["--cfg", "job"], [GPU_DEFAULT, "--cfg", "job"], [GPU_DEFAULT]),
+    (["name=x", "--cfg", "job"], ["name=x", GPU_DEFAULT, "--cfg", "job"], ["name=x", GPU_DEFAULT]),
+    (["-m", "train.lr=1e-3,2e-3"], ["train.lr=1e-3,2e-3", GPU_DEFAULT, "-m"], ["train.lr=1e-3,2e-3", GPU_DEFAULT]),
+    (["--info", "config", "~eval.prompt_sets.mtbench"], ["~eval.prompt_sets.mtbench", GPU_DEFAULT, "--info", "config"],
+     ["~eval.prompt_sets.mtbench", GPU_DEFAULT]),
+])
+def test_the_gpu_default_goes_before_hydras_flags(argv, expected, overrides):
+    """Hydra's parser takes every override before the flags or every one after them (`a=1 --cfg job b=2` is
+    refused): the default is an override like the others."""
+    from hydra._internal.utils import get_args_parser
+
+    assert with_gpu_default(argv, has_gpu=True) == expected
+    assert get_args_parser().parse_args(expected).overrides == overrides
 
 
 @pytest.mark.parametrize("argv", [["+experiment=tiny"], ["++experiment=smollm2"], ["target=qwen36"],
@@ -51,17 +67,20 @@ def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, mo
     assert capsys.readouterr().err == ""  # said by the pipeline once the settings are checked, not here
 
 
-@pytest.mark.parametrize("argv,deferred", [([], True), (["name=mine"], True), (["--cfg", "job"], False)])
-def test_the_gpu_default_is_said_by_the_run_or_at_once_where_no_run_follows(argv, deferred, monkeypatch, capsys):
+@pytest.mark.parametrize("argv,expected,deferred", [
+    ([], [GPU_DEFAULT], True), (["name=mine"], ["name=mine", GPU_DEFAULT], True),
+    (["--cfg", "job"], [GPU_DEFAULT, "--cfg", "job"], False)])
+def test_the_gpu_default_is_said_by_the_run_or_at_once_where_no_run_follows(argv, expected, deferred, monkeypatch,
+                                                                            capsys):
     import torch
 
     from dflash.config import command_line
-    from dflash.config.command_line import GPU_DEFAULT, GPU_DEFAULT_LINE, command_arguments, default_run_line
+    from dflash.config.command_line import GPU_DEFAULT_LINE, command_arguments, default_run_line
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(command_line, "_default_run_line", None)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert command_arguments(argv, "train") == [*argv, GPU_DEFAULT]
+    assert command_arguments(argv, "train") == expected
     assert (default_run_line() == GPU_DEFAULT_LINE) == deferred
     assert (GPU_DEFAULT_LINE in capsys.readouterr().err) != deferred  # --cfg job prints the default's config now
 

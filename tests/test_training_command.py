@@ -8,6 +8,7 @@ import sys
 
 import yaml
 
+from dflash.config.hydra_flags import before_flags, flag_arguments, full_flag
 from dflash.config.training_command import adopted, training_overrides, with_training_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +50,9 @@ def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, caps
     assert f"the drafter of {run_dir}, with its training command's overrides: +experiment=tiny train.seed=1" \
         in capsys.readouterr().out
     assert with_training_command(["--help"], ["--help"]) == ["--help"]
-    assert with_training_command([*given, "-h"], [*given, "-h"]) == [*given, "-h"]
+    # A flag that shows no config, or composes another config than the evaluation's, adopts nothing.
+    for flags in (["-h"], ["--hel"], ["--version"], ["--config-name", "train"], ["-cn", "train"], ["-cd", "/x"]):
+        assert with_training_command([*given, *flags], [*given, *flags]) == [*given, *flags], flags
     # Hydra's flags that show the config show the one that runs: adopted, with the flags after every override.
     assert with_training_command(["--cfg", "job", *given], ["--cfg", "job", *given]) == \
         ["+experiment=tiny", "train.seed=1", *given, "--cfg", "job"]
@@ -63,6 +66,15 @@ def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, caps
     elsewhere = [f"run_dir={tmp_path / 'other'}"]
     assert with_training_command(elsewhere, elsewhere) == elsewhere
     assert with_training_command(["train.nope=1"], ["train.nope=1"]) == ["train.nope=1"]  # its error comes later
+
+
+def test_hydras_flags_are_told_from_overrides():
+    assert [full_flag(a) for a in ("--cfg=job", "-c", "--hel", "--in", "--c", "-x", "name=x")] == \
+        ["--cfg", "-c", "--help", "--info", None, None, None]  # --c begins --cfg and --config-*: none
+    argv = ["name=x", "--cfg", "job", "-p", "train", "--info", "~eval.prompt_sets.mtbench", "-m", "a='b=c'"]
+    assert flag_arguments(argv) == ["--cfg", "job", "-p", "train", "--info", "-m"]
+    assert before_flags(argv, "run_dir=/r") == ["name=x", "~eval.prompt_sets.mtbench", "a='b=c'", "run_dir=/r",
+                                                "--cfg", "job", "-p", "train", "--info", "-m"]
 
 
 def test_the_evaluation_command_alone_measures_the_drafter_a_training_command_made(tmp_path):

@@ -2,9 +2,10 @@
 
 Three rewrites, all visible: the `--local_rank=N` the deepspeed launcher appends (Hydra rejects it) moves into the
 LOCAL_RANK environment variable; an evaluation command takes the overrides of the training command its run folder
-recorded where it does not set them itself (training_command.py, said on stdout); and a command that names no
-experiment, target or device on a machine with a GPU runs the GPU default (`+experiment=smollm2_quick`, a real
-drafter in about 10 minutes) instead of the CPU demo, saying so on stderr. All three commands rewrite alike, so
+recorded where it does not set them itself (training_command.py, said on stdout, or on stderr beside a flag such as
+`--cfg job`); and a command that names no experiment, target or device on a machine with a GPU runs the GPU default
+(`+experiment=smollm2_quick`, a real drafter in about 10 minutes) instead of the CPU demo, saying so on stderr.
+Overrides added go before Hydra's flags (hydra_flags.py). All three commands rewrite alike, so
 `python -m dflash.eval` finds the run that `python -m dflash.train` made on the same machine. A setting that was
 removed (dflash/config/removed.py) stops the command here with what replaces it, and so does a command line Hydra
 cannot compose (composition_errors.py), in one line. Once Hydra runs the command, `hydra_overrides` reads back
@@ -19,6 +20,7 @@ import sys
 from dflash.config import CONFIG_DIR
 from dflash.config.composition_errors import refuse_uncomposable
 from dflash.config.errors import ConfigError
+from dflash.config.hydra_flags import before_flags
 from dflash.config.removed import refuse_removed_settings
 from dflash.config.training_command import with_training_command
 from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
@@ -92,7 +94,7 @@ def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
     device; otherwise `argv` unchanged."""
     if not has_gpu or chooses(argv):
         return argv
-    return [*argv, GPU_DEFAULT]
+    return before_flags(argv, GPU_DEFAULT)
 
 
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:

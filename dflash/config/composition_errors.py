@@ -15,17 +15,11 @@ import typing
 from typing import Any
 
 from dflash.config.errors import ConfigError
+from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS
 from dflash.config.schema import RunSettings
 from dflash.config import unknown_keys
 from dflash.config.unknown_keys import lookup_setting, override_key, settings_fields
 
-# Hydra's command-line flags (hydra/_internal/utils.py get_args_parser): anything else that starts with '-' is a
-# mistaken option such as `--epochs 3`.
-HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package",
-               "-i", "--info", "-m", "--multirun", "-cp", "--config-path", "-cn", "--config-name", "-cd",
-               "--config-dir", "--experimental-rerun", "-sc", "--shell-completion", "--run", "-r")
-# Hydra's flags that each say what the command does, of which it takes one (its _run_hydra raises a traceback).
-MODE_FLAGS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}
 TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
 
 

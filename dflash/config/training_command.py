@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+from dflash.config.hydra_flags import before_flags, flag_arguments, full_flag
 from dflash.config.unknown_keys import override_key
 from dflash.run_files import SETTINGS_KEY
 
@@ -24,8 +25,10 @@ RECORD = os.path.join("checkpoints", SETTINGS_KEY)
 # Keys a recorded command never gives another one: the folder is found by the evaluation's own, a drafter must never
 # be moved aside by an evaluation, and Hydra's own settings are each command's.
 NOT_ADOPTED = ("name", "run_dir", "stages", "overwrite", "hydra")
-# Hydra's flags that show no config (hydra/_internal/utils.py get_args_parser): a command with one adopts nothing.
-NOT_SHOWN_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion")
+# Hydra's flags under which a command adopts nothing: those that show no config, and those that compose another
+# config than the evaluation's (whose run folder the recorded command would not be found by).
+NOT_ADOPTING_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion", "-cp", "--config-path",
+                      "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
 
 
 def training_overrides(overrides: list[str] | None) -> list[str] | None:
@@ -66,13 +69,13 @@ def overlaps(key: str, other: str) -> bool:
 def with_training_command(arguments: list[str], located: list[str]) -> list[str]:
     """An evaluation command's `arguments` after the overrides it adopts from the training command recorded in the
     run folder that `located` (its arguments as they will run, the GPU default included) composes to, saying so;
-    `arguments` as they are where it adopts none, asks for help or the version (NOT_SHOWN_FLAGS) or does not compose
-    (its error is the command line's checks' to give). With Hydra's other flags (`--cfg job`, `--info`) the config
-    they show is the one that would run: the adopted overrides come first, the flags last."""
+    `arguments` as they are where it adopts none, gives a flag of NOT_ADOPTING_FLAGS (help, another config) or does
+    not compose (its error is the command line's checks' to give). With Hydra's other flags (`--cfg job`, `--info`)
+    the config they show is the one that would run: the adopted overrides come first, the flags last."""
     from dflash.config import compose
 
-    flags = hydra_flag_arguments(arguments)
-    if any(a.split("=", 1)[0] in NOT_SHOWN_FLAGS for a in flags):
+    flags = flag_arguments(arguments)
+    if any(full_flag(a) in NOT_ADOPTING_FLAGS for a in flags):
         return arguments
     overrides = [a for a in arguments if a not in flags]
     try:
@@ -86,20 +89,8 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
         # Beside a flag stdout is the config Hydra shows (`--cfg job > config.yaml`): the line goes to stderr.
         print(f"dflash: the drafter of {run_dir}, with its training command's overrides: {' '.join(taken)}",
               file=sys.stderr if flags else sys.stdout, flush=True)
-    # The folder stays the one found, whatever name an adopted +experiment= gives. Hydra's argument parser takes
-    # its overrides before its flags.
-    return [*taken, *overrides, *pinned_folder(overrides, run_dir), *flags]
-
-
-def hydra_flag_arguments(arguments: list[str]) -> list[str]:
-    """The arguments of `arguments` that are Hydra's flags or their values (`--cfg job`, `-p train`, `--info
-    config`), in their order; an override is key=value, +key=value or ~key, and a flag's value is none of these."""
-    flags = []
-    for index, arg in enumerate(arguments):
-        follows_flag = index > 0 and arguments[index - 1].startswith("-") and "=" not in arguments[index - 1]
-        if arg.startswith("-") or (follows_flag and "=" not in arg and not arg.startswith("~")):
-            flags.append(arg)
-    return flags
+    # The folder stays the one found, whatever name an adopted +experiment= gives.
+    return [*taken, *before_flags(arguments, *pinned_folder(overrides, run_dir))]
 
 
 def pinned_folder(arguments: list[str], run_dir: str) -> list[str]:
