@@ -101,6 +101,22 @@ def test_an_hf_folder_loads_through_the_generic_adapter(tmp_path):
     assert checkpoint_config(str(folder)).model_type == "olmo2"
 
 
+def test_a_bpe_tokenizer_that_asks_for_the_space_clean_up_decodes_without_a_warning(tmp_path, caplog):
+    """transformers skips that clean-up for BPE and warns at the first decode (SmolLM2's config asks for it on some
+    releases): the target's tokenizer and its vocabulary's have it off, the text is the same."""
+    from dflash.models.targets.load import load_target_vocabulary
+
+    folder = hf_folder(tmp_path, "olmo2")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    for tokenizer in (load_target("hf", path=str(folder)).tokenizer,
+                      load_target_vocabulary("hf", path=str(folder)).tokenizer):
+        assert tokenizer.clean_up_tokenization_spaces is False
+        with caplog.at_level("WARNING"):
+            assert tokenizer.decode(tokenizer("Hello , world !")["input_ids"]) == "Hello , world !"
+    assert "clean_up_tokenization_spaces" not in caplog.text
+
+
 @pytest.mark.slow
 def test_a_gguf_file_is_converted_once_and_cached(tmp_path, monkeypatch):
     import gguf as gguf_package

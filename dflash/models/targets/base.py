@@ -51,6 +51,16 @@ def ensure_pad_token(tokenizer: Any) -> Any:
     return tokenizer
 
 
+def without_bpe_cleanup(tokenizer: Any) -> Any:
+    """`tokenizer`, its decode's clean-up of spaces turned off where its model is BPE: transformers 5 skips that
+    clean-up for BPE anyway (it would strip spaces before punctuation), and warns at the first decode where the
+    tokenizer's config asks for it (SmolLM2's does, on some transformers releases), a warning no user can act on."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
     """Map "auto" / "bfloat16" / "float32" (or a torch dtype) to a torch dtype; float16 is refused.
 
@@ -86,7 +96,7 @@ class TargetAdapter:
     def __init__(self, model: nn.Module, tokenizer: Any) -> None:
         model.eval()
         model.requires_grad_(False)
-        ensure_pad_token(tokenizer)
+        without_bpe_cleanup(ensure_pad_token(tokenizer))
         self.model = model
         self.tokenizer = tokenizer
         text_config = model.config.get_text_config()

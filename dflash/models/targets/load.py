@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dflash.models.targets.base import TargetAdapter, ensure_pad_token, resolve_dtype
+from dflash.models.targets.base import TargetAdapter, ensure_pad_token, resolve_dtype, without_bpe_cleanup
 from dflash.models.targets.chat_template import set_chat_template
 from dflash.config.target_path import is_gguf_path, target_path_problem
 from dflash.models.targets.gguf import cached_folder, convert_gguf_file
@@ -71,7 +71,7 @@ def load_target_vocabulary(kind: str, path: str | None = None, tiny: dict | None
     folder = _folder(kind, path, cache_dir)
     # The model loading builds, on the meta device: a multimodal checkpoint's config may name another model_type.
     model = empty_model(AutoConfig.from_pretrained(folder), torch.bfloat16)
-    tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(folder))
+    tokenizer = without_bpe_cleanup(ensure_pad_token(AutoTokenizer.from_pretrained(folder)))
     set_chat_template(tokenizer, chat_template, model.config.model_type)
     return TargetVocabulary(tokenizer, int(model.get_input_embeddings().weight.shape[0]))
 
