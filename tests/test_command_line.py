@@ -33,6 +33,11 @@ def test_a_users_experiment_target_or_device_is_kept(argv):
     assert with_gpu_default(argv, has_gpu=True) == argv
 
 
+def test_a_flags_value_chooses_nothing():
+    assert with_gpu_default(["--cfg", "job", "-p", "target"], has_gpu=True) == [GPU_DEFAULT, "--cfg", "job", "-p",
+                                                                                "target"]
+
+
 def test_a_cpu_machine_runs_the_demo():
     assert with_gpu_default([], has_gpu=False) == []
 

@@ -102,8 +102,9 @@ def test_an_hf_folder_loads_through_the_generic_adapter(tmp_path):
 
 
 def test_a_bpe_tokenizer_that_asks_for_the_space_clean_up_decodes_without_a_warning(tmp_path, caplog):
-    """transformers skips that clean-up for BPE and warns at the first decode (SmolLM2's config asks for it on some
-    releases): the target's tokenizer and its vocabulary's have it off, the text is the same."""
+    """transformers (5.7 on) skips that clean-up for BPE and warns at the first decode (SmolLM2's config asks for it
+    on some releases): the target's tokenizer and its vocabulary's have it off, the text is the same."""
+    from dflash.models.targets.base import without_bpe_cleanup
     from dflash.models.targets.load import load_target_vocabulary
 
     folder = hf_folder(tmp_path, "olmo2")
@@ -115,6 +116,10 @@ def test_a_bpe_tokenizer_that_asks_for_the_space_clean_up_decodes_without_a_warn
         with caplog.at_level("WARNING"):
             assert tokenizer.decode(tokenizer("Hello , world !")["input_ids"]) == "Hello , world !"
     assert "clean_up_tokenization_spaces" not in caplog.text
+    forced = load_target("hf", path=str(folder)).tokenizer  # a tokenizer that asks for the clean-up whatever it does
+    forced.clean_up_tokenization_spaces = True
+    forced.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert without_bpe_cleanup(forced).clean_up_tokenization_spaces is True
 
 
 @pytest.mark.slow

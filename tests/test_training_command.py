@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from dflash.config.hydra_flags import before_flags, flag_arguments, full_flag
+from dflash.config.hydra_flags import before_flags, full_flag, split_arguments
 from dflash.config.training_command import adopted, training_overrides, with_training_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,9 +72,32 @@ def test_hydras_flags_are_told_from_overrides():
     assert [full_flag(a) for a in ("--cfg=job", "-c", "--hel", "--in", "--c", "-x", "name=x")] == \
         ["--cfg", "-c", "--help", "--info", None, None, None]  # --c begins --cfg and --config-*: none
     argv = ["name=x", "--cfg", "job", "-p", "train", "--info", "~eval.prompt_sets.mtbench", "-m", "a='b=c'"]
-    assert flag_arguments(argv) == ["--cfg", "job", "-p", "train", "--info", "-m"]
+    assert split_arguments(argv) == (["name=x", "~eval.prompt_sets.mtbench", "a='b=c'"],
+                                     ["--cfg", "job", "-p", "train", "--info", "-m"])
     assert before_flags(argv, "run_dir=/r") == ["name=x", "~eval.prompt_sets.mtbench", "a='b=c'", "run_dir=/r",
                                                 "--cfg", "job", "-p", "train", "--info", "-m"]
+    # By position, as Hydra's parser reads them: a flag without a value takes none, a value may hold '=', and a
+    # word repeated is two arguments.
+    assert split_arguments(["-m", "foo", "-cd", "/a=b", "--cfg", "job", "job", "--info", "config", "--info",
+                            "name"]) == (["foo", "job", "name"], ["-m", "-cd", "/a=b", "--cfg", "job", "--info",
+                                                                  "config", "--info"])
+    from hydra._internal.utils import get_args_parser
+
+    for argv in (["-cd", "/a=b", "a=1"], ["a=1", "--info"], ["-m", "a=1,2", "--cfg", "job"], ["--cfg=job", "a=1"]):
+        rewritten = before_flags(argv, "b=2")
+        assert get_args_parser().parse_args(rewritten).overrides == [*get_args_parser().parse_args(argv).overrides,
+                                                                     "b=2"], argv
+
+
+def test_a_sweep_of_evaluations_adopts_the_training_command(tmp_path, capsys):
+    """`-m eval.temperature=0.0,1.0` evaluates one drafter twice: it adopts what that drafter was trained with; a
+    sweep over run folders adopts nothing."""
+    run_dir = tmp_path / "run"
+    record(run_dir, ["+experiment=tiny", "train.seed=1", "eval.temperature=0.5"])
+    given = [f"run_dir={run_dir}", "eval.temperature=0.0,1.0", "-m"]
+    assert with_training_command(given, given) == ["+experiment=tiny", "train.seed=1", *given]
+    swept = [f"run_dir={run_dir},{tmp_path / 'other'}", "-m"]
+    assert with_training_command(swept, swept) == swept
 
 
 def test_the_evaluation_command_alone_measures_the_drafter_a_training_command_made(tmp_path):

@@ -20,7 +20,7 @@ import sys
 from dflash.config import CONFIG_DIR
 from dflash.config.composition_errors import refuse_uncomposable
 from dflash.config.errors import ConfigError
-from dflash.config.hydra_flags import before_flags
+from dflash.config.hydra_flags import before_flags, split_arguments
 from dflash.config.removed import refuse_removed_settings
 from dflash.config.training_command import with_training_command
 from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
@@ -75,13 +75,13 @@ def _override_key(arg: str) -> str:
 
 def chooses(argv: list[str]) -> bool:
     """Whether an override of `argv` chooses an experiment, a target or a device."""
-    return any(_override_key(arg) in CHOOSING_KEYS for arg in argv if not arg.startswith("-"))
+    return any(_override_key(arg) in CHOOSING_KEYS for arg in split_arguments(argv)[0])
 
 
 def cpu_run_line(argv: list[str]) -> str | None:
     """What a training command on a machine without a GPU says first: that it is the CPU demo when `argv` chooses
     nothing, what its sizes take when it names a target and no experiment, else nothing."""
-    keys = {override_key(arg) for arg in argv if not arg.startswith("-")}
+    keys = {override_key(arg) for arg in split_arguments(argv)[0]}
     chosen = {key.split(".", 1)[0] for key in keys}
     if not chosen & set(CHOOSING_KEYS):
         return CPU_DEMO_LINE

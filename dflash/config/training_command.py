@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from dflash.config.hydra_flags import before_flags, flag_arguments, full_flag
+from dflash.config.hydra_flags import before_flags, full_flag, split_arguments
 from dflash.config.unknown_keys import override_key
 from dflash.run_files import SETTINGS_KEY
 
@@ -25,6 +25,8 @@ RECORD = os.path.join("checkpoints", SETTINGS_KEY)
 # Keys a recorded command never gives another one: the folder is found by the evaluation's own, a drafter must never
 # be moved aside by an evaluation, and Hydra's own settings are each command's.
 NOT_ADOPTED = ("name", "run_dir", "stages", "overwrite", "hydra")
+# What the run folder follows from: a sweep over one of these is of several folders.
+FOLDER_KEYS = ("name", "run_dir", "experiment")
 # Hydra's flags under which a command adopts nothing: those that show no config, and those that compose another
 # config than the evaluation's (whose run folder the recorded command would not be found by).
 NOT_ADOPTING_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion", "-cp", "--config-path",
@@ -70,16 +72,22 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
     """An evaluation command's `arguments` after the overrides it adopts from the training command recorded in the
     run folder that `located` (its arguments as they will run, the GPU default included) composes to, saying so;
     `arguments` as they are where it adopts none, gives a flag of NOT_ADOPTING_FLAGS (help, another config) or does
-    not compose (its error is the command line's checks' to give). With Hydra's other flags (`--cfg job`, `--info`)
-    the config they show is the one that would run: the adopted overrides come first, the flags last."""
+    not compose (its error is the command line's checks' to give). With Hydra's other flags (`--cfg job`, `--info`,
+    `-m` with a sweep of evaluation settings) the config is the one that runs: the adopted overrides come first, the
+    flags last."""
     from dflash.config import compose
 
-    flags = flag_arguments(arguments)
+    overrides, flags = split_arguments(arguments)
     if any(full_flag(a) in NOT_ADOPTING_FLAGS for a in flags):
         return arguments
-    overrides = [a for a in arguments if a not in flags]
+    # A sweep (`-m eval.temperature=0.0,1.0`) evaluates one drafter under several settings: the folder is found
+    # without it, unless it sweeps the folder itself.
+    located_overrides = split_arguments(located)[0]
+    swept = [override_key(o) for o in located_overrides if is_sweep(o)]
+    if any(overlaps(key, other) for key in swept for other in FOLDER_KEYS):
+        return arguments
     try:
-        run_dir = os.path.abspath(str(compose([a for a in located if a not in flags], "eval").run_dir))
+        run_dir = os.path.abspath(str(compose([o for o in located_overrides if not is_sweep(o)], "eval").run_dir))
     except Exception:  # noqa: BLE001 - any composition error is reported by the checks that follow
         return arguments
     taken = adopted(overrides, run_dir)
@@ -91,6 +99,18 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
               file=sys.stderr if flags else sys.stdout, flush=True)
     # The folder stays the one found, whatever name an adopted +experiment= gives.
     return [*taken, *before_flags(arguments, *pinned_folder(overrides, run_dir))]
+
+
+def is_sweep(override: str) -> bool:
+    """Whether `override` sweeps its key over several values (`a=1,2`, `a=range(1,3)`: Hydra's -m jobs); False for
+    one Hydra cannot parse (its error comes later)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        return OverridesParser.create().parse_overrides([override])[0].is_sweep_override()
+    except HydraException:
+        return False
 
 
 def pinned_folder(arguments: list[str], run_dir: str) -> list[str]:

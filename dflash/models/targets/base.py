@@ -52,11 +52,14 @@ def ensure_pad_token(tokenizer: Any) -> Any:
 
 
 def without_bpe_cleanup(tokenizer: Any) -> Any:
-    """`tokenizer`, its decode's clean-up of spaces turned off where its model is BPE: transformers 5 skips that
-    clean-up for BPE anyway (it would strip spaces before punctuation), and warns at the first decode where the
-    tokenizer's config asks for it (SmolLM2's does, on some transformers releases), a warning no user can act on."""
+    """`tokenizer`, its decode's clean-up of spaces turned off where its model is BPE, for which that clean-up strips
+    real spaces before punctuation: transformers 5.7 and later skip it there anyway (unless a tokenizer sets
+    clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output, which is left as it asks), warning at
+    the first decode where the tokenizer's config asks for it (SmolLM2's does, on some releases); earlier releases
+    applied it. So the text is the same on every release, and no warning comes that no user can act on."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and type(backend.model).__name__ == "BPE":
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if backend is not None and type(backend.model).__name__ == "BPE" and not forced:
         tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
 
