@@ -25,7 +25,6 @@ from dflash.config.schema import RunSettings
 from dflash.run_files import SETTINGS_KEY, read_json_or_none
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RecordedSplit:
     """The split the run folder's training is fingerprinted with, and the global batch and rank count of the last
