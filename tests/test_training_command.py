@@ -50,8 +50,10 @@ def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, caps
     assert f"the drafter of {run_dir}, with its training command's overrides: +experiment=tiny train.seed=1" \
         in capsys.readouterr().out
     assert with_training_command(["--help"], ["--help"]) == ["--help"]
-    # A flag that shows no config, or composes another config than the evaluation's, adopts nothing.
-    for flags in (["-h"], ["--hel"], ["--version"], ["--config-name", "train"], ["-cn", "train"], ["-cd", "/x"]):
+    # A flag that shows no config, composes another config than the evaluation's, or is no flag of Hydra's adopts
+    # nothing.
+    for flags in (["-h"], ["--hel"], ["--version"], ["--config-name", "train"], ["-cn", "train"], ["-cd", "/x"],
+                  ["--epochs", "3"]):
         assert with_training_command([*given, *flags], [*given, *flags]) == [*given, *flags], flags
     # Hydra's flags that show the config show the one that runs: adopted, with the flags after every override.
     assert with_training_command(["--cfg", "job", *given], ["--cfg", "job", *given]) == \

@@ -78,7 +78,8 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
     from dflash.config import compose
 
     overrides, flags = split_arguments(arguments)
-    if any(full_flag(a) in NOT_ADOPTING_FLAGS for a in flags):
+    # A flag Hydra does not have (`--epochs 3`) is refused by the command line's checks: nothing is said before.
+    if any(full_flag(a) in NOT_ADOPTING_FLAGS or (a.startswith("-") and full_flag(a) is None) for a in flags):
         return arguments
     # A sweep (`-m eval.temperature=0.0,1.0`) evaluates one drafter under several settings: the folder is found
     # without it, unless it sweeps the folder itself.
