@@ -15,7 +15,7 @@ import typing
 from typing import Any
 
 from dflash.config.errors import ConfigError
-from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS
+from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag
 from dflash.config.schema import RunSettings
 from dflash.config import unknown_keys
 from dflash.config.unknown_keys import lookup_setting, override_key, settings_fields
@@ -60,12 +60,12 @@ def refuse_unknown_flags(argv: list[str]) -> None:
             value = argv[index + 1]
         name = name.replace("-", "_")
         # argparse, which reads Hydra's flags, takes a long flag's unambiguous prefix too (--multi for --multirun).
-        expanded = [f for f in HYDRA_FLAGS if f.startswith(flag)] if flag.startswith("--") else []
-        if len(expanded) == 1:
+        expanded = full_flag(arg)  # not a flag in full here: the one it begins, if only one
+        if expanded is not None:
             begun = [key for key in [*setting_keys(), "experiment"] if key.rsplit(".", 1)[-1].startswith(name)]
             if begun:
                 meant = _override(begun[0], value) if len(begun) == 1 else ""
-                raise ConfigError(f"{arg}: Hydra takes this for its flag {expanded[0]}; write its flags in full, "
+                raise ConfigError(f"{arg}: Hydra takes this for its flag {expanded}; write its flags in full, "
                                   f"and settings as key=value{meant}")
             continue
         keys = [key for key in setting_keys() if key == name or key.endswith("." + name)]

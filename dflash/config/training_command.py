@@ -84,11 +84,11 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
     # A sweep (`-m eval.temperature=0.0,1.0`) evaluates one drafter under several settings: the folder is found
     # without it, unless it sweeps the folder itself.
     located_overrides = split_arguments(located)[0]
-    swept = [override_key(o) for o in located_overrides if is_sweep(o)]
-    if any(overlaps(key, other) for key in swept for other in FOLDER_KEYS):
+    swept = [o for o in located_overrides if is_sweep(o)]
+    if any(overlaps(override_key(o), key) for o in swept for key in FOLDER_KEYS):
         return arguments
     try:
-        run_dir = os.path.abspath(str(compose([o for o in located_overrides if not is_sweep(o)], "eval").run_dir))
+        run_dir = os.path.abspath(str(compose([o for o in located_overrides if o not in swept], "eval").run_dir))
     except Exception:  # noqa: BLE001 - any composition error is reported by the checks that follow
         return arguments
     taken = adopted(overrides, run_dir)
