@@ -26,14 +26,17 @@ MADE = {"fingerprint": "d", "samples": 7, "num_tokens": 700}
 # another measurement, so another fingerprint (with draft_sampling=sampled it keeps a8abc084df6af5a4). A third
 # moved with the `unused` stand-ins: train.group_by=work without grouping (group_by_length 0) trains as the default
 # does, so its checkpoint fingerprint is now the default's (it was 02f9957828251239).
-# The smollm2 rows but one name train.micro_batch_size=64: the recipe's runs had 64 sequences a step until session
-# 38; the one without is the recipe since.
+# The smollm2 rows name data.synthetic.count=20000, the recipe's count until session 43, and all but one of them
+# train.micro_batch_size=64: the recipe's runs had 64 sequences a step until session 38. The last row (neither) is
+# the recipe since session 43, whose fingerprints were those of its first run (made at fd24648 with the count given
+# on the command line).
 GOLDEN = [
     ([], "15acf81feaafbe57", "8e0ab70bba607911", "c3a15bba0e6da0c7", "aa32e96bce02bd1e"),
     (["+experiment=tiny"], "226f545c08a9e29e", "cc8a9ec544f4ca58", "160e8e3701a6ed9e", "cc6f5a9dbc8f9d25"),
-    (["+experiment=smollm2", "train.micro_batch_size=64"], "74e0db4d5c18fafc", "973ef0ab1eb917a9", "8e11830750d647d7",
+    (["+experiment=smollm2", "data.synthetic.count=20000", "train.micro_batch_size=64"], "74e0db4d5c18fafc",
+     "973ef0ab1eb917a9", "8e11830750d647d7", "ce8e30719f8ee58d"),
+    (["+experiment=smollm2", "data.synthetic.count=20000"], "74e0db4d5c18fafc", "973ef0ab1eb917a9", "86693138de4e8a27",
      "ce8e30719f8ee58d"),
-    (["+experiment=smollm2"], "74e0db4d5c18fafc", "973ef0ab1eb917a9", "86693138de4e8a27", "ce8e30719f8ee58d"),
     (["+experiment=qwen36"], "a8e2ebd2cafa01d8", "aa596ff081ddd122", "bf6c017a011cc863", "e20a726fdc05f90d"),
     (["+experiment=tiny", "capture=online"], "226f545c08a9e29e", "6a910157329d3124", "d16775e288eb40d5",
      "cc6f5a9dbc8f9d25"),
@@ -41,10 +44,12 @@ GOLDEN = [
      "9320faa49157001d", "cc6f5a9dbc8f9d25"),
     (["+experiment=tiny", "train.max_minutes=2.5", "train.group_by=work", "data.synthetic.count=4"],
      "1289b376390a4b5c", "ce54f4965056feb3", "6263d8d25b00ccb5", "cc6f5a9dbc8f9d25"),
-    (["+experiment=smollm2", "train.micro_batch_size=64", "deepspeed=zero3", "eval.mode=live", "eval.temperature=1.0"],
+    (["+experiment=smollm2", "data.synthetic.count=20000", "train.micro_batch_size=64", "deepspeed=zero3",
+      "eval.mode=live", "eval.temperature=1.0"],
      "74e0db4d5c18fafc", "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "cec404e923ebbe38"),
-    (["+experiment=smollm2", "train.micro_batch_size=64", "deepspeed=zero3", "eval.mode=live", "eval.temperature=1.0",
-      "eval.draft_sampling=sampled"], "74e0db4d5c18fafc", "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "a8abc084df6af5a4"),
+    (["+experiment=smollm2", "data.synthetic.count=20000", "train.micro_batch_size=64", "deepspeed=zero3",
+      "eval.mode=live", "eval.temperature=1.0", "eval.draft_sampling=sampled"],
+     "74e0db4d5c18fafc", "973ef0ab1eb917a9", "3f27cc3bafb7a71a", "a8abc084df6af5a4"),
     (["+experiment=tiny", "+eval.chat_template_kwargs.enable_thinking=false", "drafter.target_layer_ids=[0,1]"],
      "226f545c08a9e29e", "7a5cce3cf2481128", "71ff126fbf0a69e8", "30305e9b324edc1a"),
     # Computed at commit 36caee6, before the `unused` stand-ins: every setting there that has an `unused` reason is
@@ -55,6 +60,7 @@ GOLDEN = [
      "6ac8869406d417ff", "21f38fd5d775a717", "d890fa973465ef17", "7f5088d46ee8c3eb"),
     (["+experiment=tiny", "data.temperature=0.7", "data.top_p=0.9", "data.sampled_share=0.5"], "84f818ed00ff28ab",
      "1585532798ce8bcb", "149605b58756f39f", "cc6f5a9dbc8f9d25"),
+    (["+experiment=smollm2"], "955998fcce9d5ec8", "b8243600034d6a16", "b98aeaead23115a4", "ce8e30719f8ee58d"),
 ]
 
 

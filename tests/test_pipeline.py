@@ -374,7 +374,7 @@ def test_qwen36_recipe_is_the_published_one():
 def test_smollm2_recipe_builds_its_training_settings(tmp_path):
     """The measured recipe of docs/results.md: its data and drafter settings, and train settings that build."""
     cfg = compose(["+experiment=smollm2", f"run_dir={tmp_path}"])
-    assert cfg.data.turns == "all" and cfg.data.heldout == 64 and cfg.data.synthetic.count == 20000
+    assert cfg.data.turns == "all" and cfg.data.heldout == 64 and cfg.data.synthetic.count == 40000
     prompts = list(cfg.data.synthetic.system_prompts)
     assert len(prompts) == len(set(prompts)) == 5 and "" in prompts  # one draw set keeps the template's default
     assert cfg.drafter.num_hidden_layers == 5 and cfg.drafter.block_size == 16
