@@ -13,7 +13,6 @@ its last state: raw redraws there would pile up into one line of tens of thousan
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import re
@@ -157,25 +156,3 @@ def show_package_messages() -> None:
         package.addHandler(ConsoleHandler())
     if package.level == logging.NOTSET:
         package.setLevel(logging.INFO)
-
-
-@contextlib.contextmanager
-def transformers_progress_bars(shown: bool) -> Iterator[None]:
-    """Inside, transformers' own progress bars (loading a checkpoint's weights, writing a converted one, converting
-    a GGUF file) are hidden unless `shown` (a run's show_progress); as they were afterwards."""
-    import importlib
-
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    with contextlib.ExitStack() as restore:
-        if not shown:
-            hf_logging.disable_progress_bar()
-            if enabled:
-                restore.callback(hf_logging.enable_progress_bar)
-            # The GGUF conversion draws a plain tqdm bar of its module, which the switch above does not reach.
-            gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
-            if hasattr(gguf, "tqdm"):
-                restore.callback(setattr, gguf, "tqdm", gguf.tqdm)
-                gguf.tqdm = functools.partial(gguf.tqdm, disable=True)
-        yield

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -112,11 +111,16 @@ class Pipeline:
             run.barrier()
         selected = selected_stages(self.settings.stages, self.stages)
         chosen = [stage for stage in self.stages if stage.name in selected]
+        # <run_dir>/config.yaml, the settings of the run folder's stages (which the guard reads), is written before
+        # they run; where each is done already (a command of other eval settings), after the stages, so that an
+        # interrupted evaluation leaves the run folder as it was.
+        writes_config = run.rank == 0 and (not chosen or not all(stage.records_own_config for stage in chosen))
+        config_first = writes_config and not all(stage.records_own_config or stage.done() for stage in chosen)
         if run.rank == 0:
             for warning in [*self.settings.ignored(typed=command_line_keys()),
                             *(warning for stage in chosen for warning in stage.warnings())]:
                 print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
-            if not chosen or not all(stage.records_own_config for stage in chosen):
+            if config_first:
                 write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
         for stage in self.stages:
             if stage in chosen:
@@ -128,6 +132,8 @@ class Pipeline:
                     timed(stage.name, functools.partial(run_stage, stage, run.rank))
             if stage.barrier_after:
                 run.barrier()
+        if writes_config and not config_first:
+            write_text(os.path.join(run.run_dir, "config.yaml"), run.config_yaml())
         return next((stage.summary for stage in chosen if stage.summary is not None), None)
 
 
@@ -202,8 +208,6 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
         if full_error():
             raise
         print(ending(error), end="", file=sys.stderr, flush=True)
-        if isinstance(error, ConfigError):
-            remove_hydra_only_dir(str(cfg.run_dir))
         sys.exit(ending_status(error))
     except (TrainingStopped, CaptureStopped) as stopped:
         print(ending(stopped), end="", flush=True)
@@ -249,12 +253,3 @@ def run_role(cfg: DictConfig) -> dict[str, Any] | None:
     finally:
         if link.trainer_index == 0 and not link.announced():
             link.announce(None)  # no training in this start (stages, or up to date): the capture ranks exit
-
-
-def remove_hydra_only_dir(run_dir: str) -> None:
-    """Remove a run folder that holds nothing but the log folder Hydra made for this refused command, so a refused
-    run leaves nothing behind. A folder holding anything else is left as it is."""
-    logs = os.path.join(run_dir, "hydra")
-    if os.path.isdir(run_dir) and os.listdir(run_dir) == ["hydra"] and \
-            all(name.endswith(".log") for name in os.listdir(logs)):
-        shutil.rmtree(run_dir)

@@ -158,8 +158,8 @@ def test_a_template_the_target_does_not_carry_travels_with_the_export(tmp_path, 
     assert checksum_problem(str(run_dir / "export")) is None
     closing = capsys.readouterr().out.split("\n")
     # The tiny drafter mixes sliding and full layers, which not every vLLM serves.
-    assert any(f"serve it with SGLang, or a vLLM with mixed sliding and full drafter layers (PR 40898), with the chat "
-               f"template {run_dir / 'export' / 'chat_template.jinja'} and the stop string '\\n\\nUser:' "
+    assert any(f"serve it with SGLang, or a vLLM with PR 40898 for mixed sliding and full drafter layers, with the "
+               f"chat template {run_dir / 'export' / 'chat_template.jinja'} and the stop string '\\n\\nUser:' "
                f"(docs/serving.md)" in line for line in closing)
 
     own = tmp_path / "own"

@@ -6,6 +6,8 @@ import json
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from dflash.config import compose
 from dflash.config.schema import STAGES
 from dflash.pipeline import Pipeline
@@ -194,3 +196,15 @@ def test_a_data_stage_alone_ends_with_the_training_command(tmp_path, monkeypatch
                       "stages=[data]"])).run()
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == \
         "  next: training              python -m dflash.train name=tiny"
+
+
+MIXED_LAYERS_ENGINES = "SGLang, or a vLLM with PR 40898 for mixed sliding and full drafter layers"
+
+
+@pytest.mark.parametrize("layer_types,engines", [(["full_attention"], "vLLM or SGLang"),
+                                                 (["sliding_attention", "full_attention"], MIXED_LAYERS_ENGINES)])
+def test_the_serving_line_of_an_export_without_a_chat_template(tmp_path, layer_types, engines):
+    from dflash.stages.export import serving_line
+
+    (tmp_path / "config.json").write_text(json.dumps({"layer_types": layer_types}))
+    assert serving_line(str(tmp_path)) == f"serve it with {engines} (docs/serving.md)"

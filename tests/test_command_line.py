@@ -1,9 +1,11 @@
 """The command line before Hydra: the GPU default experiment and what keeps a user's own choice."""
 
+import re
+
 import pytest
 
 from dflash.config import compose, settings_from
-from dflash.config.command_line import GPU_DEFAULT, with_gpu_default
+from dflash.config.command_line import GPU_DEFAULT, command_arguments, with_gpu_default
 
 
 @pytest.mark.parametrize("argv", [[], ["train.lr=1e-3"], ["name=mine", "show_progress=false"]])
@@ -98,3 +100,13 @@ def test_the_gemma3_270m_command_has_help_and_writes_nothing(tmp_path, monkeypat
         main(["--help"])
     assert ended.value.code == 0 and "Join the Gemma 3 270M GGUF chunks" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # not a cache folder named --help, with the 242 MB file in it
+
+
+@pytest.mark.parametrize("config_name", ["train", "extract", "eval"])
+@pytest.mark.parametrize("flag", ["--version", "--vers"])
+def test_version_is_dflashs(capsys, config_name, flag):
+    """Hydra's own --version printed Hydra's version alone."""
+    with pytest.raises(SystemExit) as ended:
+        command_arguments(["train.lr=1e-3", flag], config_name)
+    assert ended.value.code == 0
+    assert re.fullmatch(r"dflash \S+ \(Hydra \d+\.\d+\.\d+\)\n", capsys.readouterr().out)

@@ -392,6 +392,10 @@ def test_the_run_folders_an_evaluation_may_not_name_are_those_the_stages_write()
 
 BAD = [
     ("train.lr=-1e-3", "train.lr=-0.001: expected a number > 0"),
+    ("run_dir=/etc/hostname", "run_dir='/etc/hostname': is a file; expected a folder"),
+    ("run_dir=/etc/hostname/run", "run_dir='/etc/hostname/run': is inside the file /etc/hostname; expected a folder"),
+    ("eval.out_dir=/etc/hostname", "eval.out_dir='/etc/hostname': is a file; expected a folder"),
+    ("target.cache_dir=/etc/hostname/x", "target.cache_dir='/etc/hostname/x': is inside the file /etc/hostname"),
     ("train.micro_batch_size=0", "train.micro_batch_size=0: expected an int >= 1"),
     ("train.micro_batch_size=-4", "train.micro_batch_size=-4: expected an int >= 1"),
     ("train.epochs=0", "train.epochs=0: expected an int >= 1"),

@@ -79,37 +79,44 @@ def test_other_ranks_show_only_warnings_and_their_own_work(capsys, monkeypatch):
     assert captured.err == "[capture] 1 feature shard(s) missing\n"
 
 
-@pytest.mark.parametrize("show_progress", [False, True])
-def test_the_targets_loading_bars_follow_show_progress(show_progress, tmp_path, monkeypatch):
-    # show_progress=false still drew transformers' "Loading weights" and "Writing model shards" bars when the target
-    # loaded (seen on the H200's console).
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_targets_loading_bars_are_hidden_unless_verbose(verbose, tmp_path, monkeypatch):
+    # transformers' "Loading weights" and "Writing model shards" bars were drawn when the target loaded: under
+    # show_progress=false (seen on the H200's console), and with every SmolLM2 run's default show_progress=true.
     from transformers.utils import logging as hf_logging
 
     import dflash.models.targets as targets
     from dflash.config import compose
     from dflash.stages.context import RunContext
+    from dflash.train.third_party_output import VERBOSE_ENV
 
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    if verbose:
+        monkeypatch.setenv(VERBOSE_ENV, "1")
     seen = []
     monkeypatch.setattr(targets, "load_target", lambda *a, **k: seen.append(hf_logging.is_progress_bar_enabled()))
     hf_logging.enable_progress_bar()
-    run = RunContext(compose(["+experiment=tiny", f"run_dir={tmp_path}", f"show_progress={show_progress}"]))
+    run = RunContext(compose(["+experiment=tiny", f"run_dir={tmp_path}", "show_progress=true"]))
     run.target
-    assert seen == [show_progress]
+    assert seen == [verbose]
     assert hf_logging.is_progress_bar_enabled()
 
 
-@pytest.mark.parametrize("show_progress", [False, True])
-def test_the_gguf_conversion_bar_follows_show_progress(show_progress, capsys):
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_gguf_conversion_bar_is_hidden_unless_verbose(verbose, capsys, monkeypatch):
     # transformers' GGUF conversion draws a plain tqdm bar ("Converting and de-quantizing GGUF tensors...") that its
     # progress-bar switch does not reach: it stayed on the console under show_progress=false (seen on the H200).
     import transformers.modeling_gguf_pytorch_utils as gguf
 
-    from dflash.console import transformers_progress_bars
+    from dflash.train.third_party_output import VERBOSE_ENV, transformers_bars_hidden
 
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    if verbose:
+        monkeypatch.setenv(VERBOSE_ENV, "1")
     original = gguf.tqdm
-    with transformers_progress_bars(show_progress):
+    with transformers_bars_hidden():
         list(gguf.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
-    assert ("Converting" in capsys.readouterr().err) == show_progress
+    assert ("Converting" in capsys.readouterr().err) == verbose
     assert gguf.tqdm is original
 
 

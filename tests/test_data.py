@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 
+from dflash.config.errors import ConfigError
 from dflash.data.chat import encode_conversation, prompt_ids, prompt_ids_many
 from dflash.data.dataset import build_dataset, load_dataset_dir
 from dflash.data.prompts import Prompt, load_prompts
@@ -365,7 +366,10 @@ def test_dataset_round_trips_and_is_reused(tiny, tmp_path, monkeypatch):
 
 def test_samples_without_a_response_token_are_dropped(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(tiny.model, "generate", lambda input_ids, attention_mask, generation_config: input_ids)
-    with pytest.raises(ValueError, match="no samples to write: of 2 prompts 0 were too long, 0 failed and 2 had no"):
+    # A user's to mend (one line on the console, no traceback), naming the settings that decide it.
+    with pytest.raises(ConfigError, match=r"no samples to write: of 2 prompts 0 were too long \(a prompt may have at "
+                                          r"most data.max_length - 1 = \d+ tokens\), 0 failed and 2 had no response "
+                                          r"token, 0 held out \(data.heldout\)"):
         build_dataset(make_prompts(2), tiny, tmp_path, **GEN)
     assert not (tmp_path / "stats.json").exists() and not (tmp_path / "dataset").exists()
 

@@ -421,13 +421,33 @@ def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):
     assert not os.path.exists(tmp_path / "features" / "manifest.json")
 
 
-@pytest.mark.parametrize("override", ["drafter.target_layer_ids=[0,40]", "drafter.hidden_size=32"])
-def test_a_drafter_the_target_cannot_feed_stops_before_any_stage(tmp_path, monkeypatch, override):
-    """A tiny target's taps and hidden size are checked from its family's config before any stage runs (an hf
+@pytest.mark.parametrize("override,message", [
+    ("drafter.target_layer_ids=[0,40]", r"drafter.target_layer_ids=\[0, 40\]: \[40\] outside"),
+    ("drafter.hidden_size=32", "drafter.hidden_size=32: the target's hidden size is 64"),
+    # Sizes that only fail together with the target's: the drafter's config is built from both.
+    ("drafter.num_attention_heads=7", "^drafter.num_attention_heads=7: num_attention_heads 7 is not a multiple of "
+                                      "num_key_value_heads 2 \\(with the sizes of target=tiny"),
+    ("drafter.num_key_value_heads=3", "^drafter.num_key_value_heads=3: num_attention_heads 4 is not a multiple"),
+])
+def test_a_drafter_the_target_cannot_feed_stops_before_any_stage(tmp_path, monkeypatch, override, message):
+    """A tiny target's taps, sizes and heads are checked from its family's config before any stage runs (an hf
     target's from its checkpoint's config: test_mask_token.py; smollm2's below)."""
     monkeypatch.setattr("dflash.data.dataset.build_dataset", lambda *a, **k: pytest.fail("answers regenerated"))
-    with pytest.raises(ConfigError, match=override.split("=")[0]):
+    with pytest.raises(ConfigError, match=message):
         Pipeline(compose(TINY + [f"run_dir={tmp_path / 'run'}", override, "stages=[data]"])).run()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override,message", [
+    ("drafter.num_key_value_heads=2", "drafter.num_key_value_heads=2: num_attention_heads 9 is not a multiple of "
+                                      "num_key_value_heads 2 \\(with the sizes of target=smollm2"),
+    ("target.mask_token_id=999999", "target.mask_token_id=999999: outside the vocabulary of target=smollm2 "
+                                    "\\(0..49151\\)"),
+])
+def test_a_drafter_the_real_smollm2_cannot_take_is_refused_before_any_stage(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        Pipeline(compose([f"run_dir={tmp_path / 'run'}", override])).run()
     assert not (tmp_path / "run").exists()
 
 

@@ -20,10 +20,13 @@ import sys
 from dflash.config import CONFIG_DIR
 from dflash.config.composition_errors import refuse_uncomposable
 from dflash.config.errors import ConfigError
-from dflash.config.hydra_flags import before_flags, split_arguments
+from dflash.config.hydra_flags import before_flags, full_flag, split_arguments
 from dflash.config.removed import refuse_removed_settings
 from dflash.config.training_command import with_training_command
 from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
+
+# The installed distribution whose version --version prints (pyproject.toml's name).
+DISTRIBUTION = "dflash-trainer"
 
 GPU_DEFAULT = "+experiment=smollm2_quick"
 _adopted: list[str] = []  # command_arguments' adoption, for adopted_overrides
@@ -97,6 +100,19 @@ def with_gpu_default(argv: list[str], has_gpu: bool) -> list[str]:
     return before_flags(argv, GPU_DEFAULT)
 
 
+def version_line() -> str:
+    """`dflash <version> (Hydra <version>)`: what --version prints."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import hydra
+
+    try:
+        ours = version(DISTRIBUTION)
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        ours = "(not installed)"
+    return f"dflash {ours} (Hydra {hydra.__version__})"
+
+
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
     --local_rank, for an evaluation after the overrides it adopts (training_command.py), with the GPU default when
@@ -106,6 +122,9 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     import torch
 
     kept = strip_local_rank(argv)
+    if any(full_flag(arg) == "--version" for arg in kept):  # Hydra's own flag would print Hydra's version alone
+        print(version_line())
+        sys.exit(0)
     global _adopted
     if config_name == "eval":
         typed = kept

@@ -151,7 +151,8 @@ class DrafterSettings:
     """The drafter's shape (group `drafter`: small, qwen36). Null sizes are taken from the target."""
 
     hidden_size: Optional[int] = setting(None, affects=("train",),
-                                         doc="must equal the target's (shared embedding and lm_head); null: it")
+                                         doc="must equal the target's (shared embedding and lm_head); null: "
+                                             "the target's")
     num_hidden_layers: int = setting(1, affects=("train",), doc="drafter decoder layers")
     intermediate_size: Optional[int] = setting(None, affects=("train",), doc="MLP width; null: the target's")
     num_attention_heads: Optional[int] = setting(None, affects=("train",), doc="null: the target's")
@@ -811,7 +812,8 @@ class RunSettings:
     stages: List[str] = setting(affects=(), factory=lambda: list(STAGES),
                                 doc="the stages to run, in order; train also runs export")
     device: str = setting("auto", affects=(), doc="auto = cuda when available, else cpu")
-    show_progress: bool = setting(True, affects=(), doc="progress bars")
+    show_progress: bool = setting(True, affects=(),
+                                  doc="dflash's progress bars (third-party ones only with DFLASH_VERBOSE=1)")
     overwrite: bool = setting(False, affects=(),
                               doc="run_dir holds a drafter trained under other data, capture or train settings "
                                   "(or on a prompt or template file edited since, or before an eval set was "
@@ -836,6 +838,10 @@ class RunSettings:
                 "auto, cpu or cuda[:N]")
         if os.path.normpath(self.run_dir) == os.path.normpath(f"runs/{self.name}") or not self.name:
             _check_run_name(self.name)  # the name makes the run folder: run_dir=... given outright is the user's
+        for key, folder in (("run_dir", self.run_dir), ("eval.out_dir", self.eval.out_dir),
+                            ("capture.cache_dir", getattr(self.capture, "cache_dir", None)),
+                            ("target.cache_dir", self.target.cache_dir)):
+            _check_folder_path(key, folder)
         for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
             if uses_target and self.capture.mode != "colocated":
                 raise ConfigError(f"train.{key}={getattr(self.train, key)} needs the target's logits while training, "
@@ -891,6 +897,19 @@ def _check_run_name(name: str) -> None:
         raise ConfigError(f"name={name!r}: expected a folder name under runs/ (e.g. name=my_run, or name=sweep/lr3e-3 "
                           f"to nest runs), without empty, '.' or '..' parts; to write elsewhere set run_dir=<folder> "
                           f"with a name")
+
+
+def _check_folder_path(key: str, folder: str | None) -> None:
+    """ConfigError where setting `key` names a folder that cannot be made: the path, or a folder it would be made
+    in, is a file."""
+    if not folder:
+        return
+    path = os.path.abspath(os.path.expanduser(folder))
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        where = "is a file" if path == os.path.abspath(os.path.expanduser(folder)) else f"is inside the file {path}"
+        raise ConfigError(f"{key}={folder!r}: {where}; expected a folder (an existing one, or one to be made)")
 
 
 def _refuse_a_run_folder_of_its_own(run_dir: str, out_dir: str) -> None:

@@ -30,6 +30,7 @@ from dflash.data.prompts import Prompt
 from dflash.data.regenerate import answer_is_sampled, mixes_answers, regenerate
 from dflash.data.synthetic import format_synthetic
 from dflash.run_files import atomic_write, swap_in_dir
+from dflash.train.third_party_output import verbose
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _write_json(path: Path, obj: dict) -> None:
     atomic_write(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> None:
+def _save_dataset(ds: datasets.Dataset, target: Path) -> None:
     """save_to_disk into a temp folder, then swap it in: `target` is never half-written."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -63,7 +64,7 @@ def _save_dataset(ds: datasets.Dataset, target: Path, show_progress: bool) -> No
             f".{target.name}.old-*")):
         shutil.rmtree(leftover, ignore_errors=True)
     bars_were_on = not datasets.utils.are_progress_bars_disabled()
-    if not show_progress:
+    if not verbose():  # datasets' "Saving the dataset" bar is third-party output (dflash/train/third_party_output.py)
         datasets.utils.disable_progress_bars()
     try:
         ds.save_to_disk(str(tmp))
@@ -140,17 +141,19 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     encoded = encode_answers(finished, templated, index, journal_path, adapter.tokenizer, max_length, held,
                              is_sampled=lambda i: temperature > 0 and answer_is_sampled(i, seed, sampled_share))
     if encoded.train.samples == 0:
-        # datasets cannot load back an empty saved dataset; an empty training set is an error anyway.
-        raise ValueError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long, "
-                         f"{gen['failed']} failed and {encoded.dropped} had no response token "
-                         f"(journal: {journal_path})")
+        # datasets cannot load back an empty saved dataset; an empty training set is an error anyway, and the
+        # user's to mend (a one-line ConfigError): the settings, not the code, left nothing to train on.
+        raise ConfigError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long (a prompt "
+                          f"may have at most data.max_length - 1 = {max_length - 1} tokens), {gen['failed']} failed "
+                          f"and {encoded.dropped} had no response token, {len(held)} held out (data.heldout) "
+                          f"(journal: {journal_path})")
     ds = encoded.train.dataset()
     encode_s = time.perf_counter() - encode_started
     if before_replace is not None:
         before_replace()
     # A stale stats.json next to a replaced dataset would claim the wrong fingerprint.
     (out_dir / "stats.json").unlink(missing_ok=True)
-    _save_splits(out_dir, ds, encoded.heldout, show_progress)
+    _save_splits(out_dir, ds, encoded.heldout)
     stats = _stats(fp, settings, gen, encoded, encode_s, heldout)
     _write_json(out_dir / "stats.json", stats)
     return stats
@@ -201,11 +204,11 @@ def _choose_heldout(finished: list[Prompt], heldout: int, seed: int, journal_pat
     return heldout_ids(done_ids, heldout, seed)
 
 
-def _save_splits(out_dir: Path, train: datasets.Dataset, held: Rows, show_progress: bool) -> None:
+def _save_splits(out_dir: Path, train: datasets.Dataset, held: Rows) -> None:
     """Swap in out_dir/dataset and out_dir/heldout (removed when this build holds nothing out)."""
-    _save_dataset(train, out_dir / "dataset", show_progress)
+    _save_dataset(train, out_dir / "dataset")
     if held.samples:
-        _save_dataset(held.dataset(), out_dir / "heldout", show_progress)
+        _save_dataset(held.dataset(), out_dir / "heldout")
     else:  # a held-out set left by an earlier build with other settings is not this build's
         shutil.rmtree(out_dir / "heldout", ignore_errors=True)
 

@@ -24,6 +24,7 @@ from dflash.extract.rank_link import RankLink
 from dflash.stages.command_ending import ending
 from dflash.stages.context import RunContext
 from dflash.train.stop_signal import CaptureStopped, StopSignal
+from dflash.train.third_party_output import third_party_records_to_run_log
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ def serve_capture(cfg: DictConfig, link: RankLink) -> None:
     context = RunContext(cfg)
     context.target_devices = [str(device) for device in link.devices]  # one GPU, or capture.gpus_per_worker of them
     started = time.strftime("%Y%m%d-%H%M%S")
-    with console_copied_to(os.path.join(context.run_dir, "logs", f"{started}-capture-rank{link.rank}.log")):
+    with console_copied_to(os.path.join(context.run_dir, "logs", f"{started}-capture-rank{link.rank}.log")), \
+            third_party_records_to_run_log():
         try:
             _stream(context, link)
         except Exception as error:

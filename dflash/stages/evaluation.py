@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shlex
+import shutil
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from dflash.config import fingerprints
 from dflash.config.command_line import adopted_overrides, hydra_overrides
-from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
+from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate, RunFolderError
 from dflash.config.unknown_keys import override_key
-from dflash.run_files import CHECKPOINT_KEY, clear_done, fingerprint, read_json, read_json_or_none, stage_done, \
-    write_text
+from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, stage_done, \
+    swap_in_dir, temp_path, write_text
 from dflash.stages.closing import shown
 from dflash.stages.context import RunContext
 from dflash.stages.data import changed_files, hashed_files
@@ -21,6 +25,9 @@ from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prom
 from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
+
+# What an evaluation writes in its folder besides its summary files (dflash/eval/evaluate.py, SUMMARY_FILES).
+RECORD_FILES = ("done.json", "config.yaml")
 
 
 class EvalStage(Stage):
@@ -37,11 +44,19 @@ class EvalStage(Stage):
 
     def preflight(self, selected: bool) -> None:
         """Selected: every prompt set must be readable (rank 0, which alone reads them), a command that trains
-        nothing needs a run folder to evaluate, and eval.live_engine=static a target family it can decode."""
+        nothing needs a run folder to evaluate, eval.live_engine=static a target family it can decode, and an
+        evaluation that will run a folder it may replace whole (refuse_other_files; one that is up to date is left
+        as it is, whatever else it holds)."""
         if selected and self.context.rank == 0:
             self.refuse_missing_run_folder()
             refuse_unreadable_prompts(eval_prompt_files(self.context.settings))
             refuse_static_engine_family(self.context.settings)
+            try:
+                up_to_date = self.done()
+            except NothingToEvaluate:  # no drafter of these settings yet: this command trains one
+                up_to_date = False
+            if not up_to_date:
+                refuse_other_files(self.out)
 
     def refuse_missing_run_folder(self) -> None:
         """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a
@@ -51,7 +66,8 @@ class EvalStage(Stage):
         if set(run.settings.stages) & {"data", "capture", "train", "export"} or os.path.isdir(run.dirs["export"]) \
                 or os.path.isdir(run.dirs["checkpoints"]):
             return
-        # Hydra makes <run_dir>/hydra/ for its log before any stage: a folder holding only that does not exist yet.
+        # A folder holding only hydra/ was made by a refused command of a dflash before session 43, where Hydra wrote
+        # its log there: nothing was trained in it.
         if os.path.isdir(run.run_dir) and set(os.listdir(run.run_dir)) - {"hydra"}:
             aside = sorted(name for name in os.listdir(run.run_dir) if name.startswith("checkpoints."))
             held = (f"its drafters of other settings were moved aside ({', '.join(aside)}): the training command of "
@@ -123,7 +139,11 @@ class EvalStage(Stage):
         return self.export.best, fingerprint(current, best)
 
     def prepare(self) -> None:
-        """Pick the drafter to measure once: picking it may export the best checkpoint so far, and says so."""
+        """Remove what an evaluation killed before its swap left beside the folder (run()), and pick the drafter to
+        measure once: picking it may export the best checkpoint so far, and says so."""
+        parent, name = os.path.split(os.path.realpath(self.out))
+        for left in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*")):  # temp_path's names
+            shutil.rmtree(left, ignore_errors=True)
         self.drafter = self.drafter_to_evaluate()
 
     def measured(self) -> tuple[str, str]:
@@ -158,14 +178,46 @@ class EvalStage(Stage):
         print(format_table(self.summary))
 
     def run(self) -> dict[str, Any]:
-        """Measure the drafter; its done.json names the drafter's checkpoint fingerprint, by which the evaluation
-        folder travels with it when overwrite=true moves it aside (dflash/stages/train.py, eval_folders)."""
+        """Measure the drafter into a temporary folder beside `out` that takes its place once finished and marked
+        done, so an earlier evaluation there stays whole until then (said by replacing_line). Its done.json names
+        the drafter's checkpoint fingerprint, by which the evaluation folder travels with it when overwrite=true
+        moves it aside (dflash/stages/train.py, eval_folders)."""
         from dflash.eval.evaluate import format_table
 
         inputs = eval_input_files(self.context.settings)  # hashed before they are read: an edit meanwhile shows next
-        self.summary = self.evaluate(self.measured()[0])
+        record = {"checkpoint": self.train.checkpoint_fingerprint(), "input_files": inputs}
+        replacing = self.replacing_line()
+        if replacing:
+            logger.info(replacing)
+        out = os.path.realpath(self.out)  # where `out` is a link to a folder, the link stays
+        new = temp_path(out)
+        try:
+            self.summary = self.evaluate(self.measured()[0], new)
+            # Marked before the swap, so the folder is done the moment it is in place; the runner then marks it
+            # again with the same record.
+            mark_done(new, self.fingerprint(), **record)
+            swap_in_dir(new, out, aside=f"{new}.old")
+        except BaseException:
+            shutil.rmtree(new, ignore_errors=True)
+            raise
         print(format_table(self.summary))
-        return {"checkpoint": self.train.checkpoint_fingerprint(), "input_files": inputs}
+        return record
+
+    def replacing_line(self) -> str | None:
+        """The line saying that this evaluation replaces the one in `out` once it completes, with the eval settings
+        that one was measured with where they differ, and how to keep both; None where `out` holds none."""
+        if not os.path.exists(os.path.join(self.out, "summary.json")):
+            return None
+        config = os.path.join(self.out, "config.yaml")
+        old = OmegaConf.to_container(OmegaConf.load(config)) if os.path.exists(config) else {}
+        new = OmegaConf.to_container(self.context.cfg, resolve=True)
+        changes = [change for change in changed_leaves(old.get("eval") if isinstance(old, dict) else None,
+                                                       new["eval"], "eval") if not change.startswith("eval.out_dir:")]
+        why = "an earlier measurement" if not changes else "measured with other eval settings: " + "; ".join(
+            changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+        beside = next(f"{self.out}_{k}" for k in range(2, 10_000) if not os.path.exists(f"{self.out}_{k}"))
+        return (f"[eval] replacing {shown(self.out)} once this evaluation completes ({why}); to keep both, give "
+                f"eval.out_dir={shlex.quote(shown(beside))} (Ctrl-C now leaves it as it is)")
 
     def closing_rows(self) -> list[tuple[str, str]]:
         if self.summary is None:
@@ -207,15 +259,14 @@ class EvalStage(Stage):
             rows.append(("next: real decoding", "python -m dflash.eval " + " ".join(shlex.quote(w) for w in words)))
         return rows
 
-    def evaluate(self, folder: str) -> dict[str, Any]:
-        """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml."""
+    def evaluate(self, folder: str, out: str) -> dict[str, Any]:
+        """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml in `out`."""
         from dflash.eval.evaluate import check_compatible, evaluate, live_engine_of, load_prompt_sets, write_summary
         from dflash.eval.export import load_drafter
         from dflash.eval.metrics import PhaseTimer
 
         run, e = self.context, self.context.settings.eval
-        os.makedirs(self.out, exist_ok=True)
-        clear_done(self.out)
+        os.makedirs(out, exist_ok=True)
         logger.info(f"[eval] drafter {folder}{self.why_final(folder)}")
         target = run.target
         try:
@@ -237,9 +288,35 @@ class EvalStage(Stage):
                            timer=timer, live_engine=live_engine, draft_sampling=e.draft_sampling,
                            draft_temperature=e.draft_temperature, prompt_ids=prompt_ids)
         summary["chat_template_kwargs"] = template_kwargs
-        write_summary(summary, self.out)
-        write_text(os.path.join(self.out, "config.yaml"), run.config_yaml())
+        write_summary(summary, out)
+        write_text(os.path.join(out, "config.yaml"), run.config_yaml())
         return summary
+
+
+def changed_leaves(old: Any, new: Any, key: str) -> list[str]:
+    """`key.sub: old -> new` of each value that differs between two nested dicts (a resolved config's section)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for name in {**old, **new}
+                for change in changed_leaves(old.get(name, "(absent)"), new.get(name, "(absent)"), f"{key}.{name}")]
+    return [] if old == new else [f"{key}: {old} -> {new}"]
+
+
+def refuse_other_files(out: str) -> None:
+    """RunFolderError where the evaluation folder `out` holds entries no evaluation writes: a new evaluation
+    replaces the folder whole (EvalStage.run), and they would go with it."""
+    from dflash.eval.evaluate import SUMMARY_FILES
+
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunFolderError(f"{shown(out)} is a file, not a folder for the evaluation: give eval.out_dir=... a new "
+                             f"folder")
+    ours = (*SUMMARY_FILES, *RECORD_FILES)
+    # Hidden: a file's temporary copy (run_files.temp_path) left by an older dflash killed while writing it there.
+    other = sorted(name for name in (os.listdir(out) if os.path.isdir(out) else [])
+                   if name not in ours and name.lstrip(".").split(".tmp-")[0] not in ours)
+    if other:
+        raise RunFolderError(f"{shown(out)} holds {', '.join(other[:5])}{', ...' if len(other) > 5 else ''}, which "
+                             f"an evaluation does not write; a new evaluation replaces the folder whole: move them "
+                             f"elsewhere, or give the evaluation a new folder with eval.out_dir=...")
 
 
 def eval_input_files(settings) -> dict[str, dict[str, str]]:

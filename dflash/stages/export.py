@@ -113,12 +113,15 @@ def serving_line(folder: str) -> str:
     engines = "vLLM or SGLang"
     layer_types = set((read_json_or_none(os.path.join(folder, "config.json")) or {}).get("layer_types") or [])
     if len(layer_types) > 1:
-        engines = "SGLang, or a vLLM with mixed sliding and full drafter layers (PR 40898),"
+        engines = "SGLang, or a vLLM with PR 40898 for mixed sliding and full drafter layers"
     template, given = carried_template(folder), ""
     if template is not None:
         given = f" with the chat template {shown(os.path.join(folder, TEMPLATE_FILE))}"
         if template in PLAIN_TEMPLATES:  # no end-of-turn token: the next turn's start ends an answer
             given += f" and the stop string {PLAIN_ANSWER_END!r}"
+    # The long form takes a comma before what an engine must be given, so that it does not read as the vLLM's.
+    if given and len(layer_types) > 1:
+        given = "," + given
     return f"serve it with {engines}{given} (docs/serving.md)"
 
 

@@ -44,6 +44,45 @@ def check_drafter_fits(d: DrafterSettings, num_layers: int, hidden_size: int) ->
                           f"{num_layers} layers (0..{num_layers - 1})")
 
 
+# The drafter settings whose value, when given, has to fit the target's shape.
+SHAPED_DRAFTER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "target_layer_ids", "layer_types")
+
+
+def drafter_shape_given(settings: RunSettings) -> bool:
+    """Whether the settings give a drafter size, tap or layer type, or the mask token: what check_drafter_builds
+    checks against the target (otherwise the drafter takes the target's own sizes, which fit)."""
+    d = settings.drafter
+    return settings.target.mask_token_id is not None or any(getattr(d, k) is not None for k in SHAPED_DRAFTER_KEYS)
+
+
+def check_drafter_builds(settings: RunSettings, shape: dict[str, Any], target: str) -> None:
+    """ConfigError in one line when the drafter settings, with the target's sizes where theirs are null, make no
+    drafter for a target of this shape (dflash/models/targets/preflight.config_shape; vocab_size None: not known
+    before the target is built), or target.mask_token_id lies outside its vocabulary. `target` names it."""
+    from dataclasses import replace
+
+    from dflash.config import ConfigError
+
+    check_drafter_fits(settings.drafter, shape["num_layers"], shape["hidden_size"])
+    mask, vocab = settings.target.mask_token_id, shape["vocab_size"]
+    if mask is not None and vocab is not None and not 0 <= mask < vocab:
+        raise ConfigError(f"target.mask_token_id={mask}: outside the vocabulary of {target} (0..{vocab - 1}); "
+                          f"leave it null to have one chosen")
+    if vocab is None:  # the mask token is checked when the target is built
+        settings = replace(settings, target=replace(settings.target, mask_token_id=None))
+        shape = {**shape, "vocab_size": 1, "mask_token_id": 0}
+    try:
+        drafter_config(settings, shape)
+    except ValueError as error:
+        d = settings.drafter
+        given = [k for k in SHAPED_DRAFTER_KEYS if getattr(d, k) is not None]
+        given = [k for k in given if k in str(error)] or given  # the settings the problem names, where it names any
+        given = [f"drafter.{k}={getattr(d, k)}" for k in given]
+        raise ConfigError(f"{', '.join(given) or 'drafter'}: {error} (with the sizes of {target} where the drafter's "
+                          f"are null)") from error
+
+
 def drafter_config(settings: RunSettings, shape: dict[str, Any]):
     """The DrafterConfig of a run: the drafter group of its settings, with null fields taken from the target.
     ConfigError names a size or tap the target does not have; ValueError a mask token outside its vocabulary."""

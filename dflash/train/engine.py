@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -19,13 +20,19 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash.config.schema import DeepSpeedSettings, TrainSettings
-from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log
+from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log, verbose
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 quiet_deepspeed_logger()  # DeepSpeed's INFO lines (its import's too) go to the run's log file, not the console
 
 import deepspeed  # noqa: E402  (must follow the accelerator choice above)
+
+if not verbose():
+    # DeepSpeed's ZeRO collectives call functional forms that recent torch releases deprecate, once per process and
+    # operation: nothing the user of a run can act on.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                                              r"is deprecated", category=FutureWarning)
 
 
 def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:

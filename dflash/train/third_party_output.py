@@ -7,15 +7,21 @@ user of a run: below WARNING it goes to the run's log file (the file the console
 one is being written; otherwise nowhere). wandb starts silent: its own log is run_dir/wandb/*/logs/debug.log and
 the figures of its end-of-run summary are in metrics.jsonl.
 
+transformers' and datasets' progress bars (loading weights, converting a GGUF file, writing a checkpoint, saving a
+dataset) are not drawn, whatever show_progress says: dflash's own lines and bars tell what is happening.
+
 DFLASH_VERBOSE=1 leaves all of it on the console, as the libraries print it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import io
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -82,24 +88,28 @@ class RunLogOnly(io.TextIOBase):
             self.log.flush()
 
 
+def _copying(stream: TextIO) -> TextIO | None:
+    """sys.stdout or sys.stderr where it writes to `stream` and copies it to the run's log file (console_copied_to)."""
+    return next((s for s in (sys.stdout, sys.stderr) if isinstance(s, console.Tee) and s.console is stream), None)
+
+
 @contextlib.contextmanager
 def third_party_records_to_run_log() -> Iterator[None]:
     """Inside, the log records below WARNING that reach a console handler of the root logger go to the run's log file
     instead. Those are third-party libraries' (datasets' "JAX version ... available", matplotlib's font cache): the
     package's own records have a console handler of their own (dflash/console.py). Warnings and errors still reach
-    the console."""
-    if verbose():
-        yield
-        return
+    the console, and the run's log file with them."""
     quiet = BelowWarningToRunLog()
-    handlers = _console_handlers()
-    for handler in handlers:
-        handler.addFilter(quiet)
-    try:
+    with contextlib.ExitStack() as restore:
+        for handler in _console_handlers():
+            # Hydra's handler took the console before the copy began (console_copied_to): it writes through the copy.
+            copy = _copying(handler.stream)
+            if copy is not None:
+                restore.callback(handler.setStream, handler.setStream(copy))
+            if not verbose():
+                handler.addFilter(quiet)
+                restore.callback(handler.removeFilter, quiet)
         yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(quiet)
 
 
 @contextlib.contextmanager
@@ -110,4 +120,26 @@ def to_run_log() -> Iterator[None]:
         yield
         return
     with third_party_records_to_run_log(), contextlib.redirect_stdout(RunLogOnly(run_log())):
+        yield
+
+
+@contextlib.contextmanager
+def transformers_bars_hidden() -> Iterator[None]:
+    """Inside, transformers' own progress bars (loading a checkpoint's weights, writing a converted one, converting
+    a GGUF file) are hidden unless verbose(); as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    if verbose():
+        yield
+        return
+    enabled = hf_logging.is_progress_bar_enabled()
+    with contextlib.ExitStack() as restore:
+        hf_logging.disable_progress_bar()
+        if enabled:
+            restore.callback(hf_logging.enable_progress_bar)
+        # The GGUF conversion draws a plain tqdm bar of its module, which the switch above does not reach.
+        gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+        if hasattr(gguf, "tqdm"):
+            restore.callback(setattr, gguf, "tqdm", gguf.tqdm)
+            gguf.tqdm = functools.partial(gguf.tqdm, disable=True)
         yield

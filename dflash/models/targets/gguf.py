@@ -17,6 +17,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import torch
 
+from dflash.console import EVERY_RANK
 from dflash.run_files import file_sha256, swap_in_dir
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = "~/.cache/dflash"
 # Written last into a converted folder: its presence means the conversion is complete.
@@ -55,6 +59,9 @@ def convert_gguf_file(source: Path, target: Path) -> Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
         if not is_converted(target):  # converted while this process waited
+            # The one rank that converts says so: the others wait on the lock.
+            logger.info(f"[target] converting {source.name} once into {target} (kept for later runs)",
+                        extra=EVERY_RANK)
             _convert(source, target)
     return target
 

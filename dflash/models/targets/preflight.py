@@ -33,25 +33,44 @@ def checkpoint_config(path: str, cache_dir: str | None = None) -> Any:
     return AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
 
 
-def known_target_shape(kind: str, tiny: dict | None = None, cache_dir: str | None = None) -> tuple[int, int] | None:
-    """(layers, hidden size) of a smollm2 or tiny target without loading its weights: the converted checkpoint's
-    config (the GGUF's metadata before its first conversion, a few seconds), or the tiny family's config; None for
-    a tiny family that does not exist (loading it says so)."""
+def config_shape(config: Any) -> dict[str, Any]:
+    """The sizes a drafter takes from its target (the keys of dflash/stages/shapes.target_shape but the model type),
+    read from a (text) config; vocab_size None where the config does not decide it."""
+    heads = int(config.num_attention_heads)
+    vocab = getattr(config, "vocab_size", None)
+    return {
+        "num_layers": int(config.num_hidden_layers),
+        "hidden_size": int(config.hidden_size),
+        "vocab_size": int(vocab) if vocab is not None else None,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads),
+        "intermediate_size": int(config.intermediate_size),
+        "max_position_embeddings": int(getattr(config, "max_position_embeddings", None) or 40960),
+    }
+
+
+def known_target_shape(kind: str, tiny: dict | None = None, cache_dir: str | None = None) -> dict[str, Any] | None:
+    """config_shape of a smollm2 or tiny target without loading its weights: the converted checkpoint's config (the
+    GGUF's metadata before its first conversion, a few seconds), or the tiny family's config, whose vocabulary its
+    tokenizer decides when it is built (vocab_size None); None for a tiny family that does not exist (loading it
+    says so)."""
     if kind == "tiny":
+        from types import SimpleNamespace
+
         from dflash.models.targets.tiny import TINY_FAMILIES
 
         spec = dict(tiny or {})
         if spec.get("family") not in TINY_FAMILIES:
             return None
-        merged = {**TINY_FAMILIES[spec["family"]][1], **spec}
-        return int(merged["num_hidden_layers"]), int(merged["hidden_size"])
+        return config_shape(SimpleNamespace(**{**TINY_FAMILIES[spec["family"]][1], **spec}))
     if kind != "smollm2":
         raise ValueError(f"known_target_shape: {kind!r} is neither smollm2 nor tiny")
     from dflash.models.targets import smollm2
 
     config = checkpoint_config(str(smollm2.cache_path(cache_dir)) if smollm2.is_cached(cache_dir)
                                else str(smollm2.gguf_path()))
-    return int(config.num_hidden_layers), int(config.hidden_size)
+    return config_shape(config.get_text_config())
 
 
 def target_problem(path: str, cache_dir: str | None = None) -> str | None:

@@ -1,0 +1,104 @@
+"""An evaluation of other eval settings in a run folder's eval/: it replaces the earlier one whole once it has
+finished, saying so; stopped before, it leaves eval/ and <run_dir>/config.yaml as they were, and the command of the
+earlier settings still finds its evaluation up to date."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from dflash.config import ConfigError, compose
+from dflash.pipeline import Pipeline
+from tests.test_run_folder_guard import snapshot
+
+# A short evaluation (no MT-Bench second turns to answer) of a drafter trained for one epoch.
+TINY = ["+experiment=tiny", "show_progress=false", "train.epochs=1", "~eval.prompt_sets.mtbench"]
+OTHER_EVAL = "eval.prompt_sets.gsm8k.limit=1"
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("evaluated")
+    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(evaluated_run, tmp_path):
+    copied = tmp_path / "run"
+    shutil.copytree(evaluated_run, copied)
+    return copied
+
+
+def forbid_evaluating(monkeypatch) -> None:
+    monkeypatch.setattr("dflash.eval.evaluate.evaluate", lambda *args, **kwargs: pytest.fail("evaluated again"))
+
+
+def hidden(folder) -> list[str]:
+    return sorted(path.name for path in folder.iterdir() if path.name.startswith("."))
+
+
+def test_an_interrupted_evaluation_of_other_eval_settings_changes_nothing(run_dir, monkeypatch, capsys):
+    from dflash.eval import evaluate
+
+    before, config = snapshot(run_dir / "eval"), (run_dir / "config.yaml").read_bytes()
+    written = evaluate.write_summary
+
+    def interrupted(summary, out_dir):
+        written(summary, out_dir)  # the new evaluation's files are written, not yet in eval/'s place
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "write_summary", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Pipeline(compose(TINY + [f"run_dir={run_dir}", OTHER_EVAL])).run()
+    assert snapshot(run_dir / "eval") == before and (run_dir / "config.yaml").read_bytes() == config
+    assert hidden(run_dir) == []
+
+    forbid_evaluating(monkeypatch)
+    capsys.readouterr()
+    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert f"[eval] up to date (its table, measured before, follows): {run_dir / 'eval'}" in capsys.readouterr().out
+
+
+def test_a_killed_evaluation_s_folder_is_removed_by_the_next_command(run_dir, monkeypatch):
+    left = run_dir / ".eval.tmp-4321"  # an evaluation killed (SIGKILL, a power loss) before its swap
+    left.mkdir()
+    (left / "summary.json").write_text("{}")
+    forbid_evaluating(monkeypatch)
+    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert hidden(run_dir) == []
+
+
+def test_a_finished_evaluation_of_other_eval_settings_replaces_the_earlier_one_saying_so(run_dir, capsys):
+    capsys.readouterr()
+    summary = Pipeline(compose(TINY + [f"run_dir={run_dir}", OTHER_EVAL])).run()
+    out = capsys.readouterr().out
+    assert f"[eval] replacing {run_dir / 'eval'} once this evaluation completes (measured with other eval settings: " \
+           f"eval.prompt_sets.gsm8k.limit: 2 -> 1); to keep both, give eval.out_dir={run_dir / 'eval_2'} " \
+           f"(Ctrl-C now leaves it as it is)" in out
+    assert summary["prompt_sets"]["gsm8k"]["num_prompts"] == 1
+    for config in (run_dir / "config.yaml", run_dir / "eval" / "config.yaml"):
+        assert "limit: 1" in config.read_text()
+    assert hidden(run_dir) == []
+    # Up to date for the new settings; replaced again, without saying so, where no evaluation was finished there.
+    Pipeline(compose(TINY + [f"run_dir={run_dir}", OTHER_EVAL])).run()
+    assert "[eval] up to date" in capsys.readouterr().out
+    shutil.rmtree(run_dir / "eval")
+    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert "replacing" not in capsys.readouterr().out
+
+
+def test_an_evaluation_folder_holding_other_files_is_refused_before_any_work(run_dir, monkeypatch, capsys):
+    # A new evaluation replaces its folder whole: files it does not write there would go with it.
+    (run_dir / "eval" / "notes.txt").write_text("mine")
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigError, match=r"eval holds notes.txt, which an evaluation does not write"):
+        Pipeline(compose(TINY + [f"run_dir={run_dir}", OTHER_EVAL])).run()
+    assert snapshot(run_dir) == before
+    # The evaluation they sit beside, up to date, is left as it is.
+    forbid_evaluating(monkeypatch)
+    capsys.readouterr()
+    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    assert "[eval] up to date" in capsys.readouterr().out
+    assert (run_dir / "eval" / "notes.txt").read_text() == "mine"
