@@ -13,6 +13,8 @@ its last state: raw redraws there would pile up into one line of tens of thousan
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import logging
 import os
 import re
@@ -156,3 +158,34 @@ def show_package_messages() -> None:
         package.addHandler(ConsoleHandler())
     if package.level == logging.NOTSET:
         package.setLevel(logging.INFO)
+
+
+VERBOSE_ENV = "DFLASH_VERBOSE"
+
+
+def verbose() -> bool:
+    """Whether DFLASH_VERBOSE asks for third-party output (DeepSpeed's and Hydra's log records, other libraries'
+    progress bars) on the console."""
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+@contextlib.contextmanager
+def transformers_bars_hidden() -> Iterator[None]:
+    """Inside, transformers' own progress bars (loading a checkpoint's weights, writing a converted one, converting
+    a GGUF file) are hidden unless verbose(); as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    if verbose():
+        yield
+        return
+    enabled = hf_logging.is_progress_bar_enabled()
+    with contextlib.ExitStack() as restore:
+        hf_logging.disable_progress_bar()
+        if enabled:
+            restore.callback(hf_logging.enable_progress_bar)
+        # The GGUF conversion draws a plain tqdm bar of its module, which the switch above does not reach.
+        gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+        if hasattr(gguf, "tqdm"):
+            restore.callback(setattr, gguf, "tqdm", gguf.tqdm)
+            gguf.tqdm = functools.partial(gguf.tqdm, disable=True)
+        yield

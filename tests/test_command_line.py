@@ -110,3 +110,15 @@ def test_version_is_dflashs(capsys, config_name, flag):
         command_arguments(["train.lr=1e-3", flag], config_name)
     assert ended.value.code == 0
     assert re.fullmatch(r"dflash \S+ \(Hydra \d+\.\d+\.\d+\)\n", capsys.readouterr().out)
+
+
+def test_a_key_given_twice_is_warned_about_and_the_last_used(capsys):
+    """Hydra takes the last of a repeated override silently; a script appending to a base command may mean it."""
+    arguments = command_arguments(["+experiment=tiny", "train.lr=1e-3", "name=a", "train.lr=2e-3"])
+    assert arguments[-1] == "train.lr=2e-3"
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "dflash: warning: train.lr is given 2 times (train.lr=1e-3, train.lr=2e-3); the last, train.lr=2e-3, is the "
+        "one used")
+    assert settings_from(compose(arguments)).train.lr == 2e-3
+    command_arguments(["+experiment=tiny", "train.lr=1e-3", "--cfg", "job"])
+    assert "given" not in capsys.readouterr().err

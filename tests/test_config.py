@@ -393,9 +393,9 @@ def test_the_run_folders_an_evaluation_may_not_name_are_those_the_stages_write()
 BAD = [
     ("train.lr=-1e-3", "train.lr=-0.001: expected a number > 0"),
     ("run_dir=/etc/hostname", "run_dir='/etc/hostname': is a file; expected a folder"),
-    ("run_dir=/etc/hostname/run", "run_dir='/etc/hostname/run': is inside the file /etc/hostname; expected a folder"),
+    ("run_dir=/etc/hostname/run", "run_dir='/etc/hostname/run': is inside /etc/hostname, a file; expected a folder"),
     ("eval.out_dir=/etc/hostname", "eval.out_dir='/etc/hostname': is a file; expected a folder"),
-    ("target.cache_dir=/etc/hostname/x", "target.cache_dir='/etc/hostname/x': is inside the file /etc/hostname"),
+    ("target.cache_dir=/etc/hostname/x", "target.cache_dir='/etc/hostname/x': is inside /etc/hostname, a file"),
     ("train.micro_batch_size=0", "train.micro_batch_size=0: expected an int >= 1"),
     ("train.micro_batch_size=-4", "train.micro_batch_size=-4: expected an int >= 1"),
     ("train.epochs=0", "train.epochs=0: expected an int >= 1"),
@@ -517,6 +517,15 @@ def test_bad_settings_are_named_before_any_work(override, message, tmp_path):
     assert message in str(error.value)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_setting_under_a_link_to_nothing_is_refused(tmp_path):
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match=f"run_dir='{tmp_path}/gone/run': is inside {tmp_path}/gone, a link to "
+                                          f"{tmp_path}/nowhere, which does not exist; expected a folder"):
+        settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'gone' / 'run'}"]))
+    (tmp_path / "nowhere").mkdir()  # the link leads to a folder now: taken
+    settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'gone' / 'run'}"]))
 
 
 def test_a_missing_target_path_names_qwen36_path_only_for_the_qwen36_target(monkeypatch, tmp_path):

@@ -88,7 +88,7 @@ def test_the_targets_loading_bars_are_hidden_unless_verbose(verbose, tmp_path, m
     import dflash.models.targets as targets
     from dflash.config import compose
     from dflash.stages.context import RunContext
-    from dflash.train.third_party_output import VERBOSE_ENV
+    from dflash.console import VERBOSE_ENV
 
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
     if verbose:
@@ -108,7 +108,7 @@ def test_the_gguf_conversion_bar_is_hidden_unless_verbose(verbose, capsys, monke
     # progress-bar switch does not reach: it stayed on the console under show_progress=false (seen on the H200).
     import transformers.modeling_gguf_pytorch_utils as gguf
 
-    from dflash.train.third_party_output import VERBOSE_ENV, transformers_bars_hidden
+    from dflash.console import VERBOSE_ENV, transformers_bars_hidden
 
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
     if verbose:

@@ -368,8 +368,8 @@ def test_samples_without_a_response_token_are_dropped(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(tiny.model, "generate", lambda input_ids, attention_mask, generation_config: input_ids)
     # A user's to mend (one line on the console, no traceback), naming the settings that decide it.
     with pytest.raises(ConfigError, match=r"no samples to write: of 2 prompts 0 were too long \(a prompt may have at "
-                                          r"most data.max_length - 1 = \d+ tokens\), 0 failed and 2 had no response "
-                                          r"token, 0 held out \(data.heldout\)"):
+                                          r"most data.max_length - 1 = \d+ tokens\), 0 failed, 2 had no response "
+                                          r"token and 0 were held out \(data.heldout\)"):
         build_dataset(make_prompts(2), tiny, tmp_path, **GEN)
     assert not (tmp_path / "stats.json").exists() and not (tmp_path / "dataset").exists()
 

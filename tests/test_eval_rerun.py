@@ -4,11 +4,12 @@ earlier settings still finds its evaluation up to date."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
-from dflash.config import ConfigError, compose
+from dflash.config import compose
 from dflash.pipeline import Pipeline
 from tests.test_run_folder_guard import snapshot
 
@@ -89,16 +90,35 @@ def test_a_finished_evaluation_of_other_eval_settings_replaces_the_earlier_one_s
     assert "replacing" not in capsys.readouterr().out
 
 
-def test_an_evaluation_folder_holding_other_files_is_refused_before_any_work(run_dir, monkeypatch, capsys):
-    # A new evaluation replaces its folder whole: files it does not write there would go with it.
+def test_what_else_the_evaluation_folder_holds_is_kept(run_dir):
+    # A new evaluation replaces its folder whole: what it does not write there comes along.
     (run_dir / "eval" / "notes.txt").write_text("mine")
-    before = snapshot(run_dir)
-    with pytest.raises(ConfigError, match=r"eval holds notes.txt, which an evaluation does not write"):
-        Pipeline(compose(TINY + [f"run_dir={run_dir}", OTHER_EVAL])).run()
-    assert snapshot(run_dir) == before
-    # The evaluation they sit beside, up to date, is left as it is.
+    (run_dir / "eval" / "mine").mkdir()
+    (run_dir / "eval" / "mine" / "plot.png").write_bytes(b"png")
+    Pipeline(compose(TINY + [f"run_dir={run_dir}", OTHER_EVAL])).run()
+    assert (run_dir / "eval" / "notes.txt").read_text() == "mine"
+    assert (run_dir / "eval" / "mine" / "plot.png").read_bytes() == b"png"
+
+
+@pytest.mark.parametrize("new_is_done", [True, False])
+def test_an_evaluation_killed_between_the_swaps_renames_leaves_one_whole_folder(run_dir, new_is_done, monkeypatch,
+                                                                                capsys):
+    """A kill between swap_in_dir's two renames leaves no eval/, the earlier evaluation set aside and the new one
+    beside it: the next command puts the new one in place where it is marked done, else the earlier one back."""
+    from dflash.run_files import temp_path
+
+    eval_dir = run_dir / "eval"
+    new = temp_path(str(eval_dir))
+    shutil.copytree(eval_dir, new)
+    with open(f"{new}/summary.csv", "a") as f:
+        f.write("# the new evaluation's\n")
+    if not new_is_done:
+        os.remove(f"{new}/done.json")
+    expected = snapshot(new) if new_is_done else snapshot(eval_dir)
+    eval_dir.rename(f"{new}.old")
     forbid_evaluating(monkeypatch)
     capsys.readouterr()
     Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
     assert "[eval] up to date" in capsys.readouterr().out
-    assert (run_dir / "eval" / "notes.txt").read_text() == "mine"
+    assert snapshot(eval_dir) == expected
+    assert hidden(run_dir) == []

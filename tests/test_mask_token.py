@@ -8,7 +8,7 @@ import json
 import datasets
 import pytest
 
-from dflash.config import ConfigError, compose
+from dflash.config import ConfigError, compose, settings_from
 from dflash.data.token_ids import token_ids_in
 from dflash.models.targets.mask_token import choose_mask_token, mask_token_problem, template_ids
 from dflash.models.targets.tiny import build_builtin_tokenizer, build_tiny_target
@@ -112,3 +112,25 @@ def test_a_mask_token_the_data_produces_is_refused_at_capture(tmp_path):
                              "stages=[data,capture]"])).run()
     assert (run_dir / "data" / "done.json").stat().st_mtime_ns == data_done
     assert json.loads((run_dir / "features" / "target.json").read_text())["mask_token_id"] != letter
+
+
+def test_a_mixture_of_experts_target_without_a_dense_mlp_width_asks_for_the_drafters(tmp_path):
+    """Qwen3.5/3.6-MoE configs have no intermediate_size (only the experts' widths): the drafter's MLP width cannot
+    be taken from them, which is said before any stage instead of failing in a traceback."""
+    folder = hf_folder(tmp_path, "qwen3_5_moe")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("intermediate_size", None)
+    config.get("text_config", {}).pop("intermediate_size", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"drafter.intermediate_size=None: .* has no dense MLP width to take \(a "
+                                          r"mixture of experts\): give the drafter's, e.g. drafter.intermediate_size="):
+        Pipeline(compose(TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}"])).run()
+    assert not run_dir.exists()
+    # With the drafter's own width, the check passes (the data stage is what would run next).
+    from dflash.models.targets.preflight import checkpoint_config, config_shape
+    from dflash.stages.shapes import check_drafter_builds
+
+    settings = settings_from(compose(TINY + ["target=hf", f"target.path={folder}", "drafter.intermediate_size=128",
+                                             f"run_dir={run_dir}"]))
+    check_drafter_builds(settings, config_shape(checkpoint_config(str(folder)).get_text_config()), str(folder))

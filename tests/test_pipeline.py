@@ -426,8 +426,12 @@ def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):
     ("drafter.hidden_size=32", "drafter.hidden_size=32: the target's hidden size is 64"),
     # Sizes that only fail together with the target's: the drafter's config is built from both.
     ("drafter.num_attention_heads=7", "^drafter.num_attention_heads=7: num_attention_heads 7 is not a multiple of "
-                                      "num_key_value_heads 2 \\(with the sizes of target=tiny"),
+                                      "num_key_value_heads 2 \\(the drafter's sizes left null are those of "
+                                      "target=tiny\\)$"),
     ("drafter.num_key_value_heads=3", "^drafter.num_key_value_heads=3: num_attention_heads 4 is not a multiple"),
+    # A check of the drafter's settings alone names them, without the target.
+    ("drafter.sliding_window=2", "^drafter.sliding_window=2, drafter.block_size=4: sliding_window 2 is smaller than "
+                                 "block_size 4$"),
 ])
 def test_a_drafter_the_target_cannot_feed_stops_before_any_stage(tmp_path, monkeypatch, override, message):
     """A tiny target's taps, sizes and heads are checked from its family's config before any stage runs (an hf
@@ -441,7 +445,8 @@ def test_a_drafter_the_target_cannot_feed_stops_before_any_stage(tmp_path, monke
 @pytest.mark.slow
 @pytest.mark.parametrize("override,message", [
     ("drafter.num_key_value_heads=2", "drafter.num_key_value_heads=2: num_attention_heads 9 is not a multiple of "
-                                      "num_key_value_heads 2 \\(with the sizes of target=smollm2"),
+                                      "num_key_value_heads 2 \\(the drafter's sizes left null are those of "
+                                      "target=smollm2"),
     ("target.mask_token_id=999999", "target.mask_token_id=999999: outside the vocabulary of target=smollm2 "
                                     "\\(0..49151\\)"),
 ])

@@ -13,7 +13,8 @@ import datasets
 import pytest
 
 from dflash.console import console_copied_to
-from dflash.train.third_party_output import VERBOSE_ENV, third_party_records_to_run_log
+from dflash.console import VERBOSE_ENV
+from dflash.train.third_party_output import third_party_records_to_run_log
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dflash import console
+from dflash.console import VERBOSE_ENV
 from dflash.train import third_party_output
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.third_party_output import quiet_deepspeed_logger, third_party_records_to_run_log, to_run_log
@@ -62,7 +63,7 @@ def copied_console():
 
 @pytest.fixture(autouse=True)
 def not_verbose(monkeypatch):
-    monkeypatch.delenv(third_party_output.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
 
 
 def test_third_party_prints_and_info_records_go_to_the_run_log_only():
@@ -100,7 +101,7 @@ def test_a_runs_third_party_info_records_go_to_the_run_log_only():
 
 
 def test_verbose_leaves_everything_on_the_console(monkeypatch):
-    monkeypatch.setenv(third_party_output.VERBOSE_ENV, "1")
+    monkeypatch.setenv(VERBOSE_ENV, "1")
     with copied_console() as console, to_run_log():
         print("built successfully")
         logging.getLogger("compilers.C.base").info("gcc -laio")
@@ -133,7 +134,7 @@ def test_wandb_starts_silent_unless_verbose(tmp_path, monkeypatch, verbose):
     started = {}
     monkeypatch.setattr(wandb, "init", lambda **kwargs: started.update(kwargs))
     if verbose:
-        monkeypatch.setenv(third_party_output.VERBOSE_ENV, "1")
+        monkeypatch.setenv(VERBOSE_ENV, "1")
     MetricsLog(str(tmp_path), enabled=True, tensorboard=False, wandb_mode="offline", wandb_project="t", config={})
     assert started["settings"].silent is not verbose
 
@@ -143,7 +144,7 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
     """The real command, wandb on (offline): the console holds the stages' own lines and none of the chatter, which
     the run's log file has (on a machine where DeepSpeed's op probe runs the compiler)."""
     repository = str(Path(__file__).resolve().parent.parent)
-    env = {key: value for key, value in os.environ.items() if key != third_party_output.VERBOSE_ENV}
+    env = {key: value for key, value in os.environ.items() if key != VERBOSE_ENV}
     env.update(PYTHONPATH=repository, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     # The run meets itself in a store this test holds, listening already: a port it picked itself or was handed
     # could be taken by another listener (the other xdist worker's) before its store bound it.

@@ -113,18 +113,29 @@ def version_line() -> str:
     return f"dflash {ours} (Hydra {hydra.__version__})"
 
 
+def repeated_keys(argv: list[str]) -> list[str]:
+    """`KEY is given N times (...); the last, ARG, is the one used` for each key that overrides of `argv` set more
+    than once (Hydra takes the last without a word; a script that appends to a base command may mean it)."""
+    given: dict[str, list[str]] = {}
+    for arg in split_arguments(argv)[0]:
+        if "=" in arg and not arg.startswith("~"):
+            given.setdefault(override_key(arg), []).append(arg)
+    return [f"{key} is given {len(args)} times ({', '.join(args)}); the last, {args[-1]}, is the one used"
+            for key, args in given.items() if len(args) > 1]
+
+
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
     --local_rank, for an evaluation after the overrides it adopts (training_command.py), with the GPU default when
     it applies (default_run_line says so, or that this is the CPU demo). A removed setting, a key that names no
     setting, a flag Hydra does not have or a command line Hydra cannot compose ends the command with one line (exit
     status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
-    import torch
-
     kept = strip_local_rank(argv)
     if any(full_flag(arg) == "--version" for arg in kept):  # Hydra's own flag would print Hydra's version alone
         print(version_line())
         sys.exit(0)
+    import torch  # here: --version answers without loading it
+
     global _adopted
     if config_name == "eval":
         typed = kept
@@ -139,6 +150,9 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     except ConfigError as error:
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        for warning in repeated_keys(kept):
+            print(f"dflash: warning: {warning}", file=sys.stderr, flush=True)
     global _default_run_line
     _default_run_line = None
     flags = any(arg.startswith("-") for arg in kept)  # Hydra's flags (--cfg, --info, -m): no pipeline runs

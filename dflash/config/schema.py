@@ -838,9 +838,10 @@ class RunSettings:
                 "auto, cpu or cuda[:N]")
         if os.path.normpath(self.run_dir) == os.path.normpath(f"runs/{self.name}") or not self.name:
             _check_run_name(self.name)  # the name makes the run folder: run_dir=... given outright is the user's
+        # The cache folders are read with ~ expanded, the run's own folders as given.
         for key, folder in (("run_dir", self.run_dir), ("eval.out_dir", self.eval.out_dir),
-                            ("capture.cache_dir", getattr(self.capture, "cache_dir", None)),
-                            ("target.cache_dir", self.target.cache_dir)):
+                            ("capture.cache_dir", _expanded(getattr(self.capture, "cache_dir", None))),  # colocated
+                            ("target.cache_dir", _expanded(self.target.cache_dir))):
             _check_folder_path(key, folder)
         for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
             if uses_target and self.capture.mode != "colocated":
@@ -899,17 +900,27 @@ def _check_run_name(name: str) -> None:
                           f"with a name")
 
 
+def _expanded(folder: str | None) -> str | None:
+    return None if folder is None else os.path.expanduser(folder)
+
+
 def _check_folder_path(key: str, folder: str | None) -> None:
     """ConfigError where setting `key` names a folder that cannot be made: the path, or a folder it would be made
-    in, is a file."""
+    in, is a file or a link to nothing."""
     if not folder:
         return
-    path = os.path.abspath(os.path.expanduser(folder))
+    given = os.path.abspath(folder)
+    path = given
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
-    if os.path.lexists(path) and not os.path.isdir(path):
-        where = "is a file" if path == os.path.abspath(os.path.expanduser(folder)) else f"is inside the file {path}"
-        raise ConfigError(f"{key}={folder!r}: {where}; expected a folder (an existing one, or one to be made)")
+    if os.path.isdir(path):
+        return
+    if os.path.islink(path):
+        what = f"a link to {os.readlink(path)}, which does not exist"
+    else:
+        what = "a file"
+    where = f"is {what}" if path == given else f"is inside {path}, {what}"
+    raise ConfigError(f"{key}={folder!r}: {where}; expected a folder (an existing one, or one to be made)")
 
 
 def _refuse_a_run_folder_of_its_own(run_dir: str, out_dir: str) -> None:

@@ -30,7 +30,7 @@ from dflash.data.prompts import Prompt
 from dflash.data.regenerate import answer_is_sampled, mixes_answers, regenerate
 from dflash.data.synthetic import format_synthetic
 from dflash.run_files import atomic_write, swap_in_dir
-from dflash.train.third_party_output import verbose
+from dflash.console import verbose
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
         # datasets cannot load back an empty saved dataset; an empty training set is an error anyway, and the
         # user's to mend (a one-line ConfigError): the settings, not the code, left nothing to train on.
         raise ConfigError(f"no samples to write: of {gen['total']} prompts {gen['skipped']} were too long (a prompt "
-                          f"may have at most data.max_length - 1 = {max_length - 1} tokens), {gen['failed']} failed "
-                          f"and {encoded.dropped} had no response token, {len(held)} held out (data.heldout) "
+                          f"may have at most data.max_length - 1 = {max_length - 1} tokens), {gen['failed']} failed, "
+                          f"{encoded.dropped} had no response token and {len(held)} were held out (data.heldout) "
                           f"(journal: {journal_path})")
     ds = encoded.train.dataset()
     encode_s = time.perf_counter() - encode_started

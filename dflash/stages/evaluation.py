@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from dflash.config import fingerprints
 from dflash.config.command_line import adopted_overrides, hydra_overrides
-from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate, RunFolderError
+from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
 from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, stage_done, \
     swap_in_dir, temp_path, write_text
@@ -26,8 +26,10 @@ from dflash.stages.stage import Stage
 
 logger = logging.getLogger(__name__)
 
-# What an evaluation writes in its folder besides its summary files (dflash/eval/evaluate.py, SUMMARY_FILES).
-RECORD_FILES = ("done.json", "config.yaml")
+# What an evaluation writes in its folder besides its summary files (dflash/eval/evaluate.py, SUMMARY_FILES): its
+# done marker (run_files.mark_done) and config.
+DONE = "done.json"
+RECORD_FILES = (DONE, "config.yaml")
 
 
 class EvalStage(Stage):
@@ -44,19 +46,11 @@ class EvalStage(Stage):
 
     def preflight(self, selected: bool) -> None:
         """Selected: every prompt set must be readable (rank 0, which alone reads them), a command that trains
-        nothing needs a run folder to evaluate, eval.live_engine=static a target family it can decode, and an
-        evaluation that will run a folder it may replace whole (refuse_other_files; one that is up to date is left
-        as it is, whatever else it holds)."""
+        nothing needs a run folder to evaluate, and eval.live_engine=static a target family it can decode."""
         if selected and self.context.rank == 0:
             self.refuse_missing_run_folder()
             refuse_unreadable_prompts(eval_prompt_files(self.context.settings))
             refuse_static_engine_family(self.context.settings)
-            try:
-                up_to_date = self.done()
-            except NothingToEvaluate:  # no drafter of these settings yet: this command trains one
-                up_to_date = False
-            if not up_to_date:
-                refuse_other_files(self.out)
 
     def refuse_missing_run_folder(self) -> None:
         """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a
@@ -139,11 +133,9 @@ class EvalStage(Stage):
         return self.export.best, fingerprint(current, best)
 
     def prepare(self) -> None:
-        """Remove what an evaluation killed before its swap left beside the folder (run()), and pick the drafter to
-        measure once: picking it may export the best checkpoint so far, and says so."""
-        parent, name = os.path.split(os.path.realpath(self.out))
-        for left in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*")):  # temp_path's names
-            shutil.rmtree(left, ignore_errors=True)
+        """Settle what an evaluation killed around its swap left beside the folder (settle_swap), and pick the
+        drafter to measure once: picking it may export the best checkpoint so far, and says so."""
+        settle_swap(os.path.realpath(self.out))
         self.drafter = self.drafter_to_evaluate()
 
     def measured(self) -> tuple[str, str]:
@@ -193,6 +185,7 @@ class EvalStage(Stage):
         new = temp_path(out)
         try:
             self.summary = self.evaluate(self.measured()[0], new)
+            carry_other_entries(out, new)
             # Marked before the swap, so the folder is done the moment it is in place; the runner then marks it
             # again with the same record.
             mark_done(new, self.fingerprint(), **record)
@@ -245,7 +238,7 @@ class EvalStage(Stage):
                              "-m dflash.train on a machine with a GPU (the real SmolLM2 target, about 10 minutes)."))
         elif run.device.type == "cpu" and (self.summary["overall"].get("tau") or 0.0) < 1.5:
             real = ("the same `python -m dflash.train` on a machine with a GPU (+experiment=smollm2_quick, about 10 "
-                    "minutes), or the full recipe +experiment=smollm2 (about 22 minutes on one GPU, tau ~3.2, "
+                    "minutes), or the full recipe +experiment=smollm2 (about 23 minutes on one GPU, tau ~3.4, "
                     "docs/results.md)." if run.settings.target.kind == "smollm2" else
                     "this target on a machine with a GPU, with thousands of prompts and minutes of training "
                     "(data.limit, data.synthetic.count, train.max_minutes; conf/experiment/smollm2.yaml holds the "
@@ -301,22 +294,35 @@ def changed_leaves(old: Any, new: Any, key: str) -> list[str]:
     return [] if old == new else [f"{key}: {old} -> {new}"]
 
 
-def refuse_other_files(out: str) -> None:
-    """RunFolderError where the evaluation folder `out` holds entries no evaluation writes: a new evaluation
-    replaces the folder whole (EvalStage.run), and they would go with it."""
+def carry_other_entries(out: str, new: str) -> None:
+    """Copy into the finished evaluation `new` what the folder `out` it replaces holds beside an evaluation's own
+    files (a user's notes, a plot of their own): the swap replaces the folder whole. Copies, so that an evaluation
+    stopped before its swap leaves `out` as it was."""
     from dflash.eval.evaluate import SUMMARY_FILES
 
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise RunFolderError(f"{shown(out)} is a file, not a folder for the evaluation: give eval.out_dir=... a new "
-                             f"folder")
-    ours = (*SUMMARY_FILES, *RECORD_FILES)
-    # Hidden: a file's temporary copy (run_files.temp_path) left by an older dflash killed while writing it there.
-    other = sorted(name for name in (os.listdir(out) if os.path.isdir(out) else [])
-                   if name not in ours and name.lstrip(".").split(".tmp-")[0] not in ours)
-    if other:
-        raise RunFolderError(f"{shown(out)} holds {', '.join(other[:5])}{', ...' if len(other) > 5 else ''}, which "
-                             f"an evaluation does not write; a new evaluation replaces the folder whole: move them "
-                             f"elsewhere, or give the evaluation a new folder with eval.out_dir=...")
+    ours = {*SUMMARY_FILES, *RECORD_FILES}
+    for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        if name in ours:
+            continue
+        source, copy = os.path.join(out, name), os.path.join(new, name)
+        shutil.copytree(source, copy, symlinks=True) if os.path.isdir(source) and not os.path.islink(source) \
+            else shutil.copy2(source, copy, follow_symlinks=False)
+
+
+def settle_swap(out: str) -> None:
+    """After an evaluation killed around its swap (EvalStage.run, run_files.swap_in_dir): where `out` is missing, the
+    finished evaluation (marked done) takes its place, else the one set aside comes back; what is left beside `out`
+    under its temporary names (temp_path's `.<name>.tmp-<pid>`, and `.old` for the one set aside) goes."""
+    parent, name = os.path.split(out)
+    left = glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*"))
+    if not os.path.exists(out):
+        finished = [path for path in left if not path.endswith(".old") and os.path.isfile(os.path.join(path, DONE))]
+        aside = [path for path in left if path.endswith(".old")]
+        if finished or aside:
+            os.replace((finished or aside)[0], out)
+            left.remove((finished or aside)[0])
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def eval_input_files(settings) -> dict[str, dict[str, str]]:

@@ -12,20 +12,20 @@ MASK_TOKEN_LABEL = "the drafter's mask token (what fills the positions it drafts
 
 
 def target_shape(adapter) -> dict[str, Any]:
-    config = adapter.config
-    heads = int(config.num_attention_heads)
+    """What capture records of the target's shape (features/target.json): config_shape of its config, with the
+    adapter's own layer count, hidden size and vocabulary (which a multimodal or GDN family's config may nest)."""
+    from dflash.models.targets.preflight import config_shape
+
+    shape = config_shape(adapter.config)
     return {
         "model_type": adapter.model_type,
         "num_layers": adapter.num_layers,
         "hidden_size": adapter.hidden_size,
         "vocab_size": adapter.vocab_size,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(config, "head_dim", None) or adapter.hidden_size // heads),
-        "intermediate_size": int(config.intermediate_size),
+        **{key: shape[key] for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")},
         # The drafter serves at the target's positions: the export's config carries the target's context length
         # (a serving engine may build its RoPE table from it).
-        "max_position_embeddings": int(getattr(config, "max_position_embeddings", None) or 40960),
+        "max_position_embeddings": shape["max_position_embeddings"],
     }
 
 
@@ -44,16 +44,9 @@ def check_drafter_fits(d: DrafterSettings, num_layers: int, hidden_size: int) ->
                           f"{num_layers} layers (0..{num_layers - 1})")
 
 
-# The drafter settings whose value, when given, has to fit the target's shape.
-SHAPED_DRAFTER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                       "target_layer_ids", "layer_types")
-
-
-def drafter_shape_given(settings: RunSettings) -> bool:
-    """Whether the settings give a drafter size, tap or layer type, or the mask token: what check_drafter_builds
-    checks against the target (otherwise the drafter takes the target's own sizes, which fit)."""
-    d = settings.drafter
-    return settings.target.mask_token_id is not None or any(getattr(d, k) is not None for k in SHAPED_DRAFTER_KEYS)
+# The drafter settings a refusal of check_drafter_builds may name: those its error message mentions.
+DRAFTER_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "target_layer_ids", "layer_types", "sliding_window", "block_size", "num_hidden_layers")
 
 
 def check_drafter_builds(settings: RunSettings, shape: dict[str, Any], target: str) -> None:
@@ -64,23 +57,27 @@ def check_drafter_builds(settings: RunSettings, shape: dict[str, Any], target: s
 
     from dflash.config import ConfigError
 
-    check_drafter_fits(settings.drafter, shape["num_layers"], shape["hidden_size"])
+    d = settings.drafter
+    check_drafter_fits(d, shape["num_layers"], shape["hidden_size"])
     mask, vocab = settings.target.mask_token_id, shape["vocab_size"]
     if mask is not None and vocab is not None and not 0 <= mask < vocab:
         raise ConfigError(f"target.mask_token_id={mask}: outside the vocabulary of {target} (0..{vocab - 1}); "
                           f"leave it null to have one chosen")
+    if shape["intermediate_size"] is None and d.intermediate_size is None:
+        raise ConfigError(f"drafter.intermediate_size=None: {target} has no dense MLP width to take (a mixture of "
+                          f"experts): give the drafter's, e.g. drafter.intermediate_size={4 * shape['hidden_size']}")
     if vocab is None:  # the mask token is checked when the target is built
         settings = replace(settings, target=replace(settings.target, mask_token_id=None))
         shape = {**shape, "vocab_size": 1, "mask_token_id": 0}
     try:
         drafter_config(settings, shape)
     except ValueError as error:
-        d = settings.drafter
-        given = [k for k in SHAPED_DRAFTER_KEYS if getattr(d, k) is not None]
-        given = [k for k in given if k in str(error)] or given  # the settings the problem names, where it names any
-        given = [f"drafter.{k}={getattr(d, k)}" for k in given]
-        raise ConfigError(f"{', '.join(given) or 'drafter'}: {error} (with the sizes of {target} where the drafter's "
-                          f"are null)") from error
+        named = [key for key in DRAFTER_SHAPE_KEYS if key in str(error)]
+        given = ", ".join(f"drafter.{key}={getattr(d, key)}" for key in named if getattr(d, key) is not None)
+        from_target = any(getattr(d, key) is None for key in named)
+        raise ConfigError(f"{given or 'drafter'}: {error}"
+                          + (f" (the drafter's sizes left null are those of {target})" if from_target else "")) \
+            from error
 
 
 def drafter_config(settings: RunSettings, shape: dict[str, Any]):

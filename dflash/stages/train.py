@@ -559,7 +559,8 @@ def eval_folders(folder: str, drafter: str | None = None) -> list[str]:
     names = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         path = os.path.join(folder, name)
-        if name in TRAINED_OUTPUTS or not os.path.isfile(os.path.join(path, "summary.json")):
+        # A hidden name is an evaluation killed before its swap (dflash/stages/evaluation.py), not one to move.
+        if name in TRAINED_OUTPUTS or name.startswith(".") or not os.path.isfile(os.path.join(path, "summary.json")):
             continue
         marker = read_json_or_none(os.path.join(path, "done.json"))
         measured = marker.get("checkpoint") if isinstance(marker, dict) else None

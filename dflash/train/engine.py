@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash.config.schema import DeepSpeedSettings, TrainSettings
-from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log, verbose
+from dflash.console import verbose
+from dflash.train.third_party_output import quiet_deepspeed_logger, to_run_log
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

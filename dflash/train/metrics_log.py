@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from dflash.run_files import atomic_write
-from dflash.train.third_party_output import verbose
+from dflash.console import verbose
 
 
 def missing_logger_package(tensorboard: bool, wandb_mode: str) -> str | None:

@@ -16,25 +16,17 @@ DFLASH_VERBOSE=1 leaves all of it on the console, as the libraries print it.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import io
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from typing import TextIO
 
 from dflash import console
+from dflash.console import verbose
 
-VERBOSE_ENV = "DFLASH_VERBOSE"
 DEEPSPEED_LOGGER = "DeepSpeed"
 FORMAT = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-
-
-def verbose() -> bool:
-    """Whether DFLASH_VERBOSE asks for third-party output on the console."""
-    return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def run_log() -> TextIO | None:
@@ -88,7 +80,7 @@ class RunLogOnly(io.TextIOBase):
             self.log.flush()
 
 
-def _copying(stream: TextIO) -> TextIO | None:
+def console_copy_of(stream: TextIO) -> TextIO | None:
     """sys.stdout or sys.stderr where it writes to `stream` and copies it to the run's log file (console_copied_to)."""
     return next((s for s in (sys.stdout, sys.stderr) if isinstance(s, console.Tee) and s.console is stream), None)
 
@@ -103,7 +95,7 @@ def third_party_records_to_run_log() -> Iterator[None]:
     with contextlib.ExitStack() as restore:
         for handler in _console_handlers():
             # Hydra's handler took the console before the copy began (console_copied_to): it writes through the copy.
-            copy = _copying(handler.stream)
+            copy = console_copy_of(handler.stream)
             if copy is not None:
                 restore.callback(handler.setStream, handler.setStream(copy))
             if not verbose():
@@ -120,26 +112,4 @@ def to_run_log() -> Iterator[None]:
         yield
         return
     with third_party_records_to_run_log(), contextlib.redirect_stdout(RunLogOnly(run_log())):
-        yield
-
-
-@contextlib.contextmanager
-def transformers_bars_hidden() -> Iterator[None]:
-    """Inside, transformers' own progress bars (loading a checkpoint's weights, writing a converted one, converting
-    a GGUF file) are hidden unless verbose(); as they were afterwards."""
-    from transformers.utils import logging as hf_logging
-
-    if verbose():
-        yield
-        return
-    enabled = hf_logging.is_progress_bar_enabled()
-    with contextlib.ExitStack() as restore:
-        hf_logging.disable_progress_bar()
-        if enabled:
-            restore.callback(hf_logging.enable_progress_bar)
-        # The GGUF conversion draws a plain tqdm bar of its module, which the switch above does not reach.
-        gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
-        if hasattr(gguf, "tqdm"):
-            restore.callback(setattr, gguf, "tqdm", gguf.tqdm)
-            gguf.tqdm = functools.partial(gguf.tqdm, disable=True)
         yield

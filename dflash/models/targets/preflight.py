@@ -35,7 +35,8 @@ def checkpoint_config(path: str, cache_dir: str | None = None) -> Any:
 
 def config_shape(config: Any) -> dict[str, Any]:
     """The sizes a drafter takes from its target (the keys of dflash/stages/shapes.target_shape but the model type),
-    read from a (text) config; vocab_size None where the config does not decide it."""
+    read from a (text) config; vocab_size None where the config does not decide it (a tiny target's tokenizer
+    does), intermediate_size None where it has none."""
     heads = int(config.num_attention_heads)
     vocab = getattr(config, "vocab_size", None)
     return {
@@ -45,7 +46,8 @@ def config_shape(config: Any) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
         "head_dim": int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads),
-        "intermediate_size": int(config.intermediate_size),
+        # None for a mixture-of-experts target without a dense MLP width (Qwen3.5-MoE): the drafter names its own.
+        "intermediate_size": int(config.intermediate_size) if getattr(config, "intermediate_size", None) else None,
         "max_position_embeddings": int(getattr(config, "max_position_embeddings", None) or 40960),
     }
 
