@@ -107,3 +107,16 @@ def test_the_train_stage_says_why_it_moves_checkpoints_aside(tmp_path, caplog, o
     (line,) = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
     assert why in line and ("overwrite=true" in line) == overwrite
     assert os.path.isfile(tmp_path / "checkpoints.0123456789abcdef" / "settings.json")
+
+
+def test_a_refusal_says_which_way_on_keeps_the_data_and_features(trained, tmp_path):
+    """A changed train setting leaves the folder's data and features this command's: overwrite=true keeps them, a
+    new run folder makes them again (a new user took the new folder and waited for both)."""
+    refused = copied(trained, tmp_path) + TRAIN + ["train.epochs=2"]
+    with pytest.raises(RunFolderError) as error:
+        Pipeline(compose(refused)).run()
+    assert str(error.value).endswith("add overwrite=true (which keeps this folder's data and features, the same for "
+                                     "these settings; a new folder makes them again)")
+    with pytest.raises(RunFolderError) as error:  # another data setting: neither keeps them
+        Pipeline(compose(refused + ["data.max_new_tokens=17"])).run()
+    assert str(error.value).endswith("add overwrite=true")

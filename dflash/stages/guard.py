@@ -143,10 +143,15 @@ def with_chosen_taps(change: str, old: dict, train: TrainStage) -> str:
 
 
 def ways_on(train: TrainStage, doing: str) -> str:
-    """The two ways on, for a refused command that would do `doing`: another run folder, or overwrite=true."""
-    return (f"To {doing} beside it, run the same command with {another_run_folder(train.context)}; to move the "
+    """The two ways on, for a refused command that would do `doing`: another run folder, or overwrite=true; and,
+    where the folder's data and features are this command's already, that only the second keeps them."""
+    ways = (f"To {doing} beside it, run the same command with {another_run_folder(train.context)}; to move the "
             f"trained drafter aside (kept in {train.checkpoints}.<its fingerprint>) and {doing} in its place, add "
             f"overwrite=true")
+    if train.capture.done():
+        ways += (" (which keeps this folder's data and features, the same for these settings; a new folder makes "
+                 "them again)")
+    return ways
 
 
 def another_run_folder(run: RunContext) -> str:
