@@ -5,7 +5,7 @@ import re
 import pytest
 
 from dflash.config import compose, settings_from
-from dflash.config.command_line import GPU_DEFAULT, command_arguments, with_gpu_default
+from dflash.config.command_line import GPU_DEFAULT, command_arguments, repeated_keys, with_gpu_default
 
 
 @pytest.mark.parametrize("argv", [[], ["train.lr=1e-3"], ["name=mine", "show_progress=false"]])
@@ -122,3 +122,4 @@ def test_a_key_given_twice_is_warned_about_and_the_last_used(capsys):
     assert settings_from(compose(arguments)).train.lr == 2e-3
     command_arguments(["+experiment=tiny", "train.lr=1e-3", "--cfg", "job"])
     assert "given" not in capsys.readouterr().err
+    assert repeated_keys(["+train.lr=1e-3", "train.lr=2e-3"]) == []  # not a repeat: Hydra refuses the pair itself

@@ -524,6 +524,10 @@ def test_a_folder_setting_under_a_link_to_nothing_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=f"run_dir='{tmp_path}/gone/run': is inside {tmp_path}/gone, a link to "
                                           f"{tmp_path}/nowhere, which does not exist; expected a folder"):
         settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'gone' / 'run'}"]))
+    (tmp_path / "nowhere").write_text("")  # a link to a file
+    with pytest.raises(ConfigError, match=f"is inside {tmp_path}/gone, a link to a file; expected a folder"):
+        settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'gone' / 'run'}"]))
+    (tmp_path / "nowhere").unlink()
     (tmp_path / "nowhere").mkdir()  # the link leads to a folder now: taken
     settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path / 'gone' / 'run'}"]))
 

@@ -95,7 +95,9 @@ def test_what_else_the_evaluation_folder_holds_is_kept(run_dir):
     (run_dir / "eval" / "notes.txt").write_text("mine")
     (run_dir / "eval" / "mine").mkdir()
     (run_dir / "eval" / "mine" / "plot.png").write_bytes(b"png")
+    (run_dir / "eval" / ".summary.json.tmp-5").write_text("{")  # a writer's temporary copy, killed: not carried
     Pipeline(compose(TINY + [f"run_dir={run_dir}", OTHER_EVAL])).run()
+    assert not (run_dir / "eval" / ".summary.json.tmp-5").exists()
     assert (run_dir / "eval" / "notes.txt").read_text() == "mine"
     assert (run_dir / "eval" / "mine" / "plot.png").read_bytes() == b"png"
 

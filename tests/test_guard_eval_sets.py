@@ -120,3 +120,7 @@ def test_a_refusal_says_which_way_on_keeps_the_data_and_features(trained, tmp_pa
     with pytest.raises(RunFolderError) as error:  # another data setting: neither keeps them
         Pipeline(compose(refused + ["data.max_new_tokens=17"])).run()
     assert str(error.value).endswith("add overwrite=true")
+    os.remove(tmp_path / "run" / "data" / "done.json")  # data not finished: overwrite=true would make it again
+    with pytest.raises(RunFolderError) as error:
+        Pipeline(compose(refused)).run()
+    assert str(error.value).endswith("add overwrite=true")

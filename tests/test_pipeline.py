@@ -429,6 +429,7 @@ def test_bad_layer_id_stops_before_capture_writes_anything(tiny_run, tmp_path):
                                       "num_key_value_heads 2 \\(the drafter's sizes left null are those of "
                                       "target=tiny\\)$"),
     ("drafter.num_key_value_heads=3", "^drafter.num_key_value_heads=3: num_attention_heads 4 is not a multiple"),
+    ("drafter.head_dim=3", "^drafter.head_dim=3: head_dim 3 is odd: the drafter's RoPE rotates pairs of dimensions$"),
     # A check of the drafter's settings alone names them, without the target.
     ("drafter.sliding_window=2", "^drafter.sliding_window=2, drafter.block_size=4: sliding_window 2 is smaller than "
                                  "block_size 4$"),

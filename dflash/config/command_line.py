@@ -118,8 +118,8 @@ def repeated_keys(argv: list[str]) -> list[str]:
     than once (Hydra takes the last without a word; a script that appends to a base command may mean it)."""
     given: dict[str, list[str]] = {}
     for arg in split_arguments(argv)[0]:
-        if "=" in arg and not arg.startswith("~"):
-            given.setdefault(override_key(arg), []).append(arg)
+        if "=" in arg and not arg.startswith("~"):  # keyed as written: Hydra refuses `+k=1 k=2` itself
+            given.setdefault(arg.split("=", 1)[0], []).append(arg)
     return [f"{key} is given {len(args)} times ({', '.join(args)}); the last, {args[-1]}, is the one used"
             for key, args in given.items() if len(args) > 1]
 

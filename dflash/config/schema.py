@@ -838,9 +838,9 @@ class RunSettings:
                 "auto, cpu or cuda[:N]")
         if os.path.normpath(self.run_dir) == os.path.normpath(f"runs/{self.name}") or not self.name:
             _check_run_name(self.name)  # the name makes the run folder: run_dir=... given outright is the user's
-        # The cache folders are read with ~ expanded, the run's own folders as given.
+        # Each as it is used: the target's cache with ~ expanded, the others as given.
         for key, folder in (("run_dir", self.run_dir), ("eval.out_dir", self.eval.out_dir),
-                            ("capture.cache_dir", _expanded(getattr(self.capture, "cache_dir", None))),  # colocated
+                            ("capture.cache_dir", getattr(self.capture, "cache_dir", None)),  # colocated capture's
                             ("target.cache_dir", _expanded(self.target.cache_dir))):
             _check_folder_path(key, folder)
         for key, uses_target in (("kl_weight", self.train.kl_weight > 0), ("labels", self.train.labels == "target")):
@@ -915,10 +915,10 @@ def _check_folder_path(key: str, folder: str | None) -> None:
         path = os.path.dirname(path)
     if os.path.isdir(path):
         return
-    if os.path.islink(path):
+    if os.path.islink(path) and not os.path.exists(path):
         what = f"a link to {os.readlink(path)}, which does not exist"
     else:
-        what = "a file"
+        what = "a link to a file" if os.path.islink(path) else "a file"
     where = f"is {what}" if path == given else f"is inside {path}, {what}"
     raise ConfigError(f"{key}={folder!r}: {where}; expected a folder (an existing one, or one to be made)")
 

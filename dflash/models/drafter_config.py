@@ -115,6 +115,8 @@ class DrafterConfig:
         if sliding and self.sliding_window < self.block_size:
             # A sliding query must at least see its own anchor, which is up to block_size-1 positions back.
             raise ValueError(f"sliding_window {self.sliding_window} is smaller than block_size {self.block_size}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd: the drafter's RoPE rotates pairs of dimensions")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "

@@ -191,6 +191,9 @@ class EvalStage(Stage):
             mark_done(new, self.fingerprint(), **record)
             swap_in_dir(new, out, aside=f"{new}.old")
         except BaseException:
+            # Unmarked first: a folder half deleted by a kill must not pass for a finished evaluation (settle_swap).
+            if os.path.exists(os.path.join(new, DONE)):
+                os.remove(os.path.join(new, DONE))
             shutil.rmtree(new, ignore_errors=True)
             raise
         print(format_table(self.summary))
@@ -302,11 +305,14 @@ def carry_other_entries(out: str, new: str) -> None:
 
     ours = {*SUMMARY_FILES, *RECORD_FILES}
     for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
-        if name in ours:
+        # An evaluation's own file, or its temporary copy (run_files.temp_path) left by a writer killed meanwhile.
+        if name in ours or name.lstrip(".").split(".tmp-")[0] in ours:
             continue
         source, copy = os.path.join(out, name), os.path.join(new, name)
-        shutil.copytree(source, copy, symlinks=True) if os.path.isdir(source) and not os.path.islink(source) \
-            else shutil.copy2(source, copy, follow_symlinks=False)
+        if os.path.isdir(source) and not os.path.islink(source):
+            shutil.copytree(source, copy, symlinks=True)
+        elif os.path.islink(source) or os.path.isfile(source):  # not a pipe or a socket, which a copy would hang on
+            shutil.copy2(source, copy, follow_symlinks=False)
 
 
 def settle_swap(out: str) -> None:
@@ -316,7 +322,8 @@ def settle_swap(out: str) -> None:
     parent, name = os.path.split(out)
     left = glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*"))
     if not os.path.exists(out):
-        finished = [path for path in left if not path.endswith(".old") and os.path.isfile(os.path.join(path, DONE))]
+        finished = [path for path in left if not path.endswith(".old") and
+                    all(os.path.isfile(os.path.join(path, name)) for name in (DONE, "summary.json"))]
         aside = [path for path in left if path.endswith(".old")]
         if finished or aside:
             os.replace((finished or aside)[0], out)

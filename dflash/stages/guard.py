@@ -148,7 +148,7 @@ def ways_on(train: TrainStage, doing: str) -> str:
     ways = (f"To {doing} beside it, run the same command with {another_run_folder(train.context)}; to move the "
             f"trained drafter aside (kept in {train.checkpoints}.<its fingerprint>) and {doing} in its place, add "
             f"overwrite=true")
-    if train.capture.done():
+    if train.capture.data.done() and train.capture.done():
         ways += (" (which keeps this folder's data and features, the same for these settings; a new folder makes "
                  "them again)")
     return ways
