@@ -323,7 +323,7 @@ def settle_swap(out: str) -> None:
     left = glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*"))
     if not os.path.exists(out):
         finished = [path for path in left if not path.endswith(".old") and
-                    all(os.path.isfile(os.path.join(path, name)) for name in (DONE, "summary.json"))]
+                    all(os.path.isfile(os.path.join(path, file)) for file in (DONE, "summary.json"))]
         aside = [path for path in left if path.endswith(".old")]
         if finished or aside:
             os.replace((finished or aside)[0], out)
