@@ -85,22 +85,23 @@ def read_journal(path: str | Path) -> tuple[dict | None, dict[str, dict]]:
         return header, {pid: read_record(f, offset) for pid, (_, offset, _) in index.items()}
 
 
-def _differences(header: dict, settings: dict, prefix: str = "") -> list[str]:
-    """What differs between a journal's header and the settings now: `key: then -> now`, nested keys dotted."""
+def setting_differences(header: dict, settings: dict, prefix: str = "") -> list[str]:
+    """What differs between recorded settings (a journal's header, an evaluation's config) and the settings now:
+    `key: then -> now`, nested keys dotted after `prefix`."""
     parts = []
     for key in sorted(set(header) | set(settings)):
         then = header[key] if key in header else "not recorded"
         now = settings[key] if key in settings else "not given"
         if isinstance(then, dict) and isinstance(now, dict):
-            parts += _differences(then, now, f"{prefix}{key}.")
+            parts += setting_differences(then, now, f"{prefix}{key}.")
         elif then != now:
             parts.append(f"{prefix}{key}: {then!r} -> {now!r}")
     return parts
 
 
 def _settings_differences(header: dict, settings: dict, unused: tuple[str, ...]) -> list[str]:
-    """_differences of a header and the settings now, but for the top-level keys in `unused`."""
-    return _differences({k: v for k, v in header.items() if k not in unused},
+    """setting_differences of a header and the settings now, but for the top-level keys in `unused`."""
+    return setting_differences({k: v for k, v in header.items() if k not in unused},
                         {k: v for k, v in settings.items() if k not in unused})
 
 

@@ -15,6 +15,7 @@ from dflash.config import fingerprints
 from dflash.config.command_line import adopted_overrides, hydra_overrides
 from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
+from dflash.data.journal import setting_differences
 from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, stage_done, \
     swap_in_dir, temp_path, write_text
 from dflash.stages.closing import shown
@@ -60,8 +61,8 @@ class EvalStage(Stage):
         if set(run.settings.stages) & {"data", "capture", "train", "export"} or os.path.isdir(run.dirs["export"]) \
                 or os.path.isdir(run.dirs["checkpoints"]):
             return
-        # A folder holding only hydra/ was made by a refused command of a dflash before session 43, where Hydra wrote
-        # its log there: nothing was trained in it.
+        # A folder holding only hydra/ (where Hydra wrote its log, in runs of earlier dflash versions) holds nothing
+        # trained.
         if os.path.isdir(run.run_dir) and set(os.listdir(run.run_dir)) - {"hydra"}:
             aside = sorted(name for name in os.listdir(run.run_dir) if name.startswith("checkpoints."))
             held = (f"its drafters of other settings were moved aside ({', '.join(aside)}): the training command of "
@@ -207,8 +208,10 @@ class EvalStage(Stage):
         config = os.path.join(self.out, "config.yaml")
         old = OmegaConf.to_container(OmegaConf.load(config)) if os.path.exists(config) else {}
         new = OmegaConf.to_container(self.context.cfg, resolve=True)
-        changes = [change for change in changed_leaves(old.get("eval") if isinstance(old, dict) else None,
-                                                       new["eval"], "eval") if not change.startswith("eval.out_dir:")]
+        recorded = old.get("eval") if isinstance(old, dict) else None  # None: its settings were not kept
+        changes = [] if not isinstance(recorded, dict) else [
+            change for change in setting_differences(recorded, new["eval"], "eval.")
+            if not change.startswith("eval.out_dir:")]
         why = "an earlier measurement" if not changes else "measured with other eval settings: " + "; ".join(
             changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
         beside = next(f"{self.out}_{k}" for k in range(2, 10_000) if not os.path.exists(f"{self.out}_{k}"))
@@ -287,14 +290,6 @@ class EvalStage(Stage):
         write_summary(summary, out)
         write_text(os.path.join(out, "config.yaml"), run.config_yaml())
         return summary
-
-
-def changed_leaves(old: Any, new: Any, key: str) -> list[str]:
-    """`key.sub: old -> new` of each value that differs between two nested dicts (a resolved config's section)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [change for name in {**old, **new}
-                for change in changed_leaves(old.get(name, "(absent)"), new.get(name, "(absent)"), f"{key}.{name}")]
-    return [] if old == new else [f"{key}: {old} -> {new}"]
 
 
 def carry_other_entries(out: str, new: str) -> None:
