@@ -36,8 +36,15 @@ TINY = ["+experiment=tiny"]
                                       "train.lr=[1e-3,3e-4]"),
     (["capture=offline,online"], "train", "capture=offline,online: capture takes one option; a comma sweeps, which "
                                           "needs --multirun (-m)"),
-    (["eval.prompt_sets.humaneval.limt=2"], "eval", "eval.prompt_sets.humaneval.limt: eval.prompt_sets.humaneval has "
-                                                    "no entry 'limt' (did you mean eval.prompt_sets.humaneval.limit?)"),
+    (["eval.prompt_sets.humaneval.limt=2"], "eval", "eval.prompt_sets.humaneval.limt: no such setting (did you mean "
+                                                    "eval.prompt_sets.humaneval.limit?)"),
+    (["+eval.prompt_sets.humaneval.limt=2"], "train", "eval.prompt_sets.humaneval.limt: no such setting (did you mean "
+                                                      "eval.prompt_sets.humaneval.limit?)"),
+    (["eval.prompt_sets.gsm8k.limit=abc"], "train", "eval.prompt_sets.gsm8k.limit=abc: expected an int"),
+    (["eval.prompt_sets.gsm8k.limit=2.5"], "eval", "eval.prompt_sets.gsm8k.limit=2.5: expected an int"),
+    (["eval.prompt_sets.mtbench.turns=two"], "train", "eval.prompt_sets.mtbench.turns=two: expected an int"),
+    (["train.lr.warmup=3"], "train", "train.lr.warmup: train.lr is one value (float), not a group of settings: "
+                                     "train.lr=..."),
     (["--epochs", "3"], "train", "--epochs: no such option; settings are given as key=value (did you mean "
                                  "train.epochs=3?)"),
     (["--lr=3e-4"], "train",
@@ -56,6 +63,22 @@ def test_an_uncomposable_command_line_is_one_line_naming_the_override(argv, conf
     with pytest.raises(ConfigError) as error:
         refuse_uncomposable([*TINY, *argv], config)
     assert line in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["target.tiny.hidden_size=64"], "target.tiny.hidden_size=64: target.tiny is null in this config, so it has no "
+                                     "key hidden_size to set; only target.kind=tiny reads it (this target is smollm2)"),
+    # The others' settings are refused (no such target path), so no reason is read from them.
+    (["target=hf", "target.path=/x", "target.tiny.family.name=llama"], "target.tiny.family.name=llama: target.tiny is "
+                                                                       "null in this config, so it has no key "
+                                                                       "family.name to set; set target.tiny itself"),
+])
+def test_a_key_below_a_null_setting_is_one_line_naming_it(argv, line):
+    # OmegaConf asserts on an update below a null value: Hydra's traceback ended in "Unexpected type for root".
+    with pytest.raises(ConfigError) as error:
+        refuse_uncomposable(argv, "train")
+    assert str(error.value).startswith(line)
     assert "\n" not in str(error.value)
 
 

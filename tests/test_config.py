@@ -645,7 +645,13 @@ def test_a_dotted_key_is_looked_up_in_the_schema_for_its_type_and_for_why_it_nam
     assert lookup_setting("train")[0] is schema.TrainSettings and lookup_setting("train")[1] is None
     kind, problem = lookup_setting("train.lrr")
     assert kind is None and problem.startswith("train.lrr: no such setting (did you mean train.lr?)")
-    assert lookup_setting("eval.prompt_sets.gsm8k.limit") == (None, None)  # inside a free-form mapping
+    assert lookup_setting("eval.prompt_sets.gsm8k.limit") == (int, None)  # an entry's own settings
+    assert lookup_setting("eval.prompt_sets.mine.turns") == (int, None)  # whatever the entry's name
+    assert lookup_setting("eval.prompt_sets.gsm8k.limt")[1].startswith(
+        "eval.prompt_sets.gsm8k.limt: no such setting (did you mean eval.prompt_sets.gsm8k.limit?)")
+    assert lookup_setting("target.tiny.hidden_size") == (None, None)  # inside a free-form mapping
+    assert lookup_setting("train.lr.x") == (None, "train.lr.x: train.lr is one value (float), not a group of "
+                                                  "settings: train.lr=...")
     assert unknown_key_problem("train.lrr") == problem
     assert unknown_key_problem("hydra.run.dir") is None and unknown_key_problem("experiment") is None
 
@@ -692,6 +698,12 @@ def test_free_form_settings_take_new_keys_and_a_composed_config_is_checked_too()
     with open_dict(cfg.train):
         cfg.train.lrr = 0.1  # what an experiment file or a Hydra append can bring in
     with pytest.raises(ConfigError, match=re.escape("train.lrr: no such setting (did you mean train.lr?)")):
+        settings_from(cfg)
+    cfg = compose(["+experiment=tiny"])
+    with open_dict(cfg.eval.prompt_sets.gsm8k):
+        cfg.eval.prompt_sets.gsm8k.limt = 3  # an entry of a prompt set's type: its dataclass would drop the key
+    with pytest.raises(ConfigError, match=re.escape("eval.prompt_sets.gsm8k.limt: no such setting (did you mean "
+                                                    "eval.prompt_sets.gsm8k.limit?)")):
         settings_from(cfg)
 
 

@@ -182,6 +182,53 @@ def refuse_uncomposable(argv: list[str], config_name: str) -> None:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         raise ConfigError(composition_problem(error, argv, _entries_beside(error, argv, config_name))) from error
+    except AssertionError as error:  # OmegaConf's update of a key below a null value asserts
+        problem = _below_null_problem(argv, config_name)
+        if problem is None:
+            raise
+        raise ConfigError(problem) from error
+
+
+def _below_null_problem(argv: list[str], config_name: str) -> str | None:
+    """The line for the first override that sets a key below a value that is null in the config composed without
+    it (`target.tiny.hidden_size=64` where the target is not a tiny one); None if no override does."""
+    from omegaconf import OmegaConf
+
+    from dflash.config import compose
+
+    for arg in argv:
+        key = override_key(arg)
+        if arg.startswith("~") or "=" not in arg or "." not in key:
+            continue
+        try:
+            cfg = compose([other for other in argv if other is not arg], config_name)
+        except Exception:  # noqa: BLE001 - the others cannot be composed either: not this override's problem
+            continue
+        parts = key.split(".")
+        for depth in range(1, len(parts)):
+            parent = ".".join(parts[:depth])
+            if OmegaConf.select(cfg, parent, default="absent") is None:
+                return (f"{arg}: {parent} is null in this config, so it has no key {'.'.join(parts[depth:])} to set"
+                        f"{_why_unused(cfg, parent)}")
+    return None
+
+
+def _why_unused(cfg: Any, key: str) -> str:
+    """'; <why the config does not use setting `key`>' by its schema's `unused` reason (target.tiny: only a tiny
+    target reads it), else '; set <key> itself'."""
+    from omegaconf import OmegaConf
+
+    parent, _, name = key.rpartition(".")
+    try:
+        run = OmegaConf.to_object(cfg)
+        group = run
+        for part in parent.split(".") if parent else []:
+            group = getattr(group, part)
+        spec = next(f for f in dataclasses.fields(group) if f.name == name)
+        why = spec.metadata["unused"](group, run) if "unused" in spec.metadata else ""
+    except Exception:  # noqa: BLE001 - only a hint: the line is made without it
+        why = ""
+    return f"; {why}" if why else f"; set {key} itself"
 
 
 def _entries_beside(error: Exception, argv: list[str], config_name: str) -> dict[str, list[str]]:

@@ -13,10 +13,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.errors import ConfigError
-from dflash.config.schema import RunSettings
+from dflash.config.schema import PromptSetSettings, RunSettings
 
 # First parts of override keys that are not settings: Hydra's own, and the experiment group an override selects.
 NOT_SETTINGS = ("hydra", "experiment")
+# Mappings of named entries whose values are settings of their own: an entry's keys are looked up in its dataclass
+# (the schema types the mapping's values Any, for OmegaConf to take a whole entry given as a mapping).
+ENTRY_SETTINGS = {"eval.prompt_sets": PromptSetSettings}
 
 
 def settings_fields(cls: type) -> dict[str, Any]:
@@ -39,17 +42,26 @@ def override_key(override: str) -> str:
 
 def lookup_setting(key: str) -> tuple[Any, str | None]:
     """The schema's type of the dotted `key` (Optional unwrapped) and None; or (None, why `key` names no setting,
-    with the nearest one); or (None, None) for a key inside a free-form field such as eval.prompt_sets or
-    target.tiny, whose keys the schema checks itself."""
+    with the nearest one); or (None, None) for a key inside a free-form field such as target.tiny, whose keys the
+    schema checks itself. Below an entry of ENTRY_SETTINGS (eval.prompt_sets.gsm8k.limit), the entry's settings."""
     parts = key.split(".")
     cls: Any = RunSettings
-    for depth, part in enumerate(parts):
+    depth = 0
+    while depth < len(parts):
+        entries = ENTRY_SETTINGS.get(".".join(parts[:depth]))
+        if entries is not None:  # parts[depth] names an entry, any name: its keys are the entry's settings
+            cls, depth = entries, depth + 1
+            continue
+        if cls in (int, float, bool, str):
+            one = ".".join(parts[:depth])
+            return None, f"{key}: {one} is one value ({cls.__name__}), not a group of settings: {one}=..."
         if not dataclasses.is_dataclass(cls):
             return None, None
         fields = settings_fields(cls)
-        if part not in fields:
+        if parts[depth] not in fields:
             return None, _no_such(".".join(parts[:depth + 1]), ".".join(parts[:depth]), fields)
-        cls = fields[part]
+        cls = fields[parts[depth]]
+        depth += 1
     return cls, None
 
 
@@ -101,6 +113,14 @@ def refuse_unknown_settings(cfg: DictConfig) -> None:
 
 def _walk(node: DictConfig, prefix: str) -> None:
     cls = OmegaConf.get_type(node)
+    if prefix.rstrip(".") in ENTRY_SETTINGS:
+        # A key added to an entry of its own type (+eval.prompt_sets.gsm8k.limt=3) is kept by OmegaConf and dropped
+        # when the entry becomes its dataclass; an entry given as a mapping is checked by the schema itself.
+        for name in node.keys():
+            child = node._get_node(name)
+            if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+                _walk(child, f"{prefix}{name}.")
+        return
     if not dataclasses.is_dataclass(cls):
         return
     fields = {f.name for f in dataclasses.fields(cls)}
