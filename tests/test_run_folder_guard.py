@@ -159,3 +159,31 @@ def test_a_refusal_names_no_config_file_when_none_was_kept(tmp_path):
     with pytest.raises(RunFolderError, match="This command trains nothing") as error:
         Pipeline(compose(run[:-2] + ["stages=[eval]", "train.epochs=2"])).run()
     assert "its settings:" not in str(error.value)
+
+
+def test_a_training_that_failed_before_its_first_step_leaves_no_folder_behind(tmp_path, monkeypatch):
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train]", "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    good = snapshot(tmp_path / "checkpoints")
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (a test)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("dflash.train.loop.train", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
+    assert snapshot(aside).items() >= good.items()  # the trained drafter, moved aside with its outputs
+    Pipeline(compose(run)).run()  # back: the good drafter returns; the failed one's settings are all it left
+    assert snapshot(tmp_path / "checkpoints") == good
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
+    # A folder moved aside that holds anything more than a training's settings is kept.
+    with monkeypatch.context() as patch:
+        patch.setattr("dflash.train.loop.train", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()
+    (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
+    Pipeline(compose(run)).run()
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
+    assert (aside / "notes.txt").read_text() == "mine"

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,8 @@ from dflash.config import ConfigError, fingerprints
 from dflash.config.command_line import hydra_overrides
 from dflash.config.errors import RunFolderError
 from dflash.config.training_command import training_overrides
-from dflash.run_files import SETTINGS_KEY, checksum_problem, claim_checkpoint_dir, claimed_key, container, \
-    fingerprint, from_rank0, read_json, read_json_or_none, stage_done, write_json, write_text
+from dflash.run_files import CHECKPOINT_KEY, SETTINGS_KEY, checksum_problem, claim_checkpoint_dir, claimed_key, \
+    container, fingerprint, from_rank0, read_json, read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.batch_split import counted_ranks, fingerprinted, keeping_batch, recorded_split, settings_record, \
     split_record
 from dflash.stages.capture import CaptureStage
@@ -321,9 +322,15 @@ class TrainStage(Stage):
         moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
         if moved is None and orphaned not in (None, self.checkpoint_fingerprint()):
             moved = outputs_aside(self.checkpoints, orphaned)
-        if moved:
-            logger.info(f"[train] {self.moved_line(moved, recorded)}")
         carry_trained_outputs(run.run_dir, self.checkpoints, moved)
+        if moved and trained_nothing(moved):
+            # A training that failed before its first step (an overwrite=true that ran out of memory) left its
+            # settings alone: nothing of it to keep, and every such failure would leave one more folder.
+            shutil.rmtree(moved)
+            logger.info("[train] the checkpoints folder of a training of other settings that saved and logged no step "
+                        "removed")
+        elif moved:
+            logger.info(f"[train] {self.moved_line(moved, recorded)}")
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
         earlier = settings_record(self.checkpoints)
         record = {"fingerprint": self.settings_fingerprint(),
@@ -523,6 +530,19 @@ def outputs_key(run: RunContext) -> str | None:
     done = read_json_or_none(os.path.join(run.dirs["export"], "done.json"))
     key = done.get("checkpoint") if isinstance(done, dict) else None
     return key or "unfingerprinted"
+
+
+def trained_nothing(folder: str) -> bool:
+    """Whether a checkpoints folder moved aside holds only what a training writes before its first step: its
+    settings records (claim_checkpoints) and an empty metrics.jsonl. No checkpoint, log, export or evaluation, and
+    no file of anyone else's."""
+    records = {CHECKPOINT_KEY, SETTINGS_KEY, "config.yaml"}
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not (name in records and os.path.isfile(path)) and not (name == "metrics.jsonl" and os.path.isfile(path)
+                                                                   and os.path.getsize(path) == 0):
+            return False
+    return True
 
 
 def outputs_aside(checkpoints: str, key: str) -> str:
