@@ -14,7 +14,7 @@ import pytest
 from dflash.config import compose, fingerprints
 from dflash.config.errors import RunFolderError
 from dflash.pipeline import Pipeline
-from dflash.run_files import folder_checksums, read_json, write_json
+from dflash.run_files import folder_checksums, read_json, write_json, write_text
 from dflash.stages.guard import ways_on
 
 TINY = ["+experiment=tiny", "show_progress=false", "train.epochs=1"]
@@ -102,6 +102,7 @@ def test_the_train_stage_says_why_it_moves_checkpoints_aside(tmp_path, caplog, o
     write_json(os.path.join(train.checkpoints, "fingerprint.json"), {"fingerprint": "0123456789abcdef"})
     write_json(os.path.join(train.checkpoints, "settings.json"),
                {"fingerprint": fingerprints.settings_fingerprint(train.context.settings)})
+    write_text(os.path.join(train.checkpoints, "latest"), "step5")  # a saved step: a folder of settings alone goes
     with caplog.at_level(logging.INFO, logger="dflash.stages.train"):
         assert not train.claim_checkpoints()
     (line,) = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
