@@ -19,7 +19,25 @@ TINY = ["+experiment=tiny"]
     (["train.epochs=1.5"], "train", "train.epochs=1.5: expected an int"),
     (["train.lr=abc"], "train", "train.lr=abc: expected a number"),
     (["show_progress=maybe"], "train", "show_progress=maybe: expected true or false"),
-    (["stages=train"], "train", "stages=train: expected a list, e.g. stages=[train]"),
+    (["stages=train"], "train", "stages=train: expected a list of strings, e.g. stages=[train]"),
+    (["stages=null"], "train", "stages=null: expected a list of strings, e.g. stages=[data,capture,train]"),
+    (["drafter.target_layer_ids=[a,b]"], "train", "drafter.target_layer_ids=[a,b]: expected a list of ints, e.g. "
+                                                  "drafter.target_layer_ids=[1,5,9]"),
+    (["~run_dir"], "train", "~run_dir: a setting cannot be deleted; give it another value (run_dir=...)"),
+    (["overwrite=2"], "train", "overwrite=2: expected true or false"),
+    (["seed=3"], "train", "seed: no such setting (did you mean data.seed, train.seed or eval.seed?)"),
+    (["+eval.prompt_sets.gsm8k.limit=3"], "train", "+eval.prompt_sets.gsm8k.limit=3: eval.prompt_sets.gsm8k.limit is "
+                                                   "there already, so it is set without the +: "
+                                                   "eval.prompt_sets.gsm8k.limit=3"),
+    (["data.path=~/prompts.jsonl"], "train", "data.path=~/prompts.jsonl: a value starting with ~ is read as Hydra's "
+                                             "deletion mark (the shell left it unexpanded); quote it: "
+                                             "data.path='~/prompts.jsonl'"),
+    (["capture.ranks=2"], "train", "capture.ranks: a setting of capture=online only, which this command does not "
+                                   "choose (capture=online does)"),
+    (["target.tiny=llama"], "train", "target.tiny=llama: target.tiny is a mapping: change a key of it with "
+                                     "target.tiny.<key>=..."),
+    (["data.chat_template_kwargs={enable_thinking:false}"], "train",
+     "data.chat_template_kwargs: its keys are given one by one: +data.chat_template_kwargs.enable_thinking=..."),
     (["eval.prompt_sets=nonsense"], "eval",
      "eval.prompt_sets=nonsense: eval.prompt_sets is a mapping of entries: change one with "
      "eval.prompt_sets.<name>.<key>=..., drop one with ~eval.prompt_sets.<name>, add one with "
@@ -70,6 +88,8 @@ def test_an_uncomposable_command_line_is_one_line_naming_the_override(argv, conf
     (["target.tiny.hidden_size=64"], "target.tiny.hidden_size=64: target.tiny is null in this config, so it has no "
                                      "key hidden_size to set; only target.kind=tiny reads it (this target is smollm2)"),
     # The others' settings are refused (no such target path), so no reason is read from them.
+    (["target.tiny={family:llama}"], "target.tiny={family:llama}: target.tiny is null in this config and takes no "
+                                     "mapping here; only target.kind=tiny reads it (this target is smollm2)"),
     (["target=hf", "target.path=/x", "target.tiny.family.name=llama"], "target.tiny.family.name=llama: target.tiny is "
                                                                        "null in this config, so it has no key "
                                                                        "family.name to set; set target.tiny itself"),

@@ -273,6 +273,13 @@ UNUSED = [
      ["data.temperature=0.7"]),
     ("data.top_p", "data.top_p=0.9", ["data.temperature=0.7", "data.sampled_share=0"], ["data.temperature=0.7"]),
     ("data.sampled_share", "data.sampled_share=0.5", [], ["data.temperature=0.7"]),
+    ("data.synthetic.system_prompts", "data.synthetic.system_prompts=[x]", [], ["data.synthetic.count=4"]),
+    ("data.synthetic.temperature", "data.synthetic.temperature=0.5", [], ["data.synthetic.count=4"]),
+    ("data.synthetic.top_p", "data.synthetic.top_p=0.9", [], ["data.synthetic.count=4"]),
+    ("data.synthetic.max_new_tokens", "data.synthetic.max_new_tokens=50", [], ["data.synthetic.count=4"]),
+    ("data.synthetic.min_chars", "data.synthetic.min_chars=3", [], ["data.synthetic.count=4"]),
+    ("data.synthetic.max_oversample", "data.synthetic.max_oversample=2", [], ["data.synthetic.count=4"]),
+    ("data.synthetic.keep_system", "data.synthetic.keep_system=false", [], ["data.synthetic.count=4"]),
     ("capture.shard_tokens", "capture.shard_tokens=4096", ["capture=online"], []),
     ("capture.batch_tokens", "capture.batch_tokens=4096", ["capture=colocated"], ["capture=online"]),
     ("capture.check_every", "capture.check_every=5", ["capture=online"], []),
@@ -415,7 +422,7 @@ BAD = [
     ("data.temperature=-1", "data.temperature=-1.0"),
     ("data.top_p=0", "data.top_p=0.0: expected a number in (0, 1]"),
     ("data.turns=some", "data.turns='some': expected one of 'first', 'all'"),
-    ("data.source=file", "data.path=None: expected a .jsonl/.json prompt file"),
+    ("data.source=file", "data.path=null: expected a .jsonl/.json prompt file"),
     ("data.path=/no/such/prompts.jsonl", "data.path='/no/such/prompts.jsonl': no such file"),
     ("data.limit=0", "data.limit=0"),
     ("data.engine=vllm", "data.engine='vllm'"),
@@ -705,6 +712,27 @@ def test_free_form_settings_take_new_keys_and_a_composed_config_is_checked_too()
     with pytest.raises(ConfigError, match=re.escape("eval.prompt_sets.gsm8k.limt: no such setting (did you mean "
                                                     "eval.prompt_sets.gsm8k.limit?)")):
         settings_from(cfg)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("stages=[data,capture,data]", "stages=['data', 'capture', 'data']: data named more than once"),
+    ("run_dir=", "run_dir='': expected a folder path (an empty one would write into the working folder)"),
+    ("data.path=/", "data.path='/': a folder; expected a file"),
+])
+def test_a_setting_that_would_run_a_stage_twice_or_write_where_it_should_not_is_refused(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        settings_from(compose(["+experiment=tiny", override]))
+
+
+def test_a_data_source_every_prompt_of_which_is_an_evaluation_prompt_is_refused_naming_the_check(tmp_path):
+    from dflash.pipeline import Pipeline
+
+    # The gsm8k the package ships is its test split: every prompt is one of the evaluation's.
+    run = ["+experiment=tiny", f"run_dir={tmp_path}", "data.source=gsm8k", "stages=[data]"]
+    with pytest.raises(ConfigError, match=re.escape("data.source=gsm8k: all 32 training prompts share a 13-word run "
+                                                    "with an evaluation prompt")):
+        Pipeline(compose(run)).run()
+    assert not os.path.exists(tmp_path / "data" / "done.json")
 
 
 def test_a_key_that_names_no_setting_ends_the_command_with_one_line(tmp_path):

@@ -36,7 +36,7 @@ def hf_folder(tmp_path, family="gemma2", **overrides):
 
 
 @pytest.mark.parametrize("path,problem", [
-    (None, r"target.path=None: expected a Hugging Face checkpoint folder or a .gguf file \(kind=hf\)"),
+    (None, r"target.path=null: expected a Hugging Face checkpoint folder or a .gguf file \(kind=hf\)"),
     ("/nonexistent/model", "no such folder"),
     ("/nonexistent/model.gguf", "no such GGUF file"),
 ])

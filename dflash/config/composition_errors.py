@@ -18,7 +18,7 @@ from dflash.config.errors import ConfigError
 from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag
 from dflash.config.schema import RunSettings
 from dflash.config import unknown_keys
-from dflash.config.unknown_keys import lookup_setting, override_key, settings_fields
+from dflash.config.unknown_keys import ENTRY_SETTINGS, lookup_setting, override_key, settings_fields
 
 TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
 
@@ -100,6 +100,11 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
             if options and option not in options:
                 return f"{group}={option}: no such option; {group} takes {', '.join(options)}"
     if isinstance(error, OverrideParseException):
+        tilde = next((arg for arg in argv if arg.partition("=")[2].startswith("~")), None)
+        if "LexerNoViableAltException" in text and tilde is not None:
+            key, _, value = tilde.partition("=")
+            return (f"{tilde}: a value starting with ~ is read as Hydra's deletion mark (the shell left it "
+                    f"unexpanded); quote it: {key}='{value}', or write the path in full")
         found = re.search(r"Error parsing override '([^']+)'", text)
         if found:
             arg = found.group(1)
@@ -119,13 +124,23 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
         if found:
             given = next((arg for arg in argv if override_key(arg) == found.group(1)), found.group(1))
             return f"{given}: {found.group(1)} is not chosen by default, so it is added with a +: +{given.lstrip('~')}"
+        found = re.search(r"Could not append to config\. An item is already at '([^']+)'", text)
+        if found:
+            given = next((arg for arg in argv if override_key(arg) == found.group(1)), found.group(1))
+            return (f"{given}: {found.group(1)} is there already, so it is set without the +: "
+                    f"{given.lstrip('+')}")
         found = re.search(r"Error merging override (\S+?)=(.*)$", text.splitlines()[0])
         if found:
             return _merge_problem(found.group(1).lstrip("+"), found.group(2), error.__cause__)
         found = re.search(r"Could not override '([^']+)'", text)
         if found:
-            return _missing_entry_problem(found.group(1), f"{text}\n{error.__cause__ or ''}", existing or {})
+            return _other_mode_problem(found.group(1)) or \
+                _missing_entry_problem(found.group(1), f"{text}\n{error.__cause__ or ''}", existing or {})
     return f"the command line cannot be composed: {_first_line(text)}"
+
+
+# Examples of a list setting's value by the type of its items.
+LIST_EXAMPLES = {int: ("ints", "1,5,9"), float: ("numbers", "0.9,0.95"), str: ("strings", "a,b")}
 
 
 def _merge_problem(key: str, value: str, cause: BaseException | None) -> str:
@@ -133,20 +148,56 @@ def _merge_problem(key: str, value: str, cause: BaseException | None) -> str:
     origin = typing.get_origin(kind)
     if dataclasses.is_dataclass(kind):
         return f"{key}={value}: {key} is a group of settings, not one value: set them one by one ({key}.<key>=...)"
-    if kind is dict or origin is dict:
+    if (kind is dict or origin is dict) and key in ENTRY_SETTINGS:
         return (f"{key}={value}: {key} is a mapping of entries: change one with {key}.<name>.<key>=..., drop one with "
                 f"~{key}.<name>, add one with +{key}.<name>.<key>=...")
+    if kind is dict or origin is dict:
+        return (f"{key}={value}: {key} is a mapping: change a key of it with {key}.<key>=..., add one with "
+                f"+{key}.<key>=..., drop one with ~{key}.<key>")
     if kind is list or origin is list:
-        return f"{key}={value}: expected a list, e.g. {key}=[{value.strip('[]')}]"
+        item = (typing.get_args(kind) or (None,))[0]
+        words, example = LIST_EXAMPLES.get(item, ("", value.strip("[]")))
+        if key == "stages":
+            example = "data,capture,train"
+        given = [part.strip() for part in value.strip("[]").split(",")]
+        if value.strip("[]") and all(_parses(part, item) for part in given):  # the items were right: the value
+            example = ",".join(given)
+        return f"{key}={value}: expected a list{' of ' + words if words else ''}, e.g. {key}=[{example}]"
     if kind in TYPE_WORDS:
         return f"{key}={value}: expected {TYPE_WORDS[kind]}"
     return f"{key}={value}: {_first_line(str(cause) if cause is not None else 'cannot be set')}"
+
+
+def _other_mode_problem(key: str) -> str | None:
+    """For a setting of another mode of its group (capture.ranks under capture=offline): the line naming the mode
+    that has it, where Hydra asks for a + that would then be refused."""
+    group, _, name = key.rpartition(".")
+    kind = lookup_setting(group)[0] if group else None
+    if not dataclasses.is_dataclass(kind) or name in {f.name for f in dataclasses.fields(kind)}:
+        return None
+    modes = [f"{group}={sub.mode}" for sub in kind.__subclasses__()
+             if name in {f.name for f in dataclasses.fields(sub)} and isinstance(getattr(sub, "mode", None), str)]
+    if not modes:
+        return None
+    return f"{key}: a setting of {' and '.join(modes)} only, which this command does not choose ({modes[0]} does)"
+
+
+def _parses(text: str, kind: Any) -> bool:
+    """Whether `text` reads as one item of type `kind` of a list setting (a string: any word but null)."""
+    try:
+        kind(text) if kind in (int, float) else None
+    except ValueError:
+        return False
+    return bool(text) and text.lower() not in ("null", "none")
 
 
 def _missing_entry_problem(key: str, text: str, existing: dict[str, list[str]]) -> str:
     missing = re.search(r"Key '([^']+)' (?:is )?not in", text)
     parts = key.split(".")
     name = missing.group(1) if missing else parts[-1]
+    if name not in parts:  # a mapping given whole to a mapping setting: its keys are merged one by one, and refused
+        return (f"{key}: its keys are given one by one: +{key}.{name}=... (a mapping given whole is merged into "
+                f"what {key} holds)")
     parent = ".".join(parts[:parts.index(name)]) if name in parts else ".".join(parts[:-1])
     has = existing.get(parent) or []
     near = difflib.get_close_matches(name, has, n=1)
@@ -182,7 +233,7 @@ def refuse_uncomposable(argv: list[str], config_name: str) -> None:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         raise ConfigError(composition_problem(error, argv, _entries_beside(error, argv, config_name))) from error
-    except AssertionError as error:  # OmegaConf's update of a key below a null value asserts
+    except (AssertionError, AttributeError) as error:  # OmegaConf's update of or below a null mapping fails so
         problem = _below_null_problem(argv, config_name)
         if problem is None:
             raise
@@ -205,11 +256,14 @@ def _below_null_problem(argv: list[str], config_name: str) -> str | None:
         except Exception:  # noqa: BLE001 - the others cannot be composed either: not this override's problem
             continue
         parts = key.split(".")
-        for depth in range(1, len(parts)):
+        for depth in range(1, len(parts) + 1):
             parent = ".".join(parts[:depth])
-            if OmegaConf.select(cfg, parent, default="absent") is None:
-                return (f"{arg}: {parent} is null in this config, so it has no key {'.'.join(parts[depth:])} to set"
-                        f"{_why_unused(cfg, parent)}")
+            if OmegaConf.select(cfg, parent, default="absent") is not None:
+                continue
+            if depth == len(parts):  # a mapping given to a null one
+                return f"{arg}: {key} is null in this config and takes no mapping here{_why_unused(cfg, key)}"
+            return (f"{arg}: {parent} is null in this config, so it has no key {'.'.join(parts[depth:])} to set"
+                    f"{_why_unused(cfg, parent)}")
     return None
 
 

@@ -27,9 +27,9 @@ class CorruptFile(RunFolderError):
 
 
 def require(condition: bool, key: str, value: Any, expected: str) -> None:
-    """ConfigError `key=value: expected ...` unless `condition`."""
+    """ConfigError `key=value: expected ...` unless `condition` (None written as the command line writes it)."""
     if not condition:
-        raise ConfigError(f"{key}={value!r}: expected {expected}")
+        raise ConfigError(f"{key}={'null' if value is None else repr(value)}: expected {expected}")
 
 
 def require_choice(key: str, value: Any, choices: Iterable[Any]) -> None:

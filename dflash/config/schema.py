@@ -124,8 +124,9 @@ class TargetSettings:
         if self.mask_token_id is not None:
             _positive("target.mask_token_id", self.mask_token_id, allow_zero=True)
         if self.chat_template is not None and not os.path.isfile(os.path.expanduser(self.chat_template)):
-            raise ConfigPathError(f"target.chat_template={self.chat_template!r}: no such file (a Jinja chat "
-                                  "template)")
+            what = "a folder" if os.path.isdir(os.path.expanduser(self.chat_template)) else "no such file"
+            raise ConfigPathError(f"target.chat_template={self.chat_template!r}: {what} (expected a Jinja chat "
+                                  "template file)")
 
 
 # drafter -----------------------------------------------------------------------------------------------------------
@@ -203,19 +204,26 @@ def _default_system_prompts() -> list[str]:
             ""]  # no system message: the chat template's default
 
 
+def _no_synthetic(synthetic: Any, run: Any) -> str:
+    return "" if synthetic.count else "data.synthetic.count=0 writes no prompts"
+
+
 @dataclass
 class SyntheticSettings:
     """Prompts the target writes itself, Magpie-style (dflash/data/synthetic.py), added to the source's."""
 
     count: int = setting(0, affects=("data",), doc="prompts to write; 0 = off. Journaled in data/synthetic.jsonl")
-    system_prompts: List[str] = setting(affects=("data",), factory=_default_system_prompts,
+    system_prompts: List[str] = setting(affects=("data",), factory=_default_system_prompts, unused=_no_synthetic,
                                         doc="spread evenly; each steers the topic of the user turns sampled")
-    temperature: float = setting(1.0, affects=("data",), doc="sampling temperature of the user turns")
-    top_p: float = setting(0.95, affects=("data",), doc="nucleus sampling of the user turns")
-    max_new_tokens: int = setting(160, affects=("data",), doc="a user turn longer than this is dropped")
-    min_chars: int = setting(16, affects=("data",), doc="a shorter user turn is dropped")
-    max_oversample: float = setting(4.0, affects=("data",), doc="draws per kept prompt at most, for the drops")
-    keep_system: bool = setting(True, affects=("data",),
+    temperature: float = setting(1.0, affects=("data",), unused=_no_synthetic,
+                                 doc="sampling temperature of the user turns")
+    top_p: float = setting(0.95, affects=("data",), unused=_no_synthetic, doc="nucleus sampling of the user turns")
+    max_new_tokens: int = setting(160, affects=("data",), unused=_no_synthetic,
+                                  doc="a user turn longer than this is dropped")
+    min_chars: int = setting(16, affects=("data",), unused=_no_synthetic, doc="a shorter user turn is dropped")
+    max_oversample: float = setting(4.0, affects=("data",), unused=_no_synthetic,
+                                    doc="draws per kept prompt at most, for the drops")
+    keep_system: bool = setting(True, affects=("data",), unused=_no_synthetic,
                                 doc="false: the answers are made under the template's default system message")
 
     def __post_init__(self) -> None:
@@ -311,7 +319,8 @@ class DataSettings:
         if self.path is not None:
             path = os.path.expanduser(self.path)
             if not os.path.isfile(path):
-                raise ConfigError(f"data.path={self.path!r}: no such file")
+                raise ConfigError(f"data.path={self.path!r}: " + ("a folder; expected a file" if os.path.isdir(path)
+                                                                 else "no such file"))
         if self.limit is not None:
             require(self.limit >= 1, "data.limit", self.limit, "an int >= 1, or null for all prompts")
         require_choice("data.turns", self.turns, ("first", "all"))
@@ -834,6 +843,10 @@ class RunSettings:
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")
+        twice = sorted({s for s in self.stages if self.stages.count(s) > 1})
+        if twice:
+            raise ConfigError(f"stages={self.stages}: {', '.join(twice)} named more than once; each stage runs once, "
+                              f"in the order of {list(STAGES)}")
         require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", self.device,
                 "auto, cpu or cuda[:N]")
         if os.path.normpath(self.run_dir) == os.path.normpath(f"runs/{self.name}") or not self.name:
@@ -906,9 +919,12 @@ def _expanded(folder: str | None) -> str | None:
 
 def _check_folder_path(key: str, folder: str | None) -> None:
     """ConfigError where setting `key` names a folder that cannot be made: the path, or a folder it would be made
-    in, is a file or a link to nothing."""
-    if not folder:
+    in, is a file or a link to nothing, or an empty path (which would be the working folder)."""
+    if folder is None:
         return
+    if not folder.strip():
+        raise ConfigError(f"{key}={folder!r}: expected a folder path (an empty one would write into the working "
+                          f"folder)")
     given = os.path.abspath(folder)
     path = given
     while not os.path.lexists(path) and os.path.dirname(path) != path:

@@ -82,8 +82,31 @@ def refuse_unknown_override_keys(overrides: list[str], config_dir: str) -> None:
             continue
         key, value = override_key(override), override.partition("=")[2]
         problem = unknown_key_problem(key) if key != "experiment" else unknown_experiment_problem(value, config_dir)
+        if problem is None and key.split(".")[0] not in NOT_SETTINGS:
+            problem = _deletion_problem(override, key) or _loose_bool_problem(key, value)
         if problem is not None:
             raise ConfigError(problem)
+
+
+def _deletion_problem(override: str, key: str) -> str | None:
+    """Why `~key` cannot delete `key`: a setting of the schema has a value in every run (deleted, a default such as
+    run_dir=runs/${name} would be left unresolved). An entry of a mapping (~eval.prompt_sets.gsm8k) can go."""
+    if not override.startswith("~") or key.rpartition(".")[0] in ENTRY_SETTINGS:
+        return None
+    kind = lookup_setting(key)[0]
+    if kind is None:
+        return None
+    return f"{override}: a setting cannot be deleted; give it another value ({key}=...)"
+
+
+# What OmegaConf reads as a bool (it also takes any int, 2 as true, which no one means).
+BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+def _loose_bool_problem(key: str, value: str) -> str | None:
+    if lookup_setting(key)[0] is bool and value.strip().lower() not in BOOL_WORDS:
+        return f"{key}={value}: expected true or false"
+    return None
 
 
 def group_options(group: str, config_dir: str) -> list[str]:
@@ -133,6 +156,11 @@ def _walk(node: DictConfig, prefix: str) -> None:
 
 
 def _no_such(key: str, group: str, fields: dict[str, Any]) -> str:
-    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(fields), n=1)
-    hint = f" (did you mean {group + '.' if group else ''}{near[0]}?)" if near else ""
+    name = key.rsplit(".", 1)[-1]
+    # A group's setting given without its group (seed=3): the groups that have one of that name.
+    owners = [f"{part}.{name}" for part, kind in fields.items()
+              if not group and dataclasses.is_dataclass(kind) and name in settings_fields(kind)]
+    near = owners or difflib.get_close_matches(name, list(fields), n=1)
+    named = [near[0]] if len(near) == 1 else [", ".join(near[:-1]) + f" or {near[-1]}"] if near else []
+    hint = f" (did you mean {group + '.' if group and not owners else ''}{named[0]}?)" if named else ""
     return f"{key}: no such setting{hint}; `python -m dflash.train --help` lists the groups, docs/config.md every key"

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dflash.config import fingerprints
+from dflash.config import ConfigError, fingerprints
 from dflash.run_files import clear_done, file_sha256, read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.context import RunContext
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
@@ -249,6 +249,12 @@ class DataStage(Stage):
         eval_prompts = [p for name, spec in specs.items()
                         for p in load_prompts(spec.source, path=spec.path, name=name, turns="first")]
         kept, report = drop_eval_overlaps(prompts, EvalIndex(eval_prompts, n))
+        if prompts and not kept:
+            # Training on an evaluation set's own prompts (data.source=gsm8k: the package ships its test split).
+            raise ConfigError(f"data.source={settings.data.source}: all {len(prompts)} training prompts share a "
+                              f"{n}-word run with an evaluation prompt of eval.prompt_sets and were dropped "
+                              f"(data.eval_overlap_ngram={n}): train on another source, or set "
+                              f"data.eval_overlap_ngram=0 to keep them")
         report["eval_sets"] = {name: sum(p.prompt_set == name for p in eval_prompts) for name in specs}
         report["eval_set_sources"] = {name: eval_set_source(spec) for name, spec in specs.items()}
         return kept, report
