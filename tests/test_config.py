@@ -916,3 +916,18 @@ def test_a_setting_is_described_for_a_terminal_by_its_key_or_its_groups():
     assert command("train.lr", "data.limit").stdout.splitlines()[::2] == [
         "train.lr: float, default 0.003; a change reruns train, export, eval",
         "data.limit: int or null, default 200; a change reruns data, capture, train, export, eval"]
+
+
+def docs_examples() -> list[list[str]]:
+    """The overrides of docs/config.md's example commands of dflash.train that name no file of the user's."""
+    with open(os.path.join(REPO, "docs", "config.md"), encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.startswith("    python -m dflash.train ")]
+    commands = [line.split("#")[0].split()[3:] for line in lines]
+    return [c for c in commands if not any("path=" in arg for arg in c)]
+
+
+@pytest.mark.parametrize("overrides", docs_examples(), ids=" ".join)
+def test_the_example_commands_of_the_settings_doc_pass_their_checks(overrides):
+    # The first one failed its checks: the tiny experiment's two drafter layer types against three layers.
+    assert len(docs_examples()) >= 2
+    settings_from(compose(overrides))

@@ -185,7 +185,8 @@ class DrafterSettings:
             for kind in self.layer_types:
                 require_choice("drafter.layer_types[...]", kind, LAYER_TYPES)
             require(len(self.layer_types) == self.num_hidden_layers, "drafter.layer_types", self.layer_types,
-                    f"one entry per layer ({self.num_hidden_layers}, drafter.num_hidden_layers)")
+                    f"one entry per layer ({self.num_hidden_layers}, drafter.num_hidden_layers), or null for full "
+                    f"attention in every layer")
             if "sliding_attention" in self.layer_types:
                 require(self.sliding_window is not None, "drafter.sliding_window", self.sliding_window,
                         "a window size: drafter.layer_types has sliding_attention layers")
