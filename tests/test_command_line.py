@@ -123,3 +123,13 @@ def test_a_key_given_twice_is_warned_about_and_the_last_used(capsys):
     command_arguments(["+experiment=tiny", "train.lr=1e-3", "--cfg", "job"])
     assert "given" not in capsys.readouterr().err
     assert repeated_keys(["+train.lr=1e-3", "train.lr=2e-3"]) == []  # not a repeat: Hydra refuses the pair itself
+
+
+@pytest.mark.parametrize("config_name,runs", [("extract", "the data and capture stages"), ("eval", "the eval stage")])
+def test_stages_given_to_a_command_that_runs_its_own_is_one_line(config_name, runs, capsys):
+    # They were dropped without a word: the command runs its own stages whatever `stages` says.
+    with pytest.raises(SystemExit) as ended:
+        command_arguments(["+experiment=tiny", "stages=[train]"], config_name)
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == (f"dflash: error: stages=[train]: python -m dflash.{config_name} runs {runs} "
+                                       f"itself; python -m dflash.train stages=[train] runs the stages named\n")

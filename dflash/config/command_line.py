@@ -124,6 +124,18 @@ def repeated_keys(argv: list[str]) -> list[str]:
             for key, args in given.items() if len(args) > 1]
 
 
+# The stages each command other than dflash.train runs, whatever `stages` says (dflash/pipeline.run_command).
+COMMAND_STAGES = {"extract": "the data and capture stages", "eval": "the eval stage"}
+
+
+def refuse_stages_setting(argv: list[str], config_name: str) -> None:
+    """ConfigError where `stages=` is given to a command that runs stages of its own (it would be dropped)."""
+    for arg in split_arguments(argv)[0]:
+        if config_name in COMMAND_STAGES and override_key(arg) == "stages" and "=" in arg:
+            raise ConfigError(f"{arg}: python -m dflash.{config_name} runs {COMMAND_STAGES[config_name]} itself; "
+                              f"python -m dflash.train {arg} runs the stages named")
+
+
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
     --local_rank, for an evaluation after the overrides it adopts (training_command.py), with the GPU default when
@@ -145,6 +157,7 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     try:
         refuse_removed_settings(kept)
         refuse_unknown_override_keys(kept, CONFIG_DIR)
+        refuse_stages_setting(kept, config_name)
         if os.environ.get("HYDRA_FULL_ERROR") != "1":
             refuse_uncomposable(arguments, config_name)
     except ConfigError as error:
