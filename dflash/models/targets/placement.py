@@ -210,6 +210,7 @@ def target_bytes(target: TargetSettings | Mapping[str, Any], dtype: torch.dtype 
 
         spec = dict(target.tiny or {})
         family, seed = spec.pop("family"), int(spec.pop("seed", 0))
+        spec.pop("tokenizer", None)  # the weights' bytes: any tokenizer of the same vocabulary size will do
         return module_bytes(build_tiny_target(family, seed, tokenizer="builtin", dtype=dtype, **spec).model)
     if kind == "smollm2":
         return 135_000_000 * torch.finfo(dtype).bits // 8  # SmolLM2-135M: no need to convert the GGUF to know

@@ -52,19 +52,18 @@ def config_shape(config: Any) -> dict[str, Any]:
     }
 
 
-def known_target_shape(kind: str, tiny: dict | None = None, cache_dir: str | None = None) -> dict[str, Any] | None:
+def known_target_shape(kind: str, tiny: dict | None = None, cache_dir: str | None = None) -> dict[str, Any]:
     """config_shape of a smollm2 or tiny target without loading its weights: the converted checkpoint's config (the
     GGUF's metadata before its first conversion, a few seconds), or the tiny family's config, whose vocabulary its
-    tokenizer decides when it is built (vocab_size None); None for a tiny family that does not exist (loading it
-    says so)."""
+    tokenizer decides when it is built (vocab_size None); ConfigError naming the key of a tiny spec that builds no
+    target (tiny.check_tiny_spec)."""
     if kind == "tiny":
         from types import SimpleNamespace
 
-        from dflash.models.targets.tiny import TINY_FAMILIES
+        from dflash.models.targets.tiny import TINY_FAMILIES, check_tiny_spec
 
         spec = dict(tiny or {})
-        if spec.get("family") not in TINY_FAMILIES:
-            return None
+        check_tiny_spec(spec, cache_dir)
         return config_shape(SimpleNamespace(**{**TINY_FAMILIES[spec["family"]][1], **spec}))
     if kind != "smollm2":
         raise ValueError(f"known_target_shape: {kind!r} is neither smollm2 nor tiny")

@@ -57,6 +57,11 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                          "v_head_dim": 16, "first_k_dense_replace": 1, "n_group": 1,
                                          "topk_group": 1}),
 }
+TINY_TOKENIZERS = ("auto", "builtin", "smollm2")
+# The keys of a tiny spec that build_tiny_target reads itself; any other overrides a field of the family's config.
+TINY_SPEC_KEYS = ("family", "seed", "tokenizer")
+# The sizes every family sets, and the vocabulary's: the preflight reads them as ints (preflight.config_shape).
+TINY_SIZES = (*_DENSE, "vocab_size")
 
 
 def _byte_symbols() -> list[str]:
@@ -103,7 +108,7 @@ def tiny_tokenizer(kind: str = "auto", cache_dir: str | None = None) -> Any:
     """The tokenizer of a tiny target: "builtin", "smollm2" (the cached one, else FileNotFoundError) or "auto"."""
     from dflash.models.targets import smollm2
 
-    if kind not in ("auto", "builtin", "smollm2"):
+    if kind not in TINY_TOKENIZERS:
         raise ValueError(f"unknown tiny tokenizer {kind!r}; use 'auto', 'builtin' or 'smollm2'")
     if kind == "builtin" or (kind == "auto" and not smollm2.is_cached(cache_dir)):
         return build_builtin_tokenizer()
@@ -113,6 +118,41 @@ def tiny_tokenizer(kind: str = "auto", cache_dir: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+def check_tiny_spec(spec: dict[str, Any], cache_dir: str | None = None) -> None:
+    """ConfigError in one line naming the key of target.tiny (`spec`) that builds no tiny target: a family or
+    tokenizer it does not know (or a SmolLM2 tokenizer not cached under `cache_dir`), a seed that is not an int, a
+    size that is not an int >= 1, or a key that is no field of the family's transformers config."""
+    import difflib
+
+    import transformers
+
+    from dflash.config.errors import ConfigError, require, require_choice
+    from dflash.models.targets import smollm2
+
+    require_choice("target.tiny.family", spec.get("family"), sorted(TINY_FAMILIES))
+    seed = spec.get("seed", 0)
+    require(isinstance(seed, int) and not isinstance(seed, bool), "target.tiny.seed", seed, "an int")
+    tokenizer = spec.get("tokenizer", "auto")
+    require_choice("target.tiny.tokenizer", tokenizer, TINY_TOKENIZERS)
+    require(tokenizer != "smollm2" or smollm2.is_cached(cache_dir), "target.tiny.tokenizer", tokenizer,
+            f"'auto' or 'builtin': no SmolLM2 tokenizer is cached in {smollm2.cache_path(cache_dir)} (a run of "
+            f"target=smollm2 converts it)")
+    config_name = TINY_FAMILIES[spec["family"]][0]
+    config = getattr(transformers, config_name)()
+    for key, value in spec.items():
+        if key in ("dtype", "device"):  # build_tiny_target's own arguments, which the run's settings give
+            raise ConfigError(f"target.tiny.{key}={value!r}: set by {'target.dtype' if key == 'dtype' else 'device'}"
+                              f", not by target.tiny")
+        if key not in TINY_SPEC_KEYS and not hasattr(config, key):
+            near = difflib.get_close_matches(key, [*TINY_SPEC_KEYS, *vars(config)], n=1)
+            raise ConfigError(f"target.tiny.{key}={value!r}: expected one of {', '.join(TINY_SPEC_KEYS)} or a field "
+                              f"of transformers' {config_name}"
+                              + (f" (did you mean target.tiny.{near[0]}?)" if near else ""))
+        if key in TINY_SIZES:
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"target.tiny.{key}",
+                    value, "an int >= 1")
 
 
 def build_tiny_target(
