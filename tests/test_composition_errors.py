@@ -86,13 +86,17 @@ def test_an_uncomposable_command_line_is_one_line_naming_the_override(argv, conf
 
 @pytest.mark.parametrize("argv,line", [
     (["target.tiny.hidden_size=64"], "target.tiny.hidden_size=64: target.tiny is null in this config, so it has no "
-                                     "key hidden_size to set; only target.kind=tiny reads it (this target is smollm2)"),
-    # The others' settings are refused (no such target path), so no reason is read from them.
+                                     "key hidden_size to set; only target.kind=tiny reads it (this target is smollm2); "
+                                     "target=tiny chooses a config that gives it one"),
     (["target.tiny={family:llama}"], "target.tiny={family:llama}: target.tiny is null in this config and takes no "
-                                     "mapping here; only target.kind=tiny reads it (this target is smollm2)"),
+                                     "mapping here; only target.kind=tiny reads it (this target is smollm2); "
+                                     "target=tiny chooses a config that gives it one"),
+    # The others' settings are refused (no such target path), so no reason is read from them; the option of the
+    # target group that gives target.tiny a value is named all the same.
     (["target=hf", "target.path=/x", "target.tiny.family.name=llama"], "target.tiny.family.name=llama: target.tiny is "
                                                                        "null in this config, so it has no key "
-                                                                       "family.name to set; set target.tiny itself"),
+                                                                       "family.name to set; target=tiny chooses a "
+                                                                       "config that gives it one"),
 ])
 def test_a_key_below_a_null_setting_is_one_line_naming_it(argv, line):
     # OmegaConf asserts on an update below a null value: Hydra's traceback ended in "Unexpected type for root".
@@ -100,6 +104,20 @@ def test_a_key_below_a_null_setting_is_one_line_naming_it(argv, line):
         refuse_uncomposable(argv, "train")
     assert str(error.value).startswith(line)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv", [["show_progress=1"], ["overwrite=True"], ["overwrite=no"],
+                                  ["overwrite=${oc.env:DFLASH_TEST_UNSET,false}"]])
+def test_a_bool_takes_what_omegaconf_reads_as_one_but_another_int(argv):
+    refuse_uncomposable([*TINY, *argv], "train")
+
+
+def test_a_bool_sweep_is_hydras():
+    # The check of a bool's value read `true,false` as one value, and refused the sweep.
+    from dflash.config import CONFIG_DIR
+    from dflash.config.unknown_keys import refuse_unknown_override_keys
+
+    refuse_unknown_override_keys([*TINY, "-m", "show_progress=true,false", "overwrite=choice(true,false)"], CONFIG_DIR)
 
 
 def test_an_experiment_without_its_plus_says_to_add_one():

@@ -724,6 +724,11 @@ def test_a_setting_that_would_run_a_stage_twice_or_write_where_it_should_not_is_
         settings_from(compose(["+experiment=tiny", override]))
 
 
+@pytest.mark.parametrize("override", ["eval.out_dir=", "target.cache_dir=", "capture.cache_dir="])
+def test_an_empty_folder_setting_but_run_dir_means_its_default(override):
+    settings_from(compose(["+experiment=tiny", "capture=online", override]))
+
+
 def test_a_data_source_every_prompt_of_which_is_an_evaluation_prompt_is_refused_naming_the_check(tmp_path):
     from dflash.pipeline import Pipeline
 

@@ -130,8 +130,10 @@ COMMAND_STAGES = {"extract": "the data and capture stages", "eval": "the eval st
 
 def refuse_stages_setting(argv: list[str], config_name: str) -> None:
     """ConfigError where `stages=` is given to a command that runs stages of its own (it would be dropped)."""
+    if config_name not in COMMAND_STAGES:
+        return
     for arg in split_arguments(argv)[0]:
-        if config_name in COMMAND_STAGES and override_key(arg) == "stages" and "=" in arg:
+        if override_key(arg) == "stages" and "=" in arg:
             raise ConfigError(f"{arg}: python -m dflash.{config_name} runs {COMMAND_STAGES[config_name]} itself; "
                               f"python -m dflash.train {arg} runs the stages named")
 

@@ -185,7 +185,8 @@ def _other_mode_problem(key: str) -> str | None:
 def _parses(text: str, kind: Any) -> bool:
     """Whether `text` reads as one item of type `kind` of a list setting (a string: any word but null)."""
     try:
-        kind(text) if kind in (int, float) else None
+        if kind in (int, float):
+            kind(text)
     except ValueError:
         return False
     return bool(text) and text.lower() not in ("null", "none")
@@ -269,7 +270,7 @@ def _below_null_problem(argv: list[str], config_name: str) -> str | None:
 
 def _why_unused(cfg: Any, key: str) -> str:
     """'; <why the config does not use setting `key`>' by its schema's `unused` reason (target.tiny: only a tiny
-    target reads it), else '; set <key> itself'."""
+    target reads it, and target=tiny is the config that gives it a value), else ''."""
     from omegaconf import OmegaConf
 
     parent, _, name = key.rpartition(".")
@@ -282,7 +283,11 @@ def _why_unused(cfg: Any, key: str) -> str:
         why = spec.metadata["unused"](group, run) if "unused" in spec.metadata else ""
     except Exception:  # noqa: BLE001 - only a hint: the line is made without it
         why = ""
-    return f"; {why}" if why else f"; set {key} itself"
+    group = key.split(".")[0]
+    # The null value of a group's setting is the value of the group's option chosen: another option may give one.
+    options = [f"{group}={option}" for option in group_options(group) if option in key.split(".")[1:]]
+    chosen = f"; {options[0]} chooses a config that gives it one" if options else ""
+    return (f"; {why}" if why else "") + chosen
 
 
 def _entries_beside(error: Exception, argv: list[str], config_name: str) -> dict[str, list[str]]:

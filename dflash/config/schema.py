@@ -920,12 +920,13 @@ def _expanded(folder: str | None) -> str | None:
 
 def _check_folder_path(key: str, folder: str | None) -> None:
     """ConfigError where setting `key` names a folder that cannot be made: the path, or a folder it would be made
-    in, is a file or a link to nothing, or an empty path (which would be the working folder)."""
-    if folder is None:
-        return
-    if not folder.strip():
-        raise ConfigError(f"{key}={folder!r}: expected a folder path (an empty one would write into the working "
+    in, is a file or a link to nothing. An empty run_dir would be the working folder (the others mean their
+    default)."""
+    if key == "run_dir" and not folder:
+        raise ConfigError(f"run_dir={folder!r}: expected a folder path (an empty one would write into the working "
                           f"folder)")
+    if not folder:
+        return
     given = os.path.abspath(folder)
     path = given
     while not os.path.lexists(path) and os.path.dirname(path) != path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from typing import Any
 
@@ -99,12 +100,11 @@ def _deletion_problem(override: str, key: str) -> str | None:
     return f"{override}: a setting cannot be deleted; give it another value ({key}=...)"
 
 
-# What OmegaConf reads as a bool (it also takes any int, 2 as true, which no one means).
-BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
-
-
 def _loose_bool_problem(key: str, value: str) -> str | None:
-    if lookup_setting(key)[0] is bool and value.strip().lower() not in BOOL_WORDS:
+    """Why a bool setting cannot take `value`: OmegaConf takes any int as a bool (overwrite=2 as true), which no
+    one means; 0 and 1, words, sweeps and interpolations are left to it."""
+    number = value.strip()
+    if lookup_setting(key)[0] is bool and re.fullmatch(r"[+-]?\d+", number) and number not in ("0", "1"):
         return f"{key}={value}: expected true or false"
     return None
 
@@ -162,5 +162,5 @@ def _no_such(key: str, group: str, fields: dict[str, Any]) -> str:
               if not group and dataclasses.is_dataclass(kind) and name in settings_fields(kind)]
     near = owners or difflib.get_close_matches(name, list(fields), n=1)
     named = [near[0]] if len(near) == 1 else [", ".join(near[:-1]) + f" or {near[-1]}"] if near else []
-    hint = f" (did you mean {group + '.' if group and not owners else ''}{named[0]}?)" if named else ""
+    hint = f" (did you mean {group + '.' if group else ''}{named[0]}?)" if named else ""
     return f"{key}: no such setting{hint}; `python -m dflash.train --help` lists the groups, docs/config.md every key"

@@ -251,7 +251,8 @@ class DataStage(Stage):
         kept, report = drop_eval_overlaps(prompts, EvalIndex(eval_prompts, n))
         if prompts and not kept:
             # Training on an evaluation set's own prompts (data.source=gsm8k: the package ships its test split).
-            raise ConfigError(f"data.source={settings.data.source}: all {len(prompts)} training prompts share a "
+            given = f"data.path={settings.data.path}" if settings.data.path else f"data.source={settings.data.source}"
+            raise ConfigError(f"{given}: all {len(prompts)} training prompts share a "
                               f"{n}-word run with an evaluation prompt of eval.prompt_sets and were dropped "
                               f"(data.eval_overlap_ngram={n}): train on another source, or set "
                               f"data.eval_overlap_ngram=0 to keep them")

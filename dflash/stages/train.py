@@ -323,12 +323,8 @@ class TrainStage(Stage):
         if moved is None and orphaned not in (None, self.checkpoint_fingerprint()):
             moved = outputs_aside(self.checkpoints, orphaned)
         carry_trained_outputs(run.run_dir, self.checkpoints, moved)
-        if moved and trained_nothing(moved):
-            # A training that failed before its first step (an overwrite=true that ran out of memory) left its
-            # settings alone: nothing of it to keep, and every such failure would leave one more folder.
-            shutil.rmtree(moved)
-            logger.info("[train] the checkpoints folder of a training of other settings that saved and logged no step "
-                        "removed")
+        if moved and removed_if_untrained(moved):
+            logger.info(f"[train] removed {moved}: the settings of a training that saved and logged no step")
         elif moved:
             logger.info(f"[train] {self.moved_line(moved, recorded)}")
         write_text(os.path.join(self.checkpoints, "config.yaml"), run.config_yaml())
@@ -515,7 +511,17 @@ def set_drafter_aside(run: RunContext) -> str | None:
     else:
         return None
     carry_trained_outputs(run.run_dir, checkpoints, moved)
-    return moved
+    return None if removed_if_untrained(moved) else moved
+
+
+def removed_if_untrained(moved: str) -> bool:
+    """Remove the checkpoints folder `moved` aside when it holds nothing but a training's settings (trained_nothing:
+    one that failed before its first step, after an overwrite=true had moved the trained drafter aside), since every
+    such failure would leave one more folder; whether it did."""
+    if not trained_nothing(moved):
+        return False
+    shutil.rmtree(moved)
+    return True
 
 
 def outputs_key(run: RunContext) -> str | None:

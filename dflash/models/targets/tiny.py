@@ -139,20 +139,34 @@ def check_tiny_spec(spec: dict[str, Any], cache_dir: str | None = None) -> None:
     require(tokenizer != "smollm2" or smollm2.is_cached(cache_dir), "target.tiny.tokenizer", tokenizer,
             f"'auto' or 'builtin': no SmolLM2 tokenizer is cached in {smollm2.cache_path(cache_dir)} (a run of "
             f"target=smollm2 converts it)")
-    config_name = TINY_FAMILIES[spec["family"]][0]
-    config = getattr(transformers, config_name)()
+    config_name, defaults = TINY_FAMILIES[spec["family"]]
+    config_class = getattr(transformers, config_name)
+    config = config_class()
     for key, value in spec.items():
         if key in ("dtype", "device"):  # build_tiny_target's own arguments, which the run's settings give
             raise ConfigError(f"target.tiny.{key}={value!r}: set by {'target.dtype' if key == 'dtype' else 'device'}"
                               f", not by target.tiny")
-        if key not in TINY_SPEC_KEYS and not hasattr(config, key):
-            near = difflib.get_close_matches(key, [*TINY_SPEC_KEYS, *vars(config)], n=1)
+        known = key in TINY_SPEC_KEYS or key in defaults or hasattr(config, key) or key == "attn_implementation"
+        if not known and not _config_takes(config_class, key, value):
+            fields = [name for name in vars(config) if not name.startswith("_")]
+            near = difflib.get_close_matches(key, [*TINY_SPEC_KEYS, *fields], n=1)
             raise ConfigError(f"target.tiny.{key}={value!r}: expected one of {', '.join(TINY_SPEC_KEYS)} or a field "
                               f"of transformers' {config_name}"
                               + (f" (did you mean target.tiny.{near[0]}?)" if near else ""))
         if key in TINY_SIZES:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"target.tiny.{key}",
                     value, "an int >= 1")
+
+
+def _config_takes(config_class: Any, key: str, value: Any) -> bool:
+    """Whether the config's constructor reads argument `key` into other fields (transformers 5 folds rope_theta into
+    rope_parameters): a key it does not know is only kept as an attribute of that name."""
+    try:
+        made = config_class(**{key: value}).to_dict()
+    except (TypeError, ValueError):  # it read the key and refused the value: loading the target says why
+        return True
+    base = config_class().to_dict()
+    return any(made.get(name) != base.get(name) for name in set(made) | set(base) if name != key)
 
 
 def build_tiny_target(
