@@ -32,8 +32,8 @@ TINY = ["+experiment=tiny"]
     (["data.path=~/prompts.jsonl"], "train", "data.path=~/prompts.jsonl: a value starting with ~ is read as Hydra's "
                                              "deletion mark (the shell left it unexpanded); quote it: "
                                              "data.path='~/prompts.jsonl'"),
-    (["capture.ranks=2"], "train", "capture.ranks: a setting of capture=online only, which this command does not "
-                                   "choose (capture=online does)"),
+    (["capture.ranks=2"], "train", "capture.ranks: only capture=online has this setting, and this command runs "
+                                   "another capture mode"),
     (["target.tiny=llama"], "train", "target.tiny=llama: target.tiny is a mapping: change a key of it with "
                                      "target.tiny.<key>=..."),
     (["data.chat_template_kwargs={enable_thinking:false}"], "train",

@@ -179,7 +179,7 @@ def _other_mode_problem(key: str) -> str | None:
              if name in {f.name for f in dataclasses.fields(sub)} and isinstance(getattr(sub, "mode", None), str)]
     if not modes:
         return None
-    return f"{key}: a setting of {' and '.join(modes)} only, which this command does not choose ({modes[0]} does)"
+    return f"{key}: only {' and '.join(modes)} has this setting, and this command runs another {group} mode"
 
 
 def _parses(text: str, kind: Any) -> bool:
@@ -283,9 +283,9 @@ def _why_unused(cfg: Any, key: str) -> str:
         why = spec.metadata["unused"](group, run) if "unused" in spec.metadata else ""
     except Exception:  # noqa: BLE001 - only a hint: the line is made without it
         why = ""
-    group = key.split(".")[0]
+    first = key.split(".")[0]
     # The null value of a group's setting is the value of the group's option chosen: another option may give one.
-    options = [f"{group}={option}" for option in group_options(group) if option in key.split(".")[1:]]
+    options = [f"{first}={option}" for option in group_options(first) if option in key.split(".")[1:]]
     chosen = f"; {options[0]} chooses a config that gives it one" if options else ""
     return (f"; {why}" if why else "") + chosen
 

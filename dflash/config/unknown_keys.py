@@ -161,6 +161,6 @@ def _no_such(key: str, group: str, fields: dict[str, Any]) -> str:
     owners = [f"{part}.{name}" for part, kind in fields.items()
               if not group and dataclasses.is_dataclass(kind) and name in settings_fields(kind)]
     near = owners or difflib.get_close_matches(name, list(fields), n=1)
-    named = [near[0]] if len(near) == 1 else [", ".join(near[:-1]) + f" or {near[-1]}"] if near else []
-    hint = f" (did you mean {group + '.' if group else ''}{named[0]}?)" if named else ""
+    meant = ", ".join(near[:-1]) + f" or {near[-1]}" if len(near) > 1 else "".join(near)
+    hint = f" (did you mean {group + '.' if group else ''}{meant}?)" if meant else ""
     return f"{key}: no such setting{hint}; `python -m dflash.train --help` lists the groups, docs/config.md every key"
