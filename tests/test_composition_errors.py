@@ -20,7 +20,8 @@ TINY = ["+experiment=tiny"]
     (["train.lr=abc"], "train", "train.lr=abc: expected a number"),
     (["show_progress=maybe"], "train", "show_progress=maybe: expected true or false"),
     (["stages=train"], "train", "stages=train: expected a list of strings, e.g. stages=[train]"),
-    (["stages=null"], "train", "stages=null: expected a list of strings, e.g. stages=[data,capture,train]"),
+    (["stages=null"], "train", "stages=null: expected a list of strings, e.g. stages=[data,capture,train,export,"
+                               "eval]"),
     (["drafter.target_layer_ids=[a,b]"], "train", "drafter.target_layer_ids=[a,b]: expected a list of ints, e.g. "
                                                   "drafter.target_layer_ids=[1,5,9]"),
     (["~run_dir"], "train", "~run_dir: a setting cannot be deleted; give it another value (run_dir=...)"),

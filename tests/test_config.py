@@ -718,6 +718,10 @@ def test_free_form_settings_take_new_keys_and_a_composed_config_is_checked_too()
     ("stages=[data,capture,data]", "stages=['data', 'capture', 'data']: data named more than once"),
     ("run_dir=", "run_dir='': expected a folder path (an empty one would write into the working folder)"),
     ("data.path=/", "data.path='/': a folder; expected a file"),
+    ("target.chat_template=/", "target.chat_template='/': a folder (expected a Jinja chat template file)"),
+    ("drafter.num_hidden_layers=3", "drafter.layer_types=['sliding_attention', 'full_attention']: expected one entry "
+                                    "per layer (3, drafter.num_hidden_layers), or null for full attention in every "
+                                    "layer"),
 ])
 def test_a_setting_that_would_run_a_stage_twice_or_write_where_it_should_not_is_refused(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -738,6 +742,14 @@ def test_a_data_source_every_prompt_of_which_is_an_evaluation_prompt_is_refused_
                                                     "with an evaluation prompt")):
         Pipeline(compose(run)).run()
     assert not os.path.exists(tmp_path / "data" / "done.json")
+    # A file of such prompts: its key is named.
+    from dflash.data.prompts import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p.messages[-1]["content"]}) + "\n"
+                            for p in load_prompts("gsm8k", name="x", turns="first")[:4]))
+    with pytest.raises(ConfigError, match=re.escape(f"data.path={path}: all 4 training prompts share")):
+        Pipeline(compose(run + ["data.source=file", f"data.path={path}"])).run()
 
 
 def test_a_key_that_names_no_setting_ends_the_command_with_one_line(tmp_path):

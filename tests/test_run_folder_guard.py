@@ -161,10 +161,8 @@ def test_a_refusal_names_no_config_file_when_none_was_kept(tmp_path):
     assert "its settings:" not in str(error.value)
 
 
-def test_a_training_that_failed_before_its_first_step_leaves_no_folder_behind(tmp_path, monkeypatch):
-    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train]", "train.epochs=1"]
-    Pipeline(compose(run)).run()
-    good = snapshot(tmp_path / "checkpoints")
+def fail_training_at_its_start(overrides: list[str], monkeypatch) -> None:
+    """The command of `overrides`, its training failing before its first step (out of memory)."""
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory (a test)")
@@ -172,18 +170,35 @@ def test_a_training_that_failed_before_its_first_step_leaves_no_folder_behind(tm
     with monkeypatch.context() as patch:
         patch.setattr("dflash.train.loop.train", out_of_memory)
         with pytest.raises(RuntimeError, match="out of memory"):
-            Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()
+            Pipeline(compose(overrides)).run()
+
+
+def test_a_training_that_failed_before_its_first_step_leaves_no_folder_behind(tmp_path, monkeypatch):
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train]", "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    good = snapshot(tmp_path / "checkpoints")
+    fail_training_at_its_start(run + ["train.lr=0.05", "overwrite=true"], monkeypatch)
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
     assert snapshot(aside).items() >= good.items()  # the trained drafter, moved aside with its outputs
     Pipeline(compose(run)).run()  # back: the good drafter returns; the failed one's settings are all it left
     assert snapshot(tmp_path / "checkpoints") == good
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
     # A folder moved aside that holds anything more than a training's settings is kept.
-    with monkeypatch.context() as patch:
-        patch.setattr("dflash.train.loop.train", out_of_memory)
-        with pytest.raises(RuntimeError, match="out of memory"):
-            Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()
+    fail_training_at_its_start(run + ["train.lr=0.05", "overwrite=true"], monkeypatch)
     (tmp_path / "checkpoints" / "notes.txt").write_text("mine")
     Pipeline(compose(run)).run()
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
     assert (aside / "notes.txt").read_text() == "mine"
+
+
+def test_a_data_change_that_moves_aside_a_training_of_settings_alone_removes_it(tmp_path, monkeypatch):
+    """The data stage's overwrite=true moves the training in the folder aside (set_drafter_aside) as the train stage
+    does: a trained drafter is kept, the settings of a training that failed before its first step are not."""
+    run = TINY + [f"run_dir={tmp_path}", "stages=[data,capture,train]", "train.epochs=1"]
+    Pipeline(compose(run)).run()
+    fail_training_at_its_start(run + ["data.max_new_tokens=17", "overwrite=true"], monkeypatch)
+    (trained,) = [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")]
+    assert (trained / "final").is_dir()
+    # The failed training's settings are in checkpoints/ when the data changes again.
+    fail_training_at_its_start(run + ["data.max_new_tokens=18", "overwrite=true"], monkeypatch)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")] == [trained]

@@ -16,7 +16,7 @@ from typing import Any
 
 from dflash.config.errors import ConfigError
 from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag
-from dflash.config.schema import RunSettings
+from dflash.config.schema import RunSettings, field_default
 from dflash.config import unknown_keys
 from dflash.config.unknown_keys import ENTRY_SETTINGS, lookup_setting, override_key, settings_fields
 
@@ -157,8 +157,9 @@ def _merge_problem(key: str, value: str, cause: BaseException | None) -> str:
     if kind is list or origin is list:
         item = (typing.get_args(kind) or (None,))[0]
         words, example = LIST_EXAMPLES.get(item, ("", value.strip("[]")))
-        if key == "stages":
-            example = "data,capture,train"
+        default = _default_of(key)
+        if isinstance(default, list) and default:  # the setting's own default is the best example
+            example = ",".join(str(part) for part in default)
         given = [part.strip() for part in value.strip("[]").split(",")]
         if value.strip("[]") and all(_parses(part, item) for part in given):  # the items were right: the value
             example = ",".join(given)
@@ -166,6 +167,15 @@ def _merge_problem(key: str, value: str, cause: BaseException | None) -> str:
     if kind in TYPE_WORDS:
         return f"{key}={value}: expected {TYPE_WORDS[kind]}"
     return f"{key}={value}: {_first_line(str(cause) if cause is not None else 'cannot be set')}"
+
+
+def _default_of(key: str) -> Any:
+    """The default of the setting at the dotted `key` (None where the key names no field of a group)."""
+    parent, _, name = key.rpartition(".")
+    group = lookup_setting(parent)[0] if parent else RunSettings
+    if not dataclasses.is_dataclass(group):
+        return None
+    return next((field_default(f) for f in dataclasses.fields(group) if f.name == name), None)
 
 
 def _other_mode_problem(key: str) -> str | None:

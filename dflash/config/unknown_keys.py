@@ -75,8 +75,9 @@ def unknown_key_problem(key: str) -> str | None:
 
 
 def refuse_unknown_override_keys(overrides: list[str], config_dir: str) -> None:
-    """ConfigError naming the first override whose key names no setting, or that selects an experiment
-    `config_dir`/experiment/ does not hold. Hydra's flags and their values (`--cfg job`) are not overrides: an
+    """ConfigError naming the first override whose key names no setting, that selects an experiment
+    `config_dir`/experiment/ does not hold, that deletes a setting, or that gives a bool setting an int other than 0
+    or 1. Hydra's flags and their values (`--cfg job`) are not overrides: an
     override sets (`key=value`) or deletes (`~key`)."""
     for override in overrides:
         if override.startswith("-") or ("=" not in override and not override.startswith("~")):

@@ -514,16 +514,6 @@ def set_drafter_aside(run: RunContext) -> str | None:
     return None if removed_if_untrained(moved) else moved
 
 
-def removed_if_untrained(moved: str) -> bool:
-    """Remove the checkpoints folder `moved` aside when it holds nothing but a training's settings (trained_nothing:
-    one that failed before its first step, after an overwrite=true had moved the trained drafter aside), since every
-    such failure would leave one more folder; whether it did."""
-    if not trained_nothing(moved):
-        return False
-    shutil.rmtree(moved)
-    return True
-
-
 def outputs_key(run: RunContext) -> str | None:
     """When checkpoints/ holds nothing: the checkpoint fingerprint of the training whose outputs are in the run
     folder all the same (its export's done.json; "unfingerprinted" without one). None when checkpoints/ holds
@@ -538,16 +528,18 @@ def outputs_key(run: RunContext) -> str | None:
     return key or "unfingerprinted"
 
 
-def trained_nothing(folder: str) -> bool:
-    """Whether a checkpoints folder moved aside holds only what a training writes before its first step: its
-    settings records (claim_checkpoints) and an empty metrics.jsonl. No checkpoint, log, export or evaluation, and
-    no file of anyone else's."""
+def removed_if_untrained(moved: str) -> bool:
+    """Remove the checkpoints folder `moved` aside when it holds only what a training writes before its first step
+    (one that failed there, after an overwrite=true had moved the trained drafter aside): its settings records
+    (claim_checkpoints) and an empty metrics.jsonl; no checkpoint, log, export or evaluation, and no file of anyone
+    else's. Every such failure would leave one more folder. Whether it did."""
     records = {CHECKPOINT_KEY, SETTINGS_KEY, "config.yaml"}
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if not (name in records and os.path.isfile(path)) and not (name == "metrics.jsonl" and os.path.isfile(path)
-                                                                   and os.path.getsize(path) == 0):
+    for name in os.listdir(moved):
+        path = os.path.join(moved, name)
+        empty_log = name == "metrics.jsonl" and os.path.isfile(path) and os.path.getsize(path) == 0
+        if not (name in records and os.path.isfile(path)) and not empty_log:
             return False
+    shutil.rmtree(moved)
     return True
 
 
