@@ -285,7 +285,7 @@ UNUSED = [
     ("capture.check_every", "capture.check_every=5", ["capture=online"], []),
     ("capture.verify_existing", "capture.verify_existing=true", ["capture=colocated"], []),
     ("capture.pack", "capture.pack=false", ["capture=colocated"], []),
-    ("capture.devices", "capture.devices=[0]", ["capture=colocated"], []),
+    ("capture.devices", "capture.devices=[0]", ["capture=colocated"], ["device=cuda"]),
     ("capture.gpus_per_worker", "capture.gpus_per_worker=2", ["capture=colocated"], []),
     ("train.dpace_alpha", "train.dpace_alpha=0.3", [], ["train.loss_weighting=dpace"]),
     ("train.group_by", "train.group_by=work", [], ["train.group_by_length=4"]),
@@ -297,6 +297,9 @@ UNUSED = [
     ("eval.live_engine", "eval.live_engine=hf", [], ["eval.mode=live"]),
     ("eval.draft_temperature", "eval.draft_temperature=0.5", ["eval.temperature=0.7"],
      ["eval.temperature=0.7", "eval.draft_sampling=sampled"]),
+    # A prompt set's settings (each set of eval.prompt_sets has them; the table names them by mtbench's).
+    ("eval.prompt_sets.mtbench.answer_max_new_tokens", "eval.prompt_sets.mtbench.answer_max_new_tokens=5",
+     ["eval.prompt_sets.mtbench.turns=1"], []),
 ]
 
 
@@ -309,7 +312,7 @@ def affects_of(s: RunSettings, key: str) -> set[str]:
     *groups, name = key.split(".")
     node = s
     for group in groups:
-        node = getattr(node, group)
+        node = node[group] if isinstance(node, dict) else getattr(node, group)
     return set({f.name: f for f in dataclasses.fields(node)}[name].metadata["affects"])
 
 
@@ -333,6 +336,7 @@ def test_a_setting_the_run_does_not_use_reruns_nothing(key, change, unused, used
 def test_every_setting_with_an_unused_reason_is_in_the_table():
     s = settings_of(["+experiment=tiny", "capture=colocated"])  # the capture fields as every mode declares them
     declared = {".".join(path) for path, f, _ in leaves(s) if "unused" in f.metadata}
+    declared = {re.sub(r"^eval\.prompt_sets\.[^.]+\.", "eval.prompt_sets.mtbench.", key) for key in declared}
     assert declared == {row[0] for row in UNUSED}
 
 
@@ -599,6 +603,10 @@ def test_training_on_the_cpu_of_a_machine_with_a_gpu_is_refused_with_the_way_to_
      "drafter.sliding_window=64 is ignored: no drafter.layer_types entry is sliding"),
     (["drafter.target_layer_ids=[0,1]", "drafter.num_taps=3"],
      "drafter.num_taps=3 is ignored: drafter.target_layer_ids names the taps"),
+    (["eval.prompt_sets.gsm8k.answer_max_new_tokens=5"],
+     "eval.prompt_sets.gsm8k.answer_max_new_tokens=5 is ignored: only a set of turns: 2 answers a first turn"),
+    (["capture=offline", "capture.devices=[0,1]"], "capture.devices=[0, 1] is ignored: capture runs on the CPU "
+                                                   "(device=cpu)"),
 ])
 def test_settings_this_combination_ignores_are_named(overrides, warning):
     assert warning in " ".join(settings_from(compose(["+experiment=tiny", *overrides])).ignored())
@@ -619,6 +627,22 @@ def test_only_ignored_settings_the_command_line_typed_are_named_when_it_is_known
     assert warning in " ".join(settings.ignored(typed={"capture", "capture.shard_tokens"}))
     assert warning in " ".join(settings.ignored(typed={"capture.shard_tokens.x"}))  # a key below it, as in a mapping
     assert settings.ignored(typed={"capture", "train.lr"}) == []  # a group selection types no setting
+    # A prompt set given whole (+eval.prompt_sets.mine={...}) types its settings.
+    settings = settings_from(compose(["+experiment=tiny", "+eval.prompt_sets.mine={source: gsm8k, "
+                                                          "answer_max_new_tokens: 5}"]))
+    warning = "eval.prompt_sets.mine.answer_max_new_tokens=5 is ignored"
+    assert warning in " ".join(settings.ignored(typed={"eval.prompt_sets.mine"}))
+    assert settings.ignored(typed={"eval.prompt_sets.gsm8k.limit"}) == []
+
+
+def test_a_prompt_set_setting_it_does_not_use_leaves_the_evaluation_fingerprint_as_it_was():
+    from dflash.config.fingerprints import eval_fingerprint
+
+    def fingerprint(*overrides):
+        return eval_fingerprint(settings_from(compose(["+experiment=tiny", *overrides])), "drafter", "export")
+
+    assert fingerprint("eval.prompt_sets.gsm8k.answer_max_new_tokens=5") == fingerprint()
+    assert fingerprint("eval.prompt_sets.mtbench.answer_max_new_tokens=5") != fingerprint()  # turns: 2 uses it
 
 
 def test_the_overrides_hydra_recorded_serve_the_warnings_and_the_suggested_commands(monkeypatch):
@@ -696,6 +720,12 @@ def test_bad_types_and_options_stop_the_composition(override, key):
 def test_a_key_that_names_no_setting_is_refused_with_the_nearest_one(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         compose(([] if "experiment" in override else ["+experiment=tiny"]) + override.split())
+
+
+def test_a_setting_of_another_mode_added_with_a_plus_names_the_modes_that_have_it():
+    with pytest.raises(ConfigError, match=re.escape("capture.cache: only capture=online and capture=colocated have "
+                                                    "this setting, and this command runs another capture mode")):
+        settings_from(compose(["+experiment=tiny", "capture=offline", "+capture.cache=false"]))
 
 
 def test_free_form_settings_take_new_keys_and_a_composed_config_is_checked_too():

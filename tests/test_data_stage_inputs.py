@@ -95,9 +95,28 @@ def test_a_malformed_prompt_file_is_refused_before_the_run_folder_is_made(tmp_pa
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p0", "prompt": "Hi"}) + "\n{not json\n")
-    with pytest.raises(ConfigError, match=rf"{prompts}:2: malformed JSON line"):
+    with pytest.raises(ConfigError, match=rf"^data.path: {prompts}:2: malformed JSON line"):
         Pipeline(compose(data_command(tmp_path))).run()
     assert not (tmp_path / "run").exists()
     prompt_file(prompts, ["Hi", "Hello", "Hey"])
     Pipeline(compose(data_command(tmp_path, "data.limit=32"))).run()
     assert f"[data] 3 prompts of {prompts}, answered greedily" in capsys.readouterr().out
+
+
+def test_a_malformed_evaluation_prompt_file_is_refused_before_any_stage(tmp_path):
+    """An evaluation set's own file is read before the data stage (whose overlap check would read it after the
+    synthetic prompts) and before an evaluation alone (which would read it after loading the target and drafter);
+    the error names the set's key, the file and its line."""
+    import pytest
+
+    from dflash.config import ConfigError
+
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"messages": []}) + "\n")
+    own_set = f"+eval.prompt_sets.mine={{source: file, path: {bad}}}"
+    commands = [["+experiment=tiny", f"run_dir={tmp_path / 'run'}", own_set],
+                ["+experiment=tiny", f"run_dir={tmp_path / 'run'}", own_set, "data.eval_overlap_ngram=0"]]
+    for command in commands:
+        with pytest.raises(ConfigError, match=rf"^eval.prompt_sets.mine.path: {bad}:2: record has no user turn"):
+            Pipeline(compose(command)).run()
+        assert not (tmp_path / "run").exists()

@@ -20,7 +20,8 @@ TINY = ["+experiment=tiny"]
 
 
 def preflight(*overrides: str) -> None:
-    refuse_unusable_target(settings_from(compose(TINY + list(overrides))))
+    # The builtin tokenizer (260 tokens) whether or not a SmolLM2 one is cached, which "auto" would take.
+    refuse_unusable_target(settings_from(compose(TINY + ["target.tiny.tokenizer=builtin", *overrides])))
 
 
 @pytest.mark.parametrize("override,line", [
@@ -38,6 +39,8 @@ def preflight(*overrides: str) -> None:
     ("+target.tiny.famly=llama", "target.tiny.famly='llama': expected one of family, seed, tokenizer or a field of "
                                  "transformers' LlamaConfig (did you mean target.tiny.family?)"),
     ("+target.tiny.dtype=float32", "target.tiny.dtype='float32': set by target.dtype, not by target.tiny"),
+    ("+target.tiny.vocab_size=100", "target.tiny.vocab_size=100: expected an int >= 260, the size of the tiny "
+                                    "target's tokenizer"),
     ("+target.tiny.hiden_size=32", "target.tiny.hiden_size=32: expected one of family, seed, tokenizer or a field of "
                                    "transformers' LlamaConfig (did you mean target.tiny.hidden_size?)"),
 ])
@@ -53,7 +56,8 @@ def test_a_smollm2_tokenizer_that_is_not_cached_is_refused(tmp_path):
 
 
 def test_a_tiny_spec_of_config_fields_passes():
-    preflight("+target.tiny.num_hidden_layers=6", "+target.tiny.rms_norm_eps=1e-5", "target.tiny.seed=3")
+    preflight("+target.tiny.num_hidden_layers=6", "+target.tiny.rms_norm_eps=1e-5", "target.tiny.seed=3",
+              "+target.tiny.vocab_size=260")
     preflight("target.tiny.family=qwen3_5", "+target.tiny.linear_num_value_heads=2")
     # What the config's constructor reads into other fields (transformers 5: rope_theta into rope_parameters), its
     # attention implementation, and a family's own default (granite's head_dim, no attribute of GraniteConfig()).

@@ -18,7 +18,8 @@ from dflash.config.errors import ConfigError
 from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag
 from dflash.config.schema import RunSettings, field_default
 from dflash.config import unknown_keys
-from dflash.config.unknown_keys import ENTRY_SETTINGS, lookup_setting, override_key, settings_fields
+from dflash.config.unknown_keys import (ENTRY_SETTINGS, lookup_setting, other_mode_problem, override_key,
+                                        settings_fields)
 
 TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
 
@@ -134,7 +135,7 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
             return _merge_problem(found.group(1).lstrip("+"), found.group(2), error.__cause__)
         found = re.search(r"Could not override '([^']+)'", text)
         if found:
-            return _other_mode_problem(found.group(1)) or \
+            return other_mode_problem(found.group(1)) or \
                 _missing_entry_problem(found.group(1), f"{text}\n{error.__cause__ or ''}", existing or {})
     return f"the command line cannot be composed: {_first_line(text)}"
 
@@ -176,20 +177,6 @@ def _default_of(key: str) -> Any:
     if not dataclasses.is_dataclass(group):
         return None
     return next((field_default(f) for f in dataclasses.fields(group) if f.name == name), None)
-
-
-def _other_mode_problem(key: str) -> str | None:
-    """For a setting of another mode of its group (capture.ranks under capture=offline): the line naming the mode
-    that has it, where Hydra asks for a + that would then be refused."""
-    group, _, name = key.rpartition(".")
-    kind = lookup_setting(group)[0] if group else None
-    if not dataclasses.is_dataclass(kind) or name in {f.name for f in dataclasses.fields(kind)}:
-        return None
-    modes = [f"{group}={sub.mode}" for sub in kind.__subclasses__()
-             if name in {f.name for f in dataclasses.fields(sub)} and isinstance(getattr(sub, "mode", None), str)]
-    if not modes:
-        return None
-    return f"{key}: only {' and '.join(modes)} has this setting, and this command runs another {group} mode"
 
 
 def _parses(text: str, kind: Any) -> bool:

@@ -67,8 +67,8 @@ def in_effect(s: RunSettings) -> RunSettings:
     for key, _, stand_in, _ in unused_settings(s):
         *groups, name = key.split(".")
         node = effective
-        for group in groups:
-            node = getattr(node, group)
+        for group in groups:  # a group of settings, or an entry of a mapping of them (eval.prompt_sets.gsm8k)
+            node = node[group] if isinstance(node, dict) else getattr(node, group)
         setattr(node, name, stand_in)
     return effective
 

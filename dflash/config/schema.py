@@ -356,6 +356,14 @@ def _if_colocated(capture: Any, run: Any) -> str:
     return "capture=colocated runs the target on each trainer rank's own device" if capture.mode == "colocated" else ""
 
 
+def _unless_capture_on_cuda(capture: Any, run: Any) -> str:
+    if capture.mode == "colocated" or capture.devices is None:  # a null is never named, so torch is not loaded
+        return _if_colocated(capture, run)
+    if not _is_cuda(run.device):
+        return f"capture runs on the CPU ({'device=cpu' if run.device == 'cpu' else 'no CUDA device is here'})"
+    return ""
+
+
 def _if_colocated_one_forward(capture: Any, run: Any) -> str:
     return "capture=colocated forwards each micro-batch at once" if capture.mode == "colocated" else ""
 
@@ -372,7 +380,7 @@ class CaptureSettings:
     compile: bool = setting(False, affects=(), doc="torch.compile the target's decoder layers")
     pack: bool = setting(True, affects=(), unused=_if_colocated,
                          doc="offline, online: samples end to end in one row per forward, no padding")
-    devices: Optional[List[int]] = setting(None, affects=(), unused=_if_colocated,
+    devices: Optional[List[int]] = setting(None, affects=(), unused=_unless_capture_on_cuda,
                                            doc="offline, online: GPUs of the capture processes")
     gpus_per_worker: Any = setting(1, affects=(), unused=_if_colocated,
                                    doc="offline, online: GPUs per capture process (the target placed layer-wise over "
@@ -633,6 +641,10 @@ class DeepSpeedSettings:
         require(self.bf16 in ("auto", True, False), "deepspeed.bf16", self.bf16, "auto, true or false")
 
 
+def _one_turn(prompt_set: Any, run: Any) -> str:
+    return "" if prompt_set.turns == 2 else "only a set of turns: 2 answers a first turn before its second"
+
+
 @dataclass
 class PromptSetSettings:
     """One evaluation prompt set."""
@@ -642,7 +654,7 @@ class PromptSetSettings:
     limit: Optional[int] = setting(None, affects=("eval",), doc="a seeded subset of this many prompts; null: all")
     turns: int = setting(1, affects=("eval",), neutral=1,
                          doc="2: also the second turn, asked on top of the target's own greedy first answer")
-    answer_max_new_tokens: Optional[int] = setting(None, affects=("eval",), neutral=None,
+    answer_max_new_tokens: Optional[int] = setting(None, affects=("eval",), neutral=None, unused=_one_turn,
                                                    doc="turns=2: the first answer's token budget")
 
 
@@ -900,8 +912,15 @@ class RunSettings:
         """Settings given (other than what stands in for them) that this combination does not use, each named with
         why; with `typed`, the dotted keys a command line set, only those among them."""
         typed = None if typed is None else set(typed)
+
+        def given(key: str) -> bool:
+            # The key, a key below it (in a mapping), or a mapping entry given whole (+eval.prompt_sets.NAME={...},
+            # two levels down: a group selection such as capture=online gives no setting).
+            return any(t == key or t.startswith(key + ".") or (key.startswith(t + ".") and t.count(".") >= 2)
+                       for t in typed)
+
         return [f"{key}={value!r} is ignored: {why}" for key, value, stand_in, why in unused_settings(self)
-                if value != stand_in and (typed is None or any(t == key or t.startswith(key + ".") for t in typed))]
+                if value != stand_in and (typed is None or given(key))]
 
 
 def _check_run_name(name: str) -> None:
@@ -973,11 +992,15 @@ def _is_cuda(device: str) -> bool:
 
 def setting_leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any, Any]]:
     """(dotted key, field, value, the settings group holding it) of every setting under `node` that is not itself a
-    group of settings (a dataclass, whose fields are walked instead)."""
+    group of settings (a dataclass, whose fields are walked instead) or a mapping of named entries that are (the
+    fields of eval.prompt_sets.gsm8k are walked under that key)."""
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         if dataclasses.is_dataclass(value):
             yield from setting_leaves(value, f"{prefix}{f.name}.")
+        elif isinstance(value, dict) and value and all(dataclasses.is_dataclass(v) for v in value.values()):
+            for name, entry in value.items():
+                yield from setting_leaves(entry, f"{prefix}{f.name}.{name}.")
         else:
             yield prefix + f.name, f, value, node
 

@@ -150,10 +150,27 @@ def _walk(node: DictConfig, prefix: str) -> None:
     fields = {f.name for f in dataclasses.fields(cls)}
     for key in node.keys():
         if key not in fields:
-            raise ConfigError(_no_such(f"{prefix}{key}", prefix.rstrip("."), settings_fields(cls)))
+            problem = other_mode_problem(f"{prefix}{key}")  # +capture.cache=false under capture=offline
+            raise ConfigError(problem or _no_such(f"{prefix}{key}", prefix.rstrip("."), settings_fields(cls)))
         child = node._get_node(key)
         if isinstance(child, DictConfig):
             _walk(child, f"{prefix}{key}.")
+
+
+def other_mode_problem(key: str) -> str | None:
+    """For a setting of another mode of its group (capture.ranks under capture=offline): the line naming the modes
+    that have it (where Hydra asks for a + that would then be refused, or the + added it to a mode without it);
+    None for any other key."""
+    group, _, name = key.rpartition(".")
+    kind = lookup_setting(group)[0] if group else None
+    if not dataclasses.is_dataclass(kind) or name in {f.name for f in dataclasses.fields(kind)}:
+        return None
+    modes = [f"{group}={sub.mode}" for sub in kind.__subclasses__()
+             if name in {f.name for f in dataclasses.fields(sub)} and isinstance(getattr(sub, "mode", None), str)]
+    if not modes:
+        return None
+    return (f"{key}: only {' and '.join(modes)} {'has' if len(modes) == 1 else 'have'} this setting, and this "
+            f"command runs another {group} mode")
 
 
 def _no_such(key: str, group: str, fields: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from dflash.config import ConfigError, fingerprints
 from dflash.run_files import clear_done, file_sha256, read_json_or_none, stage_done, write_json, write_text
 from dflash.stages.context import RunContext
-from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
+from dflash.stages.prompt_files import eval_prompt_files, read_prompt_file, refuse_unreadable_prompts
 from dflash.stages.shapes import check_drafter_fits
 from dflash.stages.stage import Stage
 
@@ -113,7 +113,8 @@ class DataStage(Stage):
             files += eval_prompt_files(s)
         refuse_unreadable_prompts(files)
         if s.data.source == "file":  # a user's file: a malformed line is found before the run folder is made
-            self.file_prompts = len(training_prompts(s.data))  # the stage reads it again, after hashing it
+            # The stage reads it again, after hashing it.
+            self.file_prompts = len(read_prompt_file("data", lambda: training_prompts(s.data)))
 
     def describe(self) -> str:
         s = self.context.settings

@@ -1,9 +1,15 @@
-"""The check, before any stage runs, that the prompt files a stage will read are there."""
+"""The check, before any stage runs, that the prompt files a stage will read are there, and that a user's own
+file reads as prompts."""
 
 from __future__ import annotations
 
-from dflash.config.errors import ConfigPathError
+from collections.abc import Callable
+from typing import TypeVar
+
+from dflash.config.errors import ConfigError, ConfigPathError
 from dflash.config.schema import RunSettings
+
+T = TypeVar("T")
 
 
 def eval_prompt_files(settings: RunSettings) -> list[tuple[str, str, str | None]]:
@@ -14,11 +20,25 @@ def eval_prompt_files(settings: RunSettings) -> list[tuple[str, str, str | None]
 def refuse_unreadable_prompts(files: list[tuple[str, str, str | None]]) -> None:
     """ConfigPathError naming the key of the first of `files` ((key prefix, source, path): "data" or
     "eval.prompt_sets.<name>") that is not there (a packaged set whose package is not installed, a path that is no
-    file)."""
-    from dflash.data.prompts import prompt_file_problem
+    file); then ConfigError naming the key of an evaluation set's own file (a path given) that does not read as
+    prompts (a malformed line, a record without a user turn), found here rather than after the stages before the
+    evaluation. The data stage's own file is read by its preflight (read_prompt_file)."""
+    from dflash.data.prompts import load_prompts, prompt_file_problem
 
     for prefix, source, path in files:
         problem = prompt_file_problem(source, path)
         if problem is not None:
             key, value = (f"{prefix}.path", path) if path else (f"{prefix}.source", source)
             raise ConfigPathError(f"{key}={value!r}: {problem}")
+    for prefix, source, path in files:
+        if path and prefix != "data":
+            read_prompt_file(prefix, lambda: load_prompts(source, path=path))
+
+
+def read_prompt_file(prefix: str, read: Callable[[], T]) -> T:
+    """What `read` returns, reading the prompt file of setting `prefix`.path; its ConfigError (which names the file
+    and the line or record) again, led by the key."""
+    try:
+        return read()
+    except ConfigError as error:
+        raise ConfigError(f"{prefix}.path: {error}") from None

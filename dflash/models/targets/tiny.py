@@ -123,7 +123,8 @@ def tiny_tokenizer(kind: str = "auto", cache_dir: str | None = None) -> Any:
 def check_tiny_spec(spec: dict[str, Any], cache_dir: str | None = None) -> None:
     """ConfigError in one line naming the key of target.tiny (`spec`) that builds no tiny target: a family or
     tokenizer it does not know (or a SmolLM2 tokenizer not cached under `cache_dir`), a seed that is not an int, a
-    size that is not an int >= 1, or a key that is no field of the family's transformers config."""
+    size that is not an int >= 1, a vocab_size below the tokenizer's size, or a key that is no field of the family's
+    transformers config."""
     import difflib
 
     import transformers
@@ -156,6 +157,11 @@ def check_tiny_spec(spec: dict[str, Any], cache_dir: str | None = None) -> None:
         if key in TINY_SIZES:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"target.tiny.{key}",
                     value, "an int >= 1")
+    if "vocab_size" in spec:
+        # Every token id of the tokenizer must have a row: a smaller table fails in the first forward.
+        needed = len(tiny_tokenizer(tokenizer, cache_dir))
+        require(spec["vocab_size"] >= needed, "target.tiny.vocab_size", spec["vocab_size"],
+                f"an int >= {needed}, the size of the tiny target's tokenizer")
 
 
 def _config_takes(config_class: Any, key: str, value: Any) -> bool:
