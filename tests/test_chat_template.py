@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -105,6 +106,21 @@ def test_a_template_file_replaces_the_tokenizers_own(tmp_path, capsys):
 def test_a_missing_template_file_is_refused_before_any_stage():
     with pytest.raises(ConfigPathError, match=r"target.chat_template='/nowhere.jinja': no such file"):
         Pipeline(compose(TINY + ["target.chat_template=/nowhere.jinja"]))
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("{% for m in messages %}{{ m.content }\n", "not a Jinja template: line 1: unexpected '}'"),
+    ("# My notes\n\nNot a template at all.\n", "renders a conversation without its messages' text"),
+    ("{{ raise_exception('no user turns here') }}", "fails to render a conversation of one user turn: no user turns"),
+])
+def test_a_template_file_that_renders_no_conversation_is_refused_before_any_stage(tmp_path, text, problem):
+    from dflash.config import ConfigError
+
+    template = tmp_path / "template.jinja"
+    template.write_text(text)
+    with pytest.raises(ConfigError, match="^" + re.escape(f"target.chat_template={str(template)!r}: {problem}")):
+        Pipeline(compose(TINY + [f"target.chat_template={template}", f"run_dir={tmp_path / 'run'}"])).run()
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_base_model_regenerates_its_answers_in_the_plain_format(tmp_path, capsys):

@@ -746,6 +746,7 @@ def test_free_form_settings_take_new_keys_and_a_composed_config_is_checked_too()
 
 @pytest.mark.parametrize("override,message", [
     ("stages=[data,capture,data]", "stages=['data', 'capture', 'data']: data named more than once"),
+    ("stages=[]", "stages=[]: expected at least one of data, capture, train, export, eval"),
     ("run_dir=", "run_dir='': expected a folder path (an empty one would write into the working folder)"),
     ("data.path=/", "data.path='/': a folder; expected a file"),
     ("target.chat_template=/", "target.chat_template='/': a folder (expected a Jinja chat template file)"),

@@ -3,6 +3,7 @@ recorded by their sha256 in data/stats.json, and an edit to either rebuilds the 
 prompts from the journal), and so reruns the capture that reads it."""
 
 import json
+import re
 
 from dflash.config import compose
 from dflash.pipeline import Pipeline
@@ -120,3 +121,19 @@ def test_a_malformed_evaluation_prompt_file_is_refused_before_any_stage(tmp_path
         with pytest.raises(ConfigError, match=rf"^eval.prompt_sets.mine.path: {bad}:2: record has no user turn"):
             Pipeline(compose(command)).run()
         assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_file_of_another_format_than_its_source_reads_is_refused_naming_both_keys(tmp_path):
+    """data.path with a packaged set's source (sharegpt, the default) is read in that set's format, before any stage;
+    a file of prompts given there is refused naming data.path and the source that reads it."""
+    import pytest
+
+    from dflash.config import ConfigError
+
+    prompts = prompt_file(tmp_path / "prompts.jsonl", ["Hi", "Hello"])
+    command = ["+experiment=tiny", f"run_dir={tmp_path / 'run'}", f"data.path={prompts}"]
+    line = (f"data.path: {prompts}: a ShareGPT file must hold a JSON list (read as data.source=sharegpt's format; "
+            f"data.source=file reads a .jsonl or .json file of prompts)")
+    with pytest.raises(ConfigError, match="^" + re.escape(line)):
+        Pipeline(compose(command)).run()
+    assert not (tmp_path / "run").exists()

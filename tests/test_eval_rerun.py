@@ -59,7 +59,9 @@ def test_an_interrupted_evaluation_of_other_eval_settings_changes_nothing(run_di
     forbid_evaluating(monkeypatch)
     capsys.readouterr()
     Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
-    assert f"[eval] up to date (its table, measured before, follows): {run_dir / 'eval'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"[eval] up to date (its table, measured before, follows): {run_dir / 'eval'}" in out
+    assert "overall" in out and "time (s):" not in out  # the table without the seconds of a command before
 
 
 def test_a_killed_evaluation_s_folder_is_removed_by_the_next_command(run_dir, monkeypatch):
@@ -124,3 +126,25 @@ def test_an_evaluation_killed_between_the_swaps_renames_leaves_one_whole_folder(
     assert "[eval] up to date" in capsys.readouterr().out
     assert snapshot(eval_dir) == expected
     assert hidden(run_dir) == []
+
+
+def test_an_evaluation_into_another_drafters_evaluation_folder_is_refused_before_any_work(run_dir, tmp_path,
+                                                                                         monkeypatch):
+    """eval.out_dir naming another run's evaluation folder replaced its results without a word about the drafter;
+    now the command stops first, naming a free folder and overwrite=true."""
+    from dflash.config import ConfigError
+
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    # Another training's drafter: its evaluation's done.json names another checkpoint fingerprint.
+    done = other / "eval" / "done.json"
+    done.write_text(done.read_text().replace('"checkpoint": "', '"checkpoint": "0ther'))
+    before = snapshot(other)
+    forbid_evaluating(monkeypatch)
+    command = TINY + [f"run_dir={run_dir}", "stages=[eval]", f"eval.out_dir={other / 'eval'}"]
+    with pytest.raises(ConfigError, match=f"^eval.out_dir={other / 'eval'} holds the evaluation of another drafter "
+                                          rf"\(trained with settings 0ther.*give eval.out_dir={other / 'eval'}_2 "
+                                          "to keep it, or add overwrite=true to replace it"):
+        Pipeline(compose(command)).run()
+    assert snapshot(other) == before
+    Pipeline(compose(command + ["overwrite=true"])).eval.refuse_another_drafters_evaluation()  # asked for: let through

@@ -97,7 +97,7 @@ def test_only_an_ignored_setting_the_command_line_set_is_warned_about(tmp_path, 
     import sys
 
     done = subprocess.run([sys.executable, "-m", "dflash.train", "+experiment=tiny", f"run_dir={tmp_path}",
-                           "drafter.target_layer_ids=[1]", *typed, "stages=[]"],
+                           "drafter.target_layer_ids=[1]", *typed, "stages=[data]", "data.limit=2"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HYDRA_FULL_ERROR": ""})
     assert done.returncode == 0, done.stderr
     assert ("dflash: warning: drafter.num_taps=4 is ignored: drafter.target_layer_ids names the taps"

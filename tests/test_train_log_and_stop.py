@@ -129,3 +129,29 @@ def test_a_missing_logger_package_is_refused_before_any_stage(missing, override,
     # Without the train stage the loggers are not needed.
     Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "stages=[data]",
                       *override])).run()
+
+
+def test_wandb_online_without_an_api_key_is_refused_before_any_stage(tmp_path, monkeypatch):
+    # wandb.init stopped the training at its first line, after the data and capture stages ("No API key
+    # configured"), or waited at a prompt for a key.
+    from dflash.config import ConfigError, compose
+    from dflash.pipeline import Pipeline
+    from dflash.train.metrics_log import missing_wandb_credentials
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no .netrc, no wandb settings
+    run_dir = tmp_path / "run"
+    pipeline = Pipeline(compose(["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}",
+                                 "logging.wandb.mode=online"]))
+    with pytest.raises(ConfigError, match=r"^logging.wandb.mode=online: no wandb API key is configured here"):
+        pipeline.run()
+    assert not run_dir.exists()
+    assert missing_wandb_credentials("offline") is None
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)  # as `wandb login` leaves it (a netrc others can read is refused)
+    assert missing_wandb_credentials("online") is None  # what `wandb login` writes
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert missing_wandb_credentials("online") is None

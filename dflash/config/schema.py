@@ -853,6 +853,8 @@ class RunSettings:
     logging: LoggingSettings = setting(affects=(), factory=LoggingSettings, doc="group logging")
 
     def __post_init__(self) -> None:
+        require(len(self.stages) > 0, "stages", self.stages, f"at least one of {', '.join(STAGES)} (a command "
+                                                              f"that runs no stage would do nothing)")
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ConfigError(f"stages={self.stages}: unknown stages {unknown}; known stages: {list(STAGES)}")

@@ -489,8 +489,9 @@ def write_summary(summary: dict[str, Any], out_dir: str) -> str:
     return path
 
 
-def format_table(summary: dict[str, Any]) -> str:
-    """A small console table: tau and draft acceptance rate per prompt set and overall."""
+def format_table(summary: dict[str, Any], timing: bool = True) -> str:
+    """A small console table: tau and draft acceptance rate per prompt set and overall; with `timing`, the seconds
+    the evaluation took under it (timing=False for a table measured before, whose seconds are not this command's)."""
 
     def number(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
@@ -518,7 +519,7 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(f"({name}: its first turns; {name}{TURN2_SUFFIX}: its second turns, after the target's own "
                      f"first answers;\n {name}_both_turns: the steps of both turns pooled; the benchmark's own figure "
                      f"is the mean of each answer's tau, tau_prompt_mean in summary.json)")
-    if summary.get("timing", {}).get("seconds"):
+    if timing and summary.get("timing", {}).get("seconds"):
         lines.append(format_timing(summary["timing"]))
     return "\n".join(lines)
 

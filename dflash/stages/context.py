@@ -92,10 +92,11 @@ class RunContext:
 
 
 def refuse_unusable_target(settings: RunSettings) -> None:
-    """ConfigError in one line when target.path names a checkpoint no adapter can take (its family, what is
-    missing), target.mask_token_id lies outside its vocabulary, or the drafter settings make no drafter for it (a
-    hidden size or a tap it does not have, heads that do not group), found from its config alone before any stage
-    runs (dflash/models/targets/preflight.py). The rest of a given mask token's checks need the data (capture). The
+    """ConfigError in one line when target.chat_template is no chat template (template_file_problem),
+    target.path names a checkpoint no adapter can take (its family, what is missing), target.mask_token_id lies
+    outside its vocabulary, or the drafter settings make no drafter for it (a hidden size or a tap it does not have,
+    heads that do not group), found from its config alone before any stage runs
+    (dflash/models/targets/preflight.py). The rest of a given mask token's checks need the data (capture). The
     smollm2 and tiny targets are known adapters' targets, whose shape comes from the converted checkpoint's config
     (the GGUF's metadata before the first conversion) or the tiny family's. A command whose stages never load the
     target (export alone) checks nothing here."""
@@ -105,6 +106,12 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     target = settings.target
     if not set(settings.stages) & {"data", "capture", "train", "eval"}:  # those load the target
         return
+    if target.chat_template is not None:
+        from dflash.models.targets.chat_template import template_file_problem
+
+        problem = template_file_problem(target.chat_template)
+        if problem is not None:
+            raise ConfigError(f"target.chat_template={target.chat_template!r}: {problem}")
     if target.kind != "hf":
         try:
             shape = known_target_shape(target.kind, target.tiny, target.cache_dir)

@@ -112,16 +112,16 @@ class DataStage(Stage):
         if s.data.eval_overlap_ngram:
             files += eval_prompt_files(s)
         refuse_unreadable_prompts(files)
-        if s.data.source == "file":  # a user's file: a malformed line is found before the run folder is made
+        if s.data.path:  # a user's file: a malformed line is found before the run folder is made
             # The stage reads it again, after hashing it.
-            self.file_prompts = len(read_prompt_file("data", lambda: training_prompts(s.data)))
+            self.file_prompts = len(read_prompt_file("data", s.data.source, lambda: training_prompts(s.data)))
 
     def describe(self) -> str:
         s = self.context.settings
         d, kind = s.data, s.target.kind
         prompts = f"{d.limit} {d.source} prompts" if d.limit else f"every {d.source} prompt"
         if self.file_prompts is not None:
-            prompts = f"{self.file_prompts} prompts of {d.path}"
+            prompts = f"{self.file_prompts} {'' if d.source == 'file' else d.source + ' '}prompts of {d.path}"
         if d.synthetic.count:
             prompts += f" and {d.synthetic.count} the target writes itself"
         answers = "greedily" if d.temperature == 0 else f"sampled at T={d.temperature}"

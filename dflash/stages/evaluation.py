@@ -47,11 +47,29 @@ class EvalStage(Stage):
 
     def preflight(self, selected: bool) -> None:
         """Selected: every prompt set must be readable (rank 0, which alone reads them), a command that trains
-        nothing needs a run folder to evaluate, and eval.live_engine=static a target family it can decode."""
+        nothing needs a run folder to evaluate, eval.out_dir may not hold another drafter's evaluation, and
+        eval.live_engine=static needs a target family it can decode."""
         if selected and self.context.rank == 0:
             self.refuse_missing_run_folder()
+            self.refuse_another_drafters_evaluation()
             refuse_unreadable_prompts(eval_prompt_files(self.context.settings))
             refuse_static_engine_family(self.context.settings)
+
+    def refuse_another_drafters_evaluation(self) -> None:
+        """ConfigError when eval.out_dir holds the evaluation of another training's drafter (its done.json names
+        another checkpoint fingerprint: another run's evaluation folder, given as this one's), which this
+        evaluation would replace; overwrite=true lets it. An evaluation of this run's drafter with other eval
+        settings is replaced, as replacing_line says."""
+        done = read_json_or_none(os.path.join(self.out, DONE))
+        recorded = done.get("checkpoint") if isinstance(done, dict) else None
+        mine = self.train.checkpoint_fingerprint()
+        if recorded is None or recorded == mine or self.context.settings.overwrite:
+            return
+        beside = next(f"{self.out}_{k}" for k in range(2, 10_000) if not os.path.exists(f"{self.out}_{k}"))
+        raise ConfigError(f"eval.out_dir={shlex.quote(shown(self.out))} holds the evaluation of another drafter "
+                          f"(trained with settings {recorded[:12]}, this run's are {mine[:12]}), which this evaluation "
+                          f"would replace: give eval.out_dir={shlex.quote(shown(beside))} to keep it, or add "
+                          f"overwrite=true to replace it")
 
     def refuse_missing_run_folder(self) -> None:
         """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a
@@ -168,7 +186,7 @@ class EvalStage(Stage):
         from dflash.eval.evaluate import format_table
 
         self.summary = read_json(os.path.join(self.out, "summary.json"))
-        print(format_table(self.summary))
+        print(format_table(self.summary, timing=False))
 
     def run(self) -> dict[str, Any]:
         """Measure the drafter into a temporary folder beside `out` that takes its place once finished and marked
@@ -254,7 +272,8 @@ class EvalStage(Stage):
         if run.settings.eval.mode == "replay":
             live = os.path.join(shown(run.run_dir), "eval_live")
             # Quoted for a shell: `[0,40]` is a glob to bash and zsh, and a path may hold spaces.
-            words = [*command_overrides(run.settings), "eval.mode=live", f"eval.out_dir={live}"]
+            kept = [w for w in command_overrides(run.settings) if override_key(w) not in ("eval.mode", "eval.out_dir")]
+            words = [*kept, "eval.mode=live", f"eval.out_dir={live}"]
             rows.append(("next: real decoding", "python -m dflash.eval " + " ".join(shlex.quote(w) for w in words)))
         return rows
 

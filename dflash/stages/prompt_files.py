@@ -32,13 +32,16 @@ def refuse_unreadable_prompts(files: list[tuple[str, str, str | None]]) -> None:
             raise ConfigPathError(f"{key}={value!r}: {problem}")
     for prefix, source, path in files:
         if path and prefix != "data":
-            read_prompt_file(prefix, lambda: load_prompts(source, path=path))
+            read_prompt_file(prefix, source, lambda: load_prompts(source, path=path))
 
 
-def read_prompt_file(prefix: str, read: Callable[[], T]) -> T:
-    """What `read` returns, reading the prompt file of setting `prefix`.path; its ConfigError (which names the file
-    and the line or record) again, led by the key."""
+def read_prompt_file(prefix: str, source: str, read: Callable[[], T]) -> T:
+    """What `read` returns, reading the prompt file of setting `prefix`.path in the format of `source`; its
+    ConfigError (which names the file and the line or record) again, led by the key, and for a packaged set's
+    format with the source that reads a file of one's own."""
     try:
         return read()
     except ConfigError as error:
-        raise ConfigError(f"{prefix}.path: {error}") from None
+        hint = "" if source == "file" else (f" (read as {prefix}.source={source}'s format; {prefix}.source=file "
+                                            f"reads a .jsonl or .json file of prompts)")
+        raise ConfigError(f"{prefix}.path: {error}{hint}") from None

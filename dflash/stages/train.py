@@ -132,18 +132,19 @@ class TrainStage(Stage):
 
     def preflight(self, selected: bool) -> None:
         """Any command: the run folder must not hold a drafter of other settings (dflash/stages/guard.py). Selected:
-        features finished for these settings unless the command captures (refuse_unfinished_input), and the logger
-        packages the logging settings name must be installed."""
+        features finished for these settings unless the command captures (refuse_unfinished_input), the logger
+        packages the logging settings name must be installed, and wandb online needs its API key."""
         from dflash.stages.guard import refuse_other_trained_settings
 
         refuse_other_trained_settings(self)
         self.refuse_unfinished_input(selected)
         if selected:
             self.refuse_other_global_batch()
-            from dflash.train.metrics_log import missing_logger_package
+            from dflash.train.metrics_log import missing_logger_package, missing_wandb_credentials
 
             logging_settings = self.context.settings.logging
-            missing = missing_logger_package(logging_settings.tensorboard, logging_settings.wandb.mode)
+            missing = missing_logger_package(logging_settings.tensorboard, logging_settings.wandb.mode) or \
+                missing_wandb_credentials(logging_settings.wandb.mode)
             if missing:
                 raise ConfigError(missing)
 

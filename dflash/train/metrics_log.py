@@ -23,6 +23,34 @@ def missing_logger_package(tensorboard: bool, wandb_mode: str) -> str | None:
     return None
 
 
+def missing_wandb_credentials(wandb_mode: str) -> str | None:
+    """At logging.wandb.mode=online with no wandb API key configured here, the setting and what to do, in one line
+    (None otherwise): wandb.init would stop the training at its first line, after the data and capture, or wait
+    there for a key typed at a prompt."""
+    if wandb_mode != "online" or os.environ.get("WANDB_API_KEY") or _wandb_finds_credentials():
+        return None
+    return ("logging.wandb.mode=online: no wandb API key is configured here (set WANDB_API_KEY, or run `wandb "
+            "login`); logging.wandb.mode=offline (the default) keeps the run's logs for `wandb sync`")
+
+
+def _wandb_finds_credentials() -> bool:
+    """Whether wandb finds an API key for its server (WANDB_BASE_URL) without prompting: in its environment
+    variables, the .netrc file or its settings."""
+    import netrc
+    from urllib.parse import urlparse
+
+    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    try:
+        from wandb.sdk.lib.wbauth import authenticate_session
+
+        return authenticate_session(host=base, source="dflash", prompt=False, update_session=False) is not None
+    except Exception:  # a wandb release without this lookup: the .netrc entry that `wandb login` writes
+        try:
+            return netrc.netrc(os.environ.get("NETRC")).authenticators(urlparse(base).hostname or "") is not None
+        except (OSError, netrc.NetrcParseError):
+            return False
+
+
 class MetricsLog:
     """Writes on rank 0 only; every other rank gets a log that accepts and drops records."""
 

@@ -67,6 +67,31 @@ def template_to_record(tokenizer: Any, template_file: str | None) -> str | None:
     return template if template_file or template in PLAIN_TEMPLATES else None
 
 
+def template_file_problem(template_file: str) -> str | None:
+    """Why the Jinja file `template_file` is no chat template, in a phrase: it does not parse, fails to render a
+    conversation of one user turn (a template's own raise_exception included), or renders one without the turn's
+    text (a file of plain text parses as a template that ignores every message). None when it renders a
+    conversation. The tokenizer's special tokens are not known here: they render as empty strings."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    with open(os.path.expanduser(template_file), encoding="utf-8") as f:
+        text = f.read()
+    probe = "dflash-checks-this-user-turn"
+    special = {name: "" for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    try:
+        rendered, _ = render_jinja_template([[{"role": "user", "content": probe}]], chat_template=text,
+                                            add_generation_prompt=True, **special)
+    except TemplateSyntaxError as error:
+        return f"not a Jinja template: line {error.lineno}: {error.message}"
+    except TemplateError as error:
+        return f"fails to render a conversation of one user turn: {error}"
+    if probe not in rendered[0]:
+        return ("renders a conversation without its messages' text (a chat template writes each message's "
+                "content, e.g. {% for message in messages %}{{ message['content'] }}{% endfor %})")
+    return None
+
+
 def set_chat_template(tokenizer: Any, template_file: str | None, model_type: str) -> str | None:
     """Give `tokenizer` the template of `template_file` (a Jinja file), or the plain format when it has none;
     returns the one line saying which (None when the tokenizer's own template stays)."""
