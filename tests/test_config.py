@@ -295,6 +295,7 @@ UNUSED = [
     ("eval.seed", "eval.seed=3", [], ["eval.temperature=0.7"]),
     ("eval.measure_target", "eval.measure_target=false", [], ["eval.mode=live"]),
     ("eval.live_engine", "eval.live_engine=hf", [], ["eval.mode=live"]),
+    ("eval.compile_drafter", "eval.compile_drafter=true", [], ["eval.mode=live"]),
     ("eval.draft_temperature", "eval.draft_temperature=0.5", ["eval.temperature=0.7"],
      ["eval.temperature=0.7", "eval.draft_sampling=sampled"]),
     # A prompt set's settings (each set of eval.prompt_sets has them; the table names them by mtbench's).
@@ -635,6 +636,25 @@ def test_only_ignored_settings_the_command_line_typed_are_named_when_it_is_known
     assert settings.ignored(typed={"eval.prompt_sets.gsm8k.limit"}) == []
 
 
+def test_a_prompt_set_name_with_a_dot_is_refused():
+    # Only a YAML file makes one (the command line reads the dot as a level); its settings had no key of their own.
+    cfg = compose(["+experiment=tiny"])
+    with open_dict(cfg.eval.prompt_sets):
+        cfg.eval.prompt_sets["gsm8k.v2"] = {"source": "gsm8k", "limit": 2}
+    with pytest.raises(ConfigError, match=re.escape("eval.prompt_sets: the set name 'gsm8k.v2' holds a dot, which a "
+                                                    "key reads as a level (eval.prompt_sets.gsm8k.v2.limit would name "
+                                                    "a set 'gsm8k'): rename it, e.g. gsm8k_v2")):
+        settings_from(cfg)
+
+
+def test_capture_devices_off_cuda_are_named_as_ignored_for_auto_too(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    settings = settings_from(compose(["+experiment=tiny", "device=auto", "capture=offline", "capture.devices=[0]"]))
+    assert "capture.devices=[0] is ignored: capture runs on the CPU (no CUDA device is here)" in settings.ignored()
+
+
 def test_a_prompt_set_setting_it_does_not_use_leaves_the_evaluation_fingerprint_as_it_was():
     from dflash.config.fingerprints import eval_fingerprint
 
@@ -913,7 +933,9 @@ def test_a_run_fingerprinted_before_a_stand_in_is_refused_naming_that_setting(tm
     from dflash.run_files import SETTINGS_KEY
 
     run = ["+experiment=tiny", "capture=colocated", f"run_dir={tmp_path}"]
-    older = run + ["target.cache_dir=/x", "capture.batch_tokens=4096"]
+    # Settings of the evaluation only, at stand-ins too, which no trained drafter's fingerprint holds.
+    older = run + ["target.cache_dir=/x", "capture.batch_tokens=4096", "eval.seed=3",
+                   "eval.prompt_sets.gsm8k.answer_max_new_tokens=5"]
     trained = Pipeline(compose(run))
     os.makedirs(trained.train.checkpoints)
     write_json(os.path.join(trained.train.checkpoints, "fingerprint.json"), {"fingerprint": "trained"})
@@ -925,6 +947,7 @@ def test_a_run_fingerprinted_before_a_stand_in_is_refused_naming_that_setting(tm
     message = str(error.value)
     assert "target.cache_dir: /x (the dflash that made the run fingerprinted this value; this one holds None" in message
     assert "capture.batch_tokens: 4096 (" in message and "see " not in message.split("(")[1]
+    assert "eval." not in message
     # A setting that did change is named as before, alone.
     with pytest.raises(ConfigError, match=r"other settings \(train.lr: 0.0006 -> 0.01\)"):
         refuse_other_trained_settings(Pipeline(compose(older + ["train.lr=0.01"])).train)

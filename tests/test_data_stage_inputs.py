@@ -3,6 +3,7 @@ recorded by their sha256 in data/stats.json, and an edit to either rebuilds the 
 prompts from the journal), and so reruns the capture that reads it."""
 
 import json
+import os
 import re
 
 from dflash.config import compose
@@ -137,3 +138,24 @@ def test_a_prompt_file_of_another_format_than_its_source_reads_is_refused_naming
     with pytest.raises(ConfigError, match="^" + re.escape(line)):
         Pipeline(compose(command)).run()
     assert not (tmp_path / "run").exists()
+
+
+def test_an_evaluation_set_file_is_read_once_by_the_preflights_of_one_command(tmp_path, monkeypatch):
+    """The data stage's preflight (its overlap check reads the evaluation sets) and the evaluation's both check an
+    evaluation set's own file: one command reads it once."""
+    import dflash.data.prompts as prompts_module
+
+    own = prompt_file(tmp_path / "mine.jsonl", ["What is two plus three?", "Name a colour."])
+    read, load = [], prompts_module.load_prompts
+
+    def counted(source, path=None, *args, **kwargs):
+        if path is not None and os.path.realpath(path) == os.path.realpath(own):
+            read.append(path)
+        return load(source, path, *args, **kwargs)
+
+    monkeypatch.setattr(prompts_module, "load_prompts", counted)
+    pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}",
+                                 f"+eval.prompt_sets.mine={{source: file, path: {own}}}"]))
+    pipeline.data.preflight(True)
+    pipeline.eval.preflight(True)
+    assert len(read) == 1

@@ -1,6 +1,7 @@
 """Prompt loading: the real packaged prompt sets, the file formats, subsets and the named errors."""
 
 import json
+import re
 
 import pytest
 
@@ -294,3 +295,15 @@ def test_prompts_only_the_selected_stages_read_are_checked(tmp_path, monkeypatch
                                  "stages=[eval]"]))
     with pytest.raises(RunFolderError, match="no drafter of these settings to evaluate"):
         pipeline.run()
+
+
+@pytest.mark.parametrize("name,content,problem", [
+    ("bad.jsonl.gz", b"not gzip data", "cannot be read as gzip-compressed UTF-8 text (BadGzipFile"),
+    ("latin.jsonl", b'{"prompt": "caf\xe9"}\n', "cannot be read as UTF-8 text (UnicodeDecodeError"),
+    ("latin.json", b'[{"prompt": "caf\xe9"}]', "cannot be read as UTF-8 text (UnicodeDecodeError"),
+])
+def test_a_file_that_is_no_text_of_its_kind_is_a_config_error_naming_it(tmp_path, name, content, problem):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{path}: {problem}")):
+        load_prompts("file", path=str(path))

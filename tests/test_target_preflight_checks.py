@@ -20,8 +20,7 @@ TINY = ["+experiment=tiny"]
 
 
 def preflight(*overrides: str) -> None:
-    # The builtin tokenizer (260 tokens) whether or not a SmolLM2 one is cached, which "auto" would take.
-    refuse_unusable_target(settings_from(compose(TINY + ["target.tiny.tokenizer=builtin", *overrides])))
+    refuse_unusable_target(settings_from(compose(TINY + list(overrides))))
 
 
 @pytest.mark.parametrize("override,line", [
@@ -39,14 +38,20 @@ def preflight(*overrides: str) -> None:
     ("+target.tiny.famly=llama", "target.tiny.famly='llama': expected one of family, seed, tokenizer or a field of "
                                  "transformers' LlamaConfig (did you mean target.tiny.family?)"),
     ("+target.tiny.dtype=float32", "target.tiny.dtype='float32': set by target.dtype, not by target.tiny"),
-    ("+target.tiny.vocab_size=100", "target.tiny.vocab_size=100: expected an int >= 260, the size of the tiny "
-                                    "target's tokenizer"),
     ("+target.tiny.hiden_size=32", "target.tiny.hiden_size=32: expected one of family, seed, tokenizer or a field of "
                                    "transformers' LlamaConfig (did you mean target.tiny.hidden_size?)"),
 ])
 def test_a_tiny_spec_that_builds_no_target_is_refused(override, line):
     with pytest.raises(ConfigError, match="^" + re.escape(line)):
         preflight(override)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused():
+    # The builtin tokenizer (260 tokens), whether or not a SmolLM2 one is cached, which "auto" would take.
+    with pytest.raises(ConfigError, match="^" + re.escape("target.tiny.vocab_size=100: expected an int >= 260, the "
+                                                          "size of the tiny target's tokenizer")):
+        preflight("+target.tiny.vocab_size=100", "target.tiny.tokenizer=builtin")
+    preflight("+target.tiny.vocab_size=260", "target.tiny.tokenizer=builtin")
 
 
 def test_a_smollm2_tokenizer_that_is_not_cached_is_refused(tmp_path):
@@ -56,8 +61,7 @@ def test_a_smollm2_tokenizer_that_is_not_cached_is_refused(tmp_path):
 
 
 def test_a_tiny_spec_of_config_fields_passes():
-    preflight("+target.tiny.num_hidden_layers=6", "+target.tiny.rms_norm_eps=1e-5", "target.tiny.seed=3",
-              "+target.tiny.vocab_size=260")
+    preflight("+target.tiny.num_hidden_layers=6", "+target.tiny.rms_norm_eps=1e-5", "target.tiny.seed=3")
     preflight("target.tiny.family=qwen3_5", "+target.tiny.linear_num_value_heads=2")
     # What the config's constructor reads into other fields (transformers 5: rope_theta into rope_parameters), its
     # attention implementation, and a family's own default (granite's head_dim, no attribute of GraniteConfig()).

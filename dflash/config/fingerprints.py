@@ -93,10 +93,14 @@ def stand_in_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
     """`key: value (...)` for each setting that `new` fingerprints at a stand-in (its `unused` stand-in, or the default
     a `fingerprinted_before` field enters at) where the resolved config `old` recorded another value: the
     fingerprints of a run that dflash made before the stand-in took that value, so they differ from `new`'s where
-    no setting does (what a guard names when training_changes finds nothing)."""
-    standing = {key: stand_in for key, _, stand_in, _ in unused_settings(new)}
-    standing.update((key, field_default(f)) for key, f, _, _ in setting_leaves(new)
-                    if f.metadata["fingerprinted_before"])
+    no setting does (what a guard names when training_changes finds nothing). Only settings of the data, capture or
+    train stage: the guard compares a trained drafter's fingerprints, which no other setting enters."""
+    training = {"data", "capture", "train"}
+    fields = {key: f for key, f, _, _ in setting_leaves(new)}
+    standing = {key: stand_in for key, _, stand_in, _ in unused_settings(new)
+                if set(fields[key].metadata["affects"]) & training}
+    standing.update((key, field_default(f)) for key, f in fields.items()
+                    if set(f.metadata["fingerprinted_before"]) & training)
     changes = []
     for key, stand_in in standing.items():
         recorded = recorded_value(old, key, stand_in)

@@ -707,6 +707,10 @@ def prompt_set(name: str, spec: Any) -> PromptSetSettings:
     """eval.prompt_sets.<name> checked, as PromptSetSettings: given as one, or as a mapping of its fields (what
     `+eval.prompt_sets.NAME={source: ..., ...}` makes). ConfigError naming the key."""
     key = f"eval.prompt_sets.{name}"
+    if "." in name:  # only a YAML file can make one; its settings would have no key of their own
+        raise ConfigError(f"eval.prompt_sets: the set name {name!r} holds a dot, which a key reads as a level "
+                          f"({key}.limit would name a set {name.split('.')[0]!r}): rename it, e.g. "
+                          f"{name.replace('.', '_')}")
     if not isinstance(spec, PromptSetSettings):
         fields = [f.name for f in dataclasses.fields(PromptSetSettings)]
         require(isinstance(spec, dict), key, spec, "{" + ", ".join(fields) + "}")
@@ -765,6 +769,9 @@ class EvalSettings:
     measure_target: bool = setting(True, affects=("eval",), unused=_unless_live,
                                    doc="live: also decode target-only -> speedup")
     live_engine: str = setting("auto", affects=("eval",), unused=_unless_live, doc="live: auto | static | hf")
+    compile_drafter: bool = setting(False, affects=(), unused=_unless_live,
+                                    doc="live: torch.compile the drafter's layers (fewer kernels in each drafting "
+                                        "step; the warm-up compiles them)")
     chat_template_kwargs: Dict[str, Any] = setting(affects=("eval",), factory=dict,
                                                    doc="e.g. +eval.chat_template_kwargs.enable_thinking=false")
     max_new_tokens: int = setting(64, affects=("eval",), doc="tokens generated per prompt")

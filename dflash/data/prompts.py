@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -82,18 +83,38 @@ def _stem(path: Path) -> str:
     return name
 
 
+# What reading a file that is no text of the kind its name says raises: not gzip data, cut short, not UTF-8.
+UNREADABLE = (OSError, EOFError, UnicodeDecodeError, zlib.error)
+
+
+def _unreadable(path: Path, error: Exception) -> ConfigError:
+    kind = "gzip-compressed UTF-8 text" if path.suffix == ".gz" else "UTF-8 text"
+    return ConfigError(f"{path}: cannot be read as {kind} ({type(error).__name__}: {error})")
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; ConfigError naming it when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UNREADABLE as error:
+        raise _unreadable(path, error) from None
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
     """(line number, record) for every non-blank line; gzip when the name ends in .gz."""
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((lineno, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
+    except UNREADABLE as error:
+        raise _unreadable(path, error) from None
     if not records:
         raise ConfigError(f"{path}: empty prompt file (no records)")
     return records
@@ -139,7 +160,7 @@ def _to_messages(record: Any, where: str) -> list[dict]:
 
 def _load_file(path: Path, name: str) -> list[Prompt]:
     if path.suffix == ".json":
-        text = path.read_text(encoding="utf-8")
+        text = _read_text(path)
         if not text.strip():
             raise ConfigError(f"{path}: empty prompt file (no records)")
         try:
@@ -206,7 +227,7 @@ def _load_sharegpt(path: Path, name: str, all_turns: bool = False) -> list[Promp
 
     The shipped file is cut off mid-record, so it is decoded record by record and the broken tail dropped.
     """
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     start = text.find("[")
     if start < 0 or text[:start].strip():
         raise ConfigError(f"{path}: a ShareGPT file must hold a JSON list")

@@ -294,6 +294,11 @@ class EvalStage(Stage):
                               f"the same settings (python -m dflash.train ...), which exports") from None
         # Both before the target answers the prompt sets (MT-Bench's first turns).
         check_compatible(drafter, target)
+        if e.mode == "live" and e.compile_drafter:
+            from dflash.train.compile_layers import compile_layers
+
+            # A live drafting step of a drafter this small is bound by its kernel count (docs/benchmarks.md).
+            compile_layers(drafter)
         live_engine = live_engine_of(e.live_engine, target) if e.mode == "live" else e.live_engine
         template_kwargs = dict(e.chat_template_kwargs)
         timer = PhaseTimer(target.device)  # summary["timing"]: where the eval's minutes go
@@ -306,6 +311,8 @@ class EvalStage(Stage):
                            timer=timer, live_engine=live_engine, draft_sampling=e.draft_sampling,
                            draft_temperature=e.draft_temperature, prompt_ids=prompt_ids)
         summary["chat_template_kwargs"] = template_kwargs
+        if e.mode == "live" and e.compile_drafter:
+            summary["compile_drafter"] = True  # what its step cost was measured with
         write_summary(summary, out)
         write_text(os.path.join(out, "config.yaml"), run.config_yaml())
         return summary

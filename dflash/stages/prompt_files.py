@@ -3,6 +3,8 @@ file reads as prompts."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -23,7 +25,7 @@ def refuse_unreadable_prompts(files: list[tuple[str, str, str | None]]) -> None:
     file); then ConfigError naming the key of an evaluation set's own file (a path given) that does not read as
     prompts (a malformed line, a record without a user turn), found here rather than after the stages before the
     evaluation. The data stage's own file is read by its preflight (read_prompt_file)."""
-    from dflash.data.prompts import load_prompts, prompt_file_problem
+    from dflash.data.prompts import prompt_file_problem
 
     for prefix, source, path in files:
         problem = prompt_file_problem(source, path)
@@ -32,7 +34,18 @@ def refuse_unreadable_prompts(files: list[tuple[str, str, str | None]]) -> None:
             raise ConfigPathError(f"{key}={value!r}: {problem}")
     for prefix, source, path in files:
         if path and prefix != "data":
-            read_prompt_file(prefix, source, lambda: load_prompts(source, path=path))
+            stat = os.stat(path)
+            read_prompt_file(prefix, source, lambda: _read_once(source, os.path.realpath(path), stat.st_mtime_ns,
+                                                                stat.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_once(source: str, path: str, mtime_ns: int, size: int) -> int:
+    """The number of prompts of a file as it is now (its time and size in the key): the data stage's preflight and
+    the evaluation's both check an evaluation set's file in one command."""
+    from dflash.data.prompts import load_prompts
+
+    return len(load_prompts(source, path=path))
 
 
 def read_prompt_file(prefix: str, source: str, read: Callable[[], T]) -> T:

@@ -158,7 +158,8 @@ def check_tiny_spec(spec: dict[str, Any], cache_dir: str | None = None) -> None:
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"target.tiny.{key}",
                     value, "an int >= 1")
     if "vocab_size" in spec:
-        # Every token id of the tokenizer must have a row: a smaller table fails in the first forward.
+        # Every token id of the tokenizer needs a row of the embedding (build_tiny_target raises too, for its own
+        # callers; here it is found before the run folder is made).
         needed = len(tiny_tokenizer(tokenizer, cache_dir))
         require(spec["vocab_size"] >= needed, "target.tiny.vocab_size", spec["vocab_size"],
                 f"an int >= {needed}, the size of the tiny target's tokenizer")
