@@ -363,7 +363,7 @@ def test_a_trained_run_folder_lets_through_a_setting_its_training_does_not_use(t
     with pytest.raises(ConfigError) as error:
         refuse_other_trained_settings(Pipeline(compose(run + unused + ["train.lr=0.01"])).train)
     message = str(error.value)
-    assert "train.lr: 0.0006 -> 0.01" in message and "drafter.layer_types: ['sliding_attention'," in message
+    assert "train.lr: 0.0006 -> 0.01" in message and "drafter.layer_types: [sliding_attention," in message
     assert "dpace_alpha" not in message and "group_by" not in message and "sliding_window" not in message
 
 
@@ -945,7 +945,7 @@ def test_a_run_fingerprinted_before_a_stand_in_is_refused_naming_that_setting(tm
     with pytest.raises(ConfigError) as error:
         refuse_other_trained_settings(Pipeline(compose(older + ["stages=[eval]"])).train)
     message = str(error.value)
-    assert "target.cache_dir: /x (the dflash that made the run fingerprinted this value; this one holds None" in message
+    assert "target.cache_dir: /x (the dflash that made the run fingerprinted this value; this one holds null" in message
     assert "capture.batch_tokens: 4096 (" in message and "see " not in message.split("(")[1]
     assert "eval." not in message
     # A setting that did change is named as before, alone.

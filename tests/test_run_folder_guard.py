@@ -46,7 +46,7 @@ def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path,
         Pipeline(compose(run + ["train.epochs=4", "drafter.target_layer_ids=[0,40]"])).run()
     assert snapshot(tmp_path) == before
     assert "train.epochs: 3 -> 4" in messages[0]
-    assert "drafter.target_layer_ids: None (automatic: [1, 5]) -> [0, 2]" in messages[0]
+    assert "drafter.target_layer_ids: null (automatic: [1,5]) -> [0,2]" in messages[0]
     assert f"run_dir={tmp_path}-2;" in messages[0] and "overwrite=true" in messages[0]
     assert "data.limit: 32 -> 16" in messages[1]
     # Other eval settings are another look at the same drafter: allowed, into their own folder. Each command that
@@ -61,7 +61,7 @@ def test_commands_of_other_settings_leave_a_trained_run_byte_identical(tmp_path,
     # captured since (a capture command of other taps, stages=[capture]).
     from dflash.stages.capture import CaptureStage
     monkeypatch.setattr(CaptureStage, "layer_ids", lambda self, mode=None: [0, 3])
-    with pytest.raises(ConfigError, match=r"target_layer_ids: None \(automatic: \[1, 5\]\) -> \[0, 2\]"):
+    with pytest.raises(ConfigError, match=r"target_layer_ids: null \(automatic: \[1,5\]\) -> \[0,2\]"):
         Pipeline(compose(run + ["drafter.target_layer_ids=[0,2]"])).run()
 
 

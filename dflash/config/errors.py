@@ -26,6 +26,20 @@ class CorruptFile(RunFolderError):
     what to do."""
 
 
+def as_typed(value: Any) -> str:
+    """`value` as a command line writes it: null, true/false, [1,5,9], {family: llama, seed: 0}; anything else as
+    str() writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {as_typed(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(as_typed(item) for item in value) + "]"
+    return str(value)
+
+
 def require(condition: bool, key: str, value: Any, expected: str) -> None:
     """ConfigError `key=value: expected ...` unless `condition` (None written as the command line writes it)."""
     if not condition:

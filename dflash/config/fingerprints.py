@@ -24,6 +24,7 @@ import copy
 import dataclasses
 from typing import Any
 
+from dflash.config.errors import as_typed
 from dflash.config.schema import RunSettings, field_default, setting_leaves, unused_settings
 from dflash.run_files import fingerprint
 
@@ -85,7 +86,7 @@ def training_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
         if _plain(value, "train") != was:
             neutral = "neutral" in f.metadata and _is_neutral(f.metadata["neutral"], value, group)
             if not (was == "(absent)" and neutral):  # a setting added since, at its neutral value
-                changes.append(f"{key}: {was} -> {_plain(value, 'train')}")
+                changes.append(f"{key}: {as_typed(was)} -> {as_typed(_plain(value, 'train'))}")
     return changes
 
 
@@ -105,8 +106,8 @@ def stand_in_changes(old: dict[str, Any], new: RunSettings) -> list[str]:
     for key, stand_in in standing.items():
         recorded = recorded_value(old, key, stand_in)
         if recorded != stand_in:
-            changes.append(f"{key}: {recorded} (the dflash that made the run fingerprinted this value; this one holds "
-                           f"{stand_in} in its place)")
+            changes.append(f"{key}: {as_typed(recorded)} (the dflash that made the run fingerprinted this value; this "
+                           f"one holds {as_typed(stand_in)} in its place)")
     return changes
 
 

@@ -12,7 +12,7 @@ import shlex
 from omegaconf import OmegaConf, open_dict
 
 from dflash.config import fingerprints
-from dflash.config.errors import RunFolderError
+from dflash.config.errors import RunFolderError, as_typed
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
 from dflash.stages.batch_split import counted_ranks, fingerprinted, keeping_batch, recorded_split, settings_record
 from dflash.stages.context import RunContext
@@ -129,17 +129,18 @@ def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
 
 
 def with_chosen_taps(change: str, old: dict, train: TrainStage) -> str:
-    """`change` with the taps an automatic `drafter.target_layer_ids` (None) chose for the trained drafter, where it
+    """`change` with the taps an automatic `drafter.target_layer_ids` (null) chose for the trained drafter, where it
     is that setting's change and they were recorded: by its training (checkpoints/settings.json), else by its
     features (CaptureStage.layer_ids, in the capture mode it was trained with; a recapture since may have changed
     them)."""
-    prefix = "drafter.target_layer_ids: None -> "
+    prefix = "drafter.target_layer_ids: null -> "
     if not change.startswith(prefix):
         return change
     taps = settings_record(train.checkpoints).get("target_layer_ids")
     if not isinstance(taps, list):
         taps = train.capture.layer_ids(fingerprints.recorded_value(old, "capture.mode", None))
-    return change if taps is None else f"drafter.target_layer_ids: None (automatic: {taps}) -> {change[len(prefix):]}"
+    return change if taps is None else \
+        f"drafter.target_layer_ids: null (automatic: {as_typed(taps)}) -> {change[len(prefix):]}"
 
 
 def ways_on(train: TrainStage, doing: str) -> str:
