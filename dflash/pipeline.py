@@ -89,7 +89,8 @@ class Pipeline:
                 run_log().write(ending(error))
                 raise
             if run.rank == 0:
-                print(closing_block(run.run_dir, self.stages, log, next_command_rows(run, selected)), flush=True)
+                rows = next_command_rows(run, selected, trained=self.train.done())
+                print(closing_block(run.run_dir, self.stages, log, rows), flush=True)
         return summary
 
     def all_done(self, selected: list[str]) -> bool:

@@ -174,15 +174,18 @@ def test_evaluating_a_run_folder_whose_drafters_were_moved_aside_says_so(tmp_pat
 
 
 def test_a_command_that_stops_short_of_evaluation_names_the_next_command(tmp_path, monkeypatch):
-    """dflash.extract (data and capture) is followed by training, stages=[train] by evaluation."""
+    """dflash.extract (data and capture) is followed by training (by evaluation where the drafter is trained),
+    stages=[train] by evaluation."""
     monkeypatch.chdir(tmp_path)
     pipeline = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"]))
 
-    def last_row(selected, context=pipeline.context):
+    def last_row(selected, context=pipeline.context, trained=False):
         return closing_block(pipeline.context.run_dir, pipeline.stages, "x.log",
-                             next_command_rows(context, selected)).splitlines()[-1]
+                             next_command_rows(context, selected, trained)).splitlines()[-1]
 
     assert last_row(["data", "capture"]) == "  next: training              python -m dflash.train name=tiny"
+    # A run whose drafter these settings trained already: its evaluation is next, not its training again.
+    assert last_row(["data", "capture"], trained=True) == "  next: evaluation            python -m dflash.eval name=tiny"
     assert last_row(["train", "export"]) == "  next: evaluation            python -m dflash.eval name=tiny"
     assert last_row(["data", "capture", "train", "export", "eval"]) == "  console log                 x.log"
     ranks = SimpleNamespace(settings=pipeline.context.settings, world_size=2)  # a launcher's: its training too

@@ -60,16 +60,16 @@ def shown(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
-def next_command_rows(context, selected: list[str]) -> list[tuple[str, str]]:
+def next_command_rows(context, selected: list[str], trained: bool = False) -> list[tuple[str, str]]:
     """The command after one whose stages (`selected`) stopped short of evaluation, none after one that evaluated:
-    training after data or capture (dflash.extract; under the same launcher where the run had several ranks),
-    evaluation after training (stages=[train]; one process, docs/distributed.md); the same overrides, quoted for a
-    shell."""
+    training after data or capture (dflash.extract; under the same launcher where the run had several ranks) unless
+    the run holds its drafter already (`trained`), evaluation after training (stages=[train]; one process,
+    docs/distributed.md); the same overrides, quoted for a shell."""
     from dflash.stages.evaluation import command_overrides, train_command
 
     if "eval" in selected:
         return []
-    if "train" in selected:
+    if "train" in selected or trained:
         words = " ".join(shlex.quote(w) for w in command_overrides(context.settings))
         return [("next: evaluation", f"python -m dflash.eval {words}")]
     if "data" in selected or "capture" in selected:
