@@ -18,14 +18,14 @@ TINY = ["+experiment=tiny"]
 @pytest.mark.parametrize("argv,config,line", [
     (["train.epochs=1.5"], "train", "train.epochs=1.5: expected an int"),
     (["train.lr=abc"], "train", "train.lr=abc: expected a number"),
-    (["show_progress=maybe"], "train", "show_progress=maybe: expected true or false"),
+    (["show_progress=maybe"], "train", "show_progress=maybe: expected true or false (or yes/no, on/off, y/n, 1/0)"),
     (["stages=train"], "train", "stages=train: expected a list of strings, e.g. stages=[train]"),
     (["stages=null"], "train", "stages=null: expected a list of strings, e.g. stages=[data,capture,train,export,"
                                "eval]"),
     (["drafter.target_layer_ids=[a,b]"], "train", "drafter.target_layer_ids=[a,b]: expected a list of ints, e.g. "
                                                   "drafter.target_layer_ids=[1,5,9]"),
     (["~run_dir"], "train", "~run_dir: a setting cannot be deleted; give it another value (run_dir=...)"),
-    (["overwrite=2"], "train", "overwrite=2: expected true or false"),
+    (["overwrite=2"], "train", "overwrite=2: expected true or false (or yes/no, on/off, y/n, 1/0)"),
     (["seed=3"], "train", "seed: no such setting (did you mean data.seed, train.seed or eval.seed?)"),
     (["+eval.prompt_sets.gsm8k.limit=3"], "train", "+eval.prompt_sets.gsm8k.limit=3: eval.prompt_sets.gsm8k.limit is "
                                                    "there already, so it is set without the +: "
@@ -51,10 +51,13 @@ TINY = ["+experiment=tiny"]
     (["eval.prompt_sets.nonsense.limit=2"], "eval",
      "eval.prompt_sets.nonsense.limit: eval.prompt_sets has no entry 'nonsense' (it holds humaneval, mtbench, "
      "gsm8k); a + adds one: +eval.prompt_sets.nonsense.source=<a source> +eval.prompt_sets.nonsense.limit=..."),
-    (["train.lr=1e-3,3e-4"], "train", "train.lr=1e-3,3e-4: a comma sweeps, which needs --multirun (-m); a list is "
-                                      "train.lr=[1e-3,3e-4]"),
-    (["capture=offline,online"], "train", "capture=offline,online: capture takes one option; a comma sweeps, which "
-                                          "needs --multirun (-m)"),
+    (["train.lr=1e-3,3e-4"], "train", "train.lr=1e-3,3e-4: a comma sweeps, one job per value, each in a run folder "
+                                      "of its own: python -m dflash.train -m +experiment=tiny train.lr=1e-3,3e-4 "
+                                      "'name=tiny-lr${train.lr}'; a list is train.lr=[1e-3,3e-4]"),
+    (["capture=offline,online"], "train", "capture=offline,online: capture takes one option; a comma sweeps, one job "
+                                          "per option, each in a run folder of its own: python -m dflash.train -m "
+                                          "+experiment=tiny capture=offline,online "
+                                          "'name=tiny-${hydra:runtime.choices.capture}'"),
     (["eval.prompt_sets.humaneval.limt=2"], "eval", "eval.prompt_sets.humaneval.limt: no such setting (did you mean "
                                                     "eval.prompt_sets.humaneval.limit?)"),
     (["+eval.prompt_sets.humaneval.limt=2"], "train", "eval.prompt_sets.humaneval.limt: no such setting (did you mean "
@@ -107,7 +110,8 @@ def test_a_key_below_a_null_setting_is_one_line_naming_it(argv, line):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("argv", [["show_progress=1"], ["overwrite=True"], ["overwrite=no"],
+@pytest.mark.parametrize("argv", [["show_progress=1"], ["overwrite=True"], ["overwrite=no"], ["overwrite=yes"],
+                                  ["overwrite=on"], ["overwrite=Off"],
                                   ["overwrite=${oc.env:DFLASH_TEST_UNSET,false}"]])
 def test_a_bool_takes_what_omegaconf_reads_as_one_but_another_int(argv):
     refuse_uncomposable([*TINY, *argv], "train")

@@ -8,7 +8,8 @@ recorded where it does not set them itself (training_command.py, said on stdout,
 Overrides added go before Hydra's flags (hydra_flags.py). All three commands rewrite alike, so
 `python -m dflash.eval` finds the run that `python -m dflash.train` made on the same machine. A setting that was
 removed (dflash/config/removed.py) stops the command here with what replaces it, and so does a command line Hydra
-cannot compose (composition_errors.py), in one line. Once Hydra runs the command, `hydra_overrides` reads back
+cannot compose (composition_errors.py), a sweep whose jobs would share one run folder, and Hydra's own output folder
+(hydra.run.dir, which dflash leaves empty), in one line. Once Hydra runs the command, `hydra_overrides` reads back
 the overrides it was given.
 """
 
@@ -18,7 +19,8 @@ import os
 import sys
 
 from dflash.config import CONFIG_DIR
-from dflash.config.composition_errors import refuse_uncomposable
+from dflash.config.composition_errors import (refuse_flags_between_overrides, refuse_shared_sweep_folder,
+                                               refuse_uncomposable)
 from dflash.config.errors import ConfigError
 from dflash.config.hydra_flags import before_flags, full_flag, split_arguments
 from dflash.config.removed import refuse_removed_settings
@@ -138,12 +140,30 @@ def refuse_stages_setting(argv: list[str], config_name: str) -> None:
                               f"python -m dflash.train {arg} runs the stages named")
 
 
+# What each command writes where Hydra's run folder would be (hydra.run.dir): conf/*.yaml keep Hydra's folder the
+# working one, where Hydra writes nothing.
+COMMAND_FOLDERS = {"train": "run_dir (runs/${name})", "extract": "run_dir (runs/${name})",
+                   "eval": "eval.out_dir (<run_dir>/eval)"}
+
+
+def refuse_hydra_run_dir(argv: list[str], config_name: str) -> None:
+    """ConfigError where `hydra.run.dir=` is given: Hydra would make that folder empty, and the run would go to
+    run_dir all the same."""
+    for arg in split_arguments(argv)[0]:
+        if override_key(arg) == "hydra.run.dir" and "=" in arg:
+            folder = arg.partition("=")[2]
+            instead = f"eval.out_dir={folder}" if config_name == "eval" else f"run_dir={folder} (or name=NAME)"
+            raise ConfigError(f"{arg}: dflash writes to {COMMAND_FOLDERS[config_name]}, not to Hydra's run folder, "
+                              f"which would stay empty; give {instead} instead")
+
+
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
     --local_rank, for an evaluation after the overrides it adopts (training_command.py), with the GPU default when
     it applies (default_run_line says so, or that this is the CPU demo). A removed setting, a key that names no
-    setting, a flag Hydra does not have or a command line Hydra cannot compose ends the command with one line (exit
-    status 2; HYDRA_FULL_ERROR=1 leaves the last to Hydra)."""
+    setting, hydra.run.dir, Hydra's flags between overrides, a sweep whose jobs would share one run folder, a flag
+    Hydra does not have or a command line Hydra cannot compose ends the command with one line (exit status 2;
+    HYDRA_FULL_ERROR=1 leaves the last two to Hydra)."""
     kept = strip_local_rank(argv)
     if any(full_flag(arg) == "--version" for arg in kept):  # Hydra's own flag would print Hydra's version alone
         print(version_line())
@@ -151,8 +171,8 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     import torch  # here: --version answers without loading it
 
     global _adopted
+    typed = kept
     if config_name == "eval":
-        typed = kept
         kept = with_training_command(kept, with_gpu_default(kept, torch.cuda.is_available()))
         _adopted = [a for a in kept if a not in typed]
     arguments = with_gpu_default(kept, torch.cuda.is_available())
@@ -160,8 +180,11 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
         refuse_removed_settings(kept)
         refuse_unknown_override_keys(kept, CONFIG_DIR)
         refuse_stages_setting(kept, config_name)
+        refuse_hydra_run_dir(kept, config_name)
+        refuse_flags_between_overrides(arguments, config_name, typed)
+        refuse_shared_sweep_folder(typed, config_name)
         if os.environ.get("HYDRA_FULL_ERROR") != "1":
-            refuse_uncomposable(arguments, config_name)
+            refuse_uncomposable(arguments, config_name, typed)
     except ConfigError as error:
         print(f"dflash: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -2,8 +2,11 @@
 
 Hydra's own errors for these take six to twelve lines (the config search path, the structured config's classes)
 and often leave out the fix: `train.epochs=1.5`, `stages=train`, `eval.prompt_sets=nonsense`, `deepspeed=zero4`,
-`train.lr 1e-3`, `--epochs 3`. The commands compose their config once before Hydra does (`refuse_uncomposable`),
-so such a line comes before any work, as every other bad setting does.
+`train.lr 1e-3`, `--epochs 3`, `a=1 -m b=2` (argparse's usage block). The commands compose their config once before
+Hydra does (`refuse_uncomposable`), so such a line comes before any work, as every other bad setting does. A sweep
+(`-m train.lr=1e-3,2e-3`) whose jobs would share one run folder is refused too (`refuse_shared_sweep_folder`): its
+second job would find the first's drafter and be refused after the first had trained; the line gives the command
+with a folder per job (`'name=lr${train.lr}'`).
 """
 
 from __future__ import annotations
@@ -11,17 +14,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import shlex
 import typing
 from typing import Any
 
 from dflash.config.errors import ConfigError
-from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag
-from dflash.config.schema import RunSettings, field_default
+from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag, split_arguments
+from dflash.config.schema import STAGES, RunSettings, field_default
 from dflash.config import unknown_keys
-from dflash.config.unknown_keys import (ENTRY_SETTINGS, lookup_setting, other_mode_problem, override_key,
-                                        settings_fields)
+from dflash.config.training_command import is_sweep
+from dflash.config.unknown_keys import (ALIASES, BOOL_WORDS, ENTRY_SETTINGS, lookup_setting, other_mode_problem,
+                                        override_key, settings_fields)
 
-TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+TYPE_WORDS = {int: "an int", float: "a number", bool: BOOL_WORDS, str: "a string"}
 
 
 def setting_keys(cls: Any = RunSettings, prefix: str = "") -> list[str]:
@@ -69,9 +74,10 @@ def refuse_unknown_flags(argv: list[str]) -> None:
                 raise ConfigError(f"{arg}: Hydra takes this for its flag {expanded}; write its flags in full, "
                                   f"and settings as key=value{meant}")
             continue
-        keys = [key for key in setting_keys() if key == name or key.endswith("." + name)]
+        aliased, note = ALIASES.get(name.lower(), ((), ""))
+        keys = list(aliased) or [key for key in setting_keys() if key == name or key.endswith("." + name)]
         keys = keys or difflib.get_close_matches(name, setting_keys(), n=1)
-        meant = _override(keys[0], value) if keys else ""
+        meant = _override(keys[0], "" if note else value) if keys else ""  # a value counted otherwise is not ours
         raise ConfigError(f"{arg}: no such option; settings are given as key=value{meant}; --help lists the groups, "
                           f"docs/config.md every key")
 
@@ -81,9 +87,11 @@ def _override(key: str, value: str) -> str:
     return f" (did you mean {'+' if key == 'experiment' else ''}{key}={value or '...'}?)"
 
 
-def composition_problem(error: Exception, argv: list[str], existing: dict[str, list[str]] | None = None) -> str:
+def composition_problem(error: Exception, argv: list[str], existing: dict[str, list[str]] | None = None,
+                        command: str = "train", typed: list[str] | None = None) -> str:
     """One line for an error of Hydra's composition of `argv`: the override it concerns and what that takes.
-    existing: the entries each free-form mapping holds (for a key below one that is not there)."""
+    existing: the entries each free-form mapping holds (for a key below one that is not there); command and typed:
+    the command (`train`, `extract`, `eval`) and its arguments as typed, for the sweep a comma asks for."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     text = str(error)
@@ -117,10 +125,15 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
         if found:
             key, _, value = found.group(1).partition("=")
             group = key.lstrip("+")
+            typed = argv if typed is None else typed
+            sweep = sweep_command(typed, command)
+            apart = {"name": ", each in a run folder of its own", "run_dir": ", each in a run folder of its own",
+                     "eval.out_dir": ", each with an evaluation folder of its own"}.get(
+                per_job_folder(split_arguments(typed)[0], command)[1], "")
             if group_options(group):  # a config group: one option, or one job per option
-                return f"{found.group(1)}: {group} takes one option; a comma sweeps, which needs --multirun (-m)"
-            return (f"{found.group(1)}: a comma sweeps, which needs --multirun (-m); a list is {key}=[{value}], a "
-                    f"string with a comma is quoted: {key}='\"{value}\"'")
+                return f"{found.group(1)}: {group} takes one option; a comma sweeps, one job per option{apart}: {sweep}"
+            return (f"{found.group(1)}: a comma sweeps, one job per value{apart}: {sweep}; a list is {key}=[{value}], "
+                    f"a string with a comma is quoted: {key}='\"{value}\"'")
         found = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
         if found:
             given = next((arg for arg in argv if override_key(arg) == found.group(1)), found.group(1))
@@ -211,10 +224,11 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), text)
 
 
-def refuse_uncomposable(argv: list[str], config_name: str) -> None:
+def refuse_uncomposable(argv: list[str], config_name: str, typed: list[str] | None = None) -> None:
     """ConfigError in one line where Hydra cannot compose `argv` for the command whose config is `config_name`,
     or where an argument is a flag Hydra does not have. A command line with one of Hydra's own flags (--help,
-    --cfg, ...) is left to Hydra."""
+    --cfg, ...) is left to Hydra. typed: the arguments as typed, without those the command adds (the GPU default,
+    an evaluation's adopted overrides), for the sweep a comma asks for."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -230,7 +244,8 @@ def refuse_uncomposable(argv: list[str], config_name: str) -> None:
     except ConfigError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise ConfigError(composition_problem(error, argv, _entries_beside(error, argv, config_name))) from error
+        raise ConfigError(composition_problem(error, argv, _entries_beside(error, argv, config_name), config_name,
+                                              typed)) from error
     except (AssertionError, AttributeError) as error:  # OmegaConf's update of or below a null mapping fails so
         problem = _below_null_problem(argv, config_name)
         if problem is None:
@@ -308,3 +323,155 @@ def _entries_beside(error: Exception, argv: list[str], config_name: str) -> dict
     except Exception:  # noqa: BLE001 - only a hint: the line is made without it
         return {}
     return {parent: list(node.keys())} if isinstance(node, DictConfig) else {}
+
+
+def refuse_flags_between_overrides(argv: list[str], command: str, typed: list[str]) -> None:
+    """ConfigError where Hydra's flags stand between the overrides of `argv` (`name=w -m train.lr=1e-3,2e-3`): its
+    argument parser takes the overrides before the flags or after them all, and prints its usage block for the
+    rest. The line gives `typed` (`argv` as typed) with the flags first, and for a sweep a folder per job. A flag
+    Hydra does not have is refuse_unknown_flags' to name."""
+    overrides = split_arguments(argv)[0]
+    queue, at = list(overrides), []  # the overrides' places: split_arguments keeps the order of both parts
+    for index, arg in enumerate(argv):
+        if queue and arg == queue[0]:
+            at.append(index)
+            queue.pop(0)
+    between = [arg for index, arg in enumerate(argv) if at and at[0] < index < at[-1] and index not in at]
+    if not between or any(arg.startswith("-") and full_flag(arg) is None for arg in between):
+        return
+    multirun = _multirun(between)
+    first = "-m goes" if multirun else "Hydra's flags go"
+    apart = multirun and per_job_folder(split_arguments(typed)[0], command)[1] is not None
+    folders = ", and each job needs a folder of its own" if apart else ""
+    raise ConfigError(f"{' '.join(between)}: Hydra reads its flags before the overrides or after them all, not "
+                      f"between them; {first} first{folders}: {sweep_command(typed, command, multirun=False)}")
+
+
+def _multirun(flags: list[str]) -> bool:
+    """Whether Hydra's `flags` ask for a sweep (-m, --multirun, --multi)."""
+    return any(full_flag(flag) in ("-m", "--multirun") for flag in flags)
+
+
+def sweep_command(arguments: list[str], command: str, multirun: bool = True) -> str:
+    """`python -m dflash.<command>` with `arguments` as Hydra runs them: its flags first (-m added if `multirun`),
+    and, where a sweep's jobs would share a folder, that folder's setting made one per job (per_job_folder)."""
+    overrides, flags = split_arguments(arguments)
+    sweeping = _multirun(flags)
+    if multirun and not sweeping:
+        flags, sweeping = ["-m", *flags], True
+    if sweeping:
+        overrides = per_job_folder(overrides, command)[0]
+    return " ".join([f"python -m dflash.{command}", *(shlex.quote(arg) for arg in [*flags, *overrides])])
+
+
+# The stages each command runs (dflash/pipeline.run_command). A sweep's second job that finds the first's results
+# of a stage before eval in the run folder is refused (dflash/stages/guard.py); one that finds the first's evaluation
+# replaces it, saying so.
+COMMAND_RUNS = {"train": STAGES, "extract": ("data", "capture"), "eval": ("eval",)}
+# Interpolations that differ in each job of a sweep, whatever it sweeps.
+PER_JOB = ("${hydra:job.num}", "${hydra:job.id}", "${hydra:job.override_dirname}")
+
+
+def per_job_folder(overrides: list[str], command: str) -> tuple[list[str], str | None, list[str]]:
+    """(`overrides` with a folder for each job of their sweep, the setting of the folder the jobs would share, the
+    sweeps that need one), where the jobs would write one folder: the run folder (`name=w-lr${train.lr}`) where a
+    swept setting changes what a stage before eval makes, the evaluation's (`eval.out_dir=...`) where it changes the
+    evaluation only; (`overrides`, None, []) where each job has its folder already or the sweep changes no output."""
+    given = {override_key(arg): arg.partition("=")[2] for arg in overrides if "=" in arg}
+    sweeps = [arg for arg in overrides if "=" in arg and override_key(arg).split(".")[0] != "hydra" and is_sweep(arg)]
+    levels = {arg: _folder_level(override_key(arg), command) for arg in sweeps}
+    needs = [arg for arg in sweeps if levels[arg] is not None]
+    # The run folder is run_dir where one is given outright, else runs/${name}.
+    run_key = "run_dir" if "run_dir" in given and "${name}" not in given["run_dir"] else "name"
+    folder = run_key if "run" in levels.values() else "eval.out_dir"
+    folders = [given.get(key, "") for key in (run_key, folder)]
+    if not needs or any(is_sweep(arg) for arg in overrides if override_key(arg) in ("name", "run_dir", folder)):
+        return overrides, None, []
+    swept = [override_key(arg) for arg in needs]
+    # Every experiment names its run (conf/experiment/*.yaml: name: tiny), where the command names none.
+    named = {"experiment"} if run_key == "name" and "name" not in given else set()
+    if all(key in named or any(_names(value, key) for value in folders) for key in swept) or \
+            any(mark in value for mark in PER_JOB for value in folders):
+        return overrides, None, []
+    # Without a name of its own, a job's run is named after the experiment that names it otherwise (runs/tiny).
+    experiment = given.get("experiment") if "experiment" not in swept else None
+    base = given.get(folder) or {"name": experiment, "eval.out_dir": "${run_dir}/eval"}.get(folder)
+    value = "-".join([base, *map(_label, swept)] if base else map(_label, swept))
+    given_at = [index for index, arg in enumerate(overrides) if "=" in arg and override_key(arg) == folder]
+    kept = [arg for index, arg in enumerate(overrides) if index not in given_at[1:]]  # the last is the one used
+    if given_at:
+        kept[given_at[0]] = f"{folder}={value}"
+        return kept, folder, needs
+    return [*kept, f"{folder}={value}"], folder, needs
+
+
+def _folder_level(key: str, command: str) -> str | None:
+    """'run' where jobs of `command` that differ in `key` need run folders of their own, 'eval' where they need
+    evaluation folders of their own, None where they can share them."""
+    affects = set(_affects(key)) & set(COMMAND_RUNS[command])
+    if affects - {"eval"}:
+        return "run"
+    return "eval" if affects else None
+
+
+def _affects(key: str) -> tuple[str, ...]:
+    """The stages a change of `key` reruns: its field's, the nearest enclosing field's for a key inside a free-form
+    one (target.tiny.hidden_size), every field's of a group chosen (capture=online), every stage for an experiment."""
+    if key == "experiment":
+        return STAGES
+    parts = key.split(".")
+    while parts:
+        parent, name = ".".join(parts[:-1]), parts[-1]
+        group = lookup_setting(parent)[0] if parent else RunSettings
+        if dataclasses.is_dataclass(group):
+            for klass in (group, *group.__subclasses__()):
+                spec = next((f for f in dataclasses.fields(klass) if f.name == name), None)
+                if spec is not None and dataclasses.is_dataclass(settings_fields(klass)[name]):  # a group chosen
+                    return tuple(stage for stage in STAGES if stage in _every_affect(settings_fields(klass)[name]))
+                if spec is not None:
+                    return tuple(spec.metadata.get("affects", ()))
+        parts = parts[:-1]
+    return ()
+
+
+def _every_affect(group: type) -> set[str]:
+    """The stages a change of any setting of `group` (its modes' included) reruns."""
+    found: set[str] = set()
+    for klass in (group, *group.__subclasses__()):
+        kinds = settings_fields(klass)
+        for spec in dataclasses.fields(klass):
+            kind = kinds[spec.name]
+            found |= _every_affect(kind) if dataclasses.is_dataclass(kind) else set(spec.metadata.get("affects", ()))
+    return found
+
+
+def _names(value: str, key: str) -> bool:
+    """Whether a folder's `value` takes its name from setting or group `key` (`${train.lr}`, `${capture.mode}`,
+    `${hydra:runtime.choices.capture}`)."""
+    return any(mark in value for mark in (f"{{{key}}}", f"{{{key}.", f"choices.{key}}}"))
+
+
+def _label(key: str) -> str:
+    """What a job's folder name takes from the swept `key`: `lr${train.lr}`, or a group's choice."""
+    if key == "experiment" or ("." not in key and group_options(key)):
+        return f"${{hydra:runtime.choices.{key}}}"
+    return f"{key.rsplit('.', 1)[-1]}${{{key}}}"
+
+
+def refuse_shared_sweep_folder(typed: list[str], command: str) -> None:
+    """ConfigError for a sweep (-m) whose jobs would write one run folder: the second would find the first's
+    results, of other settings, and be refused once the first had run. The line gives the command with a run folder
+    per job. An evaluation's jobs replace one another's folder, as a rerun does, and are left to run."""
+    overrides, flags = split_arguments(typed)
+    multirun = _multirun(flags) or any(override_key(arg) == "hydra.mode" and arg.partition("=")[2] == "MULTIRUN"
+                                       for arg in overrides)
+    if not multirun:
+        return
+    _, folder, needs = per_job_folder(overrides, command)
+    if folder not in ("name", "run_dir"):
+        return
+    given = {override_key(arg): arg.partition("=")[2] for arg in overrides if "=" in arg}
+    where = given["run_dir"] if folder == "run_dir" else f"runs/{given['name']}" if "name" in given else \
+        "a run folder"
+    raise ConfigError(f"{' '.join(needs)}: jobs of this sweep would share {where}, and the second would be refused "
+                      f"for the first's results; give each job its own: {sweep_command(typed, command)}")
