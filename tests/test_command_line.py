@@ -1,5 +1,6 @@
 """The command line before Hydra: the GPU default experiment and what keeps a user's own choice."""
 
+import os
 import re
 
 import pytest
@@ -58,7 +59,8 @@ def test_the_gpu_default_is_the_smollm2_recipe_scaled_down():
     ([], "eval", None), (["--help"], "train", None), (["--cfg", "job"], "train", None),
     (["target=hf", "target.path=/m.gguf"], "train", "target"), (["target=hf", "+experiment=tiny"], "train", None),
     (["target=hf", "target.path=/m.gguf"], "extract", None), (["device=cpu"], "train", None),
-    (["target.dtype=float32"], "train", None)])
+    (["target.dtype=float32"], "train", None), (["+experiment=smollm2_quick"], "train", "gpu"),
+    (["+experiment=smollm2", "name=x"], "train", "gpu")])
 def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, monkeypatch, capsys):
     """And a run of a target named without an experiment says what its default sizes take."""
     import torch
@@ -70,8 +72,20 @@ def test_the_cpu_demo_says_what_it_is_when_it_starts(argv, config, announced, mo
     monkeypatch.setattr(command_line, "_default_run_line", None)  # put back after: later runs in this process say none
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert command_arguments(argv, config) == argv
-    assert default_run_line() == {"demo": CPU_DEMO_LINE, "target": CPU_TARGET_LINE, None: None}[announced]
+    if announced == "gpu":  # an experiment sized for a GPU: what it takes there, and what runs on a CPU
+        assert default_run_line().startswith(f"dflash: no GPU: {argv[0]} is sized for a GPU (about ")
+    else:
+        assert default_run_line() == {"demo": CPU_DEMO_LINE, "target": CPU_TARGET_LINE, None: None}[announced]
     assert capsys.readouterr().err == ""  # said by the pipeline once the settings are checked, not here
+
+
+def test_every_experiment_is_sized_for_a_gpu_or_runs_on_a_cpu():
+    """A new experiment file is said to be a GPU's (GPU_EXPERIMENTS) or is the CPU's smoke test."""
+    from dflash.config import CONFIG_DIR
+    from dflash.config.command_line import GPU_EXPERIMENTS
+
+    names = {name[:-len(".yaml")] for name in os.listdir(os.path.join(CONFIG_DIR, "experiment"))}
+    assert names == set(GPU_EXPERIMENTS) | {"tiny"}
 
 
 @pytest.mark.parametrize("argv,expected,deferred", [

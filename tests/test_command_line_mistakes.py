@@ -179,3 +179,9 @@ def test_the_sweep_the_line_gives_runs_each_job_in_its_own_folder(tmp_path):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run")) == ["run-limit12", "run-limit8"]
+
+
+def test_every_alias_names_a_setting():
+    from dflash.config.unknown_keys import ALIASES, lookup_setting
+
+    assert [(name, key) for name, (keys, _) in ALIASES.items() for key in keys if lookup_setting(key)[0] is None] == []

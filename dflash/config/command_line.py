@@ -43,6 +43,13 @@ CPU_TARGET_LINE = ("dflash: no GPU: this trains a drafter for the target named o
                    "+experiment=tiny runs every stage on a few prompts, as a first check")
 GPU_DEFAULT_LINE = (f"dflash: a GPU and no experiment named: running {GPU_DEFAULT} (a SmolLM2 drafter in about 10 "
                     f"minutes); CUDA_VISIBLE_DEVICES= python -m dflash.train runs the CPU demo")
+# The experiments sized for a GPU (conf/experiment/; the others run on a CPU in minutes), and what one takes there.
+GPU_EXPERIMENTS = {"smollm2": "about 23 minutes on one GPU", "smollm2_quick": "about 10 minutes on one GPU",
+                   "qwen36": "a node of GPUs"}
+# What the training command says first on a machine without a GPU when the command names one of them.
+CPU_GPU_EXPERIMENT_LINE = ("dflash: no GPU: +experiment={name} is sized for a GPU ({takes}); on this CPU its data "
+                           "stage alone takes hours. The CPU demo is python -m dflash.train with no experiment; "
+                           "+experiment=tiny runs every stage in seconds")
 # Set by command_arguments, said by the pipeline (default_run_line).
 _default_run_line: str | None = None
 # Keys whose presence means the user chose what to run: the GPU default would override their choice.
@@ -85,11 +92,16 @@ def chooses(argv: list[str]) -> bool:
 
 def cpu_run_line(argv: list[str]) -> str | None:
     """What a training command on a machine without a GPU says first: that it is the CPU demo when `argv` chooses
-    nothing, what its sizes take when it names a target and no experiment, else nothing."""
-    keys = {override_key(arg) for arg in split_arguments(argv)[0]}
+    nothing, that an experiment it names is sized for a GPU (GPU_EXPERIMENTS), what its sizes take when it names a
+    target and no experiment, else nothing."""
+    overrides = split_arguments(argv)[0]
+    keys = {override_key(arg) for arg in overrides}
     chosen = {key.split(".", 1)[0] for key in keys}
     if not chosen & set(CHOOSING_KEYS):
         return CPU_DEMO_LINE
+    experiment = next((arg.partition("=")[2] for arg in reversed(overrides) if override_key(arg) == "experiment"), None)
+    if experiment in GPU_EXPERIMENTS:
+        return CPU_GPU_EXPERIMENT_LINE.format(name=experiment, takes=GPU_EXPERIMENTS[experiment])
     names_target = bool(keys & {"target", "target.path"})  # not a setting of the target, such as target.dtype
     return CPU_TARGET_LINE if names_target and "experiment" not in chosen else None
 
