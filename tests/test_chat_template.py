@@ -111,16 +111,32 @@ def test_a_missing_template_file_is_refused_before_any_stage():
 @pytest.mark.parametrize("text,problem", [
     ("{% for m in messages %}{{ m.content }\n", "not a Jinja template: line 1: unexpected '}'"),
     ("# My notes\n\nNot a template at all.\n", "renders a conversation without its messages' text"),
-    ("{{ raise_exception('no user turns here') }}", "fails to render a conversation of one user turn: no user turns"),
+    ("caf\xe9 {{ messages }}", "not UTF-8 text (invalid continuation byte at byte 3)"),
 ])
 def test_a_template_file_that_renders_no_conversation_is_refused_before_any_stage(tmp_path, text, problem):
     from dflash.config import ConfigError
 
     template = tmp_path / "template.jinja"
-    template.write_text(text)
+    template.write_bytes(text.encode("latin-1"))
     with pytest.raises(ConfigError, match="^" + re.escape(f"target.chat_template={str(template)!r}: {problem}")):
         Pipeline(compose(TINY + [f"target.chat_template={template}", f"run_dir={tmp_path / 'run'}"])).run()
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text,overrides", [
+    # Its own refusal of a conversation without a system turn: the run's prompts may all have one.
+    ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}"
+     "{% for m in messages %}{{ m['content'] }}{% endfor %}", []),
+    # An argument the command gives the template, and one it does not (the stage renders with the tokenizer's).
+    ("{{ persona }}: {% for m in messages %}{{ m['content'] }}{% endfor %}", ["+data.chat_template_kwargs.persona=x"]),
+    ("{{ sep_token + 'x' }}{% for m in messages %}{{ m['content'] }}{% endfor %}", []),
+])
+def test_a_template_this_check_cannot_render_is_left_to_the_stage_that_renders(tmp_path, text, overrides):
+    from dflash.stages.context import refuse_unusable_target
+
+    template = tmp_path / "template.jinja"
+    template.write_text(text)
+    refuse_unusable_target(Pipeline(compose(TINY + [f"target.chat_template={template}", *overrides])).context.settings)
 
 
 def test_a_base_model_regenerates_its_answers_in_the_plain_format(tmp_path, capsys):

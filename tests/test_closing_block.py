@@ -185,7 +185,8 @@ def test_a_command_that_stops_short_of_evaluation_names_the_next_command(tmp_pat
 
     assert last_row(["data", "capture"]) == "  next: training              python -m dflash.train name=tiny"
     # A run whose drafter these settings trained already: its evaluation is next, not its training again.
-    assert last_row(["data", "capture"], trained=True) == "  next: evaluation            python -m dflash.eval name=tiny"
+    assert last_row(["data", "capture"], trained=True) == \
+        "  next: evaluation            python -m dflash.eval name=tiny"
     assert last_row(["train", "export"]) == "  next: evaluation            python -m dflash.eval name=tiny"
     assert last_row(["data", "capture", "train", "export", "eval"]) == "  console log                 x.log"
     ranks = SimpleNamespace(settings=pipeline.context.settings, world_size=2)  # a launcher's: its training too

@@ -131,7 +131,7 @@ def test_an_evaluation_killed_between_the_swaps_renames_leaves_one_whole_folder(
 def test_an_evaluation_into_another_drafters_evaluation_folder_is_refused_before_any_work(run_dir, tmp_path,
                                                                                          monkeypatch):
     """eval.out_dir naming another run's evaluation folder replaced its results without a word about the drafter;
-    now the command stops first, naming a free folder and overwrite=true."""
+    now the command stops first, naming a free folder."""
     from dflash.config import ConfigError
 
     other = tmp_path / "other"
@@ -144,7 +144,14 @@ def test_an_evaluation_into_another_drafters_evaluation_folder_is_refused_before
     command = TINY + [f"run_dir={run_dir}", "stages=[eval]", f"eval.out_dir={other / 'eval'}"]
     with pytest.raises(ConfigError, match=f"^eval.out_dir={other / 'eval'} holds the evaluation of another drafter "
                                           rf"\(trained with settings 0ther.*give eval.out_dir={other / 'eval'}_2 "
-                                          "to keep it, or add overwrite=true to replace it"):
+                                          r"\(or remove that folder to measure this drafter there\)$"):
         Pipeline(compose(command)).run()
     assert snapshot(other) == before
-    Pipeline(compose(command + ["overwrite=true"])).eval.refuse_another_drafters_evaluation()  # asked for: let through
+
+
+def test_a_run_copied_without_its_data_is_not_taken_for_another_drafter(run_dir):
+    """The drafter an evaluation folder is compared with is the one its export records: a run folder copied without
+    data/ and features/ (which its training's fingerprint is made from) keeps its evaluation up to date."""
+    for folder in ("data", "features"):
+        shutil.rmtree(run_dir / folder)
+    Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]"])).eval.refuse_another_drafters_evaluation()

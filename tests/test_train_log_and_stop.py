@@ -148,10 +148,21 @@ def test_wandb_online_without_an_api_key_is_refused_before_any_stage(tmp_path, m
     with pytest.raises(ConfigError, match=r"^logging.wandb.mode=online: no wandb API key is configured here"):
         pipeline.run()
     assert not run_dir.exists()
+    # A training finished for these settings starts no logger (a rerun that evaluates again): let through.
+    monkeypatch.setattr(type(pipeline.train), "done", lambda self: True)
+    pipeline.train.preflight(True)
     assert missing_wandb_credentials("offline") is None
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
     (tmp_path / ".netrc").chmod(0o600)  # as `wandb login` leaves it (a netrc others can read is refused)
     assert missing_wandb_credentials("online") is None  # what `wandb login` writes
     (tmp_path / ".netrc").unlink()
+    # A server of one's own, as `wandb login --host` records it, with its key in the .netrc.
+    (tmp_path / ".config" / "wandb").mkdir(parents=True)
+    (tmp_path / ".config" / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.example.com\n")
+    (tmp_path / ".netrc").write_text("machine wandb.example.com\n  login user\n  password " + "0" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert missing_wandb_credentials("online") is None
+    (tmp_path / ".netrc").unlink()
+    assert missing_wandb_credentials("online") is not None
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     assert missing_wandb_credentials("online") is None

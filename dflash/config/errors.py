@@ -27,8 +27,8 @@ class CorruptFile(RunFolderError):
 
 
 def as_typed(value: Any) -> str:
-    """`value` as a command line writes it: null, true/false, [1,5,9], {family: llama, seed: 0}; anything else as
-    str() writes it."""
+    """`value` as a command line writes it: null, true/false, [1,5,9], {family: llama, seed: 0}, '' for an empty
+    string; anything else as str() writes it."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -37,7 +37,7 @@ def as_typed(value: Any) -> str:
         return "{" + ", ".join(f"{key}: {as_typed(item)}" for key, item in value.items()) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(as_typed(item) for item in value) + "]"
-    return str(value)
+    return str(value) if value != "" else "''"
 
 
 def require(condition: bool, key: str, value: Any, expected: str) -> None:

@@ -769,7 +769,9 @@ class EvalSettings:
     measure_target: bool = setting(True, affects=("eval",), unused=_unless_live,
                                    doc="live: also decode target-only -> speedup")
     live_engine: str = setting("auto", affects=("eval",), unused=_unless_live, doc="live: auto | static | hf")
-    compile_drafter: bool = setting(False, affects=(), unused=_unless_live,
+    # In the fingerprint: a live evaluation's speedup and step cost are what it changes (False, what every
+    # evaluation before it did, stays out, so they keep theirs).
+    compile_drafter: bool = setting(False, affects=("eval",), neutral=False, unused=_unless_live,
                                     doc="live: torch.compile the drafter's layers (fewer kernels in each drafting "
                                         "step; the warm-up compiles them)")
     chat_template_kwargs: Dict[str, Any] = setting(affects=("eval",), factory=dict,

@@ -109,7 +109,7 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     if target.chat_template is not None:
         from dflash.models.targets.chat_template import template_file_problem
 
-        problem = template_file_problem(target.chat_template)
+        problem = template_file_problem(target.chat_template, dict(settings.data.chat_template_kwargs))
         if problem is not None:
             raise ConfigError(f"target.chat_template={target.chat_template!r}: {problem}")
     if target.kind != "hf":

@@ -57,19 +57,21 @@ class EvalStage(Stage):
 
     def refuse_another_drafters_evaluation(self) -> None:
         """ConfigError when eval.out_dir holds the evaluation of another training's drafter (its done.json names
-        another checkpoint fingerprint: another run's evaluation folder, given as this one's), which this
-        evaluation would replace; overwrite=true lets it. An evaluation of this run's drafter with other eval
-        settings is replaced, as replacing_line says."""
+        another checkpoint fingerprint than this run's drafter: its export's record, or before one the training this
+        command runs), which this evaluation would replace: another run's evaluation folder given as this one's. An
+        evaluation of this run's drafter with other eval settings is replaced, as replacing_line says."""
         done = read_json_or_none(os.path.join(self.out, DONE))
         recorded = done.get("checkpoint") if isinstance(done, dict) else None
-        mine = self.train.checkpoint_fingerprint()
-        if recorded is None or recorded == mine or self.context.settings.overwrite:
+        exported = read_json_or_none(os.path.join(self.export.out, DONE))
+        mine = exported.get("checkpoint") if isinstance(exported, dict) else None
+        mine = mine or self.train.checkpoint_fingerprint()
+        if recorded is None or recorded == mine:
             return
         beside = next(f"{self.out}_{k}" for k in range(2, 10_000) if not os.path.exists(f"{self.out}_{k}"))
         raise ConfigError(f"eval.out_dir={shlex.quote(shown(self.out))} holds the evaluation of another drafter "
                           f"(trained with settings {recorded[:12]}, this run's are {mine[:12]}), which this evaluation "
-                          f"would replace: give eval.out_dir={shlex.quote(shown(beside))} to keep it, or add "
-                          f"overwrite=true to replace it")
+                          f"would replace: give eval.out_dir={shlex.quote(shown(beside))} (or remove that folder to "
+                          f"measure this drafter there)")
 
     def refuse_missing_run_folder(self) -> None:
         """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a

@@ -143,8 +143,9 @@ class TrainStage(Stage):
             from dflash.train.metrics_log import missing_logger_package, missing_wandb_credentials
 
             logging_settings = self.context.settings.logging
+            # A training finished for these settings starts no logger: the credentials matter only to one that runs.
             missing = missing_logger_package(logging_settings.tensorboard, logging_settings.wandb.mode) or \
-                missing_wandb_credentials(logging_settings.wandb.mode)
+                (None if self.done() else missing_wandb_credentials(logging_settings.wandb.mode))
             if missing:
                 raise ConfigError(missing)
 

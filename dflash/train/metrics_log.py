@@ -33,13 +33,29 @@ def missing_wandb_credentials(wandb_mode: str) -> str | None:
             "login`); logging.wandb.mode=offline (the default) keeps the run's logs for `wandb sync`")
 
 
+def _wandb_base_url() -> str:
+    """The wandb server runs log to: WANDB_BASE_URL, else the one `wandb login --host` recorded in wandb's settings
+    file, else wandb's own."""
+    import configparser
+
+    if os.environ.get("WANDB_BASE_URL"):
+        return os.environ["WANDB_BASE_URL"]
+    folder = os.environ.get("WANDB_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".config", "wandb")
+    settings = configparser.ConfigParser()
+    try:
+        settings.read(os.path.join(folder, "settings"), encoding="utf-8")
+    except configparser.Error:  # a settings file wandb would refuse too: its server is wandb's own
+        return "https://api.wandb.ai"
+    return settings.get("default", "base_url", fallback="https://api.wandb.ai")
+
+
 def _wandb_finds_credentials() -> bool:
-    """Whether wandb finds an API key for its server (WANDB_BASE_URL) without prompting: in its environment
+    """Whether wandb finds an API key for its server (_wandb_base_url) without prompting: in its environment
     variables, the .netrc file or its settings."""
     import netrc
     from urllib.parse import urlparse
 
-    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    base = _wandb_base_url()
     try:
         from wandb.sdk.lib.wbauth import authenticate_session
 

@@ -67,25 +67,30 @@ def template_to_record(tokenizer: Any, template_file: str | None) -> str | None:
     return template if template_file or template in PLAIN_TEMPLATES else None
 
 
-def template_file_problem(template_file: str) -> str | None:
-    """Why the Jinja file `template_file` is no chat template, in a phrase: it does not parse, fails to render a
-    conversation of one user turn (a template's own raise_exception included), or renders one without the turn's
-    text (a file of plain text parses as a template that ignores every message). None when it renders a
-    conversation. The tokenizer's special tokens are not known here: they render as empty strings."""
+def template_file_problem(template_file: str, template_kwargs: dict[str, Any] | None = None) -> str | None:
+    """Why the Jinja file `template_file` is no chat template, in a phrase: it is not UTF-8 text, does not parse, or
+    renders a conversation of one user turn without the turn's text (a file of plain text parses as a template that
+    ignores every message). None when it renders one, and where rendering fails otherwise: without the tokenizer's
+    special tokens (rendered here as empty strings) and the run's own conversations a template may rightly fail here
+    (one that needs a system turn, or a token or argument this probe lacks), and the stage that renders says why.
+    template_kwargs: the chat template's options the command gives (data.chat_template_kwargs)."""
     from jinja2 import TemplateError, TemplateSyntaxError
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    with open(os.path.expanduser(template_file), encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(os.path.expanduser(template_file), encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as error:
+        return f"not UTF-8 text ({error.reason} at byte {error.start})"
     probe = "dflash-checks-this-user-turn"
     special = {name: "" for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
     try:
         rendered, _ = render_jinja_template([[{"role": "user", "content": probe}]], chat_template=text,
-                                            add_generation_prompt=True, **special)
+                                            add_generation_prompt=True, **{**special, **(template_kwargs or {})})
     except TemplateSyntaxError as error:
         return f"not a Jinja template: line {error.lineno}: {error.message}"
-    except TemplateError as error:
-        return f"fails to render a conversation of one user turn: {error}"
+    except TemplateError:
+        return None
     if probe not in rendered[0]:
         return ("renders a conversation without its messages' text (a chat template writes each message's "
                 "content, e.g. {% for message in messages %}{{ message['content'] }}{% endfor %})")
