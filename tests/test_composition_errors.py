@@ -53,11 +53,10 @@ TINY = ["+experiment=tiny"]
      "gsm8k); a + adds one: +eval.prompt_sets.nonsense.source=<a source> +eval.prompt_sets.nonsense.limit=..."),
     (["train.lr=1e-3,3e-4"], "train", "train.lr=1e-3,3e-4: a comma sweeps, one job per value, each in a run folder "
                                       "of its own: python -m dflash.train -m +experiment=tiny train.lr=1e-3,3e-4 "
-                                      "'name=tiny-lr${train.lr}'; a list is train.lr=[1e-3,3e-4]"),
+                                      "'name=tiny-${hydra:job.num}'; a list is train.lr=[1e-3,3e-4]"),
     (["capture=offline,online"], "train", "capture=offline,online: capture takes one option; a comma sweeps, one job "
                                           "per option, each in a run folder of its own: python -m dflash.train -m "
-                                          "+experiment=tiny capture=offline,online "
-                                          "'name=tiny-${hydra:runtime.choices.capture}'"),
+                                          "+experiment=tiny capture=offline,online 'name=tiny-${hydra:job.num}'"),
     (["eval.prompt_sets.humaneval.limt=2"], "eval", "eval.prompt_sets.humaneval.limt: no such setting (did you mean "
                                                     "eval.prompt_sets.humaneval.limit?)"),
     (["+eval.prompt_sets.humaneval.limt=2"], "train", "eval.prompt_sets.humaneval.limt: no such setting (did you mean "

@@ -8,9 +8,9 @@ recorded where it does not set them itself (training_command.py, said on stdout,
 Overrides added go before Hydra's flags (hydra_flags.py). All three commands rewrite alike, so
 `python -m dflash.eval` finds the run that `python -m dflash.train` made on the same machine. A setting that was
 removed (dflash/config/removed.py) stops the command here with what replaces it, and so does a command line Hydra
-cannot compose (composition_errors.py), a sweep whose jobs would share one run folder, and Hydra's own output folder
-(hydra.run.dir, which dflash leaves empty), in one line. Once Hydra runs the command, `hydra_overrides` reads back
-the overrides it was given.
+cannot compose (composition_errors.py), a sweep two of whose jobs would spoil each other's results, and Hydra's own
+output folder (hydra.run.dir, which dflash leaves empty unless hydra.job.chdir=true runs in it), in one line. Once
+Hydra runs the command, `hydra_overrides` reads back the overrides it was given.
 """
 
 from __future__ import annotations
@@ -160,22 +160,30 @@ COMMAND_FOLDERS = {"train": "run_dir (runs/${name})", "extract": "run_dir (runs/
 
 def refuse_hydra_run_dir(argv: list[str], config_name: str) -> None:
     """ConfigError where `hydra.run.dir=` is given: Hydra would make that folder empty, and the run would go to
-    run_dir all the same."""
-    for arg in split_arguments(argv)[0]:
+    run_dir all the same. With hydra.job.chdir=true it is the working folder the run goes into (runs/<name> in it),
+    and is let through."""
+    overrides = split_arguments(argv)[0]
+    if any(override_key(arg) == "hydra.job.chdir" and arg.partition("=")[2].lower() in ("true", "yes", "on", "y", "1")
+           for arg in overrides):
+        return
+    for arg in overrides:
         if override_key(arg) == "hydra.run.dir" and "=" in arg:
             folder = arg.partition("=")[2]
-            instead = f"eval.out_dir={folder}" if config_name == "eval" else f"run_dir={folder} (or name=NAME)"
+            # The working folder or an interpolation (${run_dir}, ${hydra:...}) is no run folder to give instead.
+            path = "${" not in folder and os.path.normpath(folder or ".") != "."
+            key = "eval.out_dir" if config_name == "eval" else "run_dir"
+            chdir = "" if config_name == "eval" else " (or name=NAME), or add hydra.job.chdir=true to run in it"
             raise ConfigError(f"{arg}: dflash writes to {COMMAND_FOLDERS[config_name]}, not to Hydra's run folder, "
-                              f"which would stay empty; give {instead} instead")
+                              f"which would stay empty; give {key}={folder if path else '<a folder>'} instead{chdir}")
 
 
 def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
     """The Hydra arguments of one of the three commands (its config `config_name`): `argv` without the launcher's
     --local_rank, for an evaluation after the overrides it adopts (training_command.py), with the GPU default when
     it applies (default_run_line says so, or that this is the CPU demo). A removed setting, a key that names no
-    setting, hydra.run.dir, Hydra's flags between overrides, a sweep whose jobs would share one run folder, a flag
-    Hydra does not have or a command line Hydra cannot compose ends the command with one line (exit status 2;
-    HYDRA_FULL_ERROR=1 leaves the last two to Hydra)."""
+    setting, hydra.run.dir, Hydra's flags between overrides, a sweep two of whose jobs would spoil each other's
+    results, a flag Hydra does not have or a command line Hydra cannot compose ends the command with one line (exit
+    status 2; HYDRA_FULL_ERROR=1 leaves the last two to Hydra)."""
     kept = strip_local_rank(argv)
     if any(full_flag(arg) == "--version" for arg in kept):  # Hydra's own flag would print Hydra's version alone
         print(version_line())
@@ -194,7 +202,7 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
         refuse_stages_setting(kept, config_name)
         refuse_hydra_run_dir(kept, config_name)
         refuse_flags_between_overrides(arguments, config_name, typed)
-        refuse_shared_sweep_folder(typed, config_name)
+        refuse_shared_sweep_folder(arguments, config_name, typed)
         if os.environ.get("HYDRA_FULL_ERROR") != "1":
             refuse_uncomposable(arguments, config_name, typed)
     except ConfigError as error:

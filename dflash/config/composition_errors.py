@@ -4,23 +4,29 @@ Hydra's own errors for these take six to twelve lines (the config search path, t
 and often leave out the fix: `train.epochs=1.5`, `stages=train`, `eval.prompt_sets=nonsense`, `deepspeed=zero4`,
 `train.lr 1e-3`, `--epochs 3`, `a=1 -m b=2` (argparse's usage block). The commands compose their config once before
 Hydra does (`refuse_uncomposable`), so such a line comes before any work, as every other bad setting does. A sweep
-(`-m train.lr=1e-3,2e-3`) whose jobs would share one run folder is refused too (`refuse_shared_sweep_folder`): its
-second job would find the first's drafter and be refused after the first had trained; the line gives the command
-with a folder per job (`'name=lr${train.lr}'`).
+(`-m train.lr=1e-3,2e-3`) two of whose jobs would spoil each other's results is refused too
+(`refuse_shared_sweep_folder`): Hydra's own sweeper expands it into its jobs, each composed as it would run, and two
+that share a run folder where they make something of other settings, or an evaluation folder where they measure
+different drafters, are named with the command that gives each job a folder of its own
+(`'name=w-${hydra:job.num}'`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import itertools
+import os
 import re
 import shlex
 import typing
 from typing import Any
 
+from dflash.config import fingerprints
 from dflash.config.errors import ConfigError
 from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag, split_arguments
-from dflash.config.schema import STAGES, RunSettings, field_default
+from dflash.config.schema import RunSettings, field_default
 from dflash.config import unknown_keys
 from dflash.config.training_command import is_sweep
 from dflash.config.unknown_keys import (ALIASES, BOOL_WORDS, ENTRY_SETTINGS, lookup_setting, other_mode_problem,
@@ -125,11 +131,10 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
         if found:
             key, _, value = found.group(1).partition("=")
             group = key.lstrip("+")
-            typed = argv if typed is None else typed
-            sweep = sweep_command(typed, command)
+            fixed, given, _ = working_sweep(argv if typed is None else typed, command, argv)
+            sweep = command_line(fixed, command)
             apart = {"name": ", each in a run folder of its own", "run_dir": ", each in a run folder of its own",
-                     "eval.out_dir": ", each with an evaluation folder of its own"}.get(
-                per_job_folder(split_arguments(typed)[0], command)[1], "")
+                     "eval.out_dir": ", each with an evaluation folder of its own"}.get(given[0], "") if given else ""
             if group_options(group):  # a config group: one option, or one job per option
                 return f"{found.group(1)}: {group} takes one option; a comma sweeps, one job per option{apart}: {sweep}"
             return (f"{found.group(1)}: a comma sweeps, one job per value{apart}: {sweep}; a list is {key}=[{value}], "
@@ -328,7 +333,7 @@ def _entries_beside(error: Exception, argv: list[str], config_name: str) -> dict
 def refuse_flags_between_overrides(argv: list[str], command: str, typed: list[str]) -> None:
     """ConfigError where Hydra's flags stand between the overrides of `argv` (`name=w -m train.lr=1e-3,2e-3`): its
     argument parser takes the overrides before the flags or after them all, and prints its usage block for the
-    rest. The line gives `typed` (`argv` as typed) with the flags first, and for a sweep a folder per job. A flag
+    rest. The line gives `typed` (`argv` as typed) with the flags first, for a sweep as working_sweep gives it. A flag
     Hydra does not have is refuse_unknown_flags' to name."""
     overrides = split_arguments(argv)[0]
     queue, at = list(overrides), []  # the overrides' places: split_arguments keeps the order of both parts
@@ -339,139 +344,194 @@ def refuse_flags_between_overrides(argv: list[str], command: str, typed: list[st
     between = [arg for index, arg in enumerate(argv) if at and at[0] < index < at[-1] and index not in at]
     if not between or any(arg.startswith("-") and full_flag(arg) is None for arg in between):
         return
-    multirun = _multirun(between)
-    first = "-m goes" if multirun else "Hydra's flags go"
-    apart = multirun and per_job_folder(split_arguments(typed)[0], command)[1] is not None
-    folders = ", and each job needs a folder of its own" if apart else ""
+    if _multirun(between):
+        fixed, given, _ = working_sweep(typed, command, argv)
+        first = "-m goes first" + (", and each job needs a folder of its own" if given else "")
+    else:
+        typed_overrides, flags = split_arguments(typed)
+        fixed, first = [*flags, *typed_overrides], "Hydra's flags go first"
     raise ConfigError(f"{' '.join(between)}: Hydra reads its flags before the overrides or after them all, not "
-                      f"between them; {first} first{folders}: {sweep_command(typed, command, multirun=False)}")
+                      f"between them; {first}: {command_line(fixed, command)}")
 
 
-def _multirun(flags: list[str]) -> bool:
-    """Whether Hydra's `flags` ask for a sweep (-m, --multirun, --multi)."""
-    return any(full_flag(flag) in ("-m", "--multirun") for flag in flags)
-
-
-def sweep_command(arguments: list[str], command: str, multirun: bool = True) -> str:
-    """`python -m dflash.<command>` with `arguments` as Hydra runs them: its flags first (-m added if `multirun`),
-    and, where a sweep's jobs would share a folder, that folder's setting made one per job (per_job_folder)."""
+def _multirun(arguments: list[str]) -> bool:
+    """Whether `arguments` ask Hydra for a sweep: -m (--multirun, --multi) or hydra.mode=MULTIRUN."""
     overrides, flags = split_arguments(arguments)
-    sweeping = _multirun(flags)
-    if multirun and not sweeping:
-        flags, sweeping = ["-m", *flags], True
-    if sweeping:
-        overrides = per_job_folder(overrides, command)[0]
-    return " ".join([f"python -m dflash.{command}", *(shlex.quote(arg) for arg in [*flags, *overrides])])
+    return any(full_flag(flag) in ("-m", "--multirun") for flag in flags) or \
+        any(override_key(arg) == "hydra.mode" and arg.partition("=")[2] == "MULTIRUN" for arg in overrides)
 
 
-# The stages each command runs (dflash/pipeline.run_command). A sweep's second job that finds the first's results
-# of a stage before eval in the run folder is refused (dflash/stages/guard.py); one that finds the first's evaluation
-# replaces it, saying so.
-COMMAND_RUNS = {"train": STAGES, "extract": ("data", "capture"), "eval": ("eval",)}
-# Interpolations that differ in each job of a sweep, whatever it sweeps.
-PER_JOB = ("${hydra:job.num}", "${hydra:job.id}", "${hydra:job.override_dirname}")
+def command_line(arguments: list[str], command: str) -> str:
+    """`python -m dflash.<command> <arguments>`, each quoted for the shell where it needs it."""
+    return " ".join([f"python -m dflash.{command}", *(shlex.quote(arg) for arg in arguments)])
 
 
-def per_job_folder(overrides: list[str], command: str) -> tuple[list[str], str | None, list[str]]:
-    """(`overrides` with a folder for each job of their sweep, the setting of the folder the jobs would share, the
-    sweeps that need one), where the jobs would write one folder: the run folder (`name=w-lr${train.lr}`) where a
-    swept setting changes what a stage before eval makes, the evaluation's (`eval.out_dir=...`) where it changes the
-    evaluation only; (`overrides`, None, []) where each job has its folder already or the sweep changes no output."""
-    given = {override_key(arg): arg.partition("=")[2] for arg in overrides if "=" in arg}
-    sweeps = [arg for arg in overrides if "=" in arg and override_key(arg).split(".")[0] != "hydra" and is_sweep(arg)]
-    levels = {arg: _folder_level(override_key(arg), command) for arg in sweeps}
-    needs = [arg for arg in sweeps if levels[arg] is not None]
-    # The run folder is run_dir where one is given outright, else runs/${name}.
-    run_key = "run_dir" if "run_dir" in given and "${name}" not in given["run_dir"] else "name"
-    folder = run_key if "run" in levels.values() else "eval.out_dir"
-    folders = [given.get(key, "") for key in (run_key, folder)]
-    if not needs or any(is_sweep(arg) for arg in overrides if override_key(arg) in ("name", "run_dir", folder)):
-        return overrides, None, []
-    swept = [override_key(arg) for arg in needs]
-    # Every experiment names its run (conf/experiment/*.yaml: name: tiny), where the command names none.
-    named = {"experiment"} if run_key == "name" and "name" not in given else set()
-    if all(key in named or any(_names(value, key) for value in folders) for key in swept) or \
-            any(mark in value for mark in PER_JOB for value in folders):
-        return overrides, None, []
-    # Without a name of its own, a job's run is named after the experiment that names it otherwise (runs/tiny).
-    experiment = given.get("experiment") if "experiment" not in swept else None
-    base = given.get(folder) or {"name": experiment, "eval.out_dir": "${run_dir}/eval"}.get(folder)
-    value = "-".join([base, *map(_label, swept)] if base else map(_label, swept))
-    given_at = [index for index, arg in enumerate(overrides) if "=" in arg and override_key(arg) == folder]
-    kept = [arg for index, arg in enumerate(overrides) if index not in given_at[1:]]  # the last is the one used
-    if given_at:
-        kept[given_at[0]] = f"{folder}={value}"
-        return kept, folder, needs
-    return [*kept, f"{folder}={value}"], folder, needs
+class Job(typing.NamedTuple):
+    """One job of a sweep as it would run: its number (hydra.job.num), settings and folders (absolute)."""
+    num: int
+    settings: RunSettings
+    run_dir: str
+    eval_dir: str
 
 
-def _folder_level(key: str, command: str) -> str | None:
-    """'run' where jobs of `command` that differ in `key` need run folders of their own, 'eval' where they need
-    evaluation folders of their own, None where they can share them."""
-    affects = set(_affects(key)) & set(COMMAND_RUNS[command])
-    if affects - {"eval"}:
-        return "run"
-    return "eval" if affects else None
+def sweep_jobs(arguments: list[str], command: str) -> list[Job]:
+    """The jobs of `python -m dflash.<command> -m <arguments>` as Hydra makes them, without running them: its basic
+    sweeper expands the sweep into each job's overrides and its launcher composes each job's config from them
+    (hydra/_internal/core_plugins/). A job whose config does not compose or check is left out, and so is every job
+    of a sweep Hydra cannot expand: the run reports them."""
+    from hydra import initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from dflash.config import CONFIG_DIR
+
+    jobs, before = [], HydraConfig.instance().cfg
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        try:
+            master = hydra.compose_config(command, split_arguments(arguments)[0], run_mode=RunMode.MULTIRUN)
+            HydraConfig.instance().set_config(master)
+            str(master.hydra.sweep.dir)  # its time is resolved once, in the cache each job's config copies
+            parser = OverridesParser.create(config_loader=hydra.config_loader)
+            task = OmegaConf.to_container(master.hydra.overrides.task)  # as typed: `name=w-${hydra:job.num}`
+            batch = BasicSweeper.split_arguments(parser.parse_overrides(task), None)[0]
+            for num, overrides in enumerate(batch):
+                try:
+                    jobs.append(_job(hydra.config_loader.load_sweep_config(master, list(overrides)), num))
+                except Exception:  # noqa: BLE001 - a job that does not compose or check is the run's to report
+                    continue
+        except Exception:  # noqa: BLE001 - a sweep Hydra cannot expand is Hydra's to report
+            pass
+        finally:
+            HydraConfig.instance().cfg = before
+    return jobs
 
 
-def _affects(key: str) -> tuple[str, ...]:
-    """The stages a change of `key` reruns: its field's, the nearest enclosing field's for a key inside a free-form
-    one (target.tiny.hidden_size), every field's of a group chosen (capture=online), every stage for an experiment."""
-    if key == "experiment":
-        return STAGES
-    parts = key.split(".")
-    while parts:
-        parent, name = ".".join(parts[:-1]), parts[-1]
-        group = lookup_setting(parent)[0] if parent else RunSettings
-        if dataclasses.is_dataclass(group):
-            for klass in (group, *group.__subclasses__()):
-                spec = next((f for f in dataclasses.fields(klass) if f.name == name), None)
-                if spec is not None and dataclasses.is_dataclass(settings_fields(klass)[name]):  # a group chosen
-                    return tuple(stage for stage in STAGES if stage in _every_affect(settings_fields(klass)[name]))
-                if spec is not None:
-                    return tuple(spec.metadata.get("affects", ()))
-        parts = parts[:-1]
-    return ()
+def _job(cfg: Any, num: int) -> Job:
+    """Job `num` of a sweep from its config `cfg` (Hydra's node included), resolved as Hydra's run_job resolves it
+    (hydra/core/utils.py): with its number, its output folder (the working folder under hydra.job.chdir=true) and
+    the environment it sets (hydra.job.env_set)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import env_override
+    from omegaconf import open_dict, read_write
+
+    from dflash.config import settings_from
+
+    with open_dict(cfg):
+        cfg.hydra.job.id = cfg.hydra.job.num = num
+    HydraConfig.instance().set_config(cfg)
+    output = os.path.abspath(os.path.join(str(cfg.hydra.sweep.dir), str(cfg.hydra.sweep.subdir)))
+    with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
+        cfg.hydra.runtime.output_dir = output
+    HydraConfig.instance().set_config(cfg)
+    job, task = HydraConfig.get().job, cfg.copy()
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    with env_override(job.env_set):
+        settings = settings_from(task)
+    run_dir = os.path.join(output if job.chdir else os.getcwd(), settings.run_dir)
+    eval_dir = os.path.join(run_dir, settings.eval.out_dir or "eval")  # an absolute out_dir is itself
+    return Job(num, settings, os.path.normpath(run_dir), os.path.normpath(eval_dir))
 
 
-def _every_affect(group: type) -> set[str]:
-    """The stages a change of any setting of `group` (its modes' included) reruns."""
-    found: set[str] = set()
-    for klass in (group, *group.__subclasses__()):
-        kinds = settings_fields(klass)
-        for spec in dataclasses.fields(klass):
-            kind = kinds[spec.name]
-            found |= _every_affect(kind) if dataclasses.is_dataclass(kind) else set(spec.metadata.get("affects", ()))
-    return found
+# The stages dflash.extract and dflash.eval run (dflash/pipeline.run_command); dflash.train runs its `stages`.
+COMMAND_RUNS = {"extract": ("data", "capture"), "eval": ("eval",)}
+# What a job makes before its evaluation, by the last stage it runs of these (train runs export too), and the
+# fingerprint of that stage's settings, which holds its input stage's (dflash/config/fingerprints.py).
+MADE = {"data": ("the data", fingerprints.data_fingerprint),
+        "capture": ("the features", lambda settings: fingerprints.capture_fingerprint(settings, {})),
+        "train": ("the drafter", fingerprints.settings_fingerprint),
+        "export": ("the drafter", fingerprints.settings_fingerprint)}
 
 
-def _names(value: str, key: str) -> bool:
-    """Whether a folder's `value` takes its name from setting or group `key` (`${train.lr}`, `${capture.mode}`,
-    `${hydra:runtime.choices.capture}`)."""
-    return any(mark in value for mark in (f"{{{key}}}", f"{{{key}.", f"choices.{key}}}"))
+def sweep_conflict(jobs: list[Job], command: str) -> tuple[str, str, Job] | None:
+    """For the first two of a sweep's `jobs` that would spoil each other's results: (the folder setting to give each
+    job, what the two would do, the first of them). Those that share a run folder where a stage before eval that
+    they run makes something of other settings come first (the second job is refused for the first's drafter, or
+    replaces its data or features), then those that share an evaluation folder measuring different drafters (of two
+    run folders, or of other training settings). None where no two do: jobs that differ in eval settings alone
+    replace one another's evaluation, saying so, as a rerun does."""
+    def runs(job: Job) -> typing.Sequence[str]:
+        return job.settings.stages if command == "train" else COMMAND_RUNS[command]
+
+    @functools.cache
+    def made(num: int, stage: str) -> str:
+        return MADE[stage][1](settings[num])
+
+    settings = {job.num: job.settings for job in jobs}
+    pairs = list(itertools.combinations(jobs, 2))
+    for a, b in pairs:
+        before = [stage for stage in MADE if stage in {*runs(a), *runs(b)}]
+        if a.run_dir == b.run_dir and before and made(a.num, before[-1]) != made(b.num, before[-1]):
+            named = os.path.normpath(a.settings.run_dir) == os.path.normpath(f"runs/{a.settings.name}")
+            return ("name" if named else "run_dir", f"jobs {a.num} and {b.num} of this sweep would make "
+                    f"{MADE[before[-1]][0]} of other settings in one run folder, {_shown(a.run_dir)}", a)
+    for a, b in pairs:
+        if "eval" in runs(a) and "eval" in runs(b) and a.eval_dir == b.eval_dir and (
+                a.run_dir != b.run_dir or made(a.num, "train") != made(b.num, "train")):
+            whose = "the drafters of two run folders" if a.run_dir != b.run_dir else "drafters of other settings"
+            return ("eval.out_dir", f"jobs {a.num} and {b.num} of this sweep would evaluate {whose} into one "
+                    f"evaluation folder, {_shown(a.eval_dir)}", a)
+    return None
 
 
-def _label(key: str) -> str:
-    """What a job's folder name takes from the swept `key`: `lr${train.lr}`, or a group's choice."""
-    if key == "experiment" or ("." not in key and group_options(key)):
-        return f"${{hydra:runtime.choices.{key}}}"
-    return f"{key.rsplit('.', 1)[-1]}${{{key}}}"
+def _shown(path: str) -> str:
+    """`path` relative to the working folder where it lies in it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
-def refuse_shared_sweep_folder(typed: list[str], command: str) -> None:
-    """ConfigError for a sweep (-m) whose jobs would write one run folder: the second would find the first's
-    results, of other settings, and be refused once the first had run. The line gives the command with a run folder
-    per job. An evaluation's jobs replace one another's folder, as a rerun does, and are left to run."""
+def working_sweep(typed: list[str], command: str, ran: list[str] | None = None) -> tuple[list[str], list[str],
+                                                                                        str | None]:
+    """(`typed` as a sweep that runs: -m first and, where two of its jobs would spoil each other's results
+    (sweep_conflict), each job's folder named after its number, `name=<name>-${hydra:job.num}`; the folder
+    settings so given; what the first conflict was, None where there was none). ran: the arguments the command
+    runs, `typed` with what it adds (an evaluation's adopted overrides, the GPU default); `typed` where None."""
     overrides, flags = split_arguments(typed)
-    multirun = _multirun(flags) or any(override_key(arg) == "hydra.mode" and arg.partition("=")[2] == "MULTIRUN"
-                                       for arg in overrides)
-    if not multirun:
-        return
-    _, folder, needs = per_job_folder(overrides, command)
-    if folder not in ("name", "run_dir"):
-        return
-    given = {override_key(arg): arg.partition("=")[2] for arg in overrides if "=" in arg}
-    where = given["run_dir"] if folder == "run_dir" else f"runs/{given['name']}" if "name" in given else \
-        "a run folder"
-    raise ConfigError(f"{' '.join(needs)}: jobs of this sweep would share {where}, and the second would be refused "
-                      f"for the first's results; give each job its own: {sweep_command(typed, command)}")
+    flags = flags if _multirun(typed) else ["-m", *flags]
+    ran_overrides, given, first = split_arguments(typed if ran is None else ran)[0], [], None
+    while True:
+        conflict = sweep_conflict(sweep_jobs(ran_overrides, command), command)
+        if conflict is None or conflict[0] in given:  # a folder per job given: what is left is the run's to report
+            return [*flags, *overrides], given, first
+        key, what, job = conflict
+        first, per_job = first or what, f"{key}={_base(ran_overrides, key, job)}-${{hydra:job.num}}"
+        given.append(key)
+        overrides, ran_overrides = _replaced(overrides, key, per_job), _replaced(ran_overrides, key, per_job)
+
+
+def _base(overrides: list[str], key: str, job: Job) -> str:
+    """What each job's folder `key` is named after: the value `overrides` give it as typed, the experiment's name
+    where they sweep experiments, else `job`'s (the first of a sweep of folders; an evaluation's: ${run_dir}/eval)."""
+    given = [arg for arg in overrides if "=" in arg and override_key(arg) == key and not is_sweep(arg)]
+    if given:
+        return given[-1].partition("=")[2]
+    if key == "name" and any(override_key(arg) == "experiment" and is_sweep(arg) for arg in overrides):
+        return "${hydra:runtime.choices.experiment}"
+    return {"name": job.settings.name, "run_dir": job.settings.run_dir,
+            "eval.out_dir": job.settings.eval.out_dir or "${run_dir}/eval"}[key]
+
+
+def _replaced(overrides: list[str], key: str, new: str) -> list[str]:
+    """`overrides` with `new` in place of those of `key` (where the first was; else last)."""
+    at = next((index for index, arg in enumerate(overrides) if "=" in arg and override_key(arg) == key),
+              len(overrides))
+    kept = [arg for arg in overrides if not ("=" in arg and override_key(arg) == key)]
+    return [*kept[:at], new, *kept[at:]]
+
+
+def refuse_shared_sweep_folder(arguments: list[str], command: str, typed: list[str]) -> None:
+    """ConfigError before the first job of a sweep (-m) two of whose jobs would spoil each other's results
+    (sweep_conflict), in one line naming the swept overrides and the folder, with the command that gives each job
+    its own (working_sweep). `arguments`: the command line as the command runs it; `typed`: as typed."""
+    flags = split_arguments(arguments)[1]
+    if not _multirun(arguments) or any(full_flag(flag) not in ("-m", "--multirun") for flag in flags):
+        return  # no sweep, or one that Hydra shows (--help, --cfg) rather than runs
+    fixed, _, conflict = working_sweep(typed, command, arguments)
+    if conflict is not None:
+        swept = [arg for arg in split_arguments(typed)[0] if is_sweep(arg)]
+        raise ConfigError(f"{' '.join(swept)}: {conflict}; give each job its own: {command_line(fixed, command)}")
