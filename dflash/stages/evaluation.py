@@ -56,10 +56,15 @@ class EvalStage(Stage):
             refuse_static_engine_family(self.context.settings)
 
     def refuse_another_drafters_evaluation(self) -> None:
-        """ConfigError when eval.out_dir holds the evaluation of another training's drafter (its done.json names
-        another checkpoint fingerprint than this run's drafter: its export's record, or before one the training this
-        command runs), which this evaluation would replace: another run's evaluation folder given as this one's. An
-        evaluation of this run's drafter with other eval settings is replaced, as replacing_line says."""
+        """ConfigError when eval.out_dir lies outside the run folder and holds the evaluation of another training's
+        drafter (its done.json names another checkpoint fingerprint than this run's drafter: its export's record, or
+        before one the training this command runs), which this evaluation would replace: another run's evaluation
+        folder given as this one's. Inside the run folder an evaluation travels with its drafter when overwrite=true
+        moves it aside, and the drafter checks name what is missing; an evaluation of this run's drafter with other
+        eval settings is replaced, as replacing_line says."""
+        run_dir, out = os.path.realpath(self.context.run_dir), os.path.realpath(self.out)
+        if os.path.commonpath([run_dir, out]) == run_dir:
+            return
         done = read_json_or_none(os.path.join(self.out, DONE))
         recorded = done.get("checkpoint") if isinstance(done, dict) else None
         exported = read_json_or_none(os.path.join(self.export.out, DONE))
