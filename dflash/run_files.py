@@ -331,3 +331,9 @@ def checksum_problem(folder: str) -> str | None:
         if actual != digest:
             return f"{name} differs from when it was saved (sha256 {actual[:12]}..., saved {digest[:12]}...)"
     return None
+
+
+def shown(path: str) -> str:
+    """`path` relative to the working folder when it lies inside it, else absolute."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative

@@ -29,6 +29,7 @@ from dflash.config.hydra_flags import HYDRA_FLAGS, MODE_FLAGS, full_flag, split_
 from dflash.config.schema import RunSettings, field_default
 from dflash.config import unknown_keys
 from dflash.config.training_command import is_sweep
+from dflash.run_files import shown
 from dflash.config.unknown_keys import (ALIASES, BOOL_WORDS, ENTRY_SETTINGS, lookup_setting, other_mode_problem,
                                         override_key, settings_fields)
 
@@ -469,20 +470,14 @@ def sweep_conflict(jobs: list[Job], command: str) -> tuple[str, str, Job] | None
         if a.run_dir == b.run_dir and before and made(a.num, before[-1]) != made(b.num, before[-1]):
             named = os.path.normpath(a.settings.run_dir) == os.path.normpath(f"runs/{a.settings.name}")
             return ("name" if named else "run_dir", f"jobs {a.num} and {b.num} of this sweep would make "
-                    f"{MADE[before[-1]][0]} of other settings in one run folder, {_shown(a.run_dir)}", a)
+                    f"{MADE[before[-1]][0]} of other settings in one run folder, {shown(a.run_dir)}", a)
     for a, b in pairs:
         if "eval" in runs(a) and "eval" in runs(b) and a.eval_dir == b.eval_dir and (
                 a.run_dir != b.run_dir or made(a.num, "train") != made(b.num, "train")):
             whose = "the drafters of two run folders" if a.run_dir != b.run_dir else "drafters of other settings"
             return ("eval.out_dir", f"jobs {a.num} and {b.num} of this sweep would evaluate {whose} into one "
-                    f"evaluation folder, {_shown(a.eval_dir)}", a)
+                    f"evaluation folder, {shown(a.eval_dir)}", a)
     return None
-
-
-def _shown(path: str) -> str:
-    """`path` relative to the working folder where it lies in it."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
 
 
 def working_sweep(typed: list[str], command: str, ran: list[str] | None = None) -> tuple[list[str], list[str],

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shlex
 
+from dflash.run_files import shown
 from dflash.stages.stage import Stage
 
 
@@ -52,12 +53,6 @@ def readable_bytes(size: int) -> str:
             value = size / scale
             return f"{value:.0f} {unit}" if value >= 99.95 else f"{value:.3g} {unit}"
     return f"{size} B"
-
-
-def shown(path: str) -> str:
-    """`path` relative to the working folder when it lies inside it, else absolute."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
 
 
 def next_command_rows(context, selected: list[str], trained: bool = False) -> list[tuple[str, str]]:

@@ -16,9 +16,8 @@ from dflash.config.command_line import adopted_overrides, hydra_overrides
 from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
 from dflash.data.journal import setting_differences
-from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, stage_done, \
-    swap_in_dir, temp_path, write_text
-from dflash.stages.closing import shown
+from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, shown, \
+    stage_done, swap_in_dir, temp_path, write_text
 from dflash.stages.context import RunContext
 from dflash.stages.data import changed_files, hashed_files
 from dflash.stages.export import ExportStage, export_best
@@ -72,11 +71,15 @@ class EvalStage(Stage):
         mine = mine or self.train.checkpoint_fingerprint()
         if recorded is None or recorded == mine:
             return
-        beside = next(f"{self.out}_{k}" for k in range(2, 10_000) if not os.path.exists(f"{self.out}_{k}"))
+        beside = self.free_folder_beside()
         raise ConfigError(f"eval.out_dir={shlex.quote(shown(self.out))} holds the evaluation of another drafter "
                           f"(trained with settings {recorded[:12]}, this run's are {mine[:12]}), which this evaluation "
                           f"would replace: give eval.out_dir={shlex.quote(shown(beside))} (or remove that folder to "
                           f"measure this drafter there)")
+
+    def free_folder_beside(self) -> str:
+        """The first `<eval.out_dir>_<k>` that does not exist: where an evaluation goes to keep the one in out."""
+        return next(f"{self.out}_{k}" for k in range(2, 10_000) if not os.path.exists(f"{self.out}_{k}"))
 
     def refuse_missing_run_folder(self) -> None:
         """NothingToEvaluate naming the run folder, and the runs beside it, when no stage of this command makes a
@@ -239,7 +242,7 @@ class EvalStage(Stage):
             if not change.startswith("eval.out_dir:")]
         why = "an earlier measurement" if not changes else "measured with other eval settings: " + "; ".join(
             changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
-        beside = next(f"{self.out}_{k}" for k in range(2, 10_000) if not os.path.exists(f"{self.out}_{k}"))
+        beside = self.free_folder_beside()
         return (f"[eval] replacing {shown(self.out)} once this evaluation completes ({why}); to keep both, give "
                 f"eval.out_dir={shlex.quote(shown(beside))} (Ctrl-C now leaves it as it is)")
 

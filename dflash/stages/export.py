@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from dflash.config.errors import RunFolderError
-from dflash.run_files import checksum_problem, read_json_or_none, stage_done, write_json
-from dflash.stages.closing import shown
+from dflash.run_files import checksum_problem, read_json_or_none, shown, stage_done, write_json
 from dflash.stages.context import RunContext
 from dflash.stages.stage import Stage
 from dflash.stages.train import TrainStage
