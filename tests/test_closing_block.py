@@ -212,3 +212,17 @@ def test_the_serving_line_of_an_export_without_a_chat_template(tmp_path, layer_t
 
     (tmp_path / "config.json").write_text(json.dumps({"layer_types": layer_types}))
     assert serving_line(str(tmp_path)) == f"serve it with {engines} (docs/serving.md)"
+
+
+def test_the_next_evaluation_command_names_each_eval_setting_it_changes_once(tmp_path, monkeypatch):
+    """An evaluation given eval.out_dir (or eval.mode) is followed by the live one in its own folder: the command
+    repeats the others, not those two, which it gives anew."""
+    import dflash.stages.evaluation as evaluation
+
+    stage = Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"])).eval
+    stage.summary = {"overall": {"tau": 2.0}}
+    monkeypatch.setattr(evaluation, "command_overrides",
+                        lambda settings: ["name=tiny", "eval.out_dir=elsewhere", "eval.mode=replay"])
+    command = stage.next_rows()[-1][1]
+    assert command.count("eval.out_dir=") == 1 and command.count("eval.mode=") == 1
+    assert command.startswith("python -m dflash.eval name=tiny eval.mode=live eval.out_dir=")
