@@ -26,6 +26,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("dflash.train +experiment=tiny +experiment=smollm2",
      "+experiment=tiny +experiment=smollm2: one experiment per command; keep one (+experiment=tiny) and give the "
      "settings you want of the other as overrides (conf/experiment/smollm2.yaml lists them)"),
+    # Hydra ran smollm2 alone, without a word.
+    ("dflash.train +experiment=tiny experiment=smollm2",
+     "+experiment=tiny experiment=smollm2: one experiment per command; keep one (+experiment=tiny) and give the "
+     "settings you want of the other as overrides (conf/experiment/smollm2.yaml lists them)"),
     # The shell splits the list at its space: Hydra said "no viable alternative at input '[0.9,'".
     ("dflash.train +experiment=tiny train.betas=[0.9, 0.95]",
      "train.betas=[0.9, 0.95]: the shell split this list at its spaces; quote it: 'train.betas=[0.9, 0.95]', or drop "

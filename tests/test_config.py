@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import re
+import shlex
 import os
 import subprocess
 import sys
@@ -687,6 +688,50 @@ def test_the_overrides_hydra_recorded_serve_the_warnings_and_the_suggested_comma
     assert command_line_keys() == {"experiment", "train.lr", "stages", "eval.mode", "overwrite"}
     assert command_overrides(settings) == ["+experiment=tiny", "train.lr=1e-3", "eval.mode=live"]
     assert train_command(settings) == "python -m dflash.train +experiment=tiny train.lr=1e-3"
+
+
+def test_a_sweep_jobs_and_a_moved_runs_next_command_name_their_own_folder(monkeypatch, tmp_path):
+    """A -m job's `name=w-${hydra:job.num}` was suggested as Hydra records it, escaped (`name=w-$\\{hydra\\:job.num\\}`,
+    which no command outside a sweep resolves), and a run moved into Hydra's folder by hydra.job.chdir=true was
+    suggested a next command without it (the next run looked for runs/<name> in the folder the command started in)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from dflash.config import CONFIG_DIR
+    from dflash.config.command_line import hydra_overrides
+    from dflash.stages.closing import changed_working_folder
+    from dflash.stages.evaluation import command_overrides, train_command
+
+    settings = settings_from(compose(["+experiment=tiny"]))
+    typed = ["+experiment=tiny", "name=w-$\\{hydra\\:job.num\\}", "train.seed=1", "x_name='a b ${hydra:job.num}'"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="train", overrides=[*typed[:3], "hydra.job.chdir=true"],
+                            return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.job.num = 1
+        cfg.hydra.runtime.output_dir = str(tmp_path / "multirun" / "1")
+        cfg.hydra.runtime.cwd = str(tmp_path)
+        cfg.hydra.overrides.task.append(typed[3])  # a value that needs quotes
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # put back as it was when the test ends
+    HydraConfig.instance().set_config(cfg)
+    assert cfg.name == "w-1"
+    assert hydra_overrides() == ["+experiment=tiny", "name=w-1", "train.seed=1", "x_name='a b 1'"]
+    folder = ["hydra.job.chdir=true", f"hydra.run.dir={tmp_path / 'multirun' / '1'}"]
+    assert command_overrides(settings)[-2:] == folder
+    assert shlex.split(train_command(settings))[3:] == ["+experiment=tiny", "name=w-1", "train.seed=1",
+                                                        "x_name='a b 1'", *folder]
+    (tmp_path / "multirun" / "1").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "multirun" / "1")
+    assert changed_working_folder() == f"{tmp_path / 'multirun' / '1'} (hydra.job.chdir=true: the paths below are " \
+                                       "inside it)"
+    monkeypatch.chdir(tmp_path)
+    assert changed_working_folder() is None
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        HydraConfig.instance().set_config(hydra_compose(config_name="train", overrides=typed[:1],
+                                                        return_hydra_config=True))
+    assert command_overrides(settings) == ["+experiment=tiny"]  # in the folder it started in: nothing added
 
 
 def test_a_dotted_key_is_looked_up_in_the_schema_for_its_type_and_for_why_it_names_no_setting():

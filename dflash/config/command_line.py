@@ -16,6 +16,7 @@ Hydra runs the command, `hydra_overrides` reads back the overrides it was given.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from dflash.config import CONFIG_DIR
@@ -24,7 +25,7 @@ from dflash.config.composition_errors import (refuse_flags_between_overrides, re
 from dflash.config.errors import ConfigError
 from dflash.config.hydra_flags import before_flags, full_flag, split_arguments
 from dflash.config.removed import refuse_removed_settings
-from dflash.config.training_command import with_training_command
+from dflash.config.training_command import hydra_value, with_training_command
 from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
 
 # The installed distribution whose version --version prints (pyproject.toml's name).
@@ -244,4 +245,42 @@ def hydra_overrides() -> list[str] | None:
 
     if not HydraConfig.initialized():
         return None
-    return list(HydraConfig.get().overrides.task)
+    return [job_value_override(o) for o in HydraConfig.get().overrides.task]
+
+
+def job_value_override(override: str) -> str:
+    """`override` with the value it takes in this job where it holds one of Hydra's own interpolations
+    (`name=w-${hydra:job.num}` of a -m sweep is `name=w-1` in its second job): a command suggested or recorded from
+    a job names that job's folder, and `${hydra:job.num}` does not resolve outside a sweep. Any other override as
+    it was given."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    if "hydra" not in override:
+        return override
+    try:
+        parsed = OverridesParser.create().parse_overrides([override])[0]
+        value = parsed.value()
+    except HydraException:
+        return override
+    if not isinstance(value, str) or not re.search(r"\$\{\s*hydra:", value):
+        return override
+    try:
+        resolved = OmegaConf.create({"value": value}).value
+    except Exception:  # noqa: BLE001 - a value that does not resolve here is Hydra's to report, as given
+        return override
+    written = hydra_value(str(resolved))
+    return f"{parsed.get_key_element()}={written}" if written is not None else override
+
+
+def working_folder_overrides() -> list[str]:
+    """What places a command in this Hydra job's working folder, where `hydra.job.chdir=true` runs it there (its
+    run_dir, relative, lies inside it): the two overrides that put the next command in the same folder, with the
+    folder as this job resolved it (not `${now:...}` again, not a -m job's subfolder); none otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or not HydraConfig.get().job.chdir:
+        return []
+    folder = hydra_value(HydraConfig.get().runtime.output_dir)
+    return ["hydra.job.chdir=true", f"hydra.run.dir={folder}"] if folder is not None else []

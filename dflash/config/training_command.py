@@ -119,6 +119,13 @@ def pinned_folder(arguments: list[str], run_dir: str) -> list[str]:
     not name run_dir and the path can be written; else nothing."""
     if any(override_key(a) == "run_dir" for a in arguments):
         return []
-    if re.fullmatch(r"[A-Za-z0-9_./+@:-]+", run_dir):  # Hydra reads ASCII alone unquoted
-        return [f"run_dir={run_dir}"]
-    return [f"run_dir='{run_dir}'"] if "'" not in run_dir and "\\" not in run_dir else []
+    written = hydra_value(run_dir)
+    return [f"run_dir={written}"] if written is not None else []
+
+
+def hydra_value(text: str) -> str | None:
+    """`text` as a value Hydra's override parser reads back whole: as it is where it is plain ASCII, else quoted;
+    None where it holds a quote or backslash that quoting would change."""
+    if re.fullmatch(r"[A-Za-z0-9_./+@:-]+", text):
+        return text
+    return f"'{text}'" if "'" not in text and "\\" not in text else None

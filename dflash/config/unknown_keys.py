@@ -179,9 +179,9 @@ def _depth(text: str) -> int:
 
 def _experiments_problem(overrides: list[str], config_dir: str) -> str | None:
     """Why `+experiment=a +experiment=b` cannot run (Hydra's own error advises a defaults-list line, which no command
-    line can hold): one experiment per command, the other's settings given as overrides."""
-    chosen = [o for o in overrides if o.startswith("+") and not o.startswith("++") and "=" in o
-              and override_key(o) == "experiment"]
+    line can hold), nor `+experiment=a experiment=b` (Hydra runs b alone, without a word): one experiment per
+    command, the other's settings given as overrides."""
+    chosen = [o for o in overrides if not o.startswith(("++", "~")) and "=" in o and override_key(o) == "experiment"]
     if len(chosen) < 2:
         return None
     other = chosen[-1].partition("=")[2]

@@ -15,7 +15,8 @@ def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str,
                   next_rows: list[tuple[str, str]] = ()) -> str:
     """The stages' rows of what they left, the console log and the run folder's size, then their rows of what to
     run next and `next_rows` (the command's own: next_command_rows)."""
-    rows = [row for stage in stages for row in stage.closing_rows()]
+    rows = [("working folder", folder) for folder in [changed_working_folder()] if folder]
+    rows += [row for stage in stages for row in stage.closing_rows()]
     rows.append(("console log", shown(log)))
     if os.path.isdir(run_dir):
         rows.append(("on disk", disk_use(run_dir)))
@@ -23,6 +24,17 @@ def closing_block(run_dir: str, stages: tuple[Stage, ...], log: str,
     lines = [f"== done: {shown(run_dir)} =="]
     lines += [f"  {what:<26}  {value}" if what else f"  {value}" for what, value in rows]
     return "\n".join(lines)
+
+
+def changed_working_folder() -> str | None:
+    """The folder this command runs in, where Hydra moved it there from the one it was started in
+    (`hydra.job.chdir=true`), said because every path of the block, and of the commands it suggests, is relative to
+    it; None otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or os.path.samefile(HydraConfig.get().runtime.cwd, os.getcwd()):
+        return None
+    return f"{os.getcwd()} (hydra.job.chdir=true: the paths below are inside it)"
 
 
 def disk_use(run_dir: str) -> str:

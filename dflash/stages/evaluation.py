@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dflash.config import fingerprints
-from dflash.config.command_line import adopted_overrides, hydra_overrides
+from dflash.config.command_line import adopted_overrides, hydra_overrides, working_folder_overrides
 from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
 from dflash.data.journal import setting_differences
@@ -430,7 +430,7 @@ def command_overrides(settings, without_eval: bool = False) -> list[str]:
             continue
         if not (without_eval and (key == "eval" or key.startswith("eval."))):
             kept.append(override)
-    return kept
+    return kept + working_folder_overrides()
 
 
 def train_command(settings) -> str:
