@@ -11,7 +11,9 @@
 #   bash launch/detached_job.sh collect NAME [RUN_DIR]  # the job's log, and RUN_DIR's small files (no weights,
 #                                                      # features or data), into $OUT/NAME; with COLLECT_EXPORT=1 also
 #                                                      # RUN_DIR/export_best in parts of PART_BYTES (15 MB), joined
-#                                                      # again with `cat export_best.tar.part* | tar -xf -`
+#                                                      # again with `cat export_best.tar.part* | tar -xf -` in the
+#                                                      # unpacked run folder (run.tar.gz), which an evaluation then
+#                                                      # measures
 #
 # $JOBS (default /tmp/dflash-jobs) holds one folder per job name; a name runs once per machine. The job's end is
 # the line "rc=<exit status> wall_s=<seconds>" in $JOBS/NAME/exit, written when COMMAND returns; a job killed before
@@ -115,7 +117,11 @@ collect() {
       "$(basename "$run_dir")" || status=$?
     [ "$status" -le 1 ] || exit "$status"
     if [ "${COLLECT_EXPORT:-0}" = 1 ] && [ -d "$run_dir/export_best" ]; then
-      tar -C "$run_dir" -cf - export_best | split -b "$PART_BYTES" -d -a 2 - "$into/export_best.tar.part"
+      # With the records that make the folder a drafter of its settings to `python -m dflash.eval` once unpacked
+      # into the run folder: export/done.json (the stage's mark: without it no drafter of these settings is found)
+      # and the training command the evaluation adopts (checkpoints/settings.json).
+      tar -C "$run_dir" -cf - export_best $(cd "$run_dir" && ls export/done.json checkpoints/settings.json 2>/dev/null) \
+        | split -b "$PART_BYTES" -d -a 2 - "$into/export_best.tar.part"
     fi
   fi
   ls -la "$into"

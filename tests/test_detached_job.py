@@ -4,11 +4,15 @@ calls wait for it and bring back its log and its run's small files (the export i
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +76,8 @@ def test_collect_brings_the_small_files_and_the_export_in_parts_that_join(tmp_pa
                        ("data/journal.jsonl", 3000), ("feature_cache/x.safetensors", 3000)]:
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(os.urandom(size))
-    export = {"export_best/model.safetensors": os.urandom(2500), "export_best/config.json": b"{}"}
+    export = {"export_best/model.safetensors": os.urandom(2500), "export_best/config.json": b"{}",
+              "export/done.json": b'{"fingerprint": "a"}', "checkpoints/settings.json": b'{"command": []}'}
     for name, data in export.items():
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(data)
@@ -108,3 +113,33 @@ def test_a_killed_job_a_relative_run_folder_and_a_run_still_writing(tmp_path):
     for bad in ("", "../x", "a/b"):
         refused = job(root, env, "start", bad, "true", check=False)
         assert refused.returncode == 2 and "a job name is one plain word" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_drafter_brought_back_in_parts_is_evaluated_in_the_unpacked_run_folder(tmp_path):
+    """What the GPU plans bring back (run.tar.gz and export_best in parts) is a run folder `python -m dflash.eval`
+    measures on another machine: the parts held the drafter without the export stage's mark, and the evaluation
+    found no drafter of its settings."""
+    root = make_repository(tmp_path / "repo")
+    run_dir = tmp_path / "runs" / "full"
+    settings = ["+experiment=tiny", "train.eval_every=5", "data.heldout=4"]
+    python = [sys.executable, "-m"]
+    subprocess.run([*python, "dflash.train", *settings, f"run_dir={run_dir}", "stages=[data,capture,train,export]"],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    env = {**environment(tmp_path), "COLLECT_EXPORT": "1"}
+    job(root, env, "start", "full", "true")
+    job(root, env, "wait", "full", "30", str(run_dir))
+    here = tmp_path / "here"
+    here.mkdir()
+    out = tmp_path / "out" / "full"
+    with tarfile.open(out / "run.tar.gz") as packed:
+        packed.extractall(here, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in sorted(out.glob("export_best.tar.part*"))))) \
+            as joined:
+        joined.extractall(here / "full", filter="data")
+    assert not (here / "full" / "checkpoints" / "latest").exists()  # no weights but the export's
+    done = subprocess.run([*python, "dflash.eval", *settings, f"run_dir={here / 'full'}", "eval.mode=live",
+                           "eval.prompt_sets.mtbench.limit=1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads((here / "full" / "eval" / "summary.json").read_text())["mode"] == "live"
+    assert "export_best" in done.stdout, done.stdout[-2000:]  # the best held-out drafter, as the run chose
