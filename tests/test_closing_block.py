@@ -23,6 +23,7 @@ def finished_run(tmp_path, overall_tau: float, *overrides: str) -> Pipeline:
     os.makedirs(pipeline.export.out)
     os.makedirs(pipeline.export.best)
     (tmp_path / "run" / "export" / "done.json").write_text("{}")
+    (tmp_path / "run" / "export" / "config.json").write_text("{}")
     (tmp_path / "run" / "export_best" / "best.json").write_text(json.dumps({"step": 5, "tau": 2.345}))
     (tmp_path / "run" / "training_curve.png").write_text("")
     (tmp_path / "run" / "metrics.jsonl").write_text("")
@@ -45,7 +46,7 @@ def test_the_closing_block_names_the_outputs_tau_and_the_next_command(tmp_path, 
   evaluation                  run/eval/: summary.json, per_position.png
   tau                         a 1.20, b 2.00; overall 2.50
   console log                 run/logs/x.log
-  on disk                     29 B in run (export_best 25 B, export 2 B)
+  on disk                     31 B in run (export_best 25 B, export 4 B)
   A tiny random-weight target: its tau shows that the pipeline runs end to end, not how good a drafter is (a random \
 target's answers repeat themselves). A real drafter: python -m dflash.train on a machine with a GPU (the real SmolLM2 \
 target, about 10 minutes).

@@ -704,8 +704,8 @@ def test_a_sweep_jobs_and_a_moved_runs_next_command_name_their_own_folder(monkey
     from dflash.stages.closing import changed_working_folder
     from dflash.stages.evaluation import command_overrides, train_command
 
-    settings = settings_from(compose(["+experiment=tiny"]))
-    typed = ["+experiment=tiny", "name=w-$\\{hydra\\:job.num\\}", "train.seed=1", "x_name='a b ${hydra:job.num}'"]
+    typed = ["+experiment=tiny", "name=w-$\\{hydra\\:job.num\\}",
+             "eval.out_dir=$\\{run_dir\\}/e-$\\{hydra\\:job.num\\}", "x_name='a b ${hydra:job.num}'"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="train", overrides=[*typed[:3], "hydra.job.chdir=true"],
                             return_hydra_config=True)
@@ -716,12 +716,17 @@ def test_a_sweep_jobs_and_a_moved_runs_next_command_name_their_own_folder(monkey
         cfg.hydra.overrides.task.append(typed[3])  # a value that needs quotes
     monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # put back as it was when the test ends
     HydraConfig.instance().set_config(cfg)
-    assert cfg.name == "w-1"
-    assert hydra_overrides() == ["+experiment=tiny", "name=w-1", "train.seed=1", "x_name='a b 1'"]
+    with open_dict(cfg):
+        job = cfg.copy()
+        del job["hydra"]
+    settings = settings_from(job)  # the job's settings, its name resolved
+    assert settings.name == "w-1"
+    # The name from the job's settings; x_name, no setting, with Hydra's own interpolation resolved.
+    assert hydra_overrides(settings) == ["+experiment=tiny", "name=w-1", "eval.out_dir=runs/w-1/e-1", "x_name='a b 1'"]
+    assert hydra_overrides()[1] == "name=w-1"  # without the settings, Hydra's own interpolations resolved alone
     folder = ["hydra.job.chdir=true", f"hydra.run.dir={tmp_path / 'multirun' / '1'}"]
     assert command_overrides(settings)[-2:] == folder
-    assert shlex.split(train_command(settings))[3:] == ["+experiment=tiny", "name=w-1", "train.seed=1",
-                                                        "x_name='a b 1'", *folder]
+    assert shlex.split(train_command(settings))[3:] == ["+experiment=tiny", "name=w-1", "x_name='a b 1'", *folder]
     (tmp_path / "multirun" / "1").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "multirun" / "1")
     assert changed_working_folder() == f"{tmp_path / 'multirun' / '1'} (hydra.job.chdir=true: the paths below are " \

@@ -138,8 +138,16 @@ def test_a_drafter_brought_back_in_parts_is_evaluated_in_the_unpacked_run_folder
             as joined:
         joined.extractall(here / "full", filter="data")
     assert not (here / "full" / "checkpoints" / "latest").exists()  # no weights but the export's
-    done = subprocess.run([*python, "dflash.eval", *settings, f"run_dir={here / 'full'}", "eval.mode=live",
+    # The folder alone: the training command's overrides come from checkpoints/settings.json.
+    done = subprocess.run([*python, "dflash.eval", f"run_dir={here / 'full'}", "eval.mode=live",
                            "eval.prompt_sets.mtbench.limit=1"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"the drafter of {here / 'full'}, with its training command's overrides: {' '.join(settings)}" \
+        in done.stdout
+    assert f"[eval] drafter {here / 'full' / 'export_best'}\n" in done.stdout  # the best held-out one, as trained
     assert json.loads((here / "full" / "eval" / "summary.json").read_text())["mode"] == "live"
-    assert "export_best" in done.stdout, done.stdout[-2000:]  # the best held-out drafter, as the run chose
+    # export/ came back with its mark alone: not offered for serving, and not evaluated in its place.
+    assert "drafter (z-lab format)" not in done.stdout
+    final = subprocess.run([*python, "dflash.eval", f"run_dir={here / 'full'}", "eval.checkpoint=final"], cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
+    assert final.returncode != 0 and "export holds no drafter (no config.json)" in final.stderr, final.stderr[-2000:]

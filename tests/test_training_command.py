@@ -70,6 +70,21 @@ def test_the_folder_is_the_one_the_evaluation_command_composes_to(tmp_path, caps
     assert with_training_command(["train.nope=1"], ["train.nope=1"]) == ["train.nope=1"]  # its error comes later
 
 
+def test_under_hydra_job_chdir_the_folder_is_looked_for_in_hydras_folder(tmp_path, capsys, monkeypatch):
+    """The next command of a run under hydra.job.chdir=true carries hydra.run.dir; its relative run_dir lies there,
+    and was looked for in the folder the command started in (another run of that name there was adopted)."""
+    record(tmp_path / "out dir" / "runs" / "mine", ["+experiment=tiny", "train.seed=3"])
+    record(tmp_path / "runs" / "mine", ["+experiment=tiny", "train.seed=7"])
+    monkeypatch.chdir(tmp_path)
+    moved = ["name=mine", "hydra.job.chdir=true", f"hydra.run.dir='{tmp_path / 'out dir'}'"]
+    assert with_training_command(moved, moved)[:2] == ["+experiment=tiny", "train.seed=3"]
+    assert f"the drafter of {tmp_path / 'out dir' / 'runs' / 'mine'}," in capsys.readouterr().out
+    # Hydra's default folder is named after the time the command starts: nothing to look in beforehand.
+    assert with_training_command(moved[:2], moved[:2]) == moved[:2]
+    stays = ["name=mine", "hydra.job.chdir=false", f"hydra.run.dir='{tmp_path / 'out dir'}'"]
+    assert with_training_command(stays, stays)[:2] == ["+experiment=tiny", "train.seed=7"]
+
+
 def test_hydras_flags_are_told_from_overrides():
     assert [full_flag(a) for a in ("--cfg=job", "-c", "--hel", "--in", "--c", "-x", "name=x")] == \
         ["--cfg", "-c", "--help", "--info", None, None, None]  # --c begins --cfg and --config-*: none

@@ -22,7 +22,7 @@ import sys
 from dflash.config import CONFIG_DIR
 from dflash.config.composition_errors import (refuse_flags_between_overrides, refuse_shared_sweep_folder,
                                                refuse_uncomposable)
-from dflash.config.errors import ConfigError
+from dflash.config.errors import ConfigError, as_typed
 from dflash.config.hydra_flags import before_flags, full_flag, split_arguments
 from dflash.config.removed import refuse_removed_settings
 from dflash.config.training_command import hydra_value, with_training_command
@@ -238,40 +238,69 @@ def default_run_line() -> str | None:
     return _default_run_line
 
 
-def hydra_overrides() -> list[str] | None:
+def hydra_overrides(settings=None) -> list[str] | None:
     """The overrides of the Hydra command that is running, as Hydra recorded them (`train.lr=1e-3`,
-    `+experiment=smollm2`), or None outside a Hydra command (a config composed by a test or a notebook)."""
+    `+experiment=smollm2`), each holding an interpolation with the value it took in this job (job_value_override,
+    from `settings` where given); None outside a Hydra command (a config composed by a test or a notebook)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return None
-    return [job_value_override(o) for o in HydraConfig.get().overrides.task]
+    return [job_value_override(o, settings) for o in HydraConfig.get().overrides.task]
 
 
-def job_value_override(override: str) -> str:
-    """`override` with the value it takes in this job where it holds one of Hydra's own interpolations
-    (`name=w-${hydra:job.num}` of a -m sweep is `name=w-1` in its second job): a command suggested or recorded from
-    a job names that job's folder, and `${hydra:job.num}` does not resolve outside a sweep. Any other override as
-    it was given."""
+def job_value_override(override: str, settings=None) -> str:
+    """`override` with the value it took in this job where its value holds an interpolation: `name=w-${hydra:job.num}`
+    of a -m sweep is `name=w-1` in its second job, `eval.out_dir=${run_dir}/e` the folder it named. A command
+    suggested or recorded from a job names that job's own folders, and `${hydra:job.num}` does not resolve outside a
+    sweep. The value is the setting's in `settings` (the job's, resolved once); without settings, or for a key that
+    names no setting, Hydra's own interpolations resolved here; any other override as it was given."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
-    if "hydra" not in override:
+    if "$" not in override:
         return override
     try:
         parsed = OverridesParser.create().parse_overrides([override])[0]
         value = parsed.value()
     except HydraException:
         return override
-    if not isinstance(value, str) or not re.search(r"\$\{\s*hydra:", value):
+    if not isinstance(value, str) or "${" not in value:
         return override
-    try:
-        resolved = OmegaConf.create({"value": value}).value
-    except Exception:  # noqa: BLE001 - a value that does not resolve here is Hydra's to report, as given
+    found, setting = setting_at(settings, parsed.key_or_group)
+    if found:
+        written = written_value(setting)
+    elif re.search(r"\$\{\s*hydra:", value):
+        try:
+            written = hydra_value(str(OmegaConf.create({"value": value}).value))
+        except Exception:  # noqa: BLE001 - a value that does not resolve here is Hydra's to report, as given
+            return override
+    else:
         return override
-    written = hydra_value(str(resolved))
     return f"{parsed.get_key_element()}={written}" if written is not None else override
+
+
+def setting_at(settings, key: str) -> tuple[bool, object]:
+    """(True, the value of the dotted `key` in `settings`: dataclasses by attribute, mappings by entry), or (False,
+    None) where `settings` is None or holds no such key."""
+    if settings is None:
+        return False, None
+    value = settings
+    for part in key.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif not isinstance(value, dict) and hasattr(value, "__dataclass_fields__") and hasattr(value, part):
+            value = getattr(value, part)
+        else:
+            return False, None
+    return True, value
+
+
+def written_value(value) -> str | None:
+    """`value` as an override writes it for Hydra to read back the same (hydra_value for a string); None where it
+    cannot be written."""
+    return hydra_value(value) if isinstance(value, str) else as_typed(value)
 
 
 def working_folder_overrides() -> list[str]:
@@ -282,5 +311,8 @@ def working_folder_overrides() -> list[str]:
 
     if not HydraConfig.initialized() or not HydraConfig.get().job.chdir:
         return []
-    folder = hydra_value(HydraConfig.get().runtime.output_dir)
+    runtime = HydraConfig.get().runtime
+    if os.path.realpath(runtime.output_dir) == os.path.realpath(runtime.cwd):  # nothing moved
+        return []
+    folder = hydra_value(runtime.output_dir)
     return ["hydra.job.chdir=true", f"hydra.run.dir={folder}"] if folder is not None else []

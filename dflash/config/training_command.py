@@ -87,8 +87,11 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
     swept = [o for o in located_overrides if is_sweep(o)]
     if any(overlaps(override_key(o), key) for o in swept for key in FOLDER_KEYS):
         return arguments
+    folder = working_folder(located_overrides)
+    if folder is None:
+        return arguments
     try:
-        run_dir = os.path.abspath(str(compose([o for o in located_overrides if o not in swept], "eval").run_dir))
+        run_dir = os.path.join(folder, str(compose([o for o in located_overrides if o not in swept], "eval").run_dir))
     except Exception:  # noqa: BLE001 - any composition error is reported by the checks that follow
         return arguments
     taken = adopted(overrides, run_dir)
@@ -100,6 +103,27 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
               file=sys.stderr if flags else sys.stdout, flush=True)
     # The folder stays the one found, whatever name an adopted +experiment= gives.
     return [*taken, *before_flags(arguments, *pinned_folder(overrides, run_dir))]
+
+
+def working_folder(overrides: list[str]) -> str | None:
+    """The folder a command of `overrides` runs in, which a relative run_dir lies in: the folder it starts in, or
+    with `hydra.job.chdir=true` the `hydra.run.dir` it names (absolute); None where that folder is Hydra's default,
+    named after the time the command starts (it cannot be known before)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    given = {}
+    for override in overrides:
+        if override_key(override) in ("hydra.job.chdir", "hydra.run.dir"):
+            try:
+                given[override_key(override)] = OverridesParser.create().parse_overrides([override])[0].value()
+            except HydraException:
+                return os.getcwd()  # Hydra refuses the command itself
+    chdir = given.get("hydra.job.chdir")
+    if not (chdir is True or str(chdir).lower() in ("true", "yes", "on", "y", "1")):
+        return os.getcwd()
+    folder = given.get("hydra.run.dir")
+    return os.path.abspath(str(folder)) if folder is not None else None
 
 
 def is_sweep(override: str) -> bool:
@@ -124,8 +148,12 @@ def pinned_folder(arguments: list[str], run_dir: str) -> list[str]:
 
 
 def hydra_value(text: str) -> str | None:
-    """`text` as a value Hydra's override parser reads back whole: as it is where it is plain ASCII, else quoted;
-    None where it holds a quote or backslash that quoting would change."""
-    if re.fullmatch(r"[A-Za-z0-9_./+@:-]+", text):
+    """`text` as a value Hydra's override parser reads back as that string: as it is where it is plain ASCII that
+    reads as a string, else quoted (`'a b'`, `'true'`, `'1e-3'`); None where it holds a quote or backslash that
+    quoting would change."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if re.fullmatch(r"[A-Za-z0-9_./+@:-]+", text) and \
+            OverridesParser.create().parse_overrides([f"key={text}"])[0].value() == text:
         return text
     return f"'{text}'" if "'" not in text and "\\" not in text else None

@@ -32,7 +32,9 @@ def changed_working_folder() -> str | None:
     it; None otherwise."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized() or os.path.samefile(HydraConfig.get().runtime.cwd, os.getcwd()):
+    if not HydraConfig.initialized():
+        return None
+    if os.path.realpath(HydraConfig.get().runtime.cwd) == os.path.realpath(os.getcwd()):  # never raises
         return None
     return f"{os.getcwd()} (hydra.job.chdir=true: the paths below are inside it)"
 

@@ -166,6 +166,13 @@ class EvalStage(Stage):
         drafter to measure once: picking it may export the best checkpoint so far, and says so."""
         settle_swap(os.path.realpath(self.out))
         self.drafter = self.drafter_to_evaluate()
+        folder = self.drafter[0]
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            best = folder == self.export.out and os.path.isfile(os.path.join(self.export.best, "best.json"))
+            raise NothingToEvaluate(
+                f"{shown(folder)} holds no drafter (no config.json): the export stage marked it done, but its files "
+                f"are not there (a run folder copied without them); the training command exports it again where the "
+                f"run's checkpoints are kept" + (", and eval.checkpoint=best measures export_best/" if best else ""))
 
     def measured(self) -> tuple[str, str]:
         """(folder, fingerprint) of the drafter measured: the one prepare() picked, else the one it would pick."""
@@ -420,7 +427,7 @@ def command_overrides(settings, without_eval: bool = False) -> list[str]:
     suggested next must never move a drafter aside), less those an evaluation adopted from the run folder's
     training command (the next evaluation adopts them again), and with `without_eval` the eval group's; `name=...`
     outside Hydra."""
-    overrides = hydra_overrides()
+    overrides = hydra_overrides(settings)
     if overrides is None:
         return [f"name={settings.name}"]
     kept, adopted = [], adopted_overrides()

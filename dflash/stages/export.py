@@ -63,6 +63,8 @@ class ExportStage(Stage):
         one is named, and the stage exports again from the checkpoints."""
         for folder in (self.out, self.best):
             problem = checksum_problem(folder)
+            if problem is None and os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+                problem = "config.json is missing"  # a folder brought back with its marks alone
             if problem is not None:
                 logger.warning(f"[export] warning: {folder} is corrupt: {problem}; exporting it again from "
                                f"{self.train.checkpoints}")
@@ -72,7 +74,7 @@ class ExportStage(Stage):
     def closing_rows(self) -> list[tuple[str, str]]:
         """The exports, the curve with the metrics it is plotted from, and the loggers' folders (logger_rows)."""
         rows = []
-        if os.path.exists(os.path.join(self.out, "done.json")):
+        if all(os.path.exists(os.path.join(self.out, name)) for name in ("done.json", "config.json")):
             rows.append(("drafter (z-lab format)", f"{shown(self.out)}   {serving_line(self.out)}"))
         best = read_json_or_none(os.path.join(self.best, "best.json"))
         if best:

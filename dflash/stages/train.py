@@ -338,7 +338,7 @@ class TrainStage(Stage):
             record["target_layer_ids"] = taps
         # What `python -m dflash.eval` adopts (dflash/config/training_command.py); a launch outside a Hydra command
         # (a notebook, a test) keeps the one recorded before.
-        command = training_overrides(hydra_overrides())
+        command = training_overrides(hydra_overrides(run.settings))
         command = earlier.get("command") if command is None else command
         if command is not None:
             record["command"] = command
