@@ -39,8 +39,9 @@ def test_the_closing_block_names_the_outputs_tau_and_the_next_command(tmp_path, 
     pipeline = finished_run(tmp_path, 2.5)
     assert closing_block(pipeline.context.run_dir, pipeline.stages, str(tmp_path / "run" / "logs" / "x.log")) == """\
 == done: run ==
-  drafter (z-lab format)      run/export   serve it with vLLM or SGLang (docs/serving.md)
-  best held-out checkpoint    run/export_best (step 5, held-out tau 2.35)
+  drafter (z-lab format)      run/export_best (the best held-out checkpoint, step 5, held-out tau 2.35; what eval \
+measures)   serve it with vLLM or SGLang (docs/serving.md)
+  final weights               run/export (eval.checkpoint=final measures them)
   training curve              run/training_curve.png
   metrics per step            run/metrics.jsonl
   evaluation                  run/eval/: summary.json, per_position.png
@@ -51,6 +52,18 @@ def test_the_closing_block_names_the_outputs_tau_and_the_next_command(tmp_path, 
 target's answers repeat themselves). A real drafter: python -m dflash.train on a machine with a GPU (the real SmolLM2 \
 target, about 10 minutes).
   next: real decoding         python -m dflash.eval name=tiny eval.mode=live eval.out_dir=run/eval_live"""
+
+
+def test_the_drafter_named_to_serve_is_the_one_eval_measures(tmp_path, monkeypatch):
+    """The block said to serve export/ while its tau was export_best/'s (eval.checkpoint=best, the default)."""
+    monkeypatch.chdir(tmp_path)
+    rows = dict(finished_run(tmp_path, 2.5, "eval.checkpoint=final").export.closing_rows())
+    assert rows["drafter (z-lab format)"] == "run/export   serve it with vLLM or SGLang (docs/serving.md)"
+    assert rows["best held-out checkpoint"] == "run/export_best (step 5, held-out tau 2.35)"
+    (tmp_path / "run" / "export_best" / "best.json").unlink()  # no best kept (data.heldout=0)
+    rows = dict(Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"])).export.closing_rows())
+    assert rows["drafter (z-lab format)"] == "run/export   serve it with vLLM or SGLang (docs/serving.md)"
+    assert "final weights" not in rows and "best held-out checkpoint" not in rows
 
 
 def test_a_short_cpu_run_ends_with_a_note_and_a_live_one_with_no_next_command(tmp_path, monkeypatch):
@@ -171,6 +184,13 @@ def test_evaluating_a_run_folder_whose_drafters_were_moved_aside_says_so(tmp_pat
         Pipeline(compose(["+experiment=tiny", f"run_dir={run_dir}", "stages=[eval]"])).run()
     (run_dir / "checkpoints.0123456789abcdef").rmdir()
     with pytest.raises(NothingToEvaluate, match="holds no drafter to evaluate: no drafter was trained there yet"):
+        Pipeline(compose(["+experiment=tiny", f"run_dir={run_dir}", "stages=[eval]"])).run()
+    # Data made by another command (dflash.extract +experiment=tiny): this command's training command would train
+    # other settings there (it suggested `python -m dflash.train name=...`, the CPU demo's settings).
+    (run_dir / "config.yaml").write_text("name: run\n")
+    with pytest.raises(NothingToEvaluate, match=r"no drafter was trained there yet; train one with python -m "
+                                                 r"dflash.train and the overrides its data were made with \(their "
+                                                 r"settings: .*run/config.yaml\)$"):
         Pipeline(compose(["+experiment=tiny", f"run_dir={run_dir}", "stages=[eval]"])).run()
 
 

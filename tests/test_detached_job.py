@@ -146,8 +146,9 @@ def test_a_drafter_brought_back_in_parts_is_evaluated_in_the_unpacked_run_folder
         in done.stdout
     assert f"[eval] drafter {here / 'full' / 'export_best'}\n" in done.stdout  # the best held-out one, as trained
     assert json.loads((here / "full" / "eval" / "summary.json").read_text())["mode"] == "live"
-    # export/ came back with its mark alone: not offered for serving, and not evaluated in its place.
-    assert "drafter (z-lab format)" not in done.stdout
+    # export/ came back with its mark alone: not offered, and not evaluated in its place.
+    assert f"drafter (z-lab format)      {here / 'full' / 'export_best'} (the best" in done.stdout
+    assert "final weights" not in done.stdout
     final = subprocess.run([*python, "dflash.eval", f"run_dir={here / 'full'}", "eval.checkpoint=final"], cwd=REPO,
                            capture_output=True, text=True, timeout=600)
     assert final.returncode != 0 and "export holds no drafter (no config.json)" in final.stderr, final.stderr[-2000:]

@@ -114,6 +114,23 @@ def test_acceptance_opens_the_run_evaluated_last_from_the_notebooks_folder(two_r
 
 
 @pytest.mark.slow
+def test_acceptance_opens_an_evaluation_written_to_a_folder_of_its_own(two_runs, tmp_path):
+    """An evaluation into eval.out_dir (the closing block's next command writes eval_live/) was passed over: the
+    notebook showed an older run's, and said that the run, or the folder named, had no evaluation."""
+    replay_dir, live_dir = two_runs
+    run = tmp_path / "made" / "mine"
+    run.mkdir(parents=True)
+    shutil.copytree(os.path.join(live_dir, "eval"), run / "eval_live")  # written after the replay run's
+    notebook = execute("acceptance.ipynb", {}, checkout(tmp_path / "checkout", {"replay_run": replay_dir,
+                                                                                "mine": str(run)}))
+    assert str(tmp_path / "checkout" / "runs" / "mine" / "eval_live" / "summary.json") in printed(notebook)
+    assert_acceptance_of(live_dir, printed(notebook))
+    for given in (run, run / "eval_live"):  # the run folder, or the evaluation's
+        text = printed(execute("acceptance.ipynb", {"DFLASH_RUN_DIR": str(given)}, checkout(tmp_path / given.name)))
+        assert f"{run / 'eval_live' / 'summary.json'}: mode live" in text
+
+
+@pytest.mark.slow
 def test_compare_runs_takes_every_run_by_default_and_relative_folders_from_anywhere(two_runs, tmp_path):
     replay_dir, live_dir = two_runs
     by_default = execute("compare_runs.ipynb", {},

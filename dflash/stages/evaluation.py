@@ -95,8 +95,16 @@ class EvalStage(Stage):
             aside = sorted(name for name in os.listdir(run.run_dir) if name.startswith("checkpoints."))
             held = (f"its drafters of other settings were moved aside ({', '.join(aside)}): the training command of "
                     f"their settings brings one back" if aside else "no drafter was trained there yet")
+            command = train_command(run.settings)
+            config = os.path.join(run.run_dir, "config.yaml")
+            if os.path.isdir(run.dirs["data"]) and os.path.isfile(config) and \
+                    not stage_done(run.dirs["data"], fingerprints.data_fingerprint(run.settings)):
+                # Data made by another command (dflash.extract +experiment=...): this one's overrides would train
+                # other settings there.
+                command = f"python -m dflash.train and the overrides its data were made with (their settings: " \
+                          f"{shown(config)})"
             raise NothingToEvaluate(f"{shown(run.run_dir)} holds no drafter to evaluate: {held}; train one with "
-                                    f"{train_command(run.settings)}")
+                                    f"{command}")
         parent = os.path.dirname(run.run_dir)
         runs = sorted(name for name in (os.listdir(parent) if os.path.isdir(parent) else [])
                       if os.path.isfile(os.path.join(parent, name, "config.yaml")))
@@ -156,7 +164,7 @@ class EvalStage(Stage):
                 f"no drafter of these settings to evaluate: the train and export stages have not finished ({done} is "
                 f"{'missing' if marker is None else 'from other settings'}) and {self.train.checkpoints} holds no "
                 f"best held-out checkpoint of these settings (data.heldout > 0 and eval.checkpoint=best make one); "
-                f"rerun training (python -m dflash.train), which resumes from its last checkpoint and exports")
+                f"rerun training ({train_command(run.settings)}), which resumes from its last checkpoint and exports")
         logger.info(f"[eval] training has not finished: evaluating its best held-out checkpoint so far "
                     f"(step {best['step']}, held-out tau {best['tau']:.3f})")
         return self.export.best, fingerprint(current, best)

@@ -72,14 +72,23 @@ class ExportStage(Stage):
         return True
 
     def closing_rows(self) -> list[tuple[str, str]]:
-        """The exports, the curve with the metrics it is plotted from, and the loggers' folders (logger_rows)."""
-        rows = []
-        if all(os.path.exists(os.path.join(self.out, name)) for name in ("done.json", "config.json")):
-            rows.append(("drafter (z-lab format)", f"{shown(self.out)}   {serving_line(self.out)}"))
+        """The drafter to serve first: the one the eval stage measures (eval.checkpoint: export_best/, the best
+        held-out checkpoint, where training kept one, by default; else export/), then the other export, the curve
+        with the metrics it is plotted from, and the loggers' folders (logger_rows)."""
+        final = all(os.path.exists(os.path.join(self.out, name)) for name in ("done.json", "config.json"))
         best = read_json_or_none(os.path.join(self.best, "best.json"))
-        if best:
-            rows.append(("best held-out checkpoint",
-                         f"{shown(self.best)} (step {best['step']}, held-out tau {best['tau']:.2f})"))
+        held_out = f"step {best['step']}, held-out tau {best['tau']:.2f}" if best else ""
+        rows = []
+        if best and self.context.settings.eval.checkpoint == "best":
+            rows.append(("drafter (z-lab format)", f"{shown(self.best)} (the best held-out checkpoint, {held_out}; "
+                                                   f"what eval measures)   {serving_line(self.best)}"))
+            if final:
+                rows.append(("final weights", f"{shown(self.out)} (eval.checkpoint=final measures them)"))
+        else:
+            if final:
+                rows.append(("drafter (z-lab format)", f"{shown(self.out)}   {serving_line(self.out)}"))
+            if best:
+                rows.append(("best held-out checkpoint", f"{shown(self.best)} ({held_out})"))
         here = shown(self.context.run_dir)
         for name, what in (("training_curve.png", "training curve"), ("metrics.jsonl", "metrics per step")):
             if os.path.exists(os.path.join(self.context.run_dir, name)):
