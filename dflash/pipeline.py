@@ -26,7 +26,7 @@ from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.closing import closing_block, next_command_rows
-from dflash.stages.command_ending import ending, ending_status, exit_command, full_error
+from dflash.stages.command_ending import TerminationLine, ending, ending_status, exit_command, full_error
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
@@ -185,7 +185,8 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     """What the commands run: the pipeline over `stages` (default: cfg.stages). A user error (ConfigError: a bad
     setting or a run folder that holds a drafter of other settings, found before any work; a bad prompt record or a
     corrupt checkpoint, found when it is read) ends the process with one line (exit status 2; HYDRA_FULL_ERROR=1
-    shows the traceback); so does training that diverged (exit status 1), and a stop on SIGTERM (143). A restarted
+    shows the traceback); so does training that diverged (exit status 1), and a stop on SIGTERM (143: training
+    saves its step first, another stage keeps what it had saved, command_ending.Terminated). A restarted
     start of a capture=online torchrun job whose earlier start ended in a user error or divergence stops at once with
     that status (EarlierEnding). Ctrl-C ends it with one line saying the same command resumes, the process dying of
     SIGINT (status 130) so that a shell loop running it stops too; training first saves the step in flight
@@ -196,7 +197,8 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
     if stages is not None:
         cfg.stages = stages
     try:
-        return run_role(cfg)
+        with TerminationLine():
+            return run_role(cfg)
     except EarlierEnding as earlier:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node, not one a rank
             print(f"dflash: error: {earlier}", file=sys.stderr, flush=True)

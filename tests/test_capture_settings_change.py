@@ -84,12 +84,14 @@ def test_going_back_to_earlier_settings_brings_their_training_logs_back(tmp_path
 
     Pipeline(compose(run)).run()
     first = records()
+    (tmp_path / "wandb" / "offline-run-first").mkdir(parents=True)  # as logging.wandb.mode=offline leaves it
     Pipeline(compose(run + ["train.lr=0.05", "overwrite=true"])).run()  # other settings: their own run and log
     other = records()
     assert [step for step, _ in other] == [step for step, _ in first] and other != first
+    assert not (tmp_path / "wandb" / "offline-run-first").exists()  # wandb's runs travel with their drafter too
     Pipeline(compose(run + ["overwrite=true"])).run()  # back: the first run's checkpoints and log return together
     assert records() == first
-    assert os.path.exists(tmp_path / "tensorboard")
+    assert os.path.exists(tmp_path / "tensorboard") and (tmp_path / "wandb" / "offline-run-first").exists()
 
 
 def test_where_a_gguf_target_is_cached_does_not_change_whose_answers_the_journal_holds(tmp_path):

@@ -42,6 +42,7 @@ def test_an_edited_prompt_file_is_refused_like_a_changed_setting(trained, tmp_pa
             Pipeline(compose(command)).run()
         assert folder_checksums(run_dir) == before
         assert f"run_dir={run_dir}-2;" in str(error.value) and "overwrite=true" in str(error.value)
+        assert "keeps this folder's data" not in str(error.value)  # the data stage makes them again: it said so
         Pipeline(compose(command + ["overwrite=true"])).run()  # the data, its capture and the drafter made again
     finally:
         write_prompts(prompts, PROMPTS)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import sys
+import time
 
 import pytest
 
 from dflash.config import compose
 from dflash.pipeline import Pipeline, run_command, run_role
+from dflash.stages.command_ending import TerminationLine
 from dflash.stages.data import DataStage
 
 TINY = ["+experiment=tiny", "show_progress=false"]
@@ -120,3 +123,32 @@ def test_ctrl_c_ends_a_command_with_one_line_that_the_run_log_keeps(tmp_path, mo
            "what the stage in progress had saved"
     assert capsys.readouterr().err.splitlines()[-1] == line
     assert run_log_text(tmp_path).splitlines()[-1] == line
+
+
+def test_sigterm_outside_training_ends_a_command_with_one_line_and_status_143(tmp_path, monkeypatch, capsys):
+    """SIGTERM (`timeout`, a scheduler) during the data stage or an evaluation ended the command without a word;
+    training's own stop (a checkpoint, then TrainingStopped) is unchanged."""
+    single_process(monkeypatch)
+    seen = []
+
+    def terminated(self):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises first
+
+    monkeypatch.setattr(DataStage, "run", terminated)
+    with pytest.raises(SystemExit) as ended:
+        run_command(compose([*TINY, f"run_dir={tmp_path}"]), ["data"])
+    assert ended.value.code == 143 and seen[0] is not signal.SIG_DFL
+    line = "dflash: interrupted (SIGTERM): rerun the same command to resume; finished stages are kept, and so is " \
+           "what the stage in progress had saved"
+    assert capsys.readouterr().err.splitlines()[-1] == line
+    assert run_log_text(tmp_path).splitlines()[-1] == line
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back once the command ended
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a handler set before (a launcher's) is left alone
+    try:
+        with TerminationLine():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+

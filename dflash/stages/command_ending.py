@@ -26,6 +26,35 @@ INTERRUPTED_LINE = ("dflash: interrupted (Ctrl-C): rerun the same command to res
                     "so is what the stage in progress had saved")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside training (which saves its step and ends with TrainingStopped): the command unwinds as on
+    Ctrl-C, each stage keeping what it had saved, says so and ends with status 143, where the signal's default
+    action ended it without a word (`timeout`, a scheduler's stop, during the data stage or an evaluation)."""
+
+    signal_name = "SIGTERM"
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+class TerminationLine:
+    """While active (a context manager, in the main thread only), SIGTERM raises Terminated, where nobody else
+    handles it (a handler set before, by a launcher or a test, is left alone); training's StopSignal takes it over
+    while it runs."""
+
+    def __enter__(self) -> "TerminationLine":
+        self.previous = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self.previous = signal.signal(signal.SIGTERM, _terminate)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
 class _Ending(NamedTuple):
     """How an error of `kind` ends a command without a traceback: its one line's prefix, the exit status, and
     whether HYDRA_FULL_ERROR=1 shows its traceback instead."""
@@ -54,6 +83,8 @@ def ending(error: BaseException) -> str:
     known = _ending_of(error)
     if known is None or (known.traceback_on_request and full_error()):
         return "".join(traceback.format_exception(error))
+    if isinstance(error, Terminated):
+        return f"{INTERRUPTED_LINE.replace('(Ctrl-C)', '(SIGTERM)')}\n"
     if isinstance(error, KeyboardInterrupt):
         return f"{INTERRUPTED_LINE}\n"
     return f"{known.prefix}{error}\n"
@@ -67,6 +98,8 @@ def ending_status(error: BaseException) -> int | None:
         return None
     if getattr(error, "signal_name", None) == "SIGINT":
         return INTERRUPTED
+    if isinstance(error, Terminated):
+        return STOPPED
     return known.status
 
 

@@ -164,15 +164,20 @@ def carried_template(folder: str) -> str | None:
 
 def logger_rows(run_dir: str) -> list[tuple[str, str]]:
     """The training loggers' folders in `run_dir`, each with the command that shows it (its files mean nothing
-    opened by hand): TensorBoard's, and wandb's latest run where it ran offline (an online run is on wandb's site
-    already; earlier runs of the folder, under other settings, are left out)."""
+    opened by hand): TensorBoard's, and wandb's runs where it ran offline, one per start of the training (a training
+    resumed after a stop is several; an online run is on wandb's site already; those of a drafter of other settings
+    moved aside with it)."""
     rows = []
-    board, latest = os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "wandb", "latest-run")
+    board, folder = os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "wandb")
     if os.path.isdir(board):
         rows.append(("TensorBoard", f"tensorboard --logdir {shlex.quote(shown(board))}"))
-    if os.path.isdir(latest) and os.path.basename(os.path.realpath(latest)).startswith("offline-run-"):
-        offline = os.path.join(os.path.dirname(latest), os.path.basename(os.path.realpath(latest)))
-        rows.append(("wandb (offline)", f"wandb sync {shlex.quote(shown(offline))}"))
+    offline = sorted(name for name in os.listdir(folder) if name.startswith("offline-run-")) \
+        if os.path.isdir(folder) else []
+    if len(offline) == 1:
+        rows.append(("wandb (offline)", f"wandb sync {shlex.quote(shown(os.path.join(folder, offline[0])))}"))
+    elif offline:
+        rows.append(("wandb (offline)", f"wandb sync {shlex.quote(shown(folder))}/offline-run-*   ({len(offline)} "
+                                        f"runs, one per start of the training)"))
     return rows
 
 

@@ -92,7 +92,7 @@ def refuse_rebuilt_data(train: TrainStage) -> None:
         raise RunFolderError(
             f"{key} {path} changed since this run's data stage (sha256 {recorded[:12]}... -> {now[:12]}...), whose "
             f"data trained the drafter in {run.run_dir}; nothing was changed. "
-            f"{ways_on(train, 'train on the file as it is now')}")
+            f"{ways_on(train, 'train on the file as it is now', data_kept=False)}")
     unchecked = train.capture.data.unchecked_eval_sets()
     if unchecked:
         sets = ", ".join(unchecked)
@@ -102,7 +102,7 @@ def refuse_rebuilt_data(train: TrainStage) -> None:
             f"would check them and drop the training prompts that overlap, replacing the drafter's data if any do "
             f"(a training of these settings then trains it again); nothing was changed. To evaluate this drafter on "
             f"them as it was trained (its training prompts unchecked against them), run python -m dflash.eval with "
-            f"the same overrides. {ways_on(train, 'train on the checked prompts')}")
+            f"the same overrides. {ways_on(train, 'train on the checked prompts', data_kept=False)}")
 
 
 def trained_config(train: TrainStage) -> tuple[str | None, list[str]]:
@@ -143,13 +143,14 @@ def with_chosen_taps(change: str, old: dict, train: TrainStage) -> str:
         f"drafter.target_layer_ids: null (automatic: {as_typed(taps)}) -> {change[len(prefix):]}"
 
 
-def ways_on(train: TrainStage, doing: str) -> str:
+def ways_on(train: TrainStage, doing: str, data_kept: bool = True) -> str:
     """The two ways on, for a refused command that would do `doing`: another run folder, or overwrite=true; and,
-    where the folder's data and features are this command's already, that only the second keeps them."""
+    where the folder's data and features are this command's already and it keeps them (`data_kept`: not where its
+    data stage makes them again), that only the second keeps them."""
     ways = (f"To {doing} beside it, run the same command with {another_run_folder(train.context)}; to move the "
             f"trained drafter aside (kept in {train.checkpoints}.<its fingerprint>) and {doing} in its place, add "
             f"overwrite=true")
-    if train.capture.data.done() and train.capture.done():
+    if data_kept and train.capture.data.done() and train.capture.done():
         ways += (" (which keeps this folder's data and features, the same for these settings; a new folder makes "
                  "them again)")
     return ways

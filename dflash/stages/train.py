@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # What a training leaves in the run folder beside its checkpoints: its logs (metrics_log.py), exports, curve and the
 # evaluation of its export. They travel with the checkpoints when those are moved aside (overwrite=true) or back, as
 # do the other evaluation folders of its drafter in the run folder (eval_folders).
-TRAINED_OUTPUTS = ("metrics.jsonl", "tensorboard", "export", "export_best", "training_curve.png", "eval")
+TRAINED_OUTPUTS = ("metrics.jsonl", "tensorboard", "wandb", "export", "export_best", "training_curve.png", "eval")
 
 
 class TrainStage(Stage):
