@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 from omegaconf import DictConfig
@@ -26,7 +27,7 @@ from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
 from dflash.stages.capture import CaptureStage
 from dflash.stages.closing import closing_block, next_command_rows
-from dflash.stages.command_ending import TerminationLine, ending, ending_status, exit_command, full_error
+from dflash.stages.command_ending import Terminated, TerminationLine, ending, ending_status, exit_command, full_error
 from dflash.stages.context import RunContext, refuse_unusable_target
 from dflash.stages.data import DataStage
 from dflash.stages.evaluation import EvalStage
@@ -216,6 +217,9 @@ def run_command(cfg: DictConfig, stages: list[str] | None = None) -> dict[str, A
         print(ending(stopped), end="", flush=True)
         exit_command(ending_status(stopped))
     except KeyboardInterrupt as interrupted:
+        if full_error() and isinstance(interrupted, Terminated):
+            traceback.print_exc()
+            sys.exit(ending_status(interrupted))
         if full_error():
             raise
         print(ending(interrupted), end="", file=sys.stderr, flush=True)

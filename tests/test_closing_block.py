@@ -25,6 +25,7 @@ def finished_run(tmp_path, overall_tau: float, *overrides: str) -> Pipeline:
     (tmp_path / "run" / "export" / "done.json").write_text("{}")
     (tmp_path / "run" / "export" / "config.json").write_text("{}")
     (tmp_path / "run" / "export_best" / "best.json").write_text(json.dumps({"step": 5, "tau": 2.345}))
+    (tmp_path / "run" / "export_best" / "config.json").write_text("{}")
     (tmp_path / "run" / "training_curve.png").write_text("")
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     os.makedirs(pipeline.eval.out)
@@ -47,7 +48,7 @@ measures)   serve it with vLLM or SGLang (docs/serving.md)
   evaluation                  run/eval/: summary.json, per_position.png
   tau                         a 1.20, b 2.00; overall 2.50
   console log                 run/logs/x.log
-  on disk                     31 B in run (export_best 25 B, export 4 B)
+  on disk                     33 B in run (export_best 27 B, export 4 B)
   A tiny random-weight target: its tau shows that the pipeline runs end to end, not how good a drafter is (a random \
 target's answers repeat themselves). A real drafter: python -m dflash.train on a machine with a GPU (the real SmolLM2 \
 target, about 10 minutes).
@@ -60,6 +61,9 @@ def test_the_drafter_named_to_serve_is_the_one_eval_measures(tmp_path, monkeypat
     rows = dict(finished_run(tmp_path, 2.5, "eval.checkpoint=final").export.closing_rows())
     assert rows["drafter (z-lab format)"] == "run/export   serve it with vLLM or SGLang (docs/serving.md)"
     assert rows["best held-out checkpoint"] == "run/export_best (step 5, held-out tau 2.35)"
+    (tmp_path / "run" / "export_best" / "config.json").unlink()  # its marks alone (a folder copied without it)
+    rows = dict(Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"])).export.closing_rows())
+    assert rows["drafter (z-lab format)"] == "run/export   serve it with vLLM or SGLang (docs/serving.md)"
     (tmp_path / "run" / "export_best" / "best.json").unlink()  # no best kept (data.heldout=0)
     rows = dict(Pipeline(compose(["+experiment=tiny", f"run_dir={tmp_path / 'run'}"])).export.closing_rows())
     assert rows["drafter (z-lab format)"] == "run/export   serve it with vLLM or SGLang (docs/serving.md)"

@@ -121,6 +121,8 @@ def test_acceptance_opens_an_evaluation_written_to_a_folder_of_its_own(two_runs,
     run = tmp_path / "made" / "mine"
     run.mkdir(parents=True)
     shutil.copytree(os.path.join(live_dir, "eval"), run / "eval_live")  # written after the replay run's
+    shutil.copytree(os.path.join(replay_dir, "eval"), run / ".eval.tmp-1")  # a killed evaluation's half: passed over
+    os.utime(run / ".eval.tmp-1" / "summary.json")  # the newest
     notebook = execute("acceptance.ipynb", {}, checkout(tmp_path / "checkout", {"replay_run": replay_dir,
                                                                                 "mine": str(run)}))
     assert str(tmp_path / "checkout" / "runs" / "mine" / "eval_live" / "summary.json") in printed(notebook)

@@ -145,6 +145,10 @@ def test_sigterm_outside_training_ends_a_command_with_one_line_and_status_143(tm
     assert capsys.readouterr().err.splitlines()[-1] == line
     assert run_log_text(tmp_path).splitlines()[-1] == line
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back once the command ended
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of a job: a handler would keep it waiting in a collective
+    with TerminationLine():
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.delenv("WORLD_SIZE")
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a handler set before (a launcher's) is left alone
     try:
         with TerminationLine():

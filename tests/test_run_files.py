@@ -160,3 +160,20 @@ def test_swap_in_dir_clears_an_aside_folder_left_by_a_killed_swap(tmp_path):
     swap_in_dir(str(new), str(target), aside=str(aside))
     assert (target / "weights").read_text() == "newer"
     assert sorted(os.listdir(tmp_path)) == ["best"]
+
+
+def test_a_training_that_failed_before_its_first_step_leaves_no_folder_aside_with_its_wandb_run(tmp_path):
+    """wandb opens its (offline) run before the engine is built: a training that failed there left wandb/, which
+    now travels with the checkpoints it moves aside, and kept that folder of a training that trained nothing."""
+    from dflash.stages.train import removed_if_untrained
+
+    def moved(name: str, log: str) -> str:
+        folder = tmp_path / name
+        (folder / "wandb" / "offline-run-20261207_170000-abc").mkdir(parents=True)
+        for record in ("fingerprint.json", "settings.json", "config.yaml"):
+            (folder / record).write_text("{}")
+        (folder / "metrics.jsonl").write_text(log)
+        return str(folder)
+
+    assert removed_if_untrained(moved("failed", "")) and not (tmp_path / "failed").exists()
+    assert not removed_if_untrained(moved("trained", '{"step": 1}\n')) and (tmp_path / "trained" / "wandb").is_dir()

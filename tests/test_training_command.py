@@ -79,8 +79,11 @@ def test_under_hydra_job_chdir_the_folder_is_looked_for_in_hydras_folder(tmp_pat
     moved = ["name=mine", "hydra.job.chdir=true", f"hydra.run.dir='{tmp_path / 'out dir'}'"]
     assert with_training_command(moved, moved)[:2] == ["+experiment=tiny", "train.seed=3"]
     assert f"the drafter of {tmp_path / 'out dir' / 'runs' / 'mine'}," in capsys.readouterr().out
-    # Hydra's default folder is named after the time the command starts: nothing to look in beforehand.
-    assert with_training_command(moved[:2], moved[:2]) == moved[:2]
+    # dflash's hydra.run.dir is `.`, the start folder; one named after the time the command starts is not known
+    # beforehand.
+    assert with_training_command(moved[:2], moved[:2])[:2] == ["+experiment=tiny", "train.seed=7"]
+    timed = [*moved[:2], "hydra.run.dir=out/${now:%H-%M-%S}"]
+    assert with_training_command(timed, timed) == timed
     stays = ["name=mine", "hydra.job.chdir=false", f"hydra.run.dir='{tmp_path / 'out dir'}'"]
     assert with_training_command(stays, stays)[:2] == ["+experiment=tiny", "train.seed=7"]
 

@@ -290,7 +290,7 @@ def setting_at(settings, key: str) -> tuple[bool, object]:
     for part in key.split("."):
         if isinstance(value, dict) and part in value:
             value = value[part]
-        elif not isinstance(value, dict) and hasattr(value, "__dataclass_fields__") and hasattr(value, part):
+        elif part in getattr(value, "__dataclass_fields__", {}):  # a field, not a method or property
             value = getattr(value, part)
         else:
             return False, None

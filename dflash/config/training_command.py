@@ -107,8 +107,8 @@ def with_training_command(arguments: list[str], located: list[str]) -> list[str]
 
 def working_folder(overrides: list[str]) -> str | None:
     """The folder a command of `overrides` runs in, which a relative run_dir lies in: the folder it starts in, or
-    with `hydra.job.chdir=true` the `hydra.run.dir` it names (absolute); None where that folder is Hydra's default,
-    named after the time the command starts (it cannot be known before)."""
+    with `hydra.job.chdir=true` the `hydra.run.dir` it names (absolute; dflash's own is `.`, the start folder); None
+    where that folder is named after the time the command starts (`${now:...}`: it cannot be known before)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -122,8 +122,8 @@ def working_folder(overrides: list[str]) -> str | None:
     chdir = given.get("hydra.job.chdir")
     if not (chdir is True or str(chdir).lower() in ("true", "yes", "on", "y", "1")):
         return os.getcwd()
-    folder = given.get("hydra.run.dir")
-    return os.path.abspath(str(folder)) if folder is not None else None
+    folder = str(given.get("hydra.run.dir", "."))  # conf/train.yaml's hydra.run.dir
+    return None if "${" in folder else os.path.abspath(folder)
 
 
 def is_sweep(override: str) -> bool:

@@ -35,18 +35,21 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
+    raise Terminated("SIGTERM")
 
 
 class TerminationLine:
-    """While active (a context manager, in the main thread only), SIGTERM raises Terminated, where nobody else
-    handles it (a handler set before, by a launcher or a test, is left alone); training's StopSignal takes it over
-    while it runs."""
+    """While active (a context manager, in the main thread of a single-process command only), SIGTERM raises
+    Terminated, where nobody else handles it (a handler set before, by a launcher or a test, is left alone);
+    training's StopSignal takes it over while it runs. A rank of a multi-process job keeps SIGTERM's default: a
+    Python handler runs only between interpreter steps, so a rank waiting in a collective (the ranks past the
+    first wait in barriers through the data and eval stages) would outlive its launcher's stop until its peers
+    exit."""
 
     def __enter__(self) -> "TerminationLine":
         self.previous = None
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        if threading.current_thread() is threading.main_thread() and int(os.environ.get("WORLD_SIZE", "1")) == 1 \
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             self.previous = signal.signal(signal.SIGTERM, _terminate)
         return self
 

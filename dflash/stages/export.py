@@ -76,7 +76,8 @@ class ExportStage(Stage):
         held-out checkpoint, where training kept one, by default; else export/), then the other export, the curve
         with the metrics it is plotted from, and the loggers' folders (logger_rows)."""
         final = all(os.path.exists(os.path.join(self.out, name)) for name in ("done.json", "config.json"))
-        best = read_json_or_none(os.path.join(self.best, "best.json"))
+        best = read_json_or_none(os.path.join(self.best, "best.json")) \
+            if os.path.exists(os.path.join(self.best, "config.json")) else None
         held_out = f"step {best['step']}, held-out tau {best['tau']:.2f}" if best else ""
         rows = []
         if best and self.context.settings.eval.checkpoint == "best":

@@ -533,13 +533,16 @@ def outputs_key(run: RunContext) -> str | None:
 def removed_if_untrained(moved: str) -> bool:
     """Remove the checkpoints folder `moved` aside when it holds only what a training writes before its first step
     (one that failed there, after an overwrite=true had moved the trained drafter aside): its settings records
-    (claim_checkpoints) and an empty metrics.jsonl; no checkpoint, log, export or evaluation, and no file of anyone
-    else's. Every such failure would leave one more folder. Whether it did."""
+    (claim_checkpoints), an empty metrics.jsonl and, with it, the wandb run the logger opened before the failure
+    (wandb/, which logged no step then); no checkpoint, log, export or evaluation, and no file of anyone else's.
+    Every such failure would leave one more folder. Whether it did."""
     records = {CHECKPOINT_KEY, SETTINGS_KEY, "config.yaml"}
+    log = os.path.join(moved, "metrics.jsonl")
+    no_step = not os.path.exists(log) or (os.path.isfile(log) and os.path.getsize(log) == 0)
     for name in os.listdir(moved):
         path = os.path.join(moved, name)
-        empty_log = name == "metrics.jsonl" and os.path.isfile(path) and os.path.getsize(path) == 0
-        if not (name in records and os.path.isfile(path)) and not empty_log:
+        empty_log = name == "metrics.jsonl" and no_step
+        if not (name in records and os.path.isfile(path)) and not empty_log and not (name == "wandb" and no_step):
             return False
     shutil.rmtree(moved)
     return True
