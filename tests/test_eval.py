@@ -69,6 +69,17 @@ def test_format_table_and_write_summary(tmp_path):
     assert rows[1]["greedy_mismatches"] == "0" and rows[1]["speedup"] == ""
 
 
+def test_a_step_cost_below_one_target_step_is_called_noise():
+    """A tiny target's live timings on a shared CPU showed 2.05x for a drafter accepting nothing (a step of 0.43
+    target steps), then 0.45x: a speculative step runs a target forward and more, so below 1 the clock is noise."""
+    traces = [StepTrace([4, 2, 1], [3, 1, 0], [3, 3, 3])]
+    for cost, said in ((0.43, True), (1.35, False)):
+        metrics = {**acceptance_metrics(traces, 4), "speedup": 2.05, "step_cost": cost}
+        table = format_table({"block_size": 4, "prompt_sets": {"gsm8k": metrics}, "overall": metrics})
+        assert ("(a speculative step measured at 0.43 target-only steps, which runs one target forward and more: the "
+                "timings are noise here, a shared or busy machine; tau is not)" in table) == said
+
+
 # A plain speculative decoding loop, written independently of the replay -------------------------------------------
 
 

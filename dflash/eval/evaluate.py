@@ -515,6 +515,12 @@ def format_table(summary: dict[str, Any], timing: bool = True) -> str:
             f"{m['num_prompts']:>7}  {steps:>7}  {m['num_tokens']:>7}"
             + (f"  {number(m['speedup'], 2):>7}  {number(m.get('step_cost'), 2):>9}" if "speedup" in m else "")
         )
+    cost = summary["overall"].get("step_cost")
+    if cost is not None and cost < 1:
+        # A speculative step runs a verify forward and a drafter forward: cheaper than one target-only step only
+        # where the timings are noise.
+        lines.append(f"(a speculative step measured at {cost:.2f} target-only steps, which runs one target forward "
+                     f"and more: the timings are noise here, a shared or busy machine; tau is not)")
     for name in summary.get("both_turns", {}):  # the rows of a two-turn set, which a reader cannot guess
         lines.append(f"({name}: its first turns; {name}{TURN2_SUFFIX}: its second turns, after the target's own "
                      f"first answers;\n {name}_both_turns: the steps of both turns pooled; the benchmark's own figure "
