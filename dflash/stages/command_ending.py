@@ -27,9 +27,9 @@ INTERRUPTED_LINE = ("dflash: interrupted (Ctrl-C): rerun the same command to res
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM outside training (which saves its step and ends with TrainingStopped): the command unwinds as on
-    Ctrl-C, each stage keeping what it had saved, says so and ends with status 143, where the signal's default
-    action ended it without a word (`timeout`, a scheduler's stop, during the data stage or an evaluation)."""
+    """SIGTERM outside training (which saves its step and ends with TrainingStopped), e.g. `timeout` or a
+    scheduler's stop during the data stage or an evaluation: the command unwinds as on Ctrl-C, each stage keeping
+    what it had saved, says so and ends with status 143."""
 
     signal_name = "SIGTERM"
 
