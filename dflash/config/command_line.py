@@ -25,7 +25,7 @@ from dflash.config.composition_errors import (refuse_flags_between_overrides, re
 from dflash.config.errors import ConfigError, as_typed
 from dflash.config.hydra_flags import before_flags, full_flag, split_arguments
 from dflash.config.removed import refuse_removed_settings
-from dflash.config.training_command import hydra_value, with_training_command
+from dflash.config.training_command import hydra_value, said_true, with_training_command
 from dflash.config.unknown_keys import override_key, refuse_unknown_override_keys
 
 # The installed distribution whose version --version prints (pyproject.toml's name).
@@ -164,7 +164,7 @@ def refuse_hydra_run_dir(argv: list[str], config_name: str) -> None:
     run_dir all the same. With hydra.job.chdir=true it is the working folder the run goes into (runs/<name> in it),
     and is let through."""
     overrides = split_arguments(argv)[0]
-    if any(override_key(arg) == "hydra.job.chdir" and arg.partition("=")[2].lower() in ("true", "yes", "on", "y", "1")
+    if any(override_key(arg) == "hydra.job.chdir" and said_true(arg.partition("=")[2])
            for arg in overrides):
         return
     for arg in overrides:

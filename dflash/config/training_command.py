@@ -119,11 +119,15 @@ def working_folder(overrides: list[str]) -> str | None:
                 given[override_key(override)] = OverridesParser.create().parse_overrides([override])[0].value()
             except HydraException:
                 return os.getcwd()  # Hydra refuses the command itself
-    chdir = given.get("hydra.job.chdir")
-    if not (chdir is True or str(chdir).lower() in ("true", "yes", "on", "y", "1")):
+    if not said_true(given.get("hydra.job.chdir")):
         return os.getcwd()
     folder = str(given.get("hydra.run.dir", "."))  # conf/train.yaml's hydra.run.dir
     return None if "${" in folder else os.path.abspath(folder)
+
+
+def said_true(value) -> bool:
+    """Whether an override's value is one of the words OmegaConf reads as true (`true`, `yes`, `on`, `y`, `1`)."""
+    return value is True or str(value).lower() in ("true", "yes", "on", "y", "1")
 
 
 def is_sweep(override: str) -> bool:

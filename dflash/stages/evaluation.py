@@ -20,7 +20,7 @@ from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, 
     stage_done, swap_in_dir, temp_path, write_text
 from dflash.stages.context import RunContext
 from dflash.stages.data import changed_files, hashed_files
-from dflash.stages.export import ExportStage, export_best
+from dflash.stages.export import ExportStage, export_best, holds_drafter
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
 
@@ -175,7 +175,7 @@ class EvalStage(Stage):
         settle_swap(os.path.realpath(self.out))
         self.drafter = self.drafter_to_evaluate()
         folder = self.drafter[0]
-        if not os.path.isfile(os.path.join(folder, "config.json")):
+        if not holds_drafter(folder):
             best = folder == self.export.out and os.path.isfile(os.path.join(self.export.best, "best.json"))
             raise NothingToEvaluate(
                 f"{shown(folder)} holds no drafter (no config.json): the export stage marked it done, but its files "

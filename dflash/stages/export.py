@@ -63,7 +63,7 @@ class ExportStage(Stage):
         one is named, and the stage exports again from the checkpoints."""
         for folder in (self.out, self.best):
             problem = checksum_problem(folder)
-            if problem is None and os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+            if problem is None and os.path.isdir(folder) and not holds_drafter(folder):
                 problem = "config.json is missing"  # a folder brought back with its marks alone
             if problem is not None:
                 logger.warning(f"[export] warning: {folder} is corrupt: {problem}; exporting it again from "
@@ -75,9 +75,8 @@ class ExportStage(Stage):
         """The drafter to serve first: the one the eval stage measures (eval.checkpoint: export_best/, the best
         held-out checkpoint, where training kept one, by default; else export/), then the other export, the curve
         with the metrics it is plotted from, and the loggers' folders (logger_rows)."""
-        final = all(os.path.exists(os.path.join(self.out, name)) for name in ("done.json", "config.json"))
-        best = read_json_or_none(os.path.join(self.best, "best.json")) \
-            if os.path.exists(os.path.join(self.best, "config.json")) else None
+        final = os.path.exists(os.path.join(self.out, "done.json")) and holds_drafter(self.out)
+        best = read_json_or_none(os.path.join(self.best, "best.json")) if holds_drafter(self.best) else None
         held_out = f"step {best['step']}, held-out tau {best['tau']:.2f}" if best else ""
         rows = []
         if best and self.context.settings.eval.checkpoint == "best":
@@ -113,6 +112,12 @@ class ExportStage(Stage):
         plot_training_curve(run_dir)
         logger.info(f"[export] drafter -> {self.out}")
         return {"checkpoint": train.checkpoint_fingerprint()}
+
+
+def holds_drafter(folder: str) -> bool:
+    """Whether the export folder holds its drafter's config.json, which a folder brought back with its marks alone
+    (done.json, best.json) lacks."""
+    return os.path.isfile(os.path.join(folder, "config.json"))
 
 
 def serving_line(folder: str) -> str:
