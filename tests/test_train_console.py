@@ -135,7 +135,10 @@ def test_wandb_starts_silent_unless_verbose(tmp_path, monkeypatch, verbose):
     monkeypatch.setattr(wandb, "init", lambda **kwargs: started.update(kwargs))
     if verbose:
         monkeypatch.setenv(VERBOSE_ENV, "1")
-    MetricsLog(str(tmp_path), enabled=True, tensorboard=False, wandb_mode="offline", wandb_project="t", config={})
+    log = MetricsLog(str(tmp_path), enabled=True, tensorboard=False, wandb_mode="offline", wandb_project="t",
+                     config={})
+    with pytest.raises(AttributeError):  # the fake run has no id to record: wandb.init was called
+        log.resume_from(0)
     assert started["settings"].silent is not verbose
 
 

@@ -170,13 +170,18 @@ def carried_template(folder: str) -> str | None:
 
 def logger_rows(run_dir: str) -> list[tuple[str, str]]:
     """The training loggers' folders in `run_dir`, each with the command that shows it (its files mean nothing
-    opened by hand): TensorBoard's, and wandb's runs where it ran offline, one per start of the training (a training
-    resumed after a stop is several; an online run is on wandb's site already; those of a drafter of other settings
-    moved aside with it)."""
+    opened by hand): TensorBoard's; wandb's online run, by its page; and wandb's runs where it ran offline, one per
+    start of the training (wandb resumes no offline run, so a training resumed after a stop is several; those of a
+    drafter of other settings moved aside with it)."""
+    from dflash.train.metrics_log import WANDB_RUN_ID, read_run_id
+
     rows = []
     board, folder = os.path.join(run_dir, "tensorboard"), os.path.join(run_dir, "wandb")
     if os.path.isdir(board):
         rows.append(("TensorBoard", f"tensorboard --logdir {shlex.quote(shown(board))}"))
+    online = read_run_id(os.path.join(run_dir, WANDB_RUN_ID))
+    if online is not None and online["mode"] == "online" and isinstance(online.get("url"), str):
+        rows.append(("wandb", online["url"]))
     offline = sorted(name for name in os.listdir(folder) if name.startswith("offline-run-")) \
         if os.path.isdir(folder) else []
     if len(offline) == 1:

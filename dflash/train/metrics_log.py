@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from typing import Any
 
-from dflash.run_files import atomic_write
 from dflash.console import verbose
+from dflash.run_files import atomic_write
+
+logger = logging.getLogger(__name__)
+
+# The wandb run a training in this run folder logs to (its id and mode), kept beside wandb's own run folders: wandb/
+# travels with the drafter it logged when that drafter is moved aside.
+WANDB_RUN_ID = os.path.join("wandb", "dflash-run.json")
 
 
 def missing_logger_package(tensorboard: bool, wandb_mode: str) -> str | None:
@@ -68,7 +75,13 @@ def _wandb_finds_credentials() -> bool:
 
 
 class MetricsLog:
-    """Writes on rank 0 only; every other rank gets a log that accepts and drops records."""
+    """Writes on rank 0 only; every other rank gets a log that accepts and drops records.
+
+    wandb's run opens when training (re)starts at a known step (`resume_from`, or the first record): a training
+    resumed online continues its run, rewound to the step it resumes from (wandb's `resume_from`), so that a
+    preempted training is one run on wandb's site. wandb cannot resume an offline run (it ignores `resume` offline),
+    so each start of an offline training is a run of its own, which the closing block names.
+    """
 
     def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, wandb_mode: str, wandb_project: str,
                  config: dict[str, Any]) -> None:
@@ -81,19 +94,15 @@ class MetricsLog:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tensorboard_dir = os.path.join(run_dir, "tensorboard") if tensorboard else None
+        self._wandb_start = None if wandb_mode == "disabled" else \
+            dict(project=wandb_project, dir=run_dir, mode=wandb_mode, config=config)
         self._file = open(self.path, "a", encoding="utf-8")
-        if wandb_mode != "disabled":
-            import wandb
-
-            # Silent: no banner, no end-of-run sparklines and summary on the console (DFLASH_VERBOSE=1 shows them);
-            # its log is run_dir/wandb/*/logs/debug.log, every figure is in metrics.jsonl.
-            self._wandb = wandb.init(project=wandb_project, dir=run_dir, mode=wandb_mode, config=config,
-                                     reinit="finish_previous", settings=wandb.Settings(silent=not verbose()))
 
     def resume_from(self, step: int) -> None:
         """Training (re)starts after `step` (0: from scratch): drop the records of later steps, which a killed run
         logged after its last checkpoint or an earlier run in this folder left, so that no step is logged twice or
-        by two runs. TensorBoard hides its later events the same way (purge_step)."""
+        by two runs. TensorBoard hides its later events the same way (purge_step), and wandb rewinds an online run
+        to `step`."""
         if not self.enabled:
             return
         self._file.close()
@@ -102,6 +111,31 @@ class MetricsLog:
         atomic_write(self.path, "".join(kept))
         self._file = open(self.path, "a", encoding="utf-8")
         self._open_tensorboard(purge_step=step + 1)
+        self._open_wandb(step)
+
+    def _open_wandb(self, step: int) -> None:
+        if self._wandb_start is None or self._wandb is not None:
+            return
+        import wandb
+
+        start = self._wandb_start
+        id_file = os.path.join(start["dir"], WANDB_RUN_ID)
+        # Silent: no banner, no end-of-run sparklines and summary on the console (DFLASH_VERBOSE=1 shows them);
+        # its log is run_dir/wandb/*/logs/debug.log, every figure is in metrics.jsonl.
+        common = dict(start, reinit="finish_previous", settings=wandb.Settings(silent=not verbose()))
+        earlier = read_run_id(id_file)
+        if start["mode"] == "online" and earlier is not None and earlier["mode"] == "online":
+            try:
+                self._wandb = wandb.init(resume_from=f"{earlier['id']}?_step={step}", **common)
+                return
+            except Exception as error:  # a beta feature of wandb's, and its site may not know the run
+                logger.warning(f"[train] wandb could not continue run {earlier['id']} at step {step:,} ({error}); "
+                               f"this start logs to a new run")
+        self._wandb = wandb.init(**common)
+        os.makedirs(os.path.dirname(id_file), exist_ok=True)
+        # An online run's page (wandb warns on the console when an offline run's is asked for).
+        url = self._wandb.url if start["mode"] == "online" else None
+        atomic_write(id_file, json.dumps({"id": self._wandb.id, "mode": start["mode"], "url": url}) + "\n")
 
     def _open_tensorboard(self, purge_step: int | None = None) -> None:
         if self._tensorboard_dir is not None and self._tensorboard is None:
@@ -112,6 +146,7 @@ class MetricsLog:
     def log(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
+        self._open_wandb(0)  # a log whose training never said where it starts starts a new run
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()
         self._open_tensorboard()
@@ -128,6 +163,17 @@ class MetricsLog:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def read_run_id(path: str) -> dict | None:
+    """The wandb run id file's {"id", "mode", "url"}; None where there is none or it cannot be read (a new run then)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("id"), str) and record.get("mode") in ("online", "offline")
+    return record if ok else None
 
 
 def _record_step(line: str) -> float:
