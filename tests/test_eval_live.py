@@ -237,7 +237,10 @@ def test_evaluate_live_mode_reports_speed_and_matches_replay(tiny_target, make_d
     assert overall["speculative_steps"] == overall["num_steps"] and overall["target_steps"] == 3 * (12 - 1)
     assert 0 < overall["speculative_prefill_seconds"] < overall["speculative_seconds"]
     assert 0 < overall["target_prefill_seconds"] < overall["target_seconds"]
-    assert overall["tokens_per_step"] == pytest.approx(overall["speculative_new_tokens"] / overall["num_steps"])
+    # Each prompt's first token is its prefill's, not a step's (the factor would overstate by 12/11 here).
+    assert overall["speculative_prefill_tokens"] == 3
+    assert overall["tokens_per_step"] == pytest.approx((overall["speculative_new_tokens"] - 3) / overall["num_steps"])
+    assert overall["tokens_per_step"] == pytest.approx(overall["tau"])  # what the steps committed: tau
     spec_step = (overall["speculative_seconds"] - overall["speculative_prefill_seconds"]) / overall["num_steps"]
     target_step = (overall["target_seconds"] - overall["target_prefill_seconds"]) / overall["target_steps"]
     assert overall["step_cost"] == pytest.approx(spec_step / target_step)

@@ -66,6 +66,18 @@ def test_walk_with_certain_acceptance_is_the_replay(seed):
             assert metrics[key] == pytest.approx(value), key
 
 
+def test_a_pass_without_a_step_counts_no_token():
+    """An answer cut at a stop string before its first token (a pass that ends at the prompt's last position) and
+    a one-token answer (the prefill's) take no step and commit nothing, as in the replay: they leave the pooled
+    tau of the others as it is (an empty one counted -1 token)."""
+    block_size, prompt_len = 4, 9
+    empty = walk_expected(np.zeros((0, block_size)), prompt_len, prompt_len - 1, prompt_len + 20, block_size)
+    single = walk_expected(np.zeros((0, block_size)), prompt_len, prompt_len, prompt_len + 20, block_size)
+    full = walk_expected(np.ones((3, block_size)), prompt_len, prompt_len + 3, prompt_len + 20, block_size)
+    assert (empty.steps, empty.committed) == (single.steps, single.committed) == (0, 0.0)
+    assert expected_metrics([empty, single, full], block_size)["tau"] == expected_metrics([full], block_size)["tau"]
+
+
 def test_survival_rules_on_a_hand_example():
     """Greedy drafts on a greedy pass: the product of p(d) up to the first draft off the pass. On a pass sampled at
     T: greedy drafts survive while they are the stored tokens; sampled drafts by min(1, q/p) of the stored tokens."""

@@ -13,7 +13,8 @@ committed_histogram, num_prompts, num_steps, num_tokens, num_accepted, num_draft
 greedy_mismatches, and in live mode the timings: speculative_seconds, speculative_new_tokens,
 speculative_tokens_per_s and, when the target-only baseline ran, target_seconds, target_new_tokens,
 target_tokens_per_s, speedup and (T=0) lossless_mismatches; the speedup's factors: speculative_steps,
-speculative_prefill_seconds, speculative_ms_per_step (after the prefill), tokens_per_step and, with the
+speculative_prefill_seconds, speculative_ms_per_step (after the prefill), speculative_prefill_tokens (each
+prompt's first token, its prefill's), tokens_per_step (the other new tokens per step) and, with the
 baseline, target_steps, target_prefill_seconds, target_ms_per_step and step_cost, a speculative step's cost in
 target-only steps (speedup ~ tokens_per_step / step_cost, the prefills making up the rest). summary.csv has
 one row per prompt set, per "<set>_both_turns", "overall", then one per "set/category"; prompts.csv one per prompt
@@ -370,8 +371,8 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
     """Live-decode every prompt (and target-only when measure_target); traces plus summed timings."""
     stop_ids = adapter.stop_token_ids()
     traces = []
-    extra = {"speculative_seconds": 0.0, "speculative_new_tokens": 0, "speculative_steps": 0,
-             "speculative_prefill_seconds": 0.0}
+    extra = {"speculative_seconds": 0.0, "speculative_new_tokens": 0, "speculative_prefill_tokens": 0,
+             "speculative_steps": 0, "speculative_prefill_seconds": 0.0}
     if measure_target:
         extra.update(target_seconds=0.0, target_new_tokens=0, target_steps=0, target_prefill_seconds=0.0)
         if temperature == 0:
@@ -394,6 +395,7 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
         extra["speculative_seconds"] += result.seconds
         timer.add("live_speculative", result.seconds)
         extra["speculative_new_tokens"] += len(result.continuation)
+        extra["speculative_prefill_tokens"] += min(len(result.continuation), 1)  # the first token: the prefill's
         extra["speculative_steps"] += result.trace.num_steps
         extra["speculative_prefill_seconds"] += result.prefill_seconds
         if measure_target:
@@ -412,7 +414,8 @@ def _live_set(drafter, adapter, prompts, *, max_new_tokens, temperature, generat
 
 def _finish(extra: dict[str, Any]) -> dict[str, Any]:
     """Add tokens/s, the speedup (target-only time per token / speculative time per token) and its factors to
-    timings: tokens per speculative step, and the cost of a speculative step in target-only decode steps
+    timings: tokens per speculative step (the tokens the steps committed: each prompt's first token is its
+    prefill's), and the cost of a speculative step in target-only decode steps
     (step_cost: wall ms per step after the prefill over wall ms per target-only step after its prefill, both
     measured in this run), so speedup ~ tokens_per_step / step_cost, the prefills making up the rest."""
     out = dict(extra)
@@ -420,7 +423,8 @@ def _finish(extra: dict[str, Any]) -> dict[str, Any]:
         out["speculative_tokens_per_s"] = _ratio(out["speculative_new_tokens"], out["speculative_seconds"])
         decoding = out["speculative_seconds"] - out["speculative_prefill_seconds"]
         out["speculative_ms_per_step"] = _ratio(1000 * decoding, out["speculative_steps"])
-        out["tokens_per_step"] = _ratio(out["speculative_new_tokens"], out["speculative_steps"])
+        out["tokens_per_step"] = _ratio(out["speculative_new_tokens"] - out["speculative_prefill_tokens"],
+                                        out["speculative_steps"])
     if "target_seconds" in out:
         out["target_tokens_per_s"] = _ratio(out["target_new_tokens"], out["target_seconds"])
         spec, target = out["speculative_tokens_per_s"], out["target_tokens_per_s"]

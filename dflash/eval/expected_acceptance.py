@@ -133,7 +133,8 @@ def walk_expected(survival: np.ndarray, prompt_len: int, end: int, max_length: i
         eligible[checkable : size - 1] += v * float(mass[~last].sum())
         np.add.at(histogram, committed, v * mass)
         np.add.at(reach, i + committed, v * mass)
-    trace.committed = float(end - prompt_len)
+    # An empty continuation (an answer that began with a stop string) ends at prompt_len - 1: no step, no token.
+    trace.committed = float(max(end - prompt_len, 0))
     trace.hits, trace.eligible, trace.histogram = hits.tolist(), eligible.tolist(), histogram.tolist()
     return trace
 
