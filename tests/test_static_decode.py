@@ -3,6 +3,7 @@ distribution, clear refusals, and the `engine` switch of regeneration and greedy
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -12,7 +13,7 @@ from dflash.config.schema import schema_default
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import read_journal, regenerate
 from dflash.inference.static_decode import (
-    StaticGenerator, resolve_engine, sample_tokens, static_generate, supports_static_decode,
+    StaticGenerator, prompt_draws, resolve_engine, sample_tokens, static_generate, supports_static_decode,
 )
 from dflash.eval.replay import greedy_continuations
 from dflash.models.targets import build_tiny_target, load_target
@@ -217,6 +218,15 @@ def test_a_draw_of_zero_never_picks_a_token_of_zero_mass():
     for top_p in (1.0, 0.9):
         assert sample_tokens(logits, 1.0, top_p, torch.zeros(2)).tolist() == [1, 0]
     assert sample_tokens(logits, 1.0, 1.0, torch.full((2,), 1 - 2**-24)).tolist() == [3, 3]
+
+
+def test_a_token_below_float32s_last_place_can_be_drawn():
+    """Past a mass of 1 - 2e-8, a float32 running sum cannot step by 1e-8 (its last place there is 6e-8): tokens 1
+    and 2 would never be drawn; the float64 CDF gives each its share of the draws."""
+    logits = torch.tensor([[0.0, math.log(1e-8), math.log(1e-8)]]).expand(3, -1)
+    uniform = torch.tensor([0.5, 1 - 1.5e-8, 1 - 0.5e-8], dtype=torch.float64)
+    assert sample_tokens(logits, 1.0, 1.0, uniform).tolist() == [0, 1, 2]
+    assert prompt_draws("a prompt", 3).dtype == torch.float64
 
 
 def test_sampling_end_to_end(target):

@@ -14,7 +14,8 @@ r attends over columns 0..column[r] (what its current prompt wrote; keys a previ
 masked out), a sliding-window layer over the last `window` of them (models/targets/static_attention.py), the next
 token is the argmax of the float32 logits (after the family's logit transform, e.g. Gemma's final soft cap).
 Sampling (T > 0) is temperature + top-p by inverse CDF from each prompt's own seeded uniform stream: the right
-distribution, not HF's random stream.
+distribution, not HF's random stream. The CDF and the draws are float64: a float32 running sum over a vocabulary
+rounds away every token below half its last place (~3e-8 past 0.5), which could then never be drawn.
 """
 
 from __future__ import annotations
@@ -70,15 +71,15 @@ def resolve_engine(engine: str, adapter) -> str:
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from softmax(logits / temperature) cut to its top-p nucleus, by inverse CDF.
 
-    `uniform` [b] holds one U[0, 1) draw per row; no randomness is drawn here, so the function can live in a
+    `uniform` [b] holds one U[0, 1) draw per row (float64, prompt_draws); no randomness is drawn here, so the function can live in a
     CUDA graph. The nucleus is the smallest set of most likely tokens whose mass reaches top_p (as HF's top-p).
     """
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         probs, order = probs.sort(dim=-1, descending=True)
-        probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p)
-    cdf = probs.cumsum(dim=-1)
-    threshold = uniform[:, None] * cdf[:, -1:]
+        probs = probs * ((probs.cumsum(dim=-1, dtype=torch.float64) - probs) < top_p)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # module docstring: float32 sums lose the tail tokens
+    threshold = uniform[:, None].double() * cdf[:, -1:]
     # The first token whose cdf passes the threshold: `<=` skips tokens of zero mass, even for a draw of exactly 0.
     choice = (cdf <= threshold).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
     return (order.gather(-1, choice) if top_p < 1.0 else choice).squeeze(-1)
@@ -89,7 +90,7 @@ def prompt_draws(key: str, count: int) -> torch.Tensor:
     stream, whichever row or batch it decodes in."""
     digest = hashlib.sha256(key.encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return torch.rand(count, generator=generator)
+    return torch.rand(count, generator=generator, dtype=torch.float64)  # 53 bits: every float64 CDF step reachable
 
 
 class _Decoder:
@@ -125,7 +126,7 @@ class _Decoder:
         # Tokens of row r go to out[r, count[r]]; column `length` is the scratch slot of stopped rows.
         self.out = torch.zeros(rows, length + 1, device=device, dtype=torch.long)
         # Per-row uniform draws, one per token index (sampling only; filled from each prompt's own stream).
-        self.uniform = torch.zeros(rows, length + 1, device=device, dtype=torch.float32)
+        self.uniform = torch.zeros(rows, length + 1, device=device, dtype=torch.float64)
         self.compile_step = compile_step
         # The current call's prompts (token lists), new-token budgets and sampling stream keys, by prompt index.
         self.call_prompts: list[list[int]] = []
@@ -258,7 +259,7 @@ class _Decoder:
             draws = None
             if self.temperature > 0:
                 # Each prompt's own uniform draws, one per new-token index, whichever row it lands in.
-                uniform = torch.zeros(len(group), max(budgets))
+                uniform = torch.zeros(len(group), max(budgets), dtype=torch.float64)
                 for row, (i, n) in enumerate(zip(group, budgets)):
                     uniform[row, :n] = prompt_draws(self.call_keys[i], n)
                 self.uniform[index, : uniform.shape[1]] = uniform.to(device)
