@@ -318,11 +318,15 @@ def test_journal_from_other_settings_is_moved_aside(tiny, tmp_path):
     assert aside.read_bytes() == first
 
 
-def test_malformed_journal_line_names_the_line(tiny, tmp_path):
+@pytest.mark.parametrize("damage", [b"{not json", b"\xff\xfe not UTF-8", b"[1, 2]", b"null", b'{"id": "p0"}',
+                                    b'{"status": "done", "response": "x"}'])
+def test_malformed_journal_line_names_the_line(tiny, tmp_path, damage):
+    """Any damage to a complete line (not JSON, not UTF-8, not a record) is named by file and line, not a bare
+    KeyError or TypeError."""
     journal = tmp_path / "j.jsonl"
     regenerate(make_prompts(2), tiny, journal, **GEN)
-    lines = journal.read_text().splitlines()
-    journal.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    lines = journal.read_bytes().splitlines()
+    journal.write_bytes(b"\n".join([lines[0], damage, *lines[1:]]) + b"\n")
     with pytest.raises(ValueError, match=r"j\.jsonl:2: malformed journal line"):
         regenerate(make_prompts(2), tiny, journal, **GEN)
 

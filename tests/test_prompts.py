@@ -6,6 +6,7 @@ import re
 import pytest
 
 from dflash.config.errors import ConfigError
+from dflash.data import prompts as prompts_module
 from dflash.data.prompts import Prompt, load_prompts
 
 
@@ -72,7 +73,7 @@ def test_name_overrides_prompt_set():
     assert {p.prompt_set for p in load_prompts("gsm8k", limit=3, name="math")} == {"math"}
 
 
-def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):
+def test_truncated_sharegpt_file_keeps_complete_records(tmp_path, monkeypatch):
     records = [
         {"id": "a", "conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "x"}]},
         {"id": "b", "conversations": [{"from": "gpt", "value": "a continuation"}, {"from": "human", "value": "y"}]},
@@ -84,8 +85,17 @@ def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):
     text = json.dumps(records, indent=2)
     path = tmp_path / "share.json"
     path.write_text(text[: text.index("cut off") + 3])
-    prompts = load_prompts("sharegpt", path=str(path))
-    assert [(p.id, p.messages[0]["content"]) for p in prompts] == [("a", "first"), ("e", "second")]
+    # The packaged file is cut off mid-record: its complete records are read (given as a path or not).
+    monkeypatch.setattr(prompts_module, "_package_file", lambda package, relative: path)
+    for given in (None, str(path)):
+        prompts = load_prompts("sharegpt", path=given)
+        assert [(p.id, p.messages[0]["content"]) for p in prompts] == [("a", "first"), ("e", "second")]
+    # A file of one's own that is cut off is damaged: refused, not read in part.
+    own = tmp_path / "own.json"
+    own.write_text(path.read_text())
+    with pytest.raises(ValueError, match=r"own\.json: the file ends inside record 5 \(after 5 complete "
+                                         r"conversations\): it is cut off"):
+        load_prompts("sharegpt", path=str(own))
     # Damage in the middle of the file is an error, not a silent cut.
     broken = text.replace('"id": "b",', '"id": "b" "oops",')
     path.write_text(broken)
@@ -237,6 +247,28 @@ def test_duplicate_ids_are_refused(tmp_path):
     path.write_text('{"id": "x", "prompt": "a"}\n{"id": "x", "prompt": "b"}\n')
     with pytest.raises(ValueError, match=r"dup\.jsonl:2: duplicate id 'x'"):
         load_prompts("file", path=str(path))
+
+
+def test_two_sharegpt_conversations_of_one_id_are_refused_when_read(tmp_path):
+    """Two dumps joined into one file: refused as it is read (the preflight), naming both records, not after the
+    target has loaded."""
+    records = [{"id": "a", "conversations": [{"from": "human", "value": "first"}]},
+               {"id": "b", "conversations": [{"from": "gpt", "value": "a fragment"}]},
+               {"id": "a", "conversations": [{"from": "human", "value": "another"}]}]
+    path = tmp_path / "joined.json"
+    path.write_text(json.dumps(records))
+    for turns in ("first", "all"):
+        with pytest.raises(ValueError, match=r"joined\.json: record 2: duplicate id 'a' \(first in record 0\)"):
+            load_prompts("sharegpt", path=str(path), turns=turns)
+
+
+def test_a_path_from_the_home_folder_is_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.jsonl").write_text('{"id": "x", "prompt": "a"}\n')
+    assert [p.id for p in load_prompts("file", path="~/mine.jsonl")] == ["x"]
+    from dflash.stages.prompt_files import refuse_unreadable_prompts
+
+    refuse_unreadable_prompts([("data", "file", "~/mine.jsonl"), ("eval.prompt_sets.mine", "file", "~/mine.jsonl")])
 
 
 def test_unknown_source_lists_the_known_ones():

@@ -38,6 +38,20 @@ def with_target(settings: dict, target: dict | None) -> dict:
         raise ValueError(f"target identity must be JSON-serialisable, got {target!r} ({e})") from None
 
 
+def _journal_line(path: Path, lineno: int, line: bytes) -> dict:
+    """A complete journal line read back: a header, or a record with a string "id" and "status"; a damaged line
+    (not JSON, not UTF-8, not such an object) is a ValueError naming the file and line."""
+    try:
+        record = json.loads(line)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are no UTF-8
+        raise ValueError(f"{path}:{lineno}: malformed journal line ({getattr(e, 'msg', None) or e})") from None
+    if isinstance(record, dict) and ("header" in record or (isinstance(record.get("id"), str)
+                                                            and isinstance(record.get("status"), str))):
+        return record
+    raise ValueError(f"{path}:{lineno}: malformed journal line (a header or a record with an id and a status "
+                     f"expected, got {line[:80].decode(errors='replace').strip()!r})")
+
+
 def _scan(path: Path) -> tuple[dict | None, Index, int]:
     """scan_journal, plus the byte length of the complete lines (where a partial last line starts)."""
     header, index, offset = None, {}, 0
@@ -48,10 +62,7 @@ def _scan(path: Path) -> tuple[dict | None, Index, int]:
             if not line.endswith(b"\n"):
                 break  # the partial line of an interrupted write
             if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: malformed journal line ({e.msg})") from None
+                record = _journal_line(path, lineno, line)
                 if "header" in record:
                     header = record["header"]
                 else:

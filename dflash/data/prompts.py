@@ -69,7 +69,7 @@ def _package_file(package: str, relative: str) -> Path:
 def _check_file(path: str | Path | None, source: str) -> Path:
     if path is None:
         raise ValueError(f"source {source!r} needs path=")
-    p = Path(path)
+    p = Path(path).expanduser()  # as the settings' paths are read everywhere else
     if not p.is_file():
         raise FileNotFoundError(f"prompt file not found: {p}")
     return p
@@ -222,10 +222,13 @@ def _sharegpt_prompts(record: dict, name: str, all_turns: bool, index: int) -> l
     return prompts
 
 
-def _load_sharegpt(path: Path, name: str, all_turns: bool = False) -> list[Prompt]:
-    """Prompts of every complete ShareGPT conversation (see _sharegpt_prompts).
+def _load_sharegpt(path: Path, name: str, all_turns: bool = False, cut_ok: bool = False) -> list[Prompt]:
+    """Prompts of every complete ShareGPT conversation (see _sharegpt_prompts); a prompt id met twice (two
+    conversations of one id) is refused, naming both records.
 
-    The shipped file is cut off mid-record, so it is decoded record by record and the broken tail dropped.
+    The file is decoded record by record. cut_ok: the file is the one the package ships, which is cut off
+    mid-record (../shared/assets.md): its broken tail is dropped. Any other file that ends inside a record is
+    damaged (a download or copy that stopped), and refused rather than read in part.
     """
     text = _read_text(path)
     start = text.find("[")
@@ -234,6 +237,7 @@ def _load_sharegpt(path: Path, name: str, all_turns: bool = False) -> list[Promp
     decoder = json.JSONDecoder()
     pos, end = start + 1, len(text)
     prompts, incomplete, index = [], False, 0
+    seen: dict[str, int] = {}
     while True:
         while pos < end and text[pos] in " \t\r\n,":
             pos += 1
@@ -242,17 +246,24 @@ def _load_sharegpt(path: Path, name: str, all_turns: bool = False) -> list[Promp
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            # Only a record cut off by the end of the file is tolerated; damage in the middle is an error.
+            # Only a record cut off by the end of the file is a cut; damage in the middle is an error.
             if e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip()):
                 incomplete = True
                 break
             raise ConfigError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
         if isinstance(record, dict):
-            prompts += _sharegpt_prompts(record, name, all_turns, index)
+            for prompt in _sharegpt_prompts(record, name, all_turns, index):
+                if prompt.id in seen:
+                    raise ConfigError(f"{path}: record {index}: duplicate id {prompt.id!r} (first in record "
+                                      f"{seen[prompt.id]}); every conversation needs an id of its own")
+                seen[prompt.id] = index
+                prompts.append(prompt)
         index += 1
+    if incomplete and not cut_ok:
+        raise ConfigError(f"{path}: the file ends inside record {index} (after {index} complete conversations): "
+                          f"it is cut off; copy or download it again")
     if incomplete:
-        # The ShareGPT file the package ships is cut off mid-record (../shared/assets.md): expected, so not shown
-        # on the console unless asked.
+        # Expected of the packaged file, so not shown on the console unless asked.
         logger.debug("%s: file is truncated; kept the complete records before the cut", path)
     if not prompts:
         raise ConfigError(f"{path}: no usable ShareGPT conversations")
@@ -321,6 +332,15 @@ def prompt_file(source: str, path: str | None = None) -> Path:
     return _check_file(path, source)
 
 
+def _is_packaged_file(source: str, file: Path) -> bool:
+    """Whether `file` is the file the package of `source` ships (given as a path or not)."""
+    package, relative, _ = SOURCES[source]
+    try:
+        return package is not None and file.resolve() == _package_file(package, relative).resolve()
+    except FileNotFoundError:  # the package is not installed: a file of the user's own
+        return False
+
+
 def prompt_file_problem(source: str, path: str | None = None) -> str | None:
     """Why the prompts of `source` cannot be read, in a phrase, or None when its file is there."""
     try:
@@ -352,7 +372,10 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
     file = prompt_file(source, path)
     if name is None:
         name = _stem(file) if source == "file" else source
-    prompts = _load_sharegpt(file, name, all_turns=True) if turns == "all" else loader(file, name)
+    if source == "sharegpt":
+        prompts = _load_sharegpt(file, name, all_turns=turns == "all", cut_ok=_is_packaged_file(source, file))
+    else:
+        prompts = loader(file, name)
     if limit is not None and limit < len(prompts):
         keep = sorted(random.Random(seed).sample(range(len(prompts)), limit))
         prompts = [prompts[i] for i in keep]

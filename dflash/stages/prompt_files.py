@@ -34,9 +34,9 @@ def refuse_unreadable_prompts(files: list[tuple[str, str, str | None]]) -> None:
             raise ConfigPathError(f"{key}={value!r}: {problem}")
     for prefix, source, path in files:
         if path and prefix != "data":
-            stat = os.stat(path)
-            read_prompt_file(prefix, source, lambda: _read_once(source, os.path.realpath(path), stat.st_mtime_ns,
-                                                                stat.st_size))
+            file = os.path.realpath(os.path.expanduser(path))
+            stat = os.stat(file)
+            read_prompt_file(prefix, source, lambda: _read_once(source, file, stat.st_mtime_ns, stat.st_size))
 
 
 @functools.lru_cache(maxsize=16)
