@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 
 import pytest
 
@@ -72,7 +73,21 @@ def test_texts_without_those_scripts_split_as_runs_of_letters_and_digits():
     texts += ["Ünïcode café_au_lait 3.14 Привет, мир! Γειά σου ١٢٣ Ｆｕｌｌ"]
     for text in texts:
         if not any("\u3040" <= c <= "\u9fff" for c in text):
-            assert words(text) == re.findall(r"[^\W_]+", text.lower())
+            assert words(text) == re.findall(r"[^\W_]+", unicodedata.normalize("NFKC", text).lower())
+
+
+def test_an_eval_prompt_in_other_unicode_forms_is_found():
+    """Accents typed as combining marks (NFD) and full-width letters read as the composed and plain letters: a
+    copy of an evaluation prompt in either form is dropped."""
+    french = ("Un fermier possède dix-sept moutons et en achète cinq de plus chaque semaine pendant neuf semaines, "
+              "combien en a-t-il à la fin de la période évoquée ?")
+    index = EvalIndex([user("fr", french, prompt_set="fr"), user("en", QUESTION, prompt_set="en")], n=13)
+    full_width = QUESTION.translate({c: c + 0xFEE0 for c in range(0x21, 0x7F)})  # ASCII -> full-width forms
+    prompts = [user("nfd", unicodedata.normalize("NFD", french)), user("wide", full_width),
+               user("keep", "Un fermier possède des moutons.")]
+    kept, _ = drop_eval_overlaps(prompts, index)
+    assert [p.id for p in kept] == ["keep"]
+    assert words(unicodedata.normalize("NFD", "pondérée")) == ["pondérée"]
 
 
 def test_texts_passed_over_by_their_word_pairs_are_those_a_gram_by_gram_search_clears(tmp_path):

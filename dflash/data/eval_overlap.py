@@ -1,6 +1,8 @@
 """Training prompts that overlap the evaluation prompts: found by shared word n-grams and left out of training.
 
-Texts are normalised to lower-case words (runs of letters and digits; punctuation, case and spacing do not count).
+Texts are normalised to lower-case words (runs of letters and digits; punctuation, case and spacing do not count),
+after Unicode's compatibility composition (NFKC): an accent typed as a combining mark and a full-width letter read
+as the composed and the plain letter.
 In the scripts written without spaces between words (Chinese and Japanese ideographs, kana, Thai) each letter is a
 word of its own.
 A training prompt overlaps an evaluation prompt when they share an n-gram of n consecutive words (n =
@@ -16,6 +18,7 @@ HumanEval or GSM8K prompt starts with), not a question: a training prompt that s
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -35,10 +38,11 @@ _ASCII_WORD = re.compile(r"[a-z0-9]+")  # what _WORD finds in lower-case ASCII t
 
 
 def words(text: str) -> list[str]:
-    """The normalised words of `text`: lower-case runs of letters and digits, and each letter of a script written
-    without spaces (ideographs, kana, Thai)."""
-    text = text.lower()
-    return (_ASCII_WORD if text.isascii() else _WORD).findall(text)
+    """The normalised words of `text` (NFKC): lower-case runs of letters and digits, and each letter of a script
+    written without spaces (ideographs, kana, Thai)."""
+    if text.isascii():
+        return _ASCII_WORD.findall(text.lower())
+    return _WORD.findall(unicodedata.normalize("NFKC", text).lower())
 
 
 def prompt_words(prompt: Prompt) -> list[str]:
