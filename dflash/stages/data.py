@@ -64,8 +64,10 @@ class DataStage(Stage):
             return False
         changed = changed_input_files(self.context.settings, self.out)
         for key, path, recorded, now in changed:
+            reuse = "the answers are written again by these weights (the earlier ones' journals are moved aside)" \
+                if key == "target.path" else "the answers of unchanged prompts come from the journal"
             logger.warning(f"[data] {key} {path} changed since the dataset was built (sha256 {recorded[:12]}... -> "
-                           f"{now[:12]}...): building it again, the answers of unchanged prompts come from the journal")
+                           f"{now[:12]}...): building it again, {reuse}")
         unchecked = self.unchecked_eval_sets()
         if unchecked:
             logger.warning(f"[data] the training prompts were not checked for overlap with {', '.join(unchecked)} "
@@ -130,7 +132,11 @@ class DataStage(Stage):
         return f"{prompts}, answered {answers} by the {kind} target (up to {d.max_new_tokens} new tokens)"
 
     def target_identity(self) -> dict[str, Any]:
-        return fingerprints.target_identity(self.context.settings)
+        """The target's settings, and the weights of a checkpoint of one's own (target_weights): what the journals
+        and the dataset record, so answers other weights wrote are moved aside, not reused."""
+        identity = fingerprints.target_identity(self.context.settings)
+        weights = target_weights(self.context.settings)
+        return identity if weights is None else {**identity, "weights": weights}
 
     def run(self) -> dict[str, Any] | None:
         """The dataset; its stats for done.json, or None while some prompts failed."""
@@ -271,8 +277,27 @@ def eval_set_source(spec) -> dict[str, Any]:
 
 def input_files(settings) -> dict[str, dict[str, str]]:
     """The files whose contents decide the dataset beyond the settings (RunSettings): {key: {"path", "sha256"}} for
-    data.path and target.chat_template, each when set."""
-    return hashed_files({"data.path": settings.data.path, "target.chat_template": settings.target.chat_template})
+    data.path and target.chat_template, each when set, and for a checkpoint of one's own (target=hf) target.path,
+    whose "sha256" is its checkpoint_digest (the weights that wrote the answers)."""
+    return {**hashed_files({"data.path": settings.data.path, "target.chat_template": settings.target.chat_template}),
+            **target_weights_file(settings)}
+
+
+def target_weights_file(settings) -> dict[str, dict[str, str]]:
+    """{"target.path": {"path", "sha256": its target_weights}} for a target=hf checkpoint; {} for other targets."""
+    weights = target_weights(settings)
+    return {} if weights is None else {"target.path": {"path": settings.target.path, "sha256": weights}}
+
+
+def target_weights(settings) -> str | None:
+    """The checkpoint_digest of a target=hf checkpoint (None for the packaged and tiny targets, which a setting
+    names whole, and for a path that is not there: the preflight names it)."""
+    from dflash.models.targets.checkpoint_digest import checkpoint_digest
+
+    path = settings.target.path
+    if settings.target.kind != "hf" or not path or not os.path.exists(os.path.expanduser(path)):
+        return None
+    return checkpoint_digest(path)
 
 
 def hashed_files(named: dict[str, str | None]) -> dict[str, dict[str, str]]:

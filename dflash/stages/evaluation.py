@@ -19,7 +19,7 @@ from dflash.data.journal import setting_differences
 from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, shown, \
     stage_done, swap_in_dir, temp_path, write_text
 from dflash.stages.context import RunContext
-from dflash.stages.data import changed_files, hashed_files
+from dflash.stages.data import changed_files, hashed_files, target_weights_file
 from dflash.stages.export import ExportStage, export_best, holds_drafter
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
@@ -380,9 +380,11 @@ def settle_swap(out: str) -> None:
 
 def eval_input_files(settings) -> dict[str, dict[str, str]]:
     """The files whose contents decide an evaluation beyond its settings (RunSettings): {key: {"path", "sha256"}}
-    for each prompt set's file (eval.prompt_sets.NAME.path) and target.chat_template, each when set."""
+    for each prompt set's file (eval.prompt_sets.NAME.path) and target.chat_template, each when set, and a
+    target=hf checkpoint's weights (target.path, its checkpoint_digest: the target the drafter is measured with)."""
     named = {f"eval.prompt_sets.{name}.path": spec.path for name, spec in settings.eval.prompt_sets.items()}
-    return hashed_files({**named, "target.chat_template": settings.target.chat_template})
+    return {**hashed_files({**named, "target.chat_template": settings.target.chat_template}),
+            **target_weights_file(settings)}
 
 
 def changed_eval_inputs(settings, eval_dir: str) -> list[tuple[str, str, str, str]]:

@@ -1,0 +1,124 @@
+"""A checkpoint of one's own trained again into the same folder (target=hf, target.path unchanged): the data
+stage's answers and synthetic prompts came from other weights, so they are written again, never reused; a trained
+drafter's data is not replaced without being asked; an evaluation measures the target as it is now. Checkpoints
+copied elsewhere or touched are the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from dflash.config import compose
+from dflash.config.errors import RunFolderError
+from dflash.models.targets.checkpoint_digest import SLICE, checkpoint_digest
+from dflash.models.targets.tiny import build_tiny_target
+from dflash.pipeline import Pipeline
+
+TINY = ["+experiment=tiny", "show_progress=false", "data.limit=6", "data.heldout=0", "data.synthetic.count=4"]
+
+
+def save_checkpoint(folder, seed):
+    adapter = build_tiny_target("llama", seed=seed, tokenizer="builtin")
+    adapter.model.save_pretrained(folder)
+    adapter.tokenizer.save_pretrained(folder)
+
+
+def journal_answers(path):
+    return {r["id"]: r["response_ids"] for r in map(json.loads, open(path)) if r.get("status") == "done"}
+
+
+def test_the_digest_follows_the_weights_not_where_they_are(tmp_path):
+    save_checkpoint(tmp_path / "a", seed=0)
+    digest = checkpoint_digest(str(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / "README.md").write_text("notes on the model\n")
+    os.utime(tmp_path / "b" / "config.json", (1, 1))
+    assert checkpoint_digest(str(tmp_path / "b")) == digest  # a copy, a note, a touch: the same weights
+    save_checkpoint(tmp_path / "b", seed=1)
+    assert checkpoint_digest(str(tmp_path / "b")) != digest
+    (tmp_path / "b" / "extra.json").write_text("{}")
+    assert checkpoint_digest(str(tmp_path / "b")) != checkpoint_digest(str(tmp_path / "a"))
+
+
+def test_a_large_file_is_read_at_its_start_middle_and_end(tmp_path):
+    weights = tmp_path / "model.gguf"
+    data = bytearray(os.urandom(8 * SLICE))
+    weights.write_bytes(data)
+    before = checkpoint_digest(str(weights))
+    for offset in (10, 4 * SLICE - 5, 8 * SLICE - 1):  # in each slice read
+        changed = bytearray(data)
+        changed[offset] ^= 1
+        weights.write_bytes(changed)
+        assert checkpoint_digest(str(weights)) != before, offset
+
+
+def test_a_target_trained_again_in_place_writes_its_answers_again(tmp_path, capsys):
+    folder, run_dir = tmp_path / "model", tmp_path / "run"
+    save_checkpoint(folder, seed=0)
+    command = TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}", "stages=[data]"]
+    Pipeline(compose(command)).run()
+    first = journal_answers(run_dir / "data" / "journal.jsonl")
+    stats = json.loads((run_dir / "data" / "stats.json").read_text())
+    assert stats["input_files"]["target.path"] == {"path": str(folder), "sha256": checkpoint_digest(str(folder))}
+
+    Pipeline(compose(command)).run()  # the same weights: up to date, nothing written again
+    assert journal_answers(run_dir / "data" / "journal.jsonl") == first
+
+    save_checkpoint(folder, seed=1)  # trained again into the same folder
+    capsys.readouterr()
+    Pipeline(compose(command)).run()
+    assert f"[data] target.path {folder} changed since the dataset was built" in capsys.readouterr().err
+    again = journal_answers(run_dir / "data" / "journal.jsonl")
+    shared = {pid for pid in first if not pid.startswith("syn-")}  # the ShareGPT prompts, answered again
+    assert shared and {pid for pid in again if not pid.startswith("syn-")} == shared
+    assert [again[pid] for pid in sorted(shared)] != [first[pid] for pid in sorted(shared)]
+    assert {pid for pid in again if pid.startswith("syn-")} != {pid for pid in first if pid.startswith("syn-")}
+    aside = sorted(p.name for p in (run_dir / "data").glob("*.jsonl") if p.name.count(".") > 1)
+    assert len(aside) == 2 and all(name.startswith(("journal.", "synthetic.")) for name in aside)  # kept, not lost
+    assert json.loads((run_dir / "data" / "stats.json").read_text())["input_files"]["target.path"]["sha256"] == \
+        checkpoint_digest(str(folder))
+
+
+@pytest.mark.slow
+def test_a_trained_drafters_data_is_not_replaced_for_new_weights_and_its_evaluation_is_redone(tmp_path):
+    folder, run_dir = tmp_path / "model", tmp_path / "run"
+    save_checkpoint(folder, seed=0)
+    command = TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}", "train.max_steps=2"]
+    Pipeline(compose(command)).run()
+    kept = {p: p.read_bytes() for p in (run_dir / "data").rglob("*") if p.is_file()}
+    save_checkpoint(folder, seed=1)
+    with pytest.raises(RunFolderError, match=r"target.path .* changed since this run's data stage"):
+        Pipeline(compose(command)).run()
+    assert {p: p.read_bytes() for p in (run_dir / "data").rglob("*") if p.is_file()} == kept
+    # The drafter as trained, measured with the target as it is now: its evaluation is not up to date.
+    summary = Pipeline(compose(command + ["stages=[eval]"])).run()
+    assert json.loads((run_dir / "eval" / "done.json").read_text())["input_files"]["target.path"]["sha256"] == \
+        checkpoint_digest(str(folder)) and summary is not None
+
+
+def test_a_journal_from_before_weights_were_recorded_keeps_its_answers(tmp_path):
+    """Journals written before the digest was recorded name no weights: their answers are kept (as the data of a
+    run folder from then, whose stats.json records no target.path, is trusted as it is)."""
+    folder, run_dir = tmp_path / "model", tmp_path / "run"
+    save_checkpoint(folder, seed=0)
+    command = TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}", "stages=[data]"]
+    Pipeline(compose(command)).run()
+    data = run_dir / "data"
+    for name in ("journal.jsonl", "synthetic.jsonl"):
+        lines = (data / name).read_text().splitlines()
+        header = json.loads(lines[0])
+        del header["header"]["target"]["weights"]
+        (data / name).write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    first = journal_answers(data / "journal.jsonl")
+    stats = json.loads((data / "stats.json").read_text())
+    del stats["input_files"]["target.path"]
+    (data / "stats.json").write_text(json.dumps(stats))
+    Pipeline(compose(command)).run()  # up to date: nothing recorded to compare
+    assert journal_answers(data / "journal.jsonl") == first
+    (data / "done.json").unlink()  # built again (for another reason): the journals' answers are reused
+    Pipeline(compose(command)).run()
+    assert journal_answers(data / "journal.jsonl") == first
+    assert not [p for p in data.glob("*.jsonl") if p.name.count(".") > 1]
