@@ -72,7 +72,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, unifor
     """Draw one token per row from softmax(logits / temperature) cut to its top-p nucleus, by inverse CDF.
 
     `uniform` [b] holds one U[0, 1) draw per row (float64, prompt_draws); no randomness is drawn here, so the
-    function can live in a CUDA graph. The nucleus is the smallest set of most likely tokens whose mass reaches top_p (as HF's top-p).
+    function can live in a CUDA graph. The nucleus is the smallest set of most likely tokens whose mass reaches
+    top_p (as HF's top-p).
     """
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
