@@ -90,9 +90,12 @@ def test_truncated_sharegpt_file_keeps_complete_records(tmp_path, monkeypatch):
     for given in (None, str(path)):
         prompts = load_prompts("sharegpt", path=given)
         assert [(p.id, p.messages[0]["content"]) for p in prompts] == [("a", "first"), ("e", "second")]
+    copy = tmp_path / "copy.json"  # a copy of the packaged file: its bytes
+    copy.write_bytes(path.read_bytes())
+    assert [p.id for p in load_prompts("sharegpt", path=str(copy))] == ["a", "e"]
     # A file of one's own that is cut off is damaged: refused, not read in part.
     own = tmp_path / "own.json"
-    own.write_text(path.read_text())
+    own.write_text(path.read_text().replace("second", "my second"))
     with pytest.raises(ValueError, match=r"own\.json: the file ends inside record 5 \(after 5 complete "
                                          r"conversations\): it is cut off"):
         load_prompts("sharegpt", path=str(own))

@@ -37,10 +37,14 @@ def test_the_digest_follows_the_weights_not_where_they_are(tmp_path):
     (tmp_path / "b" / "README.md").write_text("notes on the model\n")
     os.utime(tmp_path / "b" / "config.json", (1, 1))
     assert checkpoint_digest(str(tmp_path / "b")) == digest  # a copy, a note, a touch: the same weights
-    save_checkpoint(tmp_path / "b", seed=1)
+    for other in ("LICENSE", "trainer_state.json", "all_results.json", "training_args.bin", "nohup.out"):
+        (tmp_path / "b" / other).write_text("what a folder gathers beside the model")
+    (tmp_path / "b" / "original").mkdir()
+    assert checkpoint_digest(str(tmp_path / "b")) == digest
+    (tmp_path / "b" / "added_tokens.json").write_text("{}")  # the tokenizer's: another model
     assert checkpoint_digest(str(tmp_path / "b")) != digest
-    (tmp_path / "b" / "extra.json").write_text("{}")
-    assert checkpoint_digest(str(tmp_path / "b")) != checkpoint_digest(str(tmp_path / "a"))
+    save_checkpoint(tmp_path / "c", seed=1)
+    assert checkpoint_digest(str(tmp_path / "c")) != digest
 
 
 def test_a_large_file_is_read_at_its_start_middle_and_end(tmp_path):
@@ -70,7 +74,7 @@ def test_a_target_trained_again_in_place_writes_its_answers_again(tmp_path, caps
     save_checkpoint(folder, seed=1)  # trained again into the same folder
     capsys.readouterr()
     Pipeline(compose(command)).run()
-    assert f"[data] target.path {folder} changed since the dataset was built" in capsys.readouterr().err
+    assert f"[data] target.path {folder} holds other weights since the dataset was built" in capsys.readouterr().err
     again = journal_answers(run_dir / "data" / "journal.jsonl")
     shared = {pid for pid in first if not pid.startswith("syn-")}  # the ShareGPT prompts, answered again
     assert shared and {pid for pid in again if not pid.startswith("syn-")} == shared
@@ -82,43 +86,64 @@ def test_a_target_trained_again_in_place_writes_its_answers_again(tmp_path, caps
         checkpoint_digest(str(folder))
 
 
-@pytest.mark.slow
-def test_a_trained_drafters_data_is_not_replaced_for_new_weights_and_its_evaluation_is_redone(tmp_path):
-    folder, run_dir = tmp_path / "model", tmp_path / "run"
-    save_checkpoint(folder, seed=0)
-    command = TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}", "train.max_steps=2"]
-    Pipeline(compose(command)).run()
-    kept = {p: p.read_bytes() for p in (run_dir / "data").rglob("*") if p.is_file()}
-    save_checkpoint(folder, seed=1)
-    with pytest.raises(RunFolderError, match=r"target.path .* changed since this run's data stage"):
-        Pipeline(compose(command)).run()
-    assert {p: p.read_bytes() for p in (run_dir / "data").rglob("*") if p.is_file()} == kept
-    # The drafter as trained, measured with the target as it is now: its evaluation is not up to date.
-    summary = Pipeline(compose(command + ["stages=[eval]"])).run()
-    assert json.loads((run_dir / "eval" / "done.json").read_text())["input_files"]["target.path"]["sha256"] == \
-        checkpoint_digest(str(folder)) and summary is not None
+def old_version(monkeypatch):
+    """What the version before the digest recorded: no weights (its journals, fingerprints, input files)."""
+    monkeypatch.setattr("dflash.stages.data.target_weights", lambda settings: None)
 
 
-def test_a_journal_from_before_weights_were_recorded_keeps_its_answers(tmp_path):
-    """Journals written before the digest was recorded name no weights: their answers are kept (as the data of a
-    run folder from then, whose stats.json records no target.path, is trusted as it is)."""
+def recorded_weights(path):
+    return json.loads(path.read_text())["input_files"].get("target.path", {}).get("sha256")
+
+
+def test_data_from_before_weights_were_recorded_is_trusted_until_they_change(tmp_path, monkeypatch):
+    """A run folder of the previous version: its data are kept as they are (no answer written again, the same
+    fingerprint, so capture and training stand), and record the weights seen now; weights trained into the folder
+    later are told apart."""
     folder, run_dir = tmp_path / "model", tmp_path / "run"
     save_checkpoint(folder, seed=0)
     command = TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}", "stages=[data]"]
-    Pipeline(compose(command)).run()
+    with monkeypatch.context() as patch:
+        old_version(patch)
+        Pipeline(compose(command)).run()
     data = run_dir / "data"
-    for name in ("journal.jsonl", "synthetic.jsonl"):
-        lines = (data / name).read_text().splitlines()
-        header = json.loads(lines[0])
-        del header["header"]["target"]["weights"]
-        (data / name).write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
-    first = journal_answers(data / "journal.jsonl")
-    stats = json.loads((data / "stats.json").read_text())
-    del stats["input_files"]["target.path"]
-    (data / "stats.json").write_text(json.dumps(stats))
-    Pipeline(compose(command)).run()  # up to date: nothing recorded to compare
-    assert journal_answers(data / "journal.jsonl") == first
-    (data / "done.json").unlink()  # built again (for another reason): the journals' answers are reused
+    first, built = journal_answers(data / "journal.jsonl"), json.loads((data / "stats.json").read_text())
+    assert "target.path" not in built["input_files"]
+    Pipeline(compose(command)).run()  # up to date: kept, with the weights seen now recorded
+    assert recorded_weights(data / "stats.json") == checkpoint_digest(str(folder))
+    (data / "done.json").unlink()  # built again for another reason: the same build, trusted
     Pipeline(compose(command)).run()
-    assert journal_answers(data / "journal.jsonl") == first
-    assert not [p for p in data.glob("*.jsonl") if p.name.count(".") > 1]
+    assert json.loads((data / "stats.json").read_text())["fingerprint"] == built["fingerprint"]
+    assert journal_answers(data / "journal.jsonl") == first and not list(data.glob("*.*.jsonl"))
+    save_checkpoint(folder, seed=1)  # trained again into the folder
+    Pipeline(compose(command)).run()
+    assert json.loads((data / "stats.json").read_text())["fingerprint"] != built["fingerprint"]
+    again = journal_answers(data / "journal.jsonl")
+    assert [again[pid] for pid in sorted(first) if pid in again and not pid.startswith("syn-")] != \
+        [first[pid] for pid in sorted(first) if pid in again and not pid.startswith("syn-")]
+    assert len(list(data.glob("*.*.jsonl"))) == 2  # the old weights' journals, kept aside
+
+
+@pytest.mark.slow
+def test_a_trained_drafters_data_is_not_replaced_for_new_weights_and_its_evaluation_is_redone(tmp_path,
+                                                                                              monkeypatch):
+    folder, run_dir = tmp_path / "model", tmp_path / "run"
+    save_checkpoint(folder, seed=0)
+    command = TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}", "train.max_steps=2"]
+    with monkeypatch.context() as patch:  # a run folder of the previous version
+        old_version(patch)
+        Pipeline(compose(command)).run()
+    done = run_dir / "eval" / "done.json"
+    measured = (run_dir / "eval" / "summary.json").read_bytes()
+    Pipeline(compose(command)).run()  # its evaluation kept, not redone, with the weights seen now recorded
+    assert (run_dir / "eval" / "summary.json").read_bytes() == measured
+    assert recorded_weights(done) == checkpoint_digest(str(folder))
+    kept = {p: p.read_bytes() for p in (run_dir / "data").rglob("*") if p.is_file()}
+    save_checkpoint(folder, seed=1)
+    with pytest.raises(RunFolderError, match=r"target.path .* holds other weights since this run's data stage.*"
+                                             r"train on the checkpoint as it is now"):
+        Pipeline(compose(command)).run()
+    assert {p: p.read_bytes() for p in (run_dir / "data").rglob("*") if p.is_file()} == kept
+    # The drafter as trained, measured with the target as it is now: its evaluation is not up to date.
+    Pipeline(compose(command + ["stages=[eval]"])).run()
+    assert recorded_weights(done) == checkpoint_digest(str(folder))
+    assert (run_dir / "eval" / "summary.json").read_bytes() != measured

@@ -25,17 +25,21 @@ class FakeRun:
         pass
 
 
-def fake_wandb(monkeypatch, refuse_resume: bool = False) -> list[dict]:
+def fake_wandb(monkeypatch, refuse: tuple[str, ...] = ()) -> list[dict]:
     """wandb.init replaced: each call's arguments, in order; a new run's id is r<call number>, a continued run keeps
-    its id (or, with refuse_resume, wandb's site does not know it)."""
+    its id; `refuse` names the ways of continuing wandb's site refuses ("resume_from", "resume")."""
     calls = []
 
     def init(**kwargs):
         calls.append(kwargs)
         if kwargs.get("resume_from"):
-            if refuse_resume:
-                raise RuntimeError("run r1 not found")
+            if "resume_from" in refuse:
+                raise RuntimeError("rewinding is not enabled")
             return FakeRun(kwargs["resume_from"].split("?")[0], kwargs["mode"])
+        if kwargs.get("resume"):
+            if "resume" in refuse:
+                raise RuntimeError("run r1 not found")
+            return FakeRun(kwargs["id"], kwargs["mode"])
         return FakeRun(f"r{len(calls)}", kwargs["mode"])
 
     monkeypatch.setattr(wandb, "init", init)
@@ -64,14 +68,22 @@ def test_an_online_training_resumed_continues_its_run_from_the_step_it_resumes_f
     assert ("wandb", "https://wandb.example/runs/r1") in logger_rows(str(tmp_path))
 
 
+def test_without_rewinding_the_run_is_continued_where_it_stopped(tmp_path, monkeypatch):
+    calls = fake_wandb(monkeypatch, refuse=("resume_from",))
+    start(tmp_path, "online", 0)
+    start(tmp_path, "online", 40)
+    assert calls[2]["id"] == "r1" and calls[2]["resume"] == "allow" and recorded(tmp_path)["id"] == "r1"
+
+
 def test_a_run_wandb_will_not_continue_gives_a_new_run_and_says_so(tmp_path, monkeypatch, caplog):
-    calls = fake_wandb(monkeypatch, refuse_resume=True)
+    calls = fake_wandb(monkeypatch, refuse=("resume_from", "resume"))
     start(tmp_path, "online", 0)
     with caplog.at_level(logging.WARNING, logger="dflash"):
         start(tmp_path, "online", 40)
     assert "wandb could not continue run r1 at step 40 (run r1 not found)" in caplog.text
-    assert [("resume_from" in kw) for kw in calls] == [False, True, False]
-    assert recorded(tmp_path)["id"] == "r3"  # the next start continues the new run
+    assert [("resume_from" in kw, "resume" in kw) for kw in calls] == [(False, False), (True, False), (False, True),
+                                                                       (False, False)]
+    assert recorded(tmp_path)["id"] == "r4"  # the next start continues the new run
 
 
 def test_offline_each_start_is_a_run_of_its_own(tmp_path, monkeypatch):
@@ -80,8 +92,8 @@ def test_offline_each_start_is_a_run_of_its_own(tmp_path, monkeypatch):
     start(tmp_path, "offline", 40)
     assert not any("resume_from" in kw for kw in calls) and recorded(tmp_path)["mode"] == "offline"
     start(tmp_path, "online", 80)  # an offline run was never on wandb's site: online starts a new run there
-    assert "resume_from" not in calls[2] and recorded(tmp_path) == {"id": "r3", "mode": "online",
-                                                                     "url": "https://wandb.example/runs/r3"}
+    assert not {"resume_from", "resume"} & set(calls[2]) and recorded(tmp_path) == {
+        "id": "r3", "mode": "online", "url": "https://wandb.example/runs/r3"}
 
 
 def test_wandb_opens_no_run_while_no_training_has_started(tmp_path, monkeypatch):

@@ -111,13 +111,9 @@ def setting_differences(header: dict, settings: dict, prefix: str = "") -> list[
 
 
 def _settings_differences(header: dict, settings: dict, unused: tuple[str, ...]) -> list[str]:
-    """setting_differences of a header and the settings now, but for the top-level keys in `unused`. A header whose
-    target records no weights (written before they were recorded) is taken at its word for them."""
-    settings = {k: v for k, v in settings.items() if k not in unused}
-    then, now = header.get("target"), settings.get("target")
-    if isinstance(then, dict) and isinstance(now, dict) and "weights" not in then:
-        settings["target"] = {k: v for k, v in now.items() if k != "weights"}
-    return setting_differences({k: v for k, v in header.items() if k not in unused}, settings)
+    """setting_differences of a header and the settings now, but for the top-level keys in `unused`."""
+    return setting_differences({k: v for k, v in header.items() if k not in unused},
+                        {k: v for k, v in settings.items() if k not in unused})
 
 
 def _first_line(path: Path) -> bytes:

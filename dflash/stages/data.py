@@ -63,11 +63,10 @@ class DataStage(Stage):
         if not stage_done(self.out, self.fingerprint()):
             return False
         changed = changed_input_files(self.context.settings, self.out)
-        for key, path, recorded, now in changed:
+        for change in changed:
             reuse = "the answers are written again by these weights (the earlier ones' journals are moved aside)" \
-                if key == "target.path" else "the answers of unchanged prompts come from the journal"
-            logger.warning(f"[data] {key} {path} changed since the dataset was built (sha256 {recorded[:12]}... -> "
-                           f"{now[:12]}...): building it again, {reuse}")
+                if change[0] == "target.path" else "the answers of unchanged prompts come from the journal"
+            logger.warning(f"[data] {changed_words(*change, 'the dataset was built')}: building it again, {reuse}")
         unchecked = self.unchecked_eval_sets()
         if unchecked:
             logger.warning(f"[data] the training prompts were not checked for overlap with {', '.join(unchecked)} "
@@ -133,10 +132,21 @@ class DataStage(Stage):
 
     def target_identity(self) -> dict[str, Any]:
         """The target's settings, and the weights of a checkpoint of one's own (target_weights): what the journals
-        and the dataset record, so answers other weights wrote are moved aside, not reused."""
+        and the dataset's fingerprint record, so answers other weights wrote are moved aside, not reused. A build
+        from before the weights were recorded (its stats.json's settings name none) is trusted as it is while the
+        weights are those first seen beside it (its input_files): its journals and fingerprint stay as they were
+        made, without them; other weights there are told apart from them."""
         identity = fingerprints.target_identity(self.context.settings)
         weights = target_weights(self.context.settings)
-        return identity if weights is None else {**identity, "weights": weights}
+        if weights is None:
+            return identity
+        stats = read_json_or_none(os.path.join(self.out, "stats.json"))
+        recorded = stats.get("settings", {}).get("target") if isinstance(stats, dict) else None
+        seen = (stats.get("input_files") or {}).get("target.path", {}).get("sha256") if isinstance(stats, dict) \
+            else None
+        if isinstance(recorded, dict) and "weights" not in recorded and seen in (None, weights):
+            return identity
+        return {**identity, "weights": weights}
 
     def run(self) -> dict[str, Any] | None:
         """The dataset; its stats for done.json, or None while some prompts failed."""
@@ -181,12 +191,14 @@ class DataStage(Stage):
         return {"stats": stats}
 
     def kept(self) -> None:
-        """A build from before the template was recorded (its stats.json says so) gets data/chat_template.jinja now,
-        from the target's tokenizer alone (no weights are read), so that its exports carry it (ExportStage)."""
+        """A build from before the weights of a target=hf checkpoint were recorded records those seen now (its
+        stats.json's input_files), and one from before the template was recorded (its stats.json says so) gets
+        data/chat_template.jinja now, from the target's tokenizer alone (no weights are read), so that its exports
+        carry it (ExportStage)."""
         from dflash.models.targets.load import load_target_vocabulary
 
         path = os.path.join(self.out, "stats.json")
-        stats = read_json_or_none(path)
+        stats = record_first_weights(path, self.context.settings)
         if stats is None or stats.get(TEMPLATE_RECORDED):
             return
         t = self.context.settings.target
@@ -289,6 +301,18 @@ def target_weights_file(settings) -> dict[str, dict[str, str]]:
     return {} if weights is None else {"target.path": {"path": settings.target.path, "sha256": weights}}
 
 
+def record_first_weights(path: str, settings) -> dict | None:
+    """The JSON record at `path` (data/stats.json, eval/done.json), where it records input_files but not a
+    target=hf checkpoint's weights (made before they were recorded), with the weights seen now added: taken for
+    those that made it, so that weights trained into the folder later are told apart. None without a record."""
+    record = read_json_or_none(path)
+    weights = target_weights_file(settings)
+    if isinstance(record, dict) and weights and "target.path" not in (record.get("input_files") or {}):
+        record = {**record, "input_files": {**(record.get("input_files") or {}), **weights}}
+        write_json(path, record)
+    return record
+
+
 def target_weights(settings) -> str | None:
     """The checkpoint_digest of a target=hf checkpoint (None for the packaged and tiny targets, which a setting
     names whole, and for a path that is not there: the preflight names it)."""
@@ -326,6 +350,14 @@ def changed_input_files(settings, data_dir: str) -> list[tuple[str, str, str, st
     trusted as it is)."""
     recorded = (read_json_or_none(os.path.join(data_dir, "stats.json")) or {}).get("input_files")
     return changed_files(recorded, input_files(settings), unrecorded_changed=False)
+
+
+def changed_words(key: str, path: str, recorded: str, now: str, since: str) -> str:
+    """An input file that changed (changed_files' tuple), as a line says it: a file's sha256, or a target=hf
+    checkpoint's digest of its weights."""
+    if key == "target.path":
+        return f"{key} {path} holds other weights since {since} (digest {recorded[:12]}... -> {now[:12]}...)"
+    return f"{key} {path} changed since {since} (sha256 {recorded[:12]}... -> {now[:12]}...)"
 
 
 def changed_files(recorded: Any, now: dict[str, dict[str, str]], *,

@@ -19,7 +19,8 @@ from dflash.data.journal import setting_differences
 from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, shown, \
     stage_done, swap_in_dir, temp_path, write_text
 from dflash.stages.context import RunContext
-from dflash.stages.data import changed_files, hashed_files, target_weights_file
+from dflash.stages.data import (changed_files, changed_words, hashed_files, record_first_weights,
+                                target_weights_file)
 from dflash.stages.export import ExportStage, export_best, holds_drafter
 from dflash.stages.prompt_files import eval_prompt_files, refuse_unreadable_prompts
 from dflash.stages.stage import Stage
@@ -202,14 +203,16 @@ class EvalStage(Stage):
                 and os.path.exists(os.path.join(self.out, "summary.json"))):
             return False
         changed = changed_eval_inputs(self.context.settings, self.out)
-        for key, path, recorded, now in changed:
-            logger.warning(f"[eval] {key} {path} changed since this evaluation (sha256 {recorded[:12]}... -> "
-                           f"{now[:12]}...): evaluating again")
+        for change in changed:
+            logger.warning(f"[eval] {changed_words(*change, 'this evaluation')}: evaluating again")
         return not changed
 
     def kept(self) -> None:
+        """The table of the evaluation kept; one from before a target=hf checkpoint's weights were recorded records
+        those seen now (record_first_weights)."""
         from dflash.eval.evaluate import format_table
 
+        record_first_weights(os.path.join(self.out, "done.json"), self.context.settings)
         self.summary = read_json(os.path.join(self.out, "summary.json"))
         print(format_table(self.summary, timing=False))
 
@@ -389,10 +392,14 @@ def eval_input_files(settings) -> dict[str, dict[str, str]]:
 
 def changed_eval_inputs(settings, eval_dir: str) -> list[tuple[str, str, str, str]]:
     """(key, path, recorded sha256 or 'none', sha256 now) of each input file (eval_input_files) whose contents differ
-    from those the evaluation's done.json in `eval_dir` recorded, or that it did not record; none when it recorded
-    none (an evaluation from before the record, trusted as it is)."""
+    from those the evaluation's done.json in `eval_dir` recorded, or that it did not record (a target=hf
+    checkpoint's weights excepted: an evaluation from before they were recorded records those seen when it is kept);
+    none when it recorded none (an evaluation from before the record, trusted as it is)."""
     recorded = (read_json_or_none(os.path.join(eval_dir, "done.json")) or {}).get("input_files")
-    return changed_files(recorded, eval_input_files(settings), unrecorded_changed=True)
+    now = eval_input_files(settings)
+    if isinstance(recorded, dict) and "target.path" not in recorded:
+        now.pop("target.path", None)
+    return changed_files(recorded, now, unrecorded_changed=True)
 
 
 def refuse_static_engine_family(settings) -> None:

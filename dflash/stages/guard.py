@@ -16,7 +16,7 @@ from dflash.config.errors import RunFolderError, as_typed
 from dflash.run_files import CHECKPOINT_KEY, read_json_or_none
 from dflash.stages.batch_split import counted_ranks, fingerprinted, keeping_batch, recorded_split, settings_record
 from dflash.stages.context import RunContext
-from dflash.stages.data import changed_input_files
+from dflash.stages.data import changed_input_files, changed_words
 from dflash.stages.train import TrainStage
 
 
@@ -88,11 +88,11 @@ def refuse_rebuilt_data(train: TrainStage) -> None:
     run = train.context
     changed = changed_input_files(run.settings, run.dirs["data"])
     if changed:
-        key, path, recorded, now = changed[0]
+        what = "the checkpoint" if changed[0][0] == "target.path" else "the file"
+        since = "this run's data stage"
         raise RunFolderError(
-            f"{key} {path} changed since this run's data stage (sha256 {recorded[:12]}... -> {now[:12]}...), whose "
-            f"data trained the drafter in {run.run_dir}; nothing was changed. "
-            f"{ways_on(train, 'train on the file as it is now', data_kept=False)}")
+            f"{changed_words(*changed[0], since)}, whose data trained the drafter in {run.run_dir}; nothing was "
+            f"changed. {ways_on(train, f'train on {what} as it is now', data_kept=False)}")
     unchecked = train.capture.data.unchecked_eval_sets()
     if unchecked:
         sets = ", ".join(unchecked)

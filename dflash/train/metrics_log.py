@@ -78,9 +78,10 @@ class MetricsLog:
     """Writes on rank 0 only; every other rank gets a log that accepts and drops records.
 
     wandb's run opens when training (re)starts at a known step (`resume_from`, or the first record): a training
-    resumed online continues its run, rewound to the step it resumes from (wandb's `resume_from`), so that a
-    preempted training is one run on wandb's site. wandb cannot resume an offline run (it ignores `resume` offline),
-    so each start of an offline training is a run of its own, which the closing block names.
+    resumed online continues its run, rewound to the step it resumes from (wandb's `resume_from`) or, where wandb
+    does not offer that, continued where it stopped, so that a preempted training is one run on wandb's site. wandb
+    cannot resume an offline run (it ignores `resume` offline), so each start of an offline training is a run of
+    its own, which the closing block names.
     """
 
     def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, wandb_mode: str, wandb_project: str,
@@ -125,12 +126,16 @@ class MetricsLog:
         common = dict(start, reinit="finish_previous", settings=wandb.Settings(silent=not verbose()))
         earlier = read_run_id(id_file)
         if start["mode"] == "online" and earlier is not None and earlier["mode"] == "online":
-            try:
-                self._wandb = wandb.init(resume_from=f"{earlier['id']}?_step={step}", **common)
-                return
-            except Exception as error:  # a beta feature of wandb's, and its site may not know the run
-                logger.warning(f"[train] wandb could not continue run {earlier['id']} at step {step:,} ({error}); "
-                               f"this start logs to a new run")
+            # Rewound to `step` (a preview wandb enables per account), else continued where it stopped (wandb then
+            # drops the records of steps it has, those a killed run logged after its checkpoint), else a new run.
+            for how in ({"resume_from": f"{earlier['id']}?_step={step}"}, {"id": earlier["id"], "resume": "allow"}):
+                try:
+                    self._wandb = wandb.init(**how, **common)
+                    return
+                except Exception as error:  # wandb's site may not offer the way, or not know the run
+                    failed = error
+            logger.warning(f"[train] wandb could not continue run {earlier['id']} at step {step:,} ({failed}); "
+                           f"this start logs to a new run")
         self._wandb = wandb.init(**common)
         os.makedirs(os.path.dirname(id_file), exist_ok=True)
         # An online run's page (wandb warns on the console when an offline run's is asked for).
