@@ -171,3 +171,31 @@ def test_every_stage_runs_on_an_hf_folder_with_no_mask_token_given(tmp_path, fam
     transform = {k: v for k, v in exported["dflash_config"].items()
                  if k in ("output_multiplier", "final_logit_softcapping")}
     assert transform == EXPORTED_TRANSFORMS.get(family, {})
+
+
+ROPE_HEAD = 16  # head_dim of the tiny families
+
+
+@pytest.mark.parametrize("family,overrides,limit", [
+    ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=64,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * (ROPE_HEAD // 2),
+                                   "long_factor": [4.0] * (ROPE_HEAD // 2), "original_max_position_embeddings": 64}),
+     64),
+    ("llama", dict(max_position_embeddings=96, rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                                                "rope_theta": 10000.0}), 96),
+])
+def test_a_rope_that_changes_with_the_forwards_length_is_held_below_it(tmp_path, family, overrides, limit):
+    """longrope and dynamic NTK pick their frequencies per forward from its longest sequence: past that length a
+    sample's answer and features would depend on the samples beside it, so data.max_length must stay within it."""
+    folder = hf_folder(tmp_path, family, **overrides)
+    command = TINY + ["target=hf", f"target.path={folder}"]
+    rope = json.loads((folder / "config.json").read_text()).get("rope_parameters") or {}
+    assert rope.get("rope_type") in ("longrope", "dynamic")
+    from dflash.stages.context import refuse_unusable_target
+
+    with pytest.raises(ConfigError, match=rf"data.max_length=192: target.path=.* has rope_type "
+                                          rf"'{rope['rope_type']}', whose frequencies change once a forward's "
+                                          rf"longest sequence passes {limit} tokens"):
+        refuse_unusable_target(settings_from(compose(command)))
+    refuse_unusable_target(settings_from(compose(command + [f"data.max_length={limit}"])))  # within it
+    refuse_unusable_target(settings_from(compose(command + ["stages=[eval]"])))  # an evaluation makes no data

@@ -94,13 +94,15 @@ class RunContext:
 def refuse_unusable_target(settings: RunSettings) -> None:
     """ConfigError in one line when target.chat_template is no chat template (template_file_problem),
     target.path names a checkpoint no adapter can take (its family, what is missing), target.mask_token_id lies
-    outside its vocabulary, or the drafter settings make no drafter for it (a hidden size or a tap it does not have,
-    heads that do not group), found from its config alone before any stage runs
+    outside its vocabulary, the drafter settings make no drafter for it (a hidden size or a tap it does not have,
+    heads that do not group), or its RoPE changes with the forward's length below data.max_length
+    (length_dependent_rope), found from its config alone before any stage runs
     (dflash/models/targets/preflight.py). The rest of a given mask token's checks need the data (capture). The
     smollm2 and tiny targets are known adapters' targets, whose shape comes from the converted checkpoint's config
     (the GGUF's metadata before the first conversion) or the tiny family's. A command whose stages never load the
     target (export alone) checks nothing here."""
-    from dflash.models.targets.preflight import checkpoint_config, config_shape, known_target_shape, target_problem
+    from dflash.models.targets.preflight import (checkpoint_config, config_shape, known_target_shape,
+                                                 length_dependent_rope, target_problem)
     from dflash.stages.shapes import check_drafter_builds
 
     target = settings.target
@@ -123,5 +125,12 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     problem = target_problem(str(target.path), target.cache_dir)
     if problem is not None:
         raise ConfigError(f"target.path={target.path!r}: {problem}")
-    shape = config_shape(checkpoint_config(str(target.path), target.cache_dir).get_text_config())
-    check_drafter_builds(settings, shape, str(target.path))
+    config = checkpoint_config(str(target.path), target.cache_dir).get_text_config()
+    check_drafter_builds(settings, config_shape(config), str(target.path))
+    rope = length_dependent_rope(config)
+    if rope is not None and set(settings.stages) & {"data", "capture", "train"} and \
+            settings.data.max_length > rope[1]:
+        raise ConfigError(f"data.max_length={settings.data.max_length}: target.path={target.path!r} has rope_type "
+                          f"{rope[0]!r}, whose frequencies change once a forward's longest sequence passes {rope[1]} "
+                          f"tokens, so a sample's answer and hidden states would depend on the samples beside it; "
+                          f"data.max_length={rope[1]} or less keeps every forward within them")

@@ -95,6 +95,27 @@ def target_problem(path: str, cache_dir: str | None = None) -> str | None:
     return None
 
 
+def length_dependent_rope(config: Any) -> tuple[str, int] | None:
+    """(rope_type, tokens) of a (text) config whose RoPE frequencies change once a forward's longest sequence
+    passes `tokens` (layout.LENGTH_DEPENDENT_ROPE: longrope switches to its long factors, dynamic NTK rescales its
+    base, each for every row of the forward), else None. transformers decides per forward from the longest position
+    in it, so past that length a sample's hidden states would depend on the samples batched or packed beside it."""
+    from dflash.models.targets.layout import LENGTH_DEPENDENT_ROPE
+
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # One set of parameters, or one per layer type (Gemma 3).
+    for params in parameters.values() if all(isinstance(v, dict) for v in parameters.values()) and parameters \
+            else [parameters]:
+        kind = params.get("rope_type", params.get("type"))
+        if kind == "longrope":
+            return kind, int(params.get("original_max_position_embeddings")
+                             or getattr(config, "original_max_position_embeddings", None)
+                             or config.max_position_embeddings)
+        if kind in LENGTH_DEPENDENT_ROPE:  # dynamic: grows past the config's max_position_embeddings
+            return kind, int(config.max_position_embeddings)
+    return None
+
+
 def first_line(error: BaseException) -> str:
     """The first line of what went wrong: the message of the error `error` was raised from when there is one
     (huggingface_hub's validation error heads the ValueError that names the field), else of `error` itself."""
