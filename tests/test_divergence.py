@@ -42,6 +42,9 @@ def test_a_few_non_finite_steps_are_skipped_with_a_warning_each(tmp_path, capsys
     err = capsys.readouterr().err
     assert "step 4: loss nan, grad_norm inf; its update was skipped (3 such step(s) in a row" in err
     assert len(records) == 12 and finite(state)
+    # The LR follows the global step through the skipped updates, to the schedule's end, as a clean run's does.
+    _, clean = train_run(tmp_path / "clean", heldout=None, eval_every=0, save_every=1, epochs=4)
+    assert [r["lr"] for r in records] == [r["lr"] for r in clean]
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
@@ -97,3 +100,23 @@ def test_the_command_ends_with_one_line_and_exit_status_1(monkeypatch, capsys):
     assert stopped.value.code == 1
     assert capsys.readouterr().err == ("dflash: error: training diverged at step 3: the drafter's weights hold NaN "
                                        "or infinite values\n")
+
+
+def test_the_metrics_of_a_checkpoints_steps_reach_the_disk_before_it(tmp_path, monkeypatch):
+    """A resume logs only the steps after its checkpoint: their records are fsynced before the checkpoint is saved,
+    so a power loss cannot keep the checkpoint and lose them."""
+    from dflash.train.checkpoint_policy import CheckpointPolicy
+    from dflash.train.metrics_log import MetricsLog
+
+    events, fsynced = [], []
+    sync, save, fsync = MetricsLog.sync, CheckpointPolicy.save, os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: fsynced.append(fd) or fsync(fd))
+
+    def synced(log):
+        sync(log)
+        events.append("sync" if fsynced and fsynced[-1] == log._file.fileno() else "not fsynced")
+
+    monkeypatch.setattr(MetricsLog, "sync", synced)
+    monkeypatch.setattr(CheckpointPolicy, "save", lambda self, *a, **k: events.append("save") or save(self, *a, **k))
+    train_run(tmp_path, heldout=None, eval_every=0, save_every=2, epochs=2)
+    assert events and events == ["sync", "save"] * (len(events) // 2)

@@ -178,8 +178,9 @@ ROPE_HEAD = 16  # head_dim of the tiny families
 
 @pytest.mark.parametrize("family,overrides,limit", [
     ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=64,
-                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * (ROPE_HEAD // 2),
-                                   "long_factor": [4.0] * (ROPE_HEAD // 2), "original_max_position_embeddings": 64}),
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                   "short_factor": [1.0] * (ROPE_HEAD // 2), "long_factor": [4.0] * (ROPE_HEAD // 2),
+                                   "original_max_position_embeddings": 64}),
      64),
     ("llama", dict(max_position_embeddings=96, rope_parameters={"rope_type": "dynamic", "factor": 4.0,
                                                                 "rope_theta": 10000.0}), 96),

@@ -307,7 +307,12 @@ class TrainEngine:
         self.engine.backward(loss)
 
     def step(self) -> None:
+        skipped = self.engine.skipped_steps
         self.engine.step()
+        if self.engine.skipped_steps > skipped:
+            # DeepSpeed skips the LR schedule's step with a non-finite step's update; the loop counts that step (its
+            # data is spent), so the schedule steps too and the LR keeps following the global step to its end.
+            self.scheduler.step()
 
     def lr(self) -> float:
         return self.engine.get_lr()[0]

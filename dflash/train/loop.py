@@ -328,6 +328,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
             stopping = stop.requested(device)  # in the last step too: stop now, not after export and eval
             if checkpoints.due(step, total_steps, stopping):
                 divergence.check_weights(engine, step)  # no checkpoint with a non-finite weight
+                log.sync()  # the records of the steps it holds reach the disk before it does (a resume skips them)
                 checkpoints.save(engine, step, pace.budget)
             if stopping:
                 raise stop.stopped(step)

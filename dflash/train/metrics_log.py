@@ -142,6 +142,13 @@ class MetricsLog:
         url = self._wandb.url if start["mode"] == "online" else None
         atomic_write(id_file, json.dumps({"id": self._wandb.id, "mode": start["mode"], "url": url}) + "\n")
 
+    def sync(self) -> None:
+        """metrics.jsonl's records made durable (fsync): a checkpoint saved after them survives a power loss, and a
+        training resumed from it logs only the steps after it."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def _open_tensorboard(self, purge_step: int | None = None) -> None:
         if self._tensorboard_dir is not None and self._tensorboard is None:
             from torch.utils.tensorboard import SummaryWriter
