@@ -194,9 +194,27 @@ def test_a_rope_that_changes_with_the_forwards_length_is_held_below_it(tmp_path,
     assert rope.get("rope_type") in ("longrope", "dynamic")
     from dflash.stages.context import refuse_unusable_target
 
-    with pytest.raises(ConfigError, match=rf"data.max_length=192: target.path=.* has rope_type "
-                                          rf"'{rope['rope_type']}', whose frequencies change once a forward's "
-                                          rf"longest sequence passes {limit} tokens"):
+    with pytest.raises(ConfigError, match=rf"data.max_length=192, data.max_new_tokens=32: target.path=.* has "
+                                          rf"rope_type '{rope['rope_type']}', whose frequencies change once a "
+                                          rf"forward's longest sequence passes {limit} tokens.*reach 223 tokens"):
         refuse_unusable_target(settings_from(compose(command)))
-    refuse_unusable_target(settings_from(compose(command + [f"data.max_length={limit}"])))  # within it
+    # A batch's longest prompt runs on for its shortest prompt's answer budget: max_length alone is not the bound.
+    within = [f"data.max_length={limit - 31}", "data.max_new_tokens=32"]
+    refuse_unusable_target(settings_from(compose(command + within)))
+    with pytest.raises(ConfigError, match=rf"reach {limit + 1} tokens"):
+        refuse_unusable_target(settings_from(compose(command + [f"data.max_length={limit - 30}"])))
     refuse_unusable_target(settings_from(compose(command + ["stages=[eval]"])))  # an evaluation makes no data
+
+
+def test_the_first_rope_switch_of_any_layer_type_counts():
+    from dflash.models.targets.preflight import length_dependent_rope
+
+    config = transformers.LlamaConfig(max_position_embeddings=131072)
+    config.rope_parameters = {"full_attention": {"rope_type": "dynamic", "factor": 4.0},
+                              "sliding_attention": {"rope_type": "longrope", "original_max_position_embeddings": 4096}}
+    assert length_dependent_rope(config) == ("longrope", 4096)
+    config.rope_parameters = {"full_attention": {"rope_type": "longrope", "original_max_position_embeddings": 4096},
+                              "sliding_attention": None}  # a type without its own set
+    assert length_dependent_rope(config) == ("longrope", 4096)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    assert length_dependent_rope(config) is None

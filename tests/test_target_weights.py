@@ -95,22 +95,33 @@ def recorded_weights(path):
     return json.loads(path.read_text())["input_files"].get("target.path", {}).get("sha256")
 
 
-def test_data_from_before_weights_were_recorded_is_trusted_until_they_change(tmp_path, monkeypatch):
-    """A run folder of the previous version: its data are kept as they are (no answer written again, the same
-    fingerprint, so capture and training stand), and record the weights seen now; weights trained into the folder
-    later are told apart."""
+def old_data_folder(tmp_path, monkeypatch):
+    """(checkpoint folder, the data command, its data folder) of a data stage the previous version ran."""
     folder, run_dir = tmp_path / "model", tmp_path / "run"
     save_checkpoint(folder, seed=0)
     command = TINY + ["target=hf", f"target.path={folder}", f"run_dir={run_dir}", "stages=[data]"]
     with monkeypatch.context() as patch:
         old_version(patch)
         Pipeline(compose(command)).run()
-    data = run_dir / "data"
+    return folder, command, run_dir / "data"
+
+
+def test_data_from_before_weights_were_recorded_is_trusted_until_they_change(tmp_path, monkeypatch):
+    """A run folder of the previous version: its data are kept as they are (no answer written again, the same
+    fingerprint, so capture and training stand), and record the weights seen now; weights trained into the folder
+    later are told apart."""
+    folder, command, data = old_data_folder(tmp_path, monkeypatch)
     first, built = journal_answers(data / "journal.jsonl"), json.loads((data / "stats.json").read_text())
     assert "target.path" not in built["input_files"]
     Pipeline(compose(command)).run()  # up to date: kept, with the weights seen now recorded
     assert recorded_weights(data / "stats.json") == checkpoint_digest(str(folder))
+    assert json.loads((data / "first_weights.json").read_text())["sha256"] == checkpoint_digest(str(folder))
     (data / "done.json").unlink()  # built again for another reason: the same build, trusted
+    Pipeline(compose(command)).run()
+    assert json.loads((data / "stats.json").read_text())["fingerprint"] == built["fingerprint"]
+    assert journal_answers(data / "journal.jsonl") == first and not list(data.glob("*.*.jsonl"))
+    (data / "done.json").unlink()
+    (data / "stats.json").unlink()  # a kill inside a rebuild's swap: the build's record gone, still trusted
     Pipeline(compose(command)).run()
     assert json.loads((data / "stats.json").read_text())["fingerprint"] == built["fingerprint"]
     assert journal_answers(data / "journal.jsonl") == first and not list(data.glob("*.*.jsonl"))
@@ -120,6 +131,32 @@ def test_data_from_before_weights_were_recorded_is_trusted_until_they_change(tmp
     again = journal_answers(data / "journal.jsonl")
     assert [again[pid] for pid in sorted(first) if pid in again and not pid.startswith("syn-")] != \
         [first[pid] for pid in sorted(first) if pid in again and not pid.startswith("syn-")]
+    assert len(list(data.glob("*.*.jsonl"))) == 2  # the old weights' journals, kept aside
+
+
+def test_a_folder_from_before_killed_in_its_first_rebuild_still_tells_new_weights_apart(tmp_path, monkeypatch):
+    """The first command of this version on an old folder runs its data stage (for another reason) and is killed
+    before it writes anything: the weights it saw are recorded already, so weights trained in before the rerun do
+    not inherit the old answers."""
+    from dflash.stages import data as data_stage
+
+    folder, command, data = old_data_folder(tmp_path, monkeypatch)
+    first = journal_answers(data / "journal.jsonl")
+    (data / "done.json").unlink()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("dflash.data.dataset.build_dataset", killed)
+        with pytest.raises(KeyboardInterrupt):
+            Pipeline(compose(command)).run()
+    assert json.loads((data / data_stage.FIRST_WEIGHTS).read_text())["sha256"] == checkpoint_digest(str(folder))
+    save_checkpoint(folder, seed=1)
+    Pipeline(compose(command)).run()
+    again = journal_answers(data / "journal.jsonl")
+    shared = sorted(pid for pid in first if pid in again and not pid.startswith("syn-"))
+    assert shared and [again[pid] for pid in shared] != [first[pid] for pid in shared]
     assert len(list(data.glob("*.*.jsonl"))) == 2  # the old weights' journals, kept aside
 
 

@@ -113,3 +113,18 @@ def test_anchor_slots_no_sequence_uses_are_trimmed_without_changing_the_loss(mon
         engine = make_engine(None)
         loss[name] = train_step(engine, embed, lm_head, batch, settings, 1)["loss"]
     assert abs(loss["trimmed"] - loss["padded"]) < 1e-5 * abs(loss["padded"])
+
+
+def test_a_schedule_left_behind_its_global_step_is_aligned_to_it():
+    """A checkpoint saved before a non-finite step stepped the LR schedule too holds a schedule behind its global
+    step: aligned on resume, the LR is the step's (as the scheduler's own steps would have set it)."""
+    behind, ahead = make_engine(None), make_engine(None)
+    for _ in range(3):
+        ahead.scheduler.step()
+    ahead_lr = ahead.lr()
+    behind.scheduler.step()  # one of the three steps counted
+    assert behind.lr() != ahead_lr
+    behind.align_schedule(3)
+    assert behind.scheduler.last_epoch == 3 and behind.lr() == ahead_lr
+    behind.align_schedule(3)  # where it is already: nothing changes
+    assert behind.lr() == ahead_lr

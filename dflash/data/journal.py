@@ -124,6 +124,12 @@ def _first_line(path: Path) -> bytes:
         return f.readline()
 
 
+def journal_header(path: str | Path) -> dict | None:
+    """The settings of the journal at `path` (its first line's header), without reading the rest; None when there
+    is no journal or its first line is no header."""
+    return _header_of(_first_line(Path(path)))
+
+
 def _header_of(line: bytes) -> dict | None:
     """The settings of a journal's header line, or None when the line is no header."""
     try:

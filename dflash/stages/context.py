@@ -91,6 +91,19 @@ class RunContext:
         return OmegaConf.to_yaml(self.cfg, resolve=True)
 
 
+def longest_forward(settings: RunSettings) -> int:
+    """The longest sequence a forward of the target reaches in the data, capture and train stages: a batch of
+    answers runs its longest prompt (data.max_length - 1 tokens at most) on for the budget of its shortest (up to
+    data.max_new_tokens), and the held-out replay at a temperature samples a continuation of a held-out prompt;
+    capture and training see whole samples (data.max_length at most). The synthetic prompts' draws (a system
+    prompt and up to data.synthetic.max_new_tokens, a few hundred tokens) are not counted."""
+    d, t = settings.data, settings.train
+    answers = d.max_new_tokens
+    if t.best_by != "tau":
+        answers = max(answers, t.heldout_max_new_tokens or d.max_new_tokens)
+    return d.max_length - 1 + answers
+
+
 def refuse_unusable_target(settings: RunSettings) -> None:
     """ConfigError in one line when target.chat_template is no chat template (template_file_problem),
     target.path names a checkpoint no adapter can take (its family, what is missing), target.mask_token_id lies
@@ -128,9 +141,13 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     config = checkpoint_config(str(target.path), target.cache_dir).get_text_config()
     check_drafter_builds(settings, config_shape(config), str(target.path))
     rope = length_dependent_rope(config)
-    if rope is not None and set(settings.stages) & {"data", "capture", "train"} and \
-            settings.data.max_length > rope[1]:
-        raise ConfigError(f"data.max_length={settings.data.max_length}: target.path={target.path!r} has rope_type "
-                          f"{rope[0]!r}, whose frequencies change once a forward's longest sequence passes {rope[1]} "
-                          f"tokens, so a sample's answer and hidden states would depend on the samples beside it; "
-                          f"data.max_length={rope[1]} or less keeps every forward within them")
+    if rope is not None and set(settings.stages) & {"data", "capture", "train"}:
+        longest = longest_forward(settings)
+        if longest > rope[1]:
+            raise ConfigError(
+                f"data.max_length={settings.data.max_length}, data.max_new_tokens={settings.data.max_new_tokens}: "
+                f"target.path={target.path!r} has rope_type {rope[0]!r}, whose frequencies change once a forward's "
+                f"longest sequence passes {rope[1]} tokens, so a sample's answer and hidden states would depend on "
+                f"the samples beside it; the data stage's forwards reach {longest} tokens (a batch's longest prompt "
+                f"with the answer budget of its shortest): keep data.max_length + data.max_new_tokens - 1 at most "
+                f"{rope[1]}")

@@ -30,6 +30,8 @@ def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
 
 # stats.json's mark of a build that recorded its chat template (DataStage.record_template), or that it needs none.
 TEMPLATE_RECORDED = "chat_template_recorded"
+# The target=hf weights first seen beside data made before the weights were recorded (DataStage.note_first_weights).
+FIRST_WEIGHTS = "first_weights.json"
 
 
 def training_prompts(data) -> list:
@@ -132,21 +134,35 @@ class DataStage(Stage):
 
     def target_identity(self) -> dict[str, Any]:
         """The target's settings, and the weights of a checkpoint of one's own (target_weights): what the journals
-        and the dataset's fingerprint record, so answers other weights wrote are moved aside, not reused. A build
-        from before the weights were recorded (its stats.json's settings name none) is trusted as it is while the
-        weights are those first seen beside it (its input_files): its journals and fingerprint stay as they were
-        made, without them; other weights there are told apart from them."""
+        and the dataset's fingerprint record, so answers other weights wrote are moved aside, not reused. Data made
+        before the weights were recorded is trusted as it is while the weights are those first seen beside it
+        (FIRST_WEIGHTS, note_first_weights): its journals and fingerprint stay as they were made, without them;
+        other weights there are told apart from them (and those first seen, coming back, find their data again)."""
         identity = fingerprints.target_identity(self.context.settings)
         weights = target_weights(self.context.settings)
         if weights is None:
             return identity
-        stats = read_json_or_none(os.path.join(self.out, "stats.json"))
-        recorded = stats.get("settings", {}).get("target") if isinstance(stats, dict) else None
-        seen = (stats.get("input_files") or {}).get("target.path", {}).get("sha256") if isinstance(stats, dict) \
-            else None
-        if isinstance(recorded, dict) and "weights" not in recorded and seen in (None, weights):
+        first = read_json_or_none(os.path.join(self.out, FIRST_WEIGHTS))
+        if isinstance(first, dict) and first.get("sha256") == weights:
             return identity
         return {**identity, "weights": weights}
+
+    def note_first_weights(self) -> None:
+        """FIRST_WEIGHTS, once, in a data folder made before the weights were recorded (a build, or a journal of
+        one killed midway, whose target names none): the weights seen now, taken for those that made it. Kept
+        whatever the stage does next (a kill inside a rebuild's swap included), so the folder stays trusted."""
+        weights = target_weights(self.context.settings)
+        path = os.path.join(self.out, FIRST_WEIGHTS)
+        if weights is None or os.path.exists(path):
+            return
+        from dflash.data.journal import journal_header
+
+        stats = read_json_or_none(os.path.join(self.out, "stats.json"))
+        made = [stats.get("settings", {}).get("target") if isinstance(stats, dict) else None]
+        made += [(journal_header(os.path.join(self.out, name)) or {}).get("target")
+                 for name in ("journal.jsonl", "synthetic.jsonl")]
+        if any(isinstance(target, dict) and "weights" not in target for target in made):
+            write_json(path, {"sha256": weights, "path": self.context.settings.target.path})
 
     def run(self) -> dict[str, Any] | None:
         """The dataset; its stats for done.json, or None while some prompts failed."""
@@ -154,6 +170,7 @@ class DataStage(Stage):
 
         run, d, out = self.context, self.context.settings.data, self.out
         os.makedirs(out, exist_ok=True)
+        self.note_first_weights()  # before anything of this run is written (a kill then keeps the folder trusted)
         inputs = input_files(run.settings)  # hashed before they are read: an edit made during the run shows next time
         seconds: dict[str, float] = {}  # where the stage's time goes before the answers (stats.json "before_answers")
         prompts = timed(seconds, "prompts", lambda: training_prompts(d))
@@ -197,8 +214,9 @@ class DataStage(Stage):
         carry it (ExportStage)."""
         from dflash.models.targets.load import load_target_vocabulary
 
+        self.note_first_weights()
         path = os.path.join(self.out, "stats.json")
-        stats = record_first_weights(path, self.context.settings)
+        stats = record_first_weights(path, self.context.settings, create=True)
         if stats is None or stats.get(TEMPLATE_RECORDED):
             return
         t = self.context.settings.target
@@ -301,14 +319,18 @@ def target_weights_file(settings) -> dict[str, dict[str, str]]:
     return {} if weights is None else {"target.path": {"path": settings.target.path, "sha256": weights}}
 
 
-def record_first_weights(path: str, settings) -> dict | None:
-    """The JSON record at `path` (data/stats.json, eval/done.json), where it records input_files but not a
-    target=hf checkpoint's weights (made before they were recorded), with the weights seen now added: taken for
-    those that made it, so that weights trained into the folder later are told apart. None without a record."""
+def record_first_weights(path: str, settings, *, create: bool) -> dict | None:
+    """The JSON record at `path` (data/stats.json, eval/done.json), where it records no target=hf checkpoint's
+    weights in its input_files (made before they were recorded), with the weights seen now added: taken for those
+    that made it, so that weights trained into the folder later are told apart. create: also into a record without
+    input_files (where an unrecorded file counts as unchanged; not an evaluation's, where it counts as changed).
+    None without a record."""
     record = read_json_or_none(path)
     weights = target_weights_file(settings)
-    if isinstance(record, dict) and weights and "target.path" not in (record.get("input_files") or {}):
-        record = {**record, "input_files": {**(record.get("input_files") or {}), **weights}}
+    files = record.get("input_files") if isinstance(record, dict) else None
+    if weights and (isinstance(files, dict) or (create and isinstance(record, dict) and files is None)) \
+            and "target.path" not in (files or {}):
+        record = {**record, "input_files": {**(files or {}), **weights}}
         write_json(path, record)
     return record
 

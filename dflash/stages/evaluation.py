@@ -212,7 +212,7 @@ class EvalStage(Stage):
         those seen now (record_first_weights)."""
         from dflash.eval.evaluate import format_table
 
-        record_first_weights(os.path.join(self.out, "done.json"), self.context.settings)
+        record_first_weights(os.path.join(self.out, "done.json"), self.context.settings, create=False)
         self.summary = read_json(os.path.join(self.out, "summary.json"))
         print(format_table(self.summary, timing=False))
 

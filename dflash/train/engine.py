@@ -327,8 +327,19 @@ class TrainEngine:
             raise ValueError(f"the LR schedule needs at least 1 step, got total_steps={total_steps}")
         self.total_steps = total_steps
         self.warmup_steps = min(self.built_warmup, max(1, total_steps // 2))
+        self._follow_schedule()
+
+    def align_schedule(self, step: int) -> None:
+        """The LR schedule at global step `step`, where a checkpoint left it behind (one saved before a non-finite
+        step stepped it too: see step); the next step's LR follows at once. Nothing changes when it is there."""
+        if self.scheduler.last_epoch != step:
+            self.scheduler.last_epoch = step
+            self._follow_schedule()
+
+    def _follow_schedule(self) -> None:
+        """Each group's LR as the scheduler's own step would have set it for the step it is at (LambdaLR: base LR x
+        multiplier)."""
         scheduler = self.scheduler
-        # What the scheduler's own step would have set for the step it is at (LambdaLR: base LR x multiplier).
         for group, base_lr, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
                                               scheduler.lr_lambdas, strict=True):
             group["lr"] = base_lr * multiplier(scheduler.last_epoch)

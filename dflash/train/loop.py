@@ -286,6 +286,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     divergence = DivergenceGuard(settings.max_nonfinite_steps, checkpoint_dir, rank)
     state = checkpoints.restore(engine, tag)  # data position, anchors and LR all follow from the global step
     step = state["global_step"]
+    engine.align_schedule(step)
     plan = checkpoints.kept_apart(plan, as_feature_source(store), state)
     log.resume_from(step)  # records of steps after the checkpoint (or of an earlier run) are not this run's
     pace = BudgetPace(settings, total_steps, evaluates=heldout is not None, saved=state.get("time_budget"),

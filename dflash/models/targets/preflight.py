@@ -103,17 +103,22 @@ def length_dependent_rope(config: Any) -> tuple[str, int] | None:
     from dflash.models.targets.layout import LENGTH_DEPENDENT_ROPE
 
     parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    # One set of parameters, or one per layer type (Gemma 3).
-    for params in parameters.values() if all(isinstance(v, dict) for v in parameters.values()) and parameters \
-            else [parameters]:
+    # One set of parameters, or one per layer type (Gemma 3; a type without its own set is left out, as
+    # transformers leaves it): the first switch of them all.
+    per_type = [v for v in parameters.values() if isinstance(v, dict)]
+    switches = []
+    for params in per_type if per_type else [parameters]:
         kind = params.get("rope_type", params.get("type"))
         if kind == "longrope":
-            return kind, int(params.get("original_max_position_embeddings")
-                             or getattr(config, "original_max_position_embeddings", None)
-                             or config.max_position_embeddings)
-        if kind in LENGTH_DEPENDENT_ROPE:  # dynamic: grows past the config's max_position_embeddings
-            return kind, int(config.max_position_embeddings)
-    return None
+            switches.append((int(params.get("original_max_position_embeddings")
+                                 or getattr(config, "original_max_position_embeddings", None)
+                                 or config.max_position_embeddings), kind))
+        elif kind in LENGTH_DEPENDENT_ROPE:  # dynamic: grows past the config's max_position_embeddings
+            switches.append((int(config.max_position_embeddings), kind))
+    if not switches:
+        return None
+    tokens, kind = min(switches)
+    return kind, tokens
 
 
 def first_line(error: BaseException) -> str:
