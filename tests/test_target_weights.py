@@ -184,3 +184,23 @@ def test_a_trained_drafters_data_is_not_replaced_for_new_weights_and_its_evaluat
     Pipeline(compose(command + ["stages=[eval]"])).run()
     assert recorded_weights(done) == checkpoint_digest(str(folder))
     assert (run_dir / "eval" / "summary.json").read_bytes() != measured
+
+
+def test_an_evaluation_from_before_input_files_were_recorded_stays_kept(tmp_path):
+    """Its done.json records no input files: adding the weights alone would make every other input file count as
+    changed (an evaluation's unrecorded file does), so it is left as it is and trusted."""
+    from dflash.config import settings_from
+    from dflash.stages.data import record_first_weights
+    from dflash.stages.evaluation import changed_eval_inputs
+
+    folder = tmp_path / "model"
+    save_checkpoint(folder, seed=0)
+    settings = settings_from(compose(TINY + ["target=hf", f"target.path={folder}"]))
+    old, recorded = tmp_path / "old", tmp_path / "recorded"
+    for eval_dir, record in ((old, {"fingerprint": "f"}), (recorded, {"fingerprint": "f", "input_files": {}})):
+        eval_dir.mkdir()
+        (eval_dir / "done.json").write_text(json.dumps(record))
+        record_first_weights(str(eval_dir / "done.json"), settings, create=False)
+        assert changed_eval_inputs(settings, str(eval_dir)) == []
+    assert "input_files" not in json.loads((old / "done.json").read_text())
+    assert recorded_weights(recorded / "done.json") == checkpoint_digest(str(folder))
