@@ -30,4 +30,10 @@ def test_per_position_title_says_how_the_summary_was_measured():
     assert per_position_title({"mode": "replay", "temperature": 0.0, "block_size": 16}) == \
         "Acceptance per position, replay greedy (block size 16)"
     title = per_position_title({"mode": "live", "temperature": 0.7, "block_size": 8})
-    assert "live T=0.7" in title and "reedy" not in title
+    assert "live T=0.7, sampled drafts" in title and "reedy" not in title  # a summary from before the rule was kept
+    # Greedy and sampled drafts at one temperature are told apart, and a draft temperature is named.
+    assert "live T=1.0, greedy drafts (" in per_position_title({"mode": "live", "temperature": 1.0, "block_size": 8,
+                                                                 "draft_sampling": "greedy"})
+    assert "T=1.0, sampled drafts at 0.8 (" in per_position_title({"mode": "live", "temperature": 1.0, "block_size": 8,
+                                                                    "draft_sampling": "sampled",
+                                                                    "draft_temperature": 0.8})

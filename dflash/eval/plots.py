@@ -40,9 +40,15 @@ def plot_per_position(summary: dict[str, Any], path: str) -> str:
 
 
 def per_position_title(summary: dict[str, Any]) -> str:
-    """The per-position plot's title: how the summary was measured (greedy replay, live at some temperature)."""
+    """The per-position plot's title: how the summary was measured (greedy replay, live at some temperature, and at
+    T > 0 which drafts were verified)."""
     mode, temperature = summary.get("mode", "replay"), summary.get("temperature", 0.0)
     sampling = "greedy" if temperature == 0 else f"T={temperature}"
+    if temperature:  # which drafts were verified (and at what temperature sampled ones were drawn)
+        drafts = summary.get("draft_sampling", "sampled")  # the only rule before summaries recorded it
+        sampling += f", {drafts} drafts"
+        if summary.get("draft_temperature") is not None:
+            sampling += f" at {summary['draft_temperature']}"
     if "estimate" in summary:  # replay at T > 0: expected acceptance, not a sampled decode
         sampling = f"estimate at {sampling}"
     return f"Acceptance per position, {mode} {sampling} (block size {summary['block_size']})"
