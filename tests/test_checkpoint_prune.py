@@ -105,17 +105,6 @@ def test_latest_naming_an_incomplete_tag_falls_back_to_the_newest_complete_one(t
     assert "names checkpoint 'step4', which is not complete" in caplog.text
 
 
-def test_a_complete_tag_newer_than_latest_is_resumed_from(tmp_path, caplog):
-    """A kill between step2's `complete` and `latest`: step2 is whole and verifies, so the run resumes from it, not
-    from step1 (which would train steps 2 and on again and leave step2 behind as a branch it abandoned)."""
-    for step in (1, 2):
-        make_tag(tmp_path, f"step{step}")
-    (tmp_path / checkpoints.LATEST).write_text("step1")
-    with caplog.at_level("INFO"):
-        assert checkpoints.verified_latest_tag(str(tmp_path)) == "step2"
-    assert "step2 is complete and newer than step1, which latest names" in caplog.text
-
-
 def test_a_missing_latest_beside_complete_tags_resumes_from_the_newest(tmp_path, caplog):
     for step in (1, 2):
         make_tag(tmp_path, f"step{step}")

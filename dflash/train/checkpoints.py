@@ -190,9 +190,8 @@ def verified_latest_tag(directory: str) -> str | None:
     """The newest complete tag whose files verify, starting from the one `latest` names; a corrupt tag is named in
     a warning and the one before it is tried. `latest` naming a tag that is not complete (a kill while that step
     was saved again after a resume from an older tag), or missing beside complete tags, is named in a warning and
-    the complete tags are tried, newest first; a complete tag newer than the one it names (a kill between that
-    tag's `complete` and `latest`) comes first, with a line. CorruptFile naming each tag when none verifies; None
-    when there is no complete checkpoint."""
+    the complete tags are tried, newest first. CorruptFile naming each tag when none verifies; None when there is
+    no complete checkpoint."""
     tags = [t for _, t in reversed(complete_tags(directory))]
     try:
         named = latest_tag(directory)
@@ -204,11 +203,7 @@ def verified_latest_tag(directory: str) -> str | None:
         if named is None and tags:
             logger.warning(f"[train] warning: {os.path.join(directory, LATEST)} is missing; trying the complete "
                            f"checkpoints, newest first")
-    newer = tags[: tags.index(named)] if named in tags else []
-    if newer:
-        logger.info(f"[train] {newer[0]} is complete and newer than {named}, which {LATEST} names (a save killed "
-                    f"before {LATEST} was written): resuming from it")
-    candidates = newer + ([named] if named is not None else []) + [t for t in tags if t != named and t not in newer]
+    candidates = ([named] if named is not None else []) + [t for t in tags if t != named]
     if not candidates:
         return None
     problems = []
