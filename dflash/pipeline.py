@@ -75,7 +75,11 @@ class Pipeline:
         selected = selected_stages(self.settings.stages, self.stages)
         for stage in self.stages:
             stage.preflight(stage.name in selected)
-        os.makedirs(run.run_dir, exist_ok=True)
+        try:
+            os.makedirs(run.run_dir, exist_ok=True)
+        except OSError as error:  # a folder the schema could not judge (a special file system, another user's)
+            raise ConfigError(f"run_dir={self.settings.run_dir!r}: the folder cannot be made ({error.strerror})") \
+                from None
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
         with console_copied_to(log), third_party_records_to_run_log():

@@ -147,3 +147,15 @@ def test_stages_given_to_a_command_that_runs_its_own_is_one_line(config_name, ru
     assert ended.value.code == 2
     assert capsys.readouterr().err == (f"dflash: error: stages=[train]: python -m dflash.{config_name} runs {runs} "
                                        f"itself; python -m dflash.train stages=[train] runs the stages named\n")
+
+
+@pytest.mark.parametrize("config_name", ["train", "eval"])
+def test_a_target_kind_given_alone_is_refused_naming_the_group(config_name, capsys):
+    """target.kind=hf kept the smollm2 group's other keys (its mask token 16, an ordinary token of most checkpoints,
+    refused by capture after the whole data stage or used as the mask)."""
+    with pytest.raises(SystemExit) as ended:
+        command_arguments(["target.kind=hf", "target.path=/models/mine"], config_name)
+    assert ended.value.code == 2
+    assert ("target.kind=hf: a target is chosen by its group, target=hf target.path=<checkpoint folder or .gguf "
+            "file>: target.kind alone keeps the other keys of the target group in use (its mask token among them)"
+            ) in capsys.readouterr().err

@@ -54,6 +54,11 @@ TINY = ["+experiment=tiny"]
     (["train.lr=1e-3,3e-4"], "train", "train.lr=1e-3,3e-4: a comma sweeps, one job per value, each in a run folder "
                                       "of its own: python -m dflash.train -m +experiment=tiny train.lr=1e-3,3e-4 "
                                       "'name=tiny-${hydra:job.num}'; a list is train.lr=[1e-3,3e-4]"),
+    # A list setting: a sweep would give it one item a job and a quoted string is no list, so only brackets are said.
+    (["stages=data,capture"], "train", "stages=data,capture: stages is a list, written in brackets: "
+                                       "stages=[data,capture]"),
+    (["train.betas=0.9,0.95"], "train", "train.betas=0.9,0.95: train.betas is a list, written in brackets: "
+                                        "train.betas=[0.9,0.95]"),
     (["capture=offline,online"], "train", "capture=offline,online: capture takes one option; a comma sweeps, one job "
                                           "per option, each in a run folder of its own: python -m dflash.train -m "
                                           "+experiment=tiny capture=offline,online 'name=tiny-${hydra:job.num}'"),

@@ -1052,3 +1052,17 @@ def test_the_example_commands_of_the_settings_doc_pass_their_checks(overrides):
     # The first one failed its checks: the tiny experiment's two drafter layer types against three layers.
     assert len(docs_examples()) >= 2
     settings_from(compose(overrides))
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line_before_any_stage(tmp_path, monkeypatch):
+    """A folder the schema cannot judge (a special file system, as /proc; another user's, not seen as root): the
+    command stops at making it, in one line, not a traceback."""
+    from dflash.pipeline import Pipeline
+
+    with pytest.raises(ConfigError, match=r"^run_dir='/proc/dflash-run': the folder cannot be made \(.+\)$"):
+        Pipeline(compose(["+experiment=tiny", "run_dir=/proc/dflash-run", "stages=[data]"])).run()
+    # Where the process may not write (a user's view of another's folder; root writes everywhere, so it is mocked).
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(ConfigError, match=rf"^run_dir='{tmp_path}/run': would be made in {tmp_path}, which cannot be "
+                                          r"written into; expected a folder this user may write$"):
+        settings_from(compose(["+experiment=tiny", f"run_dir={tmp_path}/run"]))

@@ -34,3 +34,25 @@ def test_a_heldout_set_smaller_than_the_prompts_that_fit_is_built(tiny_target, t
     stats = build_dataset(prompts(), tiny_target("llama"), tmp_path / "a", heldout=2, **GEN)
     assert (stats["done"], stats["skipped"], stats["samples"], stats["heldout"]) == (3, 4, 1, 2)
     assert len(load_dataset_dir(tmp_path / "a")) == 1 and len(load_heldout_dir(tmp_path / "a")) == 2
+
+
+@pytest.mark.parametrize("source", ["file", "sharegpt"])
+def test_without_a_limit_a_heldout_set_of_every_prompt_is_refused_before_any_work(tmp_path, source):
+    """data.limit=null: the schema cannot count the prompts, so the data stage's preflight does, before the run
+    folder is made and the target loaded (it failed with a traceback after both)."""
+    from dflash.config import compose
+    from dflash.pipeline import Pipeline
+
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text("".join(f'{{"id": "p{i}", "prompt": "Question {i}?"}}\n' for i in range(3)))
+    given = ["data.source=file", f"data.path={prompts_file}", "data.heldout=3"] if source == "file" else \
+        ["data.heldout=100000"]
+    run_dir = tmp_path / "run"
+    command = ["+experiment=tiny", "show_progress=false", f"run_dir={run_dir}", "data.limit=null", *given]
+    expected = ("data.heldout=3: expected fewer than the 3 prompts the data stage can answer (3 from "
+                "data.source=file, data.path, 0 synthetic)") if source == "file" else \
+        ("data.heldout=100000: expected fewer than the 11137 prompts the data stage can answer (11137 from "
+         "data.source=sharegpt")
+    with pytest.raises(ConfigError) as error:
+        Pipeline(compose(command)).run()
+    assert str(error.value).startswith(expected) and not run_dir.exists()

@@ -149,6 +149,31 @@ def test_an_evaluation_into_another_drafters_evaluation_folder_is_refused_before
     assert snapshot(other) == before
 
 
+@pytest.mark.parametrize("target", ["", "data", "mine"])
+def test_an_evaluation_into_a_folder_of_other_files_is_refused_before_any_work(run_dir, tmp_path, monkeypatch,
+                                                                               target):
+    """eval.out_dir naming a run folder, a stage's folder or a folder of one's own: the evaluation took it over (its
+    files carried into the evaluation's folder, a stage's done.json replaced by the evaluation's); now the command
+    stops first. An empty folder is taken."""
+    from dflash.config import ConfigError
+
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns("eval"))
+    folder = other / target if target != "mine" else tmp_path / "mine"
+    if target == "mine":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine\n")
+    before = snapshot(folder)
+    forbid_evaluating(monkeypatch)
+    command = TINY + [f"run_dir={run_dir}", "stages=[eval]", f"eval.out_dir={folder}"]
+    with pytest.raises(ConfigError, match=f"^eval.out_dir={folder} holds files that are no evaluation "):
+        Pipeline(compose(command)).run()
+    assert snapshot(folder) == before
+    (tmp_path / "empty").mkdir()
+    Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]", f"eval.out_dir={tmp_path / 'empty'}"])
+             ).eval.refuse_a_folder_of_other_files()
+
+
 def test_a_run_copied_without_its_data_is_not_taken_for_another_drafter(run_dir):
     """The drafter an evaluation folder is compared with is the one its export records: a run folder copied without
     data/ and features/ (which its training's fingerprint is made from) keeps its evaluation up to date."""

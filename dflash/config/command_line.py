@@ -153,6 +153,18 @@ def refuse_stages_setting(argv: list[str], config_name: str) -> None:
                               f"python -m dflash.train {arg} runs the stages named")
 
 
+def refuse_target_kind_setting(argv: list[str]) -> None:
+    """ConfigError where `target.kind=` is given: the target group's option chooses a target with every key it
+    needs, while the kind alone keeps the other keys of the group in use (the smollm2 group's mask token for a
+    checkpoint of one's own)."""
+    for arg in split_arguments(argv)[0]:
+        if override_key(arg) == "target.kind" and "=" in arg:
+            kind = arg.partition("=")[2]
+            path = " target.path=<checkpoint folder or .gguf file>" if kind == "hf" else ""
+            raise ConfigError(f"{arg}: a target is chosen by its group, target={kind}{path}: target.kind alone keeps "
+                              f"the other keys of the target group in use (its mask token among them)")
+
+
 # What each command writes where Hydra's run folder would be (hydra.run.dir): conf/*.yaml keep Hydra's folder the
 # working one, where Hydra writes nothing.
 COMMAND_FOLDERS = {"train": "run_dir (runs/${name})", "extract": "run_dir (runs/${name})",
@@ -201,6 +213,7 @@ def command_arguments(argv: list[str], config_name: str = "train") -> list[str]:
         refuse_removed_settings(kept)
         refuse_unknown_override_keys(kept, CONFIG_DIR)
         refuse_stages_setting(kept, config_name)
+        refuse_target_kind_setting(kept)
         refuse_hydra_run_dir(kept, config_name)
         refuse_flags_between_overrides(arguments, config_name, typed)
         refuse_shared_sweep_folder(arguments, config_name, typed)

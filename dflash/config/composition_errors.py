@@ -54,6 +54,23 @@ def group_options(group: str) -> list[str]:
     return unknown_keys.group_options(group, CONFIG_DIR)
 
 
+def list_setting(key: str) -> bool:
+    """Whether the dotted `key` names a setting of the schema whose value is a list (stages, train.devices...)."""
+    from dflash.config.schema import RunSettings
+
+    owner: Any = RunSettings
+    for part in key.split("."):
+        hints = typing.get_type_hints(owner) if dataclasses.is_dataclass(owner) else {}
+        if part not in hints:
+            return False
+        kind = hints[part]
+        if typing.get_origin(kind) is typing.Union:  # Optional[...]: the type it holds when set
+            held = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind = held[0] if len(held) == 1 else kind
+        owner = kind
+    return owner is list or typing.get_origin(owner) is list
+
+
 def refuse_unknown_flags(argv: list[str]) -> None:
     """ConfigError for an argument that starts with '-' and is no Hydra flag, with the override it may have meant
     (`--epochs 3` -> train.epochs=3), for a shortened Hydra flag that also begins a setting's name (`--exp=tiny`
@@ -138,6 +155,8 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
                      "eval.out_dir": ", each with an evaluation folder of its own"}.get(given[0], "") if given else ""
             if group_options(group):  # a config group: one option, or one job per option
                 return f"{found.group(1)}: {group} takes one option; a comma sweeps, one job per option{apart}: {sweep}"
+            if list_setting(group):  # a sweep would give it one item a job, a quoted string no list
+                return f"{found.group(1)}: {key} is a list, written in brackets: {key}=[{value}]"
             return (f"{found.group(1)}: a comma sweeps, one job per value{apart}: {sweep}; a list is {key}=[{value}], "
                     f"a string with a comma is quoted: {key}='\"{value}\"'")
         found = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)

@@ -950,8 +950,8 @@ def _expanded(folder: str | None) -> str | None:
 
 def _check_folder_path(key: str, folder: str | None) -> None:
     """ConfigError where setting `key` names a folder that cannot be made: the path, or a folder it would be made
-    in, is a file or a link to nothing. An empty run_dir would be the working folder (the others mean their
-    default)."""
+    in, is a file or a link to nothing, or the nearest existing folder cannot be written into (nor, for an existing
+    folder, it). An empty run_dir would be the working folder (the others mean their default)."""
     if key == "run_dir" and not folder:
         raise ConfigError(f"run_dir={folder!r}: expected a folder path (an empty one would write into the working "
                           f"folder)")
@@ -962,6 +962,10 @@ def _check_folder_path(key: str, folder: str | None) -> None:
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            where = "cannot be written into" if path == given else \
+                f"would be made in {path}, which cannot be written into"
+            raise ConfigError(f"{key}={folder!r}: {where}; expected a folder this user may write")
         return
     if os.path.islink(path) and not os.path.exists(path):
         what = f"a link to {os.readlink(path)}, which does not exist"

@@ -118,6 +118,14 @@ class DataStage(Stage):
         if s.data.path:  # a user's file: a malformed line is found before the run folder is made
             # The stage reads it again, after hashing it.
             self.file_prompts = len(read_prompt_file("data", s.data.source, lambda: training_prompts(s.data)))
+        if s.data.heldout and s.data.limit is None:  # with a limit, the schema checked it
+            count = self.file_prompts if self.file_prompts is not None else len(training_prompts(s.data))
+            most = count + s.data.synthetic.count
+            if s.data.heldout >= most:
+                raise ConfigError(f"data.heldout={s.data.heldout}: expected fewer than the {most} prompts the data "
+                                  f"stage can answer ({count} from data.source={s.data.source}"
+                                  f"{', data.path' if s.data.path else ''}, {s.data.synthetic.count} synthetic): "
+                                  f"holding them all out leaves nothing to train on")
 
     def describe(self) -> str:
         s = self.context.settings

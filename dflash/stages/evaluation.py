@@ -47,13 +47,30 @@ class EvalStage(Stage):
 
     def preflight(self, selected: bool) -> None:
         """Selected: every prompt set must be readable (rank 0, which alone reads them), a command that trains
-        nothing needs a run folder to evaluate, eval.out_dir may not hold another drafter's evaluation, and
-        eval.live_engine=static needs a target family it can decode."""
+        nothing needs a run folder to evaluate, eval.out_dir may hold neither another drafter's evaluation nor
+        files that are no evaluation, and eval.live_engine=static needs a target family it can decode."""
         if selected and self.context.rank == 0:
             self.refuse_missing_run_folder()
+            self.refuse_a_folder_of_other_files()
             self.refuse_another_drafters_evaluation()
             refuse_unreadable_prompts(eval_prompt_files(self.context.settings))
             refuse_static_engine_family(self.context.settings)
+
+    def refuse_a_folder_of_other_files(self) -> None:
+        """ConfigError when eval.out_dir is a folder of files that is no evaluation (no summary.json, no evaluation's
+        done.json naming a drafter): a run folder, a stage's folder or one's own, which the evaluation would take
+        over (its files carried into the evaluation's folder, a stage's done.json replaced by the evaluation's)."""
+        out = self.out
+        if not os.path.isdir(out) or not os.listdir(out) or os.path.exists(os.path.join(out, "summary.json")):
+            return
+        done = read_json_or_none(os.path.join(out, DONE))
+        if isinstance(done, dict) and "checkpoint" in done:
+            return
+        names = sorted(os.listdir(out))
+        held = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        beside = shlex.quote(shown(self.free_folder_beside()))
+        raise ConfigError(f"eval.out_dir={shlex.quote(shown(out))} holds files that are no evaluation ({held}), which "
+                          f"the evaluation would take over: give a new or empty folder, e.g. eval.out_dir={beside}")
 
     def refuse_another_drafters_evaluation(self) -> None:
         """ConfigError when eval.out_dir lies outside the run folder and holds the evaluation of another training's
