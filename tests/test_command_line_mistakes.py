@@ -86,6 +86,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "data.max_new_tokens=16,32: jobs 0 and 1 of this sweep would make the data of other settings in one run folder, "
      "runs/w; give each job its own: python -m dflash.train -m +experiment=tiny 'stages=[data]' "
      "'name=w-${hydra:job.num}' data.max_new_tokens=16,32"),
+    # A job whose setting the schema refuses: the jobs before it ran for their whole stages first.
+    ("dflash.train -m +experiment=tiny 'stages=[data]' 'name=w${data.limit}' data.limit=4,0",
+     "job 1 of this sweep: data.limit=0: expected an int >= 1, or null for all prompts; no job was run"),
     # Each experiment names its run, but not each learning rate.
     ("dflash.train -m +experiment=tiny,smollm2 train.lr=1e-3,2e-3",
      "+experiment=tiny,smollm2 train.lr=1e-3,2e-3: jobs 0 and 1 of this sweep would make the drafter of other "

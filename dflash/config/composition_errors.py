@@ -394,11 +394,12 @@ class Job(typing.NamedTuple):
     eval_dir: str
 
 
-def sweep_jobs(arguments: list[str], command: str) -> list[Job]:
+def sweep_jobs(arguments: list[str], command: str, refused: list[tuple[int, ConfigError]] | None = None) -> list[Job]:
     """The jobs of `python -m dflash.<command> -m <arguments>` as Hydra makes them, without running them: its basic
     sweeper expands the sweep into each job's overrides and its launcher composes each job's config from them
-    (hydra/_internal/core_plugins/). A job whose config does not compose or check is left out, and so is every job
-    of a sweep Hydra cannot expand: the run reports them."""
+    (hydra/_internal/core_plugins/). A job whose config does not compose or check is left out (its number and
+    ConfigError appended to `refused`, when given, for a setting the schema refuses), and so is every job of a
+    sweep Hydra cannot expand: the run reports them."""
     from hydra import initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
@@ -422,7 +423,10 @@ def sweep_jobs(arguments: list[str], command: str) -> list[Job]:
             for num, overrides in enumerate(batch):
                 try:
                     jobs.append(_job(hydra.config_loader.load_sweep_config(master, list(overrides)), num))
-                except Exception:  # noqa: BLE001 - a job that does not compose or check is the run's to report
+                except ConfigError as error:  # a setting the schema refuses: the caller may say so first
+                    if refused is not None:
+                        refused.append((num, error))
+                except Exception:  # noqa: BLE001 - a job that does not compose is the run's to report
                     continue
         except Exception:  # noqa: BLE001 - a sweep Hydra cannot expand is Hydra's to report
             pass
@@ -539,12 +543,18 @@ def _replaced(overrides: list[str], key: str, new: str) -> list[str]:
 
 
 def refuse_shared_sweep_folder(arguments: list[str], command: str, typed: list[str]) -> None:
-    """ConfigError before the first job of a sweep (-m) two of whose jobs would spoil each other's results
-    (sweep_conflict), in one line naming the swept overrides and the folder, with the command that gives each job
-    its own (working_sweep). `arguments`: the command line as the command runs it; `typed`: as typed."""
+    """ConfigError before the first job of a sweep (-m) one of whose jobs has a setting the schema refuses (naming
+    the job and the setting), or two of whose jobs would spoil each other's results (sweep_conflict), in one line
+    naming the swept overrides and the folder, with the command that gives each job its own (working_sweep).
+    `arguments`: the command line as the command runs it; `typed`: as typed."""
     flags = split_arguments(arguments)[1]
     if not _multirun(arguments) or any(full_flag(flag) not in ("-m", "--multirun") for flag in flags):
         return  # no sweep, or one that Hydra shows (--help, --cfg) rather than runs
+    refused: list[tuple[int, ConfigError]] = []
+    sweep_jobs(split_arguments(arguments)[0], command, refused)
+    if refused:  # before the jobs ahead of it run for minutes or hours
+        num, error = refused[0]
+        raise ConfigError(f"job {num} of this sweep: {error}; no job was run")
     fixed, _, conflict = working_sweep(typed, command, arguments)
     if conflict is not None:
         swept = [arg for arg in split_arguments(typed)[0] if is_sweep(arg)]
