@@ -973,6 +973,17 @@ def test_moving_the_gguf_cache_reruns_and_refuses_nothing():
     assert "cache_dir" not in " ".join(after.ignored())  # used, so not called ignored
 
 
+def test_a_smaller_loss_chunk_resumes_the_same_training():
+    """train.loss_chunk_size says how many rows of the head and loss are made at once (docs/training.md: lower it when
+    memory is short), not what they are: a trained run keeps every fingerprint and its guard sees no change."""
+    base = ["+experiment=tiny", "run_dir=/nonexistent/run"]
+    before, after = settings_of(base), settings_of([*base, "train.loss_chunk_size=256"])
+    assert after.train.loss_chunk_size == 256
+    assert stage_keys(after) == stage_keys(before)
+    assert fingerprints.settings_fingerprint(after) == fingerprints.settings_fingerprint(before)
+    assert fingerprints.training_changes(OmegaConf.to_container(compose(base)), after) == []
+
+
 def test_a_run_fingerprinted_before_a_stand_in_is_refused_naming_that_setting(tmp_path):
     """A run that an older dflash made with target.cache_dir=/x (then in the data fingerprint) or a colocated
     capture.batch_tokens of its own (then in the capture fingerprint) has fingerprints no setting of this command

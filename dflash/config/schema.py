@@ -540,7 +540,10 @@ class TrainSettings:
                           doc="the CE's label of each block position: answer (the stored answer's token) | target "
                               "(the target's argmax after the stored prefix; needs capture=colocated)")
     seed: int = setting(0, affects=("train",), doc="batch order and anchors")
-    loss_chunk_size: int = setting(4096, affects=("train",), doc="positions per chunk of the head + loss")
+    # How many rows of the head and loss are made at once, not what they are (rows are independent): lowered when
+    # memory is short, it resumes the same training.
+    loss_chunk_size: int = setting(4096, affects=(), fingerprinted_before=("train",),
+                                   doc="positions per chunk of the head + loss")
     log_every: int = setting(1, affects=(), doc="steps per log record")
     save_every: int = setting(0, affects=(), doc="steps per checkpoint; 0 = only at the end")
     devices: Optional[List[int]] = setting(None, affects=(), doc="GPUs of the trainer ranks (launch scripts)")
