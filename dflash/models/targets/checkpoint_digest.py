@@ -41,7 +41,7 @@ def checkpoint_files(path: str) -> list[str]:
 def checkpoint_digest(path: str) -> str:
     """sha256 over the name, size and slices of each of the checkpoint's files (module docstring)."""
     files = checkpoint_files(path)
-    stats = tuple((os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
+    stats = tuple((os.path.basename(f), status.st_size, status.st_mtime_ns) for f in files for status in [os.stat(f)])
     key = (os.path.realpath(os.path.expanduser(path)), stats)
     if key not in _digests:
         _digests[key] = hashlib.sha256(json.dumps([[name, size, _slices_sha256(file, size)] for file, (name, size, _)
