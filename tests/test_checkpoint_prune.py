@@ -125,3 +125,39 @@ def test_a_tag_set_aside_again_replaces_what_an_earlier_kill_left_under_its_asid
     make_tag(tmp_path, checkpoints.PRUNED + "step1", complete=False)  # a delete of an older step1, killed midway
     prune_checkpoints(str(tmp_path), keep_last=1, current="step2")
     assert sorted(os.listdir(tmp_path)) == ["step2"]
+
+
+def killed_between_complete_and_latest(monkeypatch):
+    """save_checkpoint's writes as a kill after `complete` and before `latest` leaves them (KeyboardInterrupt)."""
+    real = checkpoints.write_text
+
+    def write(path, text):
+        if os.path.basename(path) == checkpoints.LATEST:
+            raise KeyboardInterrupt("killed before latest")
+        real(path, text)
+
+    monkeypatch.setattr(checkpoints, "write_text", write)
+
+
+def test_a_kill_between_complete_and_latest_resumes_from_the_tag_it_completed(tmp_path, monkeypatch):
+    checkpoints.save_checkpoint(ShardWriter(), str(tmp_path), 2, {}, rank=0, keep_last=0)
+    assert not (tmp_path / checkpoints.PENDING).exists()  # a save that ends leaves no pending mark
+    killed_between_complete_and_latest(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save_checkpoint(ShardWriter(), str(tmp_path), 3, {}, rank=0, keep_last=0)
+    assert (tmp_path / checkpoints.LATEST).read_text() == "step2" and (tmp_path / "step3" / COMPLETE).exists()
+    assert checkpoints.verified_latest_tag(str(tmp_path)) == "step3"  # its steps are not trained again
+
+
+def test_a_pending_mark_of_an_unfinished_tag_or_older_than_latest_is_passed_over(tmp_path):
+    make_tag(tmp_path, "step2")
+    make_tag(tmp_path, "step3", complete=False)
+    (tmp_path / checkpoints.LATEST).write_text("step2")
+    (tmp_path / checkpoints.PENDING).write_text("step3")  # killed before `complete`: step3 is half-written
+    assert checkpoints.verified_latest_tag(str(tmp_path)) == "step2"
+    (tmp_path / "step3" / COMPLETE).write_text("3\n")
+    assert checkpoints.verified_latest_tag(str(tmp_path)) == "step3"
+    # `latest` written after the mark: a user rolled the training back by hand, which wins.
+    written = os.stat(tmp_path / checkpoints.PENDING).st_mtime_ns
+    os.utime(tmp_path / checkpoints.LATEST, ns=(written + 10**9, written + 10**9))
+    assert checkpoints.verified_latest_tag(str(tmp_path)) == "step2"

@@ -160,3 +160,38 @@ def test_the_resume_step_is_read_from_the_tag():
     assert resume_step_of("ckpt", None) == 0 and resume_step_of("ckpt", "step12") == 12
     with pytest.raises(ValueError, match="does not name a step"):
         resume_step_of("ckpt", "step12_universal")
+
+
+def test_a_kill_between_complete_and_latest_trains_no_step_twice(tmp_path, one_thread, monkeypatch):
+    """A kill after step 5's `complete` and before `latest` names it: the resume starts at step 5, not step 4, and
+    ends at the uninterrupted run's weights."""
+    from dflash.train import checkpoints
+
+    full_losses, full_state = trainer_harness.run(str(tmp_path / "full"), **RUN)
+    out = tmp_path / "killed"
+    real = checkpoints.write_text
+
+    def killed_before_latest_of_step5(path, text):
+        if os.path.basename(path) == LATEST and text == "step5":
+            raise KeyboardInterrupt("killed")
+        real(path, text)
+
+    monkeypatch.setattr(checkpoints, "write_text", killed_before_latest_of_step5)
+    with pytest.raises(KeyboardInterrupt):
+        trainer_harness.run(str(out), **RUN)
+    monkeypatch.setattr(checkpoints, "write_text", real)
+    assert read_latest_step(str(out / "checkpoints")) == 4
+    from dflash.train import checkpoint_policy
+
+    saved = []
+    real_save = checkpoint_policy.save_checkpoint
+    monkeypatch.setattr(checkpoint_policy, "save_checkpoint",
+                        lambda engine, directory, step, *args, **kwargs: saved.append(step)
+                        or real_save(engine, directory, step, *args, **kwargs))
+    resumed_losses, resumed_state = trainer_harness.run(str(out), **RUN)
+    assert saved == list(range(6, 13))  # resumed after step 5
+    for name in full_state:
+        torch.testing.assert_close(resumed_state[name], full_state[name], rtol=1e-6, atol=1e-7)
+    assert resumed_losses[-1] == pytest.approx(full_losses[-1], rel=1e-6)
+    with open(out / "metrics.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 13))

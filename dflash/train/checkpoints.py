@@ -8,6 +8,9 @@ Layout of the checkpoint folder (shared by all ranks, e.g. a network filesystem 
                         and falls back to the newest older tag that verifies, naming the corrupt one
     step{N}/complete    written by rank 0 after EVERY rank finished writing step{N} (a barrier in between)
     latest              the newest complete tag, replaced atomically (temp file + os.replace) after `complete`
+    latest.pending      the tag a save is making `latest`, written before its `complete` and removed after `latest`:
+                        a kill between the two leaves it naming a complete tag, which a resume takes (see
+                        pending_tag), so the steps of a whole checkpoint are never trained again
     step{N}_universal/  only when resuming on a different number of ranks: DeepSpeed's layout-free "universal"
                         conversion of step{N}, loaded with `checkpoint.load_universal`; deleted at the next save
     .pruned-step{N}/    a tag being deleted (renamed first, so a kill inside the delete leaves no half-deleted tag)
@@ -44,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETE = "complete"
 LATEST = "latest"
+PENDING = "latest.pending"
 LAYOUT = "layout.json"
 PRUNED = ".pruned-"
 UNIVERSAL = "_universal"
@@ -137,8 +141,11 @@ def save_checkpoint(engine: TrainEngine, directory: str, step: int, client_state
             layout["global_batch_size"] = client_state["global_batch_size"]
         write_text(os.path.join(folder, LAYOUT), json.dumps(layout))
         write_checksums(folder)  # before `complete`, so every complete tag has them
+        pending = os.path.join(directory, PENDING)
+        write_text(pending, tag)
         write_text(os.path.join(folder, COMPLETE), f"{step}\n")
         write_text(os.path.join(directory, LATEST), tag)
+        os.remove(pending)
         prune_checkpoints(directory, keep_last, tag)
     _barrier()
 
@@ -180,6 +187,27 @@ def _delete(directory: str, name: str) -> None:
     shutil.rmtree(_set_aside(directory, name))
 
 
+def pending_tag(directory: str) -> str | None:
+    """The complete tag a save was making `latest` when it was killed (after `complete`, before `latest`), or None.
+
+    `latest.pending` names it; a kill before `complete` leaves it naming an incomplete tag (not taken), one after
+    `latest` the tag `latest` names. `latest` written after it (a user rolling a training back by hand) wins.
+    """
+    path = os.path.join(directory, PENDING)
+    try:
+        with open(path, encoding="utf-8") as f:
+            tag = f.read().strip()
+        written = os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return None
+    if not _TAG.match(tag) or not os.path.exists(os.path.join(directory, tag, COMPLETE)):
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(os.path.join(directory, LATEST)).st_mtime_ns > written:
+            return None
+    return tag
+
+
 def tag_problem(directory: str, tag: str) -> str | None:
     """What is wrong with complete tag `tag`: a file missing or of another sha256 than when it was saved; None
     when it verifies (or predates checksums.json, so cannot be checked)."""
@@ -187,14 +215,16 @@ def tag_problem(directory: str, tag: str) -> str | None:
 
 
 def verified_latest_tag(directory: str) -> str | None:
-    """The newest complete tag whose files verify, starting from the one `latest` names; a corrupt tag is named in
-    a warning and the one before it is tried. `latest` naming a tag that is not complete (a kill while that step
-    was saved again after a resume from an older tag), or missing beside complete tags, is named in a warning and
-    the complete tags are tried, newest first. CorruptFile naming each tag when none verifies; None when there is
-    no complete checkpoint."""
+    """The newest complete tag whose files verify, starting from the one `latest` names (or the one a killed save
+    was making latest: pending_tag); a corrupt tag is named in a warning and the one before it is tried. `latest`
+    naming a tag that is not complete (a kill while that step was saved again after a resume from an older tag), or
+    missing beside complete tags, is named in a warning and the complete tags are tried, newest first. CorruptFile
+    naming each tag when none verifies; None when there is no complete checkpoint."""
     tags = [t for _, t in reversed(complete_tags(directory))]
+    named = pending_tag(directory)
     try:
-        named = latest_tag(directory)
+        if named is None:
+            named = latest_tag(directory)
     except ValueError as err:
         named = None
         if tags:
