@@ -55,6 +55,9 @@ def test_tiny_run_writes_one_folder_with_every_stage(tiny_run):
         entry = on_disk["prompt_sets"][name] if name != "overall" else on_disk["overall"]
         assert 1.0 <= entry["tau"] <= 4.0
         assert 0.0 <= entry["acceptance_rate"] <= 1.0 and len(entry["per_position"]) == 3
+    # The second turns are asked on the target's answers to the first, of eval.max_new_tokens tokens at most.
+    assert "mtbench_turn2" in on_disk["prompt_sets"]
+    assert on_disk["first_turn_answer_max_new_tokens"] == {"mtbench_turn2": 16}
     with open(os.path.join(run_dir, "data", "stats.json"), encoding="utf-8") as f:
         stats = json.load(f)
     assert stats["done"] + stats["skipped"] + stats["failed"] == stats["total"] == 32

@@ -132,7 +132,7 @@ def load_prompt_sets(
             if second in specs:
                 raise ValueError(f"eval prompt set {name!r} has turns: 2, which adds the set {second!r}, but a set "
                                  f"of that name is configured too; rename one")
-            answer_tokens = max_new_tokens if spec.answer_max_new_tokens is None else spec.answer_max_new_tokens
+            answer_tokens = first_turn_answer_tokens(spec, max_new_tokens)
             with timer.for_prompt_set(second), timer.phase("turn2_answers"):
                 conversations = second_turn_conversations(adapter, prompts, max_new_tokens=answer_tokens,
                                                           template_kwargs=kwargs, batch_size=batch_size)
@@ -142,6 +142,11 @@ def load_prompt_sets(
             categories.update({n: labels for n in names})
         ids.update({n: [p.id for p in prompts] for n in names})
     return prompt_sets, categories, ids
+
+
+def first_turn_answer_tokens(spec: PromptSetSettings, max_new_tokens: int) -> int:
+    """The most tokens of the target's answer to a first turn that a `turns: 2` set asks its second turn on."""
+    return max_new_tokens if spec.answer_max_new_tokens is None else spec.answer_max_new_tokens
 
 
 def evaluate(

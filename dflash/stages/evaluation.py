@@ -322,7 +322,8 @@ class EvalStage(Stage):
 
     def evaluate(self, folder: str, out: str) -> dict[str, Any]:
         """Measure the drafter in `folder`; summary.json, the plots and this evaluation's config.yaml in `out`."""
-        from dflash.eval.evaluate import check_compatible, evaluate, live_engine_of, load_prompt_sets, write_summary
+        from dflash.eval.evaluate import (TURN2_SUFFIX, check_compatible, evaluate, first_turn_answer_tokens,
+                                          live_engine_of, load_prompt_sets, write_summary)
         from dflash.eval.export import load_drafter
         from dflash.eval.metrics import PhaseTimer
 
@@ -354,6 +355,10 @@ class EvalStage(Stage):
                            timer=timer, live_engine=live_engine, draft_sampling=e.draft_sampling,
                            draft_temperature=e.draft_temperature, prompt_ids=prompt_ids)
         summary["chat_template_kwargs"] = template_kwargs
+        answers = {name + TURN2_SUFFIX: first_turn_answer_tokens(spec, e.max_new_tokens)
+                   for name, spec in e.prompt_sets.items() if spec.turns == 2}
+        if answers:  # the first turn's answer each second-turn set is asked on top of: its tokens at most
+            summary["first_turn_answer_max_new_tokens"] = answers
         if e.mode == "live" and e.compile_drafter:
             summary["compile_drafter"] = True  # what its step cost was measured with
         write_summary(summary, out)
