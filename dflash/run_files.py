@@ -12,6 +12,7 @@ reads it for all of them (from_rank0).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -236,6 +237,27 @@ def swap_in_dir(new: str, target: str, aside: str) -> None:
         raise
     fsync_path(os.path.dirname(os.path.abspath(target)))
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def settle_swap(out: str, finished: Callable[[str], bool] = lambda path: False, legacy: tuple[str, ...] = ()) -> None:
+    """After a swap into `out` (swap_in_dir from a folder named by temp_path) killed midway: where `out` is missing,
+    a finished new folder (`finished(path)`) takes its place, else the one set aside (`.old`) comes back (of several,
+    the latest); what else
+    the swap left beside `out` under those names goes. `legacy`: glob patterns of other temporary names, relative to
+    `out`'s folder, treated alike."""
+    parent, name = os.path.split(out)
+    patterns = (f".{glob.escape(name)}.tmp-*", *legacy)
+    left = sorted({path for pattern in patterns for path in glob.glob(os.path.join(glob.escape(parent), pattern))})
+    if not os.path.exists(out):
+        done = [path for path in left if not path.endswith(".old") and finished(path)]
+        aside = [path for path in left if path.endswith(".old")]
+        if done or aside:
+            # Of several (a kill each time), the one renamed last: a rename sets its inode's change time.
+            chosen = max(done or aside, key=lambda path: os.stat(path).st_ctime_ns)
+            os.replace(chosen, out)
+            left.remove(chosen)
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def read_json(path: str) -> Any:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from dflash.config import compose
 from dflash.extract import capture as capture_module
-from dflash.extract import shard_rows
+from dflash.extract import feature_checks
 from dflash.extract import store as store_module
 from dflash.extract.capture import capture_dataset
 from dflash.extract.fp8 import dequantize_fp8, quantize_fp8
@@ -60,15 +60,21 @@ def test_disk_preflight_prints_and_refuses(tmp_path, dense, monkeypatch, capsys)
     assert not list((tmp_path / "full").glob("shard-*"))
 
 
-def test_sampled_reforward_check_every_n(tmp_path, dense, monkeypatch):
+def recorded_checks(monkeypatch) -> list[str]:
+    """The ids of the samples compared with a plain forward from here on, in order (the comparison still runs)."""
     checked: list[str] = []
-    original_check = shard_rows.crosscheck_sample
+    original_check = feature_checks.crosscheck_sample
 
-    def recording(adapter, ids, features, layer_ids, sample_id):
+    def recording(adapter, ids, features, layer_ids, sample_id, final=None):
         checked.append(sample_id)
-        original_check(adapter, ids, features, layer_ids, sample_id)
+        original_check(adapter, ids, features, layer_ids, sample_id, final)
 
-    monkeypatch.setattr(shard_rows, "crosscheck_sample", recording)
+    monkeypatch.setattr(feature_checks, "crosscheck_sample", recording)
+    return checked
+
+
+def test_sampled_reforward_check_every_n(tmp_path, dense, monkeypatch):
+    checked = recorded_checks(monkeypatch)
     data = make_dataset()
     capture_dataset(dense, data, tmp_path / "every3", [1, 3], **{**KWARGS, "check_every": 3})
     assert sorted(checked) == ["s0", "s3", "s6"]
@@ -92,6 +98,45 @@ def test_sampled_reforward_check_every_n(tmp_path, dense, monkeypatch):
     monkeypatch.setattr(dense, "capture", wrong_for_s6)
     with pytest.raises(ValueError, match=r"sample 's6': tap 3 differs from output_hidden_states\[4\]"):
         capture_dataset(dense, data, tmp_path / "wrong", [1, 3], **{**KWARGS, "check_every": 3})
+
+
+def test_online_capture_compares_one_sample_in_check_every_in_capture_order(dense, monkeypatch):
+    """capture=online's producer (a capture rank's) checks as offline capture does, its samples counted in the
+    order it captures them: the trainers' batches come in any order of dataset indices."""
+    from dflash.extract.capture_sender import target_producer
+
+    checked = recorded_checks(monkeypatch)
+    data = make_dataset()
+    produce = target_producer(dense, data, [1, 3], 48, "float32", pack=False, check_every=3)
+    produce([5, 1])  # captured 0 and 1: 0 checked
+    produce([6, 0, 2, 4])  # captured 2 to 5: 3 checked
+    assert checked == ["s5", "s0"]
+    checked.clear()
+    target_producer(dense, data, [1, 3], 48, "float32", pack=False)([3, 4])  # check_every 0: none
+    assert checked == []
+    real = dense.capture
+    monkeypatch.setattr(dense, "capture", lambda *args: real(*args) * 1.5)
+    with pytest.raises(ValueError, match=r"sample 's2': tap 1 differs from output_hidden_states\[2\]"):
+        target_producer(dense, data, [1, 3], 48, "float32", pack=False, check_every=3)([2])
+
+
+def test_the_plain_forward_runs_compiled_layers_eagerly(dense, monkeypatch):
+    """capture.compile compiles the decoder layers; the check's one-row forward must not compile them again."""
+    compiled = []
+
+    def counting_backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    layers = dense.decoder_layers()
+    for layer in layers:
+        monkeypatch.setattr(layer, "forward", torch.compile(layer.forward, backend=counting_backend, dynamic=True),
+                            raising=False)
+    ids = [1, 5, 9, 4, 7]
+    features = dense.capture(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), [1, 2])[0]
+    compiled.clear()
+    feature_checks.crosscheck_sample(dense, ids, features, [1, 2], "s")
+    assert compiled == []
 
 
 def test_stale_temp_files_removed_on_resume(tmp_path, dense):

@@ -100,6 +100,46 @@ def test_a_bad_feature_is_named_after_the_step_not_during_it(colocated_run, monk
     source.verify_features()  # nothing left
 
 
+def test_one_sample_in_check_every_is_compared_with_a_plain_forward(colocated_run, monkeypatch):
+    """A capture that is finite and varied but wrong (a tap scaled by 1.2) passes the flags; the sampled plain
+    forward catches it, naming the sample and tap, when its batch is verified. Counted in capture order."""
+    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "capture.cache=false"]))
+    dataset, layer_ids = load_dataset_dir(colocated_run / "data"), pipeline.train.colocated_source().layer_ids
+    right = ColocatedFeatureSource(pipeline.adapter, dataset, layer_ids, "float32", final_hidden=True, check_every=1)
+    right.get_batch([0, 1, 2])
+    right.verify_features()  # every sample, its taps and its final normed state, equal a plain forward's
+    real = pipeline.adapter.capture
+    hidden = pipeline.adapter.hidden_size
+    monkeypatch.setattr(pipeline.adapter, "capture",
+                        lambda *args: torch.cat([real(*args)[..., :hidden] * 1.2, real(*args)[..., hidden:]], -1))
+    wrong = ColocatedFeatureSource(pipeline.adapter, dataset, layer_ids, "float32", check_every=2)
+    wrong.get_batch([3])  # capture order 0: checked
+    with pytest.raises(ValueError, match=f"sample '{dataset[3]['id']}': tap {layer_ids[0]} differs from "
+                                         rf"output_hidden_states\[{layer_ids[0] + 1}\] of a plain forward"):
+        wrong.verify_features()
+    wrong.get_batch([4])  # capture order 1: not checked
+    wrong.verify_features()
+    wrong.get_batch([5, 6])  # 2 checked, 3 not
+    with pytest.raises(ValueError, match=f"sample '{dataset[5]['id']}'"):
+        wrong.verify_features()
+    never = ColocatedFeatureSource(pipeline.adapter, dataset, layer_ids, "float32")  # check_every 0
+    never.get_batch([3, 4])
+    never.verify_features()
+
+
+def test_a_wrong_final_state_is_caught_by_the_plain_forward(colocated_run, monkeypatch):
+    pipeline = Pipeline(compose(TINY + [f"run_dir={colocated_run}", "capture=colocated", "capture.cache=false"]))
+    dataset, layer_ids = load_dataset_dir(colocated_run / "data"), pipeline.train.colocated_source().layer_ids
+    real = pipeline.adapter.capture_with_final
+    monkeypatch.setattr(pipeline.adapter, "capture_with_final",
+                        lambda *args: (real(*args)[0], real(*args)[1] * 0.5))
+    source = ColocatedFeatureSource(pipeline.adapter, dataset, layer_ids, "float32", final_hidden=True, check_every=1)
+    source.get_batch([1])
+    with pytest.raises(ValueError, match=f"sample '{dataset[1]['id']}': the final normed state differs from "
+                                         r"output_hidden_states\[\d+\]"):
+        source.verify_features()
+
+
 @pytest.mark.parametrize("ahead,accum,captured,logged", [(True, 1, 3, 1), (False, 1, 2, 1), (True, 2, 4, 0),
                                                           (False, 2, 2, 0)])
 def test_a_run_stops_on_the_step_whose_features_are_bad(tmp_path, monkeypatch, ahead, accum, captured, logged):

@@ -283,7 +283,6 @@ UNUSED = [
     ("data.synthetic.keep_system", "data.synthetic.keep_system=false", [], ["data.synthetic.count=4"]),
     ("capture.shard_tokens", "capture.shard_tokens=4096", ["capture=online"], []),
     ("capture.batch_tokens", "capture.batch_tokens=4096", ["capture=colocated"], ["capture=online"]),
-    ("capture.check_every", "capture.check_every=5", ["capture=online"], []),
     ("capture.verify_existing", "capture.verify_existing=true", ["capture=colocated"], []),
     ("capture.pack", "capture.pack=false", ["capture=colocated"], []),
     ("capture.devices", "capture.devices=[0]", ["capture=colocated"], ["device=cuda"]),
@@ -438,6 +437,8 @@ BAD = [
     ("capture.mode=online", "choose the mode with the group, capture=online"),
     ("capture.gpus_per_worker=0", "capture.gpus_per_worker=0: expected an int >= 1 or auto"),
     ("drafter.block_size=1", "drafter.block_size=1"),
+    ("drafter.target_layer_ids=[3,1]", "drafter.target_layer_ids=[3, 1]: expected layer ids in ascending order, "
+                                       "[1, 3]: serving engines (vLLM, SGLang) join"),
     ("drafter.layer_types=[full_attention]", "one entry per layer (2, drafter.num_hidden_layers)"),
     ("drafter.layer_types=[sliding,full_attention]", "drafter.layer_types[...]='sliding'"),
     ("eval.temperature=-0.7", "eval.temperature=-0.7: expected a number >= 0"),

@@ -74,6 +74,7 @@ def test_config_json_is_zlab(tmp_path):
     out = export_zlab(drafter, str(tmp_path / "export"))
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}  # as the published drafters have it
     assert config["dflash_config"] == {"mask_token_id": 99, "target_layer_ids": [1, 3, 5], "block_size": 4}
     assert config["block_size"] == 4 and config["num_target_layers"] == 8
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
@@ -186,3 +187,30 @@ def test_a_window_is_checked_against_the_block_only_where_a_layer_slides():
     with pytest.raises(ValueError, match="sliding_window 2 is smaller than block_size 4"):
         small_config(["sliding_attention", "full_attention"], sliding_window=2)
     assert small_config(["full_attention", "full_attention"], sliding_window=2).to_zlab()["sliding_window"] is None
+
+
+def test_what_a_killed_export_left_is_settled_by_the_next(tmp_path):
+    """A kill inside export_zlab leaves its temporary folder (writing) or, between its two renames, no export at all:
+    the previous export, set aside, comes back before anything else, and the leftovers go (under today's names and
+    the random ones exports had before)."""
+    first, second = small_drafter(), DFlashDraftModel(small_config())
+    second.init_weights(seed=2, std=0.1)
+    out = tmp_path / "export"
+    (tmp_path / ".export.k2j4x9.tmp").mkdir()  # an export of an earlier version, killed long ago
+    (tmp_path / ".export.k2j4x9.tmp.old").mkdir()
+    export_zlab(first, str(out))
+    written = (out / "model.safetensors").read_bytes()
+    os.replace(out, tmp_path / ".export.tmp-123.old")  # killed after setting the old export aside
+    (tmp_path / ".export.tmp-123").mkdir()  # and before the new one took its place
+    (tmp_path / ".export.tmp-123" / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".exports.tmp-9").mkdir()  # another folder's: not this export's to touch
+    broken = small_drafter()
+    with torch.no_grad():
+        broken.fc.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="hold NaN"):  # fails before it writes: the old one is back all the same
+        export_zlab(broken, str(out))
+    assert (out / "model.safetensors").read_bytes() == written
+    assert sorted(os.listdir(tmp_path)) == [".exports.tmp-9", "export"]
+    export_zlab(second, str(out))
+    assert sorted(os.listdir(tmp_path)) == [".exports.tmp-9", "export"]
+    assert load_drafter(str(out)).state_dict()["fc.weight"].equal(second.state_dict()["fc.weight"].bfloat16())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -102,3 +103,30 @@ def test_zlab_config_with_reference_options_off_loads():
     config["dflash_config"].update(input_embedding_scale=1.0, output_multiplier=1, final_logit_softcapping=None)
     config.update(final_logit_softcapping=0.0, output_multiplier=1.0)
     assert DrafterConfig.from_zlab(config) == small_drafter().config
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_parameters.yarn"),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling.linear"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"use_swa": True, "swa_window_size": 64}, "use_swa=True"),
+    ({"architectures": ["Qwen3ForCausalLM"]}, r"architectures \['Qwen3ForCausalLM'\]"),
+    ({"causal": True}, "causal=True, which makes layers \\[1\\] causal"),
+])
+def test_zlab_options_that_change_the_drafter_are_refused(change, named):
+    """Fields the reference or vLLM read that this drafter does not implement: loaded, it would draft otherwise."""
+    with pytest.raises(ValueError, match=named):
+        DrafterConfig.from_zlab({**zlab_config(), **change})
+    plain = {**zlab_config(), "rope_scaling": None, "hidden_act": "silu", "use_swa": False,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert DrafterConfig.from_zlab(plain) == small_drafter().config
+
+
+def test_taps_out_of_layer_order_are_refused():
+    """Serving engines join the taps' features in layer order; a drafter trained on another order would be served its
+    fc input permuted."""
+    config = zlab_config()
+    with pytest.raises(ValueError, match=r"target_layer_ids \[5, 1, 3\] are not distinct and ascending"):
+        DrafterConfig.from_zlab({**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": [5, 1, 3]}})
+    with pytest.raises(ValueError, match="not distinct and ascending"):
+        replace(small_drafter().config, target_layer_ids=[1, 1, 3])

@@ -90,12 +90,12 @@ def test_a_check_against_a_plain_forward_out_of_memory_is_skipped_not_taken_for_
                                                                                           monkeypatch, caplog):
     """The plain forward of check_every keeps every layer's states: its running out of memory skips that check,
     saying so, and neither halves the budget nor ends the capture."""
-    from dflash.extract import shard_rows
+    from dflash.extract import feature_checks
 
-    def out_of_memory(adapter, ids, features, layer_ids, sample_id):
+    def out_of_memory(adapter, ids, features, layer_ids, sample_id, final=None):
         raise torch.OutOfMemoryError("a test's")
 
-    monkeypatch.setattr(shard_rows, "crosscheck_sample", out_of_memory)
+    monkeypatch.setattr(feature_checks, "crosscheck_sample", out_of_memory)
     raised = out_of_memory_above(monkeypatch, dense, "capture_packed", 10_000)
     with caplog.at_level("WARNING"):
         manifest = capture_dataset(dense, make_dataset(LENGTHS), tmp_path / "store", [1, 3],

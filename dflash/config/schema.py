@@ -181,6 +181,10 @@ class DrafterSettings:
         if self.target_layer_ids is not None:
             require(len(self.target_layer_ids) >= 1 and all(i >= 0 for i in self.target_layer_ids),
                     "drafter.target_layer_ids", self.target_layer_ids, "a list of layer ids >= 0")
+            ids = list(self.target_layer_ids)
+            require(ids == sorted(ids), "drafter.target_layer_ids", ids,
+                    f"layer ids in ascending order, {sorted(ids)}: serving engines (vLLM, SGLang) join the taps' "
+                    f"features in layer order")
         if self.layer_types is not None:
             for kind in self.layer_types:
                 require_choice("drafter.layer_types[...]", kind, LAYER_TYPES)
@@ -387,8 +391,8 @@ class CaptureSettings:
                                        "them): an int dividing len(devices), or auto")
     shard_tokens: int = setting(SHARD_TOKENS, affects=(), unused=_unless_offline,
                                 doc="offline: tokens per feature shard")
-    check_every: int = setting(1000, affects=(), unused=_unless_offline,
-                               doc="offline: re-forward 1 sample in N alone and compare (0: off)")
+    check_every: int = setting(1000, affects=(),
+                               doc="re-forward 1 sample in N captured alone and compare (0: off)")
     verify_existing: bool = setting(False, affects=(), unused=_unless_offline,
                                     doc="offline: on resume, hash the shards written and recapture corrupt or "
                                         "missing ones")

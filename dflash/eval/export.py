@@ -7,10 +7,10 @@ what vLLM (`method: dflash`), SGLang (`--speculative-algorithm DFLASH`) and the 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 from safetensors import safe_open
@@ -20,7 +20,7 @@ from dflash.models.drafter import DFlashDraftModel
 from dflash.models.drafter_config import DrafterConfig
 from dflash.models.targets.chat_template import TEMPLATE_FILE
 from dflash.config.errors import CorruptFile
-from dflash.run_files import checksum_problem, swap_in_dir, write_checksums
+from dflash.run_files import checksum_problem, settle_swap, swap_in_dir, temp_path, write_checksums
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -56,18 +56,25 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
     template the drafter was trained with where the target's own is not it: a serving engine is given the file),
     and their checksums.json; an existing out_dir is replaced as a whole.
 
-    Written into a temporary sibling folder first, then moved into place, so out_dir is never half-written; if
-    the move fails, the previous export stays at out_dir. The folder and files get the usual modes (0o777 / 0o666
-    less the umask), so other users can read an export as they can any file of the run. Returns out_dir.
+    Written into a temporary sibling folder first (`.<name>.tmp-<pid>`), then moved into place, so out_dir is never
+    half-written; if the move fails, the previous export stays at out_dir. What an export killed midway left beside
+    out_dir goes first, and where it was killed between its two renames the previous export comes back before
+    anything else (settle_swap). The folder and files get the usual modes (0o777 / 0o666 less the umask), so other
+    users can read an export as they can any file of the run. Returns out_dir.
     """
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
+    # Also the random names exports were written under before (mkdtemp's `.<name>.XXXXXXXX.tmp`).
+    escaped = glob.escape(os.path.basename(out_dir))
+    settle_swap(out_dir, legacy=(f".{escaped}.*.tmp", f".{escaped}.*.tmp.old"))
     config = drafter.config.to_zlab()
     config["dtype"] = str(dtype).removeprefix("torch.")
     tensors = drafter_tensors(drafter, dtype)
     refuse_non_finite(tensors, f"the drafter to export to {out_dir}")
-    temp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    temp = temp_path(out_dir)
+    shutil.rmtree(temp, ignore_errors=True)
+    os.makedirs(temp)
     try:
         with open(os.path.join(temp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
@@ -77,7 +84,7 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
             with open(os.path.join(temp, TEMPLATE_FILE), "w", encoding="utf-8") as f:
                 f.write(chat_template)
         write_checksums(temp)  # verified by load_drafter
-        # mkdtemp makes the folder 0o700 and safetensors may write 0o600: only their owner could read them.
+        # safetensors may write 0o600, which only the owner could read: the usual modes, set here.
         umask = process_umask()
         for name in os.listdir(temp):
             os.chmod(os.path.join(temp, name), 0o666 & ~umask)

@@ -27,8 +27,9 @@ Producer = Callable[[list[int]], list[dict[str, torch.Tensor]]]
 
 
 def target_producer(adapter: "TargetAdapter", dataset: Any, layer_ids: list[int], batch_tokens: int, dtype: str,
-                    pack: bool) -> Producer:
-    """The target's features of dataset rows, as offline capture makes them (without the sampled re-forward)."""
+                    pack: bool, check_every: int = 0) -> Producer:
+    """The target's features of dataset rows, as offline capture makes them: one sample in `check_every` (0: none)
+    of those it captures, counted in the order it captures them, is compared with a plain forward of it alone."""
     from tqdm.auto import tqdm
 
     from dflash.extract.shard_rows import capture_rows
@@ -39,9 +40,13 @@ def target_producer(adapter: "TargetAdapter", dataset: Any, layer_ids: list[int]
     layer_ids = adapter.check_layer_ids(layer_ids)
     budget = ForwardBudget(batch_tokens)  # halved for every later unit where a forward runs out of memory
 
+    captured = 0
+
     def produce(indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        arrays = capture_rows(adapter, table[indices], 0, layer_ids, budget, feature_dtype, 0,
+        nonlocal captured
+        arrays = capture_rows(adapter, table[indices], captured, layer_ids, budget, feature_dtype, check_every,
                               tqdm(disable=True), pack)
+        captured += len(indices)
         offsets, samples = arrays["offsets"], []
         for j in range(len(indices)):
             start, end = int(offsets[j]), int(offsets[j + 1])

@@ -10,7 +10,8 @@ replay over fixed shapes instead (static_capture.py), whose features equal these
 The trainer takes a micro-batch already padded (`micro_batch`: one target forward, or the kept rows below), and the
 self-check of its features is read after the training step rather than inside it (`verify_features`): reading it at
 once would make the host wait for the target's forward before it could launch the drafter's, leaving the GPU idle
-while it does.
+while it does. There too one captured sample in `check_every` is compared with a plain forward of it alone, as
+offline capture compares its samples (a single-sample forward every few dozen steps).
 
 With a FeatureMemory (capture.cache, feature_memory.py) the first epoch's features are kept in host memory as they
 are captured, and a micro-batch whose samples are all kept is put together from there without the forward; one with
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from torch.profiler import record_function
 
 from dflash.data.feature_source import FeatureSource, Sample
 from dflash.data.sample_sizes import sample_lengths
-from dflash.extract.feature_checks import feature_flags, raise_on_bad_features
+from dflash.extract.feature_checks import crosscheck_if_it_fits, feature_flags, raise_on_bad_features
 from dflash.host_copy import host_to_device
 from dflash.extract.store import store_dtype
 from dflash.models.targets.base import TargetAdapter
@@ -42,6 +43,16 @@ from dflash.models.targets.base import TargetAdapter
 if TYPE_CHECKING:
     from dflash.extract.feature_memory import FeatureMemory
     from dflash.extract.static_capture import StaticCapture
+
+
+class Crosscheck(NamedTuple):
+    """A captured sample to compare with a plain forward of it alone: its tokens, id and features [T, K*H] (and
+    final normed state [T, H] when the source keeps it)."""
+
+    input_ids: list[int]
+    sample_id: str
+    hidden: torch.Tensor
+    final: torch.Tensor | None
 
 
 class ColocatedFeatureSource(FeatureSource):
@@ -52,12 +63,15 @@ class ColocatedFeatureSource(FeatureSource):
     hidden states on the target's device; its check is pending until `verify_features`.
     `get_many` and indexing return checked single samples. memory: where the first epoch's features are kept
     (None: every micro-batch is captured); lengths: every sample's token count where the caller has them
-    (sample_lengths of the dataset, which is otherwise counted when kept_apart needs it).
+    (sample_lengths of the dataset, which is otherwise counted when kept_apart needs it); check_every: one sample in
+    that many captured (counted in capture order; 0: none) is compared with a plain forward when its batch is
+    verified (capture.check_every).
     """
 
     def __init__(self, adapter: TargetAdapter, dataset: Any, layer_ids: list[int], dtype: str,
                  final_hidden: bool = False, static: StaticCapture | None = None,
-                 memory: FeatureMemory | None = None, lengths: np.ndarray | None = None) -> None:
+                 memory: FeatureMemory | None = None, lengths: np.ndarray | None = None,
+                 check_every: int = 0) -> None:
         self.dtype = store_dtype(dtype)
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"colocated capture keeps features in bfloat16 or float32, not {dtype!r}: fp8 only "
@@ -74,10 +88,13 @@ class ColocatedFeatureSource(FeatureSource):
             raise ValueError(f"the static capture was built for taps {static.layer_ids} (final_hidden="
                              f"{static.final_hidden}), not {self.layer_ids} ({final_hidden})")
         self.static, self.memory, self.lengths = static, memory, lengths
-        self.tokens_captured = self.tokens_recalled = 0
-        # Per micro-batch handed out and not verified yet: its samples' indices and its checks (flags on the host
-        # once `ready` has passed, sample ids, tap names, ready event); a batch read back from memory has none.
-        self._pending: list[tuple[list[int], list[tuple[torch.Tensor, list[str], list, torch.cuda.Event | None]]]] = []
+        self.tokens_captured = self.tokens_recalled = self.samples_captured = 0
+        self.check_every = check_every
+        # Per micro-batch handed out and not verified yet: its samples' indices, its checks (flags on the host once
+        # `ready` has passed, sample ids, tap names, ready event; a batch read back from memory has none) and its
+        # samples to compare with a plain forward (Crosscheck).
+        self._pending: list[tuple[list[int], list[tuple[torch.Tensor, list[str], list, torch.cuda.Event | None]],
+                                  list[Crosscheck]]] = []
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -129,7 +146,7 @@ class ColocatedFeatureSource(FeatureSource):
         kept = [] if self.memory is None else [row for row, index in enumerate(indices) if index in self.memory.where]
         if len(kept) == len(indices):
             batch = self.memory.recall(indices, self.adapter.device)  # checked when they were captured
-            self._pending.append((list(indices), []))
+            self._pending.append((list(indices), [], []))
         else:
             # Some kept (a memory that holds part of the epoch): the target runs on the others only. With CUDA graphs
             # every micro-batch has the same rows, so there the whole micro-batch is captured.
@@ -154,7 +171,8 @@ class ColocatedFeatureSource(FeatureSource):
         forward (padded to their own longest), kept in memory, their checks pending; the other rows zeros."""
         sub_lengths = [lengths[row] for row in rows]
         features, checks = self._capture(input_ids[rows, :max(sub_lengths)], sub_lengths, sample_ids)
-        self._pending.append((list(indices), checks))
+        self._pending.append((list(indices), checks, self._crosschecks(input_ids, lengths, rows, sample_ids,
+                                                                       features)))
         if self.memory is not None:
             self.memory.keep(indices, sub_lengths, features)
         if len(rows) == input_ids.shape[0]:
@@ -167,6 +185,20 @@ class ColocatedFeatureSource(FeatureSource):
             batch[key] = value.new_zeros(input_ids.shape[0], input_ids.shape[1], value.shape[-1])
             batch[key].narrow(1, 0, value.shape[1]).index_copy_(0, where, value)
         return batch
+
+    def _crosschecks(self, input_ids: torch.Tensor, lengths: list[int], rows: list[int], sample_ids: list[str],
+                     features: dict[str, torch.Tensor]) -> list[Crosscheck]:
+        """The captured `rows` (k-th: features[...][k]) whose place in capture order is a multiple of check_every,
+        each with a copy of its features (the batch's own are the trainer's to free)."""
+        chosen = []
+        for k, row in enumerate(rows):
+            if self.check_every and (self.samples_captured + k) % self.check_every == 0:
+                final = features.get("target_final")
+                chosen.append(Crosscheck(input_ids[row, :lengths[row]].tolist(), sample_ids[k],
+                                         features["hidden"][k, :lengths[row]].clone(),
+                                         None if final is None else final[k, :lengths[row]].clone()))
+        self.samples_captured += len(rows)
+        return chosen
 
     def _capture(self, input_ids: torch.Tensor, lengths: list[int],
                  sample_ids: list[str]) -> tuple[dict[str, torch.Tensor], list[tuple]]:
@@ -235,21 +267,25 @@ class ColocatedFeatureSource(FeatureSource):
         return host, ids, names, ready
 
     def verify_features(self, leave: int = 0) -> None:
-        """Raise ValueError naming the sample and tap of a pending batch whose features are non-finite or constant;
-        the `leave` newest batches stay pending (made ahead for the next step, dflash/train/step_batches.py), and so
-        do the batches after a failed one. Waits only for the flags' copy, which a finished training step has passed
-        long ago. The samples of a failed batch are not read back from memory: a batch read back before the check
+        """Raise ValueError naming the sample and tap of a pending batch whose features are non-finite or constant,
+        or differ from a plain forward (its samples of check_every, crosscheck_if_it_fits); the `leave` newest
+        batches stay pending (made ahead for the next step, dflash/train/step_batches.py), and so do the batches
+        after a failed one. Waits only for the flags' copy, which a finished training step has passed long ago. The
+        samples of a failed batch are not read back from memory: a batch read back before the check
         of the batch its rows came from (made ahead) trains only after that check passed, or not at all."""
         split = max(len(self._pending) - leave, 0)
         pending, self._pending = self._pending[:split], self._pending[split:]
-        for position, (indices, checks) in enumerate(pending):
-            for flags, ids, names, ready in checks:
-                if ready is not None:
-                    ready.synchronize()
-                try:
+        for position, (indices, checks, crosschecks) in enumerate(pending):
+            try:
+                for flags, ids, names, ready in checks:
+                    if ready is not None:
+                        ready.synchronize()
                     raise_on_bad_features(flags, ids, names)
-                except ValueError:
-                    if self.memory is not None:
-                        self.memory.forget(indices)
-                    self._pending = pending[position + 1:] + self._pending
-                    raise
+                for check in crosschecks:
+                    crosscheck_if_it_fits(self.adapter, check.input_ids, check.hidden, self.layer_ids,
+                                          check.sample_id, check.final)
+            except ValueError:
+                if self.memory is not None:
+                    self.memory.forget(indices)
+                self._pending = pending[position + 1:] + self._pending
+                raise

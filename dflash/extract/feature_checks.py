@@ -4,10 +4,15 @@ all-zero states (method.md §8); these checks catch it before anything is writte
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from dflash.extract.forward_budget import release_device_memory
 from dflash.host_copy import host_to_device
 from dflash.models.targets.base import TargetAdapter
+
+logger = logging.getLogger(__name__)
 
 # Relative L2 error allowed between captured features and a plain forward of the same sample: batching and
 # padding change the kernels' summation order (large in bfloat16), a wrong tap or zero states give ~1.
@@ -93,24 +98,44 @@ def raise_on_bad_features(flags: torch.Tensor, ids: list[str], layer_ids: list[i
 
 
 def crosscheck_sample(
-    adapter: TargetAdapter, input_ids: list[int], features: torch.Tensor, layer_ids: list[int], sample_id: str
+    adapter: TargetAdapter, input_ids: list[int], features: torch.Tensor, layer_ids: list[int], sample_id: str,
+    final: torch.Tensor | None = None,
 ) -> None:
-    """Compare one sample's captured features [T, K*H] with HF `output_hidden_states[L+1]` of a plain forward.
+    """Compare one sample's captured features [T, K*H] with HF `output_hidden_states[L+1]` of a plain forward, and
+    its final normed hidden state [T, H] (`final`, when given) with the last of them.
 
-    Taps on the last layer are skipped: HF's last hidden state is taken after the final norm.
+    Taps on the last layer are skipped: HF's last hidden state is taken after the final norm. The plain forward runs
+    the layers eagerly where capture.compile compiled them: the reference is the model's own code, and a one-row
+    forward would make every compiled layer compile again (a batch of one is a shape of its own to torch.compile).
     """
     hidden = adapter.hidden_size
     ids = torch.tensor([input_ids], device=adapter.device)
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         states = adapter.text_model()(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-    for k, layer_id in enumerate(layer_ids):
-        if layer_id >= adapter.num_layers - 1:
-            continue
-        ref = states[layer_id + 1][0].float()
-        got = features[:, k * hidden:(k + 1) * hidden].to(ref.device).float()
-        error = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+    compared = [(f"tap {layer_id}", f"output_hidden_states[{layer_id + 1}]", states[layer_id + 1],
+                 features[:, k * hidden:(k + 1) * hidden])
+                for k, layer_id in enumerate(layer_ids) if layer_id < adapter.num_layers - 1]
+    if final is not None:
+        compared.append(("the final normed state", f"output_hidden_states[{len(states) - 1}]", states[-1], final))
+    for name, reference, state, got in compared:
+        ref = state[0].float()
+        error = float((got.to(ref.device).float() - ref).norm() / ref.norm().clamp_min(1e-12))
         if not error <= CROSSCHECK_RTOL:
             raise ValueError(
-                f"sample {sample_id!r}: tap {layer_id} differs from output_hidden_states[{layer_id + 1}] of a plain "
-                f"forward (relative error {error:.3g} > {CROSSCHECK_RTOL}): the capture hooks are wrong"
+                f"sample {sample_id!r}: {name} differs from {reference} of a plain forward (relative error "
+                f"{error:.3g} > {CROSSCHECK_RTOL}): the capture hooks are wrong"
             )
+
+
+def crosscheck_if_it_fits(adapter: TargetAdapter, input_ids: list[int], features: torch.Tensor,
+                          layer_ids: list[int], sample_id: str, final: torch.Tensor | None = None) -> None:
+    """crosscheck_sample, skipped with a warning where its plain forward runs out of device memory: that forward
+    keeps every layer's states, the most memory any step of capture takes for a long sample."""
+    try:
+        crosscheck_sample(adapter, input_ids, features, layer_ids, sample_id, final)
+        return
+    except torch.OutOfMemoryError:
+        pass
+    release_device_memory()
+    logger.warning(f"[capture] warning: the check of sample {sample_id} ({len(input_ids):,} tokens) against a plain "
+                   f"forward was skipped: that forward ran out of device memory")

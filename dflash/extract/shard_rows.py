@@ -23,9 +23,9 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash.extract.feature_checks import (
-    check_features, crosscheck_sample, packed_feature_flags, raise_on_bad_features,
+    check_features, crosscheck_if_it_fits, packed_feature_flags, raise_on_bad_features,
 )
-from dflash.extract.forward_budget import ForwardBudget, release_device_memory
+from dflash.extract.forward_budget import ForwardBudget
 from dflash.extract.fp8 import FP8_DTYPE, quantize_fp8
 from dflash.host_copy import host_to_device
 from dflash.models.targets.base import TargetAdapter
@@ -96,7 +96,7 @@ class ShardRows:
 
     adapter: TargetAdapter
     sample_ids: list[str]
-    first_sample: int  # the dataset index of sample 0, which check_every counts by
+    first_sample: int  # what check_every counts sample 0 as: its dataset index (offline), its capture order (online)
     layer_ids: list[int]
     check_every: int
     flat_ids: torch.Tensor
@@ -185,19 +185,10 @@ class ShardRows:
             self.hidden[start:stop] = features.to(self.hidden.dtype).cpu()
 
     def crosscheck(self, checks: Checks) -> None:
-        """Each (sample, features) of `checks` compared with a plain forward of the sample (crosscheck_sample). That
-        forward keeps every layer's states, the most memory any step of capture takes for a long sample: where it
-        runs out of device memory the check of that sample is skipped, saying so, and the capture goes on."""
+        """Each (sample, features) of `checks` compared with a plain forward of the sample (crosscheck_if_it_fits)."""
         for j, features in checks:
-            try:
-                crosscheck_sample(self.adapter, self.tokens_of(j).tolist(), features, self.layer_ids,
+            crosscheck_if_it_fits(self.adapter, self.tokens_of(j).tolist(), features, self.layer_ids,
                                   self.sample_ids[j])
-                continue
-            except torch.OutOfMemoryError:
-                pass
-            release_device_memory()
-            logger.warning(f"[capture] warning: the check of sample {self.sample_ids[j]} ({int(self.lengths[j]):,} "
-                           f"tokens) against a plain forward was skipped: that forward ran out of device memory")
 
     def arrays(self) -> dict[str, torch.Tensor]:
         """ShardWriter.write_shard's tensors."""

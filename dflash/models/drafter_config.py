@@ -50,16 +50,35 @@ def check_unsupported_options(config: dict[str, Any]) -> None:
     if found:
         raise ValueError(f"drafter config sets {', '.join(found)}: reference drafter options that DFlashDraftModel "
                          f"does not implement (it would draft differently from the published model)")
-    # is_causal, when set, makes every layer causal (True) or bidirectional (False); unset, sliding layers are
-    # causal and full ones bidirectional, which is the only layout DFlashDraftModel has.
-    is_causal = config.get("is_causal", dflash.get("is_causal"))
-    if is_causal is not None:
+    # is_causal (the reference's) or causal (vLLM's), when set, makes every layer causal (True) or bidirectional
+    # (False); unset, sliding layers are causal and full ones bidirectional, the only layout DFlashDraftModel has.
+    for name in ("is_causal", "causal"):
+        causal = config.get(name, dflash.get(name))
+        if causal is None:
+            continue
         layer_types = config.get("layer_types") or ["full_attention"] * int(config.get("num_hidden_layers", 0))
-        differ = [i for i, kind in enumerate(layer_types) if bool(is_causal) != (kind == "sliding_attention")]
+        differ = [i for i, kind in enumerate(layer_types) if bool(causal) != (kind == "sliding_attention")]
         if differ:
-            raise ValueError(f"drafter config sets is_causal={is_causal!r}, which makes layers {differ} "
-                             f"{'causal' if is_causal else 'bidirectional'}; DFlashDraftModel makes sliding layers "
+            raise ValueError(f"drafter config sets {name}={causal!r}, which makes layers {differ} "
+                             f"{'causal' if causal else 'bidirectional'}; DFlashDraftModel makes sliding layers "
                              f"causal and full ones bidirectional (it would draft differently)")
+    architectures = config.get("architectures")
+    if architectures is not None and list(architectures) != ["DFlashDraftModel"]:
+        raise ValueError(f"drafter config names architectures {architectures!r}, not ['DFlashDraftModel']: not a "
+                         f"DFlash drafter")
+    # What the reference and the serving engines read and DFlashDraftModel does not: another activation, a scaled
+    # RoPE, vLLM's own sliding-window switch (this drafter's windows are its layer_types and sliding_window).
+    rope_types = [(key, (config.get(key) or {}).get(field)) for key in ("rope_parameters", "rope_scaling")
+                  for field in ("rope_type", "type")]
+    other = [f"{key}.{kind}" for key, kind in rope_types if kind not in (None, "default")]
+    if config.get("hidden_act", "silu") != "silu":
+        other.append(f"hidden_act={config['hidden_act']!r}")
+    if reference_option(config, "use_swa"):
+        other.append(f"use_swa={reference_option(config, 'use_swa')!r}")
+    if other:
+        raise ValueError(f"drafter config sets {', '.join(other)}: DFlashDraftModel has plain RoPE, SiLU and the "
+                         f"sliding windows of its layer_types only (it would draft differently from the published "
+                         f"model)")
 
 
 def zlab_sliding_window(config: dict[str, Any], layer_types: list[str]) -> int | None:
@@ -126,6 +145,11 @@ class DrafterConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
+        if any(a >= b for a, b in zip(self.target_layer_ids, self.target_layer_ids[1:])):
+            # The features are joined in the order listed; vLLM and SGLang join them in layer order as their target
+            # runs its layers, so a drafter of any other order would be served its fc input permuted.
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} are not distinct and ascending: serving "
+                             f"engines join the taps' features in layer order")
         for layer_id in self.target_layer_ids:
             if not 0 <= layer_id < self.num_target_layers:
                 raise ValueError(
@@ -158,6 +182,9 @@ class DrafterConfig:
         uses_sliding = "sliding_attention" in self.layer_types
         config = {
             "architectures": ["DFlashDraftModel"],
+            # As the published drafters have it: Transformers' AutoModel with trust_remote_code then asks for the
+            # reference's dflash.py beside the weights instead of building a plain Qwen3Model from them.
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

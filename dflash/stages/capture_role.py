@@ -83,7 +83,8 @@ def _send_stream(context: RunContext, link: RankLink, target, start: dict):
     # The plan deals the samples among the trainer ranks only: their number is its world size.
     plan = plan_batches(train, len(dataset), link.trainers, lengths)
     check_same_plan(plan, start["plan"], link.rank)
-    produce = target_producer(target, dataset, start["layer_ids"], capture.batch_tokens, capture.dtype, capture.pack)
+    produce = target_producer(target, dataset, start["layer_ids"], capture.batch_tokens, capture.dtype, capture.pack,
+                              capture.check_every)
     sender = CaptureSender(link, UnitStream(plan, start["epochs"]), start["first_step"], produce,
                            sample_lengths(dataset).tolist(), batch_tokens=capture.batch_tokens,
                            in_flight=capture.in_flight)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import shlex
@@ -17,7 +16,7 @@ from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
 from dflash.data.journal import setting_differences
 from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, shown, \
-    stage_done, swap_in_dir, temp_path, write_text
+    settle_swap, stage_done, swap_in_dir, temp_path, write_text
 from dflash.stages.context import RunContext
 from dflash.stages.data import (changed_files, changed_words, hashed_files, record_first_weights,
                                 target_weights_file)
@@ -188,7 +187,7 @@ class EvalStage(Stage):
     def prepare(self) -> None:
         """Settle what an evaluation killed around its swap left beside the folder (settle_swap), and pick the
         drafter to measure once: picking it may export the best checkpoint so far, and says so."""
-        settle_swap(os.path.realpath(self.out))
+        settle_evaluation_swap(os.path.realpath(self.out))
         self.drafter = self.drafter_to_evaluate()
         folder = self.drafter[0]
         if not holds_drafter(folder):
@@ -384,21 +383,12 @@ def carry_other_entries(out: str, new: str) -> None:
             shutil.copy2(source, copy, follow_symlinks=False)
 
 
-def settle_swap(out: str) -> None:
+def settle_evaluation_swap(out: str) -> None:
     """After an evaluation killed around its swap (EvalStage.run, run_files.swap_in_dir): where `out` is missing, the
     finished evaluation (marked done) takes its place, else the one set aside comes back; what is left beside `out`
     under its temporary names (temp_path's `.<name>.tmp-<pid>`, and `.old` for the one set aside) goes."""
-    parent, name = os.path.split(out)
-    left = glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*"))
-    if not os.path.exists(out):
-        finished = [path for path in left if not path.endswith(".old") and
-                    all(os.path.isfile(os.path.join(path, file)) for file in (DONE, "summary.json"))]
-        aside = [path for path in left if path.endswith(".old")]
-        if finished or aside:
-            os.replace((finished or aside)[0], out)
-            left.remove((finished or aside)[0])
-    for path in left:
-        shutil.rmtree(path, ignore_errors=True)
+    settle_swap(out, lambda path: all(os.path.isfile(os.path.join(path, file))
+                                      for file in (DONE, "summary.json")))
 
 
 def eval_input_files(settings) -> dict[str, dict[str, str]]:

@@ -471,7 +471,7 @@ class TrainStage(Stage):
         return ColocatedFeatureSource(self.context.target, dataset, info["target_layer_ids"], info["dtype"],
                                       final_hidden=final_hidden, static=static,
                                       memory=self.colocated_memory(dataset, lengths, info, final_hidden),
-                                      lengths=lengths)
+                                      lengths=lengths, check_every=self.context.settings.capture.check_every)
 
     def colocated_memory(self, dataset: Any, lengths: Any, info: dict, final_hidden: bool) -> FeatureMemory | None:
         """capture.cache: the FeatureMemory keeping the first epoch's colocated features for the later epochs
