@@ -411,6 +411,19 @@ def test_a_resumed_run_keeps_a_better_best_and_a_fresh_run_starts_over(tmp_path)
     assert read_best(other) == {"step": 1, "tau": 1.1, "acceptance_rate": 1.1 / 4}
 
 
+def test_a_best_measured_after_the_resume_step_is_replaced_by_the_next_evaluation(tmp_path):
+    """The best of steps a kill threw away (after the last checkpoint) is of weights the resumed run trains again:
+    the next evaluation replaces it, whatever its figure, so the best is on the run's own line."""
+    directory = str(tmp_path / "checkpoints")
+    # Checkpoints every 2 steps; killed in step 4 (reading step 5's samples, made ahead), before its evaluation.
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path, heldout=ScriptedHeldout([1.0, 1.2, 9.0]), eval_every=1, save_every=2,
+            store=FailingStore(trainer_harness.synthetic_store(), 8))
+    assert read_best(directory)["step"] == 3  # measured after checkpoint 2, the one the run resumes from
+    run(tmp_path, heldout=ScriptedHeldout([2.0, 2.1, 2.2, 2.3]), eval_every=1, save_every=2)
+    assert read_best(directory) == {"step": 6, "tau": 2.3, "acceptance_rate": 2.3 / 4}
+
+
 def test_best_by_names_the_figure_that_picks_the_best(tmp_path, monkeypatch):
     """train.best_by=tau_T1 keeps the weights of the best expected tau at T=1, not of the best greedy tau; the
     record gets the figure and best.json names it."""

@@ -11,6 +11,7 @@ restores.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,8 @@ from dflash.models.drafter_config import DrafterConfig
 from dflash.train.best_checkpoint import clear_best, read_best, write_best
 from dflash.train.engine import TrainEngine
 from dflash.train.heldout import HeldoutSet, estimate_key
+
+logger = logging.getLogger(__name__)
 
 
 def check_heldout(heldout: HeldoutSet | None, eval_every: int, drafter_config: DrafterConfig,
@@ -62,12 +65,15 @@ class HeldoutTracker:
     never due.
 
     A call that starts from scratch deletes a best left in checkpoint_dir by an earlier run (it is not this run's);
-    a resumed call reads its best back, so it never replaces a better best with a worse one. clock: the loop's.
+    a resumed call reads its best back, so it never replaces a better best with a worse one. A best measured after
+    the step it resumes at (`resumed_at`: a kill lost the steps after the last checkpoint) is of weights this call
+    trains again: it is kept until the next evaluation, which replaces it whatever its figure, so the best is
+    always weights of the run's own line. clock: the loop's.
     """
 
     def __init__(self, heldout: HeldoutSet | None, eval_every: int, checkpoint_dir: str,
                  frozen_head: tuple[torch.Tensor, torch.Tensor], *, resumed: bool, rank: int, world_size: int,
-                 clock: Callable[[], float], best_by: str = "tau") -> None:
+                 clock: Callable[[], float], best_by: str = "tau", resumed_at: int | None = None) -> None:
         self.heldout, self.eval_every = heldout, eval_every
         self.temperature = best_by_temperature(best_by)
         self.best_by = "tau" if not self.temperature else estimate_key(self.temperature)
@@ -77,6 +83,10 @@ class HeldoutTracker:
         if rank == 0:
             if resumed:
                 self.best = read_best(checkpoint_dir)
+                if self.best is not None and resumed_at is not None and self.best["step"] > resumed_at:
+                    logger.info(f"[train] the best checkpoint (step {self.best['step']}) was measured after step "
+                                f"{resumed_at}, where training resumes: the next held-out evaluation replaces it")
+                    self.best = None
             else:
                 clear_best(checkpoint_dir)
 

@@ -293,7 +293,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
                       entered=entered, device=device, clock=clock)
     evaluation = HeldoutTracker(heldout, settings.eval_every, checkpoint_dir, (embed_weight, lm_head),
                                 resumed=tag is not None, rank=rank, world_size=world_size, clock=clock,
-                                best_by=settings.best_by)
+                                best_by=settings.best_by, resumed_at=step)
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not (show_progress and rank == 0))
     bar_steps: deque = deque(maxlen=BAR_MEAN_STEPS)
     total_steps = follow_plan(pace.budget, engine, progress, total_steps, pace.resumed_plan(total_steps), rank)
