@@ -155,6 +155,35 @@ def test_compare_runs_takes_every_run_by_default_and_relative_folders_from_anywh
 
 
 @pytest.mark.slow
+def test_both_notebooks_find_a_run_nested_under_runs_by_default(two_runs, tmp_path):
+    """`name=sweep/lr3e-3` makes runs/sweep/lr3e-3/: by default acceptance.ipynb looked one folder down from
+    runs/<run> alone and compare_runs.ipynb at the folders right under runs/, so a repository whose only run was
+    nested had none to show."""
+    replay_dir, live_dir = two_runs
+    notebooks = checkout(tmp_path)
+    runs = tmp_path / "runs"
+    run = runs / "sweep" / "lr3e-3"
+    shutil.copytree(replay_dir, run)
+    # Folders the walk passes over, each holding a newer evaluation (the live run's) and training records: one of
+    # the run's own folders (checkpoints/, features/, ... are not walked), one of a run not trained or evaluated yet
+    # (its config.yaml alone), a hidden one.
+    pending = runs / "sweep" / "pending"
+    pending.mkdir()
+    shutil.copy(os.path.join(replay_dir, "config.yaml"), pending)
+    for decoy in (run / "features" / "decoy", pending / "features" / "decoy", runs / ".trash" / "old"):
+        shutil.copytree(os.path.join(live_dir, "eval"), decoy / "eval")
+        shutil.copy(os.path.join(live_dir, "metrics.jsonl"), decoy)
+    acceptance = printed(execute("acceptance.ipynb", {}, notebooks))
+    assert f"{run / 'eval' / 'summary.json'}: mode replay" in acceptance
+    assert_acceptance_of(replay_dir, acceptance)
+    compared = execute("compare_runs.ipynb", {}, notebooks)
+    listed = [line.split(": eval ")[0] for line in printed(compared).splitlines() if ": eval " in line]
+    assert listed == ["sweep/lr3e-3"], listed  # named by its path under runs/
+    assert f"{read_summary(replay_dir)['overall']['tau']:.3f}" in printed(compared)
+    assert figures(compared) == 2
+
+
+@pytest.mark.slow
 def test_the_readme_command_executes_a_notebook_from_any_folder(two_runs, tmp_path):
     pytest.importorskip("nbconvert")
     replay_dir, _ = two_runs
