@@ -8,7 +8,7 @@ nucleus holds ~650 of 49,152 tokens, printed as mean_nucleus_tokens), timed with
 after a warm-up, and reported in ms per call and as a ratio to a bf16 [rows, hidden] x [hidden, vocab] matmul (the
 lm_head of the same step) measured in the same run:
   * argmax:        logits.argmax(-1)
-  * sample_top_p:  dflash.inference.static_decode.sample_tokens at --temperature and --top-p (what the engine runs)
+  * sample_top_p:  dflash.inference.keyed_sampling.sample_tokens at --temperature and --top-p (what the engine runs)
   * sample_full:   the same with top_p 1 (no sort)
   * sort:          torch.sort(probs, descending=True) alone
   * softmax:       torch.softmax(logits / T) alone
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.inference.static_decode import sample_tokens  # noqa: E402
+from dflash.inference.keyed_sampling import sample_tokens  # noqa: E402
 
 
 def timed(fn, iters: int, cuda: bool) -> float | None:

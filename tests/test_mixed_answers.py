@@ -13,8 +13,9 @@ from tests.schema_options import answer_options
 TEXTS = ["hi", "what is two plus two?", "tell me a story about a cat", "name three colours", "ok then",
          "why is the sky blue?", "write a haiku", "count to five", "say something kind", "list two fruits"]
 PROMPTS = [Prompt(f"p{i}", [{"role": "user", "content": t}], "test") for i, t in enumerate(TEXTS)]
-# The static engine samples each prompt from its own stream, so an answer does not depend on its batch.
+# Both engines sample each prompt from its own stream, so an answer does not depend on its batch.
 GEN = answer_options(max_length=64, max_new_tokens=10, batch_size=3, show_progress=False, engine="static", seed=3)
+ENGINES = pytest.mark.parametrize("engine", ["static", "hf"])
 
 
 def answers(journal) -> dict[str, list[int]]:
@@ -35,8 +36,10 @@ def test_the_choice_is_a_seeded_function_of_the_id():
     assert 0 < len(held & half) < 40
 
 
-def test_greedy_and_sampled_answers_are_those_of_the_unmixed_runs(tiny_target, tmp_path):
+@ENGINES
+def test_greedy_and_sampled_answers_are_those_of_the_unmixed_runs(tiny_target, tmp_path, engine):
     adapter = tiny_target("llama")
+    GEN = dict(globals()["GEN"], engine=engine)
     greedy = answers_of(regenerate(PROMPTS, adapter, tmp_path / "greedy.jsonl", temperature=0.0, **GEN),
                         tmp_path / "greedy.jsonl")
     sampled = answers_of(regenerate(PROMPTS, adapter, tmp_path / "sampled.jsonl", temperature=1.0, **GEN),
@@ -57,9 +60,10 @@ def answers_of(stats: dict, journal) -> dict[str, list[int]]:
     return answers(journal)
 
 
-def test_an_interrupted_mixed_regeneration_resumes_to_the_same_answers(tiny_target, tmp_path, monkeypatch):
+@ENGINES
+def test_an_interrupted_mixed_regeneration_resumes_to_the_same_answers(tiny_target, tmp_path, monkeypatch, engine):
     adapter = tiny_target("llama")
-    settings = dict(GEN, temperature=1.0, sampled_share=0.5)
+    settings = dict(GEN, temperature=1.0, sampled_share=0.5, engine=engine)
     regenerate(PROMPTS, adapter, tmp_path / "one_go.jsonl", **settings)
     added, real_add = [], JournalBuffer.add
 
@@ -80,6 +84,20 @@ def test_an_interrupted_mixed_regeneration_resumes_to_the_same_answers(tiny_targ
     # Another share is other settings: it answers every prompt in a journal of its own.
     other = regenerate(PROMPTS, adapter, tmp_path / "resumed.jsonl", **{**settings, "sampled_share": 0.25})
     assert other["generated"] == len(PROMPTS) and len(list(tmp_path.glob("resumed.*.jsonl"))) == 1
+
+
+def test_both_engines_sample_the_same_answer_for_a_prompt(tiny_target, tmp_path):
+    """The hf engine draws each prompt's tokens from the stream the static engine draws them from (keyed_sampling.py):
+    in float32 the two give the same sampled answers, in batches of any size."""
+    adapter = tiny_target("llama")
+    static = dict(GEN, temperature=1.0, top_p=0.9)
+    regenerate(PROMPTS, adapter, tmp_path / "static.jsonl", **static)
+    regenerate(PROMPTS, adapter, tmp_path / "hf.jsonl", **dict(static, engine="hf", batch_size=4))
+    regenerate(PROMPTS, adapter, tmp_path / "hf1.jsonl", **dict(static, engine="hf", batch_size=1))
+    assert answers(tmp_path / "hf.jsonl") == answers(tmp_path / "static.jsonl") == answers(tmp_path / "hf1.jsonl")
+    greedy = answers_of(regenerate(PROMPTS, adapter, tmp_path / "greedy.jsonl", **dict(GEN, engine="hf")),
+                        tmp_path / "greedy.jsonl")
+    assert greedy != answers(tmp_path / "hf.jsonl")  # sampled, not greedy
 
 
 def test_the_dataset_counts_greedy_and_sampled_answers(tiny_target, tmp_path):

@@ -12,9 +12,8 @@ import torch
 from dflash.config.schema import schema_default
 from dflash.data.prompts import Prompt
 from dflash.data.regenerate import read_journal, regenerate
-from dflash.inference.static_decode import (
-    StaticGenerator, prompt_draws, resolve_engine, sample_tokens, static_generate, supports_static_decode,
-)
+from dflash.inference.keyed_sampling import prompt_draws, sample_tokens
+from dflash.inference.static_decode import StaticGenerator, resolve_engine, static_generate, supports_static_decode
 from dflash.eval.replay import greedy_continuations
 from dflash.models.targets import build_tiny_target, load_target
 from dflash.models.targets import smollm2

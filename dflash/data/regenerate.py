@@ -29,6 +29,7 @@ from typing import Any
 
 from dflash.data.chat import prompt_ids_many
 from dflash.inference.generation import batch_seed, cut_response, generation_config, hf_generate
+from dflash.inference.keyed_sampling import prompt_key
 from dflash.data.journal import JournalBuffer, append_lines, open_journal, with_target
 from dflash.data.journal import read_journal  # noqa: F401 - callers read the answer journal back from here
 from dflash.data.progress import GenerationProgress
@@ -100,7 +101,9 @@ def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_siz
                 max_length: int, stop_ids: list[int], pad_id: int, temperature: float, top_p: float, seed: int,
                 progress: GenerationProgress | None = None, part: list[int] | None = None):
     """(index into pending, new tokens or the exception) per prompt of `part` (indices into pending; None: all),
-    from model.generate over batches. `progress` (keyed by index into pending) is shown every step's tokens."""
+    from model.generate over batches; at T > 0 each prompt samples from its own stream (run seed + its id), as in the
+    static engine, so a resumed run draws the same tokens. `progress` (keyed by index into pending) is shown every
+    step's tokens."""
     part = list(range(len(pending))) if part is None else part
     for start in range(0, len(part), batch_size):
         rows = part[start: start + batch_size]
@@ -111,7 +114,9 @@ def _hf_results(adapter: Any, pending: list[tuple[Prompt, list[int]]], batch_siz
 
         def generate(indices: list[int]) -> list[list[int]]:
             streamer = progress.streamer(indices, stop_ids) if progress is not None else None
-            return hf_generate(adapter, [pending[i][1] for i in indices], config, pad_id, chunk_seed, streamer)
+            # Each prompt's own stream, as the static engine keys it: the same answer in any batch, or after a resume.
+            keys = [prompt_key(batch_seed(seed, [pending[i][0].id])) for i in indices]
+            return hf_generate(adapter, [pending[i][1] for i in indices], config, pad_id, chunk_seed, streamer, keys)
 
         failure = None
         try:

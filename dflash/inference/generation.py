@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
+
+from dflash.inference.keyed_sampling import KeyedSampling
 
 
 def batch_seed(seed: int, ids: list[str]) -> int:
@@ -89,9 +92,11 @@ def model_defaults_hidden(model: Any) -> Iterator[None]:
 
 
 def hf_generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, pad_id: int, seed: int,
-                streamer: BaseStreamer | None = None) -> list[list[int]]:
+                streamer: BaseStreamer | None = None, keys: Sequence[str] | None = None) -> list[list[int]]:
     """New tokens for each left-padded prompt of the batch (one call of model.generate); `streamer` sees every
-    step's tokens (for a progress bar)."""
+    step's tokens (for a progress bar). A sampling `config` with `keys` (one stream key a prompt, keyed_sampling.py)
+    draws each prompt's tokens from its own stream, so its answer does not depend on the batch; without keys, from
+    the global RNG seeded with `seed` (restored afterwards)."""
     width = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -99,9 +104,16 @@ def hf_generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, 
         input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, width - len(ids):] = 1
     device = torch.device(adapter.device)
-    # Passed only when given: generate's callers (and stand-ins for it) need not know the keyword otherwise.
-    extra = {} if streamer is None else {"streamer": streamer}
-    # Sampling draws from the global RNG inside generate: seed it per batch and restore it afterwards.
+    # Passed only when given: generate's callers (and stand-ins for it) need not know the keywords otherwise.
+    extra: dict[str, Any] = {} if streamer is None else {"streamer": streamer}
+    if keys is not None and config.do_sample:
+        if len(keys) != len(batch):
+            raise ValueError(f"{len(keys)} stream keys for {len(batch)} prompts")
+        extra["logits_processor"] = LogitsProcessorList([KeyedSampling(
+            keys, width, config.max_new_tokens, config.temperature, config.top_p, device)])
+        config = copy.deepcopy(config)  # greedy, its warpers off: the processor has chosen the token
+        config.do_sample, config.temperature, config.top_p = False, 1.0, 1.0
+    # Sampling without keys draws from the global RNG inside generate: seed it per batch and restore it afterwards.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
             model_defaults_hidden(adapter.model):
         torch.manual_seed(seed)

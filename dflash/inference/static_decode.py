@@ -13,14 +13,12 @@ At T=0 in float32 the tokens match HF greedy `generate` of each prompt alone: th
 r attends over columns 0..column[r] (what its current prompt wrote; keys a previous occupant left beyond are
 masked out), a sliding-window layer over the last `window` of them (models/targets/static_attention.py), the next
 token is the argmax of the float32 logits (after the family's logit transform, e.g. Gemma's final soft cap).
-Sampling (T > 0) is temperature + top-p by inverse CDF from each prompt's own seeded uniform stream: the right
-distribution, not HF's random stream. The CDF and the draws are float64: a float32 running sum over a vocabulary
-rounds away every token below half its last place (~3e-8 past 0.5), which could then never be drawn.
+Sampling (T > 0) is temperature + top-p by inverse CDF from each prompt's own seeded uniform stream
+(keyed_sampling.py): the right distribution, not HF's random stream, and the hf engine's draws for the same prompt.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from functools import cache
@@ -28,6 +26,7 @@ from functools import cache
 import torch
 
 from dflash.inference.cuda_graphs import capture_graphs
+from dflash.inference.keyed_sampling import prompt_draws, prompt_key, sample_tokens
 from dflash.inference.row_schedule import ScheduleStats, round_up, run_schedule
 from dflash.models.targets.row_attention import RowPrefixAttention, resolve_attention
 from dflash.models.targets.static_attention import attention, visibility_masks
@@ -66,32 +65,6 @@ def resolve_engine(engine: str, adapter) -> str:
     if engine == "static" and not supports_static_decode(adapter):
         raise ValueError(f"engine 'static' cannot decode this target: {adapter.static_layout_problem()}; use 'hf'")
     return engine
-
-
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row from softmax(logits / temperature) cut to its top-p nucleus, by inverse CDF.
-
-    `uniform` [b] holds one U[0, 1) draw per row (float64, prompt_draws); no randomness is drawn here, so the
-    function can live in a CUDA graph. The nucleus is the smallest set of most likely tokens whose mass reaches
-    top_p (as HF's top-p).
-    """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True)
-        probs = probs * ((probs.cumsum(dim=-1, dtype=torch.float64) - probs) < top_p)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # module docstring: float32 sums lose the tail tokens
-    threshold = uniform[:, None].double() * cdf[:, -1:]
-    # The first token whose cdf passes the threshold: `<=` skips tokens of zero mass, even for a draw of exactly 0.
-    choice = (cdf <= threshold).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
-    return (order.gather(-1, choice) if top_p < 1.0 else choice).squeeze(-1)
-
-
-def prompt_draws(key: str, count: int) -> torch.Tensor:
-    """The uniform draws [count] of the prompt whose stream key is `key`, one per new-token index: its sampling
-    stream, whichever row or batch it decodes in."""
-    digest = hashlib.sha256(key.encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return torch.rand(count, generator=generator, dtype=torch.float64)  # 53 bits: every float64 CDF step reachable
 
 
 class _Decoder:
@@ -362,7 +335,7 @@ class StaticGenerator:
         if not prompts:
             return
         keys = [f"{seed}:{i}" for i in range(len(prompts))] if prompt_seeds is None else [
-            f"prompt:{int(s)}" for s in prompt_seeds]
+            prompt_key(s) for s in prompt_seeds]
         stops = [int(t) for t in stop_token_ids]
         rows = batch_size if self.fixed_rows else min(batch_size, len(prompts))
         length = round_up(max(len(p) + b for p, b in zip(prompts, budgets)), LENGTH_QUANTUM)
