@@ -301,6 +301,10 @@ def test_target_cache_rollback_bounds_and_state_restore(tiny_target):
     for (_, _, got), (_, _, want) in zip(snapshot_linear_states(target.cache), snapshot_linear_states(fresh.cache)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert any(not torch.equal(a, b) for a, (_, _, b) in zip(before, snapshot_linear_states(target.cache)))
+    # The token count a linear layer keeps (Transformers 5.2x; get_seq_length reads it) counts the kept tokens once.
+    counts = [int(layer.cumulative_length_linear) for layer in target.cache.layers
+              if hasattr(layer, "cumulative_length_linear")]
+    assert counts == [len(prompt) + 2] * len(counts)
     # The verify block may be a device tensor (live decoding keeps drafts there); rollback re-runs its kept part.
     logits, _ = target.verify(torch.tensor([7, 8, 9]))
     assert logits.shape[0] == 3 and target.rollback(len(prompt) + 3).shape == (1, 2 * adapter.hidden_size)

@@ -43,15 +43,20 @@ def has_linear_layers(cache: Any) -> bool:
     return any(is_linear_layer(layer) for layer in cache.layers)
 
 
-LinearSnapshot = list[tuple[dict, int, torch.Tensor]]
+LinearSnapshot = list[tuple[dict, int | str, torch.Tensor]]  # (where the tensor is held, its key there, a copy)
 
 
 def snapshot_linear_states(cache: Any) -> LinearSnapshot:
-    """Copies of every conv / recurrent state tensor of the linear-attention layers (empty for dense targets)."""
+    """Copies of every conv / recurrent state tensor of the linear-attention layers (empty for dense targets), and of
+    the token count a layer keeps beside them (`cumulative_length_linear`, Transformers 5.2x), which the cache's
+    get_seq_length reads: a forward without position ids would take its positions from it."""
     saved: LinearSnapshot = []
     for layer in cache.layers:
         if not is_linear_layer(layer):
             continue
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            saved.append((vars(layer), "cumulative_length_linear", count.clone()))
         for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
             if states is None:
                 continue
