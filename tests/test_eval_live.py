@@ -47,7 +47,7 @@ def oracle(monkeypatch, adapter, prompt, truth):
 
     def fake(context, anchor, size):
         start = context.length
-        logits = torch.zeros(size - 1, adapter.vocab_size)
+        logits = torch.zeros(size - 1, adapter.vocab_size, device=adapter.device)
         for k in range(1, size):
             token = sequence[start + k] if start + k < len(sequence) else 0
             logits[k - 1, corrupt(token, start + k, adapter.vocab_size)] = 1.0
@@ -81,6 +81,29 @@ def test_live_output_equals_target_greedy(family, tiny_target, make_drafter, mon
     assert len(set(result.trace.committed)) >= 3, result.trace.committed
     assert target_only_decode(adapter, prompt, max_new_tokens=24, stop_token_ids=[],
                               target_engine=LIVE_ENGINE).continuation == truth
+
+
+@pytest.mark.gpu(reason="flash-linear-attention's GDN kernels: chunked in a verify, recurrent token by token")
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_live_decoding_on_a_gdn_hybrid_on_cuda_is_lossless(block_size, make_drafter, monkeypatch):
+    """On CUDA a hybrid's verify of a block runs the GDN layers' chunked kernel and target-only decoding their
+    recurrent one, and every partial acceptance restores the GDN states: in float32 the live output is the target's
+    own greedy output, with an oracle drafter that accepts none, some and all of a block."""
+    from dflash.models.targets import load_target
+
+    adapter = load_target("tiny", tiny={"family": "qwen3_5", "seed": 0, "tokenizer": "builtin"}, dtype="float32",
+                          device="cuda")
+    drafter = make_drafter(adapter, block_size=block_size, window=16).to("cuda")
+    for prompt in prompts_for(adapter):
+        truth = target_only_decode(adapter, prompt, max_new_tokens=40, stop_token_ids=[],
+                                   target_engine=LIVE_ENGINE).continuation
+        assert truth == own_greedy(adapter, prompt, 40)
+        with monkeypatch.context() as patched:
+            oracle(patched, adapter, prompt, truth)
+            result = live_decode(drafter, adapter, prompt, max_new_tokens=40, stop_token_ids=[],
+                                 target_engine=LIVE_ENGINE, draft_sampling=DRAFT_SAMPLING)
+        assert result.continuation == truth
+        assert len(set(result.trace.committed)) >= 2, result.trace.committed  # rollbacks of several lengths
 
 
 def test_naive_crop_is_not_lossless_on_gdn(tiny_target, make_drafter, monkeypatch):
