@@ -148,7 +148,7 @@ CHECKPOINT_KEY = "fingerprint.json"
 SETTINGS_KEY = "settings.json"
 
 
-def claim_checkpoint_dir(directory: str, key: str) -> str | None:
+def claim_checkpoint_dir(directory: str, key: str, before_move: Callable[[str], None] | None = None) -> str | None:
     """Make `directory` hold checkpoints of the training run fingerprinted `key` only.
 
     Checkpoints written under other settings (or before checkpoints carried a fingerprint) would be resumed as if
@@ -156,7 +156,7 @@ def claim_checkpoint_dir(directory: str, key: str) -> str | None:
     They are moved aside (claim_dir), never deleted; a later run with those settings again moves them back and
     resumes.
     """
-    return claim_dir(directory, key, stage="train", contents="checkpoints", keep_moved=True)
+    return claim_dir(directory, key, stage="train", contents="checkpoints", keep_moved=True, before_move=before_move)
 
 
 def claimed_key(directory: str) -> str | None:
@@ -165,14 +165,17 @@ def claimed_key(directory: str) -> str | None:
     return marker.get("fingerprint") if isinstance(marker, dict) else None
 
 
-def claim_dir(directory: str, key: str, *, stage: str, contents: str, keep_moved: bool = False) -> str | None:
+def claim_dir(directory: str, key: str, *, stage: str, contents: str, keep_moved: bool = False,
+              before_move: Callable[[str], None] | None = None) -> str | None:
     """Make `directory` hold the work of settings fingerprinted `key` only (`contents` of stage `stage`).
 
     Work of other settings (its fingerprint in the folder's marker, else in a done.json; neither: unfingerprinted)
     is moved aside to `<directory>.<old key>`, and a folder moved aside earlier for `key` is moved back, so going
     back to earlier settings resumes their work. Unless `keep_moved` (trained work is never deleted), only one
     moved-aside folder is kept besides the one being restored: feature stores are large and can be captured again,
-    and every settings change would add one. Returns where the current folder went, or None when nothing moved.
+    and every settings change would add one. `before_move(old key)` runs just before the folder is moved aside (to
+    put into it what must go with it in the same rename). Returns where the current folder went, or None when
+    nothing moved.
     """
     marker = os.path.join(directory, CHECKPOINT_KEY)
     parent, name = os.path.split(os.path.abspath(directory))
@@ -191,6 +194,8 @@ def claim_dir(directory: str, key: str, *, stage: str, contents: str, keep_moved
                 logger.info(f"[{stage}] deleting {path}, {contents} of settings older than the ones moved aside now")
                 shutil.rmtree(path)
         moved = f"{directory}.{old or 'unfingerprinted'}"
+        if before_move is not None:
+            before_move(old or "unfingerprinted")
         os.replace(directory, moved)
     elif os.path.isdir(directory):
         os.rmdir(directory)

@@ -149,12 +149,13 @@ def test_an_evaluation_into_another_drafters_evaluation_folder_is_refused_before
     assert snapshot(other) == before
 
 
-@pytest.mark.parametrize("target", ["", "data", "mine"])
+@pytest.mark.parametrize("target", ["", "data", "checkpoints", "export", "mine"])
 def test_an_evaluation_into_a_folder_of_other_files_is_refused_before_any_work(run_dir, tmp_path, monkeypatch,
                                                                                target):
     """eval.out_dir naming a run folder, a stage's folder or a folder of one's own: the evaluation took it over (its
     files carried into the evaluation's folder, a stage's done.json replaced by the evaluation's); now the command
-    stops first. An empty folder is taken."""
+    stops first. A copy of this run's checkpoints/ or export/, whose done.json names this drafter as an evaluation's
+    does, too. An empty folder is taken."""
     from dflash.config import ConfigError
 
     other = tmp_path / "other"
@@ -172,6 +173,22 @@ def test_an_evaluation_into_a_folder_of_other_files_is_refused_before_any_work(r
     (tmp_path / "empty").mkdir()
     Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]", f"eval.out_dir={tmp_path / 'empty'}"])
              ).eval.refuse_a_folder_of_other_files()
+
+
+def test_another_drafters_evaluation_deeper_in_the_run_folder_is_refused(run_dir, monkeypatch):
+    """overwrite=true moves the evaluations right in the run folder aside with their drafter, not those deeper
+    (eval.out_dir=<run_dir>/evals/live): one of another drafter left there is refused like another run's."""
+    from dflash.config import ConfigError
+
+    nested = run_dir / "evals" / "live"
+    shutil.copytree(run_dir / "eval", nested)
+    done = nested / "done.json"
+    done.write_text(done.read_text().replace('"checkpoint": "', '"checkpoint": "0ther'))
+    before = snapshot(nested)
+    forbid_evaluating(monkeypatch)
+    with pytest.raises(ConfigError, match=f"^eval.out_dir={nested} holds the evaluation of another drafter"):
+        Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]", f"eval.out_dir={nested}"])).run()
+    assert snapshot(nested) == before
 
 
 def test_a_run_copied_without_its_data_is_not_taken_for_another_drafter(run_dir):

@@ -202,3 +202,45 @@ def test_a_data_change_that_moves_aside_a_training_of_settings_alone_removes_it(
     # The failed training's settings are in checkpoints/ when the data changes again.
     fail_training_at_its_start(run + ["data.max_new_tokens=18", "overwrite=true"], monkeypatch)
     assert [p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.")] == [trained]
+
+
+def killed_after_the_claim(monkeypatch):
+    """The train stage's claim as a kill right after checkpoints/ moved (aside or back) leaves it: the outputs of the
+    run folder not moved on from where the claim's renames left them (KeyboardInterrupt)."""
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed after the claim's renames")
+
+    monkeypatch.setattr("dflash.stages.train.carry_trained_outputs", killed)
+
+
+OUTPUTS = ("metrics.jsonl", "export", "eval", "training_curve.png")
+
+
+def outputs_of(folder) -> dict[str, str]:
+    return {k: v for k, v in snapshot(folder).items() if k.split(os.sep)[0] in OUTPUTS}
+
+
+def test_a_kill_inside_overwrite_never_parts_a_drafter_from_its_outputs(tmp_path, monkeypatch):
+    """overwrite=true moves a drafter aside with its outputs in one rename, and a restore brings them back out at
+    the next command: a kill between never leaves one drafter's outputs beside another's checkpoints."""
+    a = TINY + [f"run_dir={tmp_path}", "train.epochs=1"]
+    b = a + ["train.lr=0.05", "overwrite=true"]
+    Pipeline(compose(a)).run()
+    trained_a = outputs_of(tmp_path)
+    with monkeypatch.context() as patched:
+        killed_after_the_claim(patched)
+        with pytest.raises(KeyboardInterrupt):
+            Pipeline(compose(b)).run()  # moving A aside for B
+    aside = next(p for p in tmp_path.iterdir() if p.name.startswith("checkpoints."))
+    assert outputs_of(aside) == trained_a and outputs_of(tmp_path) == {}  # moved with A's checkpoints
+    Pipeline(compose(b)).run()  # the rerun trains B beside nothing of A's
+    trained_b = outputs_of(tmp_path)
+    assert outputs_of(aside) == trained_a and trained_b and trained_b != trained_a
+    with monkeypatch.context() as patched:
+        killed_after_the_claim(patched)
+        with pytest.raises(KeyboardInterrupt):
+            Pipeline(compose(a + ["overwrite=true"])).run()  # restoring A over B
+    Pipeline(compose(a)).run()  # A's command again: up to date, with A's own outputs back out
+    assert outputs_of(tmp_path) == trained_a
+    b_aside = next(p for p in tmp_path.iterdir() if p.name.startswith("checkpoints.") and p.name != aside.name)
+    assert outputs_of(b_aside) == trained_b

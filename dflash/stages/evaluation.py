@@ -15,8 +15,8 @@ from dflash.config.command_line import adopted_overrides, hydra_overrides, worki
 from dflash.config.errors import ConfigError, CorruptFile, NothingToEvaluate
 from dflash.config.unknown_keys import override_key
 from dflash.data.journal import setting_differences
-from dflash.run_files import CHECKPOINT_KEY, fingerprint, mark_done, read_json, read_json_or_none, shown, \
-    settle_swap, stage_done, swap_in_dir, temp_path, write_text
+from dflash.run_files import (CHECKPOINT_KEY, SETTINGS_KEY, fingerprint, mark_done, read_json, read_json_or_none,
+                              settle_swap, shown, stage_done, swap_in_dir, temp_path, write_text)
 from dflash.stages.context import RunContext
 from dflash.stages.data import (changed_files, changed_words, hashed_files, record_first_weights,
                                 target_weights_file)
@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 DONE = "done.json"
 RECORD_FILES = (DONE, "config.yaml")
 
+
+# Files a training's checkpoint folder or an export holds, and no evaluation: what tells their folders from an
+# evaluation's, whose done.json names a drafter as theirs do.
+STAGE_FILES = {CHECKPOINT_KEY, SETTINGS_KEY, "latest", "model.safetensors", "checksums.json"}
 
 class EvalStage(Stage):
     name = "eval"
@@ -57,12 +61,16 @@ class EvalStage(Stage):
 
     def refuse_a_folder_of_other_files(self) -> None:
         """ConfigError when eval.out_dir is a folder of files that is no evaluation (no summary.json, no evaluation's
-        done.json naming a drafter): a run folder, a stage's folder or one's own, which the evaluation would take
-        over (its files carried into the evaluation's folder, a stage's done.json replaced by the evaluation's)."""
+        done.json naming a drafter; or a file only a training or an export writes, STAGE_FILES): a run folder, a
+        stage's folder (another run's checkpoints/ or export/ included) or one's own, which the evaluation would
+        take over (its files carried into the evaluation's folder, a stage's done.json replaced by the
+        evaluation's)."""
         out = self.out
         names = sorted(os.listdir(out)) if os.path.isdir(out) else []
         done = read_json_or_none(os.path.join(out, DONE))
-        if not names or "summary.json" in names or (isinstance(done, dict) and "checkpoint" in done):
+        # The train and export stages' done.json name a drafter too: their own files tell their folders apart.
+        evaluation = "summary.json" in names or (isinstance(done, dict) and "checkpoint" in done)
+        if not names or (evaluation and not set(names) & STAGE_FILES):
             return
         held = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         beside = shlex.quote(shown(self.free_folder_beside()))
@@ -70,14 +78,15 @@ class EvalStage(Stage):
                           f"the evaluation would take over: give a new or empty folder, e.g. eval.out_dir={beside}")
 
     def refuse_another_drafters_evaluation(self) -> None:
-        """ConfigError when eval.out_dir lies outside the run folder and holds the evaluation of another training's
-        drafter (its done.json names another checkpoint fingerprint than this run's drafter: its export's record, or
-        before one the training this command runs), which this evaluation would replace: another run's evaluation
-        folder given as this one's. Inside the run folder an evaluation travels with its drafter when overwrite=true
-        moves it aside, and the drafter checks name what is missing; an evaluation of this run's drafter with other
-        eval settings is replaced, as replacing_line says."""
+        """ConfigError when eval.out_dir holds the evaluation of another training's drafter (its done.json names
+        another checkpoint fingerprint than this run's drafter: its export's record, or before one the training this
+        command runs), which this evaluation would replace: another run's evaluation folder given as this one's, or
+        one deeper in this run folder, which overwrite=true left where it was. A folder right in the run folder
+        travels with its drafter when overwrite=true moves it aside (eval_folders), and the drafter checks name what
+        is missing; an evaluation of this run's drafter with other eval settings is replaced, as replacing_line
+        says."""
         run_dir, out = os.path.realpath(self.context.run_dir), os.path.realpath(self.out)
-        if os.path.commonpath([run_dir, out]) == run_dir:
+        if os.path.dirname(out) == run_dir:
             return
         done = read_json_or_none(os.path.join(self.out, DONE))
         recorded = done.get("checkpoint") if isinstance(done, dict) else None

@@ -175,6 +175,9 @@ class TrainStage(Stage):
     def prepare(self) -> None:
         if self.context.rank == 0:
             self.adopt_earlier_marker()
+            # Outputs a kill stranded inside checkpoints/ (after claim_checkpoints put them there or restored them
+            # with it, before they moved on): back where the up-to-date check and the later stages look.
+            bring_out_trained_outputs(self.context.run_dir, self.checkpoints)
 
     def up_to_date(self) -> bool:
         """Marked done for these settings, with whole final weights. Weights missing or corrupt are named: training
@@ -321,7 +324,11 @@ class TrainStage(Stage):
         marked = stage_done(self.out, self.fingerprint())  # and yet run: the final weights are missing or corrupt
         orphaned = outputs_key(run)
         recorded = settings_record(self.checkpoints).get("fingerprint")
-        moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint())
+        # The outputs go into checkpoints/ before it is moved aside, so that one rename moves a drafter with them:
+        # a kill never leaves one drafter's outputs in the run folder beside another's checkpoints.
+        moved = claim_checkpoint_dir(self.checkpoints, self.checkpoint_fingerprint(),
+                                     before_move=lambda drafter: carry_trained_outputs_into(
+                                         run.run_dir, self.checkpoints, drafter))
         if moved is None and orphaned not in (None, self.checkpoint_fingerprint()):
             moved = outputs_aside(self.checkpoints, orphaned)
         carry_trained_outputs(run.run_dir, self.checkpoints, moved)
@@ -558,20 +565,33 @@ def outputs_aside(checkpoints: str, key: str) -> str:
 
 def carry_trained_outputs(run_dir: str, checkpoints: str, moved: str | None) -> None:
     """A training's outputs and the evaluations of its drafter travel with its checkpoints: into the folder the
-    other settings' checkpoints were moved to (under a free name when that folder holds one of the same name
-    already), and back out of restored ones, so that each run's exports, metrics and evaluations stay its own
-    (the trainer then drops only the records after the step it resumes from, MetricsLog.resume_from)."""
+    other settings' checkpoints were moved to (claim_checkpoints puts them into checkpoints/ before the move; here
+    those left in the run folder, where checkpoints/ held nothing to move), and back out of restored ones, so that
+    each run's exports, metrics and evaluations stay its own (the trainer then drops only the records after the
+    step it resumes from, MetricsLog.resume_from)."""
     if moved:
         # claim_dir names the folder <checkpoints>.<checkpoint fingerprint of the drafter moved aside>.
-        drafter = moved.rsplit(".", 1)[1]
-        for name in [*TRAINED_OUTPUTS, *eval_folders(run_dir, drafter)]:
-            current = os.path.join(run_dir, name)
-            if os.path.exists(current):
-                os.replace(current, _unused_path(os.path.join(moved, name)))
+        carry_trained_outputs_into(run_dir, moved, moved.rsplit(".", 1)[1])
+    bring_out_trained_outputs(run_dir, checkpoints)
+
+
+def carry_trained_outputs_into(run_dir: str, folder: str, drafter: str) -> None:
+    """The run folder's training outputs and the evaluations of `drafter` (a checkpoint fingerprint) moved into
+    `folder` (under a free name where it holds one of the same name)."""
+    for name in [*TRAINED_OUTPUTS, *eval_folders(run_dir, drafter)]:
+        current = os.path.join(run_dir, name)
+        if os.path.exists(current):
+            os.replace(current, _unused_path(os.path.join(folder, name)))
+
+
+def bring_out_trained_outputs(run_dir: str, checkpoints: str) -> None:
+    """The outputs and evaluations inside `checkpoints` (restored with it, or put there before a move a kill
+    interrupted) moved back to the run folder, each where the run folder has none of its name: they are the
+    drafter's whose checkpoints those are."""
     for name in [*TRAINED_OUTPUTS, *eval_folders(checkpoints)]:
-        restored, current = os.path.join(checkpoints, name), os.path.join(run_dir, name)
-        if os.path.exists(restored) and not os.path.exists(current):
-            os.replace(restored, current)
+        inside, current = os.path.join(checkpoints, name), os.path.join(run_dir, name)
+        if os.path.exists(inside) and not os.path.exists(current):
+            os.replace(inside, current)
 
 
 def eval_folders(folder: str, drafter: str | None = None) -> list[str]:
