@@ -10,7 +10,7 @@ import pytest
 
 from dflash.config import ConfigError, compose, settings_from
 from dflash.data.token_ids import token_ids_in
-from dflash.models.targets.mask_token import choose_mask_token, mask_token_problem, template_ids
+from dflash.models.targets.mask_token import choose_mask_token, mask_token_name, mask_token_problem, template_ids
 from dflash.models.targets.tiny import build_builtin_tokenizer, build_tiny_target
 from dflash.pipeline import Pipeline
 from tests.test_target_hf import TINY, hf_folder
@@ -41,6 +41,27 @@ def test_template_tokens_and_the_tokenizers_own_are_never_chosen():
                                                            "last id")
     with pytest.raises(ValueError, match="no free mask token"):
         choose_mask_token(tokenizer, len(tokenizer), {3})
+
+
+def test_the_mask_tokens_name_is_the_text_that_gives_its_id_back():
+    """What an engine that resolves the mask token by name (SGLang before it read mask_token_id) finds: the token's
+    text, where that text looks up to the same id; none for a row past the tokenizer's last id."""
+    tokenizer = tokenizer_with("<|reserved_0|>")
+    assert mask_token_name(tokenizer, 3) == "<|mask|>"
+    reserved = tokenizer.convert_tokens_to_ids("<|reserved_0|>")
+    assert mask_token_name(tokenizer, reserved) == "<|reserved_0|>"
+    assert mask_token_name(tokenizer, len(tokenizer)) is None and mask_token_name(tokenizer, -1) is None
+
+
+def test_the_export_names_the_mask_token_for_engines_that_look_it_up_by_name(tmp_path):
+    run_dir = tmp_path / "run"
+    stages = "stages=[data,capture,train,export]"
+    Pipeline(compose(TINY + [f"run_dir={run_dir}", "data.limit=4", "train.epochs=1", stages])).run()
+    target = json.loads((run_dir / "features" / "target.json").read_text())
+    config = json.loads((run_dir / "export" / "config.json").read_text())["dflash_config"]
+    assert config["mask_token_id"] == target["mask_token_id"] and config["mask_token"] == target["mask_token"]
+    tokenizer = build_tiny_target("llama", tokenizer="builtin").tokenizer
+    assert tokenizer.convert_tokens_to_ids(config["mask_token"]) == config["mask_token_id"]
 
 
 def test_a_given_mask_token_is_checked():

@@ -117,6 +117,9 @@ class DrafterConfig:
     # The target's final logit transform, which the drafter's logits go through: a scale, then a soft cap.
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # The MASK token's text in the target's tokenizer (None: not recorded): SGLang before it read mask_token_id
+    # looked the token up by this name, adding "<|MASK|>" (a new id) when it was not given.
+    mask_token: str | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -219,6 +222,8 @@ class DrafterConfig:
             config["dflash_config"]["output_multiplier"] = float(self.output_multiplier)
         if self.final_logit_softcapping is not None:
             config["dflash_config"]["final_logit_softcapping"] = float(self.final_logit_softcapping)
+        if self.mask_token is not None:
+            config["dflash_config"]["mask_token"] = self.mask_token
         return config
 
     @classmethod
@@ -257,6 +262,7 @@ class DrafterConfig:
             output_multiplier=float(multiplier) if multiplier is not None else 1.0,
             # A cap of 0 or less is off, as in the reference.
             final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+            mask_token=dflash.get("mask_token"),
         )
 
     def to_dict(self) -> dict[str, Any]:

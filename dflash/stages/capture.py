@@ -18,6 +18,7 @@ from dflash.run_files import claim_dir, clear_done, read_json_or_none, stage_don
 from dflash.stages.closing import readable_bytes
 from dflash.stages.context import RunContext
 from dflash.stages.data import DataStage
+from dflash.models.targets.mask_token import mask_token_name
 from dflash.stages.shapes import drafter_config, mask_token_for, target_shape
 from dflash.stages.stage import Stage
 
@@ -88,6 +89,7 @@ class CaptureStage(Stage):
         shape = target_shape(run.target)
         dataset = load_dataset_dir(self.data.out)
         shape["mask_token_id"] = self.mask_token(dataset)
+        shape["mask_token"] = mask_token_name(run.target.tokenizer, shape["mask_token_id"])
         config = drafter_config(run.settings, shape)  # checks taps, mask id and sizes before any work
         other_bytes = self.other_files_bytes(config.target_layer_ids) if run.rank == 0 else 0
         if mode in ("online", "colocated"):

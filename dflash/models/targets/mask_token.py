@@ -69,6 +69,17 @@ def choose_mask_token(tokenizer: Any, vocab_size: int, used: Iterable[int]) -> t
                      "target.mask_token_id to an id that text never produces")
 
 
+def mask_token_name(tokenizer: Any, token_id: int) -> str | None:
+    """The text of `token_id` in the tokenizer, where looking that text up gives the id back (what an engine that
+    resolves the mask token by name finds); None for a row past the tokenizer's last id or a text of another id."""
+    if not 0 <= token_id < len(tokenizer):
+        return None
+    name = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(name, str) or not name or tokenizer.convert_tokens_to_ids(name) != token_id:
+        return None
+    return name
+
+
 def mask_token_problem(token_id: int, tokenizer: Any, vocab_size: int, used: Iterable[int] = ()) -> str | None:
     """Why `token_id` cannot be the mask token (outside the vocabulary, made by the template or the data), or None."""
     if not 0 <= token_id < vocab_size:
