@@ -342,3 +342,22 @@ def test_a_job_on_two_nodes_meets_again_after_a_restart(tmp_path):
     # with 0 (the rendezvous may number the nodes either way in the second start).
     assert [c[0] for c in counts.values()] == ["0"] * 4
     assert sorted(c[1] for c in counts.values()) == ["0", "0", "1", "1"]
+
+
+def test_a_send_or_receive_posted_to_a_peer_that_is_gone_names_it():
+    """Posting to a closed connection fails at once (gloo: "Connection closed by peer"), before any wait: the error
+    names the peer as a failed wait does."""
+    from types import SimpleNamespace
+
+    from dflash.extract.capture_sender import CaptureSender
+
+    def closed(*args):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+    link = SimpleNamespace(rank=3, timeout_s=60.0, trainer_rank=lambda trainer: trainer,
+                           name=lambda peer: f"trainer rank {peer}", control=SimpleNamespace(recv=closed, send=closed))
+    sender = object.__new__(CaptureSender)
+    sender.link = link
+    with pytest.raises(RuntimeError, match=r"^online capture, rank 3: the next credit with trainer rank 1 failed "
+                                           r"\(rank 1 is gone\?\): .*Connection closed by peer"):
+        sender._post_credit(1)

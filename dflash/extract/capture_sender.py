@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.extract.linked_source import CREDIT, DATA, HEADER, STOP, waited
+from dflash.extract.linked_source import CREDIT, DATA, HEADER, STOP, posted, waited
 from dflash.extract.rank_link import RankLink
 from dflash.extract.rank_stream import UnitStream, encode_unit
 from dflash.extract.sample_format import sample_tensors
@@ -77,7 +77,9 @@ class CaptureSender:
 
     def _post_credit(self, trainer: int) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(1, dtype=torch.int64)
-        return buffer, self.link.control.recv([buffer], self.link.trainer_rank(trainer), CREDIT)
+        peer = self.link.trainer_rank(trainer)
+        return buffer, posted(lambda: self.link.control.recv([buffer], peer, CREDIT), "the next credit", peer,
+                              self.link)
 
     def _credit(self, trainer: int, what: str) -> int:
         """The next credit of `trainer` (a unit number, or STOP); a new receive is posted behind a unit's credit."""
@@ -140,8 +142,9 @@ class CaptureSender:
         header, *tensors = encode_unit(u, indices, samples)
         tensors = [t.to(self.link.wire) for t in tensors]
         peer = self.link.trainer_rank(trainer)
-        works = [self.link.control.send([header], peer, HEADER)]
-        works += [self.link.data.send([t], peer, DATA) for t in tensors]
+        what = f"micro-batch {u}"
+        works = [posted(lambda: self.link.control.send([header], peer, HEADER), what, peer, self.link)]
+        works += [posted(lambda t=t: self.link.data.send([t], peer, DATA), what, peer, self.link) for t in tensors]
         sends = self.sent[trainer]
         sends.extend((work, [header, *tensors]) for work in works)
         # A credit for u means the trainer took every unit of its more than in_flight units before: those are done.

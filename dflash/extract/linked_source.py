@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -40,11 +41,25 @@ def waited(work, what: str, peer: int, link: RankLink) -> None:
     try:
         work.wait()
     except RuntimeError as error:
-        if "imed out" in str(error):
-            raise TimeoutError(f"online capture, rank {link.rank}: {what} from {link.name(peer)} did not come within "
-                               f"capture.timeout_s={link.timeout_s:g} s: is rank {peer} hung?") from error
-        raise RuntimeError(f"online capture, rank {link.rank}: {what} with {link.name(peer)} failed (rank {peer} "
-                           f"is gone?): {error}") from error
+        raise peer_error(error, what, peer, link) from error
+
+
+def posted(post: Callable[[], Any], what: str, peer: int, link: RankLink) -> Any:
+    """The work `post()` starts (a send or receive with job rank `peer`): posting to a peer whose connection is closed
+    fails at once, in RuntimeError naming the peer as `waited` names it."""
+    try:
+        return post()
+    except RuntimeError as error:
+        raise peer_error(error, what, peer, link) from error
+
+
+def peer_error(error: RuntimeError, what: str, peer: int, link: RankLink) -> Exception:
+    """The error of a point-to-point operation with job rank `peer` that failed with `error`, naming the peer."""
+    if "imed out" in str(error):
+        return TimeoutError(f"online capture, rank {link.rank}: {what} from {link.name(peer)} did not come within "
+                            f"capture.timeout_s={link.timeout_s:g} s: is rank {peer} hung?")
+    return RuntimeError(f"online capture, rank {link.rank}: {what} with {link.name(peer)} failed (rank {peer} is "
+                        f"gone?): {error}")
 
 
 class LinkedFeatureSource(FeatureSource):
@@ -87,9 +102,13 @@ class LinkedFeatureSource(FeatureSource):
             return
         producer = self._producer(u)
         header = torch.empty(header_length(self.stream.plan.micro_batch_size), dtype=torch.int64)
-        receive = self.link.control.recv([header], producer, HEADER)  # posted before the credit that asks for it
+        # Posted before the credit that asks for it.
+        receive = posted(lambda: self.link.control.recv([header], producer, HEADER), f"the header of micro-batch {u}",
+                         producer, self.link)
         value = torch.tensor([u], dtype=torch.int64)  # held until its send is done
-        self.credited.append((u, header, receive, (self.link.control.send([value], producer, CREDIT), value)))
+        send = posted(lambda: self.link.control.send([value], producer, CREDIT), f"the credit of micro-batch {u}",
+                      producer, self.link)
+        self.credited.append((u, header, receive, (send, value)))
 
     def _take(self, pin_memory: bool = False) -> tuple[UnitHeader, Sample]:
         """The next credited unit's header and padded micro-batch."""
@@ -103,8 +122,9 @@ class LinkedFeatureSource(FeatureSource):
                                f"{unit.unit} where {u} was due")
 
         def recv(buffer: torch.Tensor) -> None:
-            waited(self.link.data.recv([buffer], producer, DATA), f"the features of micro-batch {u}", producer,
-                   self.link)
+            what = f"the features of micro-batch {u}"
+            waited(posted(lambda: self.link.data.recv([buffer], producer, DATA), what, producer, self.link), what,
+                   producer, self.link)
         keep = self.cache.put if self.cache is not None else None
         return unit, unit.receive(recv, self.link.wire, pin_memory, keep)
 
@@ -163,5 +183,7 @@ class LinkedFeatureSource(FeatureSource):
         self.stopped = True
         stop = torch.tensor([STOP], dtype=torch.int64)
         peers = [self.link.capture_rank(capture) for capture in self.link.group.captures]
-        for peer, send in [(peer, self.link.control.send([stop], peer, CREDIT)) for peer in peers]:
+        sends = [(peer, posted(lambda peer=peer: self.link.control.send([stop], peer, CREDIT), "the stop", peer,
+                               self.link)) for peer in peers]
+        for peer, send in sends:
             waited(send, "the stop", peer, self.link)
