@@ -8,7 +8,12 @@ source "$(dirname "$0")/usage.sh"
 usage_or_help 2 "HOSTFILE MASTER_ADDR [hydra overrides...]" "$@"
 set -euo pipefail
 hostfile=$1 master=$2; shift 2
+if [ ! -f "$hostfile" ]; then  # deepspeed would go on without one, training on this node alone
+  echo "deepspeed_hostfile.sh: HOSTFILE $hostfile is not a file (deepspeed would train on this node alone): give" \
+    "one of lines like \"node-a slots=8\" (launch/hostfile.example)" >&2
+  exit 2
+fi
 command=(deepspeed --hostfile "$hostfile" --master_addr "$master" --master_port "${MASTER_PORT:-29500}"
   --module dflash.train "$@" 'stages=[train]')
-echo "+ ${command[*]}"
+show_command "${command[@]}"
 if [ "${DRY_RUN:-0}" != 1 ]; then "${command[@]}"; fi

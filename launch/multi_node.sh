@@ -27,6 +27,12 @@ if [ "$capture_mode" = online ]; then
   restarts=(--max-restarts "${MAX_RESTARTS:-3}")
   if [ "$nnodes" != 1 ]; then backend=${RDZV_BACKEND:-c10d}; fi
   if [ -n "$ranks_per_node" ]; then
+    if [ $((ranks_per_node * gpus_per_worker)) -ge "$gpus" ]; then  # the job would fail at every (re)start
+      echo "multi_node.sh: capture.ranks_per_node=$ranks_per_node capture ranks of $gpus_per_worker GPU(s) take" \
+        "$((ranks_per_node * gpus_per_worker)) of a node's GPUS_PER_NODE=$gpus GPUs, leaving no trainer rank:" \
+        "capture on fewer GPUs a node, or set GPUS_PER_NODE to the node's GPUs" >&2
+      exit 2
+    fi
     nproc=$((gpus - ranks_per_node * gpus_per_worker + ranks_per_node))
   elif [ "$gpus_per_worker" != 1 ] && [ "$nnodes" != 1 ]; then
     echo "multi_node.sh: capture.gpus_per_worker=$gpus_per_worker with the job's last capture.ranks ranks capturing" \
@@ -36,7 +42,7 @@ if [ "$capture_mode" = online ]; then
   fi
 fi
 run() {  # print a command, then run it unless DRY_RUN=1
-  echo "+ $*"
+  show_command "$@"
   if [ "${DRY_RUN:-0}" != 1 ]; then "$@"; fi
 }
 if [ "$capture_mode" = online ] && [ "$nnodes" != 1 ]; then

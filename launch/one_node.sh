@@ -3,6 +3,7 @@
 # capture worker, each capturing its share of the shards), the DeepSpeed trainer on train.devices, then eval.
 # A worker has capture.gpus_per_worker = g GPUs (the target placed layer-wise over them): offline capture runs
 # len(capture.devices)/g processes that all see every capture GPU, and local rank r takes GPUs r*g .. r*g+g-1.
+# Unlisted, capture.devices is one worker's GPUs from 0 (with capture.ranks_per_node=k, k workers'); train.devices [0].
 # capture=online: the train stage is one torchrun job of the trainer GPUs, one rank each, and then one capture rank
 # per capture worker of g GPUs (dflash/extract/rank_link.py); MAX_RESTARTS (default 3) restarts of the job after a
 # rank dies (a user error or divergence ends it at its first start: dflash/pipeline.py, refuse_after_earlier_ending).
@@ -16,7 +17,7 @@ set -euo pipefail
 settings=$(python "$(dirname "$0")/launch_settings.py" "$@")
 eval "$settings"
 run() {  # print a command, then run it unless DRY_RUN=1
-  echo "+ $*"
+  show_command "$@"
   if [ "${DRY_RUN:-0}" != 1 ]; then "$@"; fi
 }
 ncapture=$(awk -F, '{print NF}' <<<"$capture_devices")

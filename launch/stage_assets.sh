@@ -19,7 +19,8 @@
 # some are there it prints `export PYTHONPATH=$SITE:$PWD...`, in the later transfers too.
 #
 # `receive` copies the parts it finds into $STAGE_DIR (default /tmp/dflash-stage: outside the repository copy, so
-# they survive the next transfer). Once all parts are there it joins them, checks the sha256 recorded by `split`,
+# they survive the next transfer). Once all parts are there it joins them (only the parts this split names: one an
+# earlier split of more parts left there is named and left out), checks the sha256 recorded by `split`,
 # unpacks the files as package folders under $STAGE_DIR/site and prints `export PYTHONPATH=$STAGE_DIR/site:...`:
 # dflash finds data files by package folder (importlib.util.find_spec), never by importing the packages.
 set -euo pipefail
@@ -114,14 +115,26 @@ receive() {
     echo "part 1 (with the checksum) has not arrived in $STAGE_DIR yet" >&2
     return
   fi
-  local want have
+  local want have=0 part index names=()
   want=$(cat "$STAGE_DIR/parts/parts")
-  have=$(ls "$STAGE_DIR"/parts/part-* | wc -l)
+  # Only this split's parts, part-000 .. part-(want-1) (split -d -a 3): one left by an earlier split of more parts,
+  # joined in, would fail the checksum of this and every later receive. It is left in place (the parts file may be
+  # the stale one, the part a newer split's that came before its part 1) and named at the join.
+  for ((index = 0; index < want; index++)); do
+    names+=("$STAGE_DIR/parts/$(printf 'part-%03d' "$index")")
+    if [ -f "${names[-1]}" ]; then have=$((have + 1)); fi
+  done
   if [ "$have" -lt "$want" ]; then
     echo "staged $have of $want parts in $STAGE_DIR; carry the others in the next transfers" >&2
     return
   fi
-  cat "$STAGE_DIR"/parts/part-* > "$STAGE_DIR/pack.tar"
+  for part in "$STAGE_DIR"/parts/part-*; do
+    index=${part##*/part-}
+    if [[ ! $index =~ ^[0-9]+$ ]] || [ $((10#$index)) -ge "$want" ]; then
+      echo "left out $part: not one of this split's $want parts (an earlier split's)" >&2
+    fi
+  done
+  cat "${names[@]}" > "$STAGE_DIR/pack.tar"
   if [ "$(sha256sum "$STAGE_DIR/pack.tar" | cut -d' ' -f1)" != "$(cat "$STAGE_DIR/parts/sha256")" ]; then
     rm -f "$STAGE_DIR/pack.tar"
     echo "the joined parts do not match the sha256 of the split: parts from different splits?" >&2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -89,8 +90,79 @@ def test_a_removed_setting_stops_the_launcher_in_one_line():
 
 def test_gpus_per_worker_must_divide_the_capture_gpus():
     done = one_node("capture.devices=[0,1,2]", "capture.gpus_per_worker=2", dry_run=True)
-    assert done.returncode != 0 and "does not divide the 3 capture GPU" in done.stderr
+    assert done.returncode == 2 and done.stderr == (
+        "dflash: error: capture.gpus_per_worker=2 does not divide the 3 capture GPU(s): list a multiple of 2 GPUs in "
+        "capture.devices\n")
     assert "+ env" not in done.stdout
+
+
+def test_unlisted_capture_gpus_are_one_worker_s_from_gpu_0():
+    """capture.devices unset with capture.gpus_per_worker=2: GPUs 0,1 for the one capture worker, and for the data
+    and eval steps that load the target like it (it was GPU 0 alone, and 1 // 2 = 0 capture processes)."""
+    data, capture, _, evaluate = commands(one_node("capture.gpus_per_worker=2", dry_run=True))
+    assert data.startswith("+ env CUDA_VISIBLE_DEVICES=0,1 python -m dflash.train ")
+    assert capture.startswith("+ env CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc_per_node 1 ")
+    assert evaluate.startswith("+ env CUDA_VISIBLE_DEVICES=0,1 python -m dflash.train ")
+    _, _, train, _ = commands(one_node("capture=online", "capture.gpus_per_worker=2", "train.devices=[2]",
+                                       dry_run=True))
+    assert train.startswith("+ env CUDA_VISIBLE_DEVICES=2,0,1 torchrun --standalone --nproc_per_node 2 ")
+    assert "capture.ranks=1" in train
+    # capture.ranks_per_node=2 of 2 GPUs each: GPUs 0-3, the two capture ranks this node runs.
+    _, _, train, _ = commands(one_node("capture=online", "capture.gpus_per_worker=2", "capture.ranks_per_node=2",
+                                       "train.devices=[4]", dry_run=True))
+    assert train.startswith("+ env CUDA_VISIBLE_DEVICES=4,0,1,2,3 torchrun --standalone --nproc_per_node 3 ")
+    # Unlisted capture GPUs sharing the trainers' default GPU 0: the suggestion lists a worker's worth.
+    shared = one_node("capture=online", "capture.gpus_per_worker=2", "device=cuda", dry_run=True)
+    assert shared.returncode == 2 and "capture.devices=[0,1] share GPU 0" in shared.stderr
+    assert shared.stderr.endswith("e.g. train.devices=[0] capture.devices=[1,2]\n")
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (("capture.devices=[0,0]", "train.devices=[2,3]"),
+     "capture.devices=[0,0] lists GPU 0 more than once; list each GPU once"),
+    (("train.devices=[2,2]",), "train.devices=[2,2] lists GPU 2 more than once; list each GPU once"),
+    (("capture.devices=[-1]",), "capture.devices=[-1]: GPU ids count from 0; list GPUs 0 and up, each once"),
+    (("train.devices=[0,-2]",), "train.devices=[0,-2]: GPU ids count from 0; list GPUs 0 and up, each once"),
+], ids=["capture-twice", "train-twice", "capture-negative", "train-negative"])
+def test_a_device_list_with_a_gpu_twice_or_a_negative_id_is_refused_in_one_line(overrides, line):
+    """Each was run: a GPU twice in CUDA_VISIBLE_DEVICES and a rank more; a negative id hides the GPUs."""
+    done = one_node(*overrides, dry_run=True)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == f"dflash: error: {line}\n"
+
+
+@pytest.mark.parametrize("script", ["one_node.sh", "multi_node.sh"])
+@pytest.mark.parametrize("override, line", [
+    ("train.lr=(", "train.lr=(: an override is key=value"),
+    ("capture.devices=0", "capture.devices=0: expected a list of ints, e.g. capture.devices=[0]"),
+], ids=["unparsed", "unmerged"])
+def test_an_override_hydra_cannot_compose_stops_the_launcher_in_the_commands_line(script, override, line):
+    """The line python -m dflash.train ends with (exit status 2), not Hydra's traceback."""
+    done = one_node(override, dry_run=True) if script == "one_node.sh" else multi_node(0, override)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == f"dflash: error: {line}\n"
+
+
+def test_every_node_s_capture_ranks_must_leave_a_trainer_rank():
+    """4 capture ranks of 2 GPUs on an 8-GPU node: no trainer, and a job torchrun would restart MAX_RESTARTS times."""
+    done = multi_node(0, "capture=online", "capture.ranks_per_node=4", "capture.gpus_per_worker=2")
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+        "multi_node.sh: capture.ranks_per_node=4 capture ranks of 2 GPU(s) take 8 of a node's GPUS_PER_NODE=8 GPUs, "
+        "leaving no trainer rank: capture on fewer GPUs a node, or set GPUS_PER_NODE to the node's GPUs\n")
+    [kept] = torchrun_lines(multi_node(0, "capture=online", "capture.ranks_per_node=3", "capture.gpus_per_worker=2"))
+    assert "--nproc_per_node 5 " in kept  # 2 trainer GPUs + 3 capture ranks
+
+
+def test_the_printed_commands_read_back_as_the_commands_run(tmp_path):
+    """Each launcher prints its commands quoted, so a line copied into a shell runs what the launcher ran."""
+    spaced = f"run_dir={tmp_path / 'with space'}"
+    data, *_ = commands(one_node(spaced, "capture.devices=[0,1]", dry_run=True))
+    assert shlex.split(data)[1:] == ["env", "CUDA_VISIBLE_DEVICES=0", "python", "-m", "dflash.train",
+                                     "+experiment=tiny", spaced, "capture.devices=[0,1]", "stages=[data]"]
+    assert f"'{spaced}' 'capture.devices=[0,1]' 'stages=[data]'" in data  # a [list] is no shell pattern either
+    [train] = torchrun_lines(multi_node(1, spaced))
+    assert shlex.split(train)[-3:] == ["+experiment=tiny", spaced, "stages=[train]"]
+    (tmp_path / "hosts").write_text("node-a slots=8\n")
+    shown = deepspeed_hostfile("hosts", spaced, cwd=tmp_path)
+    assert shlex.split(shown.stdout)[-2:] == [spaced, "stages=[train]"]
 
 
 def multi_node(node_rank: int, *overrides: str, script: str = "multi_node.sh",
@@ -110,7 +182,7 @@ def test_dry_run_of_several_nodes_runs_trainer_gpus_plus_capture_ranks_on_each()
     online = ("capture=online",)
     [plain] = torchrun_lines(multi_node(1))
     assert plain.startswith("+ torchrun --nnodes 2 --node_rank 1 --nproc_per_node 8 --master_addr nodeA ")
-    assert "--max-restarts" not in plain and plain.endswith("stages=[train]")
+    assert "--max-restarts" not in plain and plain.endswith("'stages=[train]'")
     # The job's last 8 ranks capture (node 1's GPUs): every node runs 8 ranks, restarted after a rank dies, all nodes
     # together (the c10d rendezvous); a static one only when asked for.
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in multi_node(1).stdout
@@ -160,7 +232,7 @@ def test_dry_run_of_the_slurm_capture_job_captures_with_one_process_per_capture_
     data, capture = commands(done)  # data and capture only: the trainer job trains
     assert data.startswith("+ env CUDA_VISIBLE_DEVICES=0 python -m dflash.train") and "stages=[data]" in data
     assert capture.startswith("+ env CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 torchrun --standalone --nproc_per_node 8 ")
-    assert f"run_dir={run_dir} " in capture and "stages=[capture]" in capture
+    assert f"run_dir={run_dir}" in shlex.split(capture) and "stages=[capture]" in capture
 
 
 def test_online_capture_on_gpus_shared_by_trainer_and_capture_ranks_is_refused_in_one_line():
@@ -196,13 +268,26 @@ def test_each_launcher_has_help_and_a_usage_line(script):
         assert bare.returncode == 2 and bare.stderr.startswith(f"usage: launch/{script} ")
 
 
-def test_the_deepspeed_launcher_prints_its_command_in_a_dry_run():
-    shown = subprocess.run(["bash", str(REPO / "launch" / "deepspeed_hostfile.sh"), "hosts", "10.0.0.1",
-                            "+experiment=tiny"], env={**ENV, "DRY_RUN": "1"}, capture_output=True, text=True,
-                           timeout=60)
+def deepspeed_hostfile(hostfile: str, *overrides: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch" / "deepspeed_hostfile.sh"), hostfile, "10.0.0.1",
+                           "+experiment=tiny", *overrides], cwd=cwd, env={**ENV, "DRY_RUN": "1"},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_deepspeed_launcher_prints_its_command_in_a_dry_run(tmp_path):
+    (tmp_path / "hosts").write_text("node-a slots=8\n")
+    shown = deepspeed_hostfile("hosts", cwd=tmp_path)
     assert shown.returncode == 0 and shown.stdout == (
         "+ deepspeed --hostfile hosts --master_addr 10.0.0.1 --master_port 29500 --module dflash.train "
-        "+experiment=tiny stages=[train]\n")
+        "+experiment=tiny 'stages=[train]'\n")
+
+
+def test_the_deepspeed_launcher_refuses_a_hostfile_that_is_not_there(tmp_path):
+    """deepspeed itself goes on without one, training on the local node alone."""
+    done = deepspeed_hostfile("no-such-hosts", cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("deepspeed_hostfile.sh: HOSTFILE no-such-hosts is not a file (deepspeed would train on this "
+                           "node alone): give one of lines like \"node-a slots=8\" (launch/hostfile.example)\n")
 
 
 def test_trainer_gpus_without_a_launcher_are_warned_about(tmp_path, monkeypatch, capsys):

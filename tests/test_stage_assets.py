@@ -103,12 +103,38 @@ def test_every_file_travels_compressed(tmp_path):
 def test_receive_refuses_parts_of_another_split(tmp_path):
     stage = tmp_path / "stage" / "parts"
     stage.mkdir(parents=True)
-    (stage / "part-00").write_bytes(b"abc")
+    (stage / "part-000").write_bytes(b"abc")
     (stage / "parts").write_text("1\n")
     (stage / "sha256").write_text("0" * 64 + "\n")
     env = {**os.environ, "PARTS": str(tmp_path / "none"), "STAGE_DIR": str(tmp_path / "stage"), "WHEEL_DIRS": ""}
     result = subprocess.run(["bash", str(SCRIPT), "receive"], env=env, capture_output=True, text=True)
     assert result.returncode == 1 and "do not match the sha256" in result.stderr
+
+
+def test_receive_joins_only_the_parts_its_split_names(tmp_path):
+    """A part an earlier split of more parts left in $STAGE_DIR/parts is left out of the join (it failed the
+    checksum of every later receive), and named."""
+    import hashlib
+    import tarfile
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "file.txt").write_text("staged\n")
+    with tarfile.open(tmp_path / "pack.tar", "w") as pack:
+        pack.add(tmp_path / "pkg", arcname="pkg")
+    packed = (tmp_path / "pack.tar").read_bytes()
+    stage = tmp_path / "stage" / "parts"
+    stage.mkdir(parents=True)
+    (stage / "part-003").write_bytes(b"an earlier split's fourth part")
+    part_1 = tmp_path / "transfer" / "part-1"  # this split's one part, with its count and checksum
+    part_1.mkdir(parents=True)
+    (part_1 / "part-000").write_bytes(packed)
+    (part_1 / "parts").write_text("1\n")
+    (part_1 / "sha256").write_text(hashlib.sha256(packed).hexdigest() + "\n")
+    env = {**os.environ, "PARTS": str(tmp_path / "transfer"), "STAGE_DIR": str(tmp_path / "stage")}
+    done = run("receive", env)
+    assert done.stdout.startswith(f"export PYTHONPATH={tmp_path / 'stage' / 'site'}")
+    assert (tmp_path / "stage" / "site" / "pkg" / "file.txt").read_text() == "staged\n"
+    assert f"left out {stage / 'part-003'}: not one of this split's 1 parts" in done.stderr
 
 
 def write_wheel(folder: Path, module: str) -> None:
