@@ -196,4 +196,7 @@ def test_a_run_copied_without_its_data_is_not_taken_for_another_drafter(run_dir)
     data/ and features/ (which its training's fingerprint is made from) keeps its evaluation up to date."""
     for folder in ("data", "features"):
         shutil.rmtree(run_dir / folder)
-    Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]"])).eval.refuse_another_drafters_evaluation()
+    # Deeper than the run folder's own evaluation folders, where the drafter is compared (its eval/ is not).
+    shutil.copytree(run_dir / "eval", run_dir / "evals" / "replay")
+    command = TINY + [f"run_dir={run_dir}", "stages=[eval]", f"eval.out_dir={run_dir / 'evals' / 'replay'}"]
+    Pipeline(compose(command)).eval.refuse_another_drafters_evaluation()

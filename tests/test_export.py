@@ -196,8 +196,9 @@ def test_what_a_killed_export_left_is_settled_by_the_next(tmp_path):
     first, second = small_drafter(), DFlashDraftModel(small_config())
     second.init_weights(seed=2, std=0.1)
     out = tmp_path / "export"
-    (tmp_path / ".export.k2j4x9.tmp").mkdir()  # an export of an earlier version, killed long ago
-    (tmp_path / ".export.k2j4x9.tmp.old").mkdir()
+    (tmp_path / ".export.k2j4x9ab.tmp").mkdir()  # an export of an earlier version, killed long ago
+    (tmp_path / ".export.k2j4x9ab.tmp.old").mkdir()
+    (tmp_path / ".export.v2.k2j4x9ab.tmp").mkdir()  # the folder export.v2's: not this export's to touch
     export_zlab(first, str(out))
     written = (out / "model.safetensors").read_bytes()
     os.replace(out, tmp_path / ".export.tmp-123.old")  # killed after setting the old export aside
@@ -210,7 +211,7 @@ def test_what_a_killed_export_left_is_settled_by_the_next(tmp_path):
     with pytest.raises(ValueError, match="hold NaN"):  # fails before it writes: the old one is back all the same
         export_zlab(broken, str(out))
     assert (out / "model.safetensors").read_bytes() == written
-    assert sorted(os.listdir(tmp_path)) == [".exports.tmp-9", "export"]
+    assert sorted(os.listdir(tmp_path)) == [".export.v2.k2j4x9ab.tmp", ".exports.tmp-9", "export"]
     export_zlab(second, str(out))
-    assert sorted(os.listdir(tmp_path)) == [".exports.tmp-9", "export"]
+    assert sorted(os.listdir(tmp_path)) == [".export.v2.k2j4x9ab.tmp", ".exports.tmp-9", "export"]
     assert load_drafter(str(out)).state_dict()["fc.weight"].equal(second.state_dict()["fc.weight"].bfloat16())

@@ -65,9 +65,10 @@ def export_zlab(drafter: DFlashDraftModel, out_dir: str, dtype: torch.dtype = to
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    # Also the random names exports were written under before (mkdtemp's `.<name>.XXXXXXXX.tmp`).
+    # Also the random names exports were written under before (mkdtemp's `.<name>.XXXXXXXX.tmp`: eight characters,
+    # so that a sibling folder of a dotted name, `.<name>.v2.<random>.tmp`, is not taken for this one's).
     escaped = glob.escape(os.path.basename(out_dir))
-    settle_swap(out_dir, legacy=(f".{escaped}.*.tmp", f".{escaped}.*.tmp.old"))
+    settle_swap(out_dir, legacy=(f".{escaped}.????????.tmp", f".{escaped}.????????.tmp.old"))
     config = drafter.config.to_zlab()
     config["dtype"] = str(dtype).removeprefix("torch.")
     tensors = drafter_tensors(drafter, dtype)

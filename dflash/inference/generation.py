@@ -113,6 +113,8 @@ def hf_generate(adapter: Any, batch: list[list[int]], config: GenerationConfig, 
             keys, width, config.max_new_tokens, config.temperature, config.top_p, device)])
         config = copy.deepcopy(config)  # greedy, its warpers off: the processor has chosen the token
         config.do_sample, config.temperature, config.top_p = False, 1.0, 1.0
+        # Unset rather than neutral: generate warns about sampling flags on a greedy config otherwise.
+        config.top_k = config.min_p = config.typical_p = config.epsilon_cutoff = config.eta_cutoff = None
     # Sampling without keys draws from the global RNG inside generate: seed it per batch and restore it afterwards.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode(), \
             model_defaults_hidden(adapter.model):
