@@ -16,6 +16,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from dflash.config import ConfigError, compose  # noqa: E402
 from dflash.config.composition_errors import refuse_uncomposable  # noqa: E402
+from dflash.config.schema import check_gpu_list  # noqa: E402
 
 
 def gpus_per_worker(setting: object, target: dict, num_devices: int) -> int:
@@ -45,18 +46,12 @@ def composed(overrides: list[str]):
 
 
 def device_list(key: str, node: object) -> str:
-    """The GPUs of a device list as CUDA_VISIBLE_DEVICES lists them, "" where it is not set. A GPU listed twice
-    would be two ranks' (or a worker's two) GPU, and a negative id hides every GPU after it: ConfigError."""
+    """The GPUs of a device list as CUDA_VISIBLE_DEVICES lists them, "" where it is not set; ConfigError where the
+    schema refuses the list (a GPU twice, a negative id: schema.check_gpu_list)."""
     if node is None:
         return ""
-    ids = list(node)
-    given = f"{key}=[{','.join(str(d) for d in ids)}]"
-    if any(d < 0 for d in ids):
-        raise ConfigError(f"{given}: GPU ids count from 0; list GPUs 0 and up, each once")
-    twice = sorted({d for d in ids if ids.count(d) > 1})
-    if twice:
-        raise ConfigError(f"{given} lists GPU {', '.join(map(str, twice))} more than once; list each GPU once")
-    return ",".join(str(d) for d in ids)
+    check_gpu_list(key, node)
+    return ",".join(str(d) for d in node)
 
 
 def launch_settings(overrides: list[str]) -> dict[str, object]:

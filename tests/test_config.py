@@ -437,6 +437,8 @@ BAD = [
     ("capture.mode=online", "choose the mode with the group, capture=online"),
     ("capture.gpus_per_worker=0", "capture.gpus_per_worker=0: expected an int >= 1 or auto"),
     ("drafter.block_size=1", "drafter.block_size=1"),
+    ("train.devices=[2,2]", "train.devices=[2,2] lists GPU 2 more than once; list each GPU once"),
+    ("capture.devices=[-1]", "capture.devices=[-1]: GPU ids count from 0"),
     ("drafter.target_layer_ids=[3,1]", "drafter.target_layer_ids=[3, 1]: expected layer ids in ascending order, "
                                        "[1, 3]: serving engines (vLLM, SGLang) join"),
     ("drafter.layer_types=[full_attention]", "one entry per layer (2, drafter.num_hidden_layers)"),

@@ -360,6 +360,20 @@ def _if_colocated(capture: Any, run: Any) -> str:
     return "capture=colocated runs the target on each trainer rank's own device" if capture.mode == "colocated" else ""
 
 
+def check_gpu_list(key: str, devices: Any) -> None:
+    """ConfigError for a list of GPUs (train.devices, capture.devices) with a negative id, which hides every GPU
+    after it from CUDA_VISIBLE_DEVICES, or a GPU twice, which would be two ranks' (or a worker's two) GPU."""
+    if devices is None:
+        return
+    ids = [int(d) for d in devices]
+    given = f"{key}=[{','.join(str(d) for d in ids)}]"
+    if any(d < 0 for d in ids):
+        raise ConfigError(f"{given}: GPU ids count from 0; list GPUs 0 and up, each once")
+    twice = sorted({d for d in ids if ids.count(d) > 1})
+    if twice:
+        raise ConfigError(f"{given} lists GPU {', '.join(map(str, twice))} more than once; list each GPU once")
+
+
 def _unless_capture_on_cuda(capture: Any, run: Any) -> str:
     if capture.mode == "colocated" or capture.devices is None:  # a null is never named, so torch is not loaded
         return _if_colocated(capture, run)
@@ -410,6 +424,7 @@ class CaptureSettings:
         require(self.batch_tokens >= 1, "capture.batch_tokens", self.batch_tokens, "an int >= 1")
         require(self.shard_tokens >= 1, "capture.shard_tokens", self.shard_tokens, "an int >= 1")
         require(self.check_every >= 0, "capture.check_every", self.check_every, "an int >= 0 (0: off)")
+        check_gpu_list("capture.devices", self.devices)
         _gpus_per_worker(self.gpus_per_worker)
 
 
@@ -591,6 +606,7 @@ class TrainSettings:
         _fraction("train.warmup_ratio", self.warmup_ratio)
         _fraction("train.min_lr_ratio", self.min_lr_ratio)
         _fraction("train.decay_ratio", self.decay_ratio, open_low=True)
+        check_gpu_list("train.devices", self.devices)
         _fraction("train.dpace_alpha", self.dpace_alpha)
         _fraction("train.kl_weight", self.kl_weight)
         require_choice("train.loss_weighting", self.loss_weighting, LOSS_WEIGHTINGS)

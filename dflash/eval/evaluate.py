@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from dflash.config.errors import ConfigError
-from dflash.config.schema import PromptSetSettings
+from dflash.config.schema import TURN2_SUFFIX, PromptSetSettings
 from dflash.inference.static_decode import resolve_engine
 from dflash.eval.expected_acceptance import ExpectedTrace, expected_metrics
 from dflash.eval.metrics import PhaseTimer, acceptance_metrics
@@ -86,7 +86,6 @@ def live_engine_of(live_engine: str, adapter) -> str:
 
 
 MODES = ("replay", "live")
-TURN2_SUFFIX = "_turn2"
 
 
 def load_prompt_sets(

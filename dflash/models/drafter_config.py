@@ -68,8 +68,8 @@ def check_unsupported_options(config: dict[str, Any]) -> None:
                          f"DFlash drafter")
     # What the reference and the serving engines read and DFlashDraftModel does not: another activation, a scaled
     # RoPE, vLLM's own sliding-window switch (this drafter's windows are its layer_types and sliding_window).
-    rope_types = [(key, (config.get(key) or {}).get(field)) for key in ("rope_parameters", "rope_scaling")
-                  for field in ("rope_type", "type")]
+    rope_types = [(key, rope.get(field)) for key in ("rope_parameters", "rope_scaling")
+                  if isinstance(rope := config.get(key), dict) for field in ("rope_type", "type")]
     other = [f"{key}.{kind}" for key, kind in rope_types if kind not in (None, "default")]
     if config.get("hidden_act", "silu") != "silu":
         other.append(f"hidden_act={config['hidden_act']!r}")

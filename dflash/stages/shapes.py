@@ -130,7 +130,7 @@ def drafter_config(settings: RunSettings, shape: dict[str, Any]):
         rope_theta=float(d.rope_theta),
         # target.json of runs captured before it was recorded: the config's former fixed value.
         max_position_embeddings=int(shape.get("max_position_embeddings", 40960)),
-        # The name of the id target.json records (not recorded before session 48; a given id is the one recorded).
+        # The name of the id target.json records, where it records one (a given id is the one it records).
         mask_token=shape.get("mask_token") if mask is None or int(mask) == shape.get("mask_token_id") else None,
     )
 
