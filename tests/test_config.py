@@ -426,6 +426,7 @@ BAD = [
     ("train.kl_weight=0.5", "train.kl_weight=0.5 needs the target's logits"),
     ("data.temperature=-1", "data.temperature=-1.0"),
     ("data.top_p=0", "data.top_p=0.0: expected a number in (0, 1]"),
+    ("data.synthetic.temperature=0", "data.synthetic.temperature=0.0: expected a number > 0"),
     ("data.turns=some", "data.turns='some': expected one of 'first', 'all'"),
     ("data.source=file", "data.path=null: expected a .jsonl/.json prompt file"),
     ("data.path=/no/such/prompts.jsonl", "data.path='/no/such/prompts.jsonl': no such file"),

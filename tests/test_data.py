@@ -279,7 +279,7 @@ def test_a_build_with_failed_prompts_is_not_reused_but_retried(tiny, tmp_path, m
     second = build_dataset(prompts, tiny, tmp_path, **GEN)
     assert (second["failed"], second["samples"], second["generated_tokens"] > 0) == (0, 4, True)
     third = build_dataset(prompts, tiny, tmp_path, **GEN)
-    assert third == second  # complete now: reused
+    assert third == {**second, "reused": True}  # complete now: reused
 
 
 def test_answers_finished_before_an_interrupt_are_journaled(tiny, tmp_path, monkeypatch):
@@ -359,7 +359,7 @@ def test_dataset_round_trips_and_is_reused(tiny, tmp_path, monkeypatch):
 
     # Same inputs: reused without generating; one more prompt: only that one is generated.
     calls = record_generate(tiny, monkeypatch)
-    assert build_dataset(prompts, tiny, tmp_path, **GEN) == stats
+    assert build_dataset(prompts, tiny, tmp_path, **GEN) == {**stats, "reused": True}
     assert calls == []
     more = build_dataset(prompts + make_prompts(1, prefix="new"), tiny, tmp_path, **GEN)
     assert len(calls) == 1 and len(calls[0]) == 1

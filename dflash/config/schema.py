@@ -236,7 +236,7 @@ class SyntheticSettings:
         if self.count:
             require(len(self.system_prompts) >= 1, "data.synthetic.system_prompts", self.system_prompts,
                     "at least one system prompt ('' = the template's default)")
-        _positive("data.synthetic.temperature", self.temperature, allow_zero=True)
+        _positive("data.synthetic.temperature", self.temperature)  # greedy draws write one text per system prompt
         _fraction("data.synthetic.top_p", self.top_p, open_low=True)
         require(self.max_new_tokens >= 1, "data.synthetic.max_new_tokens", self.max_new_tokens, "an int >= 1")
         require(self.min_chars >= 0, "data.synthetic.min_chars", self.min_chars, "an int >= 0")

@@ -58,11 +58,7 @@ def _save_dataset(ds: datasets.Dataset, target: Path) -> None:
     """save_to_disk into a temp folder, then swap it in: `target` is never half-written."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    # A build killed while saving or in the middle of the swap left its temp or old copy (a full dataset
-    # each); this build replaces both, so they go.
-    for leftover in sorted(target.parent.glob(f".{target.name}.tmp-*")) + sorted(target.parent.glob(
-            f".{target.name}.old-*")):
-        shutil.rmtree(leftover, ignore_errors=True)
+    remove_save_leftovers(target)
     bars_were_on = not datasets.utils.are_progress_bars_disabled()
     if not verbose():  # datasets' "Saving the dataset" bar is third-party output (dflash/train/third_party_output.py)
         datasets.utils.disable_progress_bars()
@@ -72,6 +68,14 @@ def _save_dataset(ds: datasets.Dataset, target: Path) -> None:
         if bars_were_on:
             datasets.utils.enable_progress_bars()
     swap_in_dir(str(tmp), str(target), aside=str(old))
+
+
+def remove_save_leftovers(target: Path) -> None:
+    """The temp and old copies (a full dataset each) that a build killed while saving `target`, or in the middle of
+    its swap, left beside it: the next build replaces them, or holds no such split."""
+    for leftover in sorted(target.parent.glob(f".{target.name}.tmp-*")) + sorted(target.parent.glob(
+            f".{target.name}.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def heldout_ids(ids: list[str], count: int, seed: int) -> set[str]:
@@ -118,7 +122,7 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     previous = _finished_build(out_dir, fp, heldout)
     if previous is not None:
         logger.info("%s is up to date (fingerprint %s); not rebuilding", out_dir / "dataset", fp[:12])
-        return previous
+        return {**previous, "reused": True}  # its answers' counts and times are the earlier build's
     journal_path = out_dir / "journal.jsonl"
     # Templated once: regeneration and encoding read the same ids (tokenising every multi-turn prompt is most of
     # the CPU time a data stage spends outside generation).
@@ -199,8 +203,9 @@ def _choose_heldout(finished: list[Prompt], heldout: int, seed: int, journal_pat
     """The ids of the `heldout` done prompts kept out of training (heldout_ids)."""
     done_ids = [p.id for p in finished]
     if heldout and heldout >= len(done_ids):
-        raise ValueError(f"heldout={heldout} prompts, but only {len(done_ids)} were regenerated: no training "
-                         f"sample would be left (journal: {journal_path})")
+        raise ConfigError(f"data.heldout={heldout}: expected fewer than the {len(done_ids)} prompts answered (the "
+                          f"others were too long or failed): no training sample would be left (journal: "
+                          f"{journal_path})")
     return heldout_ids(done_ids, heldout, seed)
 
 
@@ -211,6 +216,7 @@ def _save_splits(out_dir: Path, train: datasets.Dataset, held: Rows) -> None:
         _save_dataset(held.dataset(), out_dir / "heldout")
     else:  # a held-out set left by an earlier build with other settings is not this build's
         shutil.rmtree(out_dir / "heldout", ignore_errors=True)
+        remove_save_leftovers(out_dir / "heldout")
 
 
 def _stats(fp: str, settings: dict, gen: dict, encoded: Encoded, encode_s: float, heldout: int) -> dict:
@@ -261,8 +267,9 @@ def format_stats(stats: dict) -> str:
         rows.append(("synthetic", format_synthetic(stats["synthetic"])))
     if "eval_overlap" in stats:
         rows.append(("eval overlap", _overlap(stats["eval_overlap"])))
-    rows.append(("answers", _answers(stats)))
-    rows.append(("time", _times(stats)))
+    earlier = " (the earlier build's: this run reused its dataset)" if stats.get("reused") else ""
+    rows.append(("answers", _answers(stats) + earlier))
+    rows.append(("time", _times(stats) + earlier))
     if stats.get("before_answers"):  # the data stage's: reading prompts, loading the target, synthetic, overlap
         before = stats["before_answers"]
         rows.append(("before that", f"{sum(before.values()):,.1f} s: " + ", ".join(

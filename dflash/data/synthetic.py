@@ -44,6 +44,21 @@ MARKER = "\u27e6dflash-synthetic-user-turn\u27e7"
 DROP_REASONS = ("length", "empty", "short", "special", "duplicate", "surplus")
 
 
+def steering_prefixes(tokenizer: Any, system_prompts: list[str]) -> list[str]:
+    """user_turn_prefix of each system prompt, before any draw; a template that cannot render one (its own error, as
+    Gemma's "System role not supported", or one of user_turn_prefix's) is a ConfigError naming that prompt."""
+    prefixes = []
+    for i, system_prompt in enumerate(system_prompts):
+        try:
+            prefixes.append(user_turn_prefix(tokenizer, system_prompt))
+        except Exception as err:  # noqa: BLE001 - a template's own error (jinja) too, named with its prompt
+            fix = " (or '' for the template's default system message)" if system_prompt else ""
+            raise ConfigError(f"data.synthetic.system_prompts[{i}]={system_prompt!r}: the chat template cannot "
+                              f"start a user turn after it ({type(err).__name__}: {err}); change the "
+                              f"system prompt{fix} or the template (target.chat_template)") from err
+    return prefixes
+
+
 def user_turn_prefix(tokenizer: Any, system_prompt: str) -> str:
     """The chat template's text up to where a user turn's content starts, after `system_prompt` (none when "")."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -274,7 +289,7 @@ def synthesize_prompts(adapter: Any, count: int, system_prompts: list[str], jour
     stop_ids = [int(t) for t in adapter.stop_token_ids()]
     if not stop_ids:
         raise ValueError("adapter.stop_token_ids() is empty: a user turn would never end")
-    prefixes = [user_turn_prefix(tokenizer, s) for s in system_prompts]
+    prefixes = steering_prefixes(tokenizer, system_prompts)
     prefix_ids = [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prefixes]
     # What decides the texts. Under hf the group of draws sharing a seed is batch_size long, so it counts too.
     settings = {"kind": "synthetic prompts", "prefixes": prefixes, "temperature": temperature, "top_p": top_p,

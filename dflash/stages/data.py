@@ -191,13 +191,17 @@ class DataStage(Stage):
             written, synthetic = timed(seconds, "synthetic", self.synthetic_prompts)
             prompts = prompts + written
         prompts, overlap = timed(seconds, "overlap", lambda: self.drop_eval_overlaps(prompts))
+        # The answers' settings as they take effect, a setting that changes no answer at its stand-in (top_p of
+        # greedy answers, the temperature when no answer is sampled): the dataset's fingerprint and the journal's
+        # header are then those of the same data made without it, as the stage's own fingerprint is.
+        answers = fingerprints.in_effect(run.settings).data
         stats = build_dataset(prompts, run.target, out, max_length=d.max_length, max_new_tokens=d.max_new_tokens,
-                              batch_size=d.batch_size, temperature=d.temperature, top_p=d.top_p, seed=d.seed,
-                              show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
+                              batch_size=d.batch_size, temperature=answers.temperature, top_p=answers.top_p,
+                              seed=d.seed, show_progress=run.show_progress, heldout=d.heldout, engine=d.engine,
                               compile_step=d.compile_step, refill=d.refill, decode_attention=d.decode_attention,
                               target=self.target_identity(),
                               before_replace=self.before_replace,
-                              template_kwargs=dict(d.chat_template_kwargs), sampled_share=d.sampled_share)
+                              template_kwargs=dict(d.chat_template_kwargs), sampled_share=answers.sampled_share)
         # What the synthetic draws and the overlap check found, and the time before the answers, go with the
         # dataset's stats (format_stats shows them).
         stats.update({key: value for key, value in (("synthetic", synthetic), ("eval_overlap", overlap))
@@ -301,6 +305,12 @@ class DataStage(Stage):
                               f"{n}-word run with an evaluation prompt of eval.prompt_sets and were dropped "
                               f"(data.eval_overlap_ngram={n}): train on another source, or set "
                               f"data.eval_overlap_ngram=0 to keep them")
+        held = settings.data.heldout
+        if held and held >= len(kept):  # found here, before any answer (preflight counted them before the drop)
+            raise ConfigError(f"data.heldout={held}: expected fewer than the {len(kept)} training prompts the "
+                              f"overlap check kept ({len(prompts) - len(kept)} of {len(prompts)} dropped for sharing "
+                              f"{n} words in a row with an evaluation prompt): holding them all out leaves nothing "
+                              f"to train on")
         report["eval_sets"] = {name: sum(p.prompt_set == name for p in eval_prompts) for name in specs}
         report["eval_set_sources"] = {name: eval_set_source(spec) for name, spec in specs.items()}
         return kept, report
@@ -309,7 +319,7 @@ class DataStage(Stage):
 def eval_set_source(spec) -> dict[str, Any]:
     """What an evaluation prompt set's overlap check read (PromptSetSettings): its source, and the sha256 of the
     file its path names (a packaged set without one is named by its source alone)."""
-    path = spec.path
+    path = os.path.expanduser(spec.path) if spec.path else None  # as the set is read: `~/set.jsonl` too
     return {"source": spec.source, "sha256": file_sha256(path) if path and os.path.isfile(path) else None}
 
 

@@ -47,7 +47,7 @@ from dflash.train.objective import block_target_hidden, loss_normaliser, target_
 from dflash.train.step_metrics import expected_acceptance_length, measure_matmul_tflops, step_flops
 from dflash.train.step_batches import StepBatches
 from dflash.train.step_profile import StepProfiler, profile_path
-from dflash.train.step_records import StartupLaps, StepRecords
+from dflash.train.step_records import StartupPhases, StepRecords
 from dflash.train.stop_signal import StopSignal
 from dflash.train.time_budget import TimeBudget
 
@@ -272,30 +272,26 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     settings.group_by_length; deepspeed: ZeRO stage and precision (default: ZeRO-2, bf16 on CUDA); logit_transform:
     the target's final logit transform (load_logit_transform of the frozen head file)."""
     check_heldout(heldout, settings.eval_every, drafter_config, settings.best_by)
-    entered = clock()
-    startup = StartupLaps(clock, entered)
+    startup = StartupPhases(clock)  # from the call's entry: the time budget counts it
     embed_weight = frozen_head[0].to(device)
     # A tied head (load_frozen_head gives one tensor twice) stays one tensor on the device.
     lm_head = embed_weight if frozen_head[1] is frozen_head[0] else frozen_head[1].to(device)
     plan = plan_batches(settings, len(store), world_size, lengths)
     total_steps = count_steps(settings, plan)
     tag, universal = resume_tag(checkpoint_dir, world_size, rank, plan.global_batch_size)
-    startup.lap("plan")
-    engine = build_engine(settings, deepspeed, drafter_config, total_steps, world_size, device, universal)
-    startup.lap("engine")
+    engine = startup.timed("engine", build_engine, settings, deepspeed, drafter_config, total_steps, world_size,
+                           device, universal)
     attention = resolve_attention(settings.attention, device)
-    peak_tflops = resolve_peak_tflops(settings.peak_tflops, device)
-    startup.lap("peak matmul")
+    peak_tflops = startup.timed("peak matmul", resolve_peak_tflops, settings.peak_tflops, device)
     checkpoints = CheckpointPolicy(checkpoint_dir, settings, plan.global_batch_size, rank)
     divergence = DivergenceGuard(settings.max_nonfinite_steps, checkpoint_dir, rank)
-    state = checkpoints.restore(engine, tag)  # data position, anchors and LR all follow from the global step
-    startup.lap("checkpoint")
+    state = startup.timed("checkpoint", checkpoints.restore, engine, tag)  # data, anchors, LR: from its step
     step = state["global_step"]
     engine.align_schedule(step)
     plan = checkpoints.kept_apart(plan, as_feature_source(store), state)
     log.resume_from(step)  # records of steps after the checkpoint (or of an earlier run) are not this run's
     pace = BudgetPace(settings, total_steps, evaluates=heldout is not None, saved=state.get("time_budget"),
-                      entered=entered, device=device, clock=clock)
+                      entered=startup.entered, device=device, clock=clock)
     evaluation = HeldoutTracker(heldout, settings.eval_every, checkpoint_dir, (embed_weight, lm_head),
                                 resumed=tag is not None, rank=rank, world_size=world_size, clock=clock,
                                 best_by=settings.best_by, resumed_at=step)
@@ -305,8 +301,7 @@ def train(settings: TrainSettings, drafter_config: DrafterConfig, store: Feature
     profiler = StepProfiler(settings.profile_steps, profile_path(checkpoint_dir), device, enabled=rank == 0)
     records = StepRecords(log, engine, first_step=step, log_every=settings.log_every,
                           steps_per_epoch=plan.steps_per_epoch, peak_tflops=peak_tflops, world_size=world_size,
-                          budgeted=pace.budget is not None, entered=entered, announce=rank == 0, clock=clock,
-                          startup=startup)
+                          budgeted=pace.budget is not None, startup=startup, announce=rank == 0, clock=clock)
     block_size = drafter_config.block_size
     batches = StepBatches(lambda at: prepare_batches(store, plan, at, settings, block_size, rank, device),
                           ahead=settings.prepare_ahead and as_feature_source(store).serves_ahead())

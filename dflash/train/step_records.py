@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from dflash.train.engine import TrainEngine
 from dflash.train.metrics_log import MetricsLog
@@ -19,40 +20,42 @@ from dflash.train.metrics_log import MetricsLog
 logger = logging.getLogger(__name__)
 
 
-class StartupLaps:
-    """The seconds each start-up phase of a training call took, in the order they ran: the "ready" line shows them,
-    so that a slow start on a fresh machine says where it went."""
+class StartupPhases:
+    """The seconds each timed start-up phase of a training call took, in the order they ran: the "ready" line shows
+    them, so that a slow start on a fresh machine says where it went."""
 
-    def __init__(self, clock: Callable[[], float], entered: float) -> None:
-        self.clock, self.last, self.seconds = clock, entered, {}
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock, self.entered, self.seconds = clock, clock(), {}
 
-    def lap(self, phase: str) -> None:
-        """`phase` has ended now; it began where the last phase ended."""
-        now = self.clock()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
-        self.last = now
+    def timed(self, phase: str, function: Callable[..., Any], *args: Any) -> Any:
+        """function(*args), its seconds counted as `phase`'s."""
+        started = self.clock()
+        result = function(*args)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + self.clock() - started
+        return result
 
     def describe(self, until: float) -> str:
-        """'engine 24.0 s, checkpoint 0.1 s, other 5.2 s': the phases, then what ran after the last until `until`."""
+        """'engine 24.0 s, checkpoint 0.1 s, other 5.2 s': the phases, then the rest of the time from the call's
+        entry until `until`."""
         parts = [f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items()]
-        return ", ".join(parts + [f"other {max(0.0, until - self.last):.1f} s"])
+        other = until - self.entered - sum(self.seconds.values())
+        return ", ".join(parts + [f"other {max(0.0, other):.1f} s"])
 
 
 class StepRecords:
     """The records of one training call, from `first_step` (the step it resumed at; 0 from scratch) on.
 
-    peak_tflops: per rank, for mfu (None: no mfu); budgeted: a time budget plans the steps; entered: the loop's
-    clock when training was entered; announce: print where the call's start-up time went (rank 0); startup: its
-    phases' laps (without: the total alone).
+    peak_tflops: per rank, for mfu (None: no mfu); budgeted: a time budget plans the steps; startup: the call's
+    start-up phases, from its entry; announce: print where the start-up time went (rank 0).
     """
 
     def __init__(self, log: MetricsLog, engine: TrainEngine, *, first_step: int, log_every: int, steps_per_epoch: int,
-                 peak_tflops: float | None, world_size: int, budgeted: bool, entered: float, announce: bool,
-                 clock: Callable[[], float], startup: StartupLaps | None = None) -> None:
+                 peak_tflops: float | None, world_size: int, budgeted: bool, startup: StartupPhases,
+                 announce: bool, clock: Callable[[], float]) -> None:
         self.log, self.engine, self.clock = log, engine, clock
         self.first_step, self.log_every, self.steps_per_epoch = first_step, log_every, steps_per_epoch
         self.peak_tflops, self.world_size, self.budgeted = peak_tflops, world_size, budgeted
-        self.entered, self.announce, self.startup = entered, announce, startup
+        self.startup, self.announce = startup, announce
         self.window_started, self.window_step, self.window_eval_s, self.window_tokens = clock(), first_step, 0.0, 0.0
 
     def add_step(self, metrics: dict[str, float], step: int, started: float) -> None:
@@ -61,9 +64,8 @@ class StepRecords:
         if step == self.first_step + 1 and self.announce:
             # Where a (re)start spends its time: engine build + checkpoint load, then the first step's kernel
             # compilation (flex attention), both paid again by every resumed call.
-            phases = self.startup.describe(started) if self.startup is not None else "engine, checkpoint"
-            logger.info(f"[train] ready after {started - self.entered:.1f} s ({phases}); first step "
-                        f"{now - started:.1f} s")
+            logger.info(f"[train] ready after {started - self.startup.entered:.1f} s "
+                        f"({self.startup.describe(started)}); first step {now - started:.1f} s")
         self.window_tokens += metrics.pop("tokens")
         tflops = metrics.pop("flops") / (now - started) / 1e12
         epoch, step_in_epoch = divmod(step - 1, self.steps_per_epoch)
