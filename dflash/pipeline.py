@@ -25,6 +25,7 @@ from dflash.config.command_line import adopted_overrides, default_run_line, hydr
 from dflash.config.unknown_keys import override_key
 from dflash.console import console_copied_to, run_log
 from dflash.run_files import from_rank0, mark_done, write_text
+from dflash.stages.run_lock import RunFolderLock
 from dflash.stages.capture import CaptureStage
 from dflash.stages.closing import closing_block, next_command_rows
 from dflash.stages.command_ending import Terminated, TerminationLine, ending, ending_status, exit_command, full_error
@@ -72,6 +73,17 @@ class Pipeline:
         written to <run_dir>/logs/."""
         run = self.context
         refuse_unusable_target(self.settings)
+        lock = RunFolderLock(run.run_dir)
+        try:
+            if run.rank == 0 and os.path.isdir(run.run_dir):  # before the preflight reads what another might write
+                lock.take()
+            return self.run_locked(lock)
+        finally:
+            lock.release()
+
+    def run_locked(self, lock: RunFolderLock) -> dict[str, Any] | None:
+        """`run` once the run folder is this command's (rank 0 holds `lock` from the folder's making on)."""
+        run = self.context
         selected = selected_stages(self.settings.stages, self.stages)
         for stage in self.stages:
             stage.preflight(stage.name in selected)
@@ -80,6 +92,8 @@ class Pipeline:
         except OSError as error:  # a folder the schema could not judge (a special file system, another user's)
             raise ConfigError(f"run_dir={self.settings.run_dir!r}: the folder cannot be made ({error.strerror})") \
                 from None
+        if run.rank == 0:
+            lock.take()  # a folder made just now, perhaps by a command started beside this one
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
         with console_copied_to(log), third_party_records_to_run_log():
