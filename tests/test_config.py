@@ -694,6 +694,28 @@ def test_the_overrides_hydra_recorded_serve_the_warnings_and_the_suggested_comma
     assert train_command(settings) == "python -m dflash.train +experiment=tiny train.lr=1e-3"
 
 
+def test_an_evaluations_training_suggestion_keeps_the_overrides_it_adopted(monkeypatch):
+    """`python -m dflash.eval name=intr` adopts `+experiment=tiny train.epochs=300` from the run's training command;
+    its "rerun training" suggestion left them out, and that command was refused in the run folder (other settings)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from dflash.config import CONFIG_DIR, command_line
+    from dflash.stages.evaluation import command_overrides, train_command
+
+    adopted = ["+experiment=tiny", "train.epochs=300"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="eval", overrides=[*adopted, "name=intr", "eval.mode=live"],
+                            return_hydra_config=True)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)
+    HydraConfig.instance().set_config(cfg)
+    monkeypatch.setattr(command_line, "_adopted", adopted)
+    settings = settings_from(compose([*adopted, "name=intr"]))
+    assert command_overrides(settings) == ["name=intr", "eval.mode=live"]  # the next evaluation adopts them again
+    assert train_command(settings) == "python -m dflash.train +experiment=tiny train.epochs=300 name=intr"
+
+
 def test_a_sweep_jobs_and_a_moved_runs_next_command_name_their_own_folder(monkeypatch, tmp_path):
     """A -m job's `name=w-${hydra:job.num}` was suggested as Hydra records it, escaped (`name=w-$\\{hydra\\:job.num\\}`,
     which no command outside a sweep resolves), and a run moved into Hydra's folder by hydra.job.chdir=true was
@@ -783,7 +805,7 @@ def test_bad_types_and_options_stop_the_composition(override, key):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("train.lerning_rate=1e-3", "train.lerning_rate: no such setting; `python -m dflash.train --help` lists"),
+    ("train.lerning_rate=1e-3", "train.lerning_rate: no such setting; the command's --help lists the groups"),
     ("+train.lrr=0.1", "train.lrr: no such setting (did you mean train.lr?)"),  # Hydra appended it without a word
     ("capture.shard_tokns=1", "capture.shard_tokns: no such setting (did you mean capture.shard_tokens?)"),
     ("capture=online capture.timeout_ss=3", "capture.timeout_ss: no such setting (did you mean capture.timeout_s?)"),
@@ -1044,8 +1066,8 @@ def test_a_setting_is_described_for_a_terminal_by_its_key_or_its_groups():
 
     done = command("train.lr", "trian")  # every key checked before anything is printed
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == "dflash: error: trian: no such setting (did you mean train?); `python -m dflash.train " \
-                          "--help` lists the groups, docs/config.md every key\n"
+    assert done.stderr == "dflash: error: trian: no such setting (did you mean train?); the command's --help lists " \
+                          "the groups, docs/config.md every key\n"
     assert command("train.lr=0.1").stderr.startswith("dflash: error: train.lr=0.1: this command takes keys, not "
                                                       "overrides: python -m dflash.config train.lr")
     assert command("--cfg").returncode == 2 and command("--help").stdout.startswith("usage: python -m dflash.config")

@@ -128,6 +128,22 @@ def test_a_run_stopped_before_its_export_is_evaluated_from_its_best_checkpoint(h
         Pipeline(compose(overrides + ["eval.checkpoint=final"])).run()
 
 
+def test_a_stopped_run_whose_features_were_deleted_names_what_to_capture_again(heldout_run, tmp_path):
+    # features/ is the largest entry of the closing block's disk line: deleted, the best checkpoint's export read
+    # features/target.json and ended in a traceback.
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(heldout_run, stopped)
+    for folder in ("export", "export_best", "eval", "checkpoints/final", "features"):
+        shutil.rmtree(stopped / folder)
+    os.remove(stopped / "checkpoints" / "done.json")
+    with pytest.raises(ConfigError, match=r"features/target.json is missing: the drafter's shape and taps come from "
+                                          r"the capture stage's record of the target; capture again \(python -m "
+                                          r"dflash.extract name=\S+\), which rewrites it"):
+        Pipeline(compose(HELDOUT + [f"run_dir={stopped}", "stages=[eval]"])).run()
+
+
 def test_an_export_or_checkpoints_of_other_settings_are_not_evaluated_as_these(heldout_run, tmp_path):
     """After a settings change the old export and the old checkpoints belong to the old settings: the eval stage
     must not measure (or report as done) either of them under the new ones."""

@@ -298,4 +298,4 @@ def _no_such(key: str, group: str, fields: dict[str, Any]) -> str:
     meant = ", ".join(near[:-1]) + f" or {near[-1]}" if len(near) > 1 else "".join(near)
     note = f", {note}" if note and set(near) & set(aliased) else ""
     hint = f" (did you mean {meant}{note}?)" if meant else ""
-    return f"{key}: no such setting{hint}; `python -m dflash.train --help` lists the groups, docs/config.md every key"
+    return f"{key}: no such setting{hint}; the command's --help lists the groups, docs/config.md every key"

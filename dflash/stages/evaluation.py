@@ -458,15 +458,15 @@ def target_model_type(target) -> str | None:
     return empty_model(checkpoint_config(str(target.path), target.cache_dir), torch.bfloat16).config.model_type
 
 
-def command_overrides(settings, without_eval: bool = False) -> list[str]:
+def command_overrides(settings, without_eval: bool = False, with_adopted: bool = False) -> list[str]:
     """The overrides of the command that is running (Hydra's record), less `stages` and `overwrite` (a command
     suggested next must never move a drafter aside), less those an evaluation adopted from the run folder's
-    training command (the next evaluation adopts them again), and with `without_eval` the eval group's; `name=...`
-    outside Hydra."""
+    training command unless `with_adopted` (the next evaluation adopts them again; a training command needs them),
+    and with `without_eval` the eval group's; `name=...` outside Hydra."""
     overrides = hydra_overrides(settings)
     if overrides is None:
         return [f"name={settings.name}"]
-    kept, adopted = [], adopted_overrides()
+    kept, adopted = [], [] if with_adopted else adopted_overrides()
     for override in overrides:
         key = override_key(override)
         if key in ("stages", "overwrite") or override in adopted:
@@ -477,5 +477,6 @@ def command_overrides(settings, without_eval: bool = False) -> list[str]:
 
 
 def train_command(settings) -> str:
-    """The training command of this command's settings, quoted for a shell."""
-    return " ".join(["python -m dflash.train", *(shlex.quote(w) for w in command_overrides(settings, True))])
+    """The training command of this command's settings, quoted for a shell: an evaluation's suggests the overrides it
+    adopted from the run folder's training command too (without them that training is refused there)."""
+    return " ".join(["python -m dflash.train", *(shlex.quote(w) for w in command_overrides(settings, True, True))])

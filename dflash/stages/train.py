@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import shlex
 import shutil
 import time
 from typing import TYPE_CHECKING, Any
@@ -304,7 +305,15 @@ class TrainStage(Stage):
         taps."""
         from dflash.train.frozen_head import load_logit_transform
 
-        config = drafter_config(self.context.settings, read_json(os.path.join(self.capture.out, "target.json")))
+        shape = os.path.join(self.capture.out, "target.json")
+        if not os.path.isfile(shape):  # features/ deleted to free disk: a trained drafter still needs its record
+            from dflash.stages.evaluation import command_overrides
+
+            command = shlex.join(["python", "-m", "dflash.extract",
+                                  *command_overrides(self.context.settings, True, True)])
+            raise RunFolderError(f"{shape} is missing: the drafter's shape and taps come from the capture stage's "
+                                 f"record of the target; capture again ({command}), which rewrites it")
+        config = drafter_config(self.context.settings, read_json(shape))
         captured = self.capture.layer_ids()
         if captured is not None and captured != config.target_layer_ids:
             taps = ",".join(str(i) for i in captured)
