@@ -33,6 +33,13 @@ TINY = ["+experiment=tiny"]
     (["data.path=~/prompts.jsonl"], "train", "data.path=~/prompts.jsonl: a value starting with ~ is read as Hydra's "
                                              "deletion mark (the shell left it unexpanded); quote it: "
                                              "data.path='~/prompts.jsonl'"),
+    # Characters Hydra's parser takes only quoted: it said "LexerNoViableAltException" or "mismatched input '('".
+    (["name=ünï/日本"], "train", "name=ünï/日本: Hydra reads a value holding non-ASCII letters only when quoted: "
+                               "name='\"ünï/日本\"'"),
+    (["run_dir=/data/run(1)"], "train", "run_dir=/data/run(1): Hydra reads a value holding the characters ( ) only "
+                                        "when quoted: run_dir='\"/data/run(1)\"'"),
+    (["data.path=/data/p#1.jsonl"], "train", "data.path=/data/p#1.jsonl: Hydra reads a value holding the characters # "
+                                             "only when quoted"),
     (["capture.ranks=2"], "train", "capture.ranks: only capture=online has this setting, and this command runs "
                                    "another capture mode"),
     (["target.tiny=llama"], "train", "target.tiny=llama: target.tiny is a mapping: change a key of it with "

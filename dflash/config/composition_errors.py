@@ -138,6 +138,11 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
             key, _, value = tilde.partition("=")
             return (f"{tilde}: a value starting with ~ is read as Hydra's deletion mark (the shell left it "
                     f"unexpanded); quote it: {key}='{value}', or write the path in full")
+        unquoted = next((arg for arg in argv if unquoted_value_problem(arg)), None)
+        if unquoted is not None:
+            key, _, value = unquoted.partition("=")
+            return (f"{unquoted}: Hydra reads a value holding {unquoted_value_problem(unquoted)} only when quoted: "
+                    f"{key}='\"{value}\"'")
         found = re.search(r"Error parsing override '([^']+)'", text)
         if found:
             arg = found.group(1)
@@ -176,6 +181,23 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
             return other_mode_problem(found.group(1)) or \
                 _missing_entry_problem(found.group(1), f"{text}\n{error.__cause__ or ''}", existing or {})
     return f"the command line cannot be composed: {_first_line(text)}"
+
+
+# What Hydra's grammar takes in a value left unquoted (besides letters and digits): a path, a number, an
+# interpolation. A list or a mapping starts with [ or {, a quoted string with a quote.
+UNQUOTED_VALUE = re.compile(r"[A-Za-z0-9_/\-+.:@*?$%~,= \\]*")
+
+
+def unquoted_value_problem(arg: str) -> str | None:
+    """'non-ASCII letters' or 'the characters ( )' when `arg` (key=value) has a plain value with characters Hydra's
+    parser takes only inside quotes (`run_dir=/data/run(1)`, `name=ünï`); None otherwise."""
+    key, equals, value = arg.partition("=")
+    if not equals or arg.startswith("-") or not value or value[0] in "[{'\"" or UNQUOTED_VALUE.fullmatch(value):
+        return None
+    odd = sorted({c for c in value if not UNQUOTED_VALUE.fullmatch(c)})
+    if all(not c.isascii() for c in odd):
+        return "non-ASCII letters"
+    return "the characters " + " ".join(c for c in odd if c.isascii())
 
 
 # Examples of a list setting's value by the type of its items.
