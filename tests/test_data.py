@@ -149,7 +149,7 @@ def test_a_template_error_names_the_prompt(tiny, monkeypatch):
 
 # Regeneration ------------------------------------------------------------------------------------------------
 
-def test_interrupted_run_resumes_without_generating_twice(tiny, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_without_generating_twice(tiny, tmp_path, monkeypatch, caplog):
     prompts = make_prompts(7)
     calls = record_generate(tiny, monkeypatch)
     journal = tmp_path / "journal.jsonl"
@@ -162,9 +162,12 @@ def test_interrupted_run_resumes_without_generating_twice(tiny, tmp_path, monkey
     # Simulate a crash in the middle of writing a line.
     with open(journal, "a") as f:
         f.write('{"id": "q5", "status": "do')
-    second = regenerate(prompts, tiny, journal, **GEN)
+    with caplog.at_level("INFO", logger="dflash.data.regenerate"):
+        second = regenerate(prompts, tiny, journal, **GEN)
     assert {k: second[k] for k in counts} == {"total": 7, "done": 7, "skipped": 0, "failed": 0, "generated": 3,
                                               "errors": []}
+    # Said, as the bar counts only what is left.
+    assert f"[data] 4 answer(s) kept from the journal ({journal}); answering the other 3" in caplog.messages
     third = regenerate(prompts, tiny, journal, **GEN)
     assert third["generated"] == 0 and third["done"] == 7
 

@@ -227,6 +227,9 @@ def regenerate(prompts: list[Prompt], adapter: Any, journal_path: str | Path, ma
         work.template_seconds = time.perf_counter() - started
         _mark_stale(journal, work.stale)
         _warn_skipped(work.skipped, max_length)
+        if work.reused and work.pending:  # a stage resumed after a stop: the bar counts only what is left
+            logger.info("[data] %d answer(s) kept from the journal (%s); answering the other %d", work.reused,
+                        journal_path, len(work.pending))
         arguments = (work.pending, batch_size, max_new_tokens, max_length, stop_ids, pad_id)
         with GenerationProgress("regenerate", "answers", show_progress) as progress:
             progress.expect(dict(enumerate(_budgets(work.pending, max_new_tokens, max_length))))
