@@ -132,7 +132,7 @@ def test_a_device_list_with_a_gpu_twice_or_a_negative_id_is_refused_in_one_line(
 
 @pytest.mark.parametrize("script", ["one_node.sh", "multi_node.sh"])
 @pytest.mark.parametrize("override, line", [
-    ("train.lr=(", "train.lr=(: an override is key=value"),
+    ("train.lr=(", "train.lr=(: Hydra reads a value holding the characters ( only when quoted: train.lr='\"(\"'"),
     ("capture.devices=0", "capture.devices=0: expected a list of ints, e.g. capture.devices=[0]"),
 ], ids=["unparsed", "unmerged"])
 def test_an_override_hydra_cannot_compose_stops_the_launcher_in_the_commands_line(script, override, line):
