@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -12,6 +13,7 @@ from dflash.train import loop
 from dflash.train.checkpoints import latest_tag
 from dflash.train.metrics_log import MetricsLog
 from dflash.train.stop_signal import TrainingStopped
+from tests import trainer_harness
 from tests.scripted_clock import ScriptedClock, budget_run, scripted_steps
 
 STEPS = 6  # budget_run: 3 steps per epoch
@@ -184,3 +186,15 @@ def test_the_ready_line_says_where_the_start_up_went(tmp_path, monkeypatch, capl
     ready = [r.getMessage() for r in caplog.records if "ready after" in r.getMessage()]
     assert ready == ["[train] ready after 24.0 s (engine 24.0 s, peak matmul 0.0 s, checkpoint 0.0 s, other 0.0 s); "
                      "first step 3.0 s"]
+
+
+def test_data_smaller_than_a_batch_is_said(tmp_path, monkeypatch, caplog):
+    # `train.micro_batch_size=64` on the tiny experiment's 19 samples: the header said 64 sequences a step.
+    scripted_steps(monkeypatch, ScriptedClock(), lambda k: 1.0)
+    with caplog.at_level("WARNING", logger="dflash.train.loop"):
+        budget_run(tmp_path, None, epochs=1)
+    assert not [m for m in caplog.messages if "fewer than a global batch" in m]
+    plan = loop.plan_batches(dataclasses.replace(trainer_harness.settings(2, 1), micro_batch_size=64), 19, 1, None)
+    assert plan.steps_per_epoch == 1
+    assert caplog.messages[-1] == ("[train] warning: the data holds 19 samples, fewer than a global batch of 64: each "
+                                   "step trains on all 19, the rest of the batch zero-weight placeholders")

@@ -214,7 +214,12 @@ def resolve_peak_tflops(value: float | str | None, device: torch.device) -> floa
 
 def plan_batches(settings: TrainSettings, num_samples: int, world_size: int,
                  lengths: Sequence[int] | None) -> BatchPlan:
-    """Every epoch's global batches (dflash/data/batch_plan.py), grouped by length when settings ask for it."""
+    """Every epoch's global batches (dflash/data/batch_plan.py), grouped by length when settings ask for it; a
+    warning when the data holds fewer samples than one global batch (the header names the configured batch)."""
+    batch = settings.micro_batch_size * world_size * settings.grad_accum
+    if num_samples < batch and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(f"[train] warning: the data holds {num_samples} samples, fewer than a global batch of {batch}: "
+                       f"each step trains on all {num_samples}, the rest of the batch zero-weight placeholders")
     return BatchPlan(num_samples, settings.micro_batch_size, world_size, settings.grad_accum, settings.seed,
                      group_by_length=settings.group_by_length,
                      lengths=tuple(lengths) if settings.group_by_length and lengths is not None else None)
