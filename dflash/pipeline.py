@@ -73,7 +73,8 @@ class Pipeline:
         written to <run_dir>/logs/."""
         run = self.context
         refuse_unusable_target(self.settings)
-        lock = RunFolderLock(run.run_dir)
+        # An evaluation alone shares the folder with other evaluations (each writes its own eval folder).
+        lock = RunFolderLock(run.run_dir, shared=selected_stages(self.settings.stages, self.stages) == ["eval"])
         try:
             if run.rank == 0 and os.path.isdir(run.run_dir):  # before the preflight reads what another might write
                 lock.take()
@@ -94,6 +95,11 @@ class Pipeline:
                 from None
         if run.rank == 0:
             lock.take()  # a folder made just now, perhaps by a command started beside this one
+        if run.world_size > 1:
+            from dflash.train.engine import init_distributed
+
+            init_distributed()
+            run.barrier()  # the other ranks write nothing (their logs) until rank 0 holds the folder
         started = time.strftime("%Y%m%d-%H%M%S")
         log = os.path.join(run.run_dir, "logs", f"{started}{f'-rank{run.rank}' if run.world_size > 1 else ''}.log")
         with console_copied_to(log), third_party_records_to_run_log():

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from dflash.config import compose
-from dflash.config.errors import RunFolderError
+from dflash.config.errors import NothingToEvaluate, RunFolderError
 from dflash.pipeline import Pipeline
 from dflash.run_files import folder_checksums
-from dflash.stages.run_lock import RunFolderLock
+from dflash.stages.run_lock import RunFolderBusy, RunFolderLock
 
 TINY = ["+experiment=tiny", "show_progress=false", "stages=[data]", "data.limit=4", "data.max_new_tokens=4"]
 HOLD = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
@@ -52,11 +52,12 @@ def test_the_lock_goes_with_its_command(tmp_path, held_elsewhere):
         except RunFolderError:
             time.sleep(0.05)
     Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()  # up to date, and not refused
-    # A command that failed let the next one in too.
-    with pytest.raises(Exception) as failed:
-        Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]", "eval.checkpoint=step7"])).run()
-    assert "another dflash command" not in str(failed.value)
-    Pipeline(compose(TINY + [f"run_dir={run_dir}"])).run()
+    # A command that failed after taking the lock (nothing to evaluate: no drafter was trained) let the next one in.
+    with pytest.raises(NothingToEvaluate):
+        Pipeline(compose(TINY + [f"run_dir={run_dir}", "stages=[eval]"])).run()
+    lock = RunFolderLock(str(run_dir))
+    lock.take()
+    lock.release()
 
 
 def test_a_lock_is_taken_once_and_released(tmp_path):
@@ -69,3 +70,44 @@ def test_a_lock_is_taken_once_and_released(tmp_path):
     lock.release()
     other.take()
     other.release()
+
+
+def test_the_other_ranks_write_nothing_before_rank_0_holds_the_folder(tmp_path, monkeypatch):
+    # A torchrun command refused at rank 0 left rank 1's log in the busy folder: rank 1 now waits for rank 0 first.
+    pipeline = Pipeline(compose(TINY + [f"run_dir={tmp_path / 'run'}"]))
+    pipeline.context.rank, pipeline.context.world_size = 1, 2
+    monkeypatch.setattr("dflash.train.engine.init_distributed", lambda: (1, 2, 1))
+    seen = []
+
+    def barrier():
+        seen.append(sorted(os.listdir(tmp_path / "run")))
+        raise RuntimeError("rank 0 ended: torchrun stops this rank")
+
+    monkeypatch.setattr(pipeline.context, "barrier", barrier)
+    with pytest.raises(RuntimeError, match="rank 0 ended"):
+        pipeline.run()
+    assert seen == [[]]  # not even its log
+
+
+def test_evaluations_share_the_folder_and_a_training_waits_for_none(tmp_path):
+    evaluating = RunFolderLock(str(tmp_path), shared=True)
+    evaluating.take()
+    beside = RunFolderLock(str(tmp_path), shared=True)
+    beside.take()  # a second evaluation, side by side (T=0 and T=1 on two GPUs)
+    with pytest.raises(RunFolderBusy, match="another dflash command is working in it"):
+        RunFolderLock(str(tmp_path)).take()
+    evaluating.release()
+    beside.release()
+    training = RunFolderLock(str(tmp_path))
+    training.take()
+    with pytest.raises(RunFolderBusy, match="a command that changes it is working in it"):
+        RunFolderLock(str(tmp_path), shared=True).take()
+    training.release()
+
+
+def test_a_busy_folder_is_no_ending_a_restart_would_meet_again():
+    # Under torchrun's restarts a recorded ending stops every later start; the other command may have ended by then.
+    from dflash.config import ConfigError
+    from dflash.stages.job_ending import repeats_on_restart
+
+    assert repeats_on_restart(ConfigError("train.lr=-1")) and not repeats_on_restart(RunFolderBusy("busy"))

@@ -27,9 +27,10 @@ def repeats_on_restart(error: BaseException) -> bool:
     divergence, not a peer that is gone or a crash. Nor a stop on a signal: torchrun sends SIGTERM to the ranks
     left when it restarts the job after a rank died, and that restart must go on (a stop that torchrun was sent
     itself ends the job without a restart)."""
+    from dflash.stages.run_lock import RunFolderBusy
     from dflash.train.divergence import TrainingDiverged
 
-    return isinstance(error, (ConfigError, TrainingDiverged))
+    return isinstance(error, (ConfigError, TrainingDiverged)) and not isinstance(error, RunFolderBusy)
 
 
 def restartable_job() -> str | None:
