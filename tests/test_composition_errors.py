@@ -40,6 +40,10 @@ TINY = ["+experiment=tiny"]
                                         "when quoted: run_dir='\"/data/run(1)\"'"),
     (["data.path=/data/p#1.jsonl"], "train", "data.path=/data/p#1.jsonl: Hydra reads a value holding the characters # "
                                              "only when quoted"),
+    # The override Hydra refused is named, not a valid one before it holding braces (an interpolation).
+    (["eval.out_dir=${run_dir}/evals/live", "name=ünï"], "train", "name=ünï: Hydra reads a value holding non-ASCII"),
+    (["name=w-${hydra:job.num}", "data.path=/tmp/a[1].jsonl"], "train",
+     "data.path=/tmp/a[1].jsonl: Hydra reads a value holding the characters [ ] only when quoted"),
     (["capture.ranks=2"], "train", "capture.ranks: only capture=online has this setting, and this command runs "
                                    "another capture mode"),
     (["target.tiny=llama"], "train", "target.tiny=llama: target.tiny is a mapping: change a key of it with "

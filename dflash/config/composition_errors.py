@@ -138,7 +138,7 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
             key, _, value = tilde.partition("=")
             return (f"{tilde}: a value starting with ~ is read as Hydra's deletion mark (the shell left it "
                     f"unexpanded); quote it: {key}='{value}', or write the path in full")
-        unquoted = next((arg for arg in argv if unquoted_value_problem(arg)), None)
+        unquoted = next((arg for arg in argv if unparsable(arg) and unquoted_value_problem(arg)), None)
         if unquoted is not None:
             key, _, value = unquoted.partition("=")
             return (f"{unquoted}: Hydra reads a value holding {unquoted_value_problem(unquoted)} only when quoted: "
@@ -188,11 +188,24 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
 UNQUOTED_VALUE = re.compile(r"[A-Za-z0-9_/\-+.:@*?$%~,= \\]*")
 
 
+def unparsable(arg: str) -> bool:
+    """Whether Hydra's parser refuses the override `arg` on its own (Hydra names the command line, not the override)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_overrides([arg])
+    except Exception:  # noqa: BLE001 - any parse error is a refusal
+        return True
+    return False
+
+
 def unquoted_value_problem(arg: str) -> str | None:
-    """'non-ASCII letters' or 'the characters ( )' when `arg` (key=value) has a plain value with characters Hydra's
-    parser takes only inside quotes (`run_dir=/data/run(1)`, `name=ünï`); None otherwise."""
+    """'non-ASCII letters' or 'the characters ( )' when `arg` (key=value), which Hydra cannot parse, has a plain value
+    with characters Hydra's parser takes only inside quotes (`run_dir=/data/run(1)`, `name=ünï`); None otherwise,
+    and for a value the suggested quotes would not hold (one with a quote of its own)."""
     key, equals, value = arg.partition("=")
-    if not equals or arg.startswith("-") or not value or value[0] in "[{'\"" or UNQUOTED_VALUE.fullmatch(value):
+    if not equals or arg.startswith("-") or not value or value[0] in "[{'\"" or UNQUOTED_VALUE.fullmatch(value) \
+            or "'" in value or '"' in value:
         return None
     odd = sorted({c for c in value if not UNQUOTED_VALUE.fullmatch(c)})
     if all(not c.isascii() for c in odd):
