@@ -107,3 +107,17 @@ def test_a_build_holding_nothing_out_removes_a_killed_held_out_save(tmp_path):
     rows.add(Prompt("p0", [{"role": "user", "content": "hi"}], "test"), [1, 2, 3], [0, 1, 1])
     _save_splits(tmp_path, rows.dataset(), Rows())
     assert sorted(os.listdir(tmp_path)) == ["dataset"]
+
+
+def test_a_build_fingerprinted_with_an_ignored_setting_as_given_is_kept(tmp_path, monkeypatch):
+    # Builds made while the stage passed the setting as given (top_p=0.9 of greedy answers) hold the same answers:
+    # rerun for another reason, the stage keeps them and their fingerprint (the features stay captured).
+    import dflash.stages.data as data_stage
+
+    run_dir = tmp_path / "run"
+    real = data_stage.fingerprints.in_effect
+    monkeypatch.setattr(data_stage.fingerprints, "in_effect", lambda s: s)  # the stage as it passed them before
+    first = data_run(run_dir, "data.top_p=0.9")
+    monkeypatch.setattr(data_stage.fingerprints, "in_effect", real)
+    again = data_run(run_dir, "data.top_p=0.9", eval_file(tmp_path / "mine.jsonl", ["Completely unrelated words."]))
+    assert again["fingerprint"] == first["fingerprint"] and again.get("reused") is True

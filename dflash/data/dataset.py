@@ -93,7 +93,8 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
                   seed: int = 0, show_progress: bool = True, heldout: int = 0, engine: str,
                   compile_step: bool = False, refill: bool, decode_attention: str, target: dict | None = None,
                   before_replace: Callable[[], None] | None = None,
-                  template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0) -> dict:
+                  template_kwargs: dict[str, Any] | None = None, sampled_share: float = 1.0,
+                  as_given: dict[str, float] | None = None) -> dict:
     """Regenerate the responses (resumable), encode them and write out_dir/dataset + out_dir/stats.json.
 
     heldout > 0: that many of the regenerated prompts (a seeded choice, see heldout_ids) go to out_dir/heldout
@@ -107,19 +108,22 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     template_kwargs: the chat template's options for the prompts (enable_thinking...), part of the fingerprint.
     sampled_share < 1 with temperature > 0: that share of the prompts (answer_is_sampled) is answered by sampling,
     the rest greedily; part of the fingerprint then, and stats["answer_mix"] counts both kinds per split.
+    as_given: the answers' temperature, top_p and sampled_share as the command gave them, where the caller passes
+    stand-ins for those that change no answer: a finished build fingerprinted with the values as given holds the
+    same answers, so it is reused too, keeping its fingerprint.
     """
     if heldout < 0 or (heldout and heldout >= len(prompts)):
         raise ValueError(f"heldout must be >= 0 and fewer than the {len(prompts)} prompts, got {heldout}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = _settings(max_length, max_new_tokens, temperature, top_p, seed, heldout, target)
-    # Absent when every answer is made alike, so those builds keep their fingerprints.
-    if mixes_answers(temperature, sampled_share):
-        settings["sampled_share"] = sampled_share
-    if template_kwargs:  # absent when there are none, so builds without them keep their fingerprints
-        settings["chat_template_kwargs"] = dict(template_kwargs)
+    answers = {"temperature": temperature, "top_p": top_p, "sampled_share": sampled_share}
+    settings = _settings(max_length, max_new_tokens, seed, heldout, target, template_kwargs, **answers)
     fp = fingerprint(prompts, adapter.tokenizer, settings)
     previous = _finished_build(out_dir, fp, heldout)
+    given = _settings(max_length, max_new_tokens, seed, heldout, target, template_kwargs,
+                      **{**answers, **(as_given or {})})
+    if previous is None and given != settings:
+        previous = _finished_build(out_dir, fingerprint(prompts, adapter.tokenizer, given), heldout)
     if previous is not None:
         logger.info("%s is up to date (fingerprint %s); not rebuilding", out_dir / "dataset", fp[:12])
         return {**previous, "reused": True}  # its answers' counts and times are the earlier build's
@@ -163,14 +167,21 @@ def build_dataset(prompts: list[Prompt], adapter: Any, out_dir: str | Path, *, m
     return stats
 
 
-def _settings(max_length: int, max_new_tokens: int, temperature: float, top_p: float, seed: int, heldout: int,
-              target: dict | None) -> dict:
+def _settings(max_length: int, max_new_tokens: int, seed: int, heldout: int, target: dict | None,
+              template_kwargs: dict[str, Any] | None, *, temperature: float, top_p: float,
+              sampled_share: float) -> dict:
     """What the dataset depends on besides the prompts and the tokenizer (the fingerprint's settings)."""
     settings = {"max_length": max_length, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "seed": seed}
     if heldout:  # absent at 0, so a build without a held-out set keeps the fingerprint it always had
         settings["heldout"] = heldout
-    return with_target(settings, target)  # likewise absent when unknown
+    settings = with_target(settings, target)  # likewise absent when unknown
+    # Absent when every answer is made alike, so those builds keep their fingerprints.
+    if mixes_answers(temperature, sampled_share):
+        settings["sampled_share"] = sampled_share
+    if template_kwargs:  # absent when there are none, so builds without them keep their fingerprints
+        settings["chat_template_kwargs"] = dict(template_kwargs)
+    return settings
 
 
 def _finished_build(out_dir: Path, fp: str, heldout: int) -> dict | None:

@@ -201,7 +201,9 @@ class DataStage(Stage):
                               compile_step=d.compile_step, refill=d.refill, decode_attention=d.decode_attention,
                               target=self.target_identity(),
                               before_replace=self.before_replace,
-                              template_kwargs=dict(d.chat_template_kwargs), sampled_share=answers.sampled_share)
+                              template_kwargs=dict(d.chat_template_kwargs), sampled_share=answers.sampled_share,
+                              as_given={"temperature": d.temperature, "top_p": d.top_p,
+                                        "sampled_share": d.sampled_share})
         # What the synthetic draws and the overlap check found, and the time before the answers, go with the
         # dataset's stats (format_stats shows them).
         stats.update({key: value for key, value in (("synthetic", synthetic), ("eval_overlap", overlap))
