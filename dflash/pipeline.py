@@ -73,8 +73,8 @@ class Pipeline:
         written to <run_dir>/logs/."""
         run = self.context
         refuse_unusable_target(self.settings)
-        # An evaluation alone shares the folder with other evaluations (each writes its own eval folder).
-        lock = RunFolderLock(run.run_dir, shared=selected_stages(self.settings.stages, self.stages) == ["eval"])
+        chosen = [stage for stage in self.stages if stage.name in selected_stages(self.settings.stages, self.stages)]
+        lock = RunFolderLock(run.run_dir, shared=all(stage.shares_run_folder for stage in chosen))
         try:
             if run.rank == 0 and os.path.isdir(run.run_dir):  # before the preflight reads what another might write
                 lock.take()

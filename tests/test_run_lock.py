@@ -111,3 +111,14 @@ def test_a_busy_folder_is_no_ending_a_restart_would_meet_again():
     from dflash.stages.job_ending import repeats_on_restart
 
     assert repeats_on_restart(ConfigError("train.lr=-1")) and not repeats_on_restart(RunFolderBusy("busy"))
+
+
+@pytest.mark.parametrize("stages, shared", [("[eval]", True), ("[export,eval]", False), ("[data]", False)])
+def test_only_a_command_that_evaluates_alone_shares_the_folder(tmp_path, monkeypatch, stages, shared):
+    taken = []
+    monkeypatch.setattr(RunFolderLock, "take", lambda self: taken.append(self.shared) or (_ for _ in ()).throw(
+        RuntimeError("stop")))
+    (tmp_path / "run").mkdir()
+    with pytest.raises(RuntimeError, match="stop"):
+        Pipeline(compose(TINY + [f"run_dir={tmp_path / 'run'}", f"stages={stages}"])).run()
+    assert taken == [shared]

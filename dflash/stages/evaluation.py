@@ -41,6 +41,7 @@ class EvalStage(Stage):
     every_rank = False
     kept_line = "up to date (its table, measured before, follows)"
     records_own_config = True  # several evaluations of one run, each its config.yaml beside its summary
+    shares_run_folder = True  # each evaluation writes its own eval.out_dir
 
     def __init__(self, run: RunContext, export: ExportStage) -> None:
         self.context, self.export, self.train = run, export, export.train

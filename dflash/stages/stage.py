@@ -25,6 +25,9 @@ class Stage:
     kept_line: str | None = "up to date"  # the runner's "[name] up to date: <out>"; None: the stage says nothing
     runs_with: str | None = None  # another stage whose selection selects this one too
     records_own_config = False  # keeps its config.yaml in its own folder; the others' runs write <run_dir>/config.yaml
+    # Writes only a folder of its own beside the run's (several evaluations side by side): a command of such stages
+    # alone shares the run folder's lock (dflash/stages/run_lock.py).
+    shares_run_folder = False
     summary: dict[str, Any] | None = None  # what the stage measured, once it ran: what the run returns
     context: Any  # the run's RunContext (dflash/stages/context.py)
     input_stage: Stage | None = None  # the stage whose output it reads; None: none, or (eval) checks of its own
