@@ -198,3 +198,23 @@ def test_data_smaller_than_a_batch_is_said(tmp_path, monkeypatch, caplog):
     assert plan.steps_per_epoch == 1
     assert caplog.messages[-1] == ("[train] warning: the data holds 19 samples, fewer than a global batch of 64: each "
                                    "step trains on all 19, the rest of the batch zero-weight placeholders")
+
+
+def test_one_cpu_process_starts_without_deepspeeds_shared_memory_op(tmp_path):
+    # A Ctrl-C during DeepSpeed's JIT build of that op left torch's build lock file, and every later CPU training
+    # waited on it for ever at its first line: one process does not build the op at all.
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").touch()  # a build killed midway
+    code = ("from dflash.train.engine import init_distributed; print(init_distributed()); "
+            "import importlib; print(importlib.import_module('deepspeed.comm.comm').cdb.shm_comm_op)")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-2:] == ["(0, 1, 0)", "None"]

@@ -9,6 +9,8 @@ console (dflash/train/third_party_output.py; DFLASH_VERBOSE=1 shows it).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import math
 import os
 import warnings
@@ -66,7 +68,8 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
                                             device_id=device)
                 elif device is not None:
                     dist.init_process_group(backend, timeout=timeout, device_id=device)
-                deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+                with shm_op_skipped(device is None and os.environ["WORLD_SIZE"] == "1"):
+                    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         finally:
             for key in own_rendezvous:
                 os.environ.pop(key, None)
@@ -74,6 +77,28 @@ def init_distributed(timeout_minutes: int = 240) -> tuple[int, int, int]:
         # (tests, notebooks) must keep this one.
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+
+
+@contextlib.contextmanager
+def shm_op_skipped(skip: bool):
+    """Inside, with `skip`, DeepSpeed's CPU backend starts without its shared-memory allreduce op.
+
+    DeepSpeed JIT-builds that op with gcc when its CPU backend starts (~20 s on a fresh machine), under torch's build
+    lock file: a start killed during the build (Ctrl-C) leaves the lock file, and every later start waits on it for
+    ever, silently. One process has nothing to reduce across processes, so it skips the op.
+    """
+    # By its module's name: `import deepspeed.comm.torch as ...` gives the torch package, which deepspeed.comm imports
+    # under that name.
+    torch_comm = importlib.import_module("deepspeed.comm.torch")
+    if not skip or not hasattr(torch_comm, "build_shm_op"):
+        yield
+        return
+    built = torch_comm.build_shm_op
+    torch_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        torch_comm.build_shm_op = built
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float, decay_ratio: float) -> float:
