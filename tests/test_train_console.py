@@ -9,7 +9,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -165,9 +164,10 @@ def test_a_tiny_run_prints_no_third_party_chatter(tmp_path):
     assert "[capture] the target's embedding and lm_head, which the drafter shares frozen -> " in console
     assert [line for line in console.splitlines() if any(marker in line for marker in CHATTER)] == []
     assert glob.glob(str(tmp_path / "wandb" / "offline-run-*")), "wandb did not run"
-    if shutil.which("gcc"):
-        logged = "".join(Path(path).read_text(encoding="utf-8") for path in glob.glob(str(tmp_path / "logs" / "*")))
-        assert "-laio" in logged and "built successfully" in logged
+    # One process starts DeepSpeed without its shared-memory op, whose JIT build printed "built successfully" after
+    # the compiler's lines (dflash/train/engine.py, shm_op_skipped).
+    logged = "".join(Path(path).read_text(encoding="utf-8") for path in glob.glob(str(tmp_path / "logs" / "*")))
+    assert "built successfully" not in logged + console
 
 
 def test_a_pipeline_run_keeps_third_party_info_records_off_the_console(tmp_path, monkeypatch):
