@@ -138,11 +138,11 @@ def composition_problem(error: Exception, argv: list[str], existing: dict[str, l
             key, _, value = tilde.partition("=")
             return (f"{tilde}: a value starting with ~ is read as Hydra's deletion mark (the shell left it "
                     f"unexpanded); quote it: {key}='{value}', or write the path in full")
-        unquoted = next((arg for arg in argv if unparsable(arg) and unquoted_value_problem(arg)), None)
-        if unquoted is not None:
-            key, _, value = unquoted.partition("=")
-            return (f"{unquoted}: Hydra reads a value holding {unquoted_value_problem(unquoted)} only when quoted: "
-                    f"{key}='\"{value}\"'")
+        refused = next((arg for arg in argv if unparsable(arg)), "")
+        problem = unquoted_value_problem(refused)
+        if problem is not None:
+            key, _, value = refused.partition("=")
+            return f"{refused}: Hydra reads a value holding {problem} only when quoted: {key}='\"{value}\"'"
         found = re.search(r"Error parsing override '([^']+)'", text)
         if found:
             arg = found.group(1)

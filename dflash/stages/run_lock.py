@@ -1,8 +1,8 @@
 """One command at a time changes a run folder: an advisory lock on the folder itself (flock of its directory).
 
-Two commands in one folder (a second terminal, an evaluation started while the training runs) used to interleave
-their writes: one crashed midway, checkpoints of two settings shared the folder, and the evaluation read a drafter
-half-made. A command's rank 0 holds the lock while it runs, and the kernel releases it however the process ends, a
+Two commands writing one folder at once (a second terminal, an evaluation started while the training runs) would
+interleave their writes: checkpoints of two settings in one folder, an evaluation of a drafter half-made. A command's
+rank 0 holds the lock while it runs, and the kernel releases it however the process ends, a
 kill -9 included, so a lock is never left stale. Evaluations alone (their outputs go to their own eval folders) share
 it: several run side by side, while a command that trains, captures or exports waits for none of them and is
 refused. Nothing is written into the folder for it: a refused command leaves the folder byte for byte as it was.
